@@ -1,0 +1,68 @@
+"""The `elastic-ep` command line: one sub-command per module in `elastic_ep.commands`.
+
+Sub-command modules are imported lazily so that `elastic-ep sim` does not pay for torch.
+Each module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from elastic_ep.errors import ElasticEPError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("serve", "serve a model: controller, node agent and N EP ranks, OpenAI-compatible HTTP"),
+    "agent": ("agent", "run a node agent that supervises workers and joins a controller"),
+    "demo": ("demo", "the elastic demo on the embedded tiny model: serve, load, kill a rank, recover"),
+    "generate": ("generate", "offline generation in one process"),
+    "make-tiny": ("make_tiny", "write a small random checkpoint in Hugging Face format"),
+    "eplb": ("eplb", "compute an expert placement from a load file"),
+    "sim": ("sim", "fleet-scale failure simulation and expert-redundancy analysis"),
+    "plan": ("plan", "compare deployment options: EP size, redundancy, backup"),
+    "chaos": ("chaos", "inject a fault into a server started with --enable-chaos"),
+    "doctor": ("doctor", "diagnose a hang or a straggler on a running server"),
+}
+
+
+def _load(name: str):
+    module_name, _ = COMMANDS[name]
+    return importlib.import_module(f"elastic_ep.commands.{module_name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="elastic-ep", description="elastic-ep: fault-tolerant elastic MoE serving")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in COMMANDS:
+        if argv and argv[0] in ("-h", "--help"):
+            parser.print_help()
+            return 0
+        parser.print_usage(sys.stderr)
+        print(f"error: unknown command {argv[0]!r}" if argv else "error: a command is required", file=sys.stderr)
+        return 2
+    name = argv[0]
+    try:
+        module = _load(name)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("elastic_ep.commands"):
+            print(f"error: `elastic-ep {name}` is not built yet (see docs/FEATURES.md)", file=sys.stderr)
+            return 2
+        raise
+    cmd_parser = argparse.ArgumentParser(prog=f"elastic-ep {name}", description=COMMANDS[name][1])
+    module.add_arguments(cmd_parser)
+    args = cmd_parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except ElasticEPError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

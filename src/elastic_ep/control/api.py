@@ -1,0 +1,113 @@
+"""The contract between the HTTP server (`serve/`) and the engine that runs requests.
+
+The controller (`control/controller.py`) implements `Engine`; the HTTP app only talks to
+this protocol, so it can be exercised in tests with any engine that honours it.
+Token ids only cross this boundary: the HTTP layer tokenizes, detokenizes and applies stop
+strings; the engine schedules, runs steps on the ranks and survives their faults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from elastic_ep.errors import ElasticEPError
+from elastic_ep.model.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request as the engine sees it. `seed` is fixed at admission so that a
+    recomputation after a fault draws the same tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One event of a request's stream: the tokens produced since the last event.
+
+    finish_reason: None while running; "stop" (EOS or a stop token), "length"
+    (max_tokens or max_model_len), "abort" (client gone), "error" (see `error`).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    reason: str = ""
+
+
+class ServiceUnavailable(ElasticEPError):
+    """The engine cannot take the request now (e.g. too few live ranks to hold every
+    expert). The HTTP layer answers 503 with `Retry-After: retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int = 5):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ScaleRejected(ElasticEPError):
+    """A scale request the engine will not start: status 400 (invalid) or 409 (busy)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class EngineInfo:
+    model_name: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Admit the request and stream its outputs. Closing the iterator early (client
+        disconnect) aborts the request and frees its KV cache. Raises ServiceUnavailable
+        when it cannot admit the request within its bound."""
+        ...
+
+    def readiness(self) -> Readiness: ...
+
+    def cluster(self) -> dict[str, Any]:
+        """JSON for GET /cluster: epoch, ranks, scale state, deadlines, recent events."""
+        ...
+
+    def start_expert_distribution_record(self) -> None: ...
+
+    def stop_expert_distribution_record(self) -> None: ...
+
+    def dump_expert_distribution_record(self) -> dict[str, Any]:
+        """Write the recorded load [L, E] to a file `elastic-ep eplb --load` reads;
+        returns {"path": ..., "layers": L, "experts": E, "tokens": n}."""
+        ...
+
+    def scale(self, new_ep_size: int) -> dict[str, Any]:
+        """Start a scale to `new_ep_size` in the background; returns
+        {"old_ep_size", "new_ep_size"}. Raises ScaleRejected."""
+        ...
+
+    def scale_status(self) -> dict[str, Any]:
+        """JSON for GET /is_scaling_elastic_ep."""
+        ...
+
+    def chaos(self, action: str, rank_id: int, delay_s: float = 0.0) -> dict[str, Any]:
+        """Fault injection (only when served with --enable-chaos): action is one of
+        kill, hang, resume, slow, cut."""
+        ...
