@@ -1,0 +1,91 @@
+"""The HTTP server of elastic-ep: `create_app(engine, tokenizer, registry=...)`.
+
+Every error leaves as an OpenAI error body: bad input is a 4xx naming the field,
+`ServiceUnavailable` a 503 with Retry-After, `ScaleRejected` its own status, any other
+`ElasticEPError` a 400, and anything unexpected a 500 after which the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from tokenizers import Tokenizer
+
+from elastic_ep.control.api import Engine, ScaleRejected, ServiceUnavailable
+from elastic_ep.errors import ElasticEPError
+from elastic_ep.serve.admin import admin_router
+from elastic_ep.serve.errors import APIError, error_body, error_response
+from elastic_ep.serve.metrics import HttpMetrics, RequestCountMiddleware
+from elastic_ep.serve.openai_api import openai_router
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(
+    engine: Engine, tokenizer: Tokenizer, *, registry: CollectorRegistry, enable_chaos: bool = False
+) -> FastAPI:
+    """The FastAPI app over `engine`. HTTP metrics are registered on `registry`, which
+    GET /metrics exports whole (so the engine's own metrics belong there too)."""
+    app = FastAPI(title="elastic-ep", docs_url=None, redoc_url=None)
+    metrics = HttpMetrics(registry)
+    app.include_router(openai_router(engine, tokenizer, metrics))
+    app.include_router(admin_router(engine, registry, enable_chaos))
+    app.add_middleware(InternalErrorMiddleware)
+    app.add_middleware(RequestCountMiddleware, metrics=metrics)
+    _add_error_handlers(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(ServiceUnavailable)
+    async def unavailable(_: Request, e: ServiceUnavailable) -> JSONResponse:
+        headers = {"Retry-After": str(e.retry_after_s)}
+        return error_response(APIError(503, str(e), code="service_unavailable", headers=headers))
+
+    @app.exception_handler(ScaleRejected)
+    async def scale_rejected(_: Request, e: ScaleRejected) -> JSONResponse:
+        return error_response(APIError(e.status, str(e), param="new_ep_size", code="scale_rejected"))
+
+    @app.exception_handler(ElasticEPError)
+    async def user_error(_: Request, e: ElasticEPError) -> JSONResponse:
+        return error_response(APIError(400, str(e)))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        return error_response(APIError(e.status_code, str(e.detail), headers=e.headers))
+
+
+class InternalErrorMiddleware:
+    """Any unexpected exception becomes one logged 500 with an OpenAI error body, and the
+    server keeps serving (Starlette's own handler would also re-raise it to uvicorn)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as e:
+            logger.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            if started or scope["type"] != "http":
+                return
+            response = JSONResponse(
+                error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500
+            )
+            await response(scope, receive, send)
