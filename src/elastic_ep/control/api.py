@@ -86,7 +86,19 @@ class Engine(Protocol):
     def readiness(self) -> Readiness: ...
 
     def cluster(self) -> dict[str, Any]:
-        """JSON for GET /cluster: epoch, ranks, scale state, deadlines, recent events."""
+        """JSON for GET /cluster: epoch, ranks, scale state, deadlines, recent events.
+
+        The dashboard (serve/static/dashboard.html) reads these fields; any may be missing
+        or null, extra fields are shown as they are:
+          {"epoch": int, "ep_size": int,
+           "ranks": [{"rank_id": int, "node": str, "pid": int | None,
+                      "state": "serving" | "joining" | "draining" | "hung" | "dead" | "fenced" | ...,
+                      "slots": {"used": int, "total": int}, "requests": int,
+                      "step_ms": {"p50", "p99", "max"},   # step time of the recent window
+                      "wait_ms": {"p50", "p99"}}, ...],     # collective (all-to-all) wait per step
+           "scale": scale_status(), "deadlines": {name: seconds},
+           "events": [{"time_s": unix seconds, "kind": str, "rank_id": int | None, "message": str}, ...]}
+        """
         ...
 
     def start_expert_distribution_record(self) -> None: ...
