@@ -1,0 +1,60 @@
+"""`elastic-ep generate`: offline batched generation in one process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from elastic_ep.model.engine import OfflineEngine
+from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.model.tiny import resolve_model
+from elastic_ep.model.tokenizer import decode, encode, load_tokenizer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="tiny-deepseek-v3", help="checkpoint dir, or tiny-deepseek-v3 / tiny-qwen3-moe"
+    )
+    parser.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    parser.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)"
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k best tokens, 0 = off (default 0)"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: the prompt's index)")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at an EOS token")
+    parser.add_argument("--max-batch", type=int, default=16, help="sequences in flight at once (default 16)")
+    parser.add_argument("--json", action="store_true", help="one JSON line per prompt")
+
+
+def run(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model)
+    engine = OfflineEngine.from_pretrained(model_dir, max_batch=args.max_batch)
+    tokenizer = load_tokenizer(model_dir)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = [encode(tokenizer, text) for text in args.prompt]
+    results = engine.generate(prompts, params)
+    for text, result in zip(args.prompt, results, strict=True):
+        completion = decode(tokenizer, result.token_ids)
+        if args.json:
+            record = {
+                "prompt": text,
+                "prompt_token_ids": result.prompt_token_ids,
+                "token_ids": result.token_ids,
+                "text": completion,
+                "finish_reason": result.finish_reason,
+            }
+            print(json.dumps(record))
+        else:
+            print(f"prompt: {text!r}\ncompletion: {completion!r} ({result.finish_reason})\n")
+    return 0

@@ -1,0 +1,189 @@
+"""One normalized view of the Hugging Face configs this project serves.
+
+`MoEConfig.from_pretrained(dir)` reads `config.json` of a DeepSeek-V3 or Qwen3-MoE checkpoint and
+gives the rest of the code the same names for both (`num_experts`, `top_k`, `moe_layers`, ...);
+the raw dict stays available as `hf` for the architecture-specific fields.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic_ep.errors import CheckpointError
+
+ARCHITECTURES: dict[str, str] = {
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+MODEL_TYPES: dict[str, str] = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe"}
+SUPPORTED_ROPE_TYPES = ("default", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings: `rope_type` is "default" or "yarn" (DeepSeek-V3's long-context scaling)."""
+
+    dim: int
+    theta: float
+    rope_type: str = "default"
+    interleave: bool = False
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The fields every package needs, for both architectures.
+
+    `moe_layers` are the layer ids with routed experts; the other layers have a dense MLP.
+    """
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    moe_layers: list[int]
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+    num_attention_heads: int
+    rms_norm_eps: float
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    hf: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> MoEConfig:
+        """Read `model_dir/config.json`; raises CheckpointError naming what is missing or unsupported."""
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise CheckpointError(
+                f"model directory {model_dir} does not exist; pass a Hugging Face checkpoint directory "
+                "or one of the embedded models tiny-deepseek-v3, tiny-qwen3-moe"
+            )
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise CheckpointError(
+                f"checkpoint dir {model_dir} has no config.json; point --model at a Hugging Face checkpoint "
+                "directory (config.json, *.safetensors, tokenizer.json)"
+            )
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON ({e}); fix or re-download the file") from e
+        return cls.from_dict(hf, source=str(path))
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any], source: str = "config") -> MoEConfig:
+        arch = _detect_arch(hf, source)
+        try:
+            return _build(arch, hf)
+        except KeyError as e:
+            raise CheckpointError(f"{source} lacks the field {e.args[0]!r} that {arch} needs") from e
+
+
+def _detect_arch(hf: dict[str, Any], source: str) -> str:
+    for name in hf.get("architectures") or []:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    if hf.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[hf["model_type"]]
+    found = hf.get("architectures") or hf.get("model_type")
+    raise CheckpointError(
+        f"{source}: unsupported architecture {found!r}; supported: {', '.join(ARCHITECTURES)} "
+        f"(model_type {', '.join(MODEL_TYPES)})"
+    )
+
+
+def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _rope(hf: dict[str, Any], dim: int, interleave: bool, source_max_pos: int) -> RopeConfig:
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return RopeConfig(dim=dim, theta=theta, interleave=interleave)
+    original = int(params.get("original_max_position_embeddings", source_max_pos))
+    factor = params.get("factor")
+    return RopeConfig(
+        dim=dim,
+        theta=theta,
+        rope_type=rope_type,
+        interleave=interleave,
+        factor=float(factor) if factor is not None else source_max_pos / original,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _build(arch: str, hf: dict[str, Any]) -> MoEConfig:
+    num_layers = int(hf["num_hidden_layers"])
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    if arch == "deepseek_v3":
+        first_dense = int(hf.get("first_k_dense_replace", 0))
+        moe_layers = list(range(first_dense, num_layers))
+        num_experts = int(hf["n_routed_experts"])
+        rope = _rope(hf, int(hf["qk_rope_head_dim"]), bool(hf.get("rope_interleave", True)), max_pos)
+        routed_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
+        norm_topk = bool(hf.get("norm_topk_prob", True))
+    else:
+        if hf.get("use_sliding_window"):
+            raise CheckpointError("Qwen3-MoE with use_sliding_window=true is not supported; set it to false")
+        step = int(hf.get("decoder_sparse_step", 1))
+        mlp_only = set(hf.get("mlp_only_layers") or [])
+        num_experts = int(hf["num_experts"])
+        moe_layers = [
+            i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+        ]
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+        rope = _rope(hf, head_dim, False, max_pos)
+        routed_scaling_factor = 1.0
+        norm_topk = bool(hf.get("norm_topk_prob", False))
+    return MoEConfig(
+        arch=arch,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_layers=num_layers,
+        num_experts=num_experts,
+        top_k=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        intermediate_size=int(hf.get("intermediate_size", hf["moe_intermediate_size"])),
+        moe_layers=moe_layers,
+        eos_token_ids=_eos_ids(hf),
+        max_position_embeddings=max_pos,
+        num_attention_heads=int(hf["num_attention_heads"]),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_topk_prob=norm_topk,
+        routed_scaling_factor=routed_scaling_factor,
+        rope=rope,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        hf=hf,
+    )

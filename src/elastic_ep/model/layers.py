@@ -1,0 +1,92 @@
+"""Small pure building blocks shared by both architectures: RMSNorm, rotary embedding, gated MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .config import RopeConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., D], weight: [D] -> [..., D]."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP. x: [T, H], gate_up: [2I, H] (gate rows then up rows), down: [H, I] -> [T, H]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class Rotary:
+    """Rotary position embedding, default or YaRN-scaled, as Hugging Face computes it.
+
+    `interleave` selects DeepSeek's layout (rotated pairs are (x0, x1), (x2, x3), ...) instead of
+    the half-split layout (x_i, x_{i + d/2}).
+    """
+
+    def __init__(self, rope: RopeConfig):
+        self.interleave = rope.interleave
+        dim = rope.dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        pos_freqs = rope.theta**exponents
+        self.attention_factor = 1.0
+        self.softmax_scale_factor = 1.0
+        if rope.rope_type == "default":
+            self.inv_freq = 1.0 / pos_freqs
+            return
+        factor = rope.factor
+        if rope.attention_factor is not None:
+            self.attention_factor = float(rope.attention_factor)
+        elif rope.mscale and rope.mscale_all_dim:
+            self.attention_factor = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(
+                factor, rope.mscale_all_dim
+            )
+        else:
+            self.attention_factor = _yarn_mscale(factor)
+        if rope.mscale_all_dim:
+            self.softmax_scale_factor = _yarn_mscale(factor, rope.mscale_all_dim) ** 2
+        low, high = self._correction_range(rope)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation_weight = 1 - ramp
+        self.inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (
+            1.0 / pos_freqs
+        ) * extrapolation_weight
+
+    @staticmethod
+    def _correction_range(rope: RopeConfig) -> tuple[float, float]:
+        def dim_for(rotations: float) -> float:
+            return (
+                rope.dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            ) / (2 * math.log(rope.theta))
+
+        low, high = dim_for(rope.beta_fast), dim_for(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, rope.dim - 1)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 -> cos, sin: [T, 1, d/2] (broadcast over heads)."""
+        freqs = positions[:, None].float() * self.inv_freq
+        return (freqs.cos() * self.attention_factor)[:, None, :], (freqs.sin() * self.attention_factor)[
+            :, None, :
+        ]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, d] -> rotated [T, heads, d] (half-split output layout, as Hugging Face)."""
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
