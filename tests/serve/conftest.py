@@ -33,7 +33,7 @@ from elastic_ep.control.api import (
 from elastic_ep.serve.app import create_app
 
 MODEL = "tiny-test"
-MAX_MODEL_LEN = 64
+MAX_MODEL_LEN = 128
 REPLY = "Hello, wörld! 你好 END of the reply, and then some more text to reach max_tokens."
 
 

@@ -106,18 +106,27 @@ async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -
     Starlette does not cancel a handler whose client left, so a long non-streaming
     generation would otherwise keep running for nobody.
     """
-    result: list[T] = []
+    outcome: list[tuple[bool, object]] = []
     async with anyio.create_task_group() as group:
 
         async def run_work() -> None:
-            result.append(await work())
+            # Kept out of the task group so the caller sees the error itself, not a group.
+            try:
+                outcome.append((True, await work()))
+            except Exception as e:
+                outcome.append((False, e))
             group.cancel_scope.cancel()
 
         group.start_soon(run_work)
         while (await receive())["type"] != "http.disconnect":
             pass
         group.cancel_scope.cancel()
-    return bool(result), result[0] if result else None
+    if not outcome:
+        return False, None
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return True, value
 
 
 class EventStreamResponse(StreamingResponse):

@@ -73,7 +73,7 @@ def completion_prompt_ids(body: CompletionRequest, tokenizer: Tokenizer, vocab_s
 
 
 def encode_text(text: str, tokenizer: Tokenizer, param: str = "prompt") -> list[int]:
-    ids = tokenizer.encode(text).ids if text else []
+    ids = tokenizer.encode(text, add_special_tokens=False).ids if text else []
     if not ids:
         raise bad_request(f"{param} is empty", param)
     return ids

@@ -1,0 +1,67 @@
+"""A client that goes away must not leave its request running: the server closes the
+engine's iterator, which is how the engine learns to abort and free the KV cache."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> bool:
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def running_requests(served) -> float:
+    text = httpx.get(f"{served.url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return families["elastic_ep_requests_running"].samples[0].value
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_disconnect_mid_stream_aborts_the_request(served, path):
+    body = {"max_tokens": 60, "stream": True}
+    body |= (
+        {"prompt": "[slow]"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "[slow]"}]}
+    )
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", f"{served.url}{path}", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        first = json.loads(next(line for line in lines if line)[len("data: ") :])
+        request_id = first["id"]
+        assert request_id in served.engine.requests
+    assert wait_for(lambda: request_id in served.engine.aborted), "the engine never saw the abort"
+    assert request_id not in served.engine.finished
+    assert wait_for(lambda: running_requests(served) == 0)
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts_the_request(served):
+    before = set(served.engine.requests)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{served.url}/v1/completions", json={"prompt": "[slow] patient", "max_tokens": 60}, timeout=0.3
+        )
+    (request_id,) = set(served.engine.requests) - before
+    assert wait_for(lambda: request_id in served.engine.aborted), "the engine never saw the abort"
+    assert wait_for(lambda: running_requests(served) == 0)
+
+
+def test_a_stop_string_ends_the_engine_request_too(served):
+    response = httpx.post(
+        f"{served.url}/v1/completions", json={"prompt": "hi", "max_tokens": 60, "stop": "!"}
+    )
+    request_id = response.json()["id"]
+    assert response.json()["choices"][0]["finish_reason"] == "stop"
+    assert wait_for(lambda: request_id in served.engine.aborted)
