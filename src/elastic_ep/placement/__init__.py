@@ -14,6 +14,7 @@ from elastic_ep.placement.location import EMPTY, ExpertLocation
 from elastic_ep.placement.measures import (
     balancedness,
     bytes_moved,
+    copies_on_same_rank,
     experts_without_live_replica,
     rank_loads,
     replicas_sharing_node,
@@ -29,6 +30,7 @@ __all__ = [
     "TransferPlan",
     "balancedness",
     "bytes_moved",
+    "copies_on_same_rank",
     "experts_without_live_replica",
     "fault_aware_placement",
     "plan_transfers",

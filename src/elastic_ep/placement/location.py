@@ -221,7 +221,10 @@ class ExpertLocation:
             raise PlacementError(f"placement is not valid JSON: {e}") from e
         if not isinstance(data, dict) or "phy2log" not in data or "slots_per_rank" not in data:
             raise PlacementError("a placement file needs at least 'phy2log' and 'slots_per_rank'")
-        phy2log = np.asarray(data["phy2log"])
+        try:
+            phy2log = np.asarray(data["phy2log"])
+        except ValueError:
+            phy2log = np.zeros(0)
         if phy2log.ndim != 2 or not np.issubdtype(phy2log.dtype, np.integer):
             raise PlacementError("'phy2log' must be a [layers][slots] list of integers")
         if "num_experts" in data:

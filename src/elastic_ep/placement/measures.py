@@ -95,6 +95,12 @@ def replicas_sharing_node(location: ExpertLocation, rank_nodes: Mapping[int, obj
     return int((counts - 1).sum())
 
 
+def copies_on_same_rank(location: ExpertLocation) -> int:
+    """Copies beyond the first of an expert on one rank (DeepSeek's global policy can make them)."""
+    ordered = np.sort(location.by_rank(), axis=2)
+    return int(((ordered[:, :, 1:] == ordered[:, :, :-1]) & (ordered[:, :, 1:] >= 0)).sum())
+
+
 def experts_without_live_replica(location: ExpertLocation, live_ranks: Iterable[int]) -> list[tuple[int, int]]:
     """(layer, expert) pairs with no replica on a live rank: the ones to restore from backup or disk."""
     held = _held(location, location.num_ranks, location.num_experts)
