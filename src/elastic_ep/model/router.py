@@ -23,12 +23,11 @@ def grouped_sigmoid_topk(
     tokens, num_experts = logits.shape
     scores = logits.float().sigmoid()
     choice = scores + correction_bias
-    group_scores = choice.view(tokens, num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)
+    group_size = num_experts // num_groups
+    group_scores = choice.view(tokens, num_groups, group_size).topk(2, dim=-1).values.sum(dim=-1)
     group_idx = group_scores.topk(topk_groups, dim=-1, sorted=False).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-    expert_mask = (
-        group_mask[:, :, None].expand(tokens, num_groups, num_experts // num_groups).reshape(tokens, -1)
-    )
+    expert_mask = group_mask[:, :, None].expand(tokens, num_groups, group_size).reshape(tokens, num_experts)
     topk_ids = choice.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, topk_ids)
     if normalize:

@@ -1,0 +1,103 @@
+"""Decode throughput of elastic-ep's offline engine against transformers' generate(), side by side.
+
+Both run the same random DeepSeek-V3 checkpoint (hidden 512, 8 layers, 64 routed experts,
+top-6 by default) in float32 on the CPU with the same thread count, greedy, no EOS stop.
+Decode tokens/s = batch * (N - 1) / (time to generate N tokens - time to generate 1 token),
+so the prefill is not counted. Each figure is the best of `--repeats` runs.
+
+    .venv/bin/python benchmarks/generate.py [--tokens 32] [--batches 1 16] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from elastic_ep.model.engine import OfflineEngine, greedy
+from elastic_ep.model.tiny import make_tiny
+
+
+def best_time_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def ours_decode_tok_s(engine: OfflineEngine, prompts: list[list[int]], tokens: int, repeats: int) -> float:
+    full = best_time_s(lambda: engine.generate(prompts, greedy(tokens, ignore_eos=True)), repeats)
+    first = best_time_s(lambda: engine.generate(prompts, greedy(1, ignore_eos=True)), repeats)
+    return len(prompts) * (tokens - 1) / (full - first)
+
+
+def hf_decode_tok_s(model, prompts: list[list[int]], tokens: int, repeats: int) -> float:
+    input_ids = torch.tensor(prompts)
+
+    def run(n: int):
+        with torch.inference_mode():
+            model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    full = best_time_s(lambda: run(tokens), repeats)
+    first = best_time_s(lambda: run(1), repeats)
+    return len(prompts) * (tokens - 1) / (full - first)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--moe-intermediate", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32, help="generated tokens per sequence")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as model_dir:
+        make_tiny(
+            "deepseek_v3",
+            model_dir,
+            hidden=args.hidden,
+            layers=args.layers,
+            experts=args.experts,
+            top_k=args.top_k,
+            heads=8,
+            moe_intermediate=args.moe_intermediate,
+            vocab=1024,
+        )
+        engine = OfflineEngine.from_pretrained(model_dir, max_batch=max(args.batches))
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        gen = torch.Generator().manual_seed(0)
+        print(
+            f"model: deepseek_v3 hidden {args.hidden}, {args.layers} layers, {args.experts} experts, "
+            f"top-{args.top_k}, moe_intermediate {args.moe_intermediate}; prompt {args.prompt_len} tokens, "
+            f"{args.tokens} generated; {args.threads} thread(s); {platform.processor() or platform.machine()}"
+        )
+        print("| batch | elastic-ep decode tok/s | transformers decode tok/s | ratio |")
+        print("|---|---|---|---|")
+        for batch in args.batches:
+            prompts = torch.randint(2, 1024, (batch, args.prompt_len), generator=gen).tolist()
+            ours = ours_decode_tok_s(engine, prompts, args.tokens, args.repeats)
+            theirs = hf_decode_tok_s(hf, prompts, args.tokens, args.repeats)
+            print(f"| {batch} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
