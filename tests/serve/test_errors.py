@@ -6,8 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
-from conftest import MAX_MODEL_LEN, MODEL
+from scripted_engine import MAX_MODEL_LEN, MODEL
 
 LONG_PROMPT = "x" * MAX_MODEL_LEN
 

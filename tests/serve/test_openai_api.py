@@ -5,8 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
-from conftest import MAX_MODEL_LEN, MODEL, REPLY
+from scripted_engine import MAX_MODEL_LEN, MODEL, REPLY
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,180 @@
+"""The scripted test engine (the only double: FastAPI, uvicorn, prometheus and the
+clients are real) and a real uvicorn server in a background thread.
+
+The engine's behaviour is chosen by the prompt text, so tests need no shared switches:
+  "[slow]"   0.05 s between events (time to disconnect mid-stream)
+  "[eos]"    EOS after 3 tokens (finish_reason "stop")
+  "[error]"  an error event after the first tokens
+  "[crash]"  generate raises an unexpected exception
+  "[busy]"   generate raises ServiceUnavailable(retry_after_s=7)
+Otherwise it streams REPLY's tokens, two per event, until max_tokens ("length").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import uvicorn
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from elastic_ep.control.api import (
+    EngineInfo,
+    GenerationRequest,
+    Readiness,
+    RequestOutput,
+    ScaleRejected,
+    ServiceUnavailable,
+)
+
+MODEL = "tiny-test"
+MAX_MODEL_LEN = 128
+REPLY = "Hello, wörld! 你好 END of the reply, and then some more text to reach max_tokens."
+
+
+def byte_tokenizer() -> Tokenizer:
+    """One token per UTF-8 byte (so "你" spans three tokens) plus a special <eos>."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
+    return tokenizer
+
+
+class ScriptedEngine:
+    """Implements the `Engine` protocol with scripted, deterministic token streams."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        eos = tokenizer.token_to_id("<eos>")
+        self.info = EngineInfo(MODEL, MAX_MODEL_LEN, (eos,), {"vocab_size": tokenizer.get_vocab_size()})
+        self.reply_ids = tokenizer.encode(REPLY).ids
+        self.requests: dict[str, GenerationRequest] = {}
+        self.aborted: set[str] = set()
+        self.finished: set[str] = set()
+        self.ready = Readiness(True)
+        self.ep_size = 4
+        self.scaling_to: int | None = None
+        self.chaos_calls: list[tuple[str, int, float]] = []
+        self.recording = False
+
+    async def generate(self, request: GenerationRequest):
+        prompt = self.tokenizer.decode(request.prompt_token_ids)
+        if "[busy]" in prompt:
+            raise ServiceUnavailable("2 of 4 ranks are recovering; experts 3, 7 have no live replica", 7)
+        if "[crash]" in prompt:
+            raise RuntimeError("scripted engine crash")
+        self.requests[request.request_id] = request
+        delay_s = 0.05 if "[slow]" in prompt else 0.0
+        done = False
+        try:
+            produced = 0
+            while True:
+                await asyncio.sleep(delay_s)
+                if "[error]" in prompt and produced > 0:
+                    done = True
+                    yield RequestOutput(request.request_id, [], True, "error", "rank 2 lost its KV cache")
+                    return
+                if "[eos]" in prompt and produced >= 3:
+                    done = True
+                    yield RequestOutput(request.request_id, [self.info.eos_token_ids[0]], True, "stop")
+                    return
+                step = min(2, request.params.max_tokens - produced)
+                ids = [self.reply_ids[(produced + i) % len(self.reply_ids)] for i in range(step)]
+                produced += step
+                done = produced >= request.params.max_tokens
+                yield RequestOutput(request.request_id, ids, done, "length" if done else None)
+                if done:
+                    return
+        finally:
+            (self.finished if done else self.aborted).add(request.request_id)
+
+    def readiness(self) -> Readiness:
+        return self.ready
+
+    def cluster(self) -> dict:
+        return sample_cluster(self.ep_size)
+
+    def start_expert_distribution_record(self) -> None:
+        self.recording = True
+
+    def stop_expert_distribution_record(self) -> None:
+        self.recording = False
+
+    def dump_expert_distribution_record(self) -> dict:
+        return {"path": "/tmp/expert_load.pt", "layers": 2, "experts": 8, "tokens": 123}
+
+    def scale(self, new_ep_size: int) -> dict:
+        if new_ep_size > 8:
+            raise ScaleRejected(f"new_ep_size {new_ep_size} exceeds --max-ep-size 8", 400)
+        if self.scaling_to is not None:
+            raise ScaleRejected(
+                f"a scale to {self.scaling_to} is still in progress; retry when it is done", 409
+            )
+        self.scaling_to = new_ep_size
+        return {"old_ep_size": self.ep_size, "new_ep_size": new_ep_size}
+
+    def scale_status(self) -> dict:
+        return {"is_scaling": self.scaling_to is not None, "state": "pending" if self.scaling_to else "idle"}
+
+    def chaos(self, action: str, rank_id: int, delay_s: float = 0.0) -> dict:
+        self.chaos_calls.append((action, rank_id, delay_s))
+        return {"action": action, "rank_id": rank_id, "delay_s": delay_s}
+
+
+def sample_cluster(ep_size: int) -> dict:
+    """A /cluster document in the shape `Engine.cluster` documents (also feeds the dashboard)."""
+    ranks = []
+    for r in range(ep_size):
+        slow = r == 2
+        ranks.append(
+            {
+                "rank_id": r,
+                "node": f"node{r // 2}",
+                "pid": 4000 + r,
+                "state": "serving",
+                "slots": {"used": 5, "total": 6},
+                "requests": 3,
+                "step_ms": {"p50": 30.0 + 20 * slow, "p99": 42.0 + 80 * slow, "max": 50.0 + 120 * slow},
+                "wait_ms": {"p50": 8.0 - 6 * slow, "p99": 14.0},
+            }
+        )
+    ranks.append(
+        {"rank_id": ep_size, "node": "node9", "pid": None, "state": "dead", "slots": {"used": 0, "total": 6}}
+    )
+    events = [
+        {"time_s": time.time() - 30, "kind": "fault", "rank_id": ep_size, "message": "rank exited (SIGKILL)"},
+        {
+            "time_s": time.time() - 29,
+            "kind": "epoch",
+            "message": f"epoch 3: {ep_size} ranks, placement moved 4 experts",
+        },
+    ]
+    return {"epoch": 3, "ep_size": ep_size, "ranks": ranks, "scale": {"state": "idle"}, "events": events}
+
+
+class ServerThread:
+    """uvicorn on a socket bound to a free port, served from a daemon thread."""
+
+    def __init__(self, app, startup_timeout_s: float = 10.0):
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+        self._thread.start()
+        deadline_s = time.monotonic() + startup_timeout_s
+        while not self._server.started:
+            if time.monotonic() > deadline_s or not self._thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start within {startup_timeout_s} s")
+            time.sleep(0.01)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        self._sock.close()

@@ -1,0 +1,123 @@
+"""Operator routes: health, readiness, metrics, cluster, dashboard, scaling, recorder, chaos."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic_ep.cli import main
+from elastic_ep.control.api import Readiness
+
+
+def metric_samples(served) -> dict:
+    """{(sample name, frozenset(labels)): value} from GET /metrics."""
+    response = httpx.get(f"{served.url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
+
+
+def test_health_and_readiness(served):
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    assert httpx.get(f"{served.url}/ready").json() == {"ready": True, "reason": ""}
+    served.engine.ready = Readiness(False, "loading dense weights on rank 1")
+    try:
+        response = httpx.get(f"{served.url}/ready")
+        assert response.status_code == 503
+        assert response.json()["reason"] == "loading dense weights on rank 1"
+        assert httpx.get(f"{served.url}/health").status_code == 200
+    finally:
+        served.engine.ready = Readiness(True)
+
+
+def test_metrics_count_requests_tokens_and_latency(served):
+    before = metric_samples(served)
+    ok = ("elastic_ep_http_requests_total", frozenset({("endpoint", "/v1/completions"), ("status", "200")}))
+    bad = ("elastic_ep_http_requests_total", frozenset({("endpoint", "/v1/completions"), ("status", "400")}))
+    for _ in range(3):
+        httpx.post(f"{served.url}/v1/completions", json={"prompt": "abcd", "max_tokens": 6})
+    httpx.post(f"{served.url}/v1/completions", json={"prompt": "abcd", "max_tokens": 0})
+    after = metric_samples(served)
+
+    def grew(name, labels=frozenset()):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew(*ok) == 3
+    assert grew(*bad) == 1
+    assert grew("elastic_ep_prompt_tokens_total") == 12
+    assert grew("elastic_ep_generation_tokens_total") == 18
+    assert grew("elastic_ep_time_to_first_token_seconds_count") == 3
+    assert grew("elastic_ep_time_per_output_token_seconds_count") == 3
+    assert after[("elastic_ep_requests_running", frozenset())] == 0
+
+
+def test_cluster_and_dashboard(served):
+    cluster = httpx.get(f"{served.url}/cluster").json()
+    assert cluster["epoch"] == 3
+    assert {"rank_id", "node", "pid", "state", "step_ms"} <= set(cluster["ranks"][0])
+    page = httpx.get(f"{served.url}/dashboard")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert "/cluster" in page.text and "/is_scaling_elastic_ep" in page.text
+    assert "http://" not in page.text and "https://" not in page.text, "the dashboard must work offline"
+
+
+def test_scale_maps_engine_answers_to_status_codes(served):
+    url = f"{served.url}/scale_elastic_ep"
+    assert httpx.post(url, content=b'{"new_ep_size": "six"}').status_code == 400
+    assert httpx.post(url, json={}).json()["error"]["param"] == "new_ep_size"
+    assert httpx.post(url, json={"new_ep_size": 0}).status_code == 400
+    too_big = httpx.post(url, json={"new_ep_size": 9})
+    assert too_big.status_code == 400
+    assert "--max-ep-size 8" in too_big.json()["error"]["message"]
+    try:
+        started = httpx.post(url, json={"new_ep_size": 6})
+        assert started.status_code == 200
+        assert started.json() == {"old_ep_size": 4, "new_ep_size": 6}
+        assert httpx.get(f"{served.url}/is_scaling_elastic_ep").json()["is_scaling"] is True
+        busy = httpx.post(url, json={"new_ep_size": 8})
+        assert busy.status_code == 409
+        assert "in progress" in busy.json()["error"]["message"]
+    finally:
+        served.engine.scaling_to = None
+
+
+def test_expert_distribution_recorder(served):
+    assert httpx.post(f"{served.url}/start_expert_distribution_record").status_code == 200
+    assert served.engine.recording
+    assert httpx.post(f"{served.url}/stop_expert_distribution_record").status_code == 200
+    assert not served.engine.recording
+    dump = httpx.post(f"{served.url}/dump_expert_distribution_record").json()
+    assert (dump["layers"], dump["experts"]) == (2, 8)
+
+
+def test_chaos_is_refused_unless_enabled(served, capsys):
+    response = httpx.post(f"{served.url}/chaos/kill", json={"rank_id": 1})
+    assert response.status_code == 404
+    assert "--enable-chaos" in response.json()["error"]["message"]
+    assert main(["chaos", served.url, "kill", "1"]) == 2
+    assert "--enable-chaos" in capsys.readouterr().err
+    assert served.engine.chaos_calls == []
+
+
+@pytest.mark.parametrize(("action", "delay_s"), [("kill", 0.0), ("slow", 0.25), ("hang", 0.0)])
+def test_chaos_cli_reaches_the_engine(served_chaos, capsys, action, delay_s):
+    assert main(["chaos", served_chaos.url, action, "2", "--delay-s", str(delay_s)]) == 0
+    assert served_chaos.engine.chaos_calls[-1] == (action, 2, delay_s)
+    assert f'"action": "{action}"' in capsys.readouterr().out
+
+
+def test_chaos_rejects_bad_input(served_chaos):
+    assert httpx.post(f"{served_chaos.url}/chaos/explode", json={"rank_id": 1}).status_code == 404
+    assert httpx.post(f"{served_chaos.url}/chaos/kill", json={}).status_code == 400
+    assert httpx.post(f"{served_chaos.url}/chaos/slow", json={"rank_id": 1, "delay_s": -1}).status_code == 400
+
+
+def test_chaos_cli_names_an_unreachable_server(capsys):
+    assert main(["chaos", "http://127.0.0.1:9", "kill", "0", "--timeout-s", "2"]) == 2
+    assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
