@@ -189,7 +189,9 @@ def _redundancy_cases(
     else:
         if args.slots is None:
             raise SimulationError("--ranks needs --slots (expert slots per rank)")
-        redundant = args.ranks * args.slots - args.experts if args.redundant is None else args.redundant
+        redundant = (
+            max(0, args.ranks * args.slots - args.experts) if args.redundant is None else args.redundant
+        )
         name = f"EP{args.ranks} x {args.slots} slots, {redundant} redundant"
         configs = [redundancy.RandomConfig(name, args.ranks, args.slots, args.experts, redundant)]
     cases = []

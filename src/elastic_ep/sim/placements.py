@@ -71,7 +71,7 @@ def random_placement(
         shuffled = rng.permutation(copies)
         if not _domain_duplicates(_by_domain(shuffled, domains, ranks_per_domain * slots_per_rank)):
             return shuffled
-    return _repair(shuffled, domains, ranks_per_domain * slots_per_rank, rng)
+    return _repair(rng.permutation(copies), domains, ranks_per_domain * slots_per_rank, rng)
 
 
 def _by_domain(phy2log: np.ndarray, domains: int, slots_per_domain: int) -> np.ndarray:

@@ -7,7 +7,7 @@ Two ways to answer, on the same placements:
   probability C(n - r, k - r) / C(n, k), so the expected loss is a sum; the probability of
   losing at least one expert is counted exactly by inclusion-exclusion over the replica sets
   whose union fits in k domains, or, when that takes more than `max_terms` terms, bracketed by
-  Bonferroni bounds.
+  bounds from single and pairwise terms (Bonferroni and de Caen below, Hunter above).
 A failure domain is a rank by default, or a node when a rank->node map is given.
 """
 
@@ -28,7 +28,7 @@ MAX_TERMS = 200_000
 @dataclass(frozen=True)
 class LossEstimate:
     """Loss after k domains die. `p_low`/`p_high` bracket the probability of losing at least
-    one expert (a 95% interval for Monte Carlo; equal when exact; Bonferroni bounds otherwise);
+    one expert (a 95% interval for Monte Carlo; equal when exact; pairwise bounds otherwise);
     `lost_low`/`lost_high` do the same for the mean number of lost experts."""
 
     k: int
@@ -139,7 +139,7 @@ def exact_loss_probability(
     Domains holding an expert's only replica must all survive; among the others, the dead
     sets that contain some replica set are counted by inclusion-exclusion over the minimal
     replica sets whose union has at most k domains. Beyond `max_terms` terms the count is
-    bracketed by Bonferroni's S1 - S2 <= P <= S1.
+    bracketed by `_pair_bounds`.
     """
     _check_k(k, n_domains)
     sole = {d for s in sets if len(s) == 1 for d in s}
@@ -151,7 +151,7 @@ def exact_loss_probability(
     if hit is not None:
         p = (outside + hit) / total
         return p, p
-    low_hit, high_hit = _bonferroni(family, free, k, max_terms)
+    low_hit, high_hit = _pair_bounds(family, free, k, max_terms)
     return (outside + low_hit) / total, min(1.0, (outside + high_hit) / total)
 
 
@@ -184,21 +184,48 @@ def _count_containing(family: list[frozenset[int]], free: int, k: int, max_terms
     return count
 
 
-def _bonferroni(family: list[frozenset[int]], free: int, k: int, max_terms: int) -> tuple[int, int]:
-    """(S1 - S2 or the largest single term, S1) for the count of `_count_containing`."""
+def _pair_bounds(family: list[frozenset[int]], free: int, k: int, max_terms: int) -> tuple[float, float]:
+    """Bounds on the count of `_count_containing` from single and pairwise terms: below, the
+    larger of Bonferroni's S1 - S2 and de Caen's sum_i c_i^2 / sum_j c_ij; above, Hunter's S1
+    minus a maximum spanning tree of the pair terms. Past max_terms pairs: (largest term, S1)."""
     singles = [math.comb(free - len(s), k - len(s)) for s in family]
     s1 = sum(singles)
-    s2 = 0
+    row = list(singles)
+    edges: list[tuple[int, int, int]] = []
     pairs = 0
     for i, a in enumerate(family):
-        for b in family[i + 1 :]:
-            union = len(a | b)
-            if union <= k:
-                s2 += math.comb(free - union, k - union)
+        for j in range(i + 1, len(family)):
             pairs += 1
             if pairs > max_terms:
-                return max(singles, default=0), s1
-    return max(s1 - s2, max(singles, default=0)), s1
+                return float(max(singles, default=0)), float(s1)
+            union = len(a | family[j])
+            if union <= k:
+                both = math.comb(free - union, k - union)
+                edges.append((both, i, j))
+                row[i] += both
+                row[j] += both
+    s2 = sum(w for w, _, _ in edges)
+    de_caen = sum(c * c / r for c, r in zip(singles, row, strict=True) if c)
+    return max(float(s1 - s2), de_caen), float(s1 - _max_spanning_tree(edges, len(family)))
+
+
+def _max_spanning_tree(edges: list[tuple[int, int, int]], nodes: int) -> int:
+    """Weight of a maximum spanning forest (Kruskal) of weighted edges (w, i, j)."""
+    parent = list(range(nodes))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    total = 0
+    for w, i, j in sorted(edges, reverse=True):
+        ri, rj = root(i), root(j)
+        if ri != rj:
+            parent[ri] = rj
+            total += w
+    return total
 
 
 def analyse(

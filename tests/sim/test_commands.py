@@ -1,0 +1,108 @@
+"""`elastic-ep sim` and `elastic-ep plan` as a user runs them: tables, JSON, plots, errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from elastic_ep.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_redundancy_defaults_show_the_seed_configurations_both_ways(capsys):
+    assert main(["sim", "redundancy", "--trials", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "P(loss) monte-carlo" in out and "P(loss) exact" in out
+    rows = [line for line in out.splitlines() if line.startswith("EP")]
+    assert len(rows) == 9
+    # exact columns: EP32 loses 7.00 experts at k=1; EP320 loses one with 60.0%
+    assert rows[0].split()[-2:] == ["100.0%", "7.00"]
+    assert rows[3].split()[-2:] == ["60.0%", "0.60"]
+    assert rows[6].split()[-2:] == ["0.0%", "0.00"]
+
+
+def test_redundancy_json_for_a_configuration_and_whole_nodes(capsys):
+    argv = ["sim", "redundancy", "--ranks", "64", "--slots", "8", "--k", "1,2", "--method", "exact", "--json"]
+    assert main([*argv, "--ranks-per-node", "8", "--spread", "node"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert result["dead_unit"] == "nodes"
+    k1, k2 = result["estimates"]["exact"]
+    assert k1["p_loss"] == 0 and k1["lost_mean"] == 0  # every expert twice, on two nodes
+    assert k2["p_loss"] == 1 and k2["lost_mean"] == pytest.approx(256 / 28)  # one node pair of 28
+
+
+def test_redundancy_reads_a_placement_file(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"phy2log": [[0, 1, 2, 3, 0, 1, 2, 3]]}))
+    assert (
+        main(
+            ["sim", "redundancy", "--placement", str(path), "--slots", "2", "--k", "1,2", "--method", "exact"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    row_k2 = next(line for line in out.splitlines() if line.startswith("p.json") and line.split()[1] == "2")
+    # experts 0 and 1 live on ranks 0 and 2, experts 2 and 3 on ranks 1 and 3: of the 6 pairs
+    # of dead ranks, 2 lose two experts each
+    assert row_k2.split()[-2:] == ["33.3%", "0.67"]
+
+
+def test_fleet_table_and_json(capsys):
+    assert main(["sim", "fleet", "--gpus", "512", "--days", "30", "--replications", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "restart" in out and "elastic-backup" in out and "availability %" in out
+    assert main(["sim", "fleet", "--gpus", "512", "--days", "30", "--replications", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [p["policy"] for p in report["policies"]] == ["restart", "elastic-disk", "elastic-backup"]
+
+
+def test_plan_prints_options_and_a_recommendation(capsys):
+    assert main(["plan", "--gpus", "2048", "--ep-sizes", "64", "--redundant", "0,256"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: EP64" in out
+    twice = next(line for line in out.splitlines() if line.split()[:3] == ["EP64", "256", "on"])
+    assert "653" in twice.split()  # seed 001 exercise 2: ~650 GB more per group
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sim", "blast-radius"],
+        ["sim", "redundancy", "--method", "exact"],
+        ["sim", "fleet", "--gpus", "512", "--days", "10", "--replications", "1"],
+        ["plan", "--ep-sizes", "64,128", "--redundant", "0"],
+    ],
+)
+def test_every_command_draws_a_png(tmp_path, capsys, argv):
+    path = tmp_path / "figure.png"
+    assert main([*argv, "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["sim", "redundancy", "--ranks", "4", "--slots", "1"], "do not fit in 4 ranks x 1 slots"),
+        (["sim", "redundancy", "--ranks", "32", "--slots", "9", "--k", "40"], "k=40 dead failure domains"),
+        (["sim", "redundancy", "--ranks", "32"], "--ranks needs --slots"),
+        (["sim", "redundancy", "--placement", "/nonexistent.json"], "does not exist"),
+        (["sim", "fleet", "--ep-size", "64", "--slots-per-rank", "2"], "cannot hold 256 experts"),
+        (["sim", "blast-radius", "--plot", "/nonexistent/dir/x.png"], "does not exist"),
+        (["plan", "--ep-sizes", "4096"], "between 1 and --gpus"),
+    ],
+)
+def test_impossible_inputs_exit_2_with_a_message_and_no_traceback(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_sim_does_not_import_torch():
+    code = (
+        "import sys; from elastic_ep.cli import main; main(['sim', 'blast-radius']); "
+        "main(['plan', '--ep-sizes', '64', '--redundant', '0']); assert 'torch' not in sys.modules, 'torch'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

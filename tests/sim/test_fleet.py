@@ -1,0 +1,89 @@
+"""The fleet simulation against the closed forms it must agree with, and its policies' order."""
+
+import numpy as np
+import pytest
+
+from elastic_ep.errors import SimulationError
+from elastic_ep.sim.blast_radius import blast_radius
+from elastic_ep.sim.fleet import FleetConfig, simulate_fleet
+
+
+def _policy(report, name):
+    return next(p for p in report.policies if p.policy == name)
+
+
+@pytest.fixture(scope="module")
+def no_stragglers():
+    # plenty of spares so a restart never waits: the restart policy is then seed 001's model
+    cfg = FleetConfig(gpus=2048, days=120, spare_fraction=0.2, straggler_rate_per_gpu_hour=0.0)
+    return simulate_fleet(cfg, replications=8, seed=3)
+
+
+def test_failure_count_matches_the_rate(no_stragglers):
+    cfg = no_stragglers.config
+    expected = cfg.rate_per_gpu_hour * cfg.groups * cfg.ep_size * cfg.hours
+    f = no_stragglers.failures
+    assert abs(f.mean - expected) <= f.half_width
+
+
+def test_restart_policy_loses_what_the_blast_radius_table_says(no_stragglers):
+    cfg = no_stragglers.config
+    table = blast_radius(cfg.gpus, [cfg.ep_size], cfg.rate_per_gpu_hour, cfg.restart_min).rows[0]
+    months = cfg.days / 30
+    restart = _policy(no_stragglers, "restart")
+    # within the 95% interval over replications (overlapping restarts of a group count once)
+    lost = restart.gpu_hours_lost
+    assert abs(lost.mean / months - table.gpu_hours_lost_restart) <= lost.half_width / months
+    assert restart.expert_loss_events.mean == 0
+
+
+def test_elastic_recovery_loses_a_fraction_and_backup_beats_disk(no_stragglers):
+    restart, disk, backup = (_policy(no_stragglers, p) for p in ("restart", "elastic-disk", "elastic-backup"))
+    assert disk.gpu_hours_lost.mean < 0.5 * restart.gpu_hours_lost.mean
+    assert disk.expert_loss_events.mean > 0
+    assert backup.expert_loss_events.mean == disk.expert_loss_events.mean  # the same failures
+    assert backup.stopped_gpu_h.mean < disk.stopped_gpu_h.mean
+    assert backup.availability.mean > restart.availability.mean
+    for p in no_stragglers.policies:
+        assert 0.99 < p.goodput.mean <= 1
+        assert p.capacity_min.mean <= p.capacity_quantiles["p1"].mean <= p.capacity_quantiles["p50"].mean <= 1
+
+
+def test_stragglers_slow_restart_groups_and_are_evicted_by_elastic_ones():
+    cfg = FleetConfig(gpus=1024, days=60, rate_per_gpu_hour=0.0, straggler_rate_per_gpu_hour=5e-5)
+    report = simulate_fleet(cfg, replications=4, seed=1)
+    restart, elastic = _policy(report, "restart"), _policy(report, "elastic-backup")
+    stragglers = cfg.straggler_rate_per_gpu_hour * cfg.gpus * cfg.hours
+    slow_h = stragglers * cfg.ep_size * cfg.straggler_h * (1 - cfg.straggler_speed)
+    # a Poisson count over 4 replications: relative standard error 1 / sqrt(4 * stragglers); 4 of them
+    assert restart.slow_gpu_h.mean == pytest.approx(slow_h, rel=4 / (4 * stragglers) ** 0.5)
+    assert elastic.slow_gpu_h.mean < 0.05 * restart.slow_gpu_h.mean
+    assert elastic.degraded_gpu_h.mean > 0  # the evicted rank is missing until it returns
+
+
+def test_same_seed_same_answer_other_seed_other_answer():
+    cfg = FleetConfig(gpus=512, days=30)
+    a, b, c = (simulate_fleet(cfg, 2, seed) for seed in (7, 7, 8))
+    assert a.policies == b.policies
+    assert a.policies != c.policies
+
+
+def test_capacity_series_is_a_fraction_over_time():
+    report = simulate_fleet(FleetConfig(gpus=512, days=30), 1, 0)
+    for run in report.example_runs:
+        assert run.capacity_t[0] == 0 and np.all(np.diff(run.capacity_t) >= 0)
+        assert np.all((run.capacity >= 0) & (run.capacity <= 1))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"gpus": 32}, "cannot hold one EP group"),
+        ({"ep_size": 12}, "one must divide the other"),
+        ({"slots_per_rank": 2}, "cannot hold 256 experts"),
+        ({"straggler_speed": 0.0}, "must be in"),
+    ],
+)
+def test_impossible_fleets_are_refused(changes, message):
+    with pytest.raises(SimulationError, match=message):
+        simulate_fleet(FleetConfig(**changes), 1)
