@@ -153,7 +153,15 @@ def sample_cluster(ep_size: int) -> dict:
             "message": f"epoch 3: {ep_size} ranks, placement moved 4 experts",
         },
     ]
-    return {"epoch": 3, "ep_size": ep_size, "ranks": ranks, "scale": {"state": "idle"}, "events": events}
+    deadlines = {"hang_deadline_s": 0.5, "heartbeat_timeout_s": 2.0}
+    return {
+        "epoch": 3,
+        "ep_size": ep_size,
+        "ranks": ranks,
+        "scale": {"state": "idle"},
+        "deadlines": deadlines,
+        "events": events,
+    }
 
 
 class ServerThread:

@@ -53,7 +53,7 @@ def test_metrics_count_requests_tokens_and_latency(served):
     assert grew("elastic_ep_generation_tokens_total") == 18
     assert grew("elastic_ep_time_to_first_token_seconds_count") == 3
     assert grew("elastic_ep_time_per_output_token_seconds_count") == 3
-    assert after[("elastic_ep_requests_running", frozenset())] == 0
+    assert after[("elastic_ep_http_requests_running", frozenset())] == 0
 
 
 def test_cluster_and_dashboard(served):

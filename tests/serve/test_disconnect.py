@@ -23,7 +23,7 @@ def wait_for(condition, timeout_s: float = 5.0) -> bool:
 def running_requests(served) -> float:
     text = httpx.get(f"{served.url}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    return families["elastic_ep_requests_running"].samples[0].value
+    return families["elastic_ep_http_requests_running"].samples[0].value
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -41,7 +41,7 @@ class HttpMetrics:
             "elastic_ep_generation_tokens", "Tokens generated", registry=registry
         )
         self.requests_running = Gauge(
-            "elastic_ep_requests_running",
+            "elastic_ep_http_requests_running",
             "Generation requests in flight in the HTTP server",
             registry=registry,
         )
