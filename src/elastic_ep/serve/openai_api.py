@@ -61,29 +61,21 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        timer = RequestTimer(metrics)
-        body = parse_body(await request.body(), CompletionRequest)
-        check_model(body.model, info)
-        refuse_unsupported(body)
-        prompt_ids = completion_prompt_ids(body, tokenizer, vocab_size)
-        return await _respond(request, _COMPLETION, body, prompt_ids, timer)
+        return await _respond(request, _COMPLETION)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        return await _respond(request, _CHAT)
+
+    async def _respond(request: Request, kind: _Kind) -> Response:
         timer = RequestTimer(metrics)
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        body = parse_body(await request.body(), ChatCompletionRequest if kind.chat else CompletionRequest)
         check_model(body.model, info)
         refuse_unsupported(body)
-        prompt_ids = encode_text(render_chat(body.messages), tokenizer, "messages")
-        return await _respond(request, _CHAT, body, prompt_ids, timer)
-
-    async def _respond(
-        request: Request,
-        kind: _Kind,
-        body: CompletionRequest | ChatCompletionRequest,
-        prompt_ids: list[int],
-        timer: RequestTimer,
-    ) -> Response:
+        if isinstance(body, ChatCompletionRequest):
+            prompt_ids = encode_text(render_chat(body.messages), tokenizer, "messages")
+        else:
+            prompt_ids = completion_prompt_ids(body, tokenizer, vocab_size)
         stops = stop_strings(body.stop)
         gen_request = generation_request(f"{kind.id_prefix}-{uuid.uuid4().hex}", prompt_ids, body, info)
         text = TextStream(tokenizer, stops, hidden_token_ids=info.eos_token_ids)
