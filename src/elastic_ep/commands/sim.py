@@ -324,7 +324,14 @@ def _fleet_text(report: fleet.FleetReport) -> str:
         row(f"capacity {q} %", lambda p, q=q: p.capacity_quantiles[q], 2, 100) for q in ("p1", "p5", "p50")
     ]
     rows.append(row("capacity min %", lambda p: p.capacity_min, 2, 100))
-    return head + "\n" + format_table(["metric"] + [p.policy for p in report.policies], rows)
+    assumed = (
+        f"assumed: restart {cfg.restart_min:g} min, pause {cfg.pause_min:g} min, expert reload {cfg.disk_reload_min:g} "
+        f"min from disk / {cfg.backup_reload_s:g} s from backup, repair {cfg.gpu_repair_h:g} h (GPU) / "
+        f"{cfg.node_repair_h:g} h (node); stragglers {cfg.straggler_rate_per_gpu_hour:.2e}/GPU-h at "
+        f"{cfg.straggler_speed:.0%} speed for {cfg.straggler_h:g} h, evicted after {cfg.straggler_detect_min:g} min "
+        f"when elastic"
+    )
+    return head + "\n" + assumed + "\n" + format_table(["metric"] + [p.policy for p in report.policies], rows)
 
 
 def _pm(metric: fleet.Metric, digits: int, scale: float = 1.0) -> str:

@@ -16,7 +16,7 @@ Policies, all run on the same trace of events (common random numbers):
   on with its live ranks while replacements join online. A straggler is evicted after
   `straggler_detect_min`. A group whose live slots cannot hold every expert stops.
 Whether a failure loses an expert is drawn from random placements of the group's experts on
-its live ranks (replicas on distinct ranks), as in `redundancy`.
+its live ranks (replicas on distinct nodes where possible), as in `redundancy`.
 Assumptions with a default are parameters; repair times and spares are guesses to replace
 with a deployment's own figures.
 """
@@ -266,7 +266,7 @@ class _Simulation:
             self.stop(t, g, cfg.restart_min)
             return
         reload_min = 0.0
-        if self.loses_expert(grp.live, hit):
+        if self.loses_expert(grp.live, hit, cls == "node"):
             self.expert_losses += 1
             reload_min = cfg.backup_reload_s / 60 if self.policy == "elastic-backup" else cfg.disk_reload_min
         grp.live -= hit
@@ -276,11 +276,18 @@ class _Simulation:
         else:
             self.take_spares(t, g, hit)
 
-    def loses_expert(self, live: int, dead: int) -> bool:
+    def loses_expert(self, live: int, dead: int, whole_node: bool) -> bool:
+        """Whether `dead` of `live` ranks dying at once (one random rank, or the ranks of one
+        random node of the live ranks laid out node by node) takes every replica of an expert."""
         if live * self.cfg.slots_per_rank < self.cfg.experts:
             return False  # the group already stopped: nothing is served, nothing more to lose
         placement = self.pool.sample(live, self.loss_rng)
-        ranks_dead = self.loss_rng.choice(live, size=dead, replace=False)
+        if whole_node:
+            first = int(self.loss_rng.integers(-(-live // self.cfg.gpus_per_node))) * self.cfg.gpus_per_node
+            first = min(first, live - dead)
+            ranks_dead = np.arange(first, first + dead)
+        else:
+            ranks_dead = self.loss_rng.choice(live, size=dead, replace=False)
         grid = placement.reshape(live, self.cfg.slots_per_rank)
         alive = np.delete(grid, ranks_dead, axis=0)
         return len(np.unique(alive[alive >= 0])) < self.cfg.experts
@@ -356,7 +363,8 @@ class _Simulation:
 
 
 class _PlacementPool:
-    """A few random placements per live-rank count, drawn once and reused (placing is slow)."""
+    """A few random placements per live-rank count, drawn once and reused (placing is slow).
+    Replicas of an expert go to distinct nodes where there are enough nodes, else distinct ranks."""
 
     def __init__(self, cfg: FleetConfig, rng: np.random.Generator, size: int = 4):
         self.cfg, self.rng, self.size = cfg, rng, size
@@ -366,8 +374,11 @@ class _PlacementPool:
         if live not in self.by_live:
             slots = live * self.cfg.slots_per_rank
             replicas = replica_counts(self.cfg.experts, slots - self.cfg.experts)
+            per_node = min(self.cfg.gpus_per_node, live)
+            spread = per_node if int(replicas.max()) <= -(-live // per_node) else 1
             self.by_live[live] = [
-                random_placement(replicas, live, self.cfg.slots_per_rank, self.rng) for _ in range(self.size)
+                random_placement(replicas, live, self.cfg.slots_per_rank, self.rng, spread)
+                for _ in range(self.size)
             ]
         pool = self.by_live[live]
         return pool[int(rng.integers(len(pool)))]

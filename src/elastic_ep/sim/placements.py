@@ -58,7 +58,8 @@ def random_placement(
 ) -> np.ndarray:
     """A uniformly random placement in which no two replicas of an expert share a failure
     domain (a rank, or a node of `ranks_per_domain` consecutive ranks): shuffle and reject, as
-    seed 001 does; after `max_tries` rejections, repair the last shuffle by swaps instead.
+    seed 001 does. When `max_tries` shuffles would likely all be rejected, a shuffle is repaired
+    by swaps instead (close to uniform, not exactly).
 
     replicas: [E] copies per expert. Returns phy2log [ranks * slots_per_rank], -1 = empty slot.
     """
@@ -67,11 +68,17 @@ def random_placement(
     n_slots = ranks * slots_per_rank
     copies = np.full(n_slots, -1, dtype=np.int64)
     copies[: int(replicas.sum())] = np.repeat(np.arange(len(replicas)), replicas)
-    for _ in range(max_tries):
+    slots_per_domain = ranks_per_domain * slots_per_rank
+    # Poisson estimate of the chance that a shuffle puts no two replicas in one domain
+    same_domain_pairs = (
+        float((replicas * (replicas - 1) / 2).sum()) * (slots_per_domain - 1) / max(n_slots - 1, 1)
+    )
+    tries = max_tries if np.exp(-same_domain_pairs) * max_tries >= 1 else 0
+    for _ in range(tries):
         shuffled = rng.permutation(copies)
-        if not _domain_duplicates(_by_domain(shuffled, domains, ranks_per_domain * slots_per_rank)):
+        if not _domain_duplicates(_by_domain(shuffled, domains, slots_per_domain)):
             return shuffled
-    return _repair(rng.permutation(copies), domains, ranks_per_domain * slots_per_rank, rng)
+    return _repair(rng.permutation(copies), domains, slots_per_domain, rng)
 
 
 def _by_domain(phy2log: np.ndarray, domains: int, slots_per_domain: int) -> np.ndarray:
