@@ -29,6 +29,8 @@ from elastic_ep.placement.location import EMPTY, ExpertLocation
 
 DEFAULT_MOVEMENT_TOLERANCE = 0.01
 SWAP_PARTNERS = 8
+# A first placement moves nothing, so it refines until within 0.1% of the ideal.
+SCRATCH_TOLERANCE = 0.001
 
 
 def fault_aware_placement(
@@ -50,7 +52,8 @@ def fault_aware_placement(
     current: the placement in use (None for the first one). It may have fewer ranks (scale-up) or
         more (scale-down); its copies on ranks outside `live_ranks` are treated as lost.
     movement_tolerance: fraction of the ideal time a layer may stay above it before copies are
-        moved for balance; 0 moves whenever it helps. Ignored when `current` is None.
+        moved for balance, and the margin a replica trade between experts must win by; 0 moves
+        whenever it helps. A first placement (`current` None) uses SCRATCH_TOLERANCE.
     Returns an ExpertLocation over `num_ranks` ranks of `slots_per_rank` slots. Raises
     PlacementError when the live ranks cannot hold every expert (naming how many slots are missing).
     """
@@ -67,7 +70,7 @@ def fault_aware_placement(
             f"{num_experts} experts: {missing} slots missing; add ranks or slots per rank"
         )
     grid = np.full((num_layers, num_live, slots_per_rank), EMPTY, dtype=np.int64)
-    tolerance = 0.0
+    tolerance = SCRATCH_TOLERANCE
     if current is not None:
         _check_current(current, num_layers, num_experts, slots_per_rank)
         old = current.by_rank()
@@ -203,6 +206,7 @@ class _State:
         self.node_cnt = np.zeros((num_layers, int(node_of.max()) + 1, num_experts + 1), dtype=np.int64)
         np.add.at(self.node_cnt, (np.broadcast_to(layer, e.shape), node_of[None, :, None], e), 1)
         self._clear_empty_column()
+        self.free = (grid < 0).sum(2)
         self.rank_load = np.take_along_axis(item, e.reshape(num_layers, -1), 1).reshape(e.shape).sum(2)
 
     def _clear_empty_column(self):
@@ -223,6 +227,7 @@ class _State:
         self.grid[layers, ranks, slots] = experts
         self.has[layers, ranks, new] = True
         np.add.at(self.node_cnt, (layers, nodes, new), 1)
+        np.add.at(self.free, (layers, ranks), (experts < 0).astype(np.int64) - (old == self.num_experts))
         self._clear_empty_column()
 
     def evict_surplus(self, counts: np.ndarray) -> None:
@@ -257,10 +262,9 @@ class _State:
             expert = queue[:, i]
             active = expert >= 0
             e = self._ext(expert)
-            free = (self.grid < 0).any(2)
             node_has = self.node_cnt[self.rows, :, e][:, self.node_of] > 0
             score = (self.rank_load + self.item[self.rows, e][:, None]) / self.speed + node_has * penalty
-            score[self.has[self.rows, :, e] | ~free] = np.inf
+            score[self.has[self.rows, :, e] | (self.free == 0)] = np.inf
             rank = score.argmin(1)
             ok = active & np.isfinite(score[self.rows, rank])
             slot = (self.grid[self.rows, rank] < 0).argmax(1)
@@ -289,23 +293,27 @@ class _State:
 
     def refine(self, target_time: np.ndarray, max_steps: int | None = None) -> None:
         """Swap copies between each layer's slowest rank and its lightest ranks. target_time: [L]."""
-        num_layers, num_ranks, num_slots = self.grid.shape
+        _, num_ranks, num_slots = self.grid.shape
         partners = min(num_ranks, SWAP_PARTNERS)
-        done = np.zeros(num_layers, dtype=bool)
+        slot_of_column = np.tile(np.arange(num_slots), partners)
         rows = self.rows
         for _ in range(max_steps or 2 * num_ranks * num_slots):
-            time = self.rank_load / self.speed
+            # summed afresh in slot order: equal placements give bit-equal times, so a rerun
+            # on an unchanged placement picks the same slowest rank and finds nothing to move
+            copies = self._ext(self.grid[rows]).reshape(len(rows), -1)
+            time = np.take_along_axis(self.item[rows], copies, 1).reshape(len(rows), num_ranks, -1).sum(2) / self.speed
             r1 = time.argmax(1)
-            t1 = time[rows, r1]
-            done |= t1 <= target_time
-            if done.all():
+            t1 = time[np.arange(len(rows)), r1]
+            keep = t1 > target_time[rows]
+            rows, time, r1, t1 = rows[keep], time[keep], r1[keep], t1[keep]
+            if len(rows) == 0:
                 return
             r2 = np.argsort(time, axis=1)[:, :partners].repeat(num_slots, axis=1)
             e1 = self._ext(self.grid[rows, r1])
-            e2 = self._ext(self.grid[rows[:, None], r2, np.tile(np.arange(num_slots), partners)[None, :]])
+            e2 = self._ext(self.grid[rows[:, None], r2, slot_of_column[None, :]])
             delta = self.item[rows[:, None], e1][:, :, None] - self.item[rows[:, None], e2][:, None, :]
             t1_after = t1[:, None, None] - delta / self.speed[r1][:, None, None]
-            t2_after = time[rows[:, None], r2][:, None, :] + delta / self.speed[r2][:, None, :]
+            t2_after = np.take_along_axis(time, r2, 1)[:, None, :] + delta / self.speed[r2][:, None, :]
             gain = t1[:, None, None] - np.maximum(t1_after, t2_after)
             lr = rows[:, None, None]
             valid = (delta > 0) & (r2 != r1[:, None])[:, None, :] & (e1 < self.num_experts)[:, :, None]
@@ -321,18 +329,16 @@ class _State:
                 - (self.node_cnt[lr, n2, ee2] >= 2)
             )
             valid &= (n1 == n2) | (sharing_change <= 0)
-            gain = np.where(valid, gain, -np.inf).reshape(num_layers, -1)
+            gain = np.where(valid, gain, -np.inf).reshape(len(rows), -1)
             best = gain.argmax(1)
-            swap = ~done & (gain[rows, best] > 1e-9 * np.maximum(t1, 1e-30))
-            done |= ~swap
+            swap = gain[np.arange(len(rows)), best] > 1e-9 * np.maximum(t1, 1e-30)
             if not swap.any():
                 return
-            layers = rows[swap]
-            i, k = np.divmod(best[swap], partners * num_slots)
-            rank1, rank2 = r1[swap], r2[layers, k]
-            slot1, slot2 = i, k % num_slots
-            expert1 = self.grid[layers, rank1, slot1].copy()
-            expert2 = self.grid[layers, rank2, slot2].copy()
-            self._set(layers, rank1, slot1, np.full(len(layers), EMPTY))
-            self._set(layers, rank2, slot2, expert1)
-            self._set(layers, rank1, slot1, expert2)
+            rows, r1, r2, best = rows[swap], r1[swap], r2[swap], best[swap]
+            slot1, column = np.divmod(best, partners * num_slots)
+            rank2, slot2 = r2[np.arange(len(rows)), column], slot_of_column[column]
+            expert1 = self.grid[rows, r1, slot1].copy()
+            expert2 = self.grid[rows, rank2, slot2].copy()
+            self._set(rows, r1, slot1, np.full(len(rows), EMPTY))
+            self._set(rows, rank2, slot2, expert1)
+            self._set(rows, r1, slot1, expert2)
