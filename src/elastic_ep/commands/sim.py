@@ -12,6 +12,7 @@ import numpy as np
 from elastic_ep.errors import SimulationError
 from elastic_ep.sim import blast_radius as br
 from elastic_ep.sim import fleet, redundancy
+from elastic_ep.sim.assumptions import PAUSE_MIN, RESTART_MIN
 from elastic_ep.sim.failure_rates import parse_rate
 from elastic_ep.sim.placements import read_placement_file
 from elastic_ep.sim.report import dumps, format_table, save_plot
@@ -37,10 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     blast.add_argument("--gpus", type=int, default=2048, help="GPUs in the service (default 2048)")
     blast.add_argument("--group-sizes", type=int_list, default=[16, 64, 128, 256], help="EP group sizes")
     blast.add_argument(
-        "--restart-min", type=float, default=20.0, help="whole-group restart, minutes (default 20)"
+        "--restart-min",
+        type=float,
+        default=RESTART_MIN,
+        help=f"whole-group restart, minutes (default {RESTART_MIN:g})",
     )
     blast.add_argument(
-        "--pause-min", type=float, default=1.0, help="elastic recovery pause, minutes (default 1)"
+        "--pause-min",
+        type=float,
+        default=PAUSE_MIN,
+        help=f"elastic recovery pause, minutes (default {PAUSE_MIN:g})",
     )
     blast.add_argument(
         "--rate", default="FROM_DATA", help="failures per GPU-hour, or FROM_DATA (Llama 3 counts)"

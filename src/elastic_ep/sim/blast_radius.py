@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elastic_ep.errors import SimulationError
+from elastic_ep.sim.assumptions import PAUSE_MIN, RESTART_MIN
 
 HOURS_PER_MONTH = 30 * 24
 
@@ -39,8 +40,8 @@ def blast_radius(
     total_gpus: int,
     group_sizes: list[int],
     rate_per_gpu_hour: float,
-    restart_min: float = 20.0,
-    pause_min: float = 1.0,
+    restart_min: float = RESTART_MIN,
+    pause_min: float = PAUSE_MIN,
 ) -> BlastReport:
     """GPU-hours lost a month per group size, whole-group restart against elastic pause.
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic_ep.errors import SimulationError
+from elastic_ep.sim.assumptions import BACKUP_RELOAD_S, DISK_RELOAD_MIN, PAUSE_MIN, RESTART_MIN
 from elastic_ep.sim.failure_rates import FAILURE_CLASSES, load_llama3
 from elastic_ep.sim.placements import random_placement, replica_counts
 from elastic_ep.sim.stats import mean_interval, weighted_quantiles
@@ -53,11 +54,11 @@ class FleetConfig:
     node_repair_h: float = 24.0
     software_restart_min: float = 5.0
     spare_fraction: float = 0.01
-    restart_min: float = 20.0
-    pause_min: float = 1.0
+    restart_min: float = RESTART_MIN
+    pause_min: float = PAUSE_MIN
     join_min: float = 10.0
-    disk_reload_min: float = 5.0
-    backup_reload_s: float = 10.0
+    disk_reload_min: float = DISK_RELOAD_MIN
+    backup_reload_s: float = BACKUP_RELOAD_S
     straggler_rate_per_gpu_hour: float = field(default_factory=lambda: load_llama3().rate_per_gpu_hour)
     straggler_speed: float = 0.6
     straggler_h: float = 4.0

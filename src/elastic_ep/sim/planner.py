@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic_ep.errors import SimulationError
+from elastic_ep.sim.assumptions import BACKUP_RELOAD_S, DISK_RELOAD_MIN, PAUSE_MIN, RESTART_MIN
 from elastic_ep.sim.blast_radius import HOURS_PER_MONTH
 from elastic_ep.sim.failure_rates import load_llama3
 from elastic_ep.sim.redundancy import (
@@ -41,10 +42,10 @@ class PlanInputs:
     gpus_per_node: int = 8
     rate_per_gpu_hour: float = field(default_factory=lambda: load_llama3().rate_per_gpu_hour)
     node_share: float = field(default_factory=lambda: load_llama3().class_shares()["node"])
-    restart_min: float = 20.0
-    pause_min: float = 1.0
-    disk_reload_min: float = 5.0
-    backup_reload_s: float = 10.0
+    restart_min: float = RESTART_MIN
+    pause_min: float = PAUSE_MIN
+    disk_reload_min: float = DISK_RELOAD_MIN
+    backup_reload_s: float = BACKUP_RELOAD_S
 
 
 @dataclass(frozen=True)
