@@ -3,6 +3,7 @@ clients are real) and a real uvicorn server in a background thread.
 
 The engine's behaviour is chosen by the prompt text, so tests need no shared switches:
   "[slow]"   0.05 s between events (time to disconnect mid-stream)
+  "[stall]"  no event for 30 s (a cluster that cannot step: disconnect before the first token)
   "[eos]"    EOS after 3 tokens (finish_reason "stop")
   "[error]"  an error event after the first tokens
   "[crash]"  generate raises an unexpected exception
@@ -71,6 +72,8 @@ class ScriptedEngine:
         delay_s = 0.05 if "[slow]" in prompt else 0.0
         done = False
         try:
+            if "[stall]" in prompt:
+                await asyncio.sleep(30)
             produced = 0
             while True:
                 await asyncio.sleep(delay_s)

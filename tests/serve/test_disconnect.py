@@ -47,12 +47,15 @@ def test_disconnect_mid_stream_aborts_the_request(served, path):
     assert wait_for(lambda: running_requests(served) == 0)
 
 
-def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts_the_request(served):
+@pytest.mark.parametrize(
+    ("prompt", "stream"),
+    [("[slow] patient", False), ("[stall] first token", False), ("[stall] first token", True)],
+)
+def test_disconnect_before_the_answer_starts_aborts_the_request(served, prompt, stream):
     before = set(served.engine.requests)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{served.url}/v1/completions", json={"prompt": "[slow] patient", "max_tokens": 60}, timeout=0.3
-        )
+        body = {"prompt": prompt, "max_tokens": 60, "stream": stream}
+        httpx.post(f"{served.url}/v1/completions", json=body, timeout=0.3)
     (request_id,) = set(served.engine.requests) - before
     assert wait_for(lambda: request_id in served.engine.aborted), "the engine never saw the abort"
     assert wait_for(lambda: running_requests(served) == 0)

@@ -39,7 +39,7 @@ from elastic_ep.serve.protocol import (
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_STATUS = 499
-"""Recorded (nginx's convention) when a non-streaming client left before its answer."""
+"""Recorded (nginx's convention) when a client left before its answer started."""
 
 
 def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) -> APIRouter:
@@ -79,7 +79,13 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
         stops = stop_strings(body.stop)
         gen_request = generation_request(f"{kind.id_prefix}-{uuid.uuid4().hex}", prompt_ids, body, info)
         text = TextStream(tokenizer, stops, hidden_token_ids=info.eos_token_ids)
-        generation = await Generation.admit(engine, gen_request, text, timer)
+        # A client may leave while the engine is still admitting (a cluster that recovers):
+        # the wait is cancelled, which aborts the request in the engine.
+        admitted, generation = await until_disconnect(
+            request.receive, lambda: Generation.admit(engine, gen_request, text, timer)
+        )
+        if not admitted:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
         head = {"id": gen_request.request_id, "created": int(time.time()), "model": info.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
