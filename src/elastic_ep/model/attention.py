@@ -24,14 +24,20 @@ from .layers import Rotary, rms_norm
 class AttentionBatch:
     """Where each token of a forward goes.
 
-    slots: [B] cache rows; token_chunk, token_offset: [T] chunk index and index inside the
-    chunk of every token; positions: [T] absolute positions; mask: [B, 1, N, L] True where query
-    i of chunk b may see key j (N the longest chunk, L the longest sequence).
+    Rows of the padded batch are the chunks sorted by cache slot, so that the usual case
+    (consecutive slots) reads keys and values as a view of the cache.
+    slots: the B cache rows, ascending; token_row, token_offset: [T] row and index inside the
+    chunk of every token; chunk_of_row: [B] chunk index of each row, None when rows are in
+    chunk order; positions: [T] absolute positions; mask: [B, 1, N, L] additive, 0 where query
+    i of row b may see key j and -inf elsewhere (N the longest chunk, L the longest sequence),
+    built once per step rather than in every layer.
     """
 
-    slots: torch.Tensor
-    token_chunk: torch.Tensor
+    slots: list[int]
+    token_row: torch.Tensor
     token_offset: torch.Tensor
+    token_slots: torch.Tensor
+    chunk_of_row: torch.Tensor | None
     positions: torch.Tensor
     mask: torch.Tensor
     max_chunk: int
@@ -39,6 +45,10 @@ class AttentionBatch:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int]) -> AttentionBatch:
+        """slots, starts, lengths: cache row, first position and token count of each chunk."""
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        chunk_of_row = torch.tensor(order, dtype=torch.int64)
+        row_of_chunk = torch.argsort(chunk_of_row)
         lens = torch.tensor(lengths, dtype=torch.int64)
         start = torch.tensor(starts, dtype=torch.int64)
         token_chunk = torch.repeat_interleave(torch.arange(len(lengths)), lens)
@@ -46,13 +56,19 @@ class AttentionBatch:
         token_offset = torch.arange(int(lens.sum())) - first_token[token_chunk]
         max_chunk = int(lens.max())
         max_len = int((start + lens).max())
+        row_lens, row_start = lens[chunk_of_row], start[chunk_of_row]
         # A padded query row repeats the chunk's last row so that no row is fully masked.
-        query_pos = start[:, None] + torch.minimum(torch.arange(max_chunk)[None, :], lens[:, None] - 1)
-        mask = torch.arange(max_len)[None, None, :] <= query_pos[:, :, None]
+        query_pos = row_start[:, None] + torch.minimum(
+            torch.arange(max_chunk)[None, :], row_lens[:, None] - 1
+        )
+        visible = torch.arange(max_len)[None, None, :] <= query_pos[:, :, None]
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
         return cls(
-            slots=torch.tensor(slots, dtype=torch.int64),
-            token_chunk=token_chunk,
+            slots=[slots[i] for i in order],
+            token_row=row_of_chunk[token_chunk],
             token_offset=token_offset,
+            token_slots=torch.tensor(slots, dtype=torch.int64)[token_chunk],
+            chunk_of_row=None if order == sorted(order) else chunk_of_row,
             positions=start[token_chunk] + token_offset,
             mask=mask[:, None],
             max_chunk=max_chunk,
@@ -62,11 +78,11 @@ class AttentionBatch:
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [T, heads, k_dim] -> [T, heads, v_dim], attending each token's own sequence."""
         keys, values = cache.gather(layer, self.slots, self.max_len)
-        if self.max_chunk == 1:
+        if self.max_chunk == 1 and self.chunk_of_row is None:
             q_pad = q[:, None]
         else:
             q_pad = q.new_zeros(len(self.slots), self.max_chunk, *q.shape[1:])
-            q_pad[self.token_chunk, self.token_offset] = q
+            q_pad[self.token_row, self.token_offset] = q
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
             keys.transpose(1, 2),
@@ -75,12 +91,12 @@ class AttentionBatch:
             scale=scale,
             enable_gqa=keys.shape[2] != q.shape[1],
         ).transpose(1, 2)
-        if self.max_chunk == 1:
+        if self.max_chunk == 1 and self.chunk_of_row is None:
             return out[:, 0]
-        return out[self.token_chunk, self.token_offset]
+        return out[self.token_row, self.token_offset]
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        cache.write(layer, self.slots[self.token_chunk], self.positions, k, v)
+        cache.write(layer, self.token_slots, self.positions, k, v)
 
 
 class _Weights:

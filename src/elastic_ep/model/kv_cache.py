@@ -58,7 +58,7 @@ class KVCache:
         ]
         self._slots: dict[int, int] = {}
         self._lengths: dict[int, int] = {}
-        self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self._free_slots = list(range(max_seqs - 1, -1, -1))  # pop() hands out the lowest row first
 
     def allocate(self, seq_id: int) -> None:
         """Give `seq_id` an empty cache row (length 0). Re-allocating a live sequence resets it."""
@@ -139,6 +139,14 @@ class KVCache:
         self.keys[layer][slots, positions] = k
         self.values[layer][slots, positions] = v
 
-    def gather(self, layer: int, slots: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [B, max_len, kv_heads, k_dim] and values [B, max_len, kv_heads, v_dim] of rows `slots` [B]."""
-        return self.keys[layer][slots, :max_len], self.values[layer][slots, :max_len]
+    def gather(self, layer: int, slots: list[int], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [B, max_len, kv_heads, k_dim] and values [B, max_len, kv_heads, v_dim] of rows `slots`.
+
+        Consecutive slots (the usual case: rows are handed out lowest first) are a view, not a copy.
+        """
+        keys, values = self.keys[layer], self.values[layer]
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return keys[first : first + len(slots), :max_len], values[first : first + len(slots), :max_len]
+        index = torch.tensor(slots, dtype=torch.int64)
+        return keys[index, :max_len], values[index, :max_len]
