@@ -7,6 +7,7 @@ live ranks: balancedness and bytes moved.
 
 Goals: under 100 ms per placement for 58 x 256 on 32 ranks; after one dead rank the fault-aware
 policy moves at most half the bytes of a from-scratch recompute, with balancedness within 2% of it.
+Also EPLB in the loop: the same ranks under a drifted load, for three movement tolerances.
 
     .venv/bin/python benchmarks/eplb.py [--json]
 """
@@ -36,6 +37,7 @@ EXPERT_NBYTES = 3 * 7168 * 2048
 SETUPS = [(32, 9, 4), (320, 1, 40)]
 LOADS = {"lognormal s=1": 1.0, "lognormal s=2": 2.0}
 REPEATS = 5
+DRIFT_SIGMA = 0.3
 
 
 def timed(fn):
@@ -92,7 +94,31 @@ def bench_setup(load, ranks, slots, nodes):
         entry["bytes_ratio"] = round(entry["fault-aware"]["gb_moved"] / ref["gb_moved"], 3)
         entry["balance_ratio"] = round(entry["fault-aware"]["balancedness_mean"] / ref["balancedness_mean"], 4)
         failures.append(entry)
-    return {"ranks": ranks, "slots": slots, "nodes": nodes, "initial": initial, "failures": failures}
+    return {"ranks": ranks, "slots": slots, "nodes": nodes, "initial": initial, "failures": failures,
+            "drift": bench_drift(load, fresh, rank_nodes, ranks, slots)}
+
+
+def bench_drift(load, fresh, rank_nodes, ranks, slots):
+    """EPLB in the loop: same ranks, the load drifts (x lognormal(0, 0.3) per expert)."""
+    drifted = load * np.random.default_rng(1).lognormal(0.0, DRIFT_SIGMA, load.shape)
+    everyone = list(range(ranks))
+    rows = [{"policy": "placement in use", "balancedness_mean": float(balancedness(fresh, drifted).mean()),
+             "gb_moved": 0.0, "ms": None}]
+    for tolerance in (0.0, 0.01, 0.05):
+        loc, ms = timed(lambda tolerance=tolerance: fault_aware_placement(
+            drifted, everyone, rank_nodes, None, slots, ranks, current=fresh, movement_tolerance=tolerance))
+        rows.append({"policy": f"fault-aware, tolerance {tolerance}", "loc": loc, "ms": ms})
+    loc, ms = timed(lambda: fault_aware_placement(drifted, everyone, rank_nodes, None, slots, ranks))
+    rows.append({"policy": "scratch fault-aware", "loc": loc, "ms": ms})
+    for row in rows:
+        loc = row.pop("loc", None)
+        if loc is not None:
+            row["balancedness_mean"] = float(balancedness(loc, drifted).mean())
+            row["gb_moved"] = slots_moved(fresh, loc) * EXPERT_NBYTES / 1e9
+        row["balancedness_mean"] = round(row["balancedness_mean"], 4)
+        row["gb_moved"] = round(row["gb_moved"], 2)
+        row["ms"] = None if row["ms"] is None else round(row["ms"], 1)
+    return rows
 
 
 def print_markdown(results):
@@ -112,6 +138,11 @@ def print_markdown(results):
                 ms = "" if e["ms"] is None else e["ms"]
                 print(f"| {','.join(map(str, f['dead']))} | {name} | {ms} | {e['balancedness_mean']} | {e['gb_moved']} |")
             print(f"| | fault-aware / scratch | | {f['balance_ratio']} | {f['bytes_ratio']} |")
+        print(f"\nEPLB in the loop, load drift x lognormal(0, {DRIFT_SIGMA}):\n")
+        print("| policy | CPU ms | balancedness mean | GB moved |")
+        print("|---|---|---|---|")
+        for r in res["drift"]:
+            print(f"| {r['policy']} | {'' if r['ms'] is None else r['ms']} | {r['balancedness_mean']} | {r['gb_moved']} |")
 
 
 def main() -> None:

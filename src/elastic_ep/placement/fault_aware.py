@@ -14,8 +14,9 @@ Steps, each vectorized over the layers:
 3. place the missing copies, heaviest first, on the rank that finishes earliest (load / speed),
    never twice on a rank, on a node without a copy of that expert wherever one has room;
 4. swap copies between the slowest rank and the lightest ranks while that lowers the slowest
-   rank's time and the slowest rank is more than the tolerance above the ideal (total load /
-   total speed). Swaps never add node sharing.
+   rank's time and the slowest rank is more than the tolerance above the best possible time
+   (total load / total speed, or the busiest copy on the fastest rank). Swaps never add node
+   sharing.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ def fault_aware_placement(
     state = _State(grid, item, node_of, speed, num_experts)
     state.evict_surplus(counts)
     state.place_missing(counts)
-    state.refine((1 + tolerance) * weight.sum(1) / speed.sum())
+    # No placement beats the even spread of load, nor the busiest copy on the fastest rank.
+    best_time = np.maximum(weight.sum(1) / speed.sum(), item.max(1) / speed.max())
+    state.refine((1 + tolerance) * best_time)
 
     full = np.full((num_layers, num_ranks, slots_per_rank), EMPTY, dtype=np.int64)
     full[:, live] = state.grid
@@ -291,13 +294,13 @@ class _State:
                     return
         raise PlacementError(f"layer {row}: no rank can take another copy of expert {expert}")
 
-    def refine(self, target_time: np.ndarray, max_steps: int | None = None) -> None:
+    def refine(self, target_time: np.ndarray) -> None:
         """Swap copies between each layer's slowest rank and its lightest ranks. target_time: [L]."""
         _, num_ranks, num_slots = self.grid.shape
         partners = min(num_ranks, SWAP_PARTNERS)
         slot_of_column = np.tile(np.arange(num_slots), partners)
         rows = self.rows
-        for _ in range(max_steps or 2 * num_ranks * num_slots):
+        for _ in range(2 * num_ranks * num_slots):
             # summed afresh in slot order: equal placements give bit-equal times, so a rerun
             # on an unchanged placement picks the same slowest rank and finds nothing to move
             copies = self._ext(self.grid[rows]).reshape(len(rows), -1)
