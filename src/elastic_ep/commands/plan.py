@@ -3,47 +3,26 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 
 import numpy as np
 
-from elastic_ep.commands.sim import add_output_arguments, int_list
+from elastic_ep.commands.sim import (
+    add_dataclass_options,
+    add_output_arguments,
+    add_rate_option,
+    dataclass_from_options,
+    int_list,
+)
 from elastic_ep.sim.failure_rates import parse_rate
 from elastic_ep.sim.planner import PlanInputs, make_plan
 from elastic_ep.sim.report import dumps, format_table, save_plot
 
-HELP = {
-    "experts": "routed experts per layer",
-    "layers": "MoE layers",
-    "expert_mb": "MB of one expert's weights in one layer (DeepSeek-V3 FP8: 44)",
-    "gpus": "GPUs in the service",
-    "gpu_mem_gb": "GB of memory per GPU",
-    "other_gb": "GB per GPU for everything but routed experts (dense weights, activations, buffers)",
-    "min_free_gb": "GB per GPU an option must leave free for the KV cache",
-    "gpus_per_node": "GPUs per node (a node failure takes them all)",
-    "node_share": "share of failures that take a whole node (default: from the Llama 3 counts)",
-    "restart_min": "whole-group restart, minutes",
-    "pause_min": "elastic recovery pause, minutes",
-    "disk_reload_min": "minutes to reload lost experts from disk",
-    "backup_reload_s": "seconds to reload lost experts from the host-memory backup",
-}
+PLAN_SKIP = ("rate_per_gpu_hour",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = PlanInputs()
-    for f in fields(PlanInputs):
-        if f.name == "rate_per_gpu_hour":
-            continue
-        value = getattr(defaults, f.name)
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=type(value),
-            default=value,
-            help=f"{HELP[f.name]} (default {value:g})",
-        )
-    parser.add_argument(
-        "--rate", default="FROM_DATA", help="failures per GPU-hour, or FROM_DATA (Llama 3 counts)"
-    )
+    add_dataclass_options(parser, PlanInputs, skip=PLAN_SKIP)
+    add_rate_option(parser)
     parser.add_argument("--ep-sizes", type=int_list, default=[32, 64, 128, 256], help="EP sizes to compare")
     parser.add_argument(
         "--redundant", type=int_list, default=[0, 32, 256], help="redundant experts per layer to compare"
@@ -56,8 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    values = {f.name: getattr(args, f.name) for f in fields(PlanInputs) if f.name != "rate_per_gpu_hour"}
-    inputs = PlanInputs(rate_per_gpu_hour=parse_rate(args.rate), **values)
+    inputs = dataclass_from_options(PlanInputs, args, PLAN_SKIP, rate_per_gpu_hour=parse_rate(args.rate))
     backups = {"on": [True], "off": [False], "both": [False, True]}[args.backup]
     plan = make_plan(inputs, args.ep_sizes, args.redundant, backups, np.random.default_rng(args.seed))
     if args.json:
