@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -149,3 +151,26 @@ def test_engine_error_event_is_a_500_and_an_error_event_in_a_stream(served):
         lines = [line for line in stream.iter_lines() if line]
     assert "rank 2 lost its KV cache" in lines[-2]
     assert lines[-1] == "data: [DONE]"
+
+
+def test_integer_temperature_is_accepted(served):
+    response = httpx.post(
+        f"{served.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    )
+    assert response.status_code == 200
+    assert request_of(served, response.json()["id"]).params.temperature == 0.0
+
+
+def test_concurrent_streams_each_get_their_own_text(served):
+    client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+    async def one(max_tokens: int) -> str:
+        stream = await client.completions.create(
+            model=MODEL, prompt="[slow]", max_tokens=max_tokens, stream=True
+        )
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def many() -> list[str]:
+        return await asyncio.gather(*(one(n) for n in range(3, 19, 2)))
+
+    assert asyncio.run(many()) == [REPLY.encode()[:n].decode(errors="replace") for n in range(3, 19, 2)]
