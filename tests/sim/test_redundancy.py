@@ -150,6 +150,9 @@ def test_placement_file_is_read_with_slots_from_option_or_file(tmp_path):
         read_placement_file(path, 4)
     path.write_text(json.dumps({"phy2log": phy2log, "slots_per_rank": 3}))
     assert read_placement_file(path)[1:] == (2, 3)
+    path.write_text(json.dumps({"phy2log": phy2log, "slots_per_rank": 3, "num_experts": 5}))
+    with pytest.raises(SimulationError, match=r"layer 0 .* no replica of expert\(s\) \[4\]"):
+        read_placement_file(path)
 
 
 @pytest.mark.parametrize(

@@ -86,6 +86,7 @@ def test_every_command_draws_a_png(tmp_path, capsys, argv):
     [
         (["sim", "redundancy", "--ranks", "4", "--slots", "1"], "do not fit in 4 ranks x 1 slots"),
         (["sim", "redundancy", "--ranks", "32", "--slots", "9", "--k", "40"], "k=40 dead failure domains"),
+        (["sim", "redundancy", "--ranks", "8", "--slots", "64", "--experts", "4"], "only 8 failure domains"),
         (["sim", "redundancy", "--ranks", "32"], "--ranks needs --slots"),
         (["sim", "redundancy", "--placement", "/nonexistent.json"], "does not exist"),
         (["sim", "fleet", "--ep-size", "64", "--slots-per-rank", "2"], "cannot hold 256 experts"),

@@ -233,7 +233,8 @@ def _redundancy_cases(
             raise SimulationError("give either --placement or --ranks, not both")
         phy2log, ranks, slots = read_placement_file(args.placement, args.slots)
         domains = redundancy.domain_map(ranks, args.ranks_per_node, node_of_rank)
-        return [(Path(args.placement).name, [phy2log], slots, domains)]
+        name = Path(args.placement).name + (f" ({len(phy2log)} layers)" if len(phy2log) > 1 else "")
+        return [(name, [phy2log], slots, domains)]
     if args.ranks is None:
         if args.slots is not None or args.redundant is not None:
             raise SimulationError("--slots and --redundant describe a configuration: give --ranks too")

@@ -151,4 +151,12 @@ def read_placement_file(path: str | Path, slots_per_rank: int | None = None) -> 
             raise SimulationError(f"{path} does not say its slots per rank: give --slots")
     if slots_per_rank <= 0 or n_slots % slots_per_rank:
         raise SimulationError(f"--slots {slots_per_rank} does not divide the {n_slots} slots of {path}")
+    experts = int(raw.get("num_experts", 0))
+    for layer, row in enumerate(phy2log):
+        missing = sorted(set(range(experts)) - set(row.tolist()))
+        if missing:
+            raise SimulationError(
+                f"layer {layer} of {path} has no replica of expert(s) {missing[:8]}: it cannot serve "
+                f"before any failure; recompute it with `elastic-ep eplb`"
+            )
     return phy2log, n_slots // slots_per_rank, slots_per_rank
