@@ -60,7 +60,8 @@ def test_cluster_and_dashboard(served):
     cluster = httpx.get(f"{served.url}/cluster").json()
     assert cluster["epoch"] == 3
     assert {"rank_id", "node", "pid", "state", "step_ms"} <= set(cluster["ranks"][0])
-    page = httpx.get(f"{served.url}/dashboard")
+    page = httpx.get(f"{served.url}/", follow_redirects=True)
+    assert page.url.path == "/dashboard"
     assert page.status_code == 200
     assert page.headers["content-type"].startswith("text/html")
     assert "/cluster" in page.text and "/is_scaling_elastic_ep" in page.text

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from elastic_ep.control.api import Engine
@@ -42,6 +42,10 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     @router.get("/cluster")
     async def cluster() -> dict:
         return engine.cluster()
+
+    @router.get("/", include_in_schema=False)
+    async def root() -> RedirectResponse:
+        return RedirectResponse("/dashboard")
 
     @router.get("/dashboard")
     async def dashboard() -> FileResponse:
