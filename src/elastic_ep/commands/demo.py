@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
 from elastic_ep.model.engine import OfflineEngine
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.model.tiny import resolve_model
@@ -18,10 +20,14 @@ PROMPTS = ["Hello world!", "Once upon a time", "The weather today is"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-deepseek-v3", help="checkpoint dir or embedded model name")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads; raise for large models (default 1)"
+    )
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per prompt (default 24)")
 
 
 def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     print(f"model: {args.model} ({model_dir})")
     engine = OfflineEngine.from_pretrained(model_dir)

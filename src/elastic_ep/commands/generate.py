@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from elastic_ep.model.engine import OfflineEngine
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.model.tiny import resolve_model
@@ -27,10 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: the prompt's index)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at an EOS token")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences in flight at once (default 16)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads; raise for large models (default 1)"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON line per prompt")
 
 
 def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     engine = OfflineEngine.from_pretrained(model_dir, max_batch=args.max_batch)
     tokenizer = load_tokenizer(model_dir)

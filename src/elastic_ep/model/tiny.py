@@ -27,7 +27,7 @@ from .checkpoint import INDEX_FILE, expert_key
 TINY_MODELS: dict[str, str] = {"tiny-deepseek-v3": "deepseek_v3", "tiny-qwen3-moe": "qwen3_moe"}
 ARCHS = ("deepseek_v3", "qwen3_moe")
 # Bump when the default tiny checkpoints change, so stale cached copies are not reused.
-TINY_FORMAT_VERSION = 1
+TINY_FORMAT_VERSION = 2
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>"]
 BOS_ID, EOS_ID = 0, 1
 
@@ -196,7 +196,9 @@ def _attention_shapes(hf: dict[str, Any], arch: str) -> dict[str, tuple[int, ...
     return shapes
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def _random_tensor(
+    name: str, shape: tuple[int, ...], gen: torch.Generator, quiet_ids: list[int]
+) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
     if name.endswith("e_score_correction_bias"):
@@ -205,10 +207,21 @@ def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> t
         return torch.randn(shape, generator=gen)
     weight = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
     if name == "lm_head.weight":
-        # Special tokens get zero logits so that random weights rarely stop generation at once.
+        # Wide logits give varied greedy output; quiet tokens (special, unprintable, unused) get
+        # logit 0, far below the best of the others, so random weights neither stop at once nor
+        # print garbage bytes.
         weight = weight * 4.0
-        weight[: len(SPECIAL_TOKENS)] = 0.0
+        weight[quiet_ids] = 0.0
     return weight
+
+
+def _quiet_token_ids(tokenizer: Tokenizer, vocab: int) -> list[int]:
+    def readable(text: str) -> bool:
+        return bool(text) and text.isprintable() and "\ufffd" not in text
+
+    size = tokenizer.get_vocab_size()
+    special = set(range(len(SPECIAL_TOKENS)))
+    return [i for i in range(vocab) if i >= size or i in special or not readable(tokenizer.decode([i]))]
 
 
 def _train_tokenizer(vocab: int) -> Tokenizer:
@@ -249,7 +262,10 @@ def make_tiny(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    tensors = {name: _random_tensor(name, shape, gen) for name, shape in _tensor_shapes(hf).items()}
+    quiet_ids = _quiet_token_ids(tokenizer, hf["vocab_size"])
+    tensors = {
+        name: _random_tensor(name, shape, gen, quiet_ids) for name, shape in _tensor_shapes(hf).items()
+    }
     _write_shards(tensors, out, num_shards)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
