@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away; stop quietly like other Unix tools.
+        sys.stderr.close()
+        return 141
 
 
 if __name__ == "__main__":
