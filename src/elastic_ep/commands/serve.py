@@ -1,0 +1,95 @@
+"""`elastic-ep serve`: controller, this node's agent and its worker processes, plus the
+OpenAI-compatible HTTP server, in one command. Ctrl-C or SIGTERM stops all of them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import threading
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from elastic_ep.control.agent import NodeAgent
+from elastic_ep.control.controller import Controller, ServeConfig
+from elastic_ep.model.tiny import resolve_model
+from elastic_ep.model.tokenizer import load_tokenizer
+
+HELP = {
+    "redundant_experts": "extra expert slots in all; (experts + K) must divide by --ep-size",
+    "backend": "data plane: gloo (CPU) or nccl (GPU)",
+    "host": "address every process binds and the HTTP server listens on",
+    "max_num_seqs": "sequences in flight per rank",
+    "max_model_len": "longest prompt plus output, tokens",
+    "max_num_batched_tokens": "tokens per rank per step (chunked prefill)",
+    "expert_backup": "keep each node's share of the routed experts in host shared memory",
+    "enable_eplb": "re-place experts from the recorded load while serving",
+    "eplb_interval": "steps between EPLB checks",
+    "eplb_threshold": "rebalance when max/mean rank load exceeds this",
+    "enable_chaos": "enable the fault-injection endpoints",
+    "record_dir": "where /dump_expert_distribution_record writes",
+    "heartbeat_interval_s": "worker heartbeat period",
+    "heartbeat_timeout_s": "a rank silent this long is declared lost",
+    "watchdog_floor_s": "least time a rank may lag the others into a collective",
+    "watchdog_multiple": "lag allowed as a multiple of the median recent step time",
+    "fence_timeout_s": "wait for an agent to confirm a kill",
+    "drain_timeout_s": "wait for the other ranks to leave a failed step",
+    "epoch_timeout_s": "wait for a new epoch to form and move its experts",
+    "collective_timeout_s": "torch.distributed timeout, a last resort behind the watchdog",
+    "admission_timeout_s": "a request waits this long for a ready cluster before a 503",
+    "startup_timeout_s": "wait for every rank to register at start",
+    "restart_delay_s": "restart a dead rank after this delay (negative: never)",
+    "health_checks": "heartbeat and watchdog detection (off only to measure their cost)",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-deepseek-v3", help="checkpoint dir, or tiny-deepseek-v3 / tiny-qwen3-moe")
+    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    parser.add_argument("--ep-size", type=int, default=2, help="number of EP ranks (worker processes)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--node", default="node0", help="this node's name (failure domain)")
+    parser.add_argument("--local-ranks", type=int, default=None,
+                        help="ranks started on this node (default --ep-size; others come from `elastic-ep agent`)")
+    for f in dataclasses.fields(ServeConfig):
+        if f.name not in HELP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f"{HELP[f.name]} (default {'on' if f.default else 'off'})")
+        else:
+            kwargs = {"choices": ["gloo", "nccl"]} if f.name == "backend" else {}
+            parser.add_argument(flag, type=type(f.default), default=f.default,
+                                help=f"{HELP[f.name]} (default {f.default})", **kwargs)
+
+
+def run(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model)
+    cfg = ServeConfig(
+        model_dir=str(model_dir),
+        model_name=args.served_model_name or args.model,
+        ep_size=args.ep_size,
+        **{name: getattr(args, name) for name in HELP},
+    )
+    registry = CollectorRegistry()
+    controller = Controller(cfg, registry)
+    tokenizer = load_tokenizer(model_dir)
+    from elastic_ep.serve.app import create_app
+
+    app = create_app(controller, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
+    agent = NodeAgent(controller.health_addr, args.node, cfg.host,
+                      args.ep_size if args.local_ranks is None else args.local_ranks)
+    agent_stop = threading.Event()
+    agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
+    agent_thread.start()
+    controller.start()
+    print(f"elastic-ep: controller at {controller.health_addr} (agents connect here), "
+          f"HTTP on http://{cfg.host}:{args.port}", flush=True)
+    try:
+        uvicorn.run(app, host=cfg.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    finally:
+        controller.stop()
+        agent_stop.set()
+        agent_thread.join(10)
+    return 0

@@ -1,0 +1,966 @@
+"""The controller: membership (epochs), the step loop, health, recovery, and the `Engine`
+the HTTP app talks to.
+
+One control thread owns every socket and all cluster state; it alternates between running a
+step (send a `StepPlan` to every member, gather `StepResult`s) and handling what arrives:
+heartbeats, agent reports, new requests. Everything else (HTTP handlers) talks to it through
+a command queue and reads a published snapshot, so no lock guards cluster state.
+
+A fault (a worker exit reported by its agent, a collective that raised, a rank whose
+heartbeats stopped, a rank the progress watchdog names) stops the step loop. Recovery then:
+fences the culprits (their agent kills them and confirms), waits for every other member to
+leave the failed step, computes a placement over the live ranks, sends the new epoch with a
+transfer plan, checks every slot's checksum and re-runs the step; the dead ranks' requests are
+re-prefilled on the others. Requests never see an error, only a pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch.distributed as dist
+import zmq
+from prometheus_client import CollectorRegistry
+
+from elastic_ep.errors import ElasticEPError, PlacementError
+from elastic_ep.model.checkpoint import CheckpointReader
+from elastic_ep.model.config import MoEConfig
+from elastic_ep.placement.fault_aware import fault_aware_placement
+from elastic_ep.placement.location import EMPTY, ExpertLocation
+from elastic_ep.placement.measures import balancedness
+from elastic_ep.placement.transfer import plan_transfers
+
+from .api import EngineInfo, GenerationRequest, Readiness, RequestOutput, ScaleRejected, ServiceUnavailable
+from .backup import backup_shares
+from .health import adaptive_deadline_s, hung_ranks, lost_heartbeats
+from .messages import (
+    AgentHello,
+    AgentShutdown,
+    AgentWelcome,
+    BackupReady,
+    BackupSite,
+    EpochFailed,
+    EpochReady,
+    EpochStart,
+    FenceWorker,
+    Heartbeat,
+    Progress,
+    Shutdown,
+    SignalWorker,
+    SlotSource,
+    StartWorker,
+    StepFailed,
+    StepPlan,
+    StepResult,
+    WorkerExited,
+    WorkerFenced,
+    WorkerHello,
+    WorkerStarted,
+    decode,
+    encode,
+)
+from .metrics import ClusterMetrics
+from .scheduler import Scheduler, Sequence, StepBatch
+
+
+@dataclass
+class ServeConfig:
+    """Every knob of a deployment; the deadlines (seconds) are shown in /cluster."""
+
+    model_dir: str
+    model_name: str
+    ep_size: int
+    redundant_experts: int = 0
+    backend: str = "gloo"
+    host: str = "127.0.0.1"
+    max_num_seqs: int = 32
+    max_model_len: int = 1024
+    max_num_batched_tokens: int = 256
+    expert_backup: bool = True
+    enable_eplb: bool = False
+    eplb_interval: int = 200
+    eplb_threshold: float = 1.3
+    enable_chaos: bool = False
+    record_dir: str = "."
+    heartbeat_interval_s: float = 0.1
+    heartbeat_timeout_s: float = 1.0
+    watchdog_floor_s: float = 1.0
+    watchdog_multiple: float = 10.0
+    fence_timeout_s: float = 5.0
+    drain_timeout_s: float = 5.0
+    epoch_timeout_s: float = 30.0
+    collective_timeout_s: float = 60.0
+    admission_timeout_s: float = 30.0
+    startup_timeout_s: float = 120.0
+    restart_delay_s: float = 5.0
+    health_checks: bool = True
+
+    def deadlines(self) -> dict[str, float]:
+        return {
+            k: v for k, v in vars(self).items() if k.endswith("_s") and isinstance(v, float | int)
+        }
+
+
+@dataclass
+class RankState:
+    rank_id: int
+    node: str
+    pid: int | None = None
+    state: str = "starting"
+    last_heartbeat: float = 0.0
+    progress: Progress = field(default_factory=Progress)
+    step_s: deque = field(default_factory=lambda: deque(maxlen=256))
+    wait_s: deque = field(default_factory=lambda: deque(maxlen=256))
+    slot_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
+    hello: WorkerHello | None = None
+
+
+@dataclass
+class AgentState:
+    node: str
+    identity: bytes
+    fetch_addr: str
+    num_ranks: int
+    backup: BackupSite | None = None
+    backup_experts: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class RecoveryNeeded(Exception):
+    """Raised inside the control loop when a fault interrupts a step or an epoch change."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _percentiles_ms(values) -> dict[str, float] | None:
+    if not values:
+        return None
+    a = np.asarray(values, dtype=np.float64) * 1000
+    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
+            "max": round(float(a.max()), 3)}
+
+
+class Controller:
+    """Implements `control.api.Engine`. Start with `start()`, stop with `stop()`."""
+
+    MAX_FAILURES_WITHOUT_CULPRIT = 3
+
+    def __init__(self, cfg: ServeConfig, registry: CollectorRegistry | None = None):
+        self.cfg = cfg
+        self.config = MoEConfig.from_pretrained(cfg.model_dir)
+        self.reader = CheckpointReader(cfg.model_dir, self.config)
+        num_experts = self.config.num_experts
+        total_slots = num_experts + cfg.redundant_experts
+        if cfg.ep_size < 1 or total_slots % cfg.ep_size:
+            raise ElasticEPError(
+                f"{num_experts} experts + {cfg.redundant_experts} redundant = {total_slots} slots do not split "
+                f"evenly over --ep-size {cfg.ep_size}; choose --redundant-experts so the sum is a multiple of it"
+            )
+        if cfg.max_model_len > self.config.max_position_embeddings:
+            raise ElasticEPError(
+                f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.config.max_position_embeddings}; lower it"
+            )
+        self.slots_per_rank = total_slots // cfg.ep_size
+        self.num_moe_layers = len(self.config.moe_layers)
+        self.info = EngineInfo(cfg.model_name, cfg.max_model_len, tuple(self.config.eos_token_ids))
+        self.metrics = ClusterMetrics(registry or CollectorRegistry())
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+
+        self.ranks: dict[int, RankState] = {}
+        self.agents: dict[str, AgentState] = {}
+        self.epoch = -1
+        self.members: list[int] = []
+        self.location: ExpertLocation | None = None
+        self.reference_checksums: dict[tuple[int, int], int] = {}
+        self.faults: dict[int, str] = {}
+        self.fault_detected_at: float | None = None
+        self.fencing: dict[int, float] = {}
+        self.restart_at: dict[int, float] = {}
+        self.delay_s: dict[int, float] = {}
+        self.events: deque[dict[str, Any]] = deque(maxlen=200)
+        self.step = 0
+        self.recent_step_s: deque[float] = deque(maxlen=32)
+        self.seq_first_seen: dict[int, float] = {}
+        self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
+        self.recording: np.ndarray | None = None
+        self.recorded_steps = 0
+        self.streams: dict[int, _Stream] = {}
+        self.pending_recovery_record: dict[str, Any] | None = None
+        self._ready = Readiness(False, "starting: waiting for ranks to register")
+        self._snapshot: dict[str, Any] = {}
+        self._ids = itertools.count()
+        self._commands: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fatal: str | None = None
+        self.trouble: list[str] = []
+        self.failed_epochs = 0
+        self.inflight: set[int] = set()
+        self._failed_batch: StepBatch | None = None
+        self._step_replies: dict[int, StepResult | StepFailed] = {}
+        self._epoch_replies: dict[int, EpochReady | EpochFailed] = {}
+        self._last_eplb_step = -1
+        self._published_at = 0.0
+        self._recording_frozen: np.ndarray | None = None
+
+        self.ctx = zmq.Context.instance()
+        self.store_port = _free_port(cfg.host)
+        self.store = dist.TCPStore(
+            cfg.host, self.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        self.step_sock = self.ctx.socket(zmq.ROUTER)
+        self.health_sock = self.ctx.socket(zmq.ROUTER)
+        for s in (self.step_sock, self.health_sock):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.step_addr = f"tcp://{cfg.host}:{self.step_sock.bind_to_random_port(f'tcp://{cfg.host}')}"
+        self.health_addr = f"tcp://{cfg.host}:{self.health_sock.bind_to_random_port(f'tcp://{cfg.host}')}"
+        self.poller = zmq.Poller()
+        self.poller.register(self.step_sock, zmq.POLLIN)
+        self.poller.register(self.health_sock, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._publish()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="control-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Shut down workers (via agents) and the control loop."""
+        self._stopping.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _command(self, *cmd) -> None:
+        self._commands.put(cmd)
+        self._wake()
+
+    def _event(self, kind: str, message: str, rank_id: int | None = None, **extra) -> None:
+        self.events.append({"time_s": time.time(), "kind": kind, "rank_id": rank_id, "message": message, **extra})
+
+    def _run(self) -> None:
+        try:
+            self._wait_for_initial_ranks()
+            while not self._stopping.is_set():
+                try:
+                    self._iterate()
+                except RecoveryNeeded:
+                    self._recover()
+        except Exception as e:  # the loop must not die silently: readiness says why
+            self.fatal = f"{type(e).__name__}: {e}"
+            self._ready = Readiness(False, f"control loop failed: {self.fatal}")
+            self._event("fatal", self.fatal)
+            self._publish()
+            raise
+        finally:
+            self._shutdown_cluster()
+
+    def _shutdown_cluster(self) -> None:
+        for r in self.ranks.values():
+            if r.state not in ("dead", "fenced"):
+                self._send_step(r.rank_id, Shutdown())
+        for agent in self.agents.values():
+            self._send_health(agent.identity, AgentShutdown())
+        for seq_id, stream in list(self.streams.items()):
+            self._deliver(seq_id, RequestOutput(stream.request_id, [], True, "error", "server shutting down"))
+        time.sleep(0.1)
+
+    # ---- sockets -----------------------------------------------------------------------
+
+    def _send_step(self, rank_id: int, message) -> None:
+        self.step_sock.send_multipart([f"w{rank_id}".encode(), encode(message)])
+
+    def _send_health(self, identity: bytes, message) -> None:
+        self.health_sock.send_multipart([identity, encode(message)])
+
+    def _send_agent(self, node: str, message) -> None:
+        agent = self.agents.get(node)
+        if agent is not None:
+            self._send_health(agent.identity, message)
+
+    def _pump(self, timeout_s: float) -> None:
+        """Wait up to timeout_s for input, handle everything that arrived, run health checks."""
+        ready = dict(self.poller.poll(int(timeout_s * 1000)))
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        while self.health_sock.poll(0):
+            identity, frame = self.health_sock.recv_multipart()
+            self._on_health(identity, decode(frame))
+        while self.step_sock.poll(0):
+            _, frame = self.step_sock.recv_multipart()
+            self._on_step(decode(frame))
+        self._drain_commands()
+        self._check_health()
+
+    # ---- messages ----------------------------------------------------------------------
+
+    def _on_health(self, identity: bytes, msg) -> None:
+        now = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            r = self.ranks.get(msg.rank_id)
+            if r is None or r.pid != msg.pid:
+                return
+            r.last_heartbeat = now
+            if msg.progress.epoch == self.epoch and msg.progress.seq not in self.seq_first_seen:
+                self.seq_first_seen[msg.progress.seq] = now
+            r.progress = msg.progress
+        elif isinstance(msg, AgentHello):
+            self.agents[msg.node] = AgentState(msg.node, identity, msg.fetch_addr, msg.num_ranks)
+            self._welcome(self.agents[msg.node])
+        elif isinstance(msg, WorkerStarted):
+            r = self.ranks.setdefault(msg.rank_id, RankState(msg.rank_id, msg.node))
+            r.node, r.pid, r.state, r.last_heartbeat = msg.node, msg.pid, "starting", now
+            r.progress, r.hello = Progress(), None
+            self._event("started", f"rank {msg.rank_id} started on {msg.node} (pid {msg.pid})", msg.rank_id)
+        elif isinstance(msg, WorkerExited):
+            r = self.ranks.get(msg.rank_id)
+            if r is None or r.pid != msg.pid:
+                return
+            self._fault(msg.rank_id, f"process exited with code {msg.returncode}")
+            r.state = "dead"
+            self.fencing.pop(msg.rank_id, None)
+        elif isinstance(msg, WorkerFenced):
+            r = self.ranks.get(msg.rank_id)
+            if r is not None and r.pid == msg.pid and r.state == "fencing":
+                r.state = "fenced"
+                self.fencing.pop(msg.rank_id, None)
+        elif isinstance(msg, BackupReady):
+            agent = self.agents.get(msg.node)
+            if agent is not None:
+                agent.backup, agent.backup_experts = msg.site, msg.experts
+                self._event("backup", f"node {msg.node} holds {len(msg.experts)} experts in host memory "
+                            f"({msg.nbytes} bytes)", nbytes=msg.nbytes)
+
+    def _on_step(self, msg) -> None:
+        if isinstance(msg, WorkerHello):
+            r = self.ranks.setdefault(msg.rank_id, RankState(msg.rank_id, msg.node))
+            if r.pid != msg.pid:
+                return
+            r.hello, r.last_heartbeat = msg, time.monotonic()
+        elif isinstance(msg, StepResult | StepFailed):
+            if msg.epoch == self.epoch and msg.step == self.step:
+                self._step_replies[msg.rank_id] = msg
+                if isinstance(msg, StepFailed):
+                    self.trouble.append(f"rank {msg.rank_id}: {msg.error}")
+                    if self.fault_detected_at is None:
+                        self.fault_detected_at = time.monotonic()
+        elif isinstance(msg, EpochReady | EpochFailed):
+            if msg.epoch == self.epoch:
+                self._epoch_replies[msg.rank_id] = msg
+
+    def _fault(self, rank_id: int, cause: str) -> None:
+        if rank_id in self.faults:
+            return
+        r = self.ranks[rank_id]
+        if r.state in ("dead", "fenced"):
+            return
+        self.faults[rank_id] = cause
+        if self.fault_detected_at is None:
+            self.fault_detected_at = time.monotonic()
+        self._event("fault", f"rank {rank_id}: {cause}", rank_id, cause=cause)
+
+    def _check_health(self) -> None:
+        if not self.cfg.health_checks:
+            return
+        now = time.monotonic()
+        watched = {r.rank_id: r.last_heartbeat for r in self.ranks.values()
+                   if r.state in ("serving", "draining") or (r.state == "starting" and r.hello is not None)}
+        for rank_id in lost_heartbeats(watched, now, self.cfg.heartbeat_timeout_s):
+            self._fault(rank_id, f"no heartbeat for {self.cfg.heartbeat_timeout_s:.2f}s (stopped or cut off)")
+        if self.inflight:
+            deadline = self.watchdog_deadline_s()
+            progress = {r: self.ranks[r].progress for r in self.members if r not in self.faults}
+            for rank_id in hung_ranks(progress, self.epoch, self.seq_first_seen, now, deadline):
+                p = progress[rank_id]
+                self._fault(rank_id, f"hung: has not entered collective {max(x.seq for x in progress.values())} "
+                            f"the others wait in for {deadline:.2f}s (last at layer {p.layer} {p.phase})")
+        for rank_id, t in list(self.restart_at.items()):
+            if now >= t:
+                del self.restart_at[rank_id]
+                self._send_agent(self.ranks[rank_id].node, StartWorker(rank_id, "recover"))
+
+    def watchdog_deadline_s(self) -> float:
+        return adaptive_deadline_s(self.recent_step_s, self.cfg.watchdog_multiple, self.cfg.watchdog_floor_s)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "add":
+                _, seq, stream = cmd
+                self.streams[seq.seq_id] = stream
+                self.scheduler.add(seq)
+            elif kind == "abort":
+                self.scheduler.abort(cmd[1])
+                self.streams.pop(cmd[1], None)
+            elif kind == "signal":
+                _, rank_id, sig = cmd
+                r = self.ranks[rank_id]
+                self._send_agent(r.node, SignalWorker(rank_id, r.pid, sig))
+            elif kind == "slow":
+                self.delay_s[cmd[1]] = cmd[2]
+
+    # ---- startup -----------------------------------------------------------------------
+
+    def _welcome(self, agent: AgentState) -> None:
+        self._send_health(agent.identity, AgentWelcome(self._worker_args(), []))
+        taken = set(self.ranks)
+        free = [r for r in range(self.cfg.ep_size) if r not in taken]
+        for rank_id in free[: agent.num_ranks]:
+            self.ranks[rank_id] = RankState(rank_id, agent.node)
+            self._send_health(agent.identity, StartWorker(rank_id, "initial"))
+
+    def _wait_for_initial_ranks(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while not self._stopping.is_set():
+            hello = [r for r in self.ranks.values() if r.hello is not None]
+            self._ready = Readiness(False, f"starting: {len(hello)}/{self.cfg.ep_size} ranks registered")
+            self._publish()
+            if len(hello) >= self.cfg.ep_size:
+                break
+            dead = [r for r in self.ranks.values() if r.state == "dead"]
+            if dead:
+                raise ElasticEPError(f"rank {dead[0].rank_id} exited during startup; see its log above")
+            if time.monotonic() > deadline:
+                raise ElasticEPError(
+                    f"only {len(hello)} of {self.cfg.ep_size} ranks registered within --startup-timeout-s "
+                    f"{self.cfg.startup_timeout_s}; check the worker logs"
+                )
+            self._pump(0.05)
+        self.faults.clear()
+        self.fault_detected_at = None
+        self._change_epoch(sorted(self.ranks), "start", np.ones((self.num_moe_layers, self.config.num_experts)))
+        self._start_backup()
+
+    def _start_backup(self) -> None:
+        """Give every agent its share of the expert backup, if memory allows."""
+        if not self.cfg.expert_backup:
+            self._event("backup", "expert backup disabled (--no-expert-backup)")
+            return
+        total = self.reader.expert_nbytes * self.num_moe_layers * self.config.num_experts
+        room = psutil.virtual_memory().available
+        if total > room // 2:
+            self._event("backup", f"expert backup off: {total} bytes exceed half the free memory ({room})")
+            return
+        assert self.location is not None
+        for node, items in backup_shares(self.location, self._rank_nodes(), sorted(self.agents)).items():
+            self._send_health(self.agents[node].identity, AgentWelcome(self._worker_args(), items))
+
+    def _worker_args(self) -> dict[str, Any]:
+        return {
+            "model_dir": self.cfg.model_dir,
+            "step_addr": self.step_addr,
+            "health_addr": self.health_addr,
+            "store_host": self.cfg.host,
+            "store_port": self.store_port,
+            "backend": self.cfg.backend,
+            "max_num_seqs": self.cfg.max_num_seqs,
+            "max_model_len": self.cfg.max_model_len,
+            "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
+        }
+
+    # ---- the step loop -----------------------------------------------------------------
+
+    def _iterate(self) -> None:
+        self._pump(0.0)
+        if self.faults or self.trouble:
+            raise RecoveryNeeded()
+        joiners = self._joiners()
+        if joiners and self._can_serve(sorted(self.members + joiners)):
+            self._change_epoch(sorted(self.members + joiners), "rejoin", self._load_estimate())
+            return
+        if not self._ready.ready:
+            self._pump(0.05)
+            return
+        if self._eplb_due():
+            self._rebalance()
+            return
+        if not self.scheduler.has_work:
+            self._pump(0.05)
+            return
+        self._run_step()
+
+    def _joiners(self) -> list[int]:
+        return sorted(
+            r.rank_id for r in self.ranks.values()
+            if r.hello is not None and r.state == "starting" and r.rank_id not in self.members
+            and r.rank_id not in self.faults
+        )
+
+    def _can_serve(self, ranks: list[int]) -> bool:
+        return len(ranks) * self.slots_per_rank >= self.config.num_experts
+
+    def _run_step(self) -> None:
+        batch = self.scheduler.schedule()
+        self.step += 1
+        self._step_replies = {}
+        self.inflight = set(self.members)
+        start = time.perf_counter()
+        for rank_id in self.members:
+            self._send_step(rank_id, StepPlan(
+                self.epoch, self.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
+                self.delay_s.get(rank_id, 0.0),
+            ))
+        while len(self._step_replies) < len(self.members):
+            self._pump(0.002)
+            if self.faults or self.trouble:
+                self._requeue_frees(batch)
+                self._failed_batch = batch
+                raise RecoveryNeeded()
+        self.inflight = set()
+        wall_s = time.perf_counter() - start
+        self._finish_step(batch, wall_s)
+
+    def _requeue_frees(self, batch: StepBatch) -> None:
+        """A failed step's frees may not have run: ask again in the next step."""
+        for rank_id, ids in batch.free.items():
+            if rank_id in self.scheduler.to_free:
+                self.scheduler.to_free[rank_id].extend(ids)
+
+    def _finish_step(self, batch: StepBatch, wall_s: float) -> None:
+        results: dict[int, StepResult] = self._step_replies  # type: ignore[assignment]
+        sampled: dict[int, int] = {}
+        slowest = 0.0
+        load = np.zeros((self.num_moe_layers, self.config.num_experts), dtype=np.int64)
+        for rank_id, res in results.items():
+            sampled.update(res.tokens)
+            slowest = max(slowest, res.step_s)
+            r = self.ranks[rank_id]
+            r.step_s.append(res.step_s)
+            r.wait_s.append(res.dispatch_wait_s + res.combine_wait_s)
+            r.slot_tokens.append(res.slot_tokens)
+            label = str(rank_id)
+            self.metrics.step_seconds.labels(label).observe(res.step_s)
+            self.metrics.collective_wait_seconds.labels(label).observe(res.dispatch_wait_s + res.combine_wait_s)
+            if res.expert_load is not None:
+                load += res.expert_load
+        self.recent_step_s.append(wall_s)
+        self.failed_epochs = 0
+        self._failed_batch = None
+        self.metrics.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
+        tokens = batch.tokens_per_rank()
+        for rank_id, n in tokens.items():
+            self.metrics.rank_tokens.labels(str(rank_id)).set(n)
+        if sum(tokens.values()):
+            self.metrics.dp_token_imbalance.set(max(tokens.values()) / (sum(tokens.values()) / len(tokens)))
+        slot_totals = {r: sum(self.ranks[r].slot_tokens) for r in self.members}
+        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
+        if mean:
+            for r, v in slot_totals.items():
+                self.metrics.expert_load_imbalance.labels(str(r)).set(v / mean)
+        self.load_window.append(load)
+        if self.recording is not None:
+            self.recording += load
+            self.recorded_steps += 1
+        for seq, new_tokens in self.scheduler.commit(batch, sampled):
+            self._deliver(seq.seq_id, RequestOutput(
+                seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
+            ))
+        if self.pending_recovery_record is not None:
+            record = self.pending_recovery_record
+            record["recompute_s"] = round(wall_s, 4)
+            record["total_s"] = round(time.monotonic() - record.pop("_detected_at"), 4)
+            self.metrics.recovery_seconds.observe(record["total_s"])
+            self._event("recovered", f"epoch {self.epoch} serving again after {record['total_s']:.3f}s", **record)
+            self.pending_recovery_record = None
+        self._publish(throttle_s=0.2)
+
+    def _fail_batch(self, batch: StepBatch, error: str) -> None:
+        """End the requests of a step that keeps failing with no rank to blame (a deterministic
+        error, not a fault): they finish with an error, the server goes on serving."""
+        for chunks in batch.chunks.values():
+            for c in chunks:
+                seq = self.scheduler.by_id.get(c.seq_id)
+                if seq is None:
+                    continue
+                self.scheduler.abort(c.seq_id)
+                self._deliver(c.seq_id, RequestOutput(seq.request.request_id, [], True, "error", error))
+        self._event("request-error", f"failed the requests of a step that failed {self.failed_epochs} times: {error}")
+        self.failed_epochs = 0
+        self._failed_batch = None
+
+    def _deliver(self, seq_id: int, out: RequestOutput) -> None:
+        stream = self.streams.get(seq_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self.streams[seq_id]
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        except RuntimeError:
+            self.scheduler.abort(seq_id)
+
+    # ---- membership changes ------------------------------------------------------------
+
+    def _load_estimate(self) -> np.ndarray:
+        if self.load_window:
+            total = np.sum(np.stack(list(self.load_window)), axis=0).astype(np.float64)
+            if total.sum() > 0:
+                return total + 1.0
+        return np.ones((self.num_moe_layers, self.config.num_experts))
+
+    def _recover(self) -> None:
+        detected_at = self.fault_detected_at or time.monotonic()
+        t0 = time.monotonic()
+        self._fence_and_drain()
+        fence_s = time.monotonic() - t0
+        culprits = dict(self.faults)
+        failures = list(self.trouble)
+        live = [r for r in self.members if r not in culprits and self.ranks[r].state not in ("dead", "fenced")]
+        for r in culprits:
+            self.metrics.forget_rank(r)
+            if self.cfg.restart_delay_s >= 0:
+                self.restart_at[r] = time.monotonic() + self.cfg.restart_delay_s
+        cause = "; ".join(f"rank {r}: {c}" for r, c in sorted(culprits.items())) or (
+            "error without a dead rank: " + "; ".join(failures[:4])
+        )
+        for kind in {_cause_kind(c) for c in culprits.values()} or {"collective"}:
+            self.metrics.recoveries.labels(kind).inc()
+        self.faults.clear()
+        self.trouble.clear()
+        self.fault_detected_at = None
+        if not culprits:
+            self.failed_epochs += 1
+            if self.failed_epochs >= self.MAX_FAILURES_WITHOUT_CULPRIT and self._failed_batch is not None:
+                self._fail_batch(self._failed_batch, cause)
+        record = {"_detected_at": detected_at, "culprits": sorted(culprits), "cause": cause,
+                  "detect_to_fence_s": round(fence_s, 4)}
+        self._event("fencing", f"fenced {sorted(culprits)}: {cause}", sorted(culprits)[0] if culprits else None)
+        live = sorted(set(live) | set(self._joiners()))
+        if not self._can_serve(live):
+            self._degrade(live)
+            return
+        self._change_epoch(live, "recovery", self._load_estimate(), record)
+
+    def _degrade(self, live: list[int], reason: str = "") -> None:
+        need = -(-self.config.num_experts // self.slots_per_rank)
+        reason = reason or (f"too few ranks: {len(live)} live ranks x {self.slots_per_rank} slots cannot hold "
+                            f"{self.config.num_experts} experts (need {need} ranks); waiting for ranks to return")
+        self._ready = Readiness(False, reason)
+        self.members = [r for r in self.members if r in live]
+        self._event("degraded", reason)
+        self._publish()
+
+    def _fence_and_drain(self) -> None:
+        """Fence every culprit and wait until every other member has left the failed step; a
+        member that does not answer within drain_timeout_s becomes a culprit too."""
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        in_step = sorted(self.inflight)
+        while True:
+            for rank_id in list(self.faults):
+                r = self.ranks[rank_id]
+                if r.state not in ("dead", "fenced") and rank_id not in self.fencing and r.pid is not None:
+                    self.fencing[rank_id] = time.monotonic()
+                    self._send_agent(r.node, FenceWorker(rank_id, r.pid, self.faults[rank_id]))
+                    r.state = "fencing"
+            waiting = [r for r in in_step if r not in self._step_replies and r not in self.faults]
+            if not waiting and not self.fencing:
+                self.inflight = set()
+                return
+            if time.monotonic() > deadline:
+                for r in waiting:
+                    self._fault(r, f"no answer {self.cfg.drain_timeout_s}s after the fault (hung in a collective)")
+                for r in list(self.fencing):
+                    self._event("fence-timeout", f"agent did not confirm fencing rank {r}", r)
+                    self.ranks[r].state = "dead"
+                    self.fencing.pop(r)
+                deadline = time.monotonic() + self.cfg.fence_timeout_s
+            self._pump(0.002)
+
+    def _rank_nodes(self) -> dict[int, str]:
+        return {r.rank_id: r.node for r in self.ranks.values()}
+
+    def _backup_map(self) -> dict[tuple[int, int], str]:
+        out = {}
+        for agent in self.agents.values():
+            if agent.backup is not None:
+                for item in agent.backup_experts:
+                    out[tuple(item)] = agent.node
+        return out
+
+    def _change_epoch(self, live: list[int], reason: str, load: np.ndarray,
+                      record: dict[str, Any] | None = None, new: ExpertLocation | None = None) -> None:
+        """Form a new epoch over `live` with a placement for `load`, move the experts, verify.
+        Raises RecoveryNeeded when a fault interrupts it."""
+        t0 = time.monotonic()
+        rank_nodes = self._rank_nodes()
+        num_ranks = max(self.cfg.ep_size, max(live) + 1)
+        if new is None:
+            try:
+                new = fault_aware_placement(load, live, rank_nodes, None, self.slots_per_rank, num_ranks,
+                                            current=self.location)
+            except PlacementError as e:
+                self._degrade(live, f"no placement over ranks {live}: {e}")
+                return
+        placement_s = time.monotonic() - t0
+        old = self._held_placement(num_ranks, [r for r in live if self.ranks[r].state == "serving"])
+        plan = plan_transfers(old, new, live, rank_nodes, self._backup_map(), self.reader.expert_nbytes)
+        sources: dict[int, list[SlotSource]] = defaultdict(list)
+        sends: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        s = self.slots_per_rank
+        for t in sorted(plan.transfers, key=lambda t: (t.dst_rank, t.layer, t.dst_slot)):
+            if t.source == "keep":
+                continue
+            src_slot = t.src_slot % old.slots_per_rank if t.src_slot >= 0 else -1
+            sources[t.dst_rank].append(SlotSource(
+                t.layer, t.dst_slot % s, t.expert, t.source, t.src_rank, src_slot, str(t.src_node or ""),
+            ))
+            if t.source == "peer":
+                sends[t.src_rank].append((t.dst_rank, t.layer, src_slot))
+        backups = {a.node: a.backup for a in self.agents.values() if a.backup is not None}
+        self.epoch += 1
+        self.members = list(live)
+        self.seq_first_seen = {}
+        self._epoch_replies = {}
+        self.store.set(f"epoch/{self.epoch}/members", json.dumps(live))
+        for rank_id in live:
+            self._send_step(rank_id, EpochStart(
+                self.epoch, live, np.asarray(new.phy2log), s, sources[rank_id], sends[rank_id], backups,
+                self.cfg.collective_timeout_s,
+            ))
+        deadline = time.monotonic() + self.cfg.epoch_timeout_s
+        while len(self._epoch_replies) < len(live):
+            self._pump(0.002)
+            if any(r in self.faults for r in live):
+                raise RecoveryNeeded()
+            failed = [m for m in self._epoch_replies.values() if isinstance(m, EpochFailed)]
+            if failed or time.monotonic() > deadline:
+                missing = [r for r in live if r not in self._epoch_replies]
+                detail = "; ".join(f"rank {m.rank_id}: {m.error}" for m in failed) or f"ranks {missing} timed out"
+                self._event("epoch-failed", f"epoch {self.epoch} did not form: {detail}")
+                for r in missing if not failed else []:
+                    self._fault(r, f"did not join epoch {self.epoch} within {self.cfg.epoch_timeout_s}s")
+                if not self.faults:
+                    self.trouble.append(detail)
+                raise RecoveryNeeded()
+        replies: dict[int, EpochReady] = self._epoch_replies  # type: ignore[assignment]
+        self._verify(new, replies)
+        self.location = new
+        for r in live:
+            self.ranks[r].state = "serving"
+        self.scheduler.set_ranks(live)
+        self.metrics.epoch.set(self.epoch)
+        self.metrics.live_ranks.set(len(live))
+        by_source: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0, "seconds": 0.0})
+        for rep in replies.values():
+            for st in rep.transfers:
+                by_source[st.source]["bytes"] += st.bytes_moved
+                by_source[st.source]["seconds"] = max(by_source[st.source]["seconds"], round(st.seconds, 4))
+        details = {
+            "epoch": self.epoch, "members": live, "placement_s": round(placement_s, 4),
+            "rendezvous_s": round(max(r.rendezvous_s for r in replies.values()), 4),
+            "transfer_s": round(max(r.transfer_s for r in replies.values()), 4),
+            "verify_s": round(max(r.verify_s for r in replies.values()), 4),
+            "transfers": dict(by_source), "epoch_change_s": round(time.monotonic() - t0, 4),
+        }
+        self._ready = Readiness(True)
+        self._event("epoch", f"epoch {self.epoch} ({reason}) with ranks {live}", reason=reason, **details)
+        if record is not None:
+            self.pending_recovery_record = {**record, **details}
+        self._publish()
+
+    def _held_placement(self, num_ranks: int, holders: list[int]) -> ExpertLocation:
+        """What the ranks hold now: the current placement on `holders` (ranks that served in
+        the last epoch and survive), empty slots everywhere else (new or restarted ranks)."""
+        phy2log = np.full((self.num_moe_layers, num_ranks * self.slots_per_rank), EMPTY)
+        if self.location is not None:
+            s = self.slots_per_rank
+            for r in holders:
+                phy2log[:, r * s : (r + 1) * s] = self.location.phy2log[:, r * s : (r + 1) * s]
+        return ExpertLocation.from_phy2log(phy2log, self.slots_per_rank, self.config.num_experts)
+
+    def _verify(self, location: ExpertLocation, replies: dict[int, EpochReady]) -> None:
+        """Every occupied slot must hold its expert's weights (checksum recorded at first load)."""
+        s = self.slots_per_rank
+        bad = []
+        for rank_id, rep in replies.items():
+            for (li, j), checksum in rep.checksums.items():
+                expert = int(location.phy2log[li, rank_id * s + j])
+                ref = self.reference_checksums.setdefault((li, expert), checksum)
+                if ref != checksum:
+                    bad.append(f"rank {rank_id} layer {li} slot {j} (expert {expert})")
+            held = {(li, j) for (li, j) in rep.checksums}
+            for li in range(location.num_layers):
+                for j in range(s):
+                    if location.phy2log[li, rank_id * s + j] >= 0 and (li, j) not in held:
+                        bad.append(f"rank {rank_id} layer {li} slot {j} is empty")
+        if bad:
+            raise ElasticEPError(f"expert weights failed verification after the transfer: {', '.join(bad[:5])}")
+
+    def _eplb_due(self) -> bool:
+        return (self.cfg.enable_eplb and self.step > 0 and self.step % self.cfg.eplb_interval == 0
+                and len(self.load_window) >= self.cfg.eplb_interval and self._last_eplb_step != self.step)
+
+    def _rebalance(self) -> None:
+        self._last_eplb_step = self.step
+        load = self._load_estimate()
+        assert self.location is not None
+        before = float(1 / balancedness(self.location, load, self.members).min())
+        if before < self.cfg.eplb_threshold:
+            return
+        new = fault_aware_placement(load, self.members, self._rank_nodes(), None, self.slots_per_rank,
+                                    self.location.num_ranks, current=self.location, movement_tolerance=0.0)
+        after = float(1 / balancedness(new, load, self.members).min())
+        if new == self.location or after >= before:
+            return
+        self.metrics.eplb_rebalances.inc()
+        self._change_epoch(self.members, f"eplb: imbalance {before:.2f} -> {after:.2f}", load, new=new)
+
+    # ---- snapshot for HTTP -------------------------------------------------------------
+
+    def _publish(self, throttle_s: float = 0.0) -> None:
+        now = time.monotonic()
+        if throttle_s and now - self._published_at < throttle_s:
+            return
+        self._published_at = now
+        ranks = []
+        for r in sorted(self.ranks.values(), key=lambda r: r.rank_id):
+            experts = (self.location.experts_of_rank(r.rank_id).tolist()
+                       if self.location is not None and r.rank_id < self.location.num_ranks else [])
+            used = sum(1 for layer in experts for e in layer if e >= 0)
+            ranks.append({
+                "rank_id": r.rank_id, "node": r.node, "pid": r.pid, "state": r.state,
+                "slots": {"used": used, "total": self.slots_per_rank * self.num_moe_layers, "experts": experts},
+                "requests": self.scheduler.num_requests(r.rank_id),
+                "step_ms": _percentiles_ms(r.step_s), "wait_ms": _percentiles_ms(r.wait_s),
+                "progress": vars(r.progress) if r.progress else None,
+                "slow_delay_s": self.delay_s.get(r.rank_id, 0.0),
+            })
+        self._snapshot = {
+            "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),
+            "slots_per_rank": self.slots_per_rank, "ranks": ranks,
+            "ready": self._ready.ready, "reason": self._ready.reason,
+            "deadlines": {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.watchdog_deadline_s(), 3)},
+            "step": self.step, "scale": self.scale_status(),
+            "placement": json.loads(self.location.to_json()) if self.location is not None else None,
+            "events": list(self.events)[-50:],
+        }
+
+    # ---- Engine ------------------------------------------------------------------------
+
+    def readiness(self) -> Readiness:
+        return self._ready
+
+    def cluster(self) -> dict[str, Any]:
+        return self._snapshot
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        if len(request.prompt_token_ids) >= self.cfg.max_model_len:
+            raise ElasticEPError(
+                f"prompt has {len(request.prompt_token_ids)} tokens but --max-model-len is "
+                f"{self.cfg.max_model_len} (prompt plus at least one generated token); shorten the prompt"
+            )
+        deadline = time.monotonic() + self.cfg.admission_timeout_s
+        while not self._ready.ready:
+            if time.monotonic() > deadline or self.fatal:
+                raise ServiceUnavailable(f"not ready: {self._ready.reason}", retry_after_s=5)
+            await asyncio.sleep(0.05)
+        seq = Sequence(next(self._ids), request, self.cfg.max_model_len, self.info.eos_token_ids)
+        stream = _Stream(request.request_id, asyncio.get_running_loop(), asyncio.Queue())
+        self._command("add", seq, stream)
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._command("abort", seq.seq_id)
+
+    def start_expert_distribution_record(self) -> None:
+        self.recording = np.zeros((self.num_moe_layers, self.config.num_experts), dtype=np.int64)
+        self.recorded_steps = 0
+
+    def stop_expert_distribution_record(self) -> None:
+        if self.recording is not None:
+            self._recording_frozen = self.recording.copy()
+        self.recording = None
+
+    def dump_expert_distribution_record(self) -> dict[str, Any]:
+        data = self.recording if self.recording is not None else self._recording_frozen
+        if data is None:
+            raise ElasticEPError("no expert distribution recorded; POST /start_expert_distribution_record first")
+        path = Path(self.cfg.record_dir) / f"expert_distribution_{int(time.time() * 1000)}.json"
+        path.write_text(json.dumps({"load": data.tolist(), "steps": self.recorded_steps,
+                                    "moe_layers": self.config.moe_layers}))
+        return {"path": str(path.resolve()), "layers": int(data.shape[0]), "experts": int(data.shape[1]),
+                "tokens": int(data.sum())}
+
+    def scale(self, new_ep_size: int) -> dict[str, Any]:
+        raise ScaleRejected("online scaling is not built yet (see docs/FEATURES.md)", 400)
+
+    def scale_status(self) -> dict[str, Any]:
+        return {"is_scaling": False, "state": "serving", "ep_size": len(self.members)}
+
+    def chaos(self, action: str, rank_id: int, delay_s: float = 0.0) -> dict[str, Any]:
+        if not self.cfg.enable_chaos:
+            raise ElasticEPError("fault injection is off; start the server with --enable-chaos")
+        r = self.ranks.get(rank_id)
+        if r is None or r.pid is None:
+            raise ElasticEPError(f"no rank {rank_id}; ranks are {sorted(self.ranks)}")
+        signals = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "resume": signal.SIGCONT}
+        if action in signals:
+            self._command("signal", rank_id, signals[action])
+        elif action == "slow":
+            if delay_s < 0:
+                raise ElasticEPError(f"delay_s must be >= 0, got {delay_s}")
+            self._command("slow", rank_id, delay_s)
+        else:
+            raise ElasticEPError(f"unknown chaos action {action!r}; use kill, hang, resume or slow")
+        self._event("chaos", f"{action} rank {rank_id}" + (f" by {delay_s}s per step" if action == "slow" else ""),
+                    rank_id)
+        return {"action": action, "rank_id": rank_id, "pid": r.pid, "delay_s": delay_s}
+
+
+def _cause_kind(cause: str) -> str:
+    for kind in ("exited", "heartbeat", "hung", "no answer", "did not join"):
+        if kind in cause:
+            return kind.replace(" ", "_")
+    return "other"
+

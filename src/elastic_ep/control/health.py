@@ -1,0 +1,48 @@
+"""Failure detection from heartbeats and progress: pure functions the controller calls.
+
+- heartbeats: a rank whose last heartbeat is older than `heartbeat_timeout_s` is lost (a
+  stopped process, a cut link). Its heartbeat thread is independent of the main thread, so a
+  rank blocked in a collective or merely slow keeps beating.
+- progress watchdog: workers report the number of collectives they have entered in the epoch
+  (`seq`). When some rank has entered collective k and another has not, for longer than the
+  adaptive deadline (a multiple of recent step times, with a floor), the one that has not is
+  hung and is named. A slow rank enters k late but within the deadline, and the deadline grows
+  with the step times it causes, so slowness alone does not get a rank killed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+
+from .messages import Progress
+
+
+def adaptive_deadline_s(recent_step_s: Iterable[float], multiple: float, floor_s: float) -> float:
+    """max(floor_s, multiple * median of recent step times)."""
+    times = list(recent_step_s)
+    return max(floor_s, multiple * statistics.median(times)) if times else floor_s
+
+
+def lost_heartbeats(last_seen: Mapping[int, float], now: float, timeout_s: float) -> list[int]:
+    """Ranks whose last heartbeat (controller clock) is older than timeout_s."""
+    return sorted(r for r, t in last_seen.items() if now - t > timeout_s)
+
+
+def hung_ranks(
+    progress: Mapping[int, Progress],
+    epoch: int,
+    first_seen: Mapping[int, float],
+    now: float,
+    deadline_s: float,
+) -> list[int]:
+    """Members that have not entered the furthest collective of `epoch` although another
+    member entered it more than deadline_s ago (first_seen: seq -> controller time it was first
+    reported)."""
+    seqs = {r: (p.seq if p.epoch == epoch else 0) for r, p in progress.items()}
+    if not seqs:
+        return []
+    furthest = max(seqs.values())
+    if furthest == 0 or now - first_seen.get(furthest, now) <= deadline_s:
+        return []
+    return sorted(r for r, s in seqs.items() if s < furthest)

@@ -1,0 +1,64 @@
+"""Cluster metrics, registered on the HTTP app's CollectorRegistry.
+
+Per-rank series (label `rank`), so one slow rank shows as itself and is not hidden in a mean
+(seed 000, sections 3 and 8): step time, collective wait, expert load relative to the mean.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
+
+
+class ClusterMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.step_seconds = Histogram(
+            "elastic_ep_rank_step_seconds", "Step time per rank (worker side)", ["rank"],
+            buckets=STEP_BUCKETS, registry=registry,
+        )
+        self.collective_wait_seconds = Histogram(
+            "elastic_ep_rank_collective_wait_seconds",
+            "Time per step a rank spent in the dispatch and combine all-to-alls",
+            ["rank"], buckets=STEP_BUCKETS, registry=registry,
+        )
+        self.rank_tokens = Gauge(
+            "elastic_ep_rank_step_tokens", "Tokens a rank ran in the last step (DP attention)", ["rank"],
+            registry=registry,
+        )
+        self.dp_token_imbalance = Gauge(
+            "elastic_ep_dp_token_imbalance",
+            "Max over mean of tokens per rank in the last non-empty step (1.0 = even)",
+            registry=registry,
+        )
+        self.expert_load_imbalance = Gauge(
+            "elastic_ep_expert_load_imbalance",
+            "Tokens computed by a rank's expert slots over the mean across ranks, recent window (1.0 = even)",
+            ["rank"], registry=registry,
+        )
+        self.controller_overhead_seconds = Histogram(
+            "elastic_ep_controller_round_trip_seconds",
+            "Per step: wall time of the step at the controller minus the slowest rank's step time",
+            buckets=STEP_BUCKETS, registry=registry,
+        )
+        self.recoveries = Counter(
+            "elastic_ep_recoveries", "Membership changes after a fault", ["cause"], registry=registry
+        )
+        self.recovery_seconds = Histogram(
+            "elastic_ep_recovery_seconds", "From fault detection to serving again", buckets=RECOVERY_BUCKETS,
+            registry=registry,
+        )
+        self.epoch = Gauge("elastic_ep_epoch", "Current membership epoch", registry=registry)
+        self.live_ranks = Gauge("elastic_ep_live_ranks", "Ranks serving in the current epoch", registry=registry)
+        self.eplb_rebalances = Counter(
+            "elastic_ep_eplb_rebalances", "Expert placements changed for load balance", registry=registry
+        )
+
+    def forget_rank(self, rank: int) -> None:
+        """Drop a rank's series when it leaves (its last values would read as current)."""
+        for metric in (self.rank_tokens, self.expert_load_imbalance):
+            try:
+                metric.remove(str(rank))
+            except KeyError:
+                pass

@@ -1,0 +1,197 @@
+"""A rank's physical expert slots, and filling them from the sources of a transfer plan.
+
+Per MoE layer (index 0..L-1, not the model's layer id) the rank holds w13 [S, 2I, H] and
+w2 [S, H, I] for its S slots. A new epoch rebuilds them from the old contents (keep, local
+moves), peers (point-to-point in the new group), the host-memory backup (same node: mmap of
+the agent's safetensors file; other node: the agent over ZeroMQ) or the checkpoint (only the
+tensors needed). Every slot is then summarised by `expert_checksum`, which the controller
+compares with the checksum recorded when that expert was first read from disk.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+from safetensors import safe_open
+
+from elastic_ep.control.messages import BackupFetch, BackupSite, SlotSource, TransferStat, decode, encode
+from elastic_ep.model.checkpoint import CheckpointReader
+
+from .group import EpochGroup
+
+
+def expert_checksum(w13: torch.Tensor, w2: torch.Tensor) -> int:
+    """CRC32 of the bytes of one expert (w13 [2I, H], w2 [H, I]): equal iff the same weights."""
+    crc = zlib.crc32(w13.contiguous().numpy().tobytes())
+    return zlib.crc32(w2.contiguous().numpy().tobytes(), crc)
+
+
+def backup_key(layer: int, expert: int, part: str) -> str:
+    """Tensor name of an expert in a backup file (layer = MoE layer index)."""
+    return f"layer{layer}.expert{expert}.{part}"
+
+
+@dataclass
+class _Fill:
+    w13: list[torch.Tensor]
+    w2: list[torch.Tensor]
+
+
+class ExpertSlots:
+    """This rank's expert weights: `experts` [L, S] logical id per slot (-1 empty)."""
+
+    def __init__(self, moe_layers: list[int], slots_per_rank: int, inter: int, hidden: int):
+        self.moe_layers = moe_layers
+        self.slots_per_rank = slots_per_rank
+        num_layers = len(moe_layers)
+        self.w13 = [torch.zeros(slots_per_rank, 2 * inter, hidden) for _ in range(num_layers)]
+        self.w2 = [torch.zeros(slots_per_rank, hidden, inter) for _ in range(num_layers)]
+        self.experts = np.full((num_layers, slots_per_rank), -1, dtype=np.int64)
+
+    def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13[li], self.w2[li]
+
+    def checksums(self) -> dict[tuple[int, int], int]:
+        """(layer, slot) -> checksum for every occupied slot."""
+        return {
+            (li, j): expert_checksum(self.w13[li][j], self.w2[li][j])
+            for li in range(len(self.moe_layers))
+            for j in range(self.slots_per_rank)
+            if self.experts[li, j] >= 0
+        }
+
+    def apply(
+        self,
+        new_experts: np.ndarray,
+        sources: list[SlotSource],
+        sends: list[tuple[int, int, int]],
+        group: EpochGroup,
+        reader: CheckpointReader,
+        backups: dict[str, BackupSite],
+        node: str,
+        fetch_timeout_s: float = 10.0,
+    ) -> list[TransferStat]:
+        """Fill every slot for the new epoch.
+
+        new_experts: [L, S] the logical expert each slot must hold afterwards.
+        sources: where each changed slot comes from; sends: (dst_rank_id, layer, src_slot)
+        this rank sends, in the order the receiver lists its peer sources.
+        Returns bytes and seconds per source kind.
+        """
+        old_w13 = [w.clone() for w in self.w13]
+        old_w2 = [w.clone() for w in self.w2]
+        stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        by_kind: dict[str, list[SlotSource]] = defaultdict(list)
+        for src in sources:
+            by_kind[src.kind].append(src)
+
+        t0 = time.perf_counter()
+        for src in by_kind["local"]:
+            self._put(src, old_w13[src.layer][src.src_slot], old_w2[src.layer][src.src_slot], stats["local"])
+        stats["local"][1] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        self._exchange(by_kind["peer"], sends, group, old_w13, old_w2, stats["peer"])
+        stats["peer"][1] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        self._from_backup(by_kind["backup"], backups, node, fetch_timeout_s, stats["backup"])
+        stats["backup"][1] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        by_layer: dict[int, list[SlotSource]] = defaultdict(list)
+        for src in by_kind["disk"]:
+            by_layer[src.layer].append(src)
+        for li, items in by_layer.items():
+            w13, w2 = reader.read_experts(self.moe_layers[li], [s.expert for s in items])
+            for i, src in enumerate(items):
+                self._put(src, w13[i], w2[i], stats["disk"])
+        stats["disk"][1] += time.perf_counter() - t0
+
+        self.experts = np.array(new_experts, dtype=np.int64)
+        return [TransferStat(kind, int(b), s) for kind, (b, s) in stats.items() if b or kind in by_kind]
+
+    def _put(self, src: SlotSource, w13: torch.Tensor, w2: torch.Tensor, stat: list[float]) -> None:
+        self.w13[src.layer][src.slot].copy_(w13)
+        self.w2[src.layer][src.slot].copy_(w2)
+        stat[0] += w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
+
+    def _exchange(
+        self,
+        peer_sources: list[SlotSource],
+        sends: list[tuple[int, int, int]],
+        group: EpochGroup,
+        old_w13: list[torch.Tensor],
+        old_w2: list[torch.Tensor],
+        stat: list[float],
+    ) -> None:
+        per_expert = old_w13[0][0].numel() + old_w2[0][0].numel() if old_w13 else 0
+        send_parts: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for dst, li, src_slot in sends:
+            send_parts[group.members.index(dst)] += [old_w13[li][src_slot].reshape(-1), old_w2[li][src_slot].reshape(-1)]
+        recv_from: dict[int, list[SlotSource]] = defaultdict(list)
+        for src in peer_sources:
+            recv_from[group.members.index(src.src_rank)].append(src)
+        recvs = {peer: torch.empty(len(items) * per_expert) for peer, items in recv_from.items()}
+        group.exchange({peer: torch.cat(parts) for peer, parts in send_parts.items()}, recvs)
+        w13_shape, w2_shape = old_w13[0][0].shape, old_w2[0][0].shape
+        n13 = old_w13[0][0].numel()
+        for peer, items in recv_from.items():
+            for i, src in enumerate(items):
+                flat = recvs[peer][i * per_expert : (i + 1) * per_expert]
+                self._put(src, flat[:n13].view(w13_shape), flat[n13:].view(w2_shape), stat)
+
+    def _from_backup(
+        self,
+        items: list[SlotSource],
+        backups: dict[str, BackupSite],
+        node: str,
+        timeout_s: float,
+        stat: list[float],
+    ) -> None:
+        by_node: dict[str, list[SlotSource]] = defaultdict(list)
+        for src in items:
+            by_node[src.src_node].append(src)
+        for site_node, wanted in by_node.items():
+            site = backups[site_node]
+            if site_node == node:
+                with safe_open(site.path, framework="pt") as f:
+                    for src in wanted:
+                        self._put(
+                            src,
+                            f.get_tensor(backup_key(src.layer, src.expert, "w13")),
+                            f.get_tensor(backup_key(src.layer, src.expert, "w2")),
+                            stat,
+                        )
+                continue
+            w13, w2 = fetch_backup(site.fetch_addr, [(s.layer, s.expert) for s in wanted], timeout_s)
+            for i, src in enumerate(wanted):
+                self._put(src, w13[i], w2[i], stat)
+
+
+def fetch_backup(addr: str, items: list[tuple[int, int]], timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ask the agent at `addr` for (layer, expert) items of its backup.
+
+    Returns w13 [n, 2I, H], w2 [n, H, I]. Raises TimeoutError when the agent does not answer
+    within timeout_s, RuntimeError when it lacks an item.
+    """
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    try:
+        sock.send(encode(BackupFetch(items)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"expert backup agent at {addr} did not answer within {timeout_s}s")
+        reply = decode(sock.recv())
+    finally:
+        sock.close()
+    if reply.error:
+        raise RuntimeError(f"expert backup at {addr}: {reply.error}")
+    return torch.from_numpy(reply.w13), torch.from_numpy(reply.w2)
