@@ -1,0 +1,119 @@
+"""`elastic-ep serve` end to end: real processes, the real `openai` client.
+
+Greedy and seeded outputs must equal single-process `elastic-ep generate` token for token (as
+text), at EP 1, 2 and 4, with redundant experts and after an EPLB rebalance, on both tiny
+architectures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic_ep.commands.eplb import read_load
+
+from .conftest import PROMPTS, concurrently, reference
+
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def ep4(server_factory, tmp_path_factory):
+    record_dir = tmp_path_factory.mktemp("records")
+    return server_factory(
+        "--model", "tiny-deepseek-v3", "--ep-size", "4", "--redundant-experts", "4", "--max-model-len", "256",
+        "--enable-eplb", "--eplb-interval", "16", "--eplb-threshold", "1.01", "--record-dir", str(record_dir),
+    )
+
+
+def test_greedy_and_streaming_match_generate_then_eplb_rebalances_and_output_stays_exact(ep4):
+    expected = reference("tiny-deepseek-v3", tuple(PROMPTS), MAX_TOKENS)
+    texts = concurrently(lambda p: ep4.complete(p, MAX_TOKENS, temperature=0), PROMPTS)
+    assert texts == list(expected)
+    streamed = concurrently(lambda p: ep4.stream(p, MAX_TOKENS, temperature=0)[0], PROMPTS[:3])
+    assert streamed == list(expected[:3])
+
+    cluster = ep4.wait_for(
+        lambda c: any(e["kind"] == "epoch" and str(e.get("reason", "")).startswith("eplb") for e in c["events"]),
+        timeout_s=5, what="an EPLB rebalance",
+    )
+    assert cluster["epoch"] >= 1
+    again = concurrently(lambda p: ep4.complete(p, MAX_TOKENS, temperature=0), PROMPTS)
+    assert again == list(expected)
+
+
+def test_seeded_sampling_matches_generate(ep4):
+    expected = reference("tiny-deepseek-v3", tuple(PROMPTS[:4]), MAX_TOKENS, 0.8, 7)
+    texts = concurrently(lambda p: ep4.complete(p, MAX_TOKENS, temperature=0.8, seed=7), PROMPTS[:4])
+    assert texts == list(expected)
+
+
+def test_bad_inputs_get_4xx_with_an_openai_error_and_the_server_keeps_serving(ep4):
+    model = ep4.model
+    bad = [
+        ("malformed JSON", b"{not json"),
+        ("wrong type", json.dumps({"model": model, "prompt": "hi", "max_tokens": "many"}).encode()),
+        ("unknown model", json.dumps({"model": "no-such-model", "prompt": "hi"}).encode()),
+        ("prompt over --max-model-len", json.dumps({"model": model, "prompt": "word " * 400}).encode()),
+        ("n > 1", json.dumps({"model": model, "prompt": "hi", "n": 2}).encode()),
+    ]
+    for what, body in bad:
+        r = ep4.http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (what, r.status_code, r.text)
+        assert "message" in r.json()["error"], what
+    assert ep4.complete(PROMPTS[0], 4, temperature=0)
+    assert ep4.http.get("/health").status_code == 200
+
+
+def test_client_disconnect_mid_stream_frees_its_request(ep4):
+    body = {"model": ep4.model, "prompt": PROMPTS[1], "max_tokens": 200, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", f"{ep4.url}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    ep4.wait_for(lambda c: sum(rank["requests"] for rank in c["ranks"]) == 0, timeout_s=10,
+                 what="the aborted request freed")
+
+
+def test_metrics_parse_and_have_per_rank_series(ep4):
+    ep4.complete(PROMPTS[0], 4, temperature=0)
+    families = {f.name: f for f in text_string_to_metric_families(ep4.http.get("/metrics").text)}
+    for name in ("elastic_ep_rank_step_seconds", "elastic_ep_rank_collective_wait_seconds",
+                 "elastic_ep_expert_load_imbalance"):
+        ranks = {s.labels.get("rank") for s in families[name].samples}
+        assert {"0", "1", "2", "3"} <= ranks, name
+    assert families["elastic_ep_dp_token_imbalance"].samples[0].value >= 1.0
+    assert families["elastic_ep_epoch"].samples[0].value >= 0
+
+
+def test_cluster_json_and_expert_distribution_recorder(ep4):
+    cluster = ep4.cluster()
+    assert [r["rank_id"] for r in cluster["ranks"]] == [0, 1, 2, 3]
+    for rank in cluster["ranks"]:
+        assert rank["state"] == "serving" and rank["pid"] > 0 and rank["node"]
+        assert rank["slots"]["used"] == rank["slots"]["total"]
+    assert cluster["deadlines"]["heartbeat_timeout_s"] > 0
+    assert ep4.http.post("/start_expert_distribution_record").status_code == 200
+    ep4.complete(PROMPTS[2], 8, temperature=0)
+    assert ep4.http.post("/stop_expert_distribution_record").status_code == 200
+    dump = ep4.http.post("/dump_expert_distribution_record").json()
+    load = read_load(Path(dump["path"]))
+    assert load.shape == (dump["layers"], dump["experts"]) and load.sum() == dump["tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "model,ep_size,redundant",
+    [("tiny-deepseek-v3", 1, 0), ("tiny-qwen3-moe", 1, 0), ("tiny-qwen3-moe", 2, 0), ("tiny-qwen3-moe", 4, 4)],
+)
+def test_greedy_matches_generate_at_each_ep_size(server_factory, model, ep_size, redundant):
+    server = server_factory("--model", model, "--ep-size", str(ep_size), "--redundant-experts", str(redundant))
+    try:
+        texts = concurrently(lambda p: server.complete(p, MAX_TOKENS, temperature=0), PROMPTS[:4])
+        assert texts == list(reference(model, tuple(PROMPTS[:4]), MAX_TOKENS))
+    finally:
+        server.stop()
