@@ -72,3 +72,11 @@ def test_inconsistent_maps_are_rejected():
 def test_bad_placement_files_name_the_problem(text, message):
     with pytest.raises(PlacementError, match=message):
         ExpertLocation.from_json(text)
+
+
+def test_restricting_to_live_ranks_keeps_the_surviving_replicas():
+    survivors = _two_ranks().restricted_to([1])
+    assert survivors.phy2log.tolist() == [[-1, -1, 2, 0]]
+    assert survivors.logcnt.tolist() == [[1, 0, 1]]
+    with pytest.raises(PlacementError, match="expert 1 has no live replica"):
+        survivors.validate([1])

@@ -12,7 +12,9 @@ Steps, each vectorized over the layers:
 2. evict the surplus copies, preferring copies that share a node with another copy of the same
    expert, then copies on the busiest ranks;
 3. place the missing copies, heaviest first, on the rank that finishes earliest (load / speed),
-   never twice on a rank, on a node without a copy of that expert wherever one has room;
+   never twice on a rank, on a node without a copy of that expert wherever one has room (where
+   that leaves a layer more than SPREAD_COST slower than a placement allowing shared nodes, the
+   latter is taken: under extreme skew strict spreading can cost 20% of a layer's balance);
 4. swap copies between the slowest rank and the lightest ranks while that lowers the slowest
    rank's time and the slowest rank is more than the tolerance above the best possible time
    (total load / total speed, or the busiest copy on the fastest rank). Swaps never add node
@@ -32,6 +34,8 @@ DEFAULT_MOVEMENT_TOLERANCE = 0.01
 SWAP_PARTNERS = 8
 # A first placement moves nothing, so it refines until within 0.1% of the ideal.
 SCRATCH_TOLERANCE = 0.001
+# Spreading an expert's copies over nodes may cost a layer at most this fraction of its best time.
+SPREAD_COST = 0.02
 
 
 def fault_aware_placement(
@@ -83,12 +87,26 @@ def fault_aware_placement(
     total = min(num_live * slots_per_rank, num_experts * num_live)
     counts = _target_counts(weight, _counts(grid, num_experts), num_live, total, tolerance)
     item = np.concatenate([weight / counts, np.zeros((num_layers, 1))], axis=1)
-    state = _State(grid, item, node_of, speed, num_experts)
-    state.evict_surplus(counts)
-    state.place_missing(counts)
     # No placement beats the even spread of load, nor the busiest copy on the fastest rank.
     best_time = np.maximum(weight.sum(1) / speed.sum(), item.max(1) / speed.max())
-    state.refine((1 + tolerance) * best_time)
+    target_time = (1 + tolerance) * best_time
+    state = _State(grid, item, node_of, speed, num_experts)
+    state.evict_surplus(counts)
+    evicted = state.grid.copy()
+    # Larger than any finishing time: a node without the expert always wins when it has room.
+    state.place_missing(counts, 2 * item.sum(1) / speed.min() + 1)
+    state.refine(target_time)
+    spread_time = state.rank_times(state.rows).max(1)
+
+    # Where spreading copies over nodes cost more than SPREAD_COST of the best time, place again
+    # letting a copy share a node when that wins more than SPREAD_COST, and keep the faster one.
+    poor = np.nonzero(spread_time > (1 + SPREAD_COST) * best_time)[0]
+    if len(poor):
+        retry = _State(evicted[poor], item[poor], node_of, speed, num_experts)
+        retry.place_missing(counts[poor], SPREAD_COST * best_time[poor])
+        retry.refine(target_time[poor])
+        better = retry.rank_times(retry.rows).max(1) * (1 + SPREAD_COST) < spread_time[poor]
+        state.grid[poor[better]] = retry.grid[better]
 
     full = np.full((num_layers, num_ranks, slots_per_rank), EMPTY, dtype=np.int64)
     full[:, live] = state.grid
@@ -252,15 +270,18 @@ class _State:
         evict = np.arange(len(layer)) - start < surplus[layer, expert]
         self._set(layer[evict], rank[evict], slot[evict], np.full(int(evict.sum()), EMPTY))
 
-    def place_missing(self, counts: np.ndarray) -> None:
+    def place_missing(self, counts: np.ndarray, node_penalty: np.ndarray) -> None:
+        """Place the copies `counts` [L, E] asks for beyond those in the grid, heaviest first.
+
+        node_penalty: [L] time added to a rank whose node already holds the expert.
+        """
         need = counts - _counts(self.grid, self.num_experts)
         per_layer = [np.repeat(np.arange(self.num_experts), need[row]) for row in self.rows]
         width = max((len(p) for p in per_layer), default=0)
         queue = np.full((len(self.rows), width), EMPTY, dtype=np.int64)
         for row, experts in enumerate(per_layer):
             queue[row, : len(experts)] = experts[np.argsort(-self.item[row, experts], kind="stable")]
-        # Larger than any finishing time, so a node without the expert always wins when it has room.
-        penalty = (2 * self.item.sum(1) / self.speed.min() + 1)[:, None]
+        penalty = node_penalty[:, None]
         for i in range(width):
             expert = queue[:, i]
             active = expert >= 0
@@ -294,6 +315,16 @@ class _State:
                     return
         raise PlacementError(f"layer {row}: no rank can take another copy of expert {expert}")
 
+    def rank_times(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), R] load / speed of each rank.
+
+        Summed afresh in slot order: equal placements give bit-equal times, so a rerun on an
+        unchanged placement picks the same slowest rank and finds nothing to move.
+        """
+        copies = self._ext(self.grid[rows]).reshape(len(rows), -1)
+        loads = np.take_along_axis(self.item[rows], copies, 1).reshape(len(rows), self.grid.shape[1], -1).sum(2)
+        return loads / self.speed
+
     def refine(self, target_time: np.ndarray) -> None:
         """Swap copies between each layer's slowest rank and its lightest ranks. target_time: [L]."""
         _, num_ranks, num_slots = self.grid.shape
@@ -301,10 +332,7 @@ class _State:
         slot_of_column = np.tile(np.arange(num_slots), partners)
         rows = self.rows
         for _ in range(2 * num_ranks * num_slots):
-            # summed afresh in slot order: equal placements give bit-equal times, so a rerun
-            # on an unchanged placement picks the same slowest rank and finds nothing to move
-            copies = self._ext(self.grid[rows]).reshape(len(rows), -1)
-            time = np.take_along_axis(self.item[rows], copies, 1).reshape(len(rows), num_ranks, -1).sum(2) / self.speed
+            time = self.rank_times(rows)
             r1 = time.argmax(1)
             t1 = time[np.arange(len(rows)), r1]
             keep = t1 > target_time[rows]

@@ -23,7 +23,7 @@ EMPTY = -1
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a, dtype=np.int64)
+    a = np.array(a, dtype=np.int64, order="C")  # a copy: the caller's array stays writable
     a.setflags(write=False)
     return a
 
@@ -116,6 +116,13 @@ class ExpertLocation:
     def by_rank(self) -> np.ndarray:
         """[L, num_ranks, slots_per_rank] view of phy2log."""
         return self.phy2log.reshape(self.num_layers, self.num_ranks, self.slots_per_rank)
+
+    def restricted_to(self, live_ranks: Iterable[int]) -> ExpertLocation:
+        """This placement with the slots of ranks outside `live_ranks` emptied: what still serves
+        right after a failure, before any re-placement (check it with `validate(live_ranks)`)."""
+        by_rank = self.by_rank().copy()
+        by_rank[:, ~self._live_mask(live_ranks)] = EMPTY
+        return ExpertLocation.from_phy2log(by_rank.reshape(self.num_layers, -1), self.slots_per_rank, self.num_experts)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ExpertLocation):
