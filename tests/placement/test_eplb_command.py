@@ -81,11 +81,15 @@ def test_deepseek_policies_over_live_ranks(tmp_path, capsys, load, policy):
         ("[[1, 2, 3, 4]]", ["--nodes", "3"], "does not split evenly"),
         ("[[1, 2, 3, 4]]", ["--policy", "hierarchical", "--nodes", "2", "--dead", "0"], "same number of live ranks"),
         ("[[1, 2, 3, 4]]", ["--from", "missing.json"], "cannot read placement file"),
+        ("[[1, 2, 3, 4]]", ["--from", "small.json"], "the load is 1 x 4"),
+        ("[[1, 2, 3, 4]]", ["--from", "small.json", "--policy", "global"], "cannot compare"),
     ],
 )
-def test_bad_input_is_a_clear_error_with_exit_2(tmp_path, capsys, content, argv, message):
+def test_bad_input_is_a_clear_error_with_exit_2(tmp_path, monkeypatch, capsys, content, argv, message):
+    monkeypatch.chdir(tmp_path)
     path = tmp_path / "load.json"
     path.write_text(content)
+    ExpertLocation.from_phy2log([[0, 1, 1, 0]], slots_per_rank=2, num_experts=2).save(tmp_path / "small.json")
     base = {"--ranks": "4", "--slots": "2"}
     for flag, value in zip(argv[::2], argv[1::2], strict=True):
         base[flag] = value

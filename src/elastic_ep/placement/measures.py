@@ -56,6 +56,11 @@ def slots_moved(old: ExpertLocation, new: ExpertLocation) -> int:
     These are the slots whose weights cross the wire (peer, backup or disk); a copy within a rank
     is not counted. Ranks beyond `old.num_ranks` (scale-up) held nothing.
     """
+    if (old.num_layers, old.num_experts) != (new.num_layers, new.num_experts):
+        raise PlacementError(
+            f"cannot compare a placement of {old.num_layers} layers x {old.num_experts} experts "
+            f"with one of {new.num_layers} x {new.num_experts}"
+        )
     held = _held(old, new.num_ranks, new.num_experts)
     by_rank = new.by_rank()
     layer = np.arange(new.num_layers)[:, None, None]
