@@ -84,3 +84,9 @@ def test_config_normalizes_both_architectures(tiny_dirs):
     assert (qw.arch, qw.num_experts, qw.top_k, qw.moe_layers) == ("qwen3_moe", 16, 4, [1])
     assert ds.max_position_embeddings == qw.max_position_embeddings == 2048
     assert ds.hf["n_group"] == 4
+
+
+def test_quantized_checkpoint_is_refused_with_the_fix(tiny_dirs):
+    hf = dict(MoEConfig.from_pretrained(tiny_dirs["deepseek_v3"]).hf, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(CheckpointError, match=r"quantized checkpoints \(fp8\) are not supported; use a bfloat16"):
+        MoEConfig.from_dict(hf)

@@ -90,6 +90,12 @@ class MoEConfig:
     @classmethod
     def from_dict(cls, hf: dict[str, Any], source: str = "config") -> MoEConfig:
         arch = _detect_arch(hf, source)
+        if hf.get("quantization_config"):
+            method = hf["quantization_config"].get("quant_method", "?")
+            raise CheckpointError(
+                f"{source}: quantized checkpoints ({method}) are not supported; "
+                "use a bfloat16 or float32 conversion of the model"
+            )
         try:
             return _build(arch, hf)
         except KeyError as e:
