@@ -31,6 +31,8 @@ from elastic_ep.errors import PlacementError
 from elastic_ep.placement.location import EMPTY, ExpertLocation
 
 DEFAULT_MOVEMENT_TOLERANCE = 0.01
+# The slowest rank tries swaps with this many of the lightest ranks: all 32 of a 32-rank layout
+# took 3x the time for 0.0003 more balancedness.
 SWAP_PARTNERS = 8
 # A first placement moves nothing, so it refines until within 0.1% of the ideal.
 SCRATCH_TOLERANCE = 0.001
