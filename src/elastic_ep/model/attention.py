@@ -85,11 +85,11 @@ class AttentionBatch:
             q_pad[self.token_row, self.token_offset] = q
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
+            keys,
+            values,
             attn_mask=self.mask,
             scale=scale,
-            enable_gqa=keys.shape[2] != q.shape[1],
+            enable_gqa=keys.shape[1] != q.shape[1],
         ).transpose(1, 2)
         if self.max_chunk == 1 and self.chunk_of_row is None:
             return out[:, 0]

@@ -1,7 +1,8 @@
 """Per-sequence key/value cache, padded so a batch of sequences is attended in one call.
 
-Layout per layer: keys [max_seqs, capacity, kv_heads, k_dim], values [max_seqs, capacity,
-kv_heads, v_dim]. A sequence owns one row (its slot) while allocated. `capacity` grows by
+Layout per layer: keys [max_seqs, kv_heads, capacity, k_dim], values [max_seqs, kv_heads,
+capacity, v_dim]: heads before positions, so the keys of a batch are a [B * heads, len, dim]
+batch of matrices for attention without a copy. A sequence owns one row (its slot) while allocated. `capacity` grows by
 doubling up to `max_model_len`, so a cache sized for long contexts costs memory only once
 a sequence is that long.
 
@@ -51,10 +52,10 @@ class KVCache:
         self.num_layers = num_layers
         self.capacity = min(initial_capacity, max_model_len)
         self.keys = [
-            torch.zeros(max_seqs, self.capacity, shape.kv_heads, shape.k_dim) for _ in range(num_layers)
+            torch.zeros(max_seqs, shape.kv_heads, self.capacity, shape.k_dim) for _ in range(num_layers)
         ]
         self.values = [
-            torch.zeros(max_seqs, self.capacity, shape.kv_heads, shape.v_dim) for _ in range(num_layers)
+            torch.zeros(max_seqs, shape.kv_heads, self.capacity, shape.v_dim) for _ in range(num_layers)
         ]
         self._slots: dict[int, int] = {}
         self._lengths: dict[int, int] = {}
@@ -128,25 +129,26 @@ class KVCache:
         pad = capacity - self.capacity
         for layer in range(self.num_layers):
             k, v = self.keys[layer], self.values[layer]
-            self.keys[layer] = torch.cat([k, k.new_zeros(k.shape[0], pad, *k.shape[2:])], dim=1)
-            self.values[layer] = torch.cat([v, v.new_zeros(v.shape[0], pad, *v.shape[2:])], dim=1)
+            self.keys[layer] = torch.cat([k, k.new_zeros(*k.shape[:2], pad, k.shape[3])], dim=2)
+            self.values[layer] = torch.cat([v, v.new_zeros(*v.shape[:2], pad, v.shape[3])], dim=2)
         self.capacity = capacity
 
     def write(
         self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ):
         """slots, positions: [T] int64; k: [T, kv_heads, k_dim]; v: [T, kv_heads, v_dim]."""
-        self.keys[layer][slots, positions] = k
-        self.values[layer][slots, positions] = v
+        self.keys[layer][slots, :, positions] = k
+        self.values[layer][slots, :, positions] = v
 
     def gather(self, layer: int, slots: list[int], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [B, max_len, kv_heads, k_dim] and values [B, max_len, kv_heads, v_dim] of rows `slots`.
+        """Keys [B, kv_heads, max_len, k_dim] and values [B, kv_heads, max_len, v_dim] of rows `slots`.
 
         Consecutive slots (the usual case: rows are handed out lowest first) are a view, not a copy.
         """
         keys, values = self.keys[layer], self.values[layer]
         first = slots[0]
         if slots == list(range(first, first + len(slots))):
-            return keys[first : first + len(slots), :max_len], values[first : first + len(slots), :max_len]
+            rows = slice(first, first + len(slots))
+            return keys[rows, :, :max_len], values[rows, :, :max_len]
         index = torch.tensor(slots, dtype=torch.int64)
-        return keys[index, :max_len], values[index, :max_len]
+        return keys[index, :, :max_len], values[index, :, :max_len]
