@@ -46,8 +46,8 @@ def test_a_mixed_batch_gives_the_logits_of_each_sequence_run_alone(engine):
     batched.allocate(1)
     step1 = model.forward([SeqChunk(0, a, 0), SeqChunk(1, b[:4], 0)], batched, moe_fn)
     step2 = model.forward([SeqChunk(1, b[4:], 4), SeqChunk(0, [99], len(a))], batched, moe_fn)
-    torch.testing.assert_close(step1, torch.cat([a_prefill, b_first]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(step2, torch.cat([b_rest, a_decode]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(step1, torch.cat([a_prefill, b_first]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(step2, torch.cat([b_rest, a_decode]), atol=1e-4, rtol=0)
     assert batched.length(0) == len(a) + 1 and batched.length(1) == len(b)
 
 
@@ -91,4 +91,4 @@ def test_reprefill_after_a_fault_reproduces_the_decode_logits(engine):
     other = model.new_kv_cache(max_seqs=1)
     other.allocate(1)
     reprefilled = model.forward([SeqChunk(1, tokens, 0)], other, moe_fn)
-    torch.testing.assert_close(reprefilled, decoded, atol=1e-5, rtol=0)
+    torch.testing.assert_close(reprefilled, decoded, atol=1e-4, rtol=0)
