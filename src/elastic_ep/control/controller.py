@@ -281,9 +281,12 @@ class Controller:
             self._wait_for_initial_ranks()
             while not self._stopping.is_set():
                 try:
-                    self._iterate()
+                    if self.faults or self.trouble:
+                        self._recover()
+                    else:
+                        self._iterate()
                 except RecoveryNeeded:
-                    self._recover()
+                    continue
         except Exception as e:  # the loop must not die silently: readiness says why
             self.fatal = f"{type(e).__name__}: {e}"
             self._ready = Readiness(False, f"control loop failed: {self.fatal}")
@@ -474,7 +477,10 @@ class Controller:
             self._pump(0.05)
         self.faults.clear()
         self.fault_detected_at = None
-        self._change_epoch(sorted(self.ranks), "start", np.ones((self.num_moe_layers, self.config.num_experts)))
+        try:
+            self._change_epoch(sorted(self.ranks), "start", np.ones((self.num_moe_layers, self.config.num_experts)))
+        except RecoveryNeeded:
+            return
         self._start_backup()
 
     def _start_backup(self) -> None:
@@ -509,7 +515,7 @@ class Controller:
     def _iterate(self) -> None:
         self._pump(0.0)
         if self.faults or self.trouble:
-            raise RecoveryNeeded()
+            return
         joiners = self._joiners()
         if joiners and self._can_serve(sorted(self.members + joiners)):
             self._change_epoch(sorted(self.members + joiners), "rejoin", self._load_estimate())
@@ -653,6 +659,7 @@ class Controller:
         failures = list(self.trouble)
         live = [r for r in self.members if r not in culprits and self.ranks[r].state not in ("dead", "fenced")]
         for r in culprits:
+            self.scheduler.evict_rank(r)
             self.metrics.forget_rank(r)
             if self.cfg.restart_delay_s >= 0:
                 self.restart_at[r] = time.monotonic() + self.cfg.restart_delay_s
@@ -668,14 +675,19 @@ class Controller:
             self.failed_epochs += 1
             if self.failed_epochs >= self.MAX_FAILURES_WITHOUT_CULPRIT and self._failed_batch is not None:
                 self._fail_batch(self._failed_batch, cause)
-        record = {"_detected_at": detected_at, "culprits": sorted(culprits), "cause": cause,
-                  "detect_to_fence_s": round(fence_s, 4)}
+        prev = self.pending_recovery_record
+        self.pending_recovery_record = {
+            "_detected_at": min(prev["_detected_at"], detected_at) if prev else detected_at,
+            "culprits": sorted(set(prev["culprits"] if prev else ()) | set(culprits)),
+            "cause": f"{prev['cause']}; then {cause}" if prev else cause,
+            "detect_to_fence_s": round(fence_s, 4),
+        }
         self._event("fencing", f"fenced {sorted(culprits)}: {cause}", sorted(culprits)[0] if culprits else None)
         live = sorted(set(live) | set(self._joiners()))
         if not self._can_serve(live):
             self._degrade(live)
             return
-        self._change_epoch(live, "recovery", self._load_estimate(), record)
+        self._change_epoch(live, "recovery", self._load_estimate())
 
     def _degrade(self, live: list[int], reason: str = "") -> None:
         need = -(-self.config.num_experts // self.slots_per_rank)
@@ -724,7 +736,7 @@ class Controller:
         return out
 
     def _change_epoch(self, live: list[int], reason: str, load: np.ndarray,
-                      record: dict[str, Any] | None = None, new: ExpertLocation | None = None) -> None:
+                      new: ExpertLocation | None = None) -> None:
         """Form a new epoch over `live` with a placement for `load`, move the experts, verify.
         Raises RecoveryNeeded when a fault interrupts it."""
         t0 = time.monotonic()
@@ -800,8 +812,8 @@ class Controller:
         }
         self._ready = Readiness(True)
         self._event("epoch", f"epoch {self.epoch} ({reason}) with ranks {live}", reason=reason, **details)
-        if record is not None:
-            self.pending_recovery_record = {**record, **details}
+        if self.pending_recovery_record is not None:
+            self.pending_recovery_record.update(details)
         self._publish()
 
     def _held_placement(self, num_ranks: int, holders: list[int]) -> ExpertLocation:

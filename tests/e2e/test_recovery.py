@@ -1,0 +1,209 @@
+"""Fault tolerance end to end: 4 real ranks, concurrent streaming requests, a fault injected
+mid-stream. Every request completes, its output equals the fault-free run, and /cluster and
+/metrics show the new epoch, the culprit, the cause and the recovery.
+
+One server serves the whole module: each test waits until the killed ranks have been
+restarted (--restart-delay-s) and the group is back to 4 before it injects its fault.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .conftest import PROMPTS, concurrently, reference
+
+MAX_TOKENS = 48
+MODEL = "tiny-deepseek-v3"
+# 16 experts, 16 redundant: 8 slots per rank, so two ranks can hold every expert.
+SERVE_ARGS = ("--model", MODEL, "--ep-size", "4", "--redundant-experts", "16", "--enable-chaos",
+              "--restart-delay-s", "1.0", "--admission-timeout-s", "2")
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory(*SERVE_ARGS)
+
+
+def full_group(server) -> dict:
+    return server.wait_for(
+        lambda c: c["ready"] and len(c["members"]) == 4 and all(r["state"] == "serving" for r in c["ranks"]),
+        timeout_s=60, what="all 4 ranks serving",
+    )
+
+
+def recoveries(server) -> float:
+    families = text_string_to_metric_families(server.http.get("/metrics").text)
+    return sum(s.value for f in families if f.name == "elastic_ep_recoveries" for s in f.samples
+               if s.name.endswith("_total"))
+
+
+def streams_with_fault(server, inject, prompts=PROMPTS, max_tokens=MAX_TOKENS):
+    """Stream `prompts` concurrently; call inject() once every stream has its first chunk.
+    Returns the texts and the largest gap between chunks of any stream (s)."""
+    started = threading.Barrier(len(prompts) + 1)
+
+    def one(prompt):
+        times, parts = [], []
+        stream = server.client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0
+        )
+        for i, chunk in enumerate(stream):
+            times.append(time.monotonic())
+            parts.append(chunk.choices[0].text if chunk.choices else "")
+            if i == 0:
+                started.wait(timeout=30)
+        return "".join(parts), max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+    injector = threading.Thread(target=lambda: (started.wait(timeout=30), inject()))
+    injector.start()
+    results = concurrently(one, prompts)
+    injector.join()
+    return [t for t, _ in results], max(g for _, g in results)
+
+
+def recovery_events(cluster: dict, since_epoch: int) -> list[dict]:
+    return [e for e in cluster["events"] if e["kind"] == "recovered" and e.get("epoch", -1) > since_epoch]
+
+
+def check_recovered(server, before: dict, texts: list[str], culprits: set[int], cause: str) -> dict:
+    assert texts == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    cluster = server.wait_for(lambda c: recovery_events(c, before["epoch"]), timeout_s=10, what="a recovery")
+    assert cluster["epoch"] > before["epoch"]
+    named = set().union(*(set(e["culprits"]) for e in recovery_events(cluster, before["epoch"])))
+    assert culprits <= named
+    faults = [e for e in cluster["events"] if e["kind"] == "fault" and e["rank_id"] in culprits
+              and e["time_s"] > before["events"][-1]["time_s"]]
+    assert faults and all(cause in e["message"] for e in faults), faults
+    return cluster
+
+
+def test_kill_one_rank_then_it_rejoins(server):
+    before = full_group(server)
+    count = recoveries(server)
+    pid = server.pids()[1]
+    texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGKILL))
+    cluster = check_recovered(server, before, texts, {1}, "exited")
+    event = recovery_events(cluster, before["epoch"])[0]
+    assert set(event["transfers"]) and event["total_s"] < 5
+    assert recoveries(server) > count
+    back = full_group(server)
+    assert back["ranks"][1]["pid"] != pid
+
+
+def test_hung_rank_is_named_fenced_and_replaced(server):
+    before = full_group(server)
+    pid = server.pids()[2]
+    texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGSTOP))
+    check_recovered(server, before, texts, {2}, "heartbeat")
+
+
+def test_rank_zero_lost_via_chaos_endpoint(server):
+    before = full_group(server)
+    kill = lambda: server.http.post("/chaos/kill", json={"rank_id": 0}).raise_for_status()  # noqa: E731
+    texts, _ = streams_with_fault(server, kill)
+    check_recovered(server, before, texts, {0}, "exited")
+
+
+def test_two_ranks_at_once_losing_every_replica_of_some_experts_restores_from_backup(server):
+    before = full_group(server)
+    pair = _pair_holding_only_replicas(before["placement"])
+    pids = server.pids()
+
+    def kill_both():
+        for r in pair:
+            os.kill(pids[r], signal.SIGKILL)
+
+    texts, _ = streams_with_fault(server, kill_both)
+    cluster = check_recovered(server, before, texts, set(pair), "exited")
+    moved = {}
+    for e in recovery_events(cluster, before["epoch"]):
+        for source, stat in e["transfers"].items():
+            moved[source] = moved.get(source, 0) + stat["bytes"]
+    assert moved.get("backup", 0) > 0 and moved.get("disk", 0) == 0
+
+
+def test_second_fault_during_recovery(server):
+    before = full_group(server)
+    pids = server.pids()
+
+    def two_faults():
+        os.kill(pids[1], signal.SIGKILL)
+        time.sleep(0.02)
+        os.kill(pids[3], signal.SIGKILL)
+
+    texts, _ = streams_with_fault(server, two_faults)
+    check_recovered(server, before, texts, {1, 3}, "exited")
+
+
+def test_slow_rank_is_not_declared_dead(server):
+    before = full_group(server)
+    server.http.post("/chaos/slow", json={"rank_id": 3, "delay_s": 0.3}).raise_for_status()
+    try:
+        texts = concurrently(lambda p: server.complete(p, 8, temperature=0), PROMPTS[:2])
+    finally:
+        server.http.post("/chaos/slow", json={"rank_id": 3, "delay_s": 0.0}).raise_for_status()
+    assert texts == [t for t in reference(MODEL, tuple(PROMPTS[:2]), 8)]
+    after = server.cluster()
+    assert after["epoch"] == before["epoch"]
+    assert not [e for e in after["events"] if e["kind"] == "fault" and e["time_s"] > before["events"][-1]["time_s"]]
+
+
+def test_too_few_ranks_not_ready_then_503_then_service_returns_by_itself(server):
+    full_group(server)
+    pids = server.pids()
+    results = {}
+
+    def kill_three_and_probe():
+        for r in (0, 1, 2):
+            os.kill(pids[r], signal.SIGKILL)
+        cluster = server.wait_for(lambda c: not c["ready"], timeout_s=10, what="not ready")
+        ready = server.http.get("/ready")
+        results["ready"] = (ready.status_code, ready.text, cluster["reason"])
+        late = server.http.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2})
+        results["late"] = (late.status_code, late.headers.get("retry-after"), late.text)
+
+    texts, gap = streams_with_fault(server, kill_three_and_probe)
+    assert texts == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    status, _, reason = results["ready"]
+    assert status == 503 and "too few ranks" in reason
+    late_status, retry_after, late_body = results["late"]
+    assert late_status == 503 and retry_after and "too few ranks" in late_body
+    assert gap > 1.0  # the streams paused until the ranks came back
+    full_group(server)
+
+
+def test_backup_off_restores_lost_experts_from_disk(server_factory):
+    server = server_factory(*SERVE_ARGS, "--no-expert-backup")
+    try:
+        before = full_group(server)
+        pair = _pair_holding_only_replicas(before["placement"])
+        pids = server.pids()
+        texts, _ = streams_with_fault(server, lambda: [os.kill(pids[r], signal.SIGKILL) for r in pair])
+        cluster = check_recovered(server, before, texts, set(pair), "exited")
+        disk = sum(e["transfers"].get("disk", {}).get("bytes", 0) for e in recovery_events(cluster, before["epoch"]))
+        assert disk > 0
+    finally:
+        server.stop()
+
+
+def _pair_holding_only_replicas(placement: dict) -> tuple[int, int]:
+    """Two ranks that together hold every replica of at least one expert."""
+    s = placement["slots_per_rank"]
+    best, best_lost = (0, 1), -1
+    for a, b in itertools.combinations(range(placement["num_ranks"]), 2):
+        lost = 0
+        for layer in placement["log2phy"]:
+            for slots in layer:
+                holders = {slot // s for slot in slots if slot >= 0}
+                lost += holders <= {a, b}
+        if lost > best_lost:
+            best, best_lost = (a, b), lost
+    assert best_lost > 0
+    return best
