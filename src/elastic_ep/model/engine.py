@@ -113,10 +113,6 @@ class OfflineEngine:
                 f"prompt {index} has {len(prompt)} tokens, the context holds {self.max_model_len} "
                 "(prompt plus at least one generated token); shorten the prompt"
             )
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ElasticEPError(f"prompt {index} has token id {bad[0]} outside the vocabulary of {vocab}")
 
     def _finish_reason(self, state: _Running, token: int) -> str:
         if token in self.eos_ids and not state.params.ignore_eos:

@@ -46,6 +46,24 @@ def _gate_up(
     return torch.cat([gate, up]), require_tensor(state, f"{prefix}down_proj.weight", (hidden, inter))
 
 
+class _DenseMLP:
+    """The MLP of a layer without routed experts (DeepSeek's first layers, Qwen3's mlp_only_layers)."""
+
+    def __init__(self, cfg: MoEConfig, state: dict[str, torch.Tensor], prefix: str):
+        self.gate_up, self.down = _gate_up(state, prefix, cfg.hidden_size, cfg.intermediate_size)
+
+    def __call__(self, layer: int, x: torch.Tensor, moe_fn: MoEFn) -> torch.Tensor:
+        return gated_mlp(x, self.gate_up, self.down)
+
+
+@dataclass
+class _DecoderLayer:
+    input_norm: torch.Tensor
+    attention: MLAttention | GQAttention
+    post_attention_norm: torch.Tensor
+    mlp: _MoEBlock | _DenseMLP
+
+
 class _MoEBlock:
     """Router, shared experts and scaling of one MoE layer; routed experts go through moe_fn."""
 
@@ -106,21 +124,19 @@ class MoEForCausalLM:
         rotary = Rotary(cfg.rope)
         attention_cls = MLAttention if cfg.arch == "deepseek_v3" else GQAttention
         self.kv_shape = attention_cls.kv_shape(cfg)
-        self.layers = []
         moe_layers = set(cfg.moe_layers)
+        self.layers: list[_DecoderLayer] = []
         for layer in range(cfg.num_layers):
             prefix = f"model.layers.{layer}."
-            mlp = (
-                _MoEBlock(cfg, dense_state, f"{prefix}mlp.")
-                if layer in moe_layers
-                else _gate_up(dense_state, f"{prefix}mlp.", hidden, cfg.intermediate_size)
-            )
+            mlp_cls = _MoEBlock if layer in moe_layers else _DenseMLP
             self.layers.append(
-                (
-                    require_tensor(dense_state, f"{prefix}input_layernorm.weight", (hidden,)),
-                    attention_cls(cfg, dense_state, f"{prefix}self_attn.", rotary),
-                    require_tensor(dense_state, f"{prefix}post_attention_layernorm.weight", (hidden,)),
-                    mlp,
+                _DecoderLayer(
+                    input_norm=require_tensor(dense_state, f"{prefix}input_layernorm.weight", (hidden,)),
+                    attention=attention_cls(cfg, dense_state, f"{prefix}self_attn.", rotary),
+                    post_attention_norm=require_tensor(
+                        dense_state, f"{prefix}post_attention_layernorm.weight", (hidden,)
+                    ),
+                    mlp=mlp_cls(cfg, dense_state, f"{prefix}mlp."),
                 )
             )
 
@@ -144,11 +160,10 @@ class MoEForCausalLM:
         batch = self._prepare(chunks, kv)
         token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
         x = self.embed[token_ids]
-        for layer, (ln_in, attention, ln_post, mlp) in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):
             if batch is not None:
-                x = x + attention(rms_norm(x, ln_in, cfg.rms_norm_eps), batch, kv, layer)
-            h = rms_norm(x, ln_post, cfg.rms_norm_eps)
-            x = x + (mlp(layer, h, moe_fn) if isinstance(mlp, _MoEBlock) else gated_mlp(h, *mlp))
+                x = x + layer.attention(rms_norm(x, layer.input_norm, cfg.rms_norm_eps), batch, kv, i)
+            x = x + layer.mlp(i, rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps), moe_fn)
         last = torch.cumsum(torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64), 0) - 1
         return F.linear(rms_norm(x[last], self.norm, cfg.rms_norm_eps), self.lm_head)
 
