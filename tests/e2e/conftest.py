@@ -8,9 +8,6 @@ and takes its workers with it (they die with their parent); the tests never leav
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
+
+from elastic_ep.control.server_process import ServerProcess
 
 PROMPTS = [
     "The quick brown fox",
@@ -32,61 +30,12 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProcess):
+    """A serve process plus an OpenAI client on it."""
 
-
-class Server:
-    """One `elastic-ep serve` process. `url` is its HTTP base; `client` an OpenAI client."""
-
-    def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float = 120.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_ep.cli", "serve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
-        )
-        self.http = httpx.Client(base_url=self.url, timeout=60)
+    def __init__(self, args: list[str], log_path: Path):
+        super().__init__(args, log_path)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
-        self.wait_ready(ready_timeout_s)
-
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if self.http.get("/ready").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready within {timeout_s}s:\n{self.log()[-3000:]}")
-
-    def wait_for(self, predicate, timeout_s: float = 30.0, what: str = "condition") -> dict:
-        """Poll /cluster until predicate(cluster) holds; returns that cluster JSON."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            cluster = self.cluster()
-            if predicate(cluster):
-                return cluster
-            time.sleep(0.1)
-        raise TimeoutError(f"{what} not reached within {timeout_s}s: {json.dumps(self.cluster())[:3000]}")
-
-    def cluster(self) -> dict:
-        return self.http.get("/cluster").json()
-
-    def pids(self) -> dict[int, int]:
-        return {r["rank_id"]: r["pid"] for r in self.cluster()["ranks"] if r["state"] == "serving"}
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
 
     def complete(self, prompt: str, max_tokens: int, **kwargs) -> str:
         out = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens, **kwargs)
@@ -105,17 +54,6 @@ class Server:
     @property
     def model(self) -> str:
         return self.http.get("/v1/models").json()["data"][0]["id"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.http.close()
-        self._log.close()
 
 
 @cache

@@ -32,10 +32,7 @@ def server(server_factory):
 
 
 def full_group(server) -> dict:
-    return server.wait_for(
-        lambda c: c["ready"] and len(c["members"]) == 4 and all(r["state"] == "serving" for r in c["ranks"]),
-        timeout_s=60, what="all 4 ranks serving",
-    )
+    return server.wait_full_group(4)
 
 
 def recoveries(server) -> float:

@@ -336,6 +336,7 @@ class Controller:
             self._on_step(decode(frame))
         self._drain_commands()
         self._check_health()
+        self._publish(throttle_s=0.25)
 
     # ---- messages ----------------------------------------------------------------------
 
@@ -507,7 +508,7 @@ class Controller:
             "backend": self.cfg.backend,
             "max_num_seqs": self.cfg.max_num_seqs,
             "max_model_len": self.cfg.max_model_len,
-            "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
+            "heartbeat_interval_s": self.cfg.heartbeat_interval_s if self.cfg.health_checks else 0.0,
         }
 
     # ---- the step loop -----------------------------------------------------------------
@@ -586,6 +587,7 @@ class Controller:
             if res.expert_load is not None:
                 load += res.expert_load
         self.recent_step_s.append(wall_s)
+        self.metrics.step_wall_seconds.observe(wall_s)
         self.failed_epochs = 0
         self._failed_batch = None
         self.metrics.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
@@ -614,7 +616,6 @@ class Controller:
             self.metrics.recovery_seconds.observe(record["total_s"])
             self._event("recovered", f"epoch {self.epoch} serving again after {record['total_s']:.3f}s", **record)
             self.pending_recovery_record = None
-        self._publish(throttle_s=0.2)
 
     def _fail_batch(self, batch: StepBatch, error: str) -> None:
         """End the requests of a step that keeps failing with no rank to blame (a deterministic

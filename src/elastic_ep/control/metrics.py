@@ -37,6 +37,10 @@ class ClusterMetrics:
             "Tokens computed by a rank's expert slots over the mean across ranks, recent window (1.0 = even)",
             ["rank"], registry=registry,
         )
+        self.step_wall_seconds = Histogram(
+            "elastic_ep_step_wall_seconds", "Wall time of a step at the controller, plan sent to last result",
+            buckets=STEP_BUCKETS, registry=registry,
+        )
         self.controller_overhead_seconds = Histogram(
             "elastic_ep_controller_round_trip_seconds",
             "Per step: wall time of the step at the controller minus the slowest rank's step time",

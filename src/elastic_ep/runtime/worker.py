@@ -66,7 +66,7 @@ class WorkerArgs:
     backend: str
     max_num_seqs: int
     max_model_len: int
-    heartbeat_interval_s: float
+    heartbeat_interval_s: float  # 0: no heartbeats (only to measure their cost)
     join_mode: str = "initial"
 
     def to_json(self) -> str:
@@ -109,7 +109,8 @@ class Worker:
         self.sock.send(encode(message))
 
     def run(self) -> None:
-        threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
+        if self.args.heartbeat_interval_s > 0:
+            threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode))
         while True:
             msg = self._pending.pop(0) if self._pending else decode(self.sock.recv())

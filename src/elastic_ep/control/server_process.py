@@ -1,0 +1,98 @@
+"""`elastic-ep serve` as a child process: start on a free port, wait until ready, stop.
+
+For end-to-end tests, benchmarks and demos. The server's workers die with it (they are its
+children and exit when their parent does), so stopping the server leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One `elastic-ep serve ARGS` process with its output in `log_path`.
+
+    ready_timeout_s: how long `wait_ready` waits for GET /ready to answer 200 (default 120 s).
+    """
+
+    def __init__(self, args: list[str], log_path: str | Path, ready_timeout_s: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_ep.cli", "serve", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        )
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+        self.wait_ready(ready_timeout_s)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Raise RuntimeError if the server exits, TimeoutError if not ready within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                if self.http.get("/ready").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready within {timeout_s}s:\n{self.log()[-3000:]}")
+
+    def wait_for(self, predicate, timeout_s: float = 30.0, what: str = "condition") -> dict:
+        """Poll /cluster until predicate(cluster) holds; returns that cluster JSON."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            cluster = self.cluster()
+            if predicate(cluster):
+                return cluster
+            time.sleep(0.05)
+        raise TimeoutError(f"{what} not reached within {timeout_s}s: {json.dumps(self.cluster())[:3000]}")
+
+    def wait_full_group(self, ep_size: int, timeout_s: float = 60.0) -> dict:
+        """Wait until `ep_size` ranks serve and the server is ready."""
+        return self.wait_for(
+            lambda c: c["ready"] and len(c["members"]) == ep_size and all(r["state"] == "serving" for r in c["ranks"]),
+            timeout_s, f"all {ep_size} ranks serving",
+        )
+
+    def cluster(self) -> dict:
+        return self.http.get("/cluster").json()
+
+    def pids(self) -> dict[int, int]:
+        """rank_id -> pid of every serving rank."""
+        return {r["rank_id"]: r["pid"] for r in self.cluster()["ranks"] if r["state"] == "serving"}
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL after grace_s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+        self._log.close()
