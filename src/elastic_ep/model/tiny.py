@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from elastic_ep.errors import CheckpointError
 
 from .checkpoint import INDEX_FILE, expert_key
+from .config import MoEConfig
 
 TINY_MODELS: dict[str, str] = {"tiny-deepseek-v3": "deepseek_v3", "tiny-qwen3-moe": "qwen3_moe"}
 ARCHS = ("deepseek_v3", "qwen3_moe")
@@ -132,8 +133,6 @@ def default_config(
 
 def _tensor_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the checkpoint and its shape, in a fixed order."""
-    from .config import MoEConfig
-
     cfg = MoEConfig.from_dict(hf)
     h, inter, moe_i = cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
