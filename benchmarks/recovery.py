@@ -1,0 +1,195 @@
+"""Recovery: the pause in token flow after `kill -9` and after SIGSTOP of one rank, a full
+restart for comparison, the recovery broken down, and the steady-state cost of detection.
+
+    .venv/bin/python benchmarks/recovery.py [--repeats 5] [--model tiny-deepseek-v3]
+
+One EP 4 server (8 redundant experts, so 3 ranks hold every expert; a dead rank is restarted
+after 0.5 s and rejoins between repeats). Each repeat streams `--streams` greedy completions
+at once; once every stream has tokens, one rank is killed (or stopped). Pause = the largest gap
+between two chunks of any stream, less the median gap of the run. Full restart = stop the
+server, start it again, until the first token of a new request. Breakdown per recovery from
+the /cluster event: detect (fault event time - signal time), fence, placement, transfers by
+source, group rebuild, recompute (the first step of the new epoch). Steady-state cost: mean
+decode step wall time (controller side) with heartbeats and watchdog on, over the same with
+--no-health-checks, runs interleaved. Medians over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic_ep.control.server_process import ServerProcess
+
+EP_SIZE = 4
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "1 2 3 4 5",
+           "elastic expert parallel", "hello world", "MoE layers route tokens", "a b c d e f"]
+
+
+def serve_args(model: str, *extra: str) -> list[str]:
+    return ["--model", model, "--ep-size", str(EP_SIZE), "--redundant-experts", "8",
+            "--restart-delay-s", "0.5", *extra]
+
+
+def client_for(server: ServerProcess) -> tuple[openai.OpenAI, str]:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    return client, client.models.list().data[0].id
+
+
+def streams_with_signal(server: ServerProcess, pid: int, sig: int, n: int, max_tokens: int) -> dict[str, float]:
+    """Stream n completions; signal `pid` once all have started. Returns pause and normal gap (s)
+    and the wall time of the signal."""
+    client, model = client_for(server)
+    started = threading.Barrier(n + 1)
+    sent: dict[str, float] = {}
+
+    def one(prompt: str) -> list[float]:
+        times = []
+        for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                               temperature=0, extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                times.append(time.monotonic())
+                if len(times) == 2:
+                    started.wait(timeout=60)
+        return [b - a for a, b in itertools.pairwise(times)]
+
+    def inject() -> None:
+        started.wait(timeout=60)
+        time.sleep(0.2)
+        sent["time_s"] = time.time()
+        os.kill(pid, sig)
+
+    injector = threading.Thread(target=inject)
+    injector.start()
+    with ThreadPoolExecutor(n) as pool:
+        gaps = [g for gs in pool.map(one, [PROMPTS[i % len(PROMPTS)] for i in range(n)]) for g in gs]
+    injector.join()
+    normal = statistics.median(gaps)
+    return {"pause_s": max(gaps) - normal, "normal_gap_s": normal, "signal_time_s": sent["time_s"]}
+
+
+def breakdown(server: ServerProcess, since_epoch: int, signal_time_s: float) -> dict:
+    """The recovery event after `since_epoch`, with detect time measured from the signal."""
+    cluster = server.wait_for(
+        lambda c: any(e["kind"] == "recovered" and e.get("epoch", -1) > since_epoch for e in c["events"]),
+        timeout_s=30, what="the recovery event",
+    )
+    event = next(e for e in cluster["events"] if e["kind"] == "recovered" and e["epoch"] > since_epoch)
+    fault = next(e for e in cluster["events"] if e["kind"] == "fault" and e["time_s"] >= signal_time_s - 1)
+    return {
+        "detect_s": fault["time_s"] - signal_time_s,
+        "cause": fault["message"],
+        "fence_s": event["detect_to_fence_s"],
+        "placement_s": event["placement_s"],
+        "rebuild_s": event["rendezvous_s"],
+        "transfer_s": event["transfer_s"],
+        "transfers": event["transfers"],
+        "recompute_s": event["recompute_s"],
+        "total_s": event["total_s"],
+    }
+
+
+def fault_runs(server: ServerProcess, sig: int, repeats: int, streams: int, max_tokens: int) -> list[dict]:
+    runs = []
+    for i in range(repeats):
+        before = server.wait_full_group(EP_SIZE)
+        victim = (i + 1) % EP_SIZE
+        result = streams_with_signal(server, server.pids()[victim], sig, streams, max_tokens)
+        result.update(breakdown(server, before["epoch"], result.pop("signal_time_s")))
+        runs.append(result)
+        print(json.dumps({"signal": signal.Signals(sig).name, "victim": victim, **result}), flush=True)
+    return runs
+
+
+def full_restart(server: ServerProcess, args: list[str], log: Path) -> tuple[float, ServerProcess]:
+    """Stop everything, serve again, until the first token; returns (seconds, new server)."""
+    start = time.monotonic()
+    server.stop()
+    fresh = ServerProcess(args, log)
+    client, model = client_for(fresh)
+    for _ in client.completions.create(model=model, prompt="hello", max_tokens=4, stream=True):
+        break
+    return time.monotonic() - start, fresh
+
+
+def mean_step_s(server: ServerProcess, streams: int, max_tokens: int) -> float:
+    """Mean controller-side step wall time over one decode run."""
+    def sums() -> tuple[float, float]:
+        for family in text_string_to_metric_families(server.http.get("/metrics").text):
+            if family.name == "elastic_ep_step_wall_seconds":
+                values = {s.name: s.value for s in family.samples}
+                return values["elastic_ep_step_wall_seconds_sum"], values["elastic_ep_step_wall_seconds_count"]
+        raise KeyError("elastic_ep_step_wall_seconds")
+
+    client, model = client_for(server)
+    s0, c0 = sums()
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(lambda p: client.completions.create(model=model, prompt=p, max_tokens=max_tokens,
+                                                          extra_body={"ignore_eos": True}), PROMPTS[:streams]))
+    s1, c1 = sums()
+    return (s1 - s0) / (c1 - c0)
+
+
+def median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-deepseek-v3")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(tmp)
+        server = ServerProcess(serve_args(args.model), logs / "serve.log")
+        try:
+            kills = fault_runs(server, signal.SIGKILL, args.repeats, args.streams, args.max_tokens)
+            hangs = fault_runs(server, signal.SIGSTOP, args.repeats, args.streams, args.max_tokens)
+            restarts = []
+            for i in range(args.repeats):
+                seconds, server = full_restart(server, serve_args(args.model), logs / f"restart{i}.log")
+                restarts.append(seconds)
+                print(json.dumps({"full_restart_s": seconds}), flush=True)
+            server.wait_full_group(EP_SIZE)
+            quiet = ServerProcess(serve_args(args.model, "--no-health-checks"), logs / "quiet.log")
+            try:
+                on, off = [], []
+                for _ in range(args.repeats):
+                    on.append(mean_step_s(server, args.streams, 64))
+                    off.append(mean_step_s(quiet, args.streams, 64))
+            finally:
+                quiet.stop()
+        finally:
+            server.stop()
+    kill_pause, hang_pause = median(kills, "pause_s"), median(hangs, "pause_s")
+    restart_s = statistics.median(restarts)
+    cost = statistics.median(a / b for a, b in zip(on, off, strict=True)) - 1
+    summary = {
+        "kill_pause_s": kill_pause, "hang_pause_s": hang_pause, "full_restart_s": restart_s,
+        "restart_over_kill_pause": restart_s / kill_pause, "steady_state_cost": cost,
+        "step_s_with_health": statistics.median(on), "step_s_without": statistics.median(off),
+        "kill_breakdown": {k: median(kills, k) for k in
+                           ("detect_s", "fence_s", "placement_s", "rebuild_s", "transfer_s", "recompute_s", "total_s")},
+        "hang_breakdown": {k: median(hangs, k) for k in
+                           ("detect_s", "fence_s", "placement_s", "rebuild_s", "transfer_s", "recompute_s", "total_s")},
+        "kill_transfers_example": kills[0]["transfers"],
+    }
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
