@@ -87,6 +87,10 @@ def test_config_normalizes_both_architectures(tiny_dirs):
 
 
 def test_quantized_checkpoint_is_refused_with_the_fix(tiny_dirs):
-    hf = dict(MoEConfig.from_pretrained(tiny_dirs["deepseek_v3"]).hf, quantization_config={"quant_method": "fp8"})
-    with pytest.raises(CheckpointError, match=r"quantized checkpoints \(fp8\) are not supported; use a bfloat16"):
+    hf = dict(
+        MoEConfig.from_pretrained(tiny_dirs["deepseek_v3"]).hf, quantization_config={"quant_method": "fp8"}
+    )
+    with pytest.raises(
+        CheckpointError, match=r"quantized checkpoints \(fp8\) are not supported; use a bfloat16"
+    ):
         MoEConfig.from_dict(hf)
