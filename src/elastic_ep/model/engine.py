@@ -82,7 +82,12 @@ class OfflineEngine:
         results = [GenerationResult(list(prompt)) for prompt in prompts]
         waiting = deque(range(len(prompts)))
         running: dict[int, _Running] = {}
-        cache = self.model.new_kv_cache(min(self.max_batch, max(len(prompts), 1)), self.max_model_len)
+        longest = max(
+            (len(prompt) + p.max_tokens for prompt, p in zip(prompts, params_list, strict=True)), default=1
+        )
+        cache = self.model.new_kv_cache(
+            min(self.max_batch, max(len(prompts), 1)), self.max_model_len, initial_capacity=longest
+        )
         while waiting or running:
             chunks = [SeqChunk(i, [r.result.token_ids[-1]], r.length - 1) for i, r in running.items()]
             while waiting and len(running) < self.max_batch:

@@ -140,13 +140,19 @@ class MoEForCausalLM:
                 )
             )
 
-    def new_kv_cache(self, max_seqs: int, max_model_len: int | None = None) -> KVCache:
-        """A cache for this model; max_model_len defaults to max_position_embeddings."""
+    def new_kv_cache(
+        self, max_seqs: int, max_model_len: int | None = None, initial_capacity: int = 256
+    ) -> KVCache:
+        """A cache for this model; max_model_len defaults to max_position_embeddings.
+
+        initial_capacity: positions allocated per sequence up front (the cache doubles as needed).
+        """
         return KVCache(
             self.config.num_layers,
             self.kv_shape,
             max_seqs,
             max_model_len or self.config.max_position_embeddings,
+            initial_capacity,
         )
 
     @torch.inference_mode()
