@@ -128,11 +128,14 @@ class ScriptedEngine:
         return {"action": action, "rank_id": rank_id, "delay_s": delay_s}
 
 
+SLOW_RANK = 2
+
+
 def sample_cluster(ep_size: int) -> dict:
     """A /cluster document in the shape `Engine.cluster` documents (also feeds the dashboard)."""
     ranks = []
     for r in range(ep_size):
-        slow = r == 2
+        slow = r == SLOW_RANK
         ranks.append(
             {
                 "rank_id": r,
@@ -141,15 +144,22 @@ def sample_cluster(ep_size: int) -> dict:
                 "state": "serving",
                 "slots": {"used": 5, "total": 6},
                 "requests": 3,
-                "step_ms": {"p50": 30.0 + 20 * slow, "p99": 42.0 + 80 * slow, "max": 50.0 + 120 * slow},
-                "wait_ms": {"p50": 8.0 - 6 * slow, "p99": 14.0},
+                # In an all-to-all everyone's step lasts as long as the straggler's; it alone
+                # does not wait (rank 2 here: 50 ms own time against 12 ms for the others).
+                "step_ms": {"p50": 52.0 + r, "p99": 60.0 + r, "max": 75.0},
+                "wait_ms": {"p50": 2.0 + r if slow else 40.0 + r, "p99": 45.0},
             }
         )
     ranks.append(
         {"rank_id": ep_size, "node": "node9", "pid": None, "state": "dead", "slots": {"used": 0, "total": 6}}
     )
     events = [
-        {"time_s": time.time() - 30, "kind": "fault", "rank_id": ep_size, "message": "rank exited (SIGKILL)"},
+        {
+            "time_s": time.time() - 30,
+            "kind": "fault",
+            "rank_id": ep_size,
+            "message": f"rank {ep_size}: process exited with code -9",
+        },
         {
             "time_s": time.time() - 29,
             "kind": "epoch",

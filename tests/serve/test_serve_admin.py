@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from scripted_engine import SLOW_RANK
 
 from elastic_ep.cli import main
 from elastic_ep.control.api import Readiness
@@ -66,6 +70,35 @@ def test_cluster_and_dashboard(served):
     assert page.headers["content-type"].startswith("text/html")
     assert "/cluster" in page.text and "/is_scaling_elastic_ep" in page.text
     assert "http://" not in page.text and "https://" not in page.text, "the dashboard must work offline"
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium for a headless render")
+def test_dashboard_radar_puts_the_rank_others_wait_for_first(served):
+    dom = subprocess.run(
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--no-first-run",
+            "--disable-component-update",
+            "--disable-sync",
+            "--virtual-time-budget=3000",
+            "--dump-dom",
+            f"{served.url}/dashboard",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    radar = dom[dom.index('id="radar"') :]
+    first_row = radar[: radar.index("</tr>")]
+    assert f"<td>{SLOW_RANK}</td>" in first_row
+    assert 'class="worst"' in first_row
+    assert radar.count('class="worst"') == 1
+    assert "epoch" in dom and ">3<" in dom
 
 
 def test_scale_maps_engine_answers_to_status_codes(served):
