@@ -29,6 +29,7 @@ from .messages import (
     AgentHello,
     AgentShutdown,
     AgentWelcome,
+    BackupAssign,
     BackupFetch,
     BackupReady,
     BackupSite,
@@ -109,8 +110,8 @@ class NodeAgent:
     def _handle(self, msg) -> bool:
         if isinstance(msg, AgentWelcome):
             self.worker_args = msg.worker_args
-            if msg.backup_experts:
-                threading.Thread(target=self._build_backup, args=(msg.backup_experts,), daemon=True).start()
+        elif isinstance(msg, BackupAssign):
+            threading.Thread(target=self._build_backup, args=(msg.items,), daemon=True).start()
         elif isinstance(msg, StartWorker):
             self._start(msg.rank_id, msg.join_mode)
         elif isinstance(msg, FenceWorker):

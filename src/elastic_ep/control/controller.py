@@ -53,6 +53,7 @@ from .messages import (
     AgentHello,
     AgentShutdown,
     AgentWelcome,
+    BackupAssign,
     BackupReady,
     BackupSite,
     EpochFailed,
@@ -199,6 +200,7 @@ class Controller:
         self.members: list[int] = []
         self.location: ExpertLocation | None = None
         self.reference_checksums: dict[tuple[int, int], int] = {}
+        self.suspect_slots: set[tuple[int, int, int]] = set()
         self.faults: dict[int, str] = {}
         self.fault_detected_at: float | None = None
         self.fencing: dict[int, float] = {}
@@ -278,7 +280,10 @@ class Controller:
 
     def _run(self) -> None:
         try:
-            self._wait_for_initial_ranks()
+            try:
+                self._wait_for_initial_ranks()
+            except RecoveryNeeded:
+                pass
             while not self._stopping.is_set():
                 try:
                     if self.faults or self.trouble:
@@ -452,7 +457,7 @@ class Controller:
     # ---- startup -----------------------------------------------------------------------
 
     def _welcome(self, agent: AgentState) -> None:
-        self._send_health(agent.identity, AgentWelcome(self._worker_args(), []))
+        self._send_health(agent.identity, AgentWelcome(self._worker_args()))
         taken = set(self.ranks)
         free = [r for r in range(self.cfg.ep_size) if r not in taken]
         for rank_id in free[: agent.num_ranks]:
@@ -478,11 +483,7 @@ class Controller:
             self._pump(0.05)
         self.faults.clear()
         self.fault_detected_at = None
-        try:
-            self._change_epoch(sorted(self.ranks), "start", np.ones((self.num_moe_layers, self.config.num_experts)))
-        except RecoveryNeeded:
-            return
-        self._start_backup()
+        self._change_epoch(sorted(self.ranks), "start", np.ones((self.num_moe_layers, self.config.num_experts)))
 
     def _start_backup(self) -> None:
         """Give every agent its share of the expert backup, if memory allows."""
@@ -496,7 +497,7 @@ class Controller:
             return
         assert self.location is not None
         for node, items in backup_shares(self.location, self._rank_nodes(), sorted(self.agents)).items():
-            self._send_health(self.agents[node].identity, AgentWelcome(self._worker_args(), items))
+            self._send_health(self.agents[node].identity, BackupAssign(items))
 
     def _worker_args(self) -> dict[str, Any]:
         return {
@@ -792,8 +793,15 @@ class Controller:
                     self.trouble.append(detail)
                 raise RecoveryNeeded()
         replies: dict[int, EpochReady] = self._epoch_replies  # type: ignore[assignment]
-        self._verify(new, replies)
+        bad = self._verify(new, replies)
+        if bad:
+            self.suspect_slots |= bad
+            self.trouble.append(f"{len(bad)} slots failed verification after the transfer; refilling them")
+            self._event("verify-failed", f"slots (rank, layer, slot) {sorted(bad)[:5]} hold the wrong weights")
+            raise RecoveryNeeded()
+        first = self.location is None
         self.location = new
+        self.suspect_slots.clear()
         for r in live:
             self.ranks[r].state = "serving"
         self.scheduler.set_ranks(live)
@@ -815,6 +823,8 @@ class Controller:
         self._event("epoch", f"epoch {self.epoch} ({reason}) with ranks {live}", reason=reason, **details)
         if self.pending_recovery_record is not None:
             self.pending_recovery_record.update(details)
+        if first:
+            self._start_backup()
         self._publish()
 
     def _held_placement(self, num_ranks: int, holders: list[int]) -> ExpertLocation:
@@ -825,25 +835,25 @@ class Controller:
             s = self.slots_per_rank
             for r in holders:
                 phy2log[:, r * s : (r + 1) * s] = self.location.phy2log[:, r * s : (r + 1) * s]
+            for r, li, j in self.suspect_slots:
+                phy2log[li, r * s + j] = EMPTY
         return ExpertLocation.from_phy2log(phy2log, self.slots_per_rank, self.config.num_experts)
 
-    def _verify(self, location: ExpertLocation, replies: dict[int, EpochReady]) -> None:
-        """Every occupied slot must hold its expert's weights (checksum recorded at first load)."""
+    def _verify(self, location: ExpertLocation, replies: dict[int, EpochReady]) -> set[tuple[int, int, int]]:
+        """(rank, layer, slot) of every occupied slot that does not hold its expert's weights
+        (checksum recorded when the expert was first read from disk) or reports nothing."""
         s = self.slots_per_rank
-        bad = []
+        bad = set()
         for rank_id, rep in replies.items():
-            for (li, j), checksum in rep.checksums.items():
-                expert = int(location.phy2log[li, rank_id * s + j])
-                ref = self.reference_checksums.setdefault((li, expert), checksum)
-                if ref != checksum:
-                    bad.append(f"rank {rank_id} layer {li} slot {j} (expert {expert})")
-            held = {(li, j) for (li, j) in rep.checksums}
             for li in range(location.num_layers):
                 for j in range(s):
-                    if location.phy2log[li, rank_id * s + j] >= 0 and (li, j) not in held:
-                        bad.append(f"rank {rank_id} layer {li} slot {j} is empty")
-        if bad:
-            raise ElasticEPError(f"expert weights failed verification after the transfer: {', '.join(bad[:5])}")
+                    expert = int(location.phy2log[li, rank_id * s + j])
+                    if expert < 0:
+                        continue
+                    checksum = rep.checksums.get((li, j))
+                    if checksum is None or self.reference_checksums.setdefault((li, expert), checksum) != checksum:
+                        bad.add((rank_id, li, j))
+        return bad
 
     def _eplb_due(self) -> bool:
         return (self.cfg.enable_eplb and self.step > 0 and self.step % self.cfg.eplb_interval == 0

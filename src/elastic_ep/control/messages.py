@@ -6,8 +6,8 @@ Transport: ZeroMQ. The controller binds two ROUTER sockets:
   `StepResult`, `StepFailed`;
 - the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
   `Heartbeat`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
-  `WorkerStarted`, `WorkerExited`, `WorkerFenced` and receives `AgentWelcome`, `StartWorker`,
-  `FenceWorker`, `SignalWorker`, `AgentShutdown`.
+  `WorkerStarted`, `WorkerExited`, `WorkerFenced` and receives `AgentWelcome`, `BackupAssign`,
+  `StartWorker`, `FenceWorker`, `SignalWorker`, `AgentShutdown`.
 An agent also binds a ROUTER for `BackupFetch` -> `BackupTensors` from workers of other nodes.
 
 Frames are pickled dataclasses: the control plane is a trusted cluster-internal network (the
@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-PHASES = ("idle", "compute", "dispatch", "combine", "transfer", "rendezvous")
 
 
 def encode(message: Any) -> bytes:
@@ -191,7 +189,8 @@ class Shutdown:
 @dataclass(frozen=True)
 class Progress:
     """Where a worker's main thread is: `seq` counts collectives entered in this epoch;
-    phase is one of PHASES; `since` is the worker's monotonic-free wall time of entry."""
+    phase: idle, compute, dispatch, combine, transfer or rendezvous; `since`: the worker's wall
+    clock at entry (for display; the controller times lags with its own clock)."""
 
     epoch: int = -1
     step: int = -1
@@ -223,11 +222,16 @@ class AgentHello:
 @dataclass(frozen=True)
 class AgentWelcome:
     """What the agent needs to start workers: `worker_args` are passed to every worker
-    (see runtime.worker.WorkerArgs); `backup_experts` lists the (layer, expert) pairs this
-    node's backup holds (empty: no backup on this node)."""
+    (see runtime.worker.WorkerArgs)."""
 
     worker_args: dict[str, Any]
-    backup_experts: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class BackupAssign:
+    """Keep these (MoE layer index, expert) in this node's host-memory backup; answer BackupReady."""
+
+    items: list[tuple[int, int]]
 
 
 @dataclass(frozen=True)

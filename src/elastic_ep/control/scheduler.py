@@ -126,11 +126,12 @@ class Scheduler:
         for rank, seqs in self.running.items():
             for seq in seqs:
                 used[rank] += self._plan(seq, chunks[rank], budget - used[rank])
-        while self.waiting:
+        room = sum(max(self.max_num_seqs - len(seqs), 0) for seqs in self.running.values())
+        admitted = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        # Longest first onto the least loaded rank: the classic greedy for even sums.
+        for seq in sorted(admitted, key=lambda q: -q.pending):
             rank = self._least_loaded(used)
-            if rank is None:
-                break
-            seq = self.waiting.popleft()
+            assert rank is not None
             seq.rank = rank
             self.running[rank].append(seq)
             used[rank] += self._plan(seq, chunks[rank], budget - used[rank])

@@ -84,8 +84,10 @@ class ExpertSlots:
         this rank sends, in the order the receiver lists its peer sources.
         Returns bytes and seconds per source kind.
         """
-        old_w13 = [w.clone() for w in self.w13]
-        old_w2 = [w.clone() for w in self.w2]
+        # Sources refer to the old contents: copy out every slot read before any is overwritten.
+        read = {(src.layer, src.src_slot) for src in sources if src.kind == "local"}
+        read |= {(li, slot) for _, li, slot in sends}
+        old = {key: (self.w13[key[0]][key[1]].clone(), self.w2[key[0]][key[1]].clone()) for key in read}
         stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         by_kind: dict[str, list[SlotSource]] = defaultdict(list)
         for src in sources:
@@ -93,11 +95,11 @@ class ExpertSlots:
 
         t0 = time.perf_counter()
         for src in by_kind["local"]:
-            self._put(src, old_w13[src.layer][src.src_slot], old_w2[src.layer][src.src_slot], stats["local"])
+            self._put(src, *old[(src.layer, src.src_slot)], stats["local"])
         stats["local"][1] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        self._exchange(by_kind["peer"], sends, group, old_w13, old_w2, stats["peer"])
+        self._exchange(by_kind["peer"], sends, group, old, stats["peer"])
         stats["peer"][1] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -127,21 +129,21 @@ class ExpertSlots:
         peer_sources: list[SlotSource],
         sends: list[tuple[int, int, int]],
         group: EpochGroup,
-        old_w13: list[torch.Tensor],
-        old_w2: list[torch.Tensor],
+        old: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
         stat: list[float],
     ) -> None:
-        per_expert = old_w13[0][0].numel() + old_w2[0][0].numel() if old_w13 else 0
+        w13_shape, w2_shape = self.w13[0].shape[1:], self.w2[0].shape[1:]
+        n13 = w13_shape.numel()
+        per_expert = n13 + w2_shape.numel()
         send_parts: dict[int, list[torch.Tensor]] = defaultdict(list)
         for dst, li, src_slot in sends:
-            send_parts[group.members.index(dst)] += [old_w13[li][src_slot].reshape(-1), old_w2[li][src_slot].reshape(-1)]
+            w13, w2 = old[(li, src_slot)]
+            send_parts[group.members.index(dst)] += [w13.reshape(-1), w2.reshape(-1)]
         recv_from: dict[int, list[SlotSource]] = defaultdict(list)
         for src in peer_sources:
             recv_from[group.members.index(src.src_rank)].append(src)
         recvs = {peer: torch.empty(len(items) * per_expert) for peer, items in recv_from.items()}
         group.exchange({peer: torch.cat(parts) for peer, parts in send_parts.items()}, recvs)
-        w13_shape, w2_shape = old_w13[0][0].shape, old_w2[0][0].shape
-        n13 = old_w13[0][0].numel()
         for peer, items in recv_from.items():
             for i, src in enumerate(items):
                 flat = recvs[peer][i * per_expert : (i + 1) * per_expert]

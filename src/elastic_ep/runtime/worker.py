@@ -117,7 +117,8 @@ class Worker:
             if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, EpochStart):
-                self._start_epoch(msg)
+                if self.group is None or msg.epoch > self.group.epoch:
+                    self._start_epoch(msg)
             elif isinstance(msg, StepPlan):
                 if self.group is not None and msg.epoch == self.group.epoch and self.group.alive:
                     self._step(msg)

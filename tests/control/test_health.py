@@ -1,0 +1,37 @@
+"""Detection rules: lost heartbeats, and the progress watchdog that names a hung rank but not a slow one."""
+
+from __future__ import annotations
+
+from elastic_ep.control.health import adaptive_deadline_s, hung_ranks, lost_heartbeats
+from elastic_ep.control.messages import Progress
+
+
+def at(seq: int, epoch: int = 3) -> Progress:
+    return Progress(epoch=epoch, step=10, layer=1, phase="dispatch", seq=seq)
+
+
+def test_deadline_is_a_multiple_of_recent_steps_with_a_floor():
+    assert adaptive_deadline_s([], 10, 1.0) == 1.0
+    assert adaptive_deadline_s([0.01, 0.02, 0.03], 10, 1.0) == 1.0
+    assert adaptive_deadline_s([0.2, 0.3, 0.4], 10, 1.0) == 3.0
+
+
+def test_silent_rank_is_lost():
+    assert lost_heartbeats({0: 10.0, 1: 8.5, 2: 9.9}, now=10.0, timeout_s=1.0) == [1]
+
+
+def test_rank_that_has_not_entered_the_collective_the_others_wait_in_is_named_after_the_deadline():
+    progress = {0: at(12), 1: at(11), 2: at(12), 3: at(12)}
+    first_seen = {12: 100.0}
+    assert hung_ranks(progress, 3, first_seen, now=100.5, deadline_s=1.0) == []
+    assert hung_ranks(progress, 3, first_seen, now=101.5, deadline_s=1.0) == [1]
+
+
+def test_rank_still_in_an_older_epoch_counts_as_behind():
+    progress = {0: at(4), 1: at(9, epoch=2)}
+    assert hung_ranks(progress, 3, {4: 0.0}, now=5.0, deadline_s=1.0) == [1]
+
+
+def test_ranks_in_step_are_not_hung():
+    progress = {0: at(12), 1: at(12)}
+    assert hung_ranks(progress, 3, {12: 0.0}, now=50.0, deadline_s=1.0) == []
