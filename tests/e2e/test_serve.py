@@ -8,9 +8,12 @@ architectures.
 from __future__ import annotations
 
 import json
+import signal
+import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -110,10 +113,20 @@ def test_cluster_json_and_expert_distribution_recorder(ep4):
     "model,ep_size,redundant",
     [("tiny-deepseek-v3", 1, 0), ("tiny-qwen3-moe", 1, 0), ("tiny-qwen3-moe", 2, 0), ("tiny-qwen3-moe", 4, 4)],
 )
-def test_greedy_matches_generate_at_each_ep_size(server_factory, model, ep_size, redundant):
+def test_greedy_matches_generate_at_each_ep_size_and_ctrl_c_stops_everything(
+    server_factory, model, ep_size, redundant
+):
     server = server_factory("--model", model, "--ep-size", str(ep_size), "--redundant-experts", str(redundant))
-    try:
-        texts = concurrently(lambda p: server.complete(p, MAX_TOKENS, temperature=0), PROMPTS[:4])
-        assert texts == list(reference(model, tuple(PROMPTS[:4]), MAX_TOKENS))
-    finally:
-        server.stop()
+    texts = concurrently(lambda p: server.complete(p, MAX_TOKENS, temperature=0), PROMPTS[:4])
+    assert texts == list(reference(model, tuple(PROMPTS[:4]), MAX_TOKENS))
+
+    workers = list(server.pids().values())
+    backups = server.wait_for(lambda c: any(e["kind"] == "backup" for e in c["events"]), what="the backup")
+    backup_files = [e["path"] for e in backups["events"] if e["kind"] == "backup"]
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers):
+        assert time.monotonic() < deadline, "workers outlived the server"
+        time.sleep(0.1)
+    assert backup_files and not any(Path(f).exists() for f in backup_files)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import threading
 
 import uvicorn
@@ -64,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=f"{HELP[f.name]} (default {f.default})", **kwargs)
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     cfg = ServeConfig(
@@ -86,8 +91,13 @@ def run(args: argparse.Namespace) -> int:
     controller.start()
     print(f"elastic-ep: controller at {controller.health_addr} (agents connect here), "
           f"HTTP on http://{cfg.host}:{args.port}", flush=True)
+    # uvicorn shuts down on SIGINT/SIGTERM, then re-raises the signal under the handler found at
+    # start: make that an exception here too, so the cluster below is always stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         uvicorn.run(app, host=cfg.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    except KeyboardInterrupt:
+        pass
     finally:
         controller.stop()
         agent_stop.set()

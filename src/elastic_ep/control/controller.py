@@ -380,7 +380,7 @@ class Controller:
             if agent is not None:
                 agent.backup, agent.backup_experts = msg.site, msg.experts
                 self._event("backup", f"node {msg.node} holds {len(msg.experts)} experts in host memory "
-                            f"({msg.nbytes} bytes)", nbytes=msg.nbytes)
+                            f"({msg.nbytes} bytes)", nbytes=msg.nbytes, path=msg.site.path)
 
     def _on_step(self, msg) -> None:
         if isinstance(msg, WorkerHello):
