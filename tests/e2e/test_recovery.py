@@ -41,15 +41,16 @@ def recoveries(server) -> float:
                if s.name.endswith("_total"))
 
 
-def streams_with_fault(server, inject, prompts=PROMPTS, max_tokens=MAX_TOKENS):
+def streams_with_fault(server, inject, prompts=PROMPTS, max_tokens=MAX_TOKENS, **sampling):
     """Stream `prompts` concurrently; call inject() once every stream has its first chunk.
     Returns the texts and the largest gap between chunks of any stream (s)."""
+    sampling = sampling or {"temperature": 0}
     started = threading.Barrier(len(prompts) + 1)
 
     def one(prompt):
         times, parts = [], []
         stream = server.client.completions.create(
-            model=server.model, prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0
+            model=server.model, prompt=prompt, max_tokens=max_tokens, stream=True, **sampling
         )
         for i, chunk in enumerate(stream):
             times.append(time.monotonic())
@@ -69,8 +70,9 @@ def recovery_events(cluster: dict, since_epoch: int) -> list[dict]:
     return [e for e in cluster["events"] if e["kind"] == "recovered" and e.get("epoch", -1) > since_epoch]
 
 
-def check_recovered(server, before: dict, texts: list[str], culprits: set[int], cause: str) -> dict:
-    assert texts == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+def check_recovered(server, before: dict, texts: list[str], culprits: set[int], cause: str,
+                    expected: tuple[str, ...] | None = None) -> dict:
+    assert texts == list(expected or reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
     cluster = server.wait_for(lambda c: recovery_events(c, before["epoch"]), timeout_s=10, what="a recovery")
     assert cluster["epoch"] > before["epoch"]
     named = set().union(*(set(e["culprits"]) for e in recovery_events(cluster, before["epoch"])))
@@ -101,11 +103,19 @@ def test_hung_rank_is_named_fenced_and_replaced(server):
     check_recovered(server, before, texts, {2}, "heartbeat")
 
 
-def test_rank_zero_lost_via_chaos_endpoint(server):
+def test_rank_zero_lost_via_chaos_endpoint_with_seeded_sampling(server):
     before = full_group(server)
     kill = lambda: server.http.post("/chaos/kill", json={"rank_id": 0}).raise_for_status()  # noqa: E731
-    texts, _ = streams_with_fault(server, kill)
-    check_recovered(server, before, texts, {0}, "exited")
+    texts, _ = streams_with_fault(server, kill, temperature=0.8, seed=11)
+    expected = reference(MODEL, tuple(PROMPTS), MAX_TOKENS, 0.8, 11)
+    check_recovered(server, before, texts, {0}, "exited", expected)
+
+
+def test_watchdog_names_a_rank_that_stops_entering_collectives(server):
+    before = full_group(server)
+    stall = lambda: server.http.post("/chaos/slow", json={"rank_id": 2, "delay_s": 4.0}).raise_for_status()  # noqa: E731
+    texts, _ = streams_with_fault(server, stall)
+    check_recovered(server, before, texts, {2}, "hung")
 
 
 def test_two_ranks_at_once_losing_every_replica_of_some_experts_restores_from_backup(server):
@@ -139,14 +149,19 @@ def test_second_fault_during_recovery(server):
     check_recovered(server, before, texts, {1, 3}, "exited")
 
 
-def test_slow_rank_is_not_declared_dead(server):
+def test_slow_rank_and_a_short_stop_are_not_declared_dead(server):
     before = full_group(server)
-    server.http.post("/chaos/slow", json={"rank_id": 3, "delay_s": 0.3}).raise_for_status()
+    chaos = lambda action, **body: server.http.post(f"/chaos/{action}", json={"rank_id": 3, **body})  # noqa: E731
+    chaos("slow", delay_s=0.3).raise_for_status()
     try:
         texts = concurrently(lambda p: server.complete(p, 8, temperature=0), PROMPTS[:2])
     finally:
-        server.http.post("/chaos/slow", json={"rank_id": 3, "delay_s": 0.0}).raise_for_status()
-    assert texts == [t for t in reference(MODEL, tuple(PROMPTS[:2]), 8)]
+        chaos("slow", delay_s=0.0).raise_for_status()
+    chaos("hang").raise_for_status()
+    time.sleep(0.3)
+    chaos("resume").raise_for_status()
+    texts += [server.complete(PROMPTS[2], 8, temperature=0)]
+    assert texts == list(reference(MODEL, tuple(PROMPTS[:3]), 8))
     after = server.cluster()
     assert after["epoch"] == before["epoch"]
     assert not [e for e in after["events"] if e["kind"] == "fault" and e["time_s"] > before["events"][-1]["time_s"]]

@@ -663,6 +663,7 @@ class Controller:
         for r in culprits:
             self.scheduler.evict_rank(r)
             self.metrics.forget_rank(r)
+            self.delay_s.pop(r, None)
             if self.cfg.restart_delay_s >= 0:
                 self.restart_at[r] = time.monotonic() + self.cfg.restart_delay_s
         cause = "; ".join(f"rank {r}: {c}" for r, c in sorted(culprits.items())) or (
