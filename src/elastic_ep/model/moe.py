@@ -11,24 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+
+from .layers import gated_mlp
 
 MoEFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def expert_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One expert. x: [n, H], w13: [2I, H] (gate rows then up rows), w2: [H, I] -> [n, H].
-
-    Computed as W @ x^T, the faster CPU kernel for the few rows an expert gets per decode step
-    (about 1.5x `F.linear`). A single row is doubled: the matrix-vector path is ~1.7x slower than
-    the two-column matrix product on the CPUs measured (docs/BENCHMARKS.md).
-    """
-    rows = x.shape[0]
-    if rows == 1:
-        x = x.repeat(2, 1)
-    gate, up = (w13 @ x.T).chunk(2, dim=0)
-    out = (w2 @ (F.silu(gate) * up)).T
-    return out[:1] if rows == 1 else out
+# One routed expert is a gated MLP: x [n, H], w13 [2I, H], w2 [H, I] -> [n, H].
+expert_forward = gated_mlp
 
 
 def grouped_expert_forward(
