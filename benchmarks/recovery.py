@@ -11,7 +11,7 @@ server, start it again, until the first token of a new request. Breakdown per re
 the /cluster event: detect (fault event time - signal time), fence, placement, transfers by
 source, group rebuild, recompute (the first step of the new epoch). Steady-state cost: mean
 decode step wall time (controller side) with heartbeats and watchdog on, over the same with
---no-health-checks, runs interleaved. Medians over the repeats.
+--no-health-checks, runs interleaved (`--cost-pairs`). Medians over the repeats.
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--cost-pairs", type=int, default=12, help="interleaved on/off runs for the steady-state cost")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
@@ -168,7 +169,7 @@ def main() -> None:
             quiet = ServerProcess(serve_args(args.model, "--no-health-checks"), logs / "quiet.log")
             try:
                 on, off = [], []
-                for _ in range(args.repeats):
+                for _ in range(args.cost_pairs):
                     on.append(mean_step_s(server, args.streams, 64))
                     off.append(mean_step_s(quiet, args.streams, 64))
             finally:
@@ -178,9 +179,11 @@ def main() -> None:
     kill_pause, hang_pause = median(kills, "pause_s"), median(hangs, "pause_s")
     restart_s = statistics.median(restarts)
     cost = statistics.median(a / b for a, b in zip(on, off, strict=True)) - 1
+    spread = statistics.quantiles([a / b - 1 for a, b in zip(on, off, strict=True)], n=4)
     summary = {
         "kill_pause_s": kill_pause, "hang_pause_s": hang_pause, "full_restart_s": restart_s,
         "restart_over_kill_pause": restart_s / kill_pause, "steady_state_cost": cost,
+        "steady_state_cost_quartiles": [spread[0], spread[2]],
         "step_s_with_health": statistics.median(on), "step_s_without": statistics.median(off),
         "kill_breakdown": {k: median(kills, k) for k in
                            ("detect_s", "fence_s", "placement_s", "rebuild_s", "transfer_s", "recompute_s", "total_s")},
