@@ -30,8 +30,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     print(f"model: {args.model} ({model_dir})")
-    tokenizer = load_tokenizer(model_dir)
     engine = OfflineEngine.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     started = time.perf_counter()
     results = engine.generate(
         [encode(tokenizer, p) for p in PROMPTS], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)

@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
-    tokenizer = load_tokenizer(model_dir)
     engine = OfflineEngine.from_pretrained(model_dir, max_batch=args.max_batch)
+    tokenizer = load_tokenizer(model_dir)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
