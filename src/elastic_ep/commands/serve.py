@@ -41,6 +41,7 @@ HELP = {
     "startup_timeout_s": "wait for every rank to register at start",
     "restart_delay_s": "restart a dead rank after this delay (negative: never)",
     "health_checks": "heartbeat and watchdog detection (off only to measure their cost)",
+    "health_check_period_s": "how often the controller runs the heartbeat and watchdog checks",
 }
 
 

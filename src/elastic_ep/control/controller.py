@@ -111,6 +111,7 @@ class ServeConfig:
     startup_timeout_s: float = 120.0
     restart_delay_s: float = 5.0
     health_checks: bool = True
+    health_check_period_s: float = 0.02
 
     def deadlines(self) -> dict[str, float]:
         return {
@@ -232,6 +233,7 @@ class Controller:
         self._epoch_replies: dict[int, EpochReady | EpochFailed] = {}
         self._last_eplb_step = -1
         self._published_at = 0.0
+        self._health_checked_at = 0.0
         self._recording_frozen: np.ndarray | None = None
 
         self.ctx = zmq.Context.instance()
@@ -411,9 +413,10 @@ class Controller:
         self._event("fault", f"rank {rank_id}: {cause}", rank_id, cause=cause)
 
     def _check_health(self) -> None:
-        if not self.cfg.health_checks:
-            return
         now = time.monotonic()
+        if not self.cfg.health_checks or now - self._health_checked_at < self.cfg.health_check_period_s:
+            return
+        self._health_checked_at = now
         watched = {r.rank_id: r.last_heartbeat for r in self.ranks.values()
                    if r.state in ("serving", "draining") or (r.state == "starting" and r.hello is not None)}
         for rank_id in lost_heartbeats(watched, now, self.cfg.heartbeat_timeout_s):
