@@ -1,7 +1,7 @@
 """Decode throughput of elastic-ep's offline engine against transformers' generate(), side by side.
 
-Both run the same random DeepSeek-V3 checkpoint (hidden 512, 8 layers, 64 routed experts,
-top-6 by default) in float32 on the CPU with the same thread count, greedy, no EOS stop.
+Both run the same random checkpoint (DeepSeek-V3 or `--arch qwen3_moe`; hidden 512, 8 layers,
+64 routed experts, top-6 by default) in float32 on the CPU with the same thread count, greedy, no EOS stop.
 Decode tokens/s = batch * (N - 1) / (time to generate N tokens - time to generate 1 token),
 so the prefill is not counted. Throughputs are the best of `--repeats` runs; the ratio is the
 median over repeats of ours / theirs measured back to back.
@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from elastic_ep.model.engine import OfflineEngine, greedy
-from elastic_ep.model.tiny import make_tiny
+from elastic_ep.model.tiny import ARCHS, make_tiny
 
 
 def time_s(fn) -> float:
@@ -57,6 +57,7 @@ def decode_tok_s(run, batch: int, tokens: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=ARCHS, default="deepseek_v3")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
@@ -71,7 +72,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as model_dir:
         make_tiny(
-            "deepseek_v3",
+            args.arch,
             model_dir,
             hidden=args.hidden,
             layers=args.layers,
@@ -85,7 +86,7 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         gen = torch.Generator().manual_seed(0)
         print(
-            f"model: deepseek_v3 hidden {args.hidden}, {args.layers} layers, {args.experts} experts, "
+            f"model: {args.arch} hidden {args.hidden}, {args.layers} layers, {args.experts} experts, "
             f"top-{args.top_k}, moe_intermediate {args.moe_intermediate}; prompt {args.prompt_len} tokens, "
             f"{args.tokens} generated; {args.threads} thread(s); {platform.processor() or platform.machine()}"
         )

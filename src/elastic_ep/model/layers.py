@@ -33,7 +33,7 @@ def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tor
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, down)
     if rows == 1:
-        x = x.repeat(2, 1)
+        x = torch.cat([x, x])
     gate, up = (gate_up @ x.T).chunk(2, dim=0)
     act = (F.silu(gate) * up).T.contiguous()
     out = (down @ act.T).T
