@@ -29,7 +29,6 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -77,6 +76,7 @@ from .messages import (
     encode,
 )
 from .metrics import ClusterMetrics
+from .recorder import ExpertRecorder
 from .scheduler import Scheduler, Sequence, StepBatch
 
 
@@ -212,8 +212,7 @@ class Controller:
         self.recent_step_s: deque[float] = deque(maxlen=32)
         self.seq_first_seen: dict[int, float] = {}
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
-        self.recording: np.ndarray | None = None
-        self.recorded_steps = 0
+        self.recorder = ExpertRecorder(self.num_moe_layers, self.config.num_experts, self.config.moe_layers)
         self.streams: dict[int, _Stream] = {}
         self.pending_recovery_record: dict[str, Any] | None = None
         self._ready = Readiness(False, "starting: waiting for ranks to register")
@@ -234,7 +233,6 @@ class Controller:
         self._last_eplb_step = -1
         self._published_at = 0.0
         self._health_checked_at = 0.0
-        self._recording_frozen: np.ndarray | None = None
 
         self.ctx = zmq.Context.instance()
         self.store_port = _free_port(cfg.host)
@@ -454,8 +452,10 @@ class Controller:
                 _, rank_id, sig = cmd
                 r = self.ranks[rank_id]
                 self._send_agent(r.node, SignalWorker(rank_id, r.pid, sig))
+                self._event("chaos", f"{signal.Signals(sig).name} to rank {rank_id} (pid {r.pid})", rank_id)
             elif kind == "slow":
                 self.delay_s[cmd[1]] = cmd[2]
+                self._event("chaos", f"rank {cmd[1]} slowed by {cmd[2]}s per step", cmd[1])
 
     # ---- startup -----------------------------------------------------------------------
 
@@ -606,9 +606,7 @@ class Controller:
             for r, v in slot_totals.items():
                 self.metrics.expert_load_imbalance.labels(str(r)).set(v / mean)
         self.load_window.append(load)
-        if self.recording is not None:
-            self.recording += load
-            self.recorded_steps += 1
+        self.recorder.add(load)
         for seq, new_tokens in self.scheduler.commit(batch, sampled):
             self._deliver(seq.seq_id, RequestOutput(
                 seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
@@ -941,23 +939,13 @@ class Controller:
                 self._command("abort", seq.seq_id)
 
     def start_expert_distribution_record(self) -> None:
-        self.recording = np.zeros((self.num_moe_layers, self.config.num_experts), dtype=np.int64)
-        self.recorded_steps = 0
+        self.recorder.start()
 
     def stop_expert_distribution_record(self) -> None:
-        if self.recording is not None:
-            self._recording_frozen = self.recording.copy()
-        self.recording = None
+        self.recorder.stop()
 
     def dump_expert_distribution_record(self) -> dict[str, Any]:
-        data = self.recording if self.recording is not None else self._recording_frozen
-        if data is None:
-            raise ElasticEPError("no expert distribution recorded; POST /start_expert_distribution_record first")
-        path = Path(self.cfg.record_dir) / f"expert_distribution_{int(time.time() * 1000)}.json"
-        path.write_text(json.dumps({"load": data.tolist(), "steps": self.recorded_steps,
-                                    "moe_layers": self.config.moe_layers}))
-        return {"path": str(path.resolve()), "layers": int(data.shape[0]), "experts": int(data.shape[1]),
-                "tokens": int(data.sum())}
+        return self.recorder.dump(self.cfg.record_dir)
 
     def scale(self, new_ep_size: int) -> dict[str, Any]:
         raise ScaleRejected("online scaling is not built yet (see docs/FEATURES.md)", 400)
@@ -968,9 +956,9 @@ class Controller:
     def chaos(self, action: str, rank_id: int, delay_s: float = 0.0) -> dict[str, Any]:
         if not self.cfg.enable_chaos:
             raise ElasticEPError("fault injection is off; start the server with --enable-chaos")
-        r = self.ranks.get(rank_id)
-        if r is None or r.pid is None:
-            raise ElasticEPError(f"no rank {rank_id}; ranks are {sorted(self.ranks)}")
+        ranks = {r["rank_id"]: r for r in self._snapshot["ranks"]}
+        if ranks.get(rank_id, {}).get("pid") is None:
+            raise ElasticEPError(f"no rank {rank_id}; ranks are {sorted(ranks)}")
         signals = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "resume": signal.SIGCONT}
         if action in signals:
             self._command("signal", rank_id, signals[action])
@@ -980,9 +968,7 @@ class Controller:
             self._command("slow", rank_id, delay_s)
         else:
             raise ElasticEPError(f"unknown chaos action {action!r}; use kill, hang, resume or slow")
-        self._event("chaos", f"{action} rank {rank_id}" + (f" by {delay_s}s per step" if action == "slow" else ""),
-                    rank_id)
-        return {"action": action, "rank_id": rank_id, "pid": r.pid, "delay_s": delay_s}
+        return {"action": action, "rank_id": rank_id, "pid": ranks[rank_id]["pid"], "delay_s": delay_s}
 
 
 def _cause_kind(cause: str) -> str:
