@@ -7,7 +7,8 @@ import pytest
 from elastic_ep.errors import PlacementError
 from elastic_ep.placement import ExpertLocation, rebalance_experts
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "eplb_readme_example.json"
+# A copy of ../shared/data/eplb_readme_example.json (DeepSeek EPLB README example, MIT), so a clone tests alone.
+EXAMPLE = Path(__file__).resolve().parent / "data" / "eplb_readme_example.json"
 
 
 def test_readme_example_comes_out_exactly():
