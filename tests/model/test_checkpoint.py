@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from elastic_ep.errors import CheckpointError
 from elastic_ep.model.checkpoint import INDEX_FILE, CheckpointReader, expert_key
@@ -94,3 +95,18 @@ def test_quantized_checkpoint_is_refused_with_the_fix(tiny_dirs):
         CheckpointError, match=r"quantized checkpoints \(fp8\) are not supported; use a bfloat16"
     ):
         MoEConfig.from_dict(hf)
+
+
+def test_bfloat16_checkpoints_are_read_as_float32(tmp_path):
+    model_dir = make_tiny("qwen3_moe", tmp_path / "m", num_shards=1)
+    path = model_dir / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {name: f.get_tensor(name).to(torch.bfloat16) for name in f.keys()}
+    save_file(tensors, str(path))
+    reader = CheckpointReader(model_dir)
+    w13, _ = reader.read_experts(1, [3])
+    assert w13.dtype == torch.float32
+    assert torch.equal(
+        w13[0, : reader.config.moe_intermediate_size], tensors[expert_key(1, 3, "gate_proj")].float()
+    )
+    assert all(t.dtype == torch.float32 for t in reader.dense_state().values())

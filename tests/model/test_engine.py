@@ -32,3 +32,11 @@ def test_generation_stops_at_eos_unless_told_to_ignore_it(tmp_path):
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free_running.token_ids[:cut]
     assert engine.generate([prompt], greedy(20, ignore_eos=True))[0].token_ids == free_running.token_ids
+
+
+def test_a_full_context_ends_generation_with_length(tiny_dirs):
+    loaded = OfflineEngine.from_pretrained(tiny_dirs["deepseek_v3"])
+    engine = OfflineEngine(loaded.model, loaded.moe_fn, max_model_len=20)
+    result = engine.generate([list(range(40, 55))], greedy(50))[0]
+    assert result.finish_reason == "length"
+    assert len(result.prompt_token_ids) + len(result.token_ids) == 20
