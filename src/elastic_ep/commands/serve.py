@@ -12,7 +12,8 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from elastic_ep.control.agent import NodeAgent
-from elastic_ep.control.controller import Controller, ServeConfig
+from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.controller import Controller
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
 

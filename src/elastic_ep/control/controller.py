@@ -41,12 +41,14 @@ from elastic_ep.errors import ElasticEPError, PlacementError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.placement.fault_aware import fault_aware_placement
-from elastic_ep.placement.location import EMPTY, ExpertLocation
+from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.measures import balancedness
 from elastic_ep.placement.transfer import plan_transfers
 
 from .api import EngineInfo, GenerationRequest, Readiness, RequestOutput, ScaleRejected, ServiceUnavailable
 from .backup import backup_shares
+from .config import ServeConfig
+from .epoch_plan import held_placement, split_by_rank
 from .health import adaptive_deadline_s, hung_ranks, lost_heartbeats
 from .messages import (
     AgentHello,
@@ -63,7 +65,6 @@ from .messages import (
     Progress,
     Shutdown,
     SignalWorker,
-    SlotSource,
     StartWorker,
     StepFailed,
     StepPlan,
@@ -78,45 +79,6 @@ from .messages import (
 from .metrics import ClusterMetrics
 from .recorder import ExpertRecorder
 from .scheduler import Scheduler, Sequence, StepBatch
-
-
-@dataclass
-class ServeConfig:
-    """Every knob of a deployment; the deadlines (seconds) are shown in /cluster."""
-
-    model_dir: str
-    model_name: str
-    ep_size: int
-    redundant_experts: int = 0
-    backend: str = "gloo"
-    host: str = "127.0.0.1"
-    max_num_seqs: int = 32
-    max_model_len: int = 1024
-    max_num_batched_tokens: int = 256
-    expert_backup: bool = True
-    enable_eplb: bool = False
-    eplb_interval: int = 200
-    eplb_threshold: float = 1.3
-    enable_chaos: bool = False
-    record_dir: str = "."
-    heartbeat_interval_s: float = 0.1
-    heartbeat_timeout_s: float = 1.0
-    watchdog_floor_s: float = 1.0
-    watchdog_multiple: float = 10.0
-    fence_timeout_s: float = 5.0
-    drain_timeout_s: float = 5.0
-    epoch_timeout_s: float = 30.0
-    collective_timeout_s: float = 60.0
-    admission_timeout_s: float = 30.0
-    startup_timeout_s: float = 120.0
-    restart_delay_s: float = 5.0
-    health_checks: bool = True
-    health_check_period_s: float = 0.02
-
-    def deadlines(self) -> dict[str, float]:
-        return {
-            k: v for k, v in vars(self).items() if k.endswith("_s") and isinstance(v, float | int)
-        }
 
 
 @dataclass
@@ -754,20 +716,11 @@ class Controller:
                 self._degrade(live, f"no placement over ranks {live}: {e}")
                 return
         placement_s = time.monotonic() - t0
-        old = self._held_placement(num_ranks, [r for r in live if self.ranks[r].state == "serving"])
-        plan = plan_transfers(old, new, live, rank_nodes, self._backup_map(), self.reader.expert_nbytes)
-        sources: dict[int, list[SlotSource]] = defaultdict(list)
-        sends: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
         s = self.slots_per_rank
-        for t in sorted(plan.transfers, key=lambda t: (t.dst_rank, t.layer, t.dst_slot)):
-            if t.source == "keep":
-                continue
-            src_slot = t.src_slot % old.slots_per_rank if t.src_slot >= 0 else -1
-            sources[t.dst_rank].append(SlotSource(
-                t.layer, t.dst_slot % s, t.expert, t.source, t.src_rank, src_slot, str(t.src_node or ""),
-            ))
-            if t.source == "peer":
-                sends[t.src_rank].append((t.dst_rank, t.layer, src_slot))
+        old = held_placement(self.location, self.num_moe_layers, self.config.num_experts, s, num_ranks,
+                             [r for r in live if self.ranks[r].state == "serving"], self.suspect_slots)
+        plan = plan_transfers(old, new, live, rank_nodes, self._backup_map(), self.reader.expert_nbytes)
+        sources, sends = split_by_rank(plan, s)
         backups = {a.node: a.backup for a in self.agents.values() if a.backup is not None}
         self.epoch += 1
         self.members = list(live)
@@ -828,18 +781,6 @@ class Controller:
         if first:
             self._start_backup()
         self._publish()
-
-    def _held_placement(self, num_ranks: int, holders: list[int]) -> ExpertLocation:
-        """What the ranks hold now: the current placement on `holders` (ranks that served in
-        the last epoch and survive), empty slots everywhere else (new or restarted ranks)."""
-        phy2log = np.full((self.num_moe_layers, num_ranks * self.slots_per_rank), EMPTY)
-        if self.location is not None:
-            s = self.slots_per_rank
-            for r in holders:
-                phy2log[:, r * s : (r + 1) * s] = self.location.phy2log[:, r * s : (r + 1) * s]
-            for r, li, j in self.suspect_slots:
-                phy2log[li, r * s + j] = EMPTY
-        return ExpertLocation.from_phy2log(phy2log, self.slots_per_rank, self.config.num_experts)
 
     def _verify(self, location: ExpertLocation, replies: dict[int, EpochReady]) -> set[tuple[int, int, int]]:
         """(rank, layer, slot) of every occupied slot that does not hold its expert's weights
