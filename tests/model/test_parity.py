@@ -1,5 +1,8 @@
 """Our forward against transformers' implementation loaded from the same checkpoint dir."""
 
+import json
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -53,3 +56,33 @@ def test_32_greedy_tokens_match_transformers_generate_in_a_mixed_batch(tiny_dirs
         assert result.token_ids == expected[: len(result.token_ids)]
         assert len(result.token_ids) == len(expected)
         assert len(set(result.token_ids)) > 8, "tiny weights should give varied greedy output"
+
+
+@pytest.mark.parametrize(
+    "variant, omitted",
+    [
+        (
+            "deepseek_v3",
+            ["routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob", "rope_interleave"],
+        ),
+        ("qwen3_moe", ["norm_topk_prob", "decoder_sparse_step", "rope_theta"]),
+    ],
+)
+def test_fields_left_out_of_config_json_mean_what_they_mean_to_transformers(
+    tiny_dirs, tmp_path, variant, omitted
+):
+    model_dir = shutil.copytree(tiny_dirs[variant], tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    for name in omitted:
+        del config[name]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    engine = OfflineEngine.from_pretrained(model_dir)
+    ref = load_reference(model_dir)
+    ids = prompt_ids(engine.model.config.vocab_size, 12, seed=3)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0, -1]
+    cache = engine.model.new_kv_cache(max_seqs=1)
+    cache.allocate(0)
+    torch.testing.assert_close(
+        engine.model.forward([SeqChunk(0, ids, 0)], cache, engine.moe_fn)[0], expected, atol=TOL, rtol=0
+    )

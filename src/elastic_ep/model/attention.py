@@ -121,7 +121,7 @@ class MLAttention:
         self.heads = cfg.num_attention_heads
         self.nope, self.rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
         self.v_dim, self.kv_rank = int(hf["v_head_dim"]), int(hf["kv_lora_rank"])
-        self.q_rank = hf.get("q_lora_rank")
+        self.q_rank = hf["q_lora_rank"]
         self.eps = cfg.rms_norm_eps
         self.rotary = rotary
         qk = self.nope + self.rope
@@ -193,7 +193,7 @@ class GQAttention:
     def kv_shape(cfg: MoEConfig) -> KVShape:
         hf = cfg.hf
         head_dim = int(hf.get("head_dim") or cfg.hidden_size // cfg.num_attention_heads)
-        kv_heads = int(hf.get("num_key_value_heads") or cfg.num_attention_heads)
+        kv_heads = int(hf["num_key_value_heads"] or cfg.num_attention_heads)
         return KVShape(kv_heads=kv_heads, k_dim=head_dim, v_dim=head_dim)
 
     def __call__(self, x: torch.Tensor, batch: AttentionBatch, cache: KVCache, layer: int) -> torch.Tensor:

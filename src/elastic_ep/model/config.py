@@ -21,6 +21,36 @@ ARCHITECTURES: dict[str, str] = {
 MODEL_TYPES: dict[str, str] = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe"}
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
+# transformers' defaults for the fields this package reads, so that a config.json that leaves
+# one out means here what it means to transformers.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {
+        "first_k_dense_replace": 3,
+        "n_shared_experts": 1,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_interleave": True,
+        "max_position_embeddings": 4096,
+        "eos_token_id": 1,
+    },
+    "qwen3_moe": {
+        "num_key_value_heads": 4,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": False,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+    },
+}
+COMMON_DEFAULTS: dict[str, Any] = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0}
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -45,6 +75,7 @@ class MoEConfig:
     """The fields every package needs, for both architectures.
 
     `moe_layers` are the layer ids with routed experts; the other layers have a dense MLP.
+    `hf` is config.json as read, with transformers' defaults filled in for absent fields.
     """
 
     arch: str
@@ -90,6 +121,7 @@ class MoEConfig:
     @classmethod
     def from_dict(cls, hf: dict[str, Any], source: str = "config") -> MoEConfig:
         arch = _detect_arch(hf, source)
+        hf = {**COMMON_DEFAULTS, **HF_DEFAULTS[arch], **hf}
         if hf.get("quantization_config"):
             method = hf["quantization_config"].get("quant_method", "?")
             raise CheckpointError(
@@ -125,7 +157,7 @@ def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
 def _rope(hf: dict[str, Any], dim: int, interleave: bool, source_max_pos: int) -> RopeConfig:
     params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", hf["rope_theta"]))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
             f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -152,19 +184,19 @@ def _rope(hf: dict[str, Any], dim: int, interleave: bool, source_max_pos: int) -
 
 def _build(arch: str, hf: dict[str, Any]) -> MoEConfig:
     num_layers = int(hf["num_hidden_layers"])
-    max_pos = int(hf.get("max_position_embeddings", 4096))
+    max_pos = int(hf["max_position_embeddings"])
     if arch == "deepseek_v3":
-        first_dense = int(hf.get("first_k_dense_replace", 0))
+        first_dense = int(hf["first_k_dense_replace"])
         moe_layers = list(range(first_dense, num_layers))
         num_experts = int(hf["n_routed_experts"])
-        rope = _rope(hf, int(hf["qk_rope_head_dim"]), bool(hf.get("rope_interleave", True)), max_pos)
-        routed_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
-        norm_topk = bool(hf.get("norm_topk_prob", True))
+        rope = _rope(hf, int(hf["qk_rope_head_dim"]), bool(hf["rope_interleave"]), max_pos)
+        routed_scaling_factor = float(hf["routed_scaling_factor"])
+        norm_topk = bool(hf["norm_topk_prob"])
     else:
-        if hf.get("use_sliding_window"):
+        if hf["use_sliding_window"]:
             raise CheckpointError("Qwen3-MoE with use_sliding_window=true is not supported; set it to false")
-        step = int(hf.get("decoder_sparse_step", 1))
-        mlp_only = set(hf.get("mlp_only_layers") or [])
+        step = int(hf["decoder_sparse_step"])
+        mlp_only = set(hf["mlp_only_layers"] or [])
         num_experts = int(hf["num_experts"])
         moe_layers = [
             i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
@@ -172,7 +204,7 @@ def _build(arch: str, hf: dict[str, Any]) -> MoEConfig:
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
         rope = _rope(hf, head_dim, False, max_pos)
         routed_scaling_factor = 1.0
-        norm_topk = bool(hf.get("norm_topk_prob", False))
+        norm_topk = bool(hf["norm_topk_prob"])
     return MoEConfig(
         arch=arch,
         vocab_size=int(hf["vocab_size"]),
@@ -186,10 +218,10 @@ def _build(arch: str, hf: dict[str, Any]) -> MoEConfig:
         eos_token_ids=_eos_ids(hf),
         max_position_embeddings=max_pos,
         num_attention_heads=int(hf["num_attention_heads"]),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(hf["rms_norm_eps"]),
         norm_topk_prob=norm_topk,
         routed_scaling_factor=routed_scaling_factor,
         rope=rope,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf["tie_word_embeddings"]),
         hf=hf,
     )

@@ -75,7 +75,7 @@ class _MoEBlock:
         self.bias: torch.Tensor | None = None
         if cfg.arch == "deepseek_v3":
             self.bias = require_tensor(state, f"{prefix}gate.e_score_correction_bias", (e,))
-            shared = int(cfg.hf.get("n_shared_experts") or 0)
+            shared = int(cfg.hf["n_shared_experts"] or 0)
             if shared:
                 self.shared = _gate_up(
                     state, f"{prefix}shared_experts.", hidden, cfg.moe_intermediate_size * shared
@@ -90,8 +90,8 @@ class _MoEBlock:
             logits,
             self.bias,
             cfg.top_k,
-            int(cfg.hf.get("n_group") or 1),
-            int(cfg.hf.get("topk_group") or 1),
+            int(cfg.hf["n_group"] or 1),
+            int(cfg.hf["topk_group"] or 1),
             cfg.norm_topk_prob,
         )
 

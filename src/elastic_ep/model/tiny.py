@@ -134,6 +134,7 @@ def default_config(
 def _tensor_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the checkpoint and its shape, in a fixed order."""
     cfg = MoEConfig.from_dict(hf)
+    hf = cfg.hf
     h, inter, moe_i = cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for layer in range(cfg.num_layers):
