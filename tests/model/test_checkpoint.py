@@ -110,3 +110,10 @@ def test_bfloat16_checkpoints_are_read_as_float32(tmp_path):
         w13[0, : reader.config.moe_intermediate_size], tensors[expert_key(1, 3, "gate_proj")].float()
     )
     assert all(t.dtype == torch.float32 for t in reader.dense_state().values())
+
+
+def test_a_config_without_a_required_field_names_it(tiny_dirs):
+    hf = dict(MoEConfig.from_pretrained(tiny_dirs["qwen3_moe"]).hf)
+    del hf["num_experts"]
+    with pytest.raises(CheckpointError, match="lacks the field 'num_experts' that qwen3_moe needs"):
+        MoEConfig.from_dict(hf)
