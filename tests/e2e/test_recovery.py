@@ -11,13 +11,15 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import PROMPTS, concurrently, reference
+from .conftest import PROMPTS, Server, concurrently, reference
 
 MAX_TOKENS = 48
 MODEL = "tiny-deepseek-v3"
@@ -219,3 +221,23 @@ def _pair_holding_only_replicas(placement: dict) -> tuple[int, int]:
             best, best_lost = (a, b), lost
     assert best_lost > 0
     return best
+
+
+def test_two_nodes_keep_each_others_backup_and_survive_a_kill(tmp_path):
+    server = Server(["--model", MODEL, "--ep-size", "4", "--local-ranks", "2", "--redundant-experts", "8",
+                     "--restart-delay-s", "-1"], tmp_path / "serve.log", ready_timeout_s=None)
+    agent = subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", server.controller_addr(),
+                              "--node", "node1", "--ranks", "2"])
+    try:
+        server.wait_ready()
+        before = server.wait_for(lambda c: sum(e["kind"] == "backup" for e in c["events"]) == 2, what="2 backups")
+        assert {r["rank_id"]: r["node"] for r in before["ranks"]} == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
+        pid = server.pids()[0]
+        texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGKILL))
+        cluster = check_recovered(server, before, texts, {0}, "exited")
+        moved = recovery_events(cluster, before["epoch"])[0]["transfers"]
+        assert moved["backup"]["bytes"] + moved.get("backup_remote", {"bytes": 0})["bytes"] > 0
+    finally:
+        server.stop()
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(20) == 0

@@ -839,6 +839,7 @@ class Controller:
             })
         self._snapshot = {
             "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),
+            "controller": self.health_addr,
             "slots_per_rank": self.slots_per_rank, "ranks": ranks,
             "ready": self._ready.ready, "reason": self._ready.reason,
             "deadlines": {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.watchdog_deadline_s(), 3)},

@@ -27,10 +27,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerProcess:
     """One `elastic-ep serve ARGS` process with its output in `log_path`.
 
-    ready_timeout_s: how long `wait_ready` waits for GET /ready to answer 200 (default 120 s).
+    ready_timeout_s: how long to wait for GET /ready to answer 200 (default 120 s); None: do not
+    wait (call `wait_ready` later, e.g. after starting agents on other nodes).
     """
 
-    def __init__(self, args: list[str], log_path: str | Path, ready_timeout_s: float = 120.0):
+    def __init__(self, args: list[str], log_path: str | Path, ready_timeout_s: float | None = 120.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
@@ -41,7 +42,18 @@ class ServerProcess:
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )
         self.http = httpx.Client(base_url=self.url, timeout=60)
-        self.wait_ready(ready_timeout_s)
+        if ready_timeout_s is not None:
+            self.wait_ready(ready_timeout_s)
+
+    def controller_addr(self, timeout_s: float = 60.0) -> str:
+        """The address agents of other nodes connect to (`elastic-ep agent --controller`)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                return self.http.get("/cluster").json()["controller"]
+            except (httpx.TransportError, ValueError, KeyError):
+                time.sleep(0.1)
+        raise TimeoutError(f"no controller address within {timeout_s}s:\n{self.log()[-3000:]}")
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Raise RuntimeError if the server exits, TimeoutError if not ready within timeout_s."""

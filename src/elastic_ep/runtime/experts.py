@@ -102,9 +102,13 @@ class ExpertSlots:
         self._exchange(by_kind["peer"], sends, group, old, stats["peer"])
         stats["peer"][1] += time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        self._from_backup(by_kind["backup"], backups, node, fetch_timeout_s, stats["backup"])
-        stats["backup"][1] += time.perf_counter() - t0
+        # Reported apart: "backup" is this node's shared memory, "backup_remote" another node's agent.
+        backup = by_kind["backup"]
+        for kind, items in (("backup", [b for b in backup if b.src_node == node]),
+                            ("backup_remote", [b for b in backup if b.src_node != node])):
+            t0 = time.perf_counter()
+            self._from_backup(items, backups, node, fetch_timeout_s, stats[kind])
+            stats[kind][1] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
         by_layer: dict[int, list[SlotSource]] = defaultdict(list)
