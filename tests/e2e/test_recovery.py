@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -241,3 +242,17 @@ def test_two_nodes_keep_each_others_backup_and_survive_a_kill(tmp_path):
         server.stop()
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(20) == 0
+
+
+def test_streams_end_with_the_reason_when_too_few_ranks_stay_too_few(server_factory):
+    server = server_factory("--model", MODEL, "--ep-size", "2", "--restart-delay-s", "-1",
+                            "--degraded-timeout-s", "1.5", "--admission-timeout-s", "1")
+    pid = server.pids()[1]
+    start = time.monotonic()
+    with pytest.raises(openai.APIError, match="too few ranks"):
+        streams_with_fault(server, lambda: os.kill(pid, signal.SIGKILL), prompts=PROMPTS[:2], max_tokens=400)
+    assert time.monotonic() - start < 15
+    assert server.http.get("/ready").status_code == 503
+    late = server.http.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2})
+    assert late.status_code == 503 and "too few ranks" in late.text
+    server.stop()

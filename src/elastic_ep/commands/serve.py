@@ -39,6 +39,7 @@ HELP = {
     "epoch_timeout_s": "wait for a new epoch to form and move its experts",
     "collective_timeout_s": "torch.distributed timeout, a last resort behind the watchdog",
     "admission_timeout_s": "a request waits this long for a ready cluster before a 503",
+    "degraded_timeout_s": "requests in flight wait this long for too few ranks to recover, then end with an error",
     "startup_timeout_s": "wait for every rank to register at start",
     "restart_delay_s": "restart a dead rank after this delay (negative: never)",
     "health_checks": "heartbeat and watchdog detection (off only to measure their cost)",

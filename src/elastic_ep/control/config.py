@@ -34,6 +34,7 @@ class ServeConfig:
     epoch_timeout_s: float = 30.0
     collective_timeout_s: float = 60.0
     admission_timeout_s: float = 30.0
+    degraded_timeout_s: float = 120.0
     startup_timeout_s: float = 120.0
     restart_delay_s: float = 5.0
     health_checks: bool = True

@@ -186,6 +186,7 @@ class Controller:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.fatal: str | None = None
+        self.degraded_since: float | None = None
         self.trouble: list[str] = []
         self.failed_epochs = 0
         self.inflight: set[int] = set()
@@ -488,6 +489,7 @@ class Controller:
             self._change_epoch(sorted(self.members + joiners), "rejoin", self._load_estimate())
             return
         if not self._ready.ready:
+            self._end_requests_if_degraded_too_long()
             self._pump(0.05)
             return
         if self._eplb_due():
@@ -586,14 +588,16 @@ class Controller:
         error, not a fault): they finish with an error, the server goes on serving."""
         for chunks in batch.chunks.values():
             for c in chunks:
-                seq = self.scheduler.by_id.get(c.seq_id)
-                if seq is None:
-                    continue
-                self.scheduler.abort(c.seq_id)
-                self._deliver(c.seq_id, RequestOutput(seq.request.request_id, [], True, "error", error))
+                self._end_with_error(c.seq_id, error)
         self._event("request-error", f"failed the requests of a step that failed {self.failed_epochs} times: {error}")
         self.failed_epochs = 0
         self._failed_batch = None
+
+    def _end_with_error(self, seq_id: int, error: str) -> None:
+        seq = self.scheduler.by_id.get(seq_id)
+        if seq is not None:
+            self.scheduler.abort(seq_id)
+            self._deliver(seq_id, RequestOutput(seq.request.request_id, [], True, "error", error))
 
     def _deliver(self, seq_id: int, out: RequestOutput) -> None:
         stream = self.streams.get(seq_id)
@@ -661,8 +665,20 @@ class Controller:
                             f"{self.config.num_experts} experts (need {need} ranks); waiting for ranks to return")
         self._ready = Readiness(False, reason)
         self.members = [r for r in self.members if r in live]
+        self.degraded_since = self.degraded_since or time.monotonic()
         self._event("degraded", reason)
         self._publish()
+
+    def _end_requests_if_degraded_too_long(self) -> None:
+        """Requests already streaming wait while the cluster cannot serve, but not forever:
+        after --degraded-timeout-s they end with an error that says why."""
+        if self.degraded_since is None or time.monotonic() - self.degraded_since < self.cfg.degraded_timeout_s:
+            return
+        error = f"not served for {self.cfg.degraded_timeout_s:.0f}s: {self._ready.reason}"
+        for seq_id in list(self.scheduler.by_id):
+            self._end_with_error(seq_id, error)
+        self._event("request-error", f"ended the waiting requests: {error}")
+        self.degraded_since = time.monotonic()
 
     def _fence_and_drain(self) -> None:
         """Fence every culprit and wait until every other member has left the failed step; a
@@ -775,6 +791,7 @@ class Controller:
             "transfers": dict(by_source), "epoch_change_s": round(time.monotonic() - t0, 4),
         }
         self._ready = Readiness(True)
+        self.degraded_since = None
         self._event("epoch", f"epoch {self.epoch} ({reason}) with ranks {live}", reason=reason, **details)
         if self.pending_recovery_record is not None:
             self.pending_recovery_record.update(details)
