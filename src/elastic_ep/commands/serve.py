@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from elastic_ep.control.agent import NodeAgent
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
+from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
 
@@ -91,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     agent_stop = threading.Event()
     agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
     agent_thread.start()
+    # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.
+    controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
     controller.start()
     print(f"elastic-ep: controller at {controller.health_addr} (agents connect here), "
           f"HTTP on http://{cfg.host}:{args.port}", flush=True)
@@ -105,4 +108,6 @@ def run(args: argparse.Namespace) -> int:
         controller.stop()
         agent_stop.set()
         agent_thread.join(10)
+    if controller.fatal:
+        raise ElasticEPError(f"the cluster stopped: {controller.fatal}")
     return 0

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -146,6 +146,9 @@ class Controller:
                 f"{num_experts} experts + {cfg.redundant_experts} redundant = {total_slots} slots do not split "
                 f"evenly over --ep-size {cfg.ep_size}; choose --redundant-experts so the sum is a multiple of it"
             )
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval"):
+            if getattr(cfg, name) < 1:
+                raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
         if cfg.max_model_len > self.config.max_position_embeddings:
             raise ElasticEPError(
                 f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
@@ -186,6 +189,7 @@ class Controller:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.fatal: str | None = None
+        self.on_fatal: Callable[[], None] | None = None
         self.degraded_since: float | None = None
         self.trouble: list[str] = []
         self.failed_epochs = 0
@@ -260,6 +264,8 @@ class Controller:
             self._ready = Readiness(False, f"control loop failed: {self.fatal}")
             self._event("fatal", self.fatal)
             self._publish()
+            if self.on_fatal is not None:
+                self.on_fatal()
             raise
         finally:
             self._shutdown_cluster()
