@@ -1,0 +1,55 @@
+"""`elastic-ep demo` as a user runs it: a real 4-rank server, streams, a rank killed (or hung)
+mid-stream. Every request finishes with the fault-free text, a new epoch forms, and nothing the
+demo started is left running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from elastic_ep.commands.demo import survivable_redundancy
+
+
+def run_demo(*args: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic_ep.cli", "demo", *args],
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("fault, cause", [([], "exited with code -9"), (["--hang"], "no heartbeat")], ids=["kill", "hang"])
+def test_demo_survives_the_fault_with_identical_outputs_and_cleans_up(fault, cause):
+    done = run_demo("--requests", "4", "--max-tokens", "24", "--kill-after-tokens", "6", "--no-live", "--json",
+                    *fault)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert len(report["requests"]) == 4
+    assert all(r["finished"] and r["tokens"] == 24 and r["identical"] for r in report["requests"])
+    assert report["epoch_after"] > report["epoch_before"]
+    recovery = report["recovery"]
+    assert recovery["culprits"] == [1] and 1 not in recovery["members"] and cause in recovery["fault_cause"]
+    assert sum(t["bytes"] for t in recovery["transfers"].values()) > 0
+    assert report["processes_left"] == [] and not [p for p in report["server_pids"] if running(p)]
+    assert report["killed_pid"] in report["server_pids"]
+    assert "identical" in done.stderr and "total pause" in done.stderr and "OK:" in done.stderr
+
+
+def test_demo_names_a_rank_that_does_not_exist():
+    done = run_demo("--kill-rank", "4", timeout_s=60)
+    assert done.returncode == 2
+    assert "--kill-rank 4 is not a rank; ranks are 0..3" in done.stderr
+
+
+def test_redundancy_lets_one_rank_fewer_hold_every_expert():
+    assert survivable_redundancy(16, 4) == 8  # 6 slots per rank, 3 ranks hold 18 >= 16
+    assert survivable_redundancy(16, 2) == 16
+    assert survivable_redundancy(256, 8) == 40  # 37 slots per rank
