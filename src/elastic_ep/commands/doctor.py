@@ -1,0 +1,162 @@
+"""`elastic-ep doctor URL`: diagnose a running server. Reads GET /cluster and /metrics twice,
+--interval-s apart, and prints findings as symptom -> suspicion -> check -> action, naming
+ranks by rank_id, node and pid, then the per-rank table (the slow node radar).
+
+Exit status: 0 with no critical finding, 1 with one (a hang, a stopped process, not ready),
+2 when the URL is not reachable or not an elastic-ep server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+
+from elastic_ep.doctor.diagnose import Thresholds, describe, diagnose
+from elastic_ep.doctor.findings import Finding, render
+from elastic_ep.doctor.metrics import RankWindow, Samples, parse_metrics, rank_windows
+from elastic_ep.doctor.stacks import PY_SPY_MISSING, LocalProcesses, py_spy_dump, py_spy_path, worker_process
+from elastic_ep.errors import ElasticEPError
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per diagnosis")
+    parser.add_argument("--watch", type=float, default=None, metavar="S",
+                        help="diagnose again every S seconds until Ctrl-C")
+    parser.add_argument("--py-spy", action="store_true",
+                        help="dump the Python stack of every rank process on this machine with py-spy")
+    parser.add_argument("--interval-s", type=float, default=1.0,
+                        help="time between the two samples a diagnosis compares (default 1.0)")
+    parser.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout (default 10)")
+    defaults = Thresholds()
+    parser.add_argument("--straggler-ratio", type=float, default=defaults.straggler_ratio,
+                        help=f"own time per step over the others' median that makes a straggler "
+                             f"(default {defaults.straggler_ratio})")
+
+
+class Server:
+    """GET /cluster and /metrics of one elastic-ep server, with errors that say what is wrong."""
+
+    def __init__(self, url: str, timeout_s: float):
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def _get(self, path: str) -> httpx.Response:
+        try:
+            response = self.http.get(path)
+        except httpx.HTTPError as e:
+            raise ElasticEPError(
+                f"cannot reach {self.url} ({type(e).__name__}: {e}); is `elastic-ep serve` running there?"
+            ) from None
+        if response.status_code != 200:
+            raise ElasticEPError(f"{self.url}{path} answered HTTP {response.status_code}: not an elastic-ep server "
+                                 "(GET /cluster and /metrics are elastic-ep's); check the URL and port")
+        return response
+
+    def cluster(self) -> dict[str, Any]:
+        try:
+            cluster = self._get("/cluster").json()
+        except ValueError:
+            cluster = None
+        if not isinstance(cluster, dict) or "ranks" not in cluster or "members" not in cluster:
+            raise ElasticEPError(f"{self.url}/cluster is not elastic-ep's cluster view (no ranks / members); "
+                                 "check the URL and port")
+        return cluster
+
+    def metrics(self) -> Samples:
+        return parse_metrics(self._get("/metrics").text)
+
+
+def _ms(d: dict | None, key: str) -> str:
+    return f"{d[key]:.1f}" if d and d.get(key) is not None else "-"
+
+
+def rank_table(cluster: dict[str, Any], windows: dict[int, RankWindow]) -> str:
+    """One line per rank, slowest own time first (the slow node radar)."""
+    def own(r):
+        w = windows.get(r["rank_id"])
+        return w.own_ms if w else -1.0
+
+    lines = [f"{'rank':>4} {'node':<8} {'pid':>7} {'state':<9} {'step p50/p99/max ms':>21} "
+             f"{'wait p50/p99':>13} {'own ms':>7} {'req':>4}  progress"]
+    for r in sorted(cluster["ranks"], key=lambda r: -own(r)):
+        w = windows.get(r["rank_id"])
+        step, wait = r.get("step_ms"), r.get("wait_ms")
+        lines.append(
+            f"{r['rank_id']:>4} {r.get('node', '?'):<8} {r.get('pid') or '-':>7} {r.get('state', '?'):<9} "
+            f"{_ms(step, 'p50') + '/' + _ms(step, 'p99') + '/' + _ms(step, 'max'):>21} "
+            f"{_ms(wait, 'p50') + '/' + _ms(wait, 'p99'):>13} {f'{w.own_ms:.1f}' if w else '-':>7} "
+            f"{r.get('requests', 0):>4}  {describe(r['progress']) if r.get('progress') else '-'}"
+        )
+    return "\n".join(lines)
+
+
+def diagnose_once(server: Server, args: argparse.Namespace) -> tuple[dict[str, Any], list[Finding], dict]:
+    """Sample twice, --interval-s apart; returns the later /cluster, the findings, windows."""
+    before, samples_before = server.cluster(), server.metrics()
+    local = LocalProcesses(before, urlparse(server.url).hostname in LOCAL_HOSTS)
+    local.start()
+    time.sleep(args.interval_s)
+    after, samples_after = server.cluster(), server.metrics()
+    th = Thresholds(straggler_ratio=args.straggler_ratio)
+    findings = diagnose(before, after, args.interval_s, time.time(), samples_before, samples_after,
+                        local.read(), th)
+    return after, findings, rank_windows(samples_before, samples_after)
+
+
+def _stacks(cluster: dict[str, Any], findings: list[Finding]) -> dict[int, str]:
+    """py-spy dumps of the named ranks first, then the others, for pids on this machine."""
+    named = [ref.rank_id for f in findings for ref in f.ranks]
+    order = sorted(cluster["ranks"], key=lambda r: (r["rank_id"] not in named, r["rank_id"]))
+    stacks = {}
+    for r in order:
+        if r.get("state") in ("dead", "fenced") or worker_process(r.get("pid"), r["rank_id"]) is None:
+            continue
+        stacks[r["rank_id"]] = py_spy_dump(r["pid"])
+    return stacks
+
+
+def report(server: Server, args: argparse.Namespace) -> int:
+    cluster, findings, windows = diagnose_once(server, args)
+    stacks: dict[int, str] | None = None
+    if args.py_spy and py_spy_path() is not None:
+        stacks = _stacks(cluster, findings)
+    if args.json:
+        print(json.dumps({
+            "url": server.url, "epoch": cluster.get("epoch"), "step": cluster.get("step"),
+            "ready": cluster.get("ready"), "findings": [f.to_json() for f in findings],
+            "windows": {r: {"steps": w.steps, "step_ms": w.step_ms, "wait_ms": w.wait_ms, "own_ms": w.own_ms}
+                        for r, w in windows.items()},
+            "stacks": stacks, "py_spy": None if not args.py_spy or stacks is not None else PY_SPY_MISSING,
+        }), flush=True)
+    else:
+        print(f"elastic-ep doctor: {server.url} epoch {cluster.get('epoch')} step {cluster.get('step')}, "
+              f"{len(cluster.get('members', []))} members, ready {cluster.get('ready')}")
+        print("\n\n".join(render(f) for f in findings) if findings else "no findings: every rank steps in time")
+        print("\n" + rank_table(cluster, windows))
+        if args.py_spy and stacks is None:
+            print("\n" + PY_SPY_MISSING)
+            for rank_id, text in (stacks or {}).items():
+                print(f"--- py-spy dump rank {rank_id} ---\n{text}")
+        print(flush=True)
+    return 1 if any(f.severity == "critical" for f in findings) else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval_s <= 0:
+        raise ElasticEPError(f"--interval-s must be > 0, got {args.interval_s}")
+    server = Server(args.url, args.timeout_s)
+    if args.watch is None:
+        return report(server, args)
+    if args.watch <= 0:
+        raise ElasticEPError(f"--watch must be > 0 seconds, got {args.watch}")
+    while True:
+        report(server, args)
+        time.sleep(args.watch)

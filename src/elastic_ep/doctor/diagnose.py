@@ -1,0 +1,337 @@
+"""Diagnosis of a running cluster from GET /cluster snapshots (and /metrics): pure functions
+from snapshot dicts to `Finding`s, so every rule is testable without processes.
+
+The questions are the seeds' runbooks (seed 000 section 9, seed 001's troubleshooting list
+and exercise 3): which rank has not entered the collective the others wait in (a hang), which
+rank ran a different execution path, which rank always arrives last (a straggler: slow, not
+bad), whether DP tokens or expert load are uneven, and whether a recovery failed or too few
+ranks are left to hold every expert.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from .findings import Finding, rank_refs
+from .metrics import RankWindow, Samples, per_rank, rank_windows, scalar
+
+COLLECTIVE_PHASES = ("dispatch", "combine")
+FAILED_RECOVERY_EVENTS = ("epoch-failed", "verify-failed", "fence-timeout", "fatal", "request-error")
+DEAD_PROCESS_STATES = ("stopped", "zombie", "dead", "gone")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """straggler_ratio / straggler_min_ms: a rank is a straggler when its own time per step
+    exceeds both this multiple of the others' median and the median plus this many ms.
+    dp_imbalance: max over mean tokens per rank. expert_imbalance: a rank's expert-slot tokens
+    over the mean. events_window_s: how far back events count as recent. min_window_steps:
+    steps in the /metrics window needed to prefer it over the /cluster percentiles."""
+
+    straggler_ratio: float = 1.5
+    straggler_min_ms: float = 2.0
+    dp_imbalance: float = 1.5
+    expert_imbalance: float = 1.3
+    events_window_s: float = 600.0
+    min_window_steps: int = 5
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """A rank's process as seen on the doctor's machine (psutil status; "gone": no such pid)."""
+
+    status: str
+    cpu_percent: float | None = None
+
+
+def members(cluster: dict[str, Any]) -> list[dict[str, Any]]:
+    ids = set(cluster.get("members", []))
+    return [r for r in cluster.get("ranks", []) if r["rank_id"] in ids]
+
+
+def _progress(rank: dict[str, Any]) -> dict[str, Any]:
+    return rank.get("progress") or {}
+
+
+def _seq(rank: dict[str, Any], epoch: int) -> int:
+    """Collectives the rank entered in `epoch` (0 if it has not reported that epoch yet)."""
+    p = _progress(rank)
+    return int(p.get("seq", 0)) if p.get("epoch") == epoch else 0
+
+
+def _place(p: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return p.get("step"), p.get("layer"), p.get("phase")
+
+
+def describe(p: dict[str, Any]) -> str:
+    return f"step {p.get('step')} layer {p.get('layer')} {p.get('phase')} (collective #{p.get('seq')})"
+
+
+def _ids(ranks: list[dict[str, Any]]) -> list[int]:
+    return [r["rank_id"] for r in ranks]
+
+
+def diagnose_hang(
+    before: dict[str, Any], after: dict[str, Any], interval_s: float,
+    processes: dict[int, ProcessInfo] | None = None,
+) -> list[Finding]:
+    """A hang: no step completed and no rank's progress moved between the two snapshots
+    (taken interval_s apart) while ranks wait in a collective. Names the ranks that have not entered the collective most ranks
+    wait in (behind), the ranks one collective ahead or elsewhere at the same count (a
+    different execution path), and, when every rank sits in the same collective, all of them."""
+    ranks = members(after)
+    epoch = after.get("epoch", -1)
+    if not ranks or after.get("step") != before.get("step") or epoch != before.get("epoch"):
+        return []
+    waiting = [r for r in ranks if _progress(r).get("phase") in COLLECTIVE_PHASES]
+    earlier = {r["rank_id"]: _progress(r) for r in members(before)}
+    # Heartbeats report progress every ~0.1 s, so ranks of a running cluster look out of step in
+    # one snapshot; only progress frozen across both snapshots is a hang.
+    if not waiting or any(earlier.get(r["rank_id"]) != _progress(r) for r in ranks):
+        return []
+    processes = processes or {}
+    seqs = {r["rank_id"]: _seq(r, epoch) for r in ranks}
+    target = max(Counter(seqs[r["rank_id"]] for r in waiting).most_common(),
+                 key=lambda kv: (kv[1], kv[0]))[0]
+    at_target = [r for r in waiting if seqs[r["rank_id"]] == target]
+    place = Counter(_place(_progress(r)) for r in at_target).most_common(1)[0][0]
+    where = describe({**_progress(at_target[0]), "step": place[0], "layer": place[1], "phase": place[2]})
+    behind = [r for r in ranks if seqs[r["rank_id"]] < target]
+    ahead = [r for r in ranks if seqs[r["rank_id"]] > target]
+    elsewhere = [r for r in ranks if seqs[r["rank_id"]] == target and _place(_progress(r)) != place]
+    requests = sum(int(r.get("requests") or 0) for r in ranks)
+    symptom = (f"no step completed in {interval_s:.1f}s (step {after.get('step')}), {requests} requests in "
+               f"flight; ranks {_ids(at_target)} wait in collective #{target} at {where}")
+    deadlines = after.get("deadlines", {})
+    fence_note = (f"the watchdog fences a rank that lags {deadlines.get('watchdog_deadline_s', '?')}s, lost "
+                  f"heartbeats after {deadlines.get('heartbeat_timeout_s', '?')}s")
+    stopped = {r: p.status for r, p in processes.items() if p.status in DEAD_PROCESS_STATES}
+    findings = []
+    if behind:
+        detail = "; ".join(f"rank {r['rank_id']} is at {describe(_progress(r))}"
+                           + (f", its process is {stopped[r['rank_id']]}" if r["rank_id"] in stopped else "")
+                           for r in behind)
+        findings.append(Finding(
+            "hang", "critical", symptom,
+            f"rank(s) {_ids(behind)} have not entered collective #{target} that the others wait in ({detail}): "
+            "a dead, stopped or stuck process, whose peers spin in the all-to-all (seed 000 section 9: one rank "
+            "dead or stuck)",
+            "`elastic-ep doctor URL --py-spy` (py-spy dump of each pid) to see where it stands; on its node: "
+            "process state (ps -o stat -p PID: T = stopped), GPU Xid / ECC errors, NIC link",
+            f"{fence_note}; to act now kill -9 the pid on its node (or `elastic-ep chaos URL kill RANK` on a "
+            "--enable-chaos server): the group re-forms without it and it restarts after --restart-delay-s",
+            rank_refs(after, _ids(behind)),
+            {"collective": target, "waiting": _ids(at_target), "seq": seqs},
+        ))
+    odd = ahead + elsewhere
+    if odd:
+        detail = "; ".join(f"rank {r['rank_id']} is at {describe(_progress(r))}" for r in odd)
+        findings.append(Finding(
+            "path", "critical", symptom,
+            f"different execution path: {detail}, while most ranks are at {where}; a rank ran one collective more "
+            "or fewer than the others (seed 001: one rank did an extra collective)",
+            "compare ranks[].progress in GET /cluster; py-spy dump of these pids against a waiting rank's",
+            "fence the odd rank (kill -9 its pid) so the group re-forms; keep the step's inputs: every rank must "
+            "run every MoE layer's collectives, even with no tokens, and a rank that does not is a bug",
+            rank_refs(after, _ids(odd)), {"collective": target, "seq": seqs},
+        ))
+    if not behind and not odd:
+        culprits = sorted(stopped) or _ids(ranks)
+        findings.append(Finding(
+            "hang", "critical", symptom,
+            "every rank entered the same collective and none left it"
+            + (f"; the process of rank(s) {sorted(stopped)} is {sorted(set(stopped.values()))}" if stopped else
+               ": a cut data-plane link, or a rank that entered and stopped inside it"),
+            "`elastic-ep doctor URL --py-spy` on each node; the NIC link state and error counters between nodes",
+            f"{fence_note}; kill -9 the rank whose stack or link is wrong",
+            rank_refs(after, culprits), {"collective": target, "seq": seqs},
+        ))
+    return findings
+
+
+def diagnose_processes(cluster: dict[str, Any], processes: dict[int, ProcessInfo]) -> list[Finding]:
+    """Ranks listed as live whose process on this machine is stopped, a zombie or gone."""
+    live = {r["rank_id"]: r for r in cluster.get("ranks", []) if r.get("state") not in ("dead", "fenced")}
+    bad = {r: p.status for r, p in processes.items() if r in live and p.status in DEAD_PROCESS_STATES}
+    if not bad:
+        return []
+    return [Finding(
+        "process", "critical",
+        "process state of rank(s) " + ", ".join(f"{r}: {s}" for r, s in sorted(bad.items())),
+        "stopped: SIGSTOP or a debugger holds it (its heartbeats stop too); zombie / gone: it died and the "
+        "agent has not reported it yet",
+        "ps -o pid,stat,cmd -p PID on its node (T = stopped, Z = zombie)",
+        "kill -CONT PID to let a stopped rank go on, or kill -9 PID to fence it now; the cluster re-forms",
+        rank_refs(cluster, bad), {"status": bad},
+    )]
+
+
+def _own_and_wait(
+    ranks: list[dict[str, Any]], windows: dict[int, RankWindow] | None, min_steps: int,
+) -> tuple[dict[int, float], dict[int, float], str]:
+    """Per rank own time and collective wait (ms per step): the /metrics window when every
+    rank has enough steps in it, else the p50s of /cluster's recent window."""
+    ids = _ids(ranks)
+    if windows and all(r in windows and windows[r].steps >= min_steps for r in ids):
+        return ({r: windows[r].own_ms for r in ids}, {r: windows[r].wait_ms for r in ids},
+                "mean over the /metrics window")
+    own, wait = {}, {}
+    for r in ranks:
+        if r.get("step_ms") and r.get("wait_ms"):
+            own[r["rank_id"]] = r["step_ms"]["p50"] - r["wait_ms"]["p50"]
+            wait[r["rank_id"]] = r["wait_ms"]["p50"]
+    return own, wait, "p50 step minus p50 wait of /cluster's recent steps"
+
+
+def diagnose_stragglers(
+    cluster: dict[str, Any], windows: dict[int, RankWindow] | None = None, th: Thresholds = Thresholds(),
+) -> list[Finding]:
+    """The rank that always arrives last: its own time per step (step minus all-to-all wait)
+    stands out, and the others' wait is the time they spend waiting for it."""
+    ranks = [r for r in members(cluster) if r.get("state") == "serving"]
+    own, wait, source = _own_and_wait(ranks, windows, th.min_window_steps)
+    if len(own) < 2:
+        return []
+    by_id = {r["rank_id"]: r for r in ranks}
+    findings = []
+    for rank, own_ms in sorted(own.items(), key=lambda kv: -kv[1]):
+        others = [v for r, v in own.items() if r != rank]
+        median_ms = statistics.median(others)
+        if own_ms < th.straggler_ratio * median_ms or own_ms - median_ms < th.straggler_min_ms:
+            continue
+        others_wait_ms = statistics.median([v for r, v in wait.items() if r != rank])
+        delay_s = float(by_id[rank].get("slow_delay_s") or 0.0)
+        cause = (f"an injected delay of {delay_s}s per step is set on it (chaos slow)" if delay_s > 0 else
+                 "a throttled or erroring GPU (clocks, ECC), a degraded link, a noisy neighbour, or more expert "
+                 "load on its slots")
+        findings.append(Finding(
+            "straggler", "warning",
+            f"rank {rank} takes {own_ms:.1f} ms of its own per step against a median of {median_ms:.1f} ms on "
+            f"the others, which wait {others_wait_ms:.1f} ms per step in the all-to-alls (its own wait: "
+            f"{wait[rank]:.1f} ms): it arrives last",
+            f"slow, not bad: it still steps, so no detector fires and the watchdog deadline grows with the step "
+            f"time (seed 001: tell bad from slow); {cause}",
+            f"the per-rank table below (slow node radar) and elastic_ep_rank_step_seconds{{rank=\"{rank}\"}} in "
+            "/metrics; on its node nvidia-smi -q -d CLOCK,ECC,PERFORMANCE and the NIC error counters",
+            (f"`elastic-ep chaos URL slow {rank} --delay-s 0` clears the injected delay" if delay_s > 0 else
+             "cordon it: kill -9 its pid (the group re-forms without it) and repair the node; or move expert "
+             "load off it with EPLB"),
+            rank_refs(cluster, [rank]),
+            {"own_ms": {r: round(v, 3) for r, v in own.items()}, "wait_ms": {r: round(v, 3) for r, v in wait.items()},
+             "source": source},
+        ))
+    return findings
+
+
+def diagnose_balance(cluster: dict[str, Any], samples: Samples, th: Thresholds = Thresholds()) -> list[Finding]:
+    """DP token imbalance (tokens per rank in the last step) and expert load imbalance (tokens
+    a rank's expert slots computed over the mean), from /metrics."""
+    findings = []
+    ids = set(cluster.get("members", []))
+    tokens = {r: v for r, v in per_rank(samples, "elastic_ep_rank_step_tokens").items() if r in ids}
+    dp = scalar(samples, "elastic_ep_dp_token_imbalance")
+    if dp is not None and dp >= th.dp_imbalance and tokens and max(tokens.values()) - min(tokens.values()) > 1:
+        heavy = max(tokens, key=tokens.get)
+        findings.append(Finding(
+            "dp-imbalance", "warning",
+            f"tokens per rank in the last step {dict(sorted(tokens.items()))}: max over mean {dp:.2f}, variance "
+            f"{statistics.pvariance(tokens.values()):.1f}",
+            "DP attention load is uneven: long prompts landed on few ranks, the others wait for them at every "
+            "all-to-all",
+            "elastic_ep_rank_step_tokens and elastic_ep_dp_token_imbalance in /metrics, requests per rank in "
+            "/cluster, over several scrapes (`elastic-ep doctor URL --watch 5`)",
+            "lower --max-num-batched-tokens so chunked prefill evens the steps; spread long prompts",
+            rank_refs(cluster, [heavy]), {"tokens": tokens, "dp_token_imbalance": dp},
+        ))
+    load = {r: v for r, v in per_rank(samples, "elastic_ep_expert_load_imbalance").items() if r in ids}
+    if load and max(load.values()) >= th.expert_imbalance:
+        hot = max(load, key=load.get)
+        findings.append(Finding(
+            "expert-imbalance", "warning",
+            f"rank {hot}'s expert slots compute {load[hot]:.2f}x the mean tokens (per rank: "
+            f"{ {r: round(v, 2) for r, v in sorted(load.items())} })",
+            "hot experts sit on this rank: every all-to-all waits for its expert compute",
+            "POST /start_expert_distribution_record, serve a while, POST /dump_expert_distribution_record; "
+            "elastic_ep_expert_load_imbalance in /metrics",
+            "`elastic-ep eplb --load DUMP` to see the better placement; serve with --enable-eplb (and "
+            "--redundant-experts) to apply it online",
+            rank_refs(cluster, [hot]), {"expert_load_imbalance": load},
+        ))
+    return findings
+
+
+def diagnose_membership(cluster: dict[str, Any], now_s: float, th: Thresholds = Thresholds()) -> list[Finding]:
+    """Not ready (with the server's reason; too few ranks to hold every expert), ranks out of
+    service, recoveries that failed and recent faults, from /cluster's state and events."""
+    findings = []
+    not_serving = [r for r in cluster.get("ranks", []) if r.get("state") != "serving"]
+    if not cluster.get("ready", True):
+        placement = cluster.get("placement") or {}
+        live = [r for r in cluster.get("ranks", []) if r.get("state") == "serving"]
+        slots = int(cluster.get("slots_per_rank") or 0)
+        experts = placement.get("num_experts")
+        too_few = experts is not None and len(live) * slots < experts
+        reason = cluster.get("reason", "")
+        findings.append(Finding(
+            "not-ready", "critical", f"GET /ready is false: {reason}",
+            (f"too few ranks: {len(live)} serving x {slots} slots < {experts} experts, so some expert has no "
+             "replica" if too_few or "too few" in reason else "the cluster is starting or re-forming"),
+            "GET /ready and the events below; states of the ranks named here",
+            ("ranks restart by themselves after --restart-delay-s; if they do not, start one with `elastic-ep "
+             "agent --controller ADDR` on a healthy node, or serve with more ranks / --redundant-experts"
+             if too_few or "too few" in reason else "wait for the epoch to form; if it does not, see the events"),
+            rank_refs(cluster, _ids(not_serving)),
+            {"reason": reason, "serving": _ids(live), "slots_per_rank": slots, "num_experts": experts},
+        ))
+    events = [e for e in cluster.get("events", []) if now_s - float(e.get("time_s", 0)) <= th.events_window_s]
+    failed = [e for e in events if e.get("kind") in FAILED_RECOVERY_EVENTS]
+    if failed:
+        findings.append(Finding(
+            "recovery-failed", "warning",
+            f"{len(failed)} failed recovery step(s) in the last {th.events_window_s:.0f}s: "
+            + "; ".join(f"{e['kind']}: {e['message']}" for e in failed[-3:]),
+            "an epoch that did not form, slots that failed verification, a fence an agent did not confirm, or "
+            "requests ended because the cluster could not serve",
+            "GET /cluster events (kind, message), the server log around those times",
+            "a failed epoch is retried by itself; a fence-timeout means the node's agent is gone: check the node",
+            rank_refs(cluster, sorted({e["rank_id"] for e in failed if e.get("rank_id") is not None})),
+            {"events": failed[-10:]},
+        ))
+    faults = [e for e in events if e.get("kind") == "fault"]
+    if faults:
+        last_recovered = max((float(e["time_s"]) for e in events if e.get("kind") == "recovered"), default=None)
+        pending = last_recovered is None or last_recovered < float(faults[-1]["time_s"])
+        findings.append(Finding(
+            "faults", "warning" if pending else "info",
+            f"{len(faults)} fault(s) in the last {th.events_window_s:.0f}s: "
+            + "; ".join(e["message"] for e in faults[-5:]),
+            "dead or hung ranks that were fenced; the same rank again and again points at its node",
+            "GET /cluster events (fault, fencing, epoch, recovered) and elastic_ep_recoveries_total in /metrics",
+            ("recovery of the last fault has not completed yet: see the not-ready finding" if pending else
+             "recovered; repair the node of a rank that keeps failing"),
+            rank_refs(cluster, sorted({e["rank_id"] for e in faults if e.get("rank_id") is not None})),
+            {"events": faults[-10:], "recovered_since": not pending},
+        ))
+    return findings
+
+
+def diagnose(
+    before: dict[str, Any], after: dict[str, Any], interval_s: float, now_s: float,
+    samples_before: Samples | None = None, samples_after: Samples | None = None,
+    processes: dict[int, ProcessInfo] | None = None, th: Thresholds = Thresholds(),
+) -> list[Finding]:
+    """Every rule over two snapshots interval_s apart, critical findings first."""
+    processes = processes or {}
+    windows = rank_windows(samples_before, samples_after) if samples_before and samples_after else None
+    findings = (
+        diagnose_hang(before, after, interval_s, processes)
+        + diagnose_processes(after, processes)
+        + diagnose_membership(after, now_s, th)
+        + diagnose_stragglers(after, windows, th)
+        + (diagnose_balance(after, samples_after, th) if samples_after else [])
+    )
+    order = {"critical": 0, "warning": 1, "info": 2}
+    return sorted(findings, key=lambda f: order[f.severity])
