@@ -52,7 +52,8 @@ def test_stopped_rank_is_named_as_the_one_the_others_wait_for():
     hang = findings[0]
     assert hang.severity == "critical"
     assert [(r.rank_id, r.node, r.pid) for r in hang.ranks] == [(1, "node0", 12319)]
-    assert hang.evidence["collective"] == 1009 and hang.evidence["waiting"] == [0, 2, 3]
+    assert hang.evidence["waiting"] == [0, 2, 3]
+    assert "ranks [0, 2, 3] wait in collective #1009" in hang.symptom
     text = render(hang)
     assert "rank 1 (node0, pid 12319)" in text and "collective #1009" in text
     assert all(part in text for part in ("[CRITICAL] hang:", "suspicion:", "check:", "action:"))
@@ -64,6 +65,23 @@ def test_a_running_cluster_is_not_a_hang():
     moved = snapshot("hang2")
     rank(moved, 0)["progress"]["layer"] = 2
     assert diagnose_hang(snapshot("hang"), moved, 1.0) == []
+
+
+def test_ranks_stopped_mid_all_to_all_leave_victims_at_different_counts_and_the_culprit_is_named():
+    # seen live: rank 1 stopped while sending its dispatch, so rank 2 still waits in #811 and
+    # ranks 0 and 3, which got their rows, wait in #812
+    before, after = snapshot("hang"), snapshot("hang2")
+    places = {0: (812, "combine"), 1: (810, "compute"), 2: (811, "dispatch"), 3: (812, "combine")}
+    for c in (before, after):
+        for r, (seq, phase) in places.items():
+            rank(c, r)["progress"].update(seq=seq, phase=phase, step=136, layer=1)
+    assert named(diagnose_hang(before, after, 1.0), "hang") == [1]
+    # its last heartbeat may already say it entered #811: remotely both ranks at #811 are suspects,
+    # on its machine the stopped process settles it
+    for c in (before, after):
+        rank(c, 1)["progress"].update(seq=811, phase="dispatch")
+    assert named(diagnose_hang(before, after, 1.0), "hang") == [1, 2]
+    assert named(diagnose_hang(before, after, 1.0, {1: ProcessInfo("stopped")}), "hang") == [1]
 
 
 def test_rank_one_collective_ahead_is_a_different_execution_path():

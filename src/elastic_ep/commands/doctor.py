@@ -143,8 +143,8 @@ def report(server: Server, args: argparse.Namespace) -> int:
         print("\n" + rank_table(cluster, windows))
         if args.py_spy and stacks is None:
             print("\n" + PY_SPY_MISSING)
-            for rank_id, text in (stacks or {}).items():
-                print(f"--- py-spy dump rank {rank_id} ---\n{text}")
+        for rank_id, text in (stacks or {}).items():
+            print(f"\n--- py-spy dump of rank {rank_id} ---\n{text}")
         print(flush=True)
     return 1 if any(f.severity == "critical" for f in findings) else 0
 

@@ -74,14 +74,32 @@ def _ids(ranks: list[dict[str, Any]]) -> list[int]:
     return [r["rank_id"] for r in ranks]
 
 
+def _waiting_summary(ranks: list[dict[str, Any]], seqs: dict[int, int]) -> str:
+    """'ranks [0, 3] wait in collective #812 at step 136 layer 1 combine; [2] in #811 at ...'."""
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for r in ranks:
+        if _progress(r).get("phase") in COLLECTIVE_PHASES:
+            groups.setdefault(seqs[r["rank_id"]], []).append(r)
+    return "; ".join(
+        f"ranks {_ids(group)} wait in collective #{seq} at {describe(_progress(group[0]))}"
+        for seq, group in sorted(groups.items(), reverse=True)
+    )
+
+
 def diagnose_hang(
     before: dict[str, Any], after: dict[str, Any], interval_s: float,
     processes: dict[int, ProcessInfo] | None = None,
 ) -> list[Finding]:
     """A hang: no step completed and no rank's progress moved between the two snapshots
-    (taken interval_s apart) while ranks wait in a collective. Names the ranks that have not entered the collective most ranks
-    wait in (behind), the ranks one collective ahead or elsewhere at the same count (a
-    different execution path), and, when every rank sits in the same collective, all of them."""
+    (taken interval_s apart) while ranks wait in a collective.
+
+    The rank named, strongest evidence first: a member whose process is stopped or gone (when
+    the doctor runs on its machine); a member outside any collective while the others wait (it
+    has not entered the one they wait in); a lone rank one collective ahead of all others, or at
+    the same count but another layer or phase (a different execution path); else the ranks
+    furthest behind. A peer stopped in the middle of an all-to-all lets some ranks finish that
+    collective and not others, so waiting ranks at different counts are victims, not culprits.
+    """
     ranks = members(after)
     epoch = after.get("epoch", -1)
     if not ranks or after.get("step") != before.get("step") or epoch != before.get("epoch"):
@@ -92,64 +110,65 @@ def diagnose_hang(
     # one snapshot; only progress frozen across both snapshots is a hang.
     if not waiting or any(earlier.get(r["rank_id"]) != _progress(r) for r in ranks):
         return []
-    processes = processes or {}
     seqs = {r["rank_id"]: _seq(r, epoch) for r in ranks}
-    target = max(Counter(seqs[r["rank_id"]] for r in waiting).most_common(),
-                 key=lambda kv: (kv[1], kv[0]))[0]
-    at_target = [r for r in waiting if seqs[r["rank_id"]] == target]
-    place = Counter(_place(_progress(r)) for r in at_target).most_common(1)[0][0]
-    where = describe({**_progress(at_target[0]), "step": place[0], "layer": place[1], "phase": place[2]})
-    behind = [r for r in ranks if seqs[r["rank_id"]] < target]
-    ahead = [r for r in ranks if seqs[r["rank_id"]] > target]
-    elsewhere = [r for r in ranks if seqs[r["rank_id"]] == target and _place(_progress(r)) != place]
     requests = sum(int(r.get("requests") or 0) for r in ranks)
-    symptom = (f"no step completed in {interval_s:.1f}s (step {after.get('step')}), {requests} requests in "
-               f"flight; ranks {_ids(at_target)} wait in collective #{target} at {where}")
+    symptom = (f"no step completed and no rank moved in {interval_s:.1f}s (step {after.get('step')}, "
+               f"{requests} requests in flight): {_waiting_summary(ranks, seqs)}")
     deadlines = after.get("deadlines", {})
-    fence_note = (f"the watchdog fences a rank that lags {deadlines.get('watchdog_deadline_s', '?')}s, lost "
-                  f"heartbeats after {deadlines.get('heartbeat_timeout_s', '?')}s")
-    stopped = {r: p.status for r, p in processes.items() if p.status in DEAD_PROCESS_STATES}
-    findings = []
-    if behind:
-        detail = "; ".join(f"rank {r['rank_id']} is at {describe(_progress(r))}"
-                           + (f", its process is {stopped[r['rank_id']]}" if r["rank_id"] in stopped else "")
-                           for r in behind)
-        findings.append(Finding(
+    evidence = {"waiting": _ids(waiting), "seq": seqs}
+    check = ("`elastic-ep doctor URL --py-spy` (py-spy dump of every rank on this machine) to see where each "
+             "stands; on the named rank's node: process state (ps -o stat -p PID: T = stopped), GPU Xid / ECC "
+             "errors, NIC link")
+    action = (f"the watchdog fences a rank that lags {deadlines.get('watchdog_deadline_s', '?')}s and a rank "
+              f"without heartbeats after {deadlines.get('heartbeat_timeout_s', '?')}s; to act now kill -9 the "
+              "named pid on its node (or `elastic-ep chaos URL kill RANK` on a --enable-chaos server): the group "
+              "re-forms without it and it restarts after --restart-delay-s")
+    at = {r["rank_id"]: describe(_progress(r)) for r in ranks}
+    stopped = {r: p.status for r, p in (processes or {}).items() if r in seqs and p.status in DEAD_PROCESS_STATES}
+    outside = [r["rank_id"] for r in ranks if r not in waiting]
+    if stopped or outside:
+        culprits = sorted(stopped) or outside
+        detail = "; ".join(f"rank {r} last reported {at[r]}" + (f", its process is {stopped[r]}" if r in stopped
+                                                                 else ", outside any collective")
+                           for r in culprits)
+        return [Finding(
             "hang", "critical", symptom,
-            f"rank(s) {_ids(behind)} have not entered collective #{target} that the others wait in ({detail}): "
-            "a dead, stopped or stuck process, whose peers spin in the all-to-all (seed 000 section 9: one rank "
-            "dead or stuck)",
-            "`elastic-ep doctor URL --py-spy` (py-spy dump of each pid) to see where it stands; on its node: "
-            "process state (ps -o stat -p PID: T = stopped), GPU Xid / ECC errors, NIC link",
-            f"{fence_note}; to act now kill -9 the pid on its node (or `elastic-ep chaos URL kill RANK` on a "
-            "--enable-chaos server): the group re-forms without it and it restarts after --restart-delay-s",
-            rank_refs(after, _ids(behind)),
-            {"collective": target, "waiting": _ids(at_target), "seq": seqs},
-        ))
-    odd = ahead + elsewhere
-    if odd:
-        detail = "; ".join(f"rank {r['rank_id']} is at {describe(_progress(r))}" for r in odd)
-        findings.append(Finding(
+            f"rank(s) {culprits} hold the others: {detail}; it has not entered the collective they wait in "
+            "(a dead, stopped or stuck process; seed 000 section 9: one rank dead or stuck)",
+            check, action, rank_refs(after, culprits), evidence,
+        )]
+    counts = Counter(seqs.values())
+    common_seq = counts.most_common(1)[0][0]
+    odd = [r for r, s in seqs.items() if s != common_seq]
+    if len(counts) == 1:
+        places = Counter(_place(_progress(r)) for r in ranks)
+        odd = [r["rank_id"] for r in ranks if _place(_progress(r)) != places.most_common(1)[0][0]]
+    if len(odd) == 1 and len(ranks) > 2 and seqs[odd[0]] >= common_seq:
+        return [Finding(
             "path", "critical", symptom,
-            f"different execution path: {detail}, while most ranks are at {where}; a rank ran one collective more "
-            "or fewer than the others (seed 001: one rank did an extra collective)",
-            "compare ranks[].progress in GET /cluster; py-spy dump of these pids against a waiting rank's",
+            f"different execution path: rank {odd[0]} is at {at[odd[0]]} while every other rank is at collective "
+            f"#{common_seq}; it ran one collective more, or another one, than the others (seed 001: a rank did "
+            "an extra collective)",
+            "compare ranks[].progress in GET /cluster; py-spy dump of this pid against a waiting rank's",
             "fence the odd rank (kill -9 its pid) so the group re-forms; keep the step's inputs: every rank must "
             "run every MoE layer's collectives, even with no tokens, and a rank that does not is a bug",
-            rank_refs(after, _ids(odd)), {"collective": target, "seq": seqs},
-        ))
-    if not behind and not odd:
-        culprits = sorted(stopped) or _ids(ranks)
-        findings.append(Finding(
+            rank_refs(after, odd), evidence,
+        )]
+    if len(counts) == 1:
+        return [Finding(
             "hang", "critical", symptom,
-            "every rank entered the same collective and none left it"
-            + (f"; the process of rank(s) {sorted(stopped)} is {sorted(set(stopped.values()))}" if stopped else
-               ": a cut data-plane link, or a rank that entered and stopped inside it"),
-            "`elastic-ep doctor URL --py-spy` on each node; the NIC link state and error counters between nodes",
-            f"{fence_note}; kill -9 the rank whose stack or link is wrong",
-            rank_refs(after, culprits), {"collective": target, "seq": seqs},
-        ))
-    return findings
+            f"every rank entered collective #{common_seq} and none left it: a cut data-plane link, or a rank "
+            "stopped inside it (run the doctor on the ranks' node to see process states)",
+            check, action, rank_refs(after, _ids(ranks)), evidence,
+        )]
+    low = min(seqs.values())
+    behind = [r for r, s in seqs.items() if s == low]
+    return [Finding(
+        "hang", "critical", symptom,
+        f"rank(s) {behind} are furthest behind, at collective #{low}; the others passed it, so one of these "
+        "stopped inside it or runs a different path (run the doctor on their node to see process states)",
+        check, action, rank_refs(after, behind), evidence,
+    )]
 
 
 def diagnose_processes(cluster: dict[str, Any], processes: dict[int, ProcessInfo]) -> list[Finding]:

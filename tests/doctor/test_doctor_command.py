@@ -1,0 +1,133 @@
+"""`elastic-ep doctor` on a real 4-rank server: it names a SIGSTOPped rank as the one the
+others wait for, and a rank slowed with `chaos slow` as the straggler. The server runs with
+detection deadlines of minutes so the hang lasts while the doctor looks (the watchdog would
+otherwise fence the rank within a second). Also: clear errors for a wrong URL."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from elastic_ep.cli import main
+from elastic_ep.control.server_process import ServerProcess, free_port
+from elastic_ep.doctor.stacks import PY_SPY_MISSING, py_spy_path
+
+SLOW_DETECTION = ["--heartbeat-timeout-s", "300", "--watchdog-floor-s", "300", "--drain-timeout-s", "300",
+                  "--restart-delay-s", "-1"]
+
+
+class Load:
+    """Clients that keep completions in flight until stopped, so ranks are always in a step."""
+
+    def __init__(self, url: str, clients: int = 3, max_tokens: int = 48):
+        self.url, self.max_tokens = url, max_tokens
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
+
+    def _client(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=120) as http:
+            while not self.stop.is_set():
+                try:
+                    http.post("/v1/completions", json={"model": "tiny-deepseek-v3", "prompt": "hello world",
+                                                       "max_tokens": self.max_tokens})
+                except httpx.HTTPError:
+                    time.sleep(0.05)
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = ServerProcess(["--ep-size", "4", "--enable-chaos", *SLOW_DETECTION],
+                      tmp_path_factory.mktemp("doctor") / "serve.log")
+    try:
+        s.wait_full_group(4)
+        yield s
+    finally:
+        s.stop()
+
+
+def wait_steps(server: ServerProcess, count: int = 10, timeout_s: float = 30.0) -> None:
+    start = server.cluster()["step"]
+    server.wait_for(lambda c: c["step"] >= start + count, timeout_s, f"{count} steps")
+
+
+def doctor(capsys, *args: str) -> tuple[int, str]:
+    code = main(["doctor", *args])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_slow_rank_is_named_the_straggler(server, capsys):
+    with Load(server.url):
+        wait_steps(server)
+        server.http.post("/chaos/slow", json={"rank_id": 2, "delay_s": 0.05}).raise_for_status()
+        try:
+            wait_steps(server, 3)
+            code, out = doctor(capsys, server.url, "--json", "--interval-s", "1.5")
+        finally:
+            server.http.post("/chaos/slow", json={"rank_id": 2, "delay_s": 0.0}).raise_for_status()
+    report = json.loads(out)
+    assert code == 0, report["findings"]
+    stragglers = [f for f in report["findings"] if f["kind"] == "straggler"]
+    assert [r["rank_id"] for f in stragglers for r in f["ranks"]] == [2]
+    assert stragglers[0]["ranks"][0]["pid"] == server.pids()[2]
+    assert "slow, not bad" in stragglers[0]["suspicion"]
+    assert not [f for f in report["findings"] if f["kind"] in ("hang", "path", "process")]
+
+
+@pytest.mark.timeout(120)
+def test_stopped_rank_is_named_as_the_one_the_others_wait_for(server, capsys):
+    pid = server.pids()[1]
+    with Load(server.url):
+        wait_steps(server)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.5)
+            code, out = doctor(capsys, server.url, "--py-spy", "--interval-s", "1.0")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_steps(server, 5)  # the rank goes on: the doctor only looked, nothing fenced it
+    assert code == 1
+    hang = out.split("[CRITICAL] hang:")[1].split("\n\n")[0]
+    assert f"ranks:     rank 1 (node0, pid {pid})\n" in hang
+    assert "[CRITICAL] process: process state of rank(s) 1: stopped" in out
+    if py_spy_path() is None:
+        assert PY_SPY_MISSING in out
+    else:
+        dump = out.split("--- py-spy dump of rank 1 ---")[1]
+        assert "worker.py" in dump.split("--- py-spy dump")[0]
+    assert server.cluster()["epoch"] == 0
+
+
+def test_unreachable_url_is_a_clear_error(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["doctor", url]) == 2
+    assert f"cannot reach {url}" in capsys.readouterr().err
+
+
+def test_a_server_that_is_not_elastic_ep_is_named_so(capsys):
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert main(["doctor", f"http://127.0.0.1:{httpd.server_address[1]}"]) == 2
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert "not an elastic-ep server" in capsys.readouterr().err
