@@ -4,6 +4,7 @@ demo started is left running."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import psutil
 import pytest
 
 from elastic_ep.commands.demo import survivable_redundancy
+from elastic_ep.demo_view import CURSOR_UP_AND_CLEAR, LiveView, StreamState
 
 
 def run_demo(*args: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
@@ -53,3 +55,23 @@ def test_redundancy_lets_one_rank_fewer_hold_every_expert():
     assert survivable_redundancy(16, 4) == 8  # 6 slots per rank, 3 ranks hold 18 >= 16
     assert survivable_redundancy(16, 2) == 16
     assert survivable_redundancy(256, 8) == 40  # 37 slots per rank
+
+
+def test_live_view_redraws_its_block_in_place_and_plain_view_never_moves_the_cursor():
+    states = [StreamState(0, "first prompt", 4), StreamState(1, "second prompt", 4)]
+    live = io.StringIO()
+    view = LiveView(live, states, live=True)
+    view.refresh()
+    states[0].add_chunk("x", None, 1.0)
+    view.say(">>> an event")
+    view.refresh()
+    # Each redraw erases exactly the 3 lines drawn before (2 streams + totals), no more.
+    assert live.getvalue().count(CURSOR_UP_AND_CLEAR) == 6
+    assert live.getvalue().count(">>> an event") == 1 and "  1/4" in live.getvalue().splitlines()[-3]
+    plain = io.StringIO()
+    view = LiveView(plain, states, live=False)
+    view.say(">>> an event")
+    view.close()
+    assert CURSOR_UP_AND_CLEAR not in plain.getvalue()
+    event, totals = plain.getvalue().splitlines()
+    assert event == ">>> an event" and "streams done 0/2  tokens 1/8" in totals
