@@ -25,6 +25,8 @@ HELP = {
     "max_num_seqs": "sequences in flight per rank",
     "max_model_len": "longest prompt plus output, tokens",
     "max_num_batched_tokens": "tokens per rank per step (chunked prefill)",
+    "padded_dispatch_max_tokens": "steps whose busiest rank runs at most this many tokens dispatch fixed-size "
+                                  "blocks, one all-to-all fewer per layer (0: never)",
     "expert_backup": "keep each node's share of the routed experts in host shared memory",
     "enable_eplb": "re-place experts from the recorded load while serving",
     "eplb_interval": "steps between EPLB checks",

@@ -19,6 +19,7 @@ class ServeConfig:
     max_num_seqs: int = 32
     max_model_len: int = 1024
     max_num_batched_tokens: int = 256
+    padded_dispatch_max_tokens: int = 16
     expert_backup: bool = True
     enable_eplb: bool = False
     eplb_interval: int = 200

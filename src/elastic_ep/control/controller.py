@@ -522,10 +522,12 @@ class Controller:
         self._step_replies = {}
         self.inflight = set(self.members)
         start = time.perf_counter()
+        busiest = max(batch.tokens_per_rank().values(), default=0)
+        dispatch_rows = busiest * self.config.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
         for rank_id in self.members:
             self._send_step(rank_id, StepPlan(
                 self.epoch, self.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
-                self.delay_s.get(rank_id, 0.0),
+                self.delay_s.get(rank_id, 0.0), dispatch_rows,
             ))
         while len(self._step_replies) < len(self.members):
             self._pump(0.002)
@@ -558,8 +560,7 @@ class Controller:
             label = str(rank_id)
             self.metrics.step_seconds.labels(label).observe(res.step_s)
             self.metrics.collective_wait_seconds.labels(label).observe(res.dispatch_wait_s + res.combine_wait_s)
-            if res.expert_load is not None:
-                load += res.expert_load
+            load += res.expert_load
         self.recent_step_s.append(wall_s)
         self.metrics.step_wall_seconds.observe(wall_s)
         self.failed_epochs = 0

@@ -143,14 +143,16 @@ class ChunkPlan:
 @dataclass(frozen=True)
 class StepPlan:
     """Run one step of `epoch`. `free`: sequences whose KV cache to drop first.
-    `delay_s`: injected slowness (chaos), slept before the first collective."""
+    `delay_s`: injected slowness (chaos), slept before the first collective.
+    `dispatch_rows`: rows per peer of the padded dispatch (same on every rank), 0 = exchange
+    split sizes."""
 
     epoch: int
     step: int
     chunks: list[ChunkPlan]
     free: list[int]
     delay_s: float = 0.0
-    record_load: bool = True
+    dispatch_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ class StepResult:
     compute_s: float
     dispatch_wait_s: float
     combine_wait_s: float
-    expert_load: np.ndarray | None
+    expert_load: np.ndarray
     slot_tokens: int
 
 

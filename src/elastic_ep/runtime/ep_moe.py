@@ -1,6 +1,10 @@
 """Expert parallelism for one MoE layer: route each (token, choice) to one replica of its
 expert, dispatch with all_to_all_single, run the experts of this rank's slots, combine back.
 
+Two dispatch layouts, the same on every rank of a step: exchange split sizes then the rows
+(three collectives per layer), or fixed blocks of `dispatch_rows` rows per peer (two), used
+when the controller sees that every rank runs few tokens (decode).
+
 Replica choice is deterministic: a replica on this rank if there is one (no network), else
 replica `token_index % replica_count`, which spreads a hot expert's tokens over its replicas.
 Every rank runs the three collectives of every layer even with zero tokens, which is what
@@ -84,8 +88,11 @@ class ExpertParallelMoE:
             index_of_rank[r] = i
         self.index_of_rank = index_of_rank
         self.counters = StepCounters()
+        self.dispatch_rows = 0
 
-    def start_step(self) -> None:
+    def start_step(self, dispatch_rows: int = 0) -> None:
+        """dispatch_rows: rows per peer of the padded dispatch this step, 0 = exchange split sizes."""
+        self.dispatch_rows = dispatch_rows
         self.counters = StepCounters(expert_load=np.zeros((len(self.layer_index), self.num_experts), dtype=np.int64))
 
     def moe_fn(self) -> MoEFn:
@@ -105,33 +112,70 @@ class ExpertParallelMoE:
         slot = route_to_slots(topk_ids, self.log2phy[li], self.logcnt[li], s, group.rank_id)
         dest = self.index_of_rank[slot // s]
         order = torch.argsort(dest, stable=True)
-        send_counts = torch.bincount(dest, minlength=group.size)
         rows = hidden.repeat_interleave(k, dim=0)[order]
         payload = torch.cat([rows.float(), (slot[order] % s).float()[:, None]], dim=1)
 
         self.progress.enter("dispatch", layer)
         t0 = time.perf_counter()
-        recv_counts = torch.empty_like(send_counts)
-        group.all_to_all(recv_counts, send_counts)
-        in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
-        received = torch.empty(sum(out_splits), hidden_size + 1)
-        group.all_to_all(received, payload, out_splits, in_splits)
+        if self.dispatch_rows:
+            received, back_to_rows = self._dispatch_padded(payload, dest[order])
+        else:
+            received, back_to_rows = self._dispatch_counted(payload, dest)
         self.counters.dispatch_wait_s += time.perf_counter() - t0
         self.progress.enter("compute", layer)
 
         w13, w2 = self.slots.layer(li)
-        computed = grouped_expert_forward(
-            received[:, :hidden_size].to(hidden.dtype), received[:, hidden_size].long(), w13, w2
-        )
-        self.counters.slot_tokens += received.shape[0]
+        slot_ids = received[:, hidden_size].long()
+        valid = slot_ids >= 0
+        computed = torch.zeros(received.shape[0], hidden_size, dtype=hidden.dtype)
+        computed[valid] = grouped_expert_forward(received[valid, :hidden_size].to(hidden.dtype), slot_ids[valid], w13, w2)
+        self.counters.slot_tokens += int(valid.sum())
 
         self.progress.enter("combine", layer)
         t0 = time.perf_counter()
-        back = torch.empty(len(rows), hidden_size, dtype=computed.dtype)
-        group.all_to_all(back, computed, in_splits, out_splits)
+        back = back_to_rows(computed)
         self.counters.combine_wait_s += time.perf_counter() - t0
         self.progress.enter("compute", layer)
 
         expert_out = torch.empty_like(back)
         expert_out[order] = back
         return combine_weighted(expert_out, topk_weights)
+
+    def _dispatch_counted(self, payload: torch.Tensor, dest: torch.Tensor):
+        """Exchange split sizes, then the rows. payload: [N, H+1] sorted by destination."""
+        group = self.group
+        send_counts = torch.bincount(dest, minlength=group.size)
+        recv_counts = torch.empty_like(send_counts)
+        group.all_to_all(recv_counts, send_counts)
+        in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
+        received = torch.empty(sum(out_splits), payload.shape[1])
+        group.all_to_all(received, payload, out_splits, in_splits)
+
+        def back_to_rows(computed: torch.Tensor) -> torch.Tensor:
+            back = torch.empty(payload.shape[0], computed.shape[1], dtype=computed.dtype)
+            group.all_to_all(back, computed, in_splits, out_splits)
+            return back
+
+        return received, back_to_rows
+
+    def _dispatch_padded(self, payload: torch.Tensor, dest_sorted: torch.Tensor):
+        """One exchange of fixed-size blocks: `dispatch_rows` rows per peer, which the
+        controller sized from the busiest rank's tokens, so no split sizes are exchanged
+        (DP token padding, seed 000 section 3). Padding rows carry slot -1."""
+        group, cap = self.group, self.dispatch_rows
+        counts = torch.bincount(dest_sorted, minlength=group.size)
+        assert int(counts.max()) <= cap, f"{int(counts.max())} rows for one peer exceed {cap}"
+        position = torch.arange(len(dest_sorted)) - (torch.cumsum(counts, 0) - counts)[dest_sorted]
+        index = dest_sorted * cap + position
+        block = torch.zeros(group.size * cap, payload.shape[1])
+        block[:, -1] = -1
+        block[index] = payload
+        received = torch.empty_like(block)
+        group.all_to_all(received, block)
+
+        def back_to_rows(computed: torch.Tensor) -> torch.Tensor:
+            back = torch.empty_like(computed)
+            group.all_to_all(back, computed)
+            return back[index]
+
+        return received, back_to_rows

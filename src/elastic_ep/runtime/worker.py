@@ -193,7 +193,7 @@ class Worker:
                     self.kv.allocate(c.seq_id)
             if plan.delay_s > 0:
                 time.sleep(plan.delay_s)
-            moe.start_step()
+            moe.start_step(plan.dispatch_rows)
             chunks = [SeqChunk(c.seq_id, c.token_ids, c.start_pos) for c in plan.chunks]
             logits = self.model.forward(chunks, self.kv, moe.moe_fn())
             sampled = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
@@ -227,7 +227,7 @@ class Worker:
                 step_s - c.dispatch_wait_s - c.combine_wait_s,
                 c.dispatch_wait_s,
                 c.combine_wait_s,
-                c.expert_load if plan.record_load else None,
+                c.expert_load,
                 c.slot_tokens,
             )
         )
