@@ -73,8 +73,11 @@ def recovery_events(cluster: dict, since_epoch: int) -> list[dict]:
     return [e for e in cluster["events"] if e["kind"] == "recovered" and e.get("epoch", -1) > since_epoch]
 
 
-def check_recovered(server, before: dict, texts: list[str], culprits: set[int], cause: str,
+def check_recovered(server, before: dict, texts: list[str], culprits: set[int], cause: str | tuple[str, ...],
                     expected: tuple[str, ...] | None = None) -> dict:
+    """Outputs equal the fault-free run; a newer epoch names `culprits`, each fault event with
+    `cause` (or one of several) in its message."""
+    causes = (cause,) if isinstance(cause, str) else cause
     assert texts == list(expected or reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
     cluster = server.wait_for(lambda c: recovery_events(c, before["epoch"]), timeout_s=10, what="a recovery")
     assert cluster["epoch"] > before["epoch"]
@@ -82,7 +85,7 @@ def check_recovered(server, before: dict, texts: list[str], culprits: set[int], 
     assert culprits <= named
     faults = [e for e in cluster["events"] if e["kind"] == "fault" and e["rank_id"] in culprits
               and e["time_s"] > before["events"][-1]["time_s"]]
-    assert faults and all(cause in e["message"] for e in faults), faults
+    assert faults and all(any(c in e["message"] for c in causes) for e in faults), faults
     return cluster
 
 
@@ -103,7 +106,8 @@ def test_hung_rank_is_named_fenced_and_replaced(server):
     before = full_group(server)
     pid = server.pids()[2]
     texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGSTOP))
-    check_recovered(server, before, texts, {2}, "heartbeat")
+    # Heartbeat loss and the watchdog have the same 1 s bound; either may name it first.
+    check_recovered(server, before, texts, {2}, ("heartbeat", "hung"))
 
 
 def test_rank_zero_lost_via_chaos_endpoint_with_seeded_sampling(server):
