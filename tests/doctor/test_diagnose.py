@@ -155,6 +155,9 @@ def test_too_few_ranks_is_critical_and_names_the_ranks_out_of_service():
     assert [f.kind for f in findings] == ["not-ready"]
     assert named(findings, "not-ready") == [1, 2, 3]
     assert "1 serving x 4 slots < 16 experts" in findings[0].suspicion
+    assert "restart by themselves after --restart-delay-s 5.0" in findings[0].action
+    c["deadlines"]["restart_delay_s"] = -1.0
+    assert "not restarted" in diagnose_membership(c, now_s=c["events"][-1]["time_s"])[0].action
 
 
 def test_recent_faults_and_failed_recoveries_are_reported_old_ones_not():

@@ -294,13 +294,16 @@ def diagnose_membership(cluster: dict[str, Any], now_s: float, th: Thresholds = 
         experts = placement.get("num_experts")
         too_few = experts is not None and len(live) * slots < experts
         reason = cluster.get("reason", "")
+        restart_s = (cluster.get("deadlines") or {}).get("restart_delay_s")
+        restart = ("dead ranks are not restarted (--restart-delay-s is negative)" if restart_s is not None
+                   and restart_s < 0 else f"dead ranks restart by themselves after --restart-delay-s {restart_s}")
         findings.append(Finding(
             "not-ready", "critical", f"GET /ready is false: {reason}",
             (f"too few ranks: {len(live)} serving x {slots} slots < {experts} experts, so some expert has no "
              "replica" if too_few or "too few" in reason else "the cluster is starting or re-forming"),
-            "GET /ready and the events below; states of the ranks named here",
-            ("ranks restart by themselves after --restart-delay-s; if they do not, start one with `elastic-ep "
-             "agent --controller ADDR` on a healthy node, or serve with more ranks / --redundant-experts"
+            "GET /ready, the events in GET /cluster, and the states of the ranks named here",
+            (f"{restart}; else start one with `elastic-ep agent --controller ADDR` on a healthy node, or serve "
+             "with more ranks / --redundant-experts"
              if too_few or "too few" in reason else "wait for the epoch to form; if it does not, see the events"),
             rank_refs(cluster, _ids(not_serving)),
             {"reason": reason, "serving": _ids(live), "slots_per_rank": slots, "num_experts": experts},
