@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
 import httpx
 
-from elastic_ep.doctor.diagnose import Thresholds, describe, diagnose
+from elastic_ep.doctor.diagnose import ProcessInfo, Thresholds, describe, diagnose
 from elastic_ep.doctor.findings import Finding, render
 from elastic_ep.doctor.metrics import RankWindow, Samples, parse_metrics, rank_windows
 from elastic_ep.doctor.stacks import PY_SPY_MISSING, LocalProcesses, py_spy_dump, py_spy_path, worker_process
@@ -74,41 +75,60 @@ class Server:
         return parse_metrics(self._get("/metrics").text)
 
 
+@dataclass
+class Diagnosis:
+    """One diagnosis: the later /cluster snapshot, the findings, per-rank /metrics windows and
+    the state of the rank processes on this machine."""
+
+    cluster: dict[str, Any]
+    findings: list[Finding]
+    windows: dict[int, RankWindow]
+    processes: dict[int, ProcessInfo]
+
+
 def _ms(d: dict | None, key: str) -> str:
     return f"{d[key]:.1f}" if d and d.get(key) is not None else "-"
 
 
-def rank_table(cluster: dict[str, Any], windows: dict[int, RankWindow]) -> str:
-    """One line per rank, slowest own time first (the slow node radar)."""
+def _process(info: ProcessInfo | None) -> str:
+    if info is None:
+        return "-"
+    return info.status if info.cpu_percent is None else f"{info.status} {info.cpu_percent:.0f}%"
+
+
+def rank_table(d: Diagnosis) -> str:
+    """One line per rank, highest own time first (the slow node radar); `process`: state and
+    CPU use over the interval, for ranks on this machine."""
     def own(r):
-        w = windows.get(r["rank_id"])
+        w = d.windows.get(r["rank_id"])
         return w.own_ms if w else -1.0
 
     lines = [f"{'rank':>4} {'node':<8} {'pid':>7} {'state':<9} {'step p50/p99/max ms':>21} "
-             f"{'wait p50/p99':>13} {'own ms':>7} {'req':>4}  progress"]
-    for r in sorted(cluster["ranks"], key=lambda r: -own(r)):
-        w = windows.get(r["rank_id"])
+             f"{'wait p50/p99':>13} {'own ms':>7} {'req':>4} {'process':<13} progress"]
+    for r in sorted(d.cluster["ranks"], key=lambda r: -own(r)):
+        w = d.windows.get(r["rank_id"])
         step, wait = r.get("step_ms"), r.get("wait_ms")
         lines.append(
             f"{r['rank_id']:>4} {r.get('node', '?'):<8} {r.get('pid') or '-':>7} {r.get('state', '?'):<9} "
             f"{_ms(step, 'p50') + '/' + _ms(step, 'p99') + '/' + _ms(step, 'max'):>21} "
             f"{_ms(wait, 'p50') + '/' + _ms(wait, 'p99'):>13} {f'{w.own_ms:.1f}' if w else '-':>7} "
-            f"{r.get('requests', 0):>4}  {describe(r['progress']) if r.get('progress') else '-'}"
+            f"{r.get('requests', 0):>4} {_process(d.processes.get(r['rank_id'])):<13} "
+            f"{describe(r['progress']) if r.get('progress') else '-'}"
         )
     return "\n".join(lines)
 
 
-def diagnose_once(server: Server, args: argparse.Namespace) -> tuple[dict[str, Any], list[Finding], dict]:
-    """Sample twice, --interval-s apart; returns the later /cluster, the findings, windows."""
+def diagnose_once(server: Server, args: argparse.Namespace) -> Diagnosis:
+    """Sample /cluster and /metrics twice, --interval-s apart, and diagnose."""
     before, samples_before = server.cluster(), server.metrics()
     local = LocalProcesses(before, urlparse(server.url).hostname in LOCAL_HOSTS)
     local.start()
     time.sleep(args.interval_s)
     after, samples_after = server.cluster(), server.metrics()
+    processes = local.read()
     th = Thresholds(straggler_ratio=args.straggler_ratio)
-    findings = diagnose(before, after, args.interval_s, time.time(), samples_before, samples_after,
-                        local.read(), th)
-    return after, findings, rank_windows(samples_before, samples_after)
+    findings = diagnose(before, after, args.interval_s, time.time(), samples_before, samples_after, processes, th)
+    return Diagnosis(after, findings, rank_windows(samples_before, samples_after), processes)
 
 
 def _stacks(cluster: dict[str, Any], findings: list[Finding]) -> dict[int, str]:
@@ -124,29 +144,31 @@ def _stacks(cluster: dict[str, Any], findings: list[Finding]) -> dict[int, str]:
 
 
 def report(server: Server, args: argparse.Namespace) -> int:
-    cluster, findings, windows = diagnose_once(server, args)
+    d = diagnose_once(server, args)
+    cluster = d.cluster
     stacks: dict[int, str] | None = None
     if args.py_spy and py_spy_path() is not None:
-        stacks = _stacks(cluster, findings)
+        stacks = _stacks(cluster, d.findings)
     if args.json:
         print(json.dumps({
             "url": server.url, "epoch": cluster.get("epoch"), "step": cluster.get("step"),
-            "ready": cluster.get("ready"), "findings": [f.to_json() for f in findings],
+            "ready": cluster.get("ready"), "findings": [f.to_json() for f in d.findings],
             "windows": {r: {"steps": w.steps, "step_ms": w.step_ms, "wait_ms": w.wait_ms, "own_ms": w.own_ms}
-                        for r, w in windows.items()},
+                        for r, w in d.windows.items()},
+            "processes": {r: vars(p) for r, p in d.processes.items()},
             "stacks": stacks, "py_spy": None if not args.py_spy or stacks is not None else PY_SPY_MISSING,
         }), flush=True)
     else:
         print(f"elastic-ep doctor: {server.url} epoch {cluster.get('epoch')} step {cluster.get('step')}, "
               f"{len(cluster.get('members', []))} members, ready {cluster.get('ready')}")
-        print("\n\n".join(render(f) for f in findings) if findings else "no findings: every rank steps in time")
-        print("\n" + rank_table(cluster, windows))
+        print("\n\n".join(render(f) for f in d.findings) if d.findings else "no findings: every rank steps in time")
+        print("\n" + rank_table(d))
         if args.py_spy and stacks is None:
             print("\n" + PY_SPY_MISSING)
         for rank_id, text in (stacks or {}).items():
             print(f"\n--- py-spy dump of rank {rank_id} ---\n{text}")
         print(flush=True)
-    return 1 if any(f.severity == "critical" for f in findings) else 0
+    return 1 if any(f.severity == "critical" for f in d.findings) else 0
 
 
 def run(args: argparse.Namespace) -> int:
