@@ -84,6 +84,17 @@ def test_ranks_stopped_mid_all_to_all_leave_victims_at_different_counts_and_the_
     assert named(diagnose_hang(before, after, 1.0, {1: ProcessInfo("stopped")}), "hang") == [1]
 
 
+def test_rank_alone_behind_all_others_is_named_though_it_reports_being_in_a_collective():
+    # seen live: the stopped rank's last heartbeat said #729; the others wait in #733 and #734
+    before, after = snapshot("hang"), snapshot("hang2")
+    places = {0: (734, "combine"), 1: (729, "dispatch"), 2: (733, "dispatch"), 3: (734, "combine")}
+    for c in (before, after):
+        for r, (seq, phase) in places.items():
+            rank(c, r)["progress"].update(seq=seq, phase=phase, step=123, layer=1)
+    findings = diagnose_hang(before, after, 1.0)
+    assert named(findings, "hang") == [1] and "it stopped inside it" in findings[0].suspicion
+
+
 def test_rank_one_collective_ahead_is_a_different_execution_path():
     before, after = snapshot("hang"), snapshot("hang2")
     for c in (before, after):

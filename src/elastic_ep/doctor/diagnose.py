@@ -66,8 +66,12 @@ def _place(p: dict[str, Any]) -> tuple[Any, Any, Any]:
     return p.get("step"), p.get("layer"), p.get("phase")
 
 
+def where(p: dict[str, Any]) -> str:
+    return f"step {p.get('step')} layer {p.get('layer')} {p.get('phase')}"
+
+
 def describe(p: dict[str, Any]) -> str:
-    return f"step {p.get('step')} layer {p.get('layer')} {p.get('phase')} (collective #{p.get('seq')})"
+    return f"{where(p)} (collective #{p.get('seq')})"
 
 
 def _ids(ranks: list[dict[str, Any]]) -> list[int]:
@@ -75,13 +79,13 @@ def _ids(ranks: list[dict[str, Any]]) -> list[int]:
 
 
 def _waiting_summary(ranks: list[dict[str, Any]], seqs: dict[int, int]) -> str:
-    """'ranks [0, 3] wait in collective #812 at step 136 layer 1 combine; [2] in #811 at ...'."""
+    """'ranks [0, 3] wait in collective #812 at step 136 layer 1 combine; ranks [2] wait in ...'."""
     groups: dict[int, list[dict[str, Any]]] = {}
     for r in ranks:
         if _progress(r).get("phase") in COLLECTIVE_PHASES:
             groups.setdefault(seqs[r["rank_id"]], []).append(r)
     return "; ".join(
-        f"ranks {_ids(group)} wait in collective #{seq} at {describe(_progress(group[0]))}"
+        f"ranks {_ids(group)} wait in collective #{seq} at {where(_progress(group[0]))}"
         for seq, group in sorted(groups.items(), reverse=True)
     )
 
@@ -95,10 +99,11 @@ def diagnose_hang(
 
     The rank named, strongest evidence first: a member whose process is stopped or gone (when
     the doctor runs on its machine); a member outside any collective while the others wait (it
-    has not entered the one they wait in); a lone rank one collective ahead of all others, or at
-    the same count but another layer or phase (a different execution path); else the ranks
-    furthest behind. A peer stopped in the middle of an all-to-all lets some ranks finish that
-    collective and not others, so waiting ranks at different counts are victims, not culprits.
+    has not entered the one they wait in); one rank alone behind all others; a lone rank ahead
+    of all others, or at the same count but another layer or phase (a different execution
+    path); all ranks, when all sit in one collective; else the ranks furthest behind. A peer
+    stopped in the middle of an all-to-all lets some ranks finish that collective and not
+    others, so waiting ranks at different counts are victims, not culprits.
     """
     ranks = members(after)
     epoch = after.get("epoch", -1)
@@ -143,31 +148,35 @@ def diagnose_hang(
     if len(counts) == 1:
         places = Counter(_place(_progress(r)) for r in ranks)
         odd = [r["rank_id"] for r in ranks if _place(_progress(r)) != places.most_common(1)[0][0]]
-    if len(odd) == 1 and len(ranks) > 2 and seqs[odd[0]] >= common_seq:
+    lone_odd = len(odd) == 1 and len(ranks) > 2 and seqs[odd[0]] >= common_seq
+    low = min(seqs.values())
+    behind = [r for r, s in seqs.items() if s == low]
+    if len(counts) > 1 and (len(behind) == 1 or not lone_odd):
+        return [Finding(
+            "hang", "critical", symptom,
+            f"rank(s) {behind} are furthest behind, at {', '.join(at[r] for r in behind)}; the others passed "
+            "that collective, so " + ("it stopped inside it" if len(behind) == 1 else "one of these stopped "
+                                      "inside it or runs a different path")
+            + " (its last report may be one heartbeat old; run the doctor on its node to see the process state)",
+            check, action, rank_refs(after, behind), evidence,
+        )]
+    if lone_odd:
         return [Finding(
             "path", "critical", symptom,
             f"different execution path: rank {odd[0]} is at {at[odd[0]]} while every other rank is at collective "
             f"#{common_seq}; it ran one collective more, or another one, than the others (seed 001: a rank did "
-            "an extra collective)",
+            f"an extra collective); or, one collective ahead, it got its rows from a rank at #{common_seq} that "
+            "stopped in the middle of the all-to-all (process states on the ranks' node tell)",
             "compare ranks[].progress in GET /cluster; py-spy dump of this pid against a waiting rank's",
             "fence the odd rank (kill -9 its pid) so the group re-forms; keep the step's inputs: every rank must "
             "run every MoE layer's collectives, even with no tokens, and a rank that does not is a bug",
             rank_refs(after, odd), evidence,
         )]
-    if len(counts) == 1:
-        return [Finding(
-            "hang", "critical", symptom,
-            f"every rank entered collective #{common_seq} and none left it: a cut data-plane link, or a rank "
-            "stopped inside it (run the doctor on the ranks' node to see process states)",
-            check, action, rank_refs(after, _ids(ranks)), evidence,
-        )]
-    low = min(seqs.values())
-    behind = [r for r, s in seqs.items() if s == low]
     return [Finding(
         "hang", "critical", symptom,
-        f"rank(s) {behind} are furthest behind, at collective #{low}; the others passed it, so one of these "
-        "stopped inside it or runs a different path (run the doctor on their node to see process states)",
-        check, action, rank_refs(after, behind), evidence,
+        f"every rank entered collective #{common_seq} and none left it: a cut data-plane link, or a rank "
+        "stopped inside it (run the doctor on the ranks' node to see process states)",
+        check, action, rank_refs(after, _ids(ranks)), evidence,
     )]
 
 
