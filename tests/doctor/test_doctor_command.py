@@ -9,6 +9,8 @@ import http.server
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -113,6 +115,19 @@ def test_stopped_rank_is_named_as_the_one_the_others_wait_for(server, capsys):
         dump = out.split("--- py-spy dump of rank 1 ---")[1]
         assert "worker.py" in dump.split("--- py-spy dump")[0]
     assert server.cluster()["epoch"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_watch_diagnoses_again_until_interrupted(server):
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "doctor", server.url, "--json",
+                             "--watch", "0.2", "--interval-s", "0.2"], stdout=subprocess.PIPE, text=True)
+    try:
+        reports = [json.loads(proc.stdout.readline()) for _ in range(2)]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=20)
+    assert proc.returncode == 130
+    assert [r["url"] for r in reports] == [server.url] * 2 and all(r["ready"] for r in reports)
 
 
 def test_unreachable_url_is_a_clear_error(capsys):
