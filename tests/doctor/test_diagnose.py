@@ -46,6 +46,15 @@ def rank(cluster: dict, rank_id: int) -> dict:
     return next(r for r in cluster["ranks"] if r["rank_id"] == rank_id)
 
 
+def frozen(**progress: dict) -> tuple[dict, dict]:
+    """The hang snapshots with each rank's progress (rank "r<id>") set the same in both."""
+    before, after = snapshot("hang"), snapshot("hang2")
+    for c in (before, after):
+        for key, fields in progress.items():
+            rank(c, int(key[1:]))["progress"].update(fields)
+    return before, after
+
+
 def test_stopped_rank_is_named_as_the_one_the_others_wait_for():
     findings = diagnose_hang(snapshot("hang"), snapshot("hang2"), 1.0)
     assert [f.kind for f in findings] == ["hang"]
@@ -70,52 +79,42 @@ def test_a_running_cluster_is_not_a_hang():
 def test_ranks_stopped_mid_all_to_all_leave_victims_at_different_counts_and_the_culprit_is_named():
     # seen live: rank 1 stopped while sending its dispatch, so rank 2 still waits in #811 and
     # ranks 0 and 3, which got their rows, wait in #812
-    before, after = snapshot("hang"), snapshot("hang2")
-    places = {0: (812, "combine"), 1: (810, "compute"), 2: (811, "dispatch"), 3: (812, "combine")}
-    for c in (before, after):
-        for r, (seq, phase) in places.items():
-            rank(c, r)["progress"].update(seq=seq, phase=phase, step=136, layer=1)
+    at = {"step": 136, "layer": 1}
+    before, after = frozen(r0={**at, "seq": 812, "phase": "combine"}, r1={**at, "seq": 810, "phase": "compute"},
+                           r2={**at, "seq": 811, "phase": "dispatch"}, r3={**at, "seq": 812, "phase": "combine"})
     assert named(diagnose_hang(before, after, 1.0), "hang") == [1]
     # its last heartbeat may already say it entered #811: remotely both ranks at #811 are suspects,
     # on its machine the stopped process settles it
-    for c in (before, after):
-        rank(c, 1)["progress"].update(seq=811, phase="dispatch")
+    before, after = frozen(r0={**at, "seq": 812, "phase": "combine"}, r1={**at, "seq": 811, "phase": "dispatch"},
+                           r2={**at, "seq": 811, "phase": "dispatch"}, r3={**at, "seq": 812, "phase": "combine"})
     assert named(diagnose_hang(before, after, 1.0), "hang") == [1, 2]
     assert named(diagnose_hang(before, after, 1.0, {1: ProcessInfo("stopped")}), "hang") == [1]
 
 
 def test_rank_alone_behind_all_others_is_named_though_it_reports_being_in_a_collective():
     # seen live: the stopped rank's last heartbeat said #729; the others wait in #733 and #734
-    before, after = snapshot("hang"), snapshot("hang2")
-    places = {0: (734, "combine"), 1: (729, "dispatch"), 2: (733, "dispatch"), 3: (734, "combine")}
-    for c in (before, after):
-        for r, (seq, phase) in places.items():
-            rank(c, r)["progress"].update(seq=seq, phase=phase, step=123, layer=1)
+    at = {"step": 123, "layer": 1}
+    before, after = frozen(r0={**at, "seq": 734, "phase": "combine"}, r1={**at, "seq": 729, "phase": "dispatch"},
+                           r2={**at, "seq": 733, "phase": "dispatch"}, r3={**at, "seq": 734, "phase": "combine"})
     findings = diagnose_hang(before, after, 1.0)
     assert named(findings, "hang") == [1] and "it stopped inside it" in findings[0].suspicion
 
 
 def test_rank_one_collective_ahead_is_a_different_execution_path():
-    before, after = snapshot("hang"), snapshot("hang2")
-    for c in (before, after):
-        rank(c, 1)["progress"].update(seq=1010, step=169, layer=1, phase="combine")
+    before, after = frozen(r1={"seq": 1010, "step": 169, "layer": 1, "phase": "combine"})
     findings = diagnose_hang(before, after, 1.0)
     assert named(findings, "path") == [1] and named(findings, "hang") == []
     assert "different execution path" in findings[0].suspicion
 
 
 def test_rank_at_the_same_count_but_another_layer_is_a_different_execution_path():
-    before, after = snapshot("hang"), snapshot("hang2")
-    for c in (before, after):
-        rank(c, 3)["progress"].update(layer=2, phase="combine")
-        rank(c, 1)["progress"].update(seq=1009, step=169, layer=1, phase="dispatch")
+    before, after = frozen(r3={"layer": 2, "phase": "combine"},
+                           r1={"seq": 1009, "step": 169, "layer": 1, "phase": "dispatch"})
     assert named(diagnose_hang(before, after, 1.0), "path") == [3]
 
 
 def test_when_all_wait_in_one_collective_the_stopped_process_is_named():
-    before, after = snapshot("hang"), snapshot("hang2")
-    for c in (before, after):
-        rank(c, 1)["progress"].update(seq=1009, step=169, layer=1, phase="dispatch")
+    before, after = frozen(r1={"seq": 1009, "step": 169, "layer": 1, "phase": "dispatch"})
     findings = diagnose_hang(before, after, 1.0, {1: ProcessInfo("stopped"), 0: ProcessInfo("sleeping")})
     assert named(findings, "hang") == [1]
     assert named(diagnose_processes(after, {1: ProcessInfo("stopped")}), "process") == [1]
