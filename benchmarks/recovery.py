@@ -11,7 +11,8 @@ server, start it again, until the first token of a new request. Breakdown per re
 the /cluster event: detect (fault event time - signal time), fence, placement, transfers by
 source, group rebuild, recompute (the first step of the new epoch). Steady-state cost: mean
 decode step wall time (controller side) with heartbeats and watchdog on, over the same with
---no-health-checks, runs interleaved (`--cost-pairs`). Medians over the repeats.
+--no-health-checks, runs interleaved (`--cost-pairs`), and the work detection adds per step
+timed part by part. Medians over the repeats.
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ import statistics
 import tempfile
 import threading
 import time
+import timeit
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.health import adaptive_deadline_s, hung_ranks, lost_heartbeats
+from elastic_ep.control.messages import Heartbeat, Progress, decode, encode
 from elastic_ep.control.server_process import ServerProcess
+from elastic_ep.runtime.group import ProgressBoard
 
 EP_SIZE = 4
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "1 2 3 4 5",
@@ -142,6 +148,30 @@ def mean_step_s(server: ServerProcess, streams: int, max_tokens: int) -> float:
     return (s1 - s0) / (c1 - c0)
 
 
+def detection_work_s(step_s: float, ranks: int = EP_SIZE, moe_layers: int = 3) -> float:
+    """The CPU work detection adds to one step of `step_s`, from its parts timed alone: the
+    controller's checks (every health_check_period_s) and heartbeat handling (one per rank every
+    heartbeat_interval_s), and a worker's progress updates (5 per MoE layer)."""
+    cfg = ServeConfig(model_dir="", model_name="", ep_size=ranks)
+    now = time.monotonic()
+    progress = {r: Progress(0, 5, 2, "dispatch", 40, time.time()) for r in range(ranks)}
+    seen = {r: now for r in range(ranks)}
+    recent = [step_s] * 32
+
+    def check() -> None:
+        lost_heartbeats(seen, now, cfg.heartbeat_timeout_s)
+        hung_ranks(progress, 0, {40: now}, now, adaptive_deadline_s(recent, cfg.watchdog_multiple, cfg.watchdog_floor_s))
+
+    frame = encode(Heartbeat(1, 101, progress[1]))
+    board = ProgressBoard()
+    n = 20000
+    check_s = timeit.timeit(check, number=n) / n
+    beat_s = timeit.timeit(lambda: decode(frame), number=n) / n
+    enter_s = timeit.timeit(lambda: board.enter("dispatch", 1), number=n) / n
+    return (check_s * step_s / cfg.health_check_period_s + beat_s * ranks * step_s / cfg.heartbeat_interval_s
+            + enter_s * 5 * moe_layers)
+
+
 def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -185,6 +215,7 @@ def main() -> None:
         "restart_over_kill_pause": restart_s / kill_pause, "steady_state_cost": cost,
         "steady_state_cost_quartiles": [spread[0], spread[2]],
         "step_s_with_health": statistics.median(on), "step_s_without": statistics.median(off),
+        "detection_work_share_of_step": detection_work_s(statistics.median(on)) / statistics.median(on),
         "kill_breakdown": {k: median(kills, k) for k in
                            ("detect_s", "fence_s", "placement_s", "rebuild_s", "transfer_s", "recompute_s", "total_s")},
         "hang_breakdown": {k: median(hangs, k) for k in
