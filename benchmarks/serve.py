@@ -7,7 +7,8 @@ Per EP size: one `elastic-ep serve` process, a warm-up, then `concurrency` strea
 completions with ignore_eos. Output tokens/s = completion tokens / wall time; time per output
 token = gaps between a stream's chunks (p50, p99 over all streams). Shares come from /metrics
 deltas over the run: controller round trip = sum(step wall at the controller - slowest rank's
-step) / sum(step wall); all-to-all = sum(collective wait) / sum(rank step time).
+step) / sum(step wall); all-to-all = sum(collective wait) / sum(rank step time). Last, EP 4 decode
+with the padded dispatch against split sizes exchanged every layer, interleaved.
 """
 
 from __future__ import annotations
@@ -88,18 +89,44 @@ def measure(model: str, ep_size: int, concurrency: int, max_tokens: int, log_dir
     return {"ep_size": ep_size, **result}
 
 
+def padded_vs_counted(model: str, concurrency: int, max_tokens: int, repeats: int, log_dir: Path) -> dict:
+    """Median TPOT p50 at EP 4 with the padded decode dispatch and with split sizes exchanged
+    every layer: two servers alive at once, runs interleaved so both see the same noise."""
+    servers = {
+        pad: ServerProcess(["--model", model, "--ep-size", "4", "--max-num-seqs", str(concurrency),
+                            "--padded-dispatch-max-tokens", str(pad)], log_dir / f"serve-pad{pad}.log")
+        for pad in (16, 0)
+    }
+    tpot: dict[int, list[float]] = {16: [], 0: []}
+    try:
+        for server in servers.values():
+            stream_load(server, concurrency, 8)
+        for _ in range(repeats):
+            for pad, server in servers.items():
+                tpot[pad].append(stream_load(server, concurrency, max_tokens)["tpot_p50_ms"])
+    finally:
+        for server in servers.values():
+            server.stop()
+    return {"padded_tpot_p50_ms": float(np.median(tpot[16])), "counted_tpot_p50_ms": float(np.median(tpot[0]))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-deepseek-v3")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ep-sizes", default="1,2,4")
+    parser.add_argument("--padding-repeats", type=int, default=4,
+                        help="interleaved runs of the padded vs split-size dispatch comparison (0: skip)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as log_dir:
         for ep_size in (int(x) for x in args.ep_sizes.split(",")):
             rows.append(measure(args.model, ep_size, args.concurrency, args.max_tokens, Path(log_dir)))
             print(json.dumps(rows[-1]), flush=True)
+        if args.padding_repeats:
+            print(json.dumps(padded_vs_counted(args.model, args.concurrency, args.max_tokens, args.padding_repeats,
+                                               Path(log_dir))), flush=True)
     print("\n| EP | output tok/s | TPOT p50 ms | TPOT p99 ms | controller round trip | all-to-all |")
     print("|---|---|---|---|---|---|")
     for r in rows:
