@@ -27,7 +27,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -50,13 +50,13 @@ from .backup import backup_shares
 from .config import ServeConfig
 from .epoch_plan import held_placement, split_by_rank
 from .health import adaptive_deadline_s, hung_ranks, lost_heartbeats
+from .membership import AgentState, RankState
 from .messages import (
     AgentHello,
     AgentShutdown,
     AgentWelcome,
     BackupAssign,
     BackupReady,
-    BackupSite,
     EpochFailed,
     EpochReady,
     EpochStart,
@@ -82,30 +82,6 @@ from .scheduler import Scheduler, Sequence, StepBatch
 
 
 @dataclass
-class RankState:
-    rank_id: int
-    node: str
-    pid: int | None = None
-    state: str = "starting"
-    last_heartbeat: float = 0.0
-    progress: Progress = field(default_factory=Progress)
-    step_s: deque = field(default_factory=lambda: deque(maxlen=256))
-    wait_s: deque = field(default_factory=lambda: deque(maxlen=256))
-    slot_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
-    hello: WorkerHello | None = None
-
-
-@dataclass
-class AgentState:
-    node: str
-    identity: bytes
-    fetch_addr: str
-    num_ranks: int
-    backup: BackupSite | None = None
-    backup_experts: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass
 class _Stream:
     request_id: str
     loop: asyncio.AbstractEventLoop
@@ -120,14 +96,6 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _percentiles_ms(values) -> dict[str, float] | None:
-    if not values:
-        return None
-    a = np.asarray(values, dtype=np.float64) * 1000
-    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
-            "max": round(float(a.max()), 3)}
 
 
 class Controller:
@@ -848,19 +816,11 @@ class Controller:
         if throttle_s and now - self._published_at < throttle_s:
             return
         self._published_at = now
-        ranks = []
-        for r in sorted(self.ranks.values(), key=lambda r: r.rank_id):
-            experts = (self.location.experts_of_rank(r.rank_id).tolist()
-                       if self.location is not None and r.rank_id < self.location.num_ranks else [])
-            used = sum(1 for layer in experts for e in layer if e >= 0)
-            ranks.append({
-                "rank_id": r.rank_id, "node": r.node, "pid": r.pid, "state": r.state,
-                "slots": {"used": used, "total": self.slots_per_rank * self.num_moe_layers, "experts": experts},
-                "requests": self.scheduler.num_requests(r.rank_id),
-                "step_ms": _percentiles_ms(r.step_s), "wait_ms": _percentiles_ms(r.wait_s),
-                "progress": vars(r.progress) if r.progress else None,
-                "slow_delay_s": self.delay_s.get(r.rank_id, 0.0),
-            })
+        ranks = [
+            r.view(self.location, self.slots_per_rank * self.num_moe_layers,
+                   self.scheduler.num_requests(r.rank_id), self.delay_s.get(r.rank_id, 0.0))
+            for r in sorted(self.ranks.values(), key=lambda r: r.rank_id)
+        ]
         self._snapshot = {
             "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),
             "controller": self.health_addr,
