@@ -14,13 +14,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the controller's agent address, tcp://HOST:PORT, as `elastic-ep serve` prints it")
     parser.add_argument("--node", required=True, help="this node's name (failure domain), unique per agent")
     parser.add_argument("--ranks", type=int, default=1, help="EP ranks this node offers (default 1)")
+    parser.add_argument("--stop-grace-s", type=float, default=3.0,
+                        help="on shutdown, SIGKILL workers still alive this long after SIGTERM (default 3)")
     parser.add_argument("--advertise-host", default="127.0.0.1",
                         help="address other nodes reach this agent's expert backup at (default 127.0.0.1)")
 
 
 def run(args: argparse.Namespace) -> int:
     controller = args.controller if args.controller.startswith("tcp://") else f"tcp://{args.controller}"
-    agent = NodeAgent(controller, args.node, args.advertise_host, args.ranks)
+    agent = NodeAgent(controller, args.node, args.advertise_host, args.ranks, args.stop_grace_s)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

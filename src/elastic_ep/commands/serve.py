@@ -41,6 +41,7 @@ HELP = {
     "drain_timeout_s": "wait for the other ranks to leave a failed step",
     "epoch_timeout_s": "wait for a new epoch to form and move its experts",
     "collective_timeout_s": "torch.distributed timeout, a last resort behind the watchdog",
+    "backup_fetch_timeout_s": "wait for another node's agent to send experts from its backup",
     "admission_timeout_s": "a request waits this long for a ready cluster before a 503",
     "degraded_timeout_s": "requests in flight wait this long for too few ranks to recover, then end with an error",
     "startup_timeout_s": "wait for every rank to register at start",

@@ -34,6 +34,7 @@ class ServeConfig:
     drain_timeout_s: float = 5.0
     epoch_timeout_s: float = 30.0
     collective_timeout_s: float = 60.0
+    backup_fetch_timeout_s: float = 10.0
     admission_timeout_s: float = 30.0
     degraded_timeout_s: float = 120.0
     startup_timeout_s: float = 120.0

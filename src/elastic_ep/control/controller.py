@@ -721,7 +721,7 @@ class Controller:
         for rank_id in live:
             self._send_step(rank_id, EpochStart(
                 self.epoch, live, np.asarray(new.phy2log), s, sources[rank_id], sends[rank_id], backups,
-                self.cfg.collective_timeout_s,
+                self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s,
             ))
         deadline = time.monotonic() + self.cfg.epoch_timeout_s
         while len(self._epoch_replies) < len(live):

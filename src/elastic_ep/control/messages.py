@@ -93,6 +93,7 @@ class EpochStart:
     sends: list[tuple[int, int, int]]
     backups: dict[str, BackupSite]
     collective_timeout_s: float
+    backup_fetch_timeout_s: float
 
 
 @dataclass(frozen=True)

@@ -75,13 +75,14 @@ class ExpertSlots:
         reader: CheckpointReader,
         backups: dict[str, BackupSite],
         node: str,
-        fetch_timeout_s: float = 10.0,
+        fetch_timeout_s: float,
     ) -> list[TransferStat]:
         """Fill every slot for the new epoch.
 
         new_experts: [L, S] the logical expert each slot must hold afterwards.
         sources: where each changed slot comes from; sends: (dst_rank_id, layer, src_slot)
         this rank sends, in the order the receiver lists its peer sources.
+        fetch_timeout_s: how long another node's agent may take to answer a backup fetch.
         Returns bytes and seconds per source kind.
         """
         # Sources refer to the old contents: copy out every slot read before any is overwritten.

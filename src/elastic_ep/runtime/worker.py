@@ -158,6 +158,7 @@ class Worker:
                 self.reader,
                 msg.backups,
                 args.node,
+                msg.backup_fetch_timeout_s,
             )
             transfer_s = time.perf_counter() - t0
             t0 = time.perf_counter()
