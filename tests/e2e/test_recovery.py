@@ -242,10 +242,13 @@ def test_two_nodes_keep_each_others_backup_and_survive_a_kill(tmp_path):
         cluster = check_recovered(server, before, texts, {0}, "exited")
         moved = recovery_events(cluster, before["epoch"])[0]["transfers"]
         assert moved["backup"]["bytes"] + moved.get("backup_remote", {"bytes": 0})["bytes"] > 0
+        server.stop()
+        assert agent.wait(20) == 0  # the controller's shutdown stops the other node's agent too
     finally:
         server.stop()
-        agent.send_signal(signal.SIGTERM)
-        assert agent.wait(20) == 0
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
 
 
 def test_streams_end_with_the_reason_when_too_few_ranks_stay_too_few(server_factory):
