@@ -18,6 +18,9 @@ from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
 
+# SGLang's flag name, kept as an alias.
+ALIASES = {"elastic_ep_scale_timeout_s": ["--elastic-ep-scale-timeout"]}
+
 HELP = {
     "redundant_experts": "extra expert slots in all; (experts + K) must divide by --ep-size",
     "backend": "data plane: gloo (CPU) or nccl (GPU)",
@@ -46,6 +49,11 @@ HELP = {
     "degraded_timeout_s": "requests in flight wait this long for too few ranks to recover, then end with an error",
     "startup_timeout_s": "wait for every rank to register at start",
     "restart_delay_s": "restart a dead rank after this delay (negative: never)",
+    "max_ep_size": "most ranks POST /scale_elastic_ep may scale to (0: twice --ep-size)",
+    "elastic_ep_scale_timeout_s": "a scale not serving at its new size after this long fails (alias "
+                                  "--elastic-ep-scale-timeout)",
+    "scale_drain_timeout_s": "on scale-down, requests of the leaving ranks finish there for this long, "
+                             "then move to the others",
     "health_checks": "heartbeat and watchdog detection (off only to measure their cost)",
     "health_check_period_s": "how often the controller runs the heartbeat and watchdog checks",
 }
@@ -68,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=f"{HELP[f.name]} (default {'on' if f.default else 'off'})")
         else:
             kwargs = {"choices": ["gloo", "nccl"]} if f.name == "backend" else {}
-            parser.add_argument(flag, type=type(f.default), default=f.default,
+            parser.add_argument(flag, *ALIASES.get(f.name, []), type=type(f.default), default=f.default,
                                 help=f"{HELP[f.name]} (default {f.default})", **kwargs)
 
 

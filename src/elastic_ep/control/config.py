@@ -39,8 +39,16 @@ class ServeConfig:
     degraded_timeout_s: float = 120.0
     startup_timeout_s: float = 120.0
     restart_delay_s: float = 5.0
+    max_ep_size: int = 0
+    elastic_ep_scale_timeout_s: float = 600.0
+    scale_drain_timeout_s: float = 5.0
     health_checks: bool = True
     health_check_period_s: float = 0.02
+
+    @property
+    def max_ranks(self) -> int:
+        """--max-ep-size, 0 meaning twice --ep-size."""
+        return self.max_ep_size or 2 * self.ep_size
 
     def deadlines(self) -> dict[str, float]:
         return {

@@ -48,7 +48,7 @@ from elastic_ep.placement.transfer import plan_transfers
 from .api import EngineInfo, GenerationRequest, Readiness, RequestOutput, ScaleRejected, ServiceUnavailable
 from .backup import backup_shares
 from .config import ServeConfig
-from .epoch_plan import held_placement, split_by_rank
+from .epoch_plan import held_placement, split_by_rank, trimmed
 from .health import adaptive_deadline_s, hung_ranks, lost_heartbeats
 from .membership import AgentState, RankState
 from .messages import (
@@ -78,6 +78,15 @@ from .messages import (
 )
 from .metrics import ClusterMetrics
 from .recorder import ExpertRecorder
+from .scaling import (
+    ScaleOp,
+    agent_for_new_rank,
+    check_target,
+    new_rank_ids,
+    ranks_to_retire,
+    scale_limits,
+    status_view,
+)
 from .scheduler import Scheduler, Sequence, StepBatch
 
 
@@ -123,6 +132,8 @@ class Controller:
                 f"{self.config.max_position_embeddings}; lower it"
             )
         self.slots_per_rank = total_slots // cfg.ep_size
+        if cfg.max_ranks < cfg.ep_size:
+            raise ElasticEPError(f"--max-ep-size {cfg.max_ep_size} is below --ep-size {cfg.ep_size}; raise it")
         self.num_moe_layers = len(self.config.moe_layers)
         self.info = EngineInfo(cfg.model_name, cfg.max_model_len, tuple(self.config.eos_token_ids))
         self.metrics = ClusterMetrics(registry or CollectorRegistry())
@@ -148,6 +159,8 @@ class Controller:
         self.recorder = ExpertRecorder(self.num_moe_layers, self.config.num_experts, self.config.moe_layers)
         self.streams: dict[int, _Stream] = {}
         self.pending_recovery_record: dict[str, Any] | None = None
+        self.scale_op: ScaleOp | None = None
+        self._scale_lock = threading.Lock()
         self._ready = Readiness(False, "starting: waiting for ranks to register")
         self._snapshot: dict[str, Any] = {}
         self._ids = itertools.count()
@@ -297,6 +310,10 @@ class Controller:
             self._welcome(self.agents[msg.node])
         elif isinstance(msg, WorkerStarted):
             r = self.ranks.setdefault(msg.rank_id, RankState(msg.rank_id, msg.node))
+            if r.state == "retiring":  # its scale failed before it started
+                r.pid = msg.pid
+                self._stop_rank(msg.rank_id)
+                return
             r.node, r.pid, r.state, r.last_heartbeat = msg.node, msg.pid, "starting", now
             r.progress, r.hello = Progress(), None
             self._event("started", f"rank {msg.rank_id} started on {msg.node} (pid {msg.pid})", msg.rank_id)
@@ -304,12 +321,18 @@ class Controller:
             r = self.ranks.get(msg.rank_id)
             if r is None or r.pid != msg.pid:
                 return
-            self._fault(msg.rank_id, f"process exited with code {msg.returncode}")
+            if r.state != "retiring":
+                self._fault(msg.rank_id, f"process exited with code {msg.returncode}")
+            if r.state == "retiring":  # also when the fault above failed a scale it was joining
+                self._forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped (exit code {msg.returncode})")
+                return
             r.state = "dead"
             self.fencing.pop(msg.rank_id, None)
         elif isinstance(msg, WorkerFenced):
             r = self.ranks.get(msg.rank_id)
-            if r is not None and r.pid == msg.pid and r.state == "fencing":
+            if r is not None and r.pid == msg.pid and r.state == "retiring":
+                self._forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped")
+            elif r is not None and r.pid == msg.pid and r.state == "fencing":
                 r.state = "fenced"
                 self.fencing.pop(msg.rank_id, None)
         elif isinstance(msg, BackupReady):
@@ -340,7 +363,11 @@ class Controller:
         if rank_id in self.faults:
             return
         r = self.ranks[rank_id]
-        if r.state in ("dead", "fenced"):
+        if r.state in ("dead", "fenced", "retiring"):
+            return
+        op = self.scale_op
+        if op is not None and op.active and rank_id in op.new_ranks and rank_id not in self.members:
+            self._fail_scale(f"joining rank {rank_id} failed: {cause}")
             return
         self.faults[rank_id] = cause
         if self.fault_detected_at is None:
@@ -458,6 +485,8 @@ class Controller:
         self._pump(0.0)
         if self.faults or self.trouble:
             return
+        if self.scale_op is not None and self.scale_op.active and self._advance_scale():
+            return
         joiners = self._joiners()
         if joiners and self._can_serve(sorted(self.members + joiners)):
             self._change_epoch(sorted(self.members + joiners), "rejoin", self._load_estimate())
@@ -478,7 +507,7 @@ class Controller:
         return sorted(
             r.rank_id for r in self.ranks.values()
             if r.hello is not None and r.state == "starting" and r.rank_id not in self.members
-            and r.rank_id not in self.faults
+            and r.rank_id not in self.faults and not self._scale_joiner(r.rank_id)
         )
 
     def _can_serve(self, ranks: list[int]) -> bool:
@@ -606,8 +635,15 @@ class Controller:
             self.scheduler.evict_rank(r)
             self.metrics.forget_rank(r)
             self.delay_s.pop(r, None)
-            if self.cfg.restart_delay_s >= 0:
+            if self._scale_joiner(r):
+                self._fail_scale(f"joining rank {r} failed: {culprits[r]}")
+            if self._leaves_with_scale(r):
+                self._forget_rank(r, f"rank {r} left with its scale")
+            elif self.cfg.restart_delay_s >= 0:
                 self.restart_at[r] = time.monotonic() + self.cfg.restart_delay_s
+        for r in [r for r in live if self._leaves_with_scale(r) and self.ranks[r].state != "draining"]:
+            live.remove(r)
+            self._stop_rank(r)
         cause = "; ".join(f"rank {r}: {c}" for r, c in sorted(culprits.items())) or (
             "error without a dead rank: " + "; ".join(failures[:4])
         )
@@ -629,10 +665,11 @@ class Controller:
         }
         self._event("fencing", f"fenced {sorted(culprits)}: {cause}", sorted(culprits)[0] if culprits else None)
         live = sorted(set(live) | set(self._joiners()))
-        if not self._can_serve(live):
-            self._degrade(live)
+        holding = [r for r in live if not self._leaves_with_scale(r)]
+        if not self._can_serve(holding):
+            self._degrade(holding)
             return
-        self._change_epoch(live, "recovery", self._load_estimate())
+        self._change_epoch(live, "recovery", self._load_estimate(), holding=holding)
 
     def _degrade(self, live: list[int], reason: str = "") -> None:
         need = -(-self.config.num_experts // self.slots_per_rank)
@@ -693,15 +730,17 @@ class Controller:
         return out
 
     def _change_epoch(self, live: list[int], reason: str, load: np.ndarray,
-                      new: ExpertLocation | None = None) -> None:
+                      new: ExpertLocation | None = None, holding: list[int] | None = None) -> None:
         """Form a new epoch over `live` with a placement for `load`, move the experts, verify.
-        Raises RecoveryNeeded when a fault interrupts it."""
+        `holding`: the members that hold experts and get requests (default all); the others only
+        send what they hold (scale-down). Raises RecoveryNeeded when a fault interrupts it."""
         t0 = time.monotonic()
         rank_nodes = self._rank_nodes()
+        holding = list(live) if holding is None else holding
         num_ranks = max(self.cfg.ep_size, max(live) + 1)
         if new is None:
             try:
-                new = fault_aware_placement(load, live, rank_nodes, None, self.slots_per_rank, num_ranks,
+                new = fault_aware_placement(load, holding, rank_nodes, None, self.slots_per_rank, num_ranks,
                                             current=self.location)
             except PlacementError as e:
                 self._degrade(live, f"no placement over ranks {live}: {e}")
@@ -709,7 +748,7 @@ class Controller:
         placement_s = time.monotonic() - t0
         s = self.slots_per_rank
         old = held_placement(self.location, self.num_moe_layers, self.config.num_experts, s, num_ranks,
-                             [r for r in live if self.ranks[r].state == "serving"], self.suspect_slots)
+                             [r for r in live if self.ranks[r].state in ("serving", "draining")], self.suspect_slots)
         plan = plan_transfers(old, new, live, rank_nodes, self._backup_map(), self.reader.expert_nbytes)
         sources, sends = split_by_rank(plan, s)
         backups = {a.node: a.backup for a in self.agents.values() if a.backup is not None}
@@ -749,8 +788,8 @@ class Controller:
         self.location = new
         self.suspect_slots.clear()
         for r in live:
-            self.ranks[r].state = "serving"
-        self.scheduler.set_ranks(live)
+            self.ranks[r].state = "serving" if r in holding else "draining"
+        self.scheduler.set_ranks(holding)
         self.metrics.epoch.set(self.epoch)
         self.metrics.live_ranks.set(len(live))
         by_source: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0, "seconds": 0.0})
@@ -808,6 +847,130 @@ class Controller:
             return
         self.metrics.eplb_rebalances.inc()
         self._change_epoch(self.members, f"eplb: imbalance {before:.2f} -> {after:.2f}", load, new=new)
+
+    # ---- scaling -----------------------------------------------------------------------
+
+    def _scale_joiner(self, rank_id: int) -> bool:
+        op = self.scale_op
+        return op is not None and op.active and rank_id in op.new_ranks
+
+    def _leaves_with_scale(self, rank_id: int) -> bool:
+        """Chosen to leave by a scale-down, or started by a scale-up that failed."""
+        op = self.scale_op
+        return op is not None and (rank_id in op.retiring or (op.phase == "failed" and rank_id in op.new_ranks))
+
+    def _intended_ranks(self) -> list[int]:
+        """Ranks meant to serve: members plus ranks starting or waiting to be restarted."""
+        return sorted(r.rank_id for r in self.ranks.values() if r.state != "retiring")
+
+    def _stop_rank(self, rank_id: int) -> None:
+        """Stop a rank that leaves the cluster; its exit report removes it from /cluster."""
+        r = self.ranks[rank_id]
+        r.state = "retiring"
+        self.scheduler.draining.discard(rank_id)
+        if r.hello is not None:
+            self._send_step(rank_id, Shutdown())
+        elif r.pid is not None:
+            self._send_agent(r.node, FenceWorker(rank_id, r.pid, "its scale ended"))
+
+    def _forget_rank(self, rank_id: int, message: str) -> None:
+        self.ranks.pop(rank_id, None)
+        self.restart_at.pop(rank_id, None)
+        self.delay_s.pop(rank_id, None)
+        self.fencing.pop(rank_id, None)
+        self.scheduler.draining.discard(rank_id)
+        self.metrics.forget_rank(rank_id)
+        self._event("retired", message, rank_id)
+
+    def _fail_scale(self, error: str) -> None:
+        op = self.scale_op
+        assert op is not None
+        op.finish("failed", error)
+        self._event("scale-failed", f"scale {op.old_ep_size} -> {op.new_ep_size} failed: {error}")
+        for r in op.new_ranks:
+            if r in self.ranks and r not in self.members and self.ranks[r].state != "retiring":
+                self._stop_rank(r)
+        self.scheduler.draining -= set(op.retiring)
+        for r in op.retiring:
+            if r in self.ranks and self.ranks[r].state == "draining":
+                self.ranks[r].state = "serving"
+        op.retiring = []
+        self._publish()
+
+    def _advance_scale(self) -> bool:
+        """Move the scale on at a step boundary; True when it changed the epoch."""
+        op = self.scale_op
+        assert op is not None
+        if time.monotonic() - op.started_at > self.cfg.elastic_ep_scale_timeout_s:
+            self._fail_scale(f"not serving at {op.new_ep_size} ranks within --elastic-ep-scale-timeout "
+                             f"{self.cfg.elastic_ep_scale_timeout_s:.0f}s; check the new ranks' logs")
+            return False
+        if op.phase == "pending":
+            self._begin_scale(op)
+            return False
+        return self._advance_scale_up(op) if op.up else self._advance_scale_down(op)
+
+    def _begin_scale(self, op: ScaleOp) -> None:
+        intended = self._intended_ranks()
+        if op.up:
+            rank_nodes = self._rank_nodes()
+            op.new_ranks = new_rank_ids(self.ranks, max(op.new_ep_size - len(intended), 0))
+            for rank_id in op.new_ranks:
+                node = agent_for_new_rank(self.agents, rank_nodes)
+                rank_nodes[rank_id] = node
+                self.ranks[rank_id] = RankState(rank_id, node)
+                self._send_agent(node, StartWorker(rank_id, "initial"))
+            op.phase = "joining"
+            self._event("scale", f"scale-up {op.old_ep_size} -> {op.new_ep_size}: starting ranks {op.new_ranks}")
+        else:
+            op.retiring = ranks_to_retire(intended, len(intended) - op.new_ep_size)
+            for rank_id in op.retiring:
+                if rank_id not in self.members:  # down and waiting for a restart: nothing to drain
+                    self._forget_rank(rank_id, f"rank {rank_id} retired while down")
+            op.retiring = [r for r in op.retiring if r in self.members]
+            for rank_id in op.retiring:
+                self.ranks[rank_id].state = "draining"
+            self.scheduler.draining |= set(op.retiring)
+            op.drain_deadline = time.monotonic() + self.cfg.scale_drain_timeout_s
+            op.phase = "draining"
+            self._event("scale", f"scale-down {op.old_ep_size} -> {op.new_ep_size}: draining ranks {op.retiring}")
+        self._publish()
+
+    def _advance_scale_up(self, op: ScaleOp) -> bool:
+        registered = [r for r in op.new_ranks if self.ranks[r].hello is not None]
+        if len(registered) < len(op.new_ranks):
+            op.phase = "waiting_for_cohort" if registered else "joining"
+            return False
+        op.phase = "configuring_data_plane"
+        self._publish()
+        live = sorted(set(self.members) | set(op.new_ranks) | set(self._joiners()))
+        self._change_epoch(live, f"scale-up to {len(live)} ranks", self._load_estimate())
+        if all(self.ranks[r].state == "serving" for r in op.new_ranks):
+            op.phase = "syncing_new_world"
+            op.finish("serving_expanded")
+            self._event("scale", f"serving at {len(self.members)} ranks {op.finished_s:.2f}s after the request")
+            self._publish()
+        return True
+
+    def _advance_scale_down(self, op: ScaleOp) -> bool:
+        busy = [r for r in op.retiring if self.scheduler.num_requests(r)]
+        if op.phase == "draining" and busy and time.monotonic() < op.drain_deadline:
+            return False
+        op.phase = "retiring"
+        self._publish()
+        keep = [r for r in self.members if r not in op.retiring]
+        load = self._load_estimate()
+        if op.retiring:
+            # The leaving ranks stay in this epoch only to send the experts no one else holds.
+            self._change_epoch(list(self.members), f"scale-down: moving experts off ranks {op.retiring}", load,
+                               holding=keep)
+            self._change_epoch(keep, f"scale-down to {len(keep)} ranks", load, new=trimmed(self.location, max(self.cfg.ep_size, max(keep) + 1)))
+        for r in op.retiring:
+            self._stop_rank(r)
+        op.finish("serving_shrunk")
+        self._event("scale", f"serving at {len(self.members)} ranks {op.finished_s:.2f}s after the request")
+        self._publish()
+        return True
 
     # ---- snapshot for HTTP -------------------------------------------------------------
 
@@ -874,10 +1037,18 @@ class Controller:
         return self.recorder.dump(self.cfg.record_dir)
 
     def scale(self, new_ep_size: int) -> dict[str, Any]:
-        raise ScaleRejected("online scaling is not built yet (see docs/FEATURES.md)", 400)
+        with self._scale_lock:
+            old = len(self.members)
+            limits = scale_limits(self.config.num_experts, self.slots_per_rank, self.cfg.max_ranks)
+            check_target(new_ep_size, old, limits, self.scale_op)
+            if self.fatal:
+                raise ScaleRejected(f"the cluster stopped: {self.fatal}", 409)
+            self.scale_op = ScaleOp(old, new_ep_size)
+        self._wake()
+        return {"old_ep_size": old, "new_ep_size": new_ep_size}
 
     def scale_status(self) -> dict[str, Any]:
-        return {"is_scaling": False, "state": "serving", "ep_size": len(self.members)}
+        return status_view(self.scale_op, len(self.members))
 
     def chaos(self, action: str, rank_id: int, delay_s: float = 0.0) -> dict[str, Any]:
         if not self.cfg.enable_chaos:

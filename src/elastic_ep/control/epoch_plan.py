@@ -56,3 +56,14 @@ def split_by_rank(
         if t.source == "peer":
             sends[t.src_rank].append((t.dst_rank, t.layer, src_slot))
     return sources, sends
+
+
+def trimmed(location: ExpertLocation | None, num_ranks: int) -> ExpertLocation | None:
+    """`location` cut down to `num_ranks` ranks once the ranks above have been emptied
+    (scale-down), so a later epoch does not carry ranks that no longer exist."""
+    if location is None:
+        return None
+    if num_ranks >= location.num_ranks or (location.by_rank()[:, num_ranks:] >= 0).any():
+        return location
+    phy2log = location.phy2log[:, : num_ranks * location.slots_per_rank]
+    return ExpertLocation.from_phy2log(phy2log, location.slots_per_rank, location.num_experts)

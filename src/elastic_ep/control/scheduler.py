@@ -75,6 +75,8 @@ class Scheduler:
         self.running: dict[int, list[Sequence]] = {}
         self.to_free: dict[int, list[int]] = {}
         self.by_id: dict[int, Sequence] = {}
+        # ranks leaving on scale-down: they finish what they run but take nothing new
+        self.draining: set[int] = set()
 
     def set_ranks(self, ranks: list[int]) -> None:
         """Serve on `ranks` from now on; sequences of ranks no longer listed go back to the
@@ -126,7 +128,7 @@ class Scheduler:
         for rank, seqs in self.running.items():
             for seq in seqs:
                 used[rank] += self._plan(seq, chunks[rank], budget - used[rank])
-        room = sum(max(self.max_num_seqs - len(seqs), 0) for seqs in self.running.values())
+        room = sum(max(self.max_num_seqs - len(seqs), 0) for r, seqs in self.running.items() if r not in self.draining)
         admitted = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         # Longest first onto the least loaded rank: the classic greedy for even sums.
         for seq in sorted(admitted, key=lambda q: -q.pending):
@@ -141,7 +143,8 @@ class Scheduler:
 
     def _least_loaded(self, used: dict[int, int]) -> int | None:
         """The rank with room for one more sequence and the least work ahead."""
-        candidates = [r for r, seqs in self.running.items() if len(seqs) < self.max_num_seqs]
+        candidates = [r for r, seqs in self.running.items()
+                      if len(seqs) < self.max_num_seqs and r not in self.draining]
         if not candidates:
             return None
 

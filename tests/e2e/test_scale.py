@@ -1,0 +1,152 @@
+"""Online scaling end to end: one real server for the module, streaming requests running the
+whole time (a load loop), scales and `kill -9`s in between. No request fails, every output
+equals the fault-free run, /is_scaling_elastic_ep walks through its phases.
+
+Order matters: the tests run in file order on the same server (4 ranks at the start).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from .conftest import PROMPTS, reference
+
+MAX_TOKENS = 24
+MODEL = "tiny-deepseek-v3"
+# 16 experts + 16 redundant over 4 ranks: 8 slots per rank, so 2 ranks hold every expert.
+SERVE_ARGS = ("--model", MODEL, "--ep-size", "4", "--redundant-experts", "16", "--max-ep-size", "6",
+              "--restart-delay-s", "0.5", "--scale-drain-timeout-s", "1.0")
+
+
+class Load:
+    """Streams PROMPTS from `threads` clients in a loop until stopped; every finished output
+    is compared with the fault-free run."""
+
+    def __init__(self, server, threads: int = 3):
+        self.server, self.stop_flag = server, threading.Event()
+        self.done, self.failures = 0, []
+        self.expected = dict(zip(PROMPTS, reference(MODEL, tuple(PROMPTS), MAX_TOKENS), strict=True))
+        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(threads)]
+
+    def _loop(self, i: int) -> None:
+        k = i
+        while not self.stop_flag.is_set():
+            prompt = PROMPTS[k % len(PROMPTS)]
+            k += 1
+            try:
+                text, _ = self.server.stream(prompt, MAX_TOKENS, temperature=0)
+            except Exception as e:  # any failure is what the test counts
+                self.failures.append(f"{prompt!r}: {type(e).__name__}: {e}")
+                continue
+            if text != self.expected[prompt]:
+                self.failures.append(f"{prompt!r}: {text!r} != {self.expected[prompt]!r}")
+            self.done += 1
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(120)
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory(*SERVE_ARGS)
+
+
+def scale(server, n: int) -> dict:
+    reply = server.http.post("/scale_elastic_ep", json={"new_ep_size": n})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def wait_scaled(server, n: int, phase: str, timeout_s: float = 90.0) -> dict:
+    """Wait for the scale to end in `phase` with `n` ranks serving; returns the status."""
+    deadline = time.monotonic() + timeout_s
+    phases = []
+    while time.monotonic() < deadline:
+        status = server.http.get("/is_scaling_elastic_ep").json()
+        phases.append(status["scale_phase"])
+        if not status["is_scaling_elastic_ep"]:
+            assert status["scale_phase"] == phase, status
+            server.wait_full_group(n)
+            status["seen"] = set(phases)
+            return status
+        time.sleep(0.05)
+    raise TimeoutError(f"scale to {n} not done in {timeout_s}s: {phases[-5:]}")
+
+
+def kill_rank(server, rank_id: int, n: int) -> None:
+    """kill -9 a rank, wait until it is back and the group has `n` ranks again."""
+    before = server.cluster()["epoch"]
+    os.kill(server.pids()[rank_id], signal.SIGKILL)
+    server.wait_for(lambda c: c["epoch"] > before and c["ready"], what="a recovery")
+    server.wait_full_group(n)
+
+
+def test_invalid_and_concurrent_scale_requests_are_400_and_409(server):
+    for body, needle in [({"new_ep_size": 1}, "2..6"), ({"new_ep_size": 7}, "--max-ep-size 6"),
+                         ({"new_ep_size": 4}, "already has 4"), ({"new_ep_size": 0}, ">= 1"),
+                         ({"size": 5}, "new_ep_size")]:
+        reply = server.http.post("/scale_elastic_ep", json=body)
+        assert reply.status_code == 400 and needle in reply.text, (body, reply.text)
+    assert scale(server, 5) == {"old_ep_size": 4, "new_ep_size": 5}
+    busy = server.http.post("/scale_elastic_ep", json={"new_ep_size": 6})
+    assert busy.status_code == 409 and "in flight" in busy.text
+    wait_scaled(server, 5, "serving_expanded")
+    assert scale(server, 4) == {"old_ep_size": 5, "new_ep_size": 4}
+    wait_scaled(server, 4, "serving_shrunk")
+
+
+def test_4_6_3_5_with_a_kill_between_steps_under_load(server):
+    with Load(server) as load:
+        scale(server, 6)
+        up = wait_scaled(server, 6, "serving_expanded")
+        assert {"joining", "configuring_data_plane"} & up["seen"] and up["new_ranks"] == [4, 5]
+        kill_rank(server, 5, 6)
+        scale(server, 3)
+        down = wait_scaled(server, 3, "serving_shrunk")
+        assert down["retiring"] == [3, 4, 5]
+        cluster = server.cluster()
+        assert sorted(r["rank_id"] for r in cluster["ranks"]) == [0, 1, 2]
+        for step in ("draining ranks [3, 4, 5]", "moving experts off ranks [3, 4, 5]", "stopped (exit code 0)"):
+            assert any(step in e["message"] for e in cluster["events"]), step
+        kill_rank(server, 0, 3)
+        scale(server, 5)
+        wait_scaled(server, 5, "serving_expanded")
+        kill_rank(server, 4, 5)
+        done_before_last = load.done
+        while load.done < done_before_last + 3:
+            time.sleep(0.1)
+    assert not load.failures, load.failures[:3]
+
+
+def test_three_recover_cycles_of_the_same_rank_under_load(server):
+    with Load(server, threads=2) as load:
+        for _ in range(3):
+            kill_rank(server, 2, 5)
+    assert not load.failures, load.failures[:3]
+    recovered = [e for e in server.cluster()["events"] if e["kind"] == "recovered" and 2 in e["culprits"]]
+    assert len(recovered) >= 3
+
+
+def test_a_joiner_killed_mid_join_fails_that_scale_not_the_service(server):
+    with Load(server, threads=2) as load:
+        scale(server, 6)
+        joining = server.wait_for(lambda c: any(r["rank_id"] == 5 and r["pid"] for r in c["ranks"]),
+                                  what="the new rank's process")
+        os.kill(next(r["pid"] for r in joining["ranks"] if r["rank_id"] == 5), signal.SIGKILL)
+        status = wait_scaled(server, 5, "failed")
+        assert "joining rank 5" in status["last_error"] and status["effective_ep_size"] == 5
+        server.wait_for(lambda c: 5 not in {r["rank_id"] for r in c["ranks"]}, what="rank 5 gone")
+    assert not load.failures, load.failures[:3]
+    assert load.done > 0
