@@ -1,4 +1,5 @@
-"""`elastic-ep agent`: a node agent on another host, joining a running controller."""
+"""`elastic-ep agent`: a node agent on another host, joining a running controller; with
+`--join-mode recover` a repaired or replacement node that takes over ranks that are down."""
 
 from __future__ import annotations
 
@@ -16,13 +17,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=1, help="EP ranks this node offers (default 1)")
     parser.add_argument("--stop-grace-s", type=float, default=3.0,
                         help="on shutdown, SIGKILL workers still alive this long after SIGTERM (default 3)")
+    parser.add_argument("--join-mode", choices=["initial", "recover"], default="initial",
+                        help="initial: offer new ranks; recover: take over ranks that are down (a repaired or "
+                             "replacement node); default initial")
+    parser.add_argument("--auto-recover", action="store_true",
+                        help="restart this node's ranks that die here, with backoff, instead of waiting for "
+                             "the controller's --restart-delay-s")
+    parser.add_argument("--restart-backoff-s", type=float, default=1.0,
+                        help="with --auto-recover: wait before the first restart, doubled per death in a row (default 1)")
+    parser.add_argument("--restart-backoff-max-s", type=float, default=30.0,
+                        help="with --auto-recover: longest wait between restarts (default 30)")
     parser.add_argument("--advertise-host", default="127.0.0.1",
                         help="address other nodes reach this agent's expert backup at (default 127.0.0.1)")
 
 
 def run(args: argparse.Namespace) -> int:
     controller = args.controller if args.controller.startswith("tcp://") else f"tcp://{args.controller}"
-    agent = NodeAgent(controller, args.node, args.advertise_host, args.ranks, args.stop_grace_s)
+    agent = NodeAgent(controller, args.node, args.advertise_host, args.ranks, args.stop_grace_s, args.join_mode,
+                      args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

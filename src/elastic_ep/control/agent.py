@@ -3,8 +3,10 @@ the node's share of the expert backup in shared memory.
 
 It reports a worker's exit the moment it happens (one thread blocked in `wait()` per worker),
 kills a rank on the controller's `FenceWorker` and confirms once the process is gone, sends
-signals for fault injection, and answers `BackupFetch` from workers of other nodes on its own
-ROUTER socket. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs one alone.
+signals for fault injection, and answers `BackupFetch` and `DenseFetch` from workers of other
+nodes on its own ROUTER socket. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
+one alone. With `auto_recover` it starts a rank that died again itself (join_mode recover),
+after a backoff that doubles with every death in a row, up to `backoff_max_s`.
 On shutdown it terminates its workers (SIGTERM, then SIGKILL after `stop_grace_s`) and removes
 its backup file.
 """
@@ -16,12 +18,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import psutil
 import zmq
 
 from elastic_ep.model.checkpoint import CheckpointReader
+from elastic_ep.runtime.dense import read_dense
 from elastic_ep.runtime.worker import WorkerArgs
 
 from .backup import read_backup, write_backup
@@ -34,6 +38,8 @@ from .messages import (
     BackupReady,
     BackupSite,
     BackupTensors,
+    DenseFetch,
+    DenseTensors,
     FenceWorker,
     SignalWorker,
     StartWorker,
@@ -49,13 +55,18 @@ from .messages import (
 class _Child:
     rank_id: int
     proc: subprocess.Popen
+    started_at: float
     fencing: bool = False
+    final: bool = False
 
 
 class NodeAgent:
     """controller_addr: the controller's health socket (tcp://host:port); node: this failure
     domain's name; advertise_host: the address other nodes reach this agent's backup at;
-    num_ranks: how many ranks this node offers (the controller assigns their rank_ids)."""
+    num_ranks: how many ranks this node offers (the controller assigns their rank_ids);
+    join_mode: "recover" for a replacement node that takes over ranks that are down;
+    auto_recover: restart dead ranks here, `backoff_s` after the first death, doubling up to
+    `backoff_max_s`; a rank that ran `backoff_reset_s` before dying starts the count again."""
 
     def __init__(
         self,
@@ -64,10 +75,20 @@ class NodeAgent:
         advertise_host: str = "127.0.0.1",
         num_ranks: int = 0,
         stop_grace_s: float = 3.0,
+        join_mode: str = "initial",
+        auto_recover: bool = False,
+        backoff_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+        backoff_reset_s: float = 60.0,
     ):
         self.node = node
         self.stop_grace_s = stop_grace_s
         self.num_ranks = num_ranks
+        self.join_mode = join_mode
+        self.auto_recover = auto_recover
+        self.backoff_s, self.backoff_max_s, self.backoff_reset_s = backoff_s, backoff_max_s, backoff_reset_s
+        self.deaths: dict[int, int] = {}
+        self.restart_at: dict[int, float] = {}
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"a{node}".encode())
@@ -90,7 +111,8 @@ class NodeAgent:
         """Serve until AgentShutdown or `stop` is set; then stop every worker."""
         stop = stop or threading.Event()
         self.sock.send(
-            encode(AgentHello(self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available, self.num_ranks))
+            encode(AgentHello(self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available,
+                              self.num_ranks, self.join_mode, self.auto_recover))
         )
         poller = zmq.Poller()
         for s in (self.sock, self.fetch, self.events):
@@ -104,6 +126,7 @@ class NodeAgent:
                     self._answer_fetch()
                 if self.sock in ready and not self._handle(decode(self.sock.recv())):
                     break
+                self._restart_due()
         finally:
             self.shutdown()
 
@@ -113,7 +136,9 @@ class NodeAgent:
         elif isinstance(msg, BackupAssign):
             threading.Thread(target=self._build_backup, args=(msg.items,), daemon=True).start()
         elif isinstance(msg, StartWorker):
-            self._start(msg.rank_id, msg.join_mode)
+            with self._lock:
+                self.restart_at.pop(msg.rank_id, None)
+            self._start(msg.rank_id, msg.join_mode, msg.dense_site)
         elif isinstance(msg, FenceWorker):
             self._fence(msg)
         elif isinstance(msg, SignalWorker):
@@ -130,13 +155,16 @@ class NodeAgent:
         push.send(encode(message))
         push.close()
 
-    def _start(self, rank_id: int, join_mode: str) -> None:
+    def _start(self, rank_id: int, join_mode: str, dense_site: BackupSite | None = None) -> None:
         assert self.worker_args is not None, "StartWorker before AgentWelcome"
-        args = WorkerArgs(**{**self.worker_args, "rank_id": rank_id, "node": self.node, "join_mode": join_mode})
+        dense = {}
+        if dense_site is not None:
+            dense = {"dense_path": dense_site.path} if dense_site.node == self.node else {"dense_addr": dense_site.fetch_addr}
+        args = WorkerArgs(**{**self.worker_args, "rank_id": rank_id, "node": self.node, "join_mode": join_mode, **dense})
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env)
         with self._lock:
-            self.children[proc.pid] = _Child(rank_id, proc)
+            self.children[proc.pid] = _Child(rank_id, proc, time.monotonic())
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
         self.sock.send(encode(WorkerStarted(self.node, rank_id, proc.pid)))
 
@@ -145,6 +173,12 @@ class NodeAgent:
         returncode = child.proc.wait()
         with self._lock:
             self.children.pop(pid, None)
+            if self.auto_recover and returncode != 0 and not child.final and not self._stopped.is_set():
+                ran_s = time.monotonic() - child.started_at
+                deaths = 0 if ran_s >= self.backoff_reset_s else self.deaths.get(child.rank_id, 0)
+                self.deaths[child.rank_id] = deaths + 1
+                delay_s = min(self.backoff_s * 2**deaths, self.backoff_max_s)
+                self.restart_at[child.rank_id] = time.monotonic() + delay_s
         if child.fencing:
             self._notify(WorkerFenced(self.node, child.rank_id, pid))
         else:
@@ -154,11 +188,22 @@ class NodeAgent:
         with self._lock:
             child = self.children.get(msg.pid)
             if child is not None:
-                child.fencing = True
+                child.fencing, child.final = True, msg.final
         if child is None:
             self.sock.send(encode(WorkerFenced(self.node, msg.rank_id, msg.pid)))
             return
         self._signal(msg.pid, signal.SIGKILL)
+
+    def _restart_due(self) -> None:
+        """Start the ranks whose backoff has run out (auto_recover), dense weights from this node's backup."""
+        now = time.monotonic()
+        with self._lock:
+            due = [r for r, t in self.restart_at.items() if t <= now]
+            for r in due:
+                del self.restart_at[r]
+        site = BackupSite(self.node, self.backup_path, self.fetch_addr) if self.backup_path else None
+        for rank_id in due:
+            self._start(rank_id, "recover", site)
 
     @staticmethod
     def _signal(pid: int, sig: int) -> None:
@@ -170,7 +215,7 @@ class NodeAgent:
     def _build_backup(self, items: list[tuple[int, int]]) -> None:
         assert self.worker_args is not None
         reader = CheckpointReader(self.worker_args["model_dir"])
-        path, nbytes = write_backup(reader, items, self.node)
+        path, nbytes = write_backup(reader, items, self.node, dense=True)
         self.backup_path = path
         if self._stopped.is_set():
             os.unlink(path)
@@ -181,7 +226,14 @@ class NodeAgent:
         sender, _, frame = self.fetch.recv_multipart()
         msg = decode(frame)
         reply = BackupTensors(None, None, "this node holds no expert backup")
-        if isinstance(msg, BackupFetch) and self.backup_path:
+        if isinstance(msg, DenseFetch):
+            reply = DenseTensors({}, "this node holds no dense weights in host memory")
+            if self.backup_path:
+                try:
+                    reply = DenseTensors({k: t.numpy() for k, t in read_dense(self.backup_path).items()})
+                except (OSError, KeyError) as e:
+                    reply = DenseTensors({}, str(e))
+        elif isinstance(msg, BackupFetch) and self.backup_path:
             try:
                 w13, w2 = read_backup(self.backup_path, msg.items)
                 reply = BackupTensors(w13, w2)

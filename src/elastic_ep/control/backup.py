@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.placement.location import ExpertLocation
+from elastic_ep.runtime.dense import DENSE_PREFIX
 from elastic_ep.runtime.experts import backup_key
 
 SHM_DIR = "/dev/shm"
@@ -38,12 +39,16 @@ def backup_shares(location: ExpertLocation, rank_nodes: dict[int, str], nodes: l
 
 
 def write_backup(
-    reader: CheckpointReader, items: list[tuple[int, int]], node: str, directory: str = SHM_DIR
+    reader: CheckpointReader, items: list[tuple[int, int]], node: str, directory: str = SHM_DIR,
+    dense: bool = True,
 ) -> tuple[str, int]:
     """Read `items` (MoE layer index, expert) from the checkpoint into a safetensors file in
-    `directory` (RAM-backed /dev/shm by default); returns (path, bytes)."""
+    `directory` (RAM-backed /dev/shm by default), plus the dense weights when `dense`, for ranks
+    that restart (runtime.dense); returns (path, bytes)."""
     moe_layers = reader.config.moe_layers
     tensors: dict[str, torch.Tensor] = {}
+    if dense:
+        tensors.update({DENSE_PREFIX + name: t.contiguous() for name, t in reader.dense_state().items()})
     by_layer: dict[int, list[int]] = {}
     for layer, expert in items:
         by_layer.setdefault(layer, []).append(expert)

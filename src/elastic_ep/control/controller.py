@@ -57,6 +57,7 @@ from .messages import (
     AgentWelcome,
     BackupAssign,
     BackupReady,
+    BackupSite,
     EpochFailed,
     EpochReady,
     EpochStart,
@@ -306,8 +307,8 @@ class Controller:
                 self.seq_first_seen[msg.progress.seq] = now
             r.progress = msg.progress
         elif isinstance(msg, AgentHello):
-            self.agents[msg.node] = AgentState(msg.node, identity, msg.fetch_addr, msg.num_ranks)
-            self._welcome(self.agents[msg.node])
+            self.agents[msg.node] = AgentState(msg.node, identity, msg.fetch_addr, msg.num_ranks, msg.auto_recover)
+            self._welcome(self.agents[msg.node], msg.join_mode)
         elif isinstance(msg, WorkerStarted):
             r = self.ranks.setdefault(msg.rank_id, RankState(msg.rank_id, msg.node))
             if r.state == "retiring":  # its scale failed before it started
@@ -348,6 +349,9 @@ class Controller:
             if r.pid != msg.pid:
                 return
             r.hello, r.last_heartbeat = msg, time.monotonic()
+            self._event("registered", f"rank {msg.rank_id} registered ({msg.join_mode}); dense weights from "
+                        f"{msg.dense_source} in {msg.load_s:.2f}s", msg.rank_id, dense_source=msg.dense_source,
+                        load_s=msg.load_s)
         elif isinstance(msg, StepResult | StepFailed):
             if msg.epoch == self.epoch and msg.step == self.step:
                 self._step_replies[msg.rank_id] = msg
@@ -393,7 +397,8 @@ class Controller:
         for rank_id, t in list(self.restart_at.items()):
             if now >= t:
                 del self.restart_at[rank_id]
-                self._send_agent(self.ranks[rank_id].node, StartWorker(rank_id, "recover"))
+                node = self.ranks[rank_id].node
+                self._send_agent(node, StartWorker(rank_id, "recover", self._dense_site(node)))
 
     def watchdog_deadline_s(self) -> float:
         return adaptive_deadline_s(self.recent_step_s, self.cfg.watchdog_multiple, self.cfg.watchdog_floor_s)
@@ -423,13 +428,28 @@ class Controller:
 
     # ---- startup -----------------------------------------------------------------------
 
-    def _welcome(self, agent: AgentState) -> None:
+    def _welcome(self, agent: AgentState, join_mode: str = "initial") -> None:
+        """Give a new agent its ranks: free rank ids, or with join_mode recover (a replacement
+        node) ranks that are down, which it starts again in their place."""
         self._send_health(agent.identity, AgentWelcome(self._worker_args()))
+        if join_mode == "recover":
+            down = sorted(r.rank_id for r in self.ranks.values() if r.state in ("dead", "fenced"))
+            for rank_id in down[: agent.num_ranks]:
+                self.restart_at.pop(rank_id, None)
+                self.ranks[rank_id].node = agent.node
+                self._event("replace", f"rank {rank_id} moves to node {agent.node}", rank_id)
+                self._send_health(agent.identity, StartWorker(rank_id, "recover", self._dense_site(agent.node)))
+            return
         taken = set(self.ranks)
         free = [r for r in range(self.cfg.ep_size) if r not in taken]
         for rank_id in free[: agent.num_ranks]:
             self.ranks[rank_id] = RankState(rank_id, agent.node)
             self._send_health(agent.identity, StartWorker(rank_id, "initial"))
+
+    def _dense_site(self, node: str) -> BackupSite | None:
+        """An agent with the dense weights in host memory: the rank's own node first."""
+        sites = [a.backup for a in self.agents.values() if a.backup is not None]
+        return next((s for s in sites if s.node == node), sites[0] if sites else None)
 
     def _wait_for_initial_ranks(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -477,6 +497,7 @@ class Controller:
             "max_num_seqs": self.cfg.max_num_seqs,
             "max_model_len": self.cfg.max_model_len,
             "heartbeat_interval_s": self.cfg.heartbeat_interval_s if self.cfg.health_checks else 0.0,
+            "dense_fetch_timeout_s": self.cfg.backup_fetch_timeout_s,
         }
 
     # ---- the step loop -----------------------------------------------------------------
@@ -637,9 +658,10 @@ class Controller:
             self.delay_s.pop(r, None)
             if self._scale_joiner(r):
                 self._fail_scale(f"joining rank {r} failed: {culprits[r]}")
+            agent = self.agents.get(self.ranks[r].node)
             if self._leaves_with_scale(r):
                 self._forget_rank(r, f"rank {r} left with its scale")
-            elif self.cfg.restart_delay_s >= 0:
+            elif self.cfg.restart_delay_s >= 0 and not (agent is not None and agent.auto_recover):
                 self.restart_at[r] = time.monotonic() + self.cfg.restart_delay_s
         for r in [r for r in live if self._leaves_with_scale(r) and self.ranks[r].state != "draining"]:
             live.remove(r)
@@ -871,7 +893,7 @@ class Controller:
         if r.hello is not None:
             self._send_step(rank_id, Shutdown())
         elif r.pid is not None:
-            self._send_agent(r.node, FenceWorker(rank_id, r.pid, "its scale ended"))
+            self._send_agent(r.node, FenceWorker(rank_id, r.pid, "its scale ended", final=True))
 
     def _forget_rank(self, rank_id: int, message: str) -> None:
         self.ranks.pop(rank_id, None)
@@ -919,7 +941,7 @@ class Controller:
                 node = agent_for_new_rank(self.agents, rank_nodes)
                 rank_nodes[rank_id] = node
                 self.ranks[rank_id] = RankState(rank_id, node)
-                self._send_agent(node, StartWorker(rank_id, "initial"))
+                self._send_agent(node, StartWorker(rank_id, "initial", self._dense_site(node)))
             op.phase = "joining"
             self._event("scale", f"scale-up {op.old_ep_size} -> {op.new_ep_size}: starting ranks {op.new_ranks}")
         else:

@@ -49,6 +49,9 @@ class RankState:
             "requests": requests,
             "step_ms": _percentiles_ms(self.step_s), "wait_ms": _percentiles_ms(self.wait_s),
             "progress": vars(self.progress),
+            # the per-rank gate: requests go to a rank only once it serves in a verified epoch
+            "ready": self.state == "serving",
+            "dense_source": self.hello.dense_source if self.hello is not None else None,
             "slow_delay_s": delay_s,
         }
 
@@ -59,5 +62,6 @@ class AgentState:
     identity: bytes
     fetch_addr: str
     num_ranks: int
+    auto_recover: bool = False
     backup: BackupSite | None = None
     backup_experts: list[tuple[int, int]] = field(default_factory=list)

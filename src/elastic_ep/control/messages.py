@@ -8,7 +8,8 @@ Transport: ZeroMQ. The controller binds two ROUTER sockets:
   `Heartbeat`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
   `WorkerStarted`, `WorkerExited`, `WorkerFenced` and receives `AgentWelcome`, `BackupAssign`,
   `StartWorker`, `FenceWorker`, `SignalWorker`, `AgentShutdown`.
-An agent also binds a ROUTER for `BackupFetch` -> `BackupTensors` from workers of other nodes.
+An agent also binds a ROUTER for `BackupFetch` -> `BackupTensors` and `DenseFetch` ->
+`DenseTensors` from workers of other nodes.
 
 Frames are pickled dataclasses: the control plane is a trusted cluster-internal network (the
 same trust as the TCPStore and the torch.distributed data plane). Every message a worker acts
@@ -44,6 +45,8 @@ class WorkerHello:
     node: str
     pid: int
     join_mode: str  # "initial" | "recover"
+    dense_source: str = "disk"  # "host_memory" | "peer" | "disk" (runtime.dense)
+    load_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,8 @@ class AgentHello:
     fetch_addr: str
     backup_capacity_bytes: int
     num_ranks: int
+    join_mode: str = "initial"  # "recover": a replacement node, it takes over ranks that are down
+    auto_recover: bool = False  # the agent restarts its own dead ranks (the controller does not)
 
 
 @dataclass(frozen=True)
@@ -239,8 +244,11 @@ class BackupAssign:
 
 @dataclass(frozen=True)
 class StartWorker:
+    """Start a rank; `dense_site`: an agent holding the dense weights in host memory (None: disk)."""
+
     rank_id: int
     join_mode: str
+    dense_site: BackupSite | None = None
 
 
 @dataclass(frozen=True)
@@ -260,11 +268,13 @@ class WorkerExited:
 
 @dataclass(frozen=True)
 class FenceWorker:
-    """Kill `pid` (SIGKILL) and answer `WorkerFenced` once it is gone."""
+    """Kill `pid` (SIGKILL) and answer `WorkerFenced` once it is gone. `final`: the rank leaves
+    the cluster (a scale ended), so an agent with --auto-recover does not start it again."""
 
     rank_id: int
     pid: int
     reason: str
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -304,6 +314,19 @@ class BackupFetch:
     """Ask a node's agent for experts of its backup: items are (layer, expert)."""
 
     items: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class DenseFetch:
+    """Ask a node's agent for the dense weights it keeps in host memory."""
+
+
+@dataclass(frozen=True)
+class DenseTensors:
+    """tensors: name -> numpy float32 array; error if the agent holds none."""
+
+    tensors: dict[str, np.ndarray]
+    error: str = ""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.sampling import SamplingParams, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 
+from .dense import load_dense
 from .ep_moe import ExpertParallelMoE
 from .experts import ExpertSlots
 from .group import EpochGroup, EpochSuperseded, ProgressBoard
@@ -68,6 +69,9 @@ class WorkerArgs:
     max_model_len: int
     heartbeat_interval_s: float  # 0: no heartbeats (only to measure their cost)
     join_mode: str = "initial"
+    dense_path: str = ""  # this node's agent file with the dense weights (runtime.dense)
+    dense_addr: str = ""  # another node's agent that has them
+    dense_fetch_timeout_s: float = 10.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -92,7 +96,10 @@ class Worker:
         self.sock.connect(args.step_addr)
         self.config = MoEConfig.from_pretrained(args.model_dir)
         self.reader = CheckpointReader(args.model_dir, self.config)
-        self.model = MoEForCausalLM(self.config, self.reader.dense_state())
+        dense, self.dense_source, self.load_s = load_dense(
+            self.reader, args.dense_path, args.dense_addr, args.dense_fetch_timeout_s
+        )
+        self.model = MoEForCausalLM(self.config, dense)
         self.kv = self.model.new_kv_cache(args.max_num_seqs, args.max_model_len)
         self.slots: ExpertSlots | None = None
         self.group: EpochGroup | None = None
@@ -111,7 +118,8 @@ class Worker:
     def run(self) -> None:
         if self.args.heartbeat_interval_s > 0:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
-        self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode))
+        self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
+                              self.dense_source, round(self.load_s, 4)))
         while True:
             msg = self._pending.pop(0) if self._pending else decode(self.sock.recv())
             if isinstance(msg, Shutdown):

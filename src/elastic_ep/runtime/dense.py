@@ -1,0 +1,62 @@
+"""A joining rank's dense weights (attention, norms, embeddings, shared experts, routers): from
+a live copy in host memory where there is one, else from the checkpoint.
+
+Each node agent keeps the dense weights in its backup file in /dev/shm (read from disk once,
+when the first epoch forms). A rank that restarts (`join_mode` recover, or a scale-up) maps
+that file when its own node has one, asks another node's agent over ZeroMQ (`DenseFetch`)
+otherwise, and falls back to the checkpoint if neither answers: read once, copy many.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import zmq
+from safetensors import safe_open
+
+from elastic_ep.control.messages import DenseFetch, decode, encode
+from elastic_ep.model.checkpoint import CheckpointReader
+
+DENSE_PREFIX = "dense."
+
+
+def read_dense(path: str) -> dict[str, torch.Tensor]:
+    """The dense tensors of a backup file (name -> tensor). Raises KeyError when it has none."""
+    with safe_open(path, framework="pt") as f:
+        state = {k[len(DENSE_PREFIX):]: f.get_tensor(k) for k in f.keys() if k.startswith(DENSE_PREFIX)}
+    if not state:
+        raise KeyError(f"{path} holds no dense weights")
+    return state
+
+
+def fetch_dense(addr: str, timeout_s: float) -> dict[str, torch.Tensor]:
+    """Ask the agent at `addr` for its dense weights. Raises TimeoutError / RuntimeError."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    try:
+        sock.send(encode(DenseFetch()))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"agent at {addr} did not send the dense weights within {timeout_s}s")
+        reply = decode(sock.recv())
+    finally:
+        sock.close()
+    if reply.error:
+        raise RuntimeError(f"dense weights at {addr}: {reply.error}")
+    return {name: torch.from_numpy(np.asarray(a)) for name, a in reply.tensors.items()}
+
+
+def load_dense(reader: CheckpointReader, path: str, addr: str, timeout_s: float) -> tuple[dict, str, float]:
+    """(state, source, seconds): source is "host_memory" (this node's agent file, `path`),
+    "peer" (another node's agent at `addr`) or "disk" (the checkpoint, also when both fail)."""
+    t0 = time.perf_counter()
+    for source, load in (("host_memory", lambda: read_dense(path)), ("peer", lambda: fetch_dense(addr, timeout_s))):
+        if not (path if source == "host_memory" else addr):
+            continue
+        try:
+            return load(), source, time.perf_counter() - t0
+        except (OSError, KeyError, TimeoutError, RuntimeError):
+            continue
+    return reader.dense_state(), "disk", time.perf_counter() - t0
