@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
@@ -73,6 +74,41 @@ def reference(model: str, prompts: tuple[str, ...], max_tokens: int, temperature
 def concurrently(fn, items):
     with ThreadPoolExecutor(max_workers=len(items)) as pool:
         return list(pool.map(fn, items))
+
+
+class Load:
+    """Streams PROMPTS from `threads` clients in a loop until stopped; every finished output
+    is compared with the fault-free run."""
+
+    def __init__(self, server, model: str, threads: int = 3, max_tokens: int = 24):
+        self.server, self.stop_flag, self.max_tokens = server, threading.Event(), max_tokens
+        self.done, self.failures = 0, []
+        self.expected = dict(zip(PROMPTS, reference(model, tuple(PROMPTS), max_tokens), strict=True))
+        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(threads)]
+
+    def _loop(self, i: int) -> None:
+        k = i
+        while not self.stop_flag.is_set():
+            prompt = PROMPTS[k % len(PROMPTS)]
+            k += 1
+            try:
+                text, _ = self.server.stream(prompt, self.max_tokens, temperature=0)
+            except Exception as e:  # any failure is what the test counts
+                self.failures.append(f"{prompt!r}: {type(e).__name__}: {e}")
+                continue
+            if text != self.expected[prompt]:
+                self.failures.append(f"{prompt!r}: {text!r} != {self.expected[prompt]!r}")
+            self.done += 1
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(120)
 
 
 @pytest.fixture(scope="module")

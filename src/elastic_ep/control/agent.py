@@ -30,6 +30,7 @@ from elastic_ep.runtime.worker import WorkerArgs
 
 from .backup import read_backup, write_backup
 from .messages import (
+    AgentBye,
     AgentHello,
     AgentShutdown,
     AgentWelcome,
@@ -259,5 +260,6 @@ class NodeAgent:
                 p.wait()
         if self.backup_path and os.path.exists(self.backup_path):
             os.unlink(self.backup_path)
+        self.sock.send(encode(AgentBye(self.node)))
         for s in (self.sock, self.fetch, self.events):
             s.close()

@@ -52,6 +52,7 @@ from .epoch_plan import held_placement, split_by_rank, trimmed
 from .health import adaptive_deadline_s, hung_ranks, lost_heartbeats
 from .membership import AgentState, RankState
 from .messages import (
+    AgentBye,
     AgentHello,
     AgentShutdown,
     AgentWelcome,
@@ -306,6 +307,8 @@ class Controller:
             if msg.progress.epoch == self.epoch and msg.progress.seq not in self.seq_first_seen:
                 self.seq_first_seen[msg.progress.seq] = now
             r.progress = msg.progress
+        elif isinstance(msg, AgentBye):
+            self._drop_backup(msg.node, "its agent stopped")
         elif isinstance(msg, AgentHello):
             self.agents[msg.node] = AgentState(msg.node, identity, msg.fetch_addr, msg.num_ranks, msg.auto_recover)
             self._welcome(self.agents[msg.node], msg.join_mode)
@@ -362,6 +365,8 @@ class Controller:
         elif isinstance(msg, EpochReady | EpochFailed):
             if msg.epoch == self.epoch:
                 self._epoch_replies[msg.rank_id] = msg
+            if isinstance(msg, EpochFailed) and msg.unreachable_node:
+                self._drop_backup(msg.unreachable_node, "its agent does not answer")
 
     def _fault(self, rank_id: int, cause: str) -> None:
         if rank_id in self.faults:
@@ -445,6 +450,13 @@ class Controller:
         for rank_id in free[: agent.num_ranks]:
             self.ranks[rank_id] = RankState(rank_id, agent.node)
             self._send_health(agent.identity, StartWorker(rank_id, "initial"))
+
+    def _drop_backup(self, node: str, why: str) -> None:
+        """Stop planning transfers from a node's backup (and dense weights from it)."""
+        agent = self.agents.get(node)
+        if agent is not None and agent.backup is not None:
+            agent.backup, agent.backup_experts = None, []
+            self._event("backup-lost", f"node {node}'s backup is gone: {why}", node=node)
 
     def _dense_site(self, node: str) -> BackupSite | None:
         """An agent with the dense weights in host memory: the rank's own node first."""

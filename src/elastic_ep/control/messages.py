@@ -7,7 +7,7 @@ Transport: ZeroMQ. The controller binds two ROUTER sockets:
 - the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
   `Heartbeat`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
   `WorkerStarted`, `WorkerExited`, `WorkerFenced` and receives `AgentWelcome`, `BackupAssign`,
-  `StartWorker`, `FenceWorker`, `SignalWorker`, `AgentShutdown`.
+  `StartWorker`, `FenceWorker`, `SignalWorker`, `AgentShutdown`, and says `AgentBye` when it stops.
 An agent also binds a ROUTER for `BackupFetch` -> `BackupTensors` and `DenseFetch` ->
 `DenseTensors` from workers of other nodes.
 
@@ -124,9 +124,12 @@ class EpochReady:
 
 @dataclass(frozen=True)
 class EpochFailed:
+    """`unreachable_node`: the node whose expert backup did not answer (its agent is gone)."""
+
     epoch: int
     rank_id: int
     error: str
+    unreachable_node: str = ""
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,13 @@ class BackupReady:
 @dataclass(frozen=True)
 class AgentShutdown:
     pass
+
+
+@dataclass(frozen=True)
+class AgentBye:
+    """An agent is stopping: its ranks and its backup go with it."""
+
+    node: str
 
 
 # ---- worker <-> agent of another node ------------------------------------------------------

@@ -177,9 +177,20 @@ class ExpertSlots:
                             stat,
                         )
                 continue
-            w13, w2 = fetch_backup(site.fetch_addr, [(s.layer, s.expert) for s in wanted], timeout_s)
+            try:
+                w13, w2 = fetch_backup(site.fetch_addr, [(s.layer, s.expert) for s in wanted], timeout_s)
+            except TimeoutError as e:
+                raise BackupUnreachable(site_node, str(e)) from e
             for i, src in enumerate(wanted):
                 self._put(src, w13[i], w2[i], stat)
+
+
+class BackupUnreachable(Exception):
+    """Another node's agent did not answer for its expert backup (`node`)."""
+
+    def __init__(self, node: str, message: str):
+        super().__init__(message)
+        self.node = node
 
 
 def fetch_backup(addr: str, items: list[tuple[int, int]], timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:

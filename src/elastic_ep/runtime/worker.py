@@ -49,7 +49,7 @@ from elastic_ep.placement.location import ExpertLocation
 
 from .dense import load_dense
 from .ep_moe import ExpertParallelMoE
-from .experts import ExpertSlots
+from .experts import BackupUnreachable, ExpertSlots
 from .group import EpochGroup, EpochSuperseded, ProgressBoard
 
 
@@ -185,6 +185,9 @@ class Worker:
             self.send(EpochReady(msg.epoch, args.rank_id, checksums, stats, rendezvous_s, transfer_s, verify_s))
         except EpochSuperseded:
             group.destroy()
+        except BackupUnreachable as e:
+            group.destroy()
+            self.send(EpochFailed(msg.epoch, args.rank_id, f"{type(e).__name__}: {e}", e.node))
         except Exception as e:  # any failure to form: the controller decides what next
             group.destroy()
             self.send(EpochFailed(msg.epoch, args.rank_id, f"{type(e).__name__}: {e}"))
