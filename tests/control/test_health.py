@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastic_ep.control.health import adaptive_deadline_s, hung_ranks, lost_heartbeats
+from elastic_ep.control.health import adaptive_deadline_s, hung_ranks, lost_heartbeats, relative_speeds
 from elastic_ep.control.messages import Progress
 
 
@@ -35,3 +35,9 @@ def test_rank_still_in_an_older_epoch_counts_as_behind():
 def test_ranks_in_step_are_not_hung():
     progress = {0: at(12), 1: at(12)}
     assert hung_ranks(progress, 3, {12: 0.0}, now=50.0, deadline_s=1.0) == []
+
+
+def test_relative_speeds_from_own_time_slow_rank_gets_less():
+    speeds = relative_speeds({0: [0.01, 0.01], 1: [0.01], 2: [0.02, 0.02, 0.02], 3: []})
+    assert speeds[0] == speeds[1] == 1.0 and speeds[2] == 0.5 and 3 not in speeds
+    assert relative_speeds({}) == {}

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .conftest import Load
+from .conftest import PROMPTS, Load
 
 MODEL = "tiny-deepseek-v3"
 # 16 experts + 16 redundant over 4 ranks: 8 slots per rank, so 2 ranks hold every expert.
@@ -68,6 +68,11 @@ def test_invalid_and_concurrent_scale_requests_are_400_and_409(server):
     wait_scaled(server, 5, "serving_expanded")
     assert scale(server, 4) == {"old_ep_size": 5, "new_ep_size": 4}
     wait_scaled(server, 4, "serving_shrunk")
+    server.complete(PROMPTS[0], 4)
+    cluster = server.wait_for(lambda c: all(r["own_ms"] for r in c["ranks"]), what="own time of every rank")
+    assert abs(cluster["time_s"] - time.time()) < 5
+    for rank in cluster["ranks"]:
+        assert rank["ready"] and rank["own_ms"]["p50"] > 0 and 0 <= rank["heartbeat_age_s"] < 1.0
 
 
 def test_4_6_3_5_with_a_kill_between_steps_under_load(server):

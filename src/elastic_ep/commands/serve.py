@@ -34,6 +34,7 @@ HELP = {
     "enable_eplb": "re-place experts from the recorded load while serving",
     "eplb_interval": "steps between EPLB checks",
     "eplb_threshold": "rebalance when max/mean rank load exceeds this",
+    "eplb_speed_aware": "EPLB gives slow ranks less expert load, from each rank's own time per step",
     "enable_chaos": "enable the fault-injection endpoints",
     "record_dir": "where /dump_expert_distribution_record writes",
     "heartbeat_interval_s": "worker heartbeat period",

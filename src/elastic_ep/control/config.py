@@ -24,6 +24,7 @@ class ServeConfig:
     enable_eplb: bool = False
     eplb_interval: int = 200
     eplb_threshold: float = 1.3
+    eplb_speed_aware: bool = False
     enable_chaos: bool = False
     record_dir: str = "."
     heartbeat_interval_s: float = 0.1

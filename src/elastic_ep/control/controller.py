@@ -49,7 +49,7 @@ from .api import EngineInfo, GenerationRequest, Readiness, RequestOutput, ScaleR
 from .backup import backup_shares
 from .config import ServeConfig
 from .epoch_plan import held_placement, split_by_rank, trimmed
-from .health import adaptive_deadline_s, hung_ranks, lost_heartbeats
+from .health import adaptive_deadline_s, hung_ranks, lost_heartbeats, relative_speeds
 from .membership import AgentState, RankState
 from .messages import (
     AgentBye,
@@ -586,6 +586,7 @@ class Controller:
             r = self.ranks[rank_id]
             r.step_s.append(res.step_s)
             r.wait_s.append(res.dispatch_wait_s + res.combine_wait_s)
+            r.own_s.append(res.compute_s)
             r.slot_tokens.append(res.slot_tokens)
             label = str(rank_id)
             self.metrics.step_seconds.labels(label).observe(res.step_s)
@@ -874,7 +875,8 @@ class Controller:
         before = float(1 / balancedness(self.location, load, self.members).min())
         if before < self.cfg.eplb_threshold:
             return
-        new = fault_aware_placement(load, self.members, self._rank_nodes(), None, self.slots_per_rank,
+        speeds = relative_speeds({r: self.ranks[r].own_s for r in self.members}) if self.cfg.eplb_speed_aware else None
+        new = fault_aware_placement(load, self.members, self._rank_nodes(), speeds, self.slots_per_rank,
                                     self.location.num_ranks, current=self.location, movement_tolerance=0.0)
         after = float(1 / balancedness(new, load, self.members).min())
         if new == self.location or after >= before:
@@ -1015,11 +1017,11 @@ class Controller:
         self._published_at = now
         ranks = [
             r.view(self.location, self.slots_per_rank * self.num_moe_layers,
-                   self.scheduler.num_requests(r.rank_id), self.delay_s.get(r.rank_id, 0.0))
+                   self.scheduler.num_requests(r.rank_id), self.delay_s.get(r.rank_id, 0.0), now)
             for r in sorted(self.ranks.values(), key=lambda r: r.rank_id)
         ]
         self._snapshot = {
-            "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),
+            "time_s": time.time(), "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),
             "controller": self.health_addr,
             "slots_per_rank": self.slots_per_rank, "ranks": ranks,
             "ready": self._ready.ready, "reason": self._ready.reason,
@@ -1077,6 +1079,8 @@ class Controller:
             check_target(new_ep_size, old, limits, self.scale_op)
             if self.fatal:
                 raise ScaleRejected(f"the cluster stopped: {self.fatal}", 409)
+            if self.epoch < 0:
+                raise ScaleRejected("the cluster is still starting; retry once GET /ready answers 200", 409)
             self.scale_op = ScaleOp(old, new_ep_size)
         self._wake()
         return {"old_ep_size": old, "new_ep_size": new_ep_size}

@@ -46,3 +46,15 @@ def hung_ranks(
     if furthest == 0 or now - first_seen.get(furthest, now) <= deadline_s:
         return []
     return sorted(r for r, s in seqs.items() if s < furthest)
+
+
+def relative_speeds(own_s: Mapping[int, Iterable[float]]) -> dict[int, float]:
+    """rank -> speed relative to the median rank (1.0), from each rank's own time per step
+    (step time less collective wait): a rank that takes twice the median is 0.5. Ranks with no
+    samples are left out (placement takes them as 1.0)."""
+    medians = {r: statistics.median(v) for r, v in own_s.items() if list(v)}
+    medians = {r: m for r, m in medians.items() if m > 0}
+    if not medians:
+        return {}
+    typical = statistics.median(medians.values())
+    return {r: typical / m for r, m in medians.items()}

@@ -35,10 +35,12 @@ class RankState:
     progress: Progress = field(default_factory=Progress)
     step_s: deque = field(default_factory=lambda: deque(maxlen=256))
     wait_s: deque = field(default_factory=lambda: deque(maxlen=256))
+    own_s: deque = field(default_factory=lambda: deque(maxlen=256))
     slot_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
     hello: WorkerHello | None = None
 
-    def view(self, location: ExpertLocation | None, total_slots: int, requests: int, delay_s: float) -> dict[str, Any]:
+    def view(self, location: ExpertLocation | None, total_slots: int, requests: int, delay_s: float,
+             now: float) -> dict[str, Any]:
         """This rank in /cluster: identity, state, slots (experts per MoE layer), timing."""
         experts = (location.experts_of_rank(self.rank_id).tolist()
                    if location is not None and self.rank_id < location.num_ranks else [])
@@ -48,6 +50,8 @@ class RankState:
             "slots": {"used": used, "total": total_slots, "experts": experts},
             "requests": requests,
             "step_ms": _percentiles_ms(self.step_s), "wait_ms": _percentiles_ms(self.wait_s),
+            "own_ms": _percentiles_ms(self.own_s),
+            "heartbeat_age_s": round(now - self.last_heartbeat, 3) if self.last_heartbeat else None,
             "progress": vars(self.progress),
             # the per-rank gate: requests go to a rank only once it serves in a verified epoch
             "ready": self.state == "serving",
