@@ -13,11 +13,12 @@ import time
 
 import numpy as np
 import torch
-import zmq
 from safetensors import safe_open
 
-from elastic_ep.control.messages import DenseFetch, decode, encode
+from elastic_ep.control.messages import DenseFetch
 from elastic_ep.model.checkpoint import CheckpointReader
+
+from .experts import ask_agent
 
 DENSE_PREFIX = "dense."
 
@@ -33,18 +34,7 @@ def read_dense(path: str) -> dict[str, torch.Tensor]:
 
 def fetch_dense(addr: str, timeout_s: float) -> dict[str, torch.Tensor]:
     """Ask the agent at `addr` for its dense weights. Raises TimeoutError / RuntimeError."""
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(addr)
-    try:
-        sock.send(encode(DenseFetch()))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"agent at {addr} did not send the dense weights within {timeout_s}s")
-        reply = decode(sock.recv())
-    finally:
-        sock.close()
-    if reply.error:
-        raise RuntimeError(f"dense weights at {addr}: {reply.error}")
+    reply = ask_agent(addr, DenseFetch(), timeout_s, "dense weights")
     return {name: torch.from_numpy(np.asarray(a)) for name, a in reply.tensors.items()}
 
 

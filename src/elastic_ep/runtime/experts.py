@@ -199,17 +199,23 @@ def fetch_backup(addr: str, items: list[tuple[int, int]], timeout_s: float) -> t
     Returns w13 [n, 2I, H], w2 [n, H, I]. Raises TimeoutError when the agent does not answer
     within timeout_s, RuntimeError when it lacks an item.
     """
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
+    reply = ask_agent(addr, BackupFetch(items), timeout_s, "expert backup")
+    return torch.from_numpy(reply.w13), torch.from_numpy(reply.w2)
+
+
+def ask_agent(addr: str, message, timeout_s: float, what: str):
+    """One request to a node agent's fetch socket; the reply, whose `error` is empty.
+    Raises TimeoutError when it does not answer within timeout_s, RuntimeError on an error."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
     try:
-        sock.send(encode(BackupFetch(items)))
+        sock.send(encode(message))
         if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"expert backup agent at {addr} did not answer within {timeout_s}s")
+            raise TimeoutError(f"{what} agent at {addr} did not answer within {timeout_s}s")
         reply = decode(sock.recv())
     finally:
         sock.close()
     if reply.error:
-        raise RuntimeError(f"expert backup at {addr}: {reply.error}")
-    return torch.from_numpy(reply.w13), torch.from_numpy(reply.w2)
+        raise RuntimeError(f"{what} at {addr}: {reply.error}")
+    return reply
