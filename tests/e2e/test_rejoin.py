@@ -2,7 +2,8 @@
 backoff, the controller's restarts off); when its whole node goes, a replacement agent started
 with --join-mode recover takes the down ranks over, loading the dense weights from the other
 node's agent (a live peer), not from disk. Streaming load runs throughout: no request fails and
-every output equals the fault-free run.
+every output equals the fault-free run. Last, a scale-up that cannot finish within
+--elastic-ep-scale-timeout fails, and the service goes on.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def registered(cluster: dict, rank_id: int) -> list[dict]:
 
 def test_auto_recover_then_a_replacement_node_takes_over(tmp_path):
     server = Server(["--model", MODEL, "--ep-size", "4", "--local-ranks", "2", "--redundant-experts", "16",
-                     "--restart-delay-s", "-1"], tmp_path / "serve.log", ready_timeout_s=None)
+                     "--restart-delay-s", "-1", "--elastic-ep-scale-timeout", "0.5"], tmp_path / "serve.log",
+                    ready_timeout_s=None)
     agents = [start_agent(server, "node1", "--auto-recover", "--restart-backoff-s", "0.2")]
     try:
         server.wait_ready()
@@ -49,6 +51,11 @@ def test_auto_recover_then_a_replacement_node_takes_over(tmp_path):
             assert {r["rank_id"]: r["node"] for r in cluster["ranks"]} == {0: "node0", 1: "node0", 2: "node2",
                                                                           3: "node2"}
             assert all(registered(cluster, r)[-1]["dense_source"] == "peer" for r in (2, 3))
+
+            assert server.http.post("/scale_elastic_ep", json={"new_ep_size": 5}).status_code == 200
+            status = server.wait_for(lambda c: c["scale"]["scale_phase"] == "failed", what="the scale to time out")
+            assert "--elastic-ep-scale-timeout 0.5s" in status["scale"]["last_error"]
+            server.wait_for(lambda c: sorted(r["rank_id"] for r in c["ranks"]) == [0, 1, 2, 3], what="rank 4 gone")
         assert not load.failures, load.failures[:3]
         assert load.done > 0
     finally:

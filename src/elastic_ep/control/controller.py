@@ -162,6 +162,7 @@ class Controller:
         self.streams: dict[int, _Stream] = {}
         self.pending_recovery_record: dict[str, Any] | None = None
         self.scale_op: ScaleOp | None = None
+        self.target_ep_size = cfg.ep_size  # what the last finished scale asked for: new agents fill up to it
         self._scale_lock = threading.Lock()
         self._ready = Readiness(False, "starting: waiting for ranks to register")
         self._snapshot: dict[str, Any] = {}
@@ -309,14 +310,14 @@ class Controller:
             r.progress = msg.progress
         elif isinstance(msg, AgentBye):
             self._drop_backup(msg.node, "its agent stopped")
+            self.agents.pop(msg.node, None)
         elif isinstance(msg, AgentHello):
             self.agents[msg.node] = AgentState(msg.node, identity, msg.fetch_addr, msg.num_ranks, msg.auto_recover)
             self._welcome(self.agents[msg.node], msg.join_mode)
         elif isinstance(msg, WorkerStarted):
-            r = self.ranks.setdefault(msg.rank_id, RankState(msg.rank_id, msg.node))
-            if r.state == "retiring":  # its scale failed before it started
-                r.pid = msg.pid
-                self._stop_rank(msg.rank_id)
+            r = self.ranks.get(msg.rank_id)
+            if r is None or r.state == "retiring":  # it left the cluster (its scale ended) before it started
+                self._send_health(identity, FenceWorker(msg.rank_id, msg.pid, "it left the cluster", final=True))
                 return
             r.node, r.pid, r.state, r.last_heartbeat = msg.node, msg.pid, "starting", now
             r.progress, r.hello = Progress(), None
@@ -446,7 +447,7 @@ class Controller:
                 self._send_health(agent.identity, StartWorker(rank_id, "recover", self._dense_site(agent.node)))
             return
         taken = set(self.ranks)
-        free = [r for r in range(self.cfg.ep_size) if r not in taken]
+        free = [r for r in range(self.target_ep_size) if r not in taken]
         for rank_id in free[: agent.num_ranks]:
             self.ranks[rank_id] = RankState(rank_id, agent.node)
             self._send_health(agent.identity, StartWorker(rank_id, "initial"))
@@ -908,6 +909,8 @@ class Controller:
             self._send_step(rank_id, Shutdown())
         elif r.pid is not None:
             self._send_agent(r.node, FenceWorker(rank_id, r.pid, "its scale ended", final=True))
+        else:  # not started yet: if it starts later, its WorkerStarted finds no rank and fences it
+            self._forget_rank(rank_id, f"rank {rank_id} will not start")
 
     def _forget_rank(self, rank_id: int, message: str) -> None:
         self.ranks.pop(rank_id, None)
@@ -939,7 +942,7 @@ class Controller:
         assert op is not None
         if time.monotonic() - op.started_at > self.cfg.elastic_ep_scale_timeout_s:
             self._fail_scale(f"not serving at {op.new_ep_size} ranks within --elastic-ep-scale-timeout "
-                             f"{self.cfg.elastic_ep_scale_timeout_s:.0f}s; check the new ranks' logs")
+                             f"{self.cfg.elastic_ep_scale_timeout_s:g}s; check the new ranks' logs")
             return False
         if op.phase == "pending":
             self._begin_scale(op)
@@ -984,6 +987,7 @@ class Controller:
         if all(self.ranks[r].state == "serving" for r in op.new_ranks):
             op.phase = "syncing_new_world"
             op.finish("serving_expanded")
+            self.target_ep_size = op.new_ep_size
             self._event("scale", f"serving at {len(self.members)} ranks {op.finished_s:.2f}s after the request")
             self._publish()
         return True
@@ -1004,6 +1008,7 @@ class Controller:
         for r in op.retiring:
             self._stop_rank(r)
         op.finish("serving_shrunk")
+        self.target_ep_size = op.new_ep_size
         self._event("scale", f"serving at {len(self.members)} ranks {op.finished_s:.2f}s after the request")
         self._publish()
         return True
