@@ -91,7 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-deepseek-v3")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--streams", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--before-s", type=float, default=4.0)
     parser.add_argument("--json", action="store_true")

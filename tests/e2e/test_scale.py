@@ -76,7 +76,8 @@ def test_invalid_and_concurrent_scale_requests_are_400_and_409(server):
 
 
 def test_4_6_3_5_with_a_kill_between_steps_under_load(server):
-    with Load(server, MODEL) as load:
+    # 6 streams: one per rank at 6 ranks, so the ranks that leave have requests to drain
+    with Load(server, MODEL, threads=6) as load:
         scale(server, 6)
         up = wait_scaled(server, 6, "serving_expanded")
         assert {"joining", "configuring_data_plane"} & up["seen"] and up["new_ranks"] == [4, 5]
@@ -86,7 +87,8 @@ def test_4_6_3_5_with_a_kill_between_steps_under_load(server):
         assert down["retiring"] == [3, 4, 5]
         cluster = server.cluster()
         assert sorted(r["rank_id"] for r in cluster["ranks"]) == [0, 1, 2]
-        for step in ("draining ranks [3, 4, 5]", "moving experts off ranks [3, 4, 5]", "stopped (exit code 0)"):
+        for step in ("draining ranks [3, 4, 5]", "ranks [3, 4, 5] drained in", "moving experts off ranks [3, 4, 5]",
+                     "stopped (exit code 0)"):
             assert any(step in e["message"] for e in cluster["events"]), step
         kill_rank(server, 0, 3)
         scale(server, 5)

@@ -996,6 +996,10 @@ class Controller:
         busy = [r for r in op.retiring if self.scheduler.num_requests(r)]
         if op.phase == "draining" and busy and time.monotonic() < op.drain_deadline:
             return False
+        if op.phase == "draining":
+            drained_s = time.monotonic() - op.drain_deadline + self.cfg.scale_drain_timeout_s
+            self._event("drained", f"ranks {op.retiring} drained in {drained_s:.2f}s; {len(busy)} of them still "
+                        f"ran requests, which move to the staying ranks", moved_from=busy)
         op.phase = "retiring"
         self._publish()
         keep = [r for r in self.members if r not in op.retiring]
