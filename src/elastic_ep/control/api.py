@@ -90,12 +90,15 @@ class Engine(Protocol):
 
         The dashboard (serve/static/dashboard.html) reads these fields; any may be missing
         or null, extra fields are shown as they are:
-          {"epoch": int, "ep_size": int,
+          {"time_s": unix seconds of the snapshot, "epoch": int, "ep_size": int,
            "ranks": [{"rank_id": int, "node": str, "pid": int | None,
                       "state": "serving" | "joining" | "draining" | "hung" | "dead" | "fenced" | ...,
                       "slots": {"used": int, "total": int}, "requests": int,
                       "step_ms": {"p50", "p99", "max"},   # step time of the recent window
-                      "wait_ms": {"p50", "p99"}}, ...],     # collective (all-to-all) wait per step
+                      "wait_ms": {"p50", "p99"},            # collective (all-to-all) wait per step
+                      "own_ms": {"p50", "p99", "max"},      # step less collective wait
+                      "heartbeat_age_s": float, "ready": bool,  # ready: serves in a verified epoch
+                      "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
            "scale": scale_status(), "deadlines": {name: seconds},
            "events": [{"time_s": unix seconds, "kind": str, "rank_id": int | None, "message": str}, ...]}
         """
@@ -116,7 +119,8 @@ class Engine(Protocol):
         ...
 
     def scale_status(self) -> dict[str, Any]:
-        """JSON for GET /is_scaling_elastic_ep."""
+        """JSON for GET /is_scaling_elastic_ep: is_scaling_elastic_ep, effective_ep_size,
+        scale_phase, last_error, old_ep_size, new_ep_size, elapsed_s (see control/scaling.py)."""
         ...
 
     def chaos(self, action: str, rank_id: int, delay_s: float = 0.0) -> dict[str, Any]:
