@@ -354,8 +354,8 @@ class Controller:
                 return
             r.hello, r.last_heartbeat = msg, time.monotonic()
             self._event("registered", f"rank {msg.rank_id} registered ({msg.join_mode}); dense weights from "
-                        f"{msg.dense_source} in {msg.load_s:.2f}s", msg.rank_id, dense_source=msg.dense_source,
-                        load_s=msg.load_s)
+                        f"{msg.dense_source} in {msg.load_s:.2f}s, warmed up in {msg.warmup_s:.3f}s", msg.rank_id,
+                        dense_source=msg.dense_source, load_s=msg.load_s, warmup_s=msg.warmup_s)
         elif isinstance(msg, StepResult | StepFailed):
             if msg.epoch == self.epoch and msg.step == self.step:
                 self._step_replies[msg.rank_id] = msg
@@ -873,13 +873,15 @@ class Controller:
         self._last_eplb_step = self.step
         load = self._load_estimate()
         assert self.location is not None
-        before = float(1 / balancedness(self.location, load, self.members).min())
+        # imbalance is judged in time (load / speed) when speeds are on: a slow rank with an even
+        # share of tokens is the imbalance to fix, and a plan that unloads it must not look worse
+        speeds = relative_speeds({r: self.ranks[r].own_s for r in self.members}) if self.cfg.eplb_speed_aware else None
+        before = float(1 / balancedness(self.location, load, self.members, speeds).min())
         if before < self.cfg.eplb_threshold:
             return
-        speeds = relative_speeds({r: self.ranks[r].own_s for r in self.members}) if self.cfg.eplb_speed_aware else None
         new = fault_aware_placement(load, self.members, self._rank_nodes(), speeds, self.slots_per_rank,
                                     self.location.num_ranks, current=self.location, movement_tolerance=0.0)
-        after = float(1 / balancedness(new, load, self.members).min())
+        after = float(1 / balancedness(new, load, self.members, speeds).min())
         if new == self.location or after >= before:
             return
         self.metrics.eplb_rebalances.inc()
