@@ -42,6 +42,7 @@ def test_auto_recover_then_a_replacement_node_takes_over(tmp_path):
                                       and len(c["members"]) == 4, what="rank 3 restarted by its agent")
             again = registered(cluster, 3)[-1]
             assert "(recover)" in again["message"] and again["dense_source"] == "host_memory"
+            assert again["warmup_s"] > 0  # a dummy forward ran before it registered
 
             agents[0].send_signal(signal.SIGTERM)  # node1 goes away with ranks 2 and 3
             assert agents[0].wait(20) == 0

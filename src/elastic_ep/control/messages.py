@@ -47,6 +47,7 @@ class WorkerHello:
     join_mode: str  # "initial" | "recover"
     dense_source: str = "disk"  # "host_memory" | "peer" | "disk" (runtime.dense)
     load_s: float = 0.0
+    warmup_s: float = 0.0  # the dummy forward it ran before registering (runtime.worker)
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,23 @@ class Worker:
             self.device = torch.device("cpu")
         self._pending: list = []
         self._stop = threading.Event()
+        self.warmup_s = self._warm_up()
+
+    def _warm_up(self, num_tokens: int = 8) -> float:
+        """One forward of a dummy sequence before the rank registers, so the first real step it
+        serves does not pay one-time costs (lazy kernel and allocator set-up). Experts are left
+        out: they arrive with the epoch, and their all-to-all must run in step with the group.
+        The dummy sequence's cache row is freed, so no later request can read it. Returns seconds."""
+        t0 = time.perf_counter()
+        warmup_seq = -1  # the controller numbers sequences from 0
+        self.kv.allocate(warmup_seq)
+        try:
+            tokens = list(range(min(num_tokens, self.config.vocab_size)))
+            self.model.forward([SeqChunk(warmup_seq, tokens, 0)], self.kv,
+                               lambda layer, x, topk_ids, topk_weights: torch.zeros_like(x))
+        finally:
+            self.kv.free(warmup_seq)
+        return time.perf_counter() - t0
 
     def send(self, message) -> None:
         self.sock.send(encode(message))
@@ -119,7 +136,7 @@ class Worker:
         if self.args.heartbeat_interval_s > 0:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
-                              self.dense_source, round(self.load_s, 4)))
+                              self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4)))
         while True:
             msg = self._pending.pop(0) if self._pending else decode(self.sock.recv())
             if isinstance(msg, Shutdown):
