@@ -29,11 +29,11 @@ def held_placement(
     ((rank, layer, slot) that failed verification), so a plan refills them."""
     phy2log = np.full((num_layers, num_ranks * slots_per_rank), EMPTY)
     if current is not None:
-        s = slots_per_rank
-        for r in holders:
-            phy2log[:, r * s : (r + 1) * s] = current.phy2log[:, r * s : (r + 1) * s]
+        kept = current.restricted_to(holders).phy2log
+        width = min(kept.shape[1], phy2log.shape[1])
+        phy2log[:, :width] = kept[:, :width]
         for r, layer, j in suspect_slots:
-            phy2log[layer, r * s + j] = EMPTY
+            phy2log[layer, r * slots_per_rank + j] = EMPTY
     return ExpertLocation.from_phy2log(phy2log, slots_per_rank, num_experts)
 
 
