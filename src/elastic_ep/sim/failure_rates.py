@@ -7,6 +7,7 @@ Each cause is put in a class that fixes its blast radius in the fleet simulation
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -67,6 +68,7 @@ class FailureData:
         return shares
 
 
+@functools.cache
 def load_llama3() -> FailureData:
     """The Llama 3 paper's 54-day, 16,384-GPU interruption table (rate ~1.97e-05 per GPU-hour)."""
     text = resources.files("elastic_ep.sim").joinpath("data/llama3_interruptions.json").read_text()
