@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from elastic_ep.control.api import EngineInfo, GenerationRequest
 from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.model.tokenizer import encode
 from elastic_ep.serve.errors import APIError, bad_request
 from elastic_ep.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -73,7 +74,7 @@ def completion_prompt_ids(body: CompletionRequest, tokenizer: Tokenizer, vocab_s
 
 
 def encode_text(text: str, tokenizer: Tokenizer, param: str = "prompt") -> list[int]:
-    ids = tokenizer.encode(text, add_special_tokens=False).ids if text else []
+    ids = encode(tokenizer, text) if text else []
     if not ids:
         raise bad_request(f"{param} is empty", param)
     return ids
