@@ -28,8 +28,9 @@ class AttentionBatch:
     (consecutive slots) reads keys and values as a view of the cache.
     slots: the B cache rows, ascending; token_row, token_offset: [T] row and index inside the
     chunk of every token; chunk_of_row: [B] chunk index of each row, None when rows are in
-    chunk order; positions: [T] absolute positions; mask: [B, 1, N, L] additive, 0 where query
-    i of row b may see key j and -inf elsewhere (N the longest chunk, L the longest sequence),
+    chunk order; positions: [T] absolute positions; cos, sin: [T, 1, d/2] rotary factors at
+    those positions; mask: [B, 1, N, L] additive, 0 where query i of row b may see key j and
+    -inf elsewhere (N the longest chunk, L the longest sequence). Mask and rotary factors are
     built once per step rather than in every layer.
     """
 
@@ -39,13 +40,16 @@ class AttentionBatch:
     token_slots: torch.Tensor
     chunk_of_row: torch.Tensor | None
     positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
     mask: torch.Tensor
     max_chunk: int
     max_len: int
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], lengths: list[int]) -> AttentionBatch:
-        """slots, starts, lengths: cache row, first position and token count of each chunk."""
+    def build(cls, slots: list[int], starts: list[int], lengths: list[int], rotary: Rotary) -> AttentionBatch:
+        """slots, starts, lengths: cache row, first position and token count of each chunk;
+        rotary: the model's (every layer shares it)."""
         order = sorted(range(len(slots)), key=slots.__getitem__)
         chunk_of_row = torch.tensor(order, dtype=torch.int64)
         row_of_chunk = torch.argsort(chunk_of_row)
@@ -63,13 +67,17 @@ class AttentionBatch:
         )
         visible = torch.arange(max_len)[None, None, :] <= query_pos[:, :, None]
         mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        positions = start[token_chunk] + token_offset
+        cos, sin = rotary.cos_sin(positions)
         return cls(
             slots=[slots[i] for i in order],
             token_row=row_of_chunk[token_chunk],
             token_offset=token_offset,
             token_slots=torch.tensor(slots, dtype=torch.int64)[token_chunk],
             chunk_of_row=None if order == sorted(order) else chunk_of_row,
-            positions=start[token_chunk] + token_offset,
+            positions=positions,
+            cos=cos,
+            sin=sin,
             mask=mask[:, None],
             max_chunk=max_chunk,
             max_len=max_len,
@@ -161,9 +169,8 @@ class MLAttention:
         kv_latent, k_rot = F.linear(x, self.kv_a, self.kv_a_bias).split([self.kv_rank, self.rope], dim=-1)
         kv = F.linear(rms_norm(kv_latent, self.kv_a_norm, self.eps), self.kv_b).view(tokens, self.heads, -1)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        q_rot = self.rotary.apply(q_rot, cos, sin)
-        k_rot = self.rotary.apply(k_rot.view(tokens, 1, self.rope), cos, sin)
+        q_rot = self.rotary.apply(q_rot, batch.cos, batch.sin)
+        k_rot = self.rotary.apply(k_rot.view(tokens, 1, self.rope), batch.cos, batch.sin)
         k = torch.cat([k_nope, k_rot.expand(tokens, self.heads, self.rope)], dim=-1)
         batch.write(cache, layer, k, v)
         out = batch.attend(cache, layer, torch.cat([q_nope, q_rot], dim=-1), self.scale)
@@ -206,8 +213,7 @@ class GQAttention:
             F.linear(x, self.k_proj, self.k_bias).view(tokens, self.kv_heads, -1), self.k_norm, self.eps
         )
         v = F.linear(x, self.v_proj, self.v_bias).view(tokens, self.kv_heads, -1)
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        q, k = self.rotary.apply(q, batch.cos, batch.sin), self.rotary.apply(k, batch.cos, batch.sin)
         batch.write(cache, layer, k, v)
         out = batch.attend(cache, layer, q, self.scale)
         return F.linear(out.reshape(tokens, -1), self.o_proj, self.o_bias)

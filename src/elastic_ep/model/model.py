@@ -121,7 +121,7 @@ class MoEForCausalLM:
             self.lm_head = require_tensor(dense_state, "lm_head.weight", (cfg.vocab_size, hidden))
         else:
             self.lm_head = self.embed
-        rotary = Rotary(cfg.rope)
+        self.rotary = rotary = Rotary(cfg.rope)
         attention_cls = MLAttention if cfg.arch == "deepseek_v3" else GQAttention
         self.kv_shape = attention_cls.kv_shape(cfg)
         moe_layers = set(cfg.moe_layers)
@@ -195,4 +195,5 @@ class MoEForCausalLM:
             [kv.slot(c.seq_id) for c in chunks],
             [c.start_pos for c in chunks],
             [len(c.token_ids) for c in chunks],
+            self.rotary,
         )
