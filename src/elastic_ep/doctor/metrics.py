@@ -53,12 +53,15 @@ def rank_windows(before: Samples, after: Samples) -> dict[int, RankWindow]:
     step in the window are left out."""
     step = "elastic_ep_rank_step_seconds"
     wait = "elastic_ep_rank_collective_wait_seconds"
-    counts = {k: v - per_rank(before, f"{step}_count").get(k, 0.0) for k, v in per_rank(after, f"{step}_count").items()}
+    count_before = per_rank(before, f"{step}_count")
+    counts = {k: v - count_before.get(k, 0.0) for k, v in per_rank(after, f"{step}_count").items()}
+    step_after, step_before = per_rank(after, f"{step}_sum"), per_rank(before, f"{step}_sum")
+    wait_after, wait_before = per_rank(after, f"{wait}_sum"), per_rank(before, f"{wait}_sum")
     out = {}
     for rank, n in counts.items():
         if n < 1:
             continue
-        step_s = per_rank(after, f"{step}_sum")[rank] - per_rank(before, f"{step}_sum").get(rank, 0.0)
-        wait_s = per_rank(after, f"{wait}_sum").get(rank, 0.0) - per_rank(before, f"{wait}_sum").get(rank, 0.0)
+        step_s = step_after[rank] - step_before.get(rank, 0.0)
+        wait_s = wait_after.get(rank, 0.0) - wait_before.get(rank, 0.0)
         out[rank] = RankWindow(int(n), 1000 * step_s / n, 1000 * wait_s / n)
     return out
