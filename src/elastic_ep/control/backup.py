@@ -32,7 +32,7 @@ def backup_shares(location: ExpertLocation, rank_nodes: dict[int, str], nodes: l
     for layer in range(location.num_layers):
         for expert in range(location.num_experts):
             first = int(location.log2phy[layer, expert, 0])
-            home = rank_nodes.get(first // location.slots_per_rank, nodes[0]) if first >= 0 else nodes[0]
+            home = rank_nodes.get(location.rank_of_slot(first), nodes[0]) if first >= 0 else nodes[0]
             i = nodes.index(home) if home in nodes else 0
             shares[nodes[(i + 1) % len(nodes)]].append((layer, expert))
     return shares

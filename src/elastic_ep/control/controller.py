@@ -852,17 +852,14 @@ class Controller:
     def _verify(self, location: ExpertLocation, replies: dict[int, EpochReady]) -> set[tuple[int, int, int]]:
         """(rank, layer, slot) of every occupied slot that does not hold its expert's weights
         (checksum recorded when the expert was first read from disk) or reports nothing."""
-        s = self.slots_per_rank
         bad = set()
         for rank_id, rep in replies.items():
-            for li in range(location.num_layers):
-                for j in range(s):
-                    expert = int(location.phy2log[li, rank_id * s + j])
-                    if expert < 0:
-                        continue
-                    checksum = rep.checksums.get((li, j))
-                    if checksum is None or self.reference_checksums.setdefault((li, expert), checksum) != checksum:
-                        bad.add((rank_id, li, j))
+            for (li, j), expert in np.ndenumerate(location.experts_of_rank(rank_id)):
+                if expert < 0:
+                    continue
+                checksum = rep.checksums.get((li, j))
+                if checksum is None or self.reference_checksums.setdefault((li, int(expert)), checksum) != checksum:
+                    bad.add((rank_id, li, j))
         return bad
 
     def _eplb_due(self) -> bool:
