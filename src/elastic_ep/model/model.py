@@ -75,6 +75,8 @@ class _MoEBlock:
         self.bias: torch.Tensor | None = None
         if cfg.arch == "deepseek_v3":
             self.bias = require_tensor(state, f"{prefix}gate.e_score_correction_bias", (e,))
+            self.num_groups = int(cfg.hf["n_group"] or 1)
+            self.topk_groups = int(cfg.hf["topk_group"] or 1)
             shared = int(cfg.hf["n_shared_experts"] or 0)
             if shared:
                 self.shared = _gate_up(
@@ -87,12 +89,7 @@ class _MoEBlock:
         if self.bias is None:
             return softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
         return grouped_sigmoid_topk(
-            logits,
-            self.bias,
-            cfg.top_k,
-            int(cfg.hf["n_group"] or 1),
-            int(cfg.hf["topk_group"] or 1),
-            cfg.norm_topk_prob,
+            logits, self.bias, cfg.top_k, self.num_groups, self.topk_groups, cfg.norm_topk_prob
         )
 
     def __call__(self, layer: int, x: torch.Tensor, moe_fn: MoEFn) -> torch.Tensor:
