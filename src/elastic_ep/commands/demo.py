@@ -29,8 +29,7 @@ from elastic_ep.control.server_process import ServerProcess
 from elastic_ep.demo_view import LiveView, StreamState, fmt_bytes, fmt_ms, format_table
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.config import MoEConfig
-from elastic_ep.model.engine import OfflineEngine
-from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.model.engine import OfflineEngine, greedy
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import decode, encode, load_tokenizer
 
@@ -150,8 +149,7 @@ def reference_texts(model_dir: Path, prompts: list[str], max_tokens: int) -> lis
     """Greedy completions of the offline engine: one process, every expert local, no fault."""
     engine = OfflineEngine.from_pretrained(model_dir, max_batch=len(prompts))
     tokenizer = load_tokenizer(model_dir)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    results = engine.generate([encode(tokenizer, p) for p in prompts], params)
+    results = engine.generate([encode(tokenizer, p) for p in prompts], greedy(max_tokens, ignore_eos=True))
     return [decode(tokenizer, r.token_ids) for r in results]
 
 
