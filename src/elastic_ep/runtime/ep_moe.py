@@ -14,7 +14,7 @@ keeps the group in step.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,7 +36,6 @@ class StepCounters:
     combine_wait_s: float = 0.0
     slot_tokens: int = 0
     expert_load: np.ndarray | None = None
-    moe_layers: list[int] = field(default_factory=list)
 
 
 def route_to_slots(
