@@ -111,7 +111,7 @@ class ExpertParallelMoE:
         slot = route_to_slots(topk_ids, self.log2phy[li], self.logcnt[li], s, group.rank_id)
         dest = self.index_of_rank[slot // s]
         order = torch.argsort(dest, stable=True)
-        rows = hidden.repeat_interleave(k, dim=0)[order]
+        rows = hidden[order // k]  # (token, choice) n is token n // k: one gather, no k-fold copy first
         payload = torch.cat([rows.float(), (slot[order] % s).float()[:, None]], dim=1)
 
         self.progress.enter("dispatch", layer)
