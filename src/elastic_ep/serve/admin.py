@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from elastic_ep.control.api import Engine
+from elastic_ep.control.api import CHAOS_ACTIONS, ChaosOrder, Engine
 from elastic_ep.serve.errors import APIError, bad_request
 from elastic_ep.serve.protocol import ChaosRequest, ScaleRequest, parse_body
 
-CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "cut")
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 
 
@@ -40,8 +39,11 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @router.get("/cluster")
-    async def cluster() -> dict:
-        return engine.cluster()
+    async def cluster(
+        events: int = Query(50, ge=0, description="the last N events (0: all kept, up to 1000)"),
+        since: int | None = Query(None, ge=0, description="only events with an id above this"),
+    ) -> dict:
+        return engine.cluster(since, events or None)
 
     @router.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:
@@ -56,7 +58,7 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         body = parse_body(await request.body(), ScaleRequest)
         if body.new_ep_size < 1:
             raise bad_request(f"new_ep_size must be >= 1, got {body.new_ep_size}", "new_ep_size")
-        return engine.scale(body.new_ep_size)
+        return await engine.scale(body.new_ep_size)
 
     @router.get("/is_scaling_elastic_ep")
     async def is_scaling() -> dict:
@@ -87,8 +89,8 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         if action not in CHAOS_ACTIONS:
             raise APIError(404, f"unknown chaos action {action!r}; use one of {', '.join(CHAOS_ACTIONS)}")
         body = parse_body(await request.body(), ChaosRequest)
-        if body.delay_s < 0:
+        if not body.delay_s >= 0:
             raise bad_request(f"delay_s must be >= 0, got {body.delay_s}", "delay_s")
-        return engine.chaos(action, body.rank_id, body.delay_s)
+        return engine.chaos(ChaosOrder(action, body.rank_id, body.delay_s, body.layer, body.slot, body.at_next_epoch))
 
     return router

@@ -78,6 +78,9 @@ class ScaleRequest(_Body):
 class ChaosRequest(_Body):
     rank_id: int
     delay_s: float = 0.0
+    layer: int | None = None  # corrupt: the MoE layer index of the slot
+    slot: int | None = None  # corrupt: the slot within the rank
+    at_next_epoch: bool = False  # kill / hang: right after the next epoch is announced
 
 
 Body = TypeVar("Body", bound=_Body)
