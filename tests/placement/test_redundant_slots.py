@@ -24,6 +24,13 @@ def test_issue_12_sixteen_experts_on_four_ranks_need_eight_more_slots():
     assert losses_survived(16, 4, 0) == Survival(rank_losses=0, node_losses=0)
 
 
+@pytest.mark.parametrize("experts, ep_size, redundant", [(16, 2, 16), (256, 8, 40)])  # 256 + 40 = 8 x 37
+def test_one_rank_fewer_holds_every_expert(experts, ep_size, redundant):
+    choice = choose_redundant_experts(experts, ep_size, 1, 1)
+    assert choice.redundant_experts == redundant
+    assert (ep_size - 1) * choice.slots_per_rank >= experts > (ep_size - 1) * (choice.slots_per_rank - 1)
+
+
 def test_deepseek_v3_on_eight_gpu_nodes_survives_its_largest_node():
     # EP64 on 8 nodes of 8: 56 ranks must hold 256 experts, 5 slots each.
     choice = choose_redundant_experts(256, 64, num_layers=58, expert_bytes=44_000_000, ranks_per_node=8)
