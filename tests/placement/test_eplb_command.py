@@ -88,6 +88,7 @@ def test_deepseek_policies_over_live_ranks(tmp_path, capsys, load, policy):
         ("[[0, 0, 0, 0], [1, 2, 3, 4]]", [], "layers [0] hold no tokens while others do"),
         ("[[1, 2, 3, 4]]", ["--policy", "hierarchical", "--groups", "0"], "--groups 0 must be at least 1"),
         ("[[1, 2, 3, 4]]", ["--tolerance", "-0.5"], "--tolerance -0.5 must be >= 0"),
+        ("[[1, 2, 3, 4]]", ["--out", "no/such/dir/p.json"], "folder no/such/dir does not exist"),
     ],
 )
 def test_bad_input_is_a_clear_error_with_exit_2(tmp_path, monkeypatch, capsys, content, argv, message):

@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlacementError(f"--groups {args.groups} must be at least 1")
     if not args.tolerance >= 0:
         raise PlacementError(f"--tolerance {args.tolerance} must be >= 0 (a fraction of the ideal time)")
+    if args.out and not Path(args.out).parent.is_dir():
+        raise PlacementError(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
     dead = _parse_ranks(args.dead, args.ranks)
     live = [r for r in range(args.ranks) if r not in dead]
     rank_nodes = {r: r // (args.ranks // args.nodes) for r in range(args.ranks)}

@@ -70,8 +70,8 @@ class FleetConfig:
     straggler_detect_min: float = 5.0
 
     def validate(self) -> None:
-        if self.gpus <= 0 or self.days <= 0:
-            raise SimulationError("--gpus and --days must be > 0")
+        if self.gpus <= 0 or not 0 < self.days < np.inf:
+            raise SimulationError(f"--gpus ({self.gpus}) and --days ({self.days}) must be > 0")
         if self.gpus_per_node <= 0 or self.ep_size <= 0:
             raise SimulationError("--gpus-per-node and --ep-size must be > 0")
         if self.ep_size % self.gpus_per_node and self.gpus_per_node % self.ep_size:

@@ -141,8 +141,10 @@ def _validate(inputs: PlanInputs, ep_sizes: list[int], redundant_options: list[i
     for name in ("gpus", "gpus_per_node"):
         if getattr(inputs, name) <= 0:
             raise SimulationError(f"--{name.replace('_', '-')} {getattr(inputs, name)} must be > 0")
-    if inputs.experts <= 0 or inputs.layers <= 0 or inputs.expert_mb <= 0 or inputs.gpu_mem_gb <= 0:
-        raise SimulationError("--experts, --layers, --expert-mb and --gpu-mem-gb must be > 0")
+    for name in ("experts", "layers", "expert_mb", "gpu_mem_gb"):
+        value = getattr(inputs, name)
+        if not 0 < value < math.inf:
+            raise SimulationError(f"--{name.replace('_', '-')} {value} must be a number > 0")
     for name in ("other_gb", "min_free_gb", "restart_min", "pause_min", "disk_reload_min", "backup_reload_s"):
         value = getattr(inputs, name)
         if not 0 <= value < math.inf:
