@@ -77,9 +77,13 @@ def test_the_commands_run_the_recommendation_on_its_nodes():
     plan = _plan(ep=[48], redundant=[AUTO], backup=[True])
     serve, *agents = plan.commands
     assert serve == (
-        "elastic-ep serve --model CHECKPOINT_DIR --ep-size 48 --redundant-experts 80 --expert-backup --local-ranks 8"
+        "elastic-ep serve --model CHECKPOINT_DIR --ep-size 48 --redundant-experts 80 --expert-backup "
+        "--local-ranks 8 --host NODE0_IP"
     )
-    assert agents == [f"elastic-ep agent --controller CONTROLLER_ADDR --node node{i} --ranks 8" for i in range(1, 6)]
+    assert agents == [
+        f"elastic-ep agent --controller CONTROLLER_ADDR --node node{i} --ranks 8 --advertise-host NODE{i}_IP"
+        for i in range(1, 6)
+    ]
     one_node = _plan(PlanInputs(gpus_per_node=16), ep=[16], redundant=[0], backup=[False])
     assert one_node.commands == [
         "elastic-ep serve --model CHECKPOINT_DIR --ep-size 16 --redundant-experts 0 --no-expert-backup"

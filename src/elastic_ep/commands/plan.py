@@ -101,7 +101,8 @@ def plan_text(plan: Plan) -> str:
         lines.append(f"\nto run it (one EP group; {groups} such groups use {groups * best.ep_size} of the GPUs):")
         lines += [f"  {c}" for c in plan.commands]
         if len(plan.commands) > 1:
-            lines.append("  (one agent per other node; CONTROLLER_ADDR is the agent address serve prints)")
+            lines.append("  (one agent per other node; NODEi_IP: each node's address, CONTROLLER_ADDR: the agent "
+                         "address serve prints)")
     return "\n".join(lines)
 
 

@@ -262,7 +262,8 @@ def _option(
 
 def serve_commands(inputs: PlanInputs, option: PlanOption) -> list[str]:
     """The commands that run one EP group of `option`: `elastic-ep serve` on the first node, and
-    `elastic-ep agent` on each other node of `gpus_per_node` GPUs (placeholders in capitals)."""
+    `elastic-ep agent` on each other node of `gpus_per_node` GPUs (placeholders in capitals:
+    the checkpoint, each node's address, the controller's agent address serve prints)."""
     first = min(option.ep_size, inputs.gpus_per_node)
     serve = (
         f"elastic-ep serve --model CHECKPOINT_DIR --ep-size {option.ep_size} --redundant-experts {option.redundant} "
@@ -272,8 +273,9 @@ def serve_commands(inputs: PlanInputs, option: PlanOption) -> list[str]:
         return [serve]
     full, rest = divmod(option.ep_size - first, inputs.gpus_per_node)
     agents = [inputs.gpus_per_node] * full + ([rest] if rest else [])
-    return [f"{serve} --local-ranks {first}"] + [
-        f"elastic-ep agent --controller CONTROLLER_ADDR --node node{i} --ranks {ranks}"
+    # Across hosts every process binds and advertises its own host's address, not 127.0.0.1.
+    return [f"{serve} --local-ranks {first} --host NODE0_IP"] + [
+        f"elastic-ep agent --controller CONTROLLER_ADDR --node node{i} --ranks {ranks} --advertise-host NODE{i}_IP"
         for i, ranks in enumerate(agents, start=1)
     ]
 
