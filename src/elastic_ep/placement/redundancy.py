@@ -65,8 +65,7 @@ def choose_redundant_experts(
     num_layers: MoE layers. expert_bytes: bytes of one expert's weights in one layer (one slot).
     rank_nodes: rank -> node for ranks 0..ep_size-1; or ranks_per_node: ranks fill nodes of this
         many in order (the last may be smaller); neither: all ranks on one node.
-    A group of one rank cannot survive its loss: the result is then the fewest count that divides
-    evenly (0 when ep_size is 1), and `survives` says 0.
+    A group of one rank cannot survive its loss: it gets 0 redundant slots and `survives` says 0.
     Raises PlacementError on impossible arguments.
     """
     _check_sizes(num_experts, ep_size)
