@@ -27,7 +27,7 @@ SLOW_DETECTION = ["--heartbeat-timeout-s", "300", "--watchdog-floor-s", "300", "
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(["--ep-size", "4", "--enable-chaos", *SLOW_DETECTION],
+    s = ServerProcess(["--model", "tiny-deepseek-v3", "--ep-size", "4", "--enable-chaos", *SLOW_DETECTION],
                       tmp_path_factory.mktemp("doctor") / "serve.log")
     try:
         s.wait_full_group(4)

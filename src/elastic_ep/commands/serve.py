@@ -18,11 +18,15 @@ from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
 from elastic_ep.node.agent import NodeAgent
 
-# SGLang's flag name, kept as an alias.
-ALIASES = {"elastic_ep_scale_timeout_s": ["--elastic-ep-scale-timeout"]}
+# vLLM's and SGLang's flag names, kept as aliases.
+ALIASES = {
+    "elastic_ep_scale_timeout_s": ["--elastic-ep-scale-timeout"],
+    "redundant_experts": ["--num-redundant-experts", "--ep-num-redundant-experts"],
+}
 
 HELP = {
-    "redundant_experts": "extra expert slots in all; (experts + K) must divide by --ep-size",
+    "redundant_experts": "extra expert slots in all; (experts + K) must divide by --ep-size (aliases: vLLM's "
+                         "--num-redundant-experts, SGLang's --ep-num-redundant-experts)",
     "backend": "data plane: gloo (CPU) or nccl (GPU)",
     "host": "address every process binds and the HTTP server listens on",
     "max_num_seqs": "sequences in flight per rank",
@@ -63,7 +67,8 @@ HELP = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-deepseek-v3", help="checkpoint dir, or tiny-deepseek-v3 / tiny-qwen3-moe")
+    parser.add_argument("--model", required=True,
+                        help="checkpoint dir, or tiny-deepseek-v3 / tiny-qwen3-moe (the embedded random test models)")
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
     parser.add_argument("--ep-size", type=int, default=2, help="number of EP ranks (worker processes)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
