@@ -1,3 +1,19 @@
 import os
+from contextlib import ExitStack
+
+import pytest
+
+from elastic_ep.harness.netns import TestBed, netbed_unavailable
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def netbed():
+    """Makes network test beds: `netbed(n_hosts, **TestBed kwargs)` gives n namespace hosts on a
+    bridge (elastic_ep.harness.netns). Every bed is removed when the test ends, pass or fail.
+    Skips with the reason where this machine cannot make one (not root, no `ip`)."""
+    if reason := netbed_unavailable():
+        pytest.skip(reason)
+    with ExitStack() as beds:
+        yield lambda n_hosts, **kwargs: beds.enter_context(TestBed(n_hosts, **kwargs))
