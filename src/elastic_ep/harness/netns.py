@@ -16,31 +16,36 @@ host's link like any other). Nothing is routed beyond the bridge.
 
 Link controls (all act on the host's `eth0`, so traffic between a host's own processes is never
 touched, and every rule lives inside the host's namespace and dies with it):
-- `set_link(delay_ms, loss_pct, rate_mbit)` shapes the host's outgoing packets; a call replaces
-  the previous shape, `set_link()` restores a clean link. Two hosts each with 20 ms see 40 ms of
-  round trip between them; the test process sees 20 ms to either.
-  With the kernel's `netem` qdisc (when the kernel has it) one qdisc does all three. Without it
-  (`link_emulator="userspace"`): delay = an xtables NFQUEUE rule (iptables-legacy, POSTROUTING)
-  feeding `nfqueue_delay`, a process in the namespace that holds each packet for the delay;
-  loss = an nftables rule on the netdev egress hook dropping that share of IP packets at random;
-  rate = a `tbf` qdisc.
+- `set_link(delay_ms, loss_pct, rate_mbit)` shapes the host's link; a call replaces the previous
+  shape, `set_link()` restores a clean link. A packet between two hosts crosses two links, and
+  each control acts once on one of them:
+  - with the kernel's `netem` qdisc (used when the kernel has it): delay, loss and rate all act on
+    packets leaving the host (one netem qdisc);
+  - without it (`link_emulator="userspace"`): delay and loss act on packets arriving at the host,
+    rate on packets leaving it. Delay: an xtables NFQUEUE rule (iptables-legacy, raw PREROUTING)
+    feeds `nfqueue_delay`, a process in the namespace that holds each packet for the delay. Loss:
+    an nftables rule on the netdev ingress hook drops that share of IP packets at random. Rate:
+    a `tbf` qdisc.
+  So round trips, and anything set on every host, come out the same with either: 20 ms on host
+  a alone makes every a <-> b round trip at least 20 ms; 20 ms on every host makes every one-way
+  trip between hosts at least 20 ms. Which direction of a one-way trip a single host's delay or
+  loss hits depends on the emulator (`bed.link_emulator`).
 - `cut()` drops every IPv4/IPv6 packet in and out of `eth0` (nftables, netdev ingress and
   egress hooks); `heal()` removes that. Processes on a cut host keep running; peers see
   timeouts, never "connection refused", and established connections resume after `heal()`.
 
-Limitations, measured where it matters:
-- The userspace delay stamps a packet when the delayer reads it, so load on the machine adds to
-  the delay (never subtracts). Cost: about 40 us per packet at 0 ms; a 20 ms delay gives
-  20.3-20.6 ms round trips on an idle machine. No jitter and no reordering: the delay is constant.
-- The userspace delay holds packets before they leave the sending host, so TCP's small-queue
-  limit (`tcp_limit_output_bytes` per socket) caps one connection at about that many bytes per
-  delay period. netem has no such cap.
-- Userspace loss acts only on IP packets (ARP passes), and a dropped packet is dropped before
-  the qdisc, where the sending TCP sees it as not sent rather than lost on the wire; netem drops
-  after. Cut keeps ARP too, which is why peers time out instead of getting "no route to host".
-- A delayer that dies leaves the host's outgoing packets unanswered: the link looks cut.
-- `link_emulator="auto"` uses netem when the kernel has it and the userspace path otherwise; the
-  two differ as above. Tests that need one name it.
+Limitations, measured on this project's 2-core machine under other load:
+- The userspace delay stamps a packet when the delayer reads it, so load adds to the delay (never
+  subtracts): 2/10/20 ms give round-trip medians of 2.2/10.25/20.3 ms, with tails of several ms
+  (p99) when the machine is busy. Its own cost is about 10 us per packet (round trip 0.017 ms
+  clean, 0.029 ms through the delayer at 0 ms); it passes more than 1 Gbit/s. The delay is
+  constant: no jitter, no reordering.
+- It delays on the receiving side because holding packets on the sending side would stall TCP:
+  the sender's small-queue limit counts packets it still holds, so one connection would carry a
+  couple of packets per delay period (64 kB took 270 ms at 20 ms). netem releases that hold.
+- Userspace loss and cut act on IP packets only (ARP passes), which is why peers of a cut host
+  time out instead of getting "no route to host".
+- A delayer that dies leaves the packets arriving at its host unanswered: the link looks cut.
 
 Clean-up. `close()` (and leaving the `with` block) stops every process in the bed's namespaces:
 those from `popen` get SIGTERM and `term_grace_s` to exit, then everything still inside a
@@ -232,11 +237,12 @@ class Host:
         shape = LinkShape(delay_ms, loss_pct, rate_mbit)
         if self.bed.link_emulator == "netem":
             self._set_netem(shape)
+            self.link = shape
         else:
             self._set_delay(shape.delay_ms)
             self._set_tbf(shape.rate_mbit)
-        self.link = shape
-        self._write_filters()
+            self.link = shape
+            self._write_filters()
 
     def cut(self) -> None:
         """Make this host unreachable while it keeps running: every IP packet into or out of
@@ -270,15 +276,15 @@ class Host:
                     "burst", str(burst_bytes), "latency", "100ms"])
 
     def _set_delay(self, delay_ms: float) -> None:
-        rule = ["POSTROUTING", "-o", IFNAME, "-j", "NFQUEUE", "--queue-num", "0"]
+        rule = ["PREROUTING", "-i", IFNAME, "-j", "NFQUEUE", "--queue-num", "0"]
         if delay_ms and self._delayer is None:
             self._delayer = self._start_delayer(delay_ms)
-            self._tool(["iptables-legacy", "-t", "mangle", "-A", *rule])
+            self._tool(["iptables-legacy", "-t", "raw", "-A", *rule])
         elif delay_ms:
             self._delayer.stdin.write(f"{delay_ms}\n")
             self._delayer.stdin.flush()
         elif self._delayer is not None:
-            self._tool(["iptables-legacy", "-t", "mangle", "-D", *rule])
+            self._tool(["iptables-legacy", "-t", "raw", "-D", *rule])
             self._stop_delayer()
 
     def _start_delayer(self, delay_ms: float, ready_timeout_s: float = 30.0) -> subprocess.Popen:
@@ -311,7 +317,7 @@ class Host:
             egress.append("meta protocol { ip, ip6 } drop")
             ingress.append("meta protocol { ip, ip6 } drop")
         if self.link.loss_pct and self.bed.link_emulator == "userspace":
-            egress.append(f"meta protocol {{ ip, ip6 }} numgen random mod 100000 < {round(self.link.loss_pct * 1000)} drop")
+            ingress.append(f"meta protocol {{ ip, ip6 }} numgen random mod 100000 < {round(self.link.loss_pct * 1000)} drop")
         script = "table netdev netbed {}\ndelete table netdev netbed\n"
         if egress or ingress:
             chains = [f"chain {hook} {{\ntype filter hook {hook} device \"{IFNAME}\" priority 0\n"
