@@ -8,6 +8,7 @@ ever relative to a measurement in the same test.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -158,6 +159,22 @@ def test_close_leaves_no_namespace_link_rule_or_process(netbed):
     assert _bed_leftovers(bed.tag) == []
     assert [p for p in pids if _alive(p)] == []
     assert _root_rules() == rules_before
+
+
+def test_beds_made_side_by_side_are_apart(netbed):
+    (a,), (b,) = netbed(1).hosts, netbed(1).hosts
+    assert a.addr.rsplit(".", 1)[0] != b.addr.rsplit(".", 1)[0]
+    start_probe(b)
+    assert "Network is unreachable" in a.run([sys.executable, str(PROBE), "reach", b.addr, "1"], check=False).stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping CAP_NET_ADMIN needs root")
+def test_without_cap_net_admin_the_bed_says_why():
+    done = subprocess.run(["setpriv", "--bounding-set", "-net_admin", sys.executable, "-c",
+                           "from elastic_ep.harness.netns import TestBed; TestBed(1)"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "NetbedError: no CAP_NET_ADMIN (not root?)" in done.stderr
 
 
 def test_a_bed_whose_creator_was_killed_is_swept_by_the_next(netbed):

@@ -51,7 +51,8 @@ Clean-up. `close()` (and leaving the `with` block) stops every process in the be
 those from `popen` get SIGTERM and `term_grace_s` to exit, then everything still inside a
 namespace gets SIGKILL; then the links, namespaces and bridge are deleted. A bed whose creator
 died without closing it (SIGKILL) is swept, processes and all, by the next `TestBed` on the
-machine: the creator's pid is in every name.
+machine: the creator's pid is in every name. Beds made at the same time take turns on the lock
+file /run/elastic-ep-netbed.lock while they sweep and claim a subnet.
 
 Needs root (CAP_NET_ADMIN) and `ip`/`tc` (iproute2); the controls also need `nft` (nftables) and
 `iptables-legacy` (iptables): `scripts/install-netbed-deps.sh` installs them.
@@ -96,7 +97,8 @@ def netbed_unavailable() -> str | None:
     cap_eff = next((line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
                     if line.startswith("CapEff:")), "0")
     if not int(cap_eff, 16) >> CAP_NET_ADMIN & 1:
-        return "not root: the network test bed needs CAP_NET_ADMIN to create namespaces and links"
+        return ("no CAP_NET_ADMIN (not root?): the network test bed needs it to create namespaces and "
+                "links; run the tests as root")
     if shutil.which("ip") is None:
         return f"no `ip` command: the network test bed needs iproute2; {INSTALL_HINT}"
     return None
@@ -120,7 +122,7 @@ def _creator_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # another user's process: alive
     return True
 
 
@@ -146,23 +148,18 @@ def _kill_netns_processes(netns: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def sweep_stale_beds() -> list[str]:
-    """Remove the namespaces, links and processes of beds whose creating process is gone;
-    returns the names removed."""
-    removed = []
+def sweep_stale_beds() -> None:
+    """Remove the namespaces, links and processes of beds whose creating process is gone."""
     for netns in _netns_names():
         m = NAME.match(netns)
         if m and not _creator_alive(int(m.group(1), 16)):
             _kill_netns_processes(netns)
             _run(["ip", "link", "del", netns], check=False)
             _run(["ip", "netns", "del", netns])
-            removed.append(netns)
     for link in _link_names():
         m = NAME.match(link)
         if m and not _creator_alive(int(m.group(1), 16)):
             _run(["ip", "link", "del", link], check=False)
-            removed.append(link)
-    return removed
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -183,7 +180,8 @@ def _free_subnet() -> ipaddress.IPv4Network:
 
 @dataclass(frozen=True)
 class LinkShape:
-    """How a host's outgoing packets are shaped; the default is a clean link."""
+    """How a host's link is shaped (which direction each control acts on: module docstring);
+    the default is a clean link."""
 
     delay_ms: float = 0.0
     loss_pct: float = 0.0
@@ -231,9 +229,10 @@ class Host:
         return proc
 
     def set_link(self, delay_ms: float = 0.0, loss_pct: float = 0.0, rate_mbit: float | None = None) -> None:
-        """Shape this host's outgoing packets: a fixed delay, a random loss share, a rate cap.
-        Replaces the previous shape; no arguments restore a clean link. Raises ValueError for
-        impossible values and NetbedError when a tool is missing or the kernel refuses."""
+        """Shape this host's link: a fixed delay, a random loss share, a rate cap (which
+        direction each acts on: module docstring). Replaces the previous shape; no arguments
+        restore a clean link. Raises ValueError for impossible values, NetbedError when a tool
+        is missing, the kernel refuses or the packet delayer died."""
         shape = LinkShape(delay_ms, loss_pct, rate_mbit)
         if self.bed.link_emulator == "netem":
             self._set_netem(shape)
@@ -281,6 +280,9 @@ class Host:
             self._delayer = self._start_delayer(delay_ms)
             self._tool(["iptables-legacy", "-t", "raw", "-A", *rule])
         elif delay_ms:
+            if self._delayer.poll() is not None:
+                raise NetbedError(f"{self.name}: the packet delayer exited ({self._delayer.returncode}): "
+                                  f"{self._delayer.stderr.read().strip()}")
             self._delayer.stdin.write(f"{delay_ms}\n")
             self._delayer.stdin.flush()
         elif self._delayer is not None:
@@ -360,17 +362,17 @@ class TestBed:
     __test__ = False  # not a pytest test class
 
     def __init__(self, n_hosts: int, link_emulator: LinkEmulator = "auto", term_grace_s: float = 5.0):
-        if not 1 <= n_hosts <= 200:
-            raise ValueError(f"n_hosts {n_hosts} is outside 1..200")
+        if not 1 <= n_hosts <= 100:
+            raise ValueError(f"n_hosts {n_hosts} is outside 1..100")
         if reason := netbed_unavailable():
             raise NetbedError(reason)
         self.term_grace_s = term_grace_s
-        self._link_emulator = link_emulator
+        self._link_emulator_asked = link_emulator
+        self._link_emulator: Literal["netem", "userspace"] | None = None
         self.tag = f"{os.getpid():x}x{next(_bed_seq) % 256:x}"
         self.bridge = f"eep{self.tag}br"
         self.hosts: list[Host] = []
         self.closed = False
-        sweep_stale_beds()
         try:
             self._build(n_hosts)
         except BaseException:
@@ -380,7 +382,8 @@ class TestBed:
     def _build(self, n_hosts: int) -> None:
         LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
         with LOCK_PATH.open("w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one bed at a time picks its subnet and claims it
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one bed at a time sweeps, picks its subnet and claims it
+            sweep_stale_beds()
             self.subnet = _free_subnet()
             _run(["ip", "link", "add", self.bridge, "type", "bridge"])
             _run(["ip", "addr", "add", f"{self.subnet[BRIDGE_HOST]}/24", "dev", self.bridge])
@@ -398,12 +401,15 @@ class TestBed:
 
     @property
     def link_emulator(self) -> Literal["netem", "userspace"]:
-        """The mechanism behind set_link: "netem" where the kernel has it (or was asked for)."""
-        if self._link_emulator == "auto":
-            self._link_emulator = "netem" if self._kernel_has_netem() else "userspace"
-        elif self._link_emulator == "netem" and not self._kernel_has_netem():
-            raise NetbedError("this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM): "
-                              "use link_emulator='userspace' or 'auto'")
+        """The mechanism behind set_link, settled on first use: "netem" where the kernel has it
+        (unless "userspace" was asked for). Raises NetbedError when "netem" was asked for and
+        the kernel has none."""
+        if self._link_emulator is None:
+            has_netem = self._link_emulator_asked != "userspace" and self._kernel_has_netem()
+            if self._link_emulator_asked == "netem" and not has_netem:
+                raise NetbedError("this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM): "
+                                  "use link_emulator='userspace' or 'auto'")
+            self._link_emulator = "netem" if has_netem else "userspace"
         return self._link_emulator
 
     def _kernel_has_netem(self) -> bool:
