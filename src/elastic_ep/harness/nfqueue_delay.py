@@ -2,7 +2,7 @@
 time, then accept it.
 
 Run inside a host's network namespace (NFQUEUE queues are per namespace) while an xtables rule
-sends that host's outgoing packets to the queue:
+sends the packets to delay to the queue (the test bed sends those arriving on the host's link):
 
     python nfqueue_delay.py --queue 0 --delay-ms 20
 
@@ -126,8 +126,7 @@ class Delayer:
                 return
             now = time.monotonic()
             for kind, payload in _messages(data):
-                if kind == NLMSG_ERROR and _errno(payload):
-                    err = _errno(payload)
+                if kind == NLMSG_ERROR and (err := _errno(payload)):
                     raise OSError(err, f"nfqueue {self.queue}: verdict refused: {os.strerror(err)}")
                 if kind == (NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_PACKET:
                     packet_id = _packet_id(payload)
@@ -147,6 +146,8 @@ class Delayer:
 
 
 def run(queue: int, delay_ms: float, max_queued: int) -> None:
+    """Serve the queue until stdin ends and every packet held by then is released; raises
+    OSError when the kernel refuses the queue or a verdict."""
     sock = bind_queue(queue, max_queued)
     delayer = Delayer(sock, queue, delay_ms / 1000)
     print("ready", flush=True)
