@@ -40,7 +40,7 @@ def test_disconnect_mid_stream_aborts_the_request(served, path):
     ):
         lines = response.iter_lines()
         first = json.loads(next(line for line in lines if line)[len("data: ") :])
-        request_id = first["id"]
+        request_id = f"{first['id']}-0"
         assert request_id in served.engine.requests
     assert wait_for(lambda: request_id in served.engine.aborted), "the engine never saw the abort"
     assert request_id not in served.engine.finished
@@ -65,6 +65,6 @@ def test_a_stop_string_ends_the_engine_request_too(served):
     response = httpx.post(
         f"{served.url}/v1/completions", json={"prompt": "hi", "max_tokens": 60, "stop": "!"}
     )
-    request_id = response.json()["id"]
+    request_id = f"{response.json()['id']}-0"
     assert response.json()["choices"][0]["finish_reason"] == "stop"
     assert wait_for(lambda: request_id in served.engine.aborted)

@@ -47,6 +47,10 @@ class TextStream:
         self._decode(final=True)
         return self._release(final=True)
 
+    def token_text(self, token_id: int) -> str:
+        """The text of one token alone, special tokens shown (for logprobs)."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
     @property
     def text(self) -> str:
         """All text sent so far, stop string excluded."""
