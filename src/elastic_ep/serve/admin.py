@@ -14,9 +14,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import (
     FileResponse,
-    HTMLResponse,
     JSONResponse,
-    PlainTextResponse,
     RedirectResponse,
     Response,
 )
@@ -55,7 +53,9 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         body = ReadyResponse(ready=readiness.ready, reason=readiness.reason)
         return JSONResponse(body.model_dump(), status_code=200 if readiness.ready else 503)
 
-    @router.get("/metrics", response_class=PlainTextResponse)
+    @router.get(
+        "/metrics", response_class=Response, responses=_text_response("text/plain", "Prometheus text")
+    )
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -68,7 +68,7 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     async def root() -> RedirectResponse:
         return RedirectResponse("/dashboard")
 
-    @router.get("/dashboard", response_class=HTMLResponse)
+    @router.get("/dashboard", response_class=Response, responses=_text_response("text/html", "The dashboard"))
     async def dashboard() -> FileResponse:
         return FileResponse(DASHBOARD_HTML, media_type="text/html")
 
@@ -80,23 +80,20 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     async def is_scaling() -> dict[str, Any]:
         return engine.scale_status()
 
-    @router.api_route(
-        "/start_expert_distribution_record", methods=["GET", "POST"], response_model=RecorderResponse
-    )
+    @router.get("/start_expert_distribution_record", response_model=RecorderResponse)
+    @router.post("/start_expert_distribution_record", response_model=RecorderResponse)
     async def start_record() -> RecorderResponse:
         engine.start_expert_distribution_record()
         return RecorderResponse(status="recording")
 
-    @router.api_route(
-        "/stop_expert_distribution_record", methods=["GET", "POST"], response_model=RecorderResponse
-    )
+    @router.get("/stop_expert_distribution_record", response_model=RecorderResponse)
+    @router.post("/stop_expert_distribution_record", response_model=RecorderResponse)
     async def stop_record() -> RecorderResponse:
         engine.stop_expert_distribution_record()
         return RecorderResponse(status="stopped")
 
-    @router.api_route(
-        "/dump_expert_distribution_record", methods=["GET", "POST"], response_model=dict[str, Any]
-    )
+    @router.get("/dump_expert_distribution_record", response_model=dict[str, Any])
+    @router.post("/dump_expert_distribution_record", response_model=dict[str, Any])
     async def dump_record() -> dict[str, Any]:
         return engine.dump_expert_distribution_record()
 
@@ -113,3 +110,7 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         return engine.chaos(action, body.rank_id, body.delay_s)
 
     return router
+
+
+def _text_response(media_type: str, description: str) -> dict[int | str, dict[str, Any]]:
+    return {200: {"description": description, "content": {media_type: {"schema": {"type": "string"}}}}}

@@ -53,11 +53,13 @@ def _message_text(message: ChatMessage, index: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     for part in message.content:
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise bad_request(
                 f"messages[{index}] has a content part of type {part.type!r}; only text parts are supported",
                 "messages",
             )
+        if part.text is None:
+            raise bad_request(f"messages[{index}] has a text part without 'text'", "messages")
     return "".join(part.text for part in message.content)
 
 
