@@ -165,7 +165,7 @@ def sample_tokens(
     params, seeds, histories: length N; a row's seed is its request's fixed seed.
     eos_token_ids: the model's EOS tokens (banned with stop_token_ids until min_tokens).
     """
-    n, vocab = logits.shape
+    n = logits.shape[0]
     if not len(params) == len(seeds) == len(histories) == n:
         raise ValueError(
             f"{n} logit rows but {len(params)} params, {len(seeds)} seeds, {len(histories)} histories"
@@ -173,12 +173,44 @@ def sample_tokens(
     tokens: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
     for row, p, seed, history in zip(logits, params, seeds, histories, strict=True):
-        raw = _finite(row.double())
-        scores = _processed_logits(raw, p, history, eos_token_ids)
-        token = _draw(scores, p, seed, history.position)
+        probs = token_distribution(row, p, history, eos_token_ids)
+        if p.temperature == 0:
+            token = int(torch.argmax(probs).item())
+        else:
+            token = int(torch.multinomial(probs, 1, generator=_generator(seed, history.position)).item())
         tokens.append(token)
-        logprobs.append(None if p.logprobs is None else _token_logprobs(raw, token, p.logprobs))
+        logprobs.append(None if p.logprobs is None else _token_logprobs(row, token, p.logprobs))
     return SampleOutput(tokens, logprobs)
+
+
+def token_distribution(
+    logits: torch.Tensor, params: SamplingParams, history: TokenHistory, eos_token_ids: Collection[int] = ()
+) -> torch.Tensor:
+    """The distribution `sample_tokens` draws the next token of one sequence from.
+
+    logits: [V] -> [V] float64 probabilities: finite, >= 0, summing to 1 (up to rounding);
+    for greedy (temperature 0), one-hot at the argmax of the processed logits.
+    """
+    scores = _processed_logits(_finite(logits.double()), params, history, eos_token_ids)
+    if params.temperature == 0:
+        return torch.zeros_like(scores).index_fill_(0, torch.argmax(scores), 1.0)
+    # Subtracting the maximum first keeps every value in [-inf, 0] with a 0 at the top, so
+    # the division cannot overflow to +inf and softmax's denominator is at least 1.
+    z = (scores - scores.max()) / params.temperature
+    if params.min_p > 0:
+        # p_i >= min_p * p_max  <=>  z_i - z_max >= log(min_p), and z_max is 0.
+        z = z.masked_fill(z < math.log(params.min_p), -math.inf)
+    if 0 < params.top_k < z.numel():
+        kth = torch.topk(z, params.top_k).values[-1]
+        z = z.masked_fill(z < kth, -math.inf)
+    probs = torch.softmax(z, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before > params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs
 
 
 _F64 = torch.finfo(torch.float64)
@@ -192,15 +224,14 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 def _processed_logits(
     raw: torch.Tensor, p: SamplingParams, history: TokenHistory, eos_token_ids: Collection[int]
 ) -> torch.Tensor:
-    """Steps 1-3 of the module docstring. raw: [V] finite -> [V] finite or -inf (banned),
-    with at least one finite entry."""
+    """Steps 1-3 of the module docstring. raw: [V] finite float64 -> [V] finite or -inf
+    (banned), with at least one finite entry."""
     vocab = raw.numel()
     x = raw
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
-        bias = torch.tensor([b for _, b in p.logit_bias], dtype=torch.float64)
-        keep = ids < vocab
-        x = x.index_add(0, ids[keep], bias[keep])
+    bias = [(t, b) for t, b in p.logit_bias if 0 <= t < vocab]
+    if bias:
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.long)
+        x = x.index_add(0, ids, torch.tensor([b for _, b in bias], dtype=torch.float64))
     if p.repetition_penalty != 1.0:
         seen = torch.zeros(vocab, dtype=torch.bool)
         seen[_ids_in_vocab(history.prompt_token_ids, vocab)] = True
@@ -213,43 +244,20 @@ def _processed_logits(
     x = _finite(x)
     if len(history.output_token_ids) < p.min_tokens:
         banned = torch.zeros(vocab, dtype=torch.bool)
-        banned[_ids_in_vocab(sorted(p.stop_ids(eos_token_ids)), vocab)] = True
+        banned[_ids_in_vocab(p.stop_ids(eos_token_ids), vocab)] = True
         # A vocabulary of stop tokens only leaves nothing to draw: min_tokens cannot hold.
         if not banned.all():
             x = x.masked_fill(banned, -math.inf)
     return x
 
 
-def _ids_in_vocab(ids: Sequence[int], vocab: int) -> torch.Tensor:
-    t = torch.as_tensor(list(ids), dtype=torch.long)
-    return t[(t >= 0) & (t < vocab)]
+def _ids_in_vocab(ids: Collection[int], vocab: int) -> torch.Tensor:
+    return torch.tensor([t for t in ids if 0 <= t < vocab], dtype=torch.long)
 
 
-def _draw(scores: torch.Tensor, p: SamplingParams, seed: int, position: int) -> int:
-    """Step 4. scores: [V] float64, finite or -inf, at least one finite."""
-    if p.temperature == 0:
-        return int(torch.argmax(scores).item())
-    # Subtracting the maximum first keeps every value in [-inf, 0] with a 0 at the top, so
-    # the division cannot overflow to +inf and softmax's denominator is at least 1.
-    z = (scores - scores.max()) / p.temperature
-    if p.min_p > 0:
-        # p_i >= min_p * p_max  <=>  z_i - z_max >= log(min_p), and z_max is 0.
-        z = z.masked_fill(z < math.log(p.min_p), -math.inf)
-    if p.top_k > 0 and p.top_k < z.numel():
-        kth = torch.topk(z, p.top_k).values[-1]
-        z = z.masked_fill(z < kth, -math.inf)
-    probs = torch.softmax(z, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before > p.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=_generator(seed, position)).item())
-
-
-def _token_logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """raw: [V] finite logits -> the log-softmax entry of `token` and the top k."""
-    logprobs = torch.log_softmax(raw, dim=-1)
+def _token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """logits: [V] raw -> the log-softmax entry of `token` and the top k."""
+    logprobs = torch.log_softmax(_finite(logits.double()), dim=-1)
     top = torch.topk(logprobs, min(k, logprobs.numel()))
     pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
     return TokenLogprobs(float(logprobs[token]), pairs)
