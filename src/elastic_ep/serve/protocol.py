@@ -27,6 +27,9 @@ from elastic_ep.model.sampling import (
 MAX_CHOICES = 128
 """Most choices one request may ask for: n, and n times the number of prompts."""
 
+MAX_TOP_K = 2**31 - 1
+"""top_k fits a signed 32-bit integer, so an engine may put it in a tensor."""
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -50,7 +53,9 @@ class _SamplingBody(_Body):
     max_tokens: int | None = Field(None, ge=1, description="at most max_model_len minus the prompt")
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1 = off")
+    top_k: int | None = Field(
+        None, ge=-1, le=MAX_TOP_K, description="0 or -1 = off; above the vocabulary = all"
+    )
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
