@@ -56,7 +56,7 @@ LONG_PROMPT = "x" * MAX_MODEL_LEN
             "greater than or equal to 0",
         ),
         ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400, "top_p", "greater than 0"),
-        ("/v1/completions", b'{"prompt": "hi", "stop": [""]}', 400, "stop", "empty"),
+        ("/v1/completions", b'{"prompt": "hi", "stop": [""]}', 400, "stop.0", "at least 1 character"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages", "empty"),
         (
             "/v1/chat/completions",

@@ -51,11 +51,6 @@ class TextStream:
         """The text of one token alone, special tokens shown (for logprobs)."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    @property
-    def text(self) -> str:
-        """All text sent so far, stop string excluded."""
-        return self._text[: self._sent]
-
     def _decode(self, final: bool) -> None:
         if self._read_offset == len(self._ids):
             return

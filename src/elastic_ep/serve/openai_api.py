@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
@@ -223,8 +224,9 @@ async def _sse_events(
                 )
                 yield _sse(kind.chunk(**head, choices=[first]))
         with_logprobs = choices[0].generation.request.params.logprobs is not None
-        async for i, delta in merge([c.generation for c in choices]):
-            yield _sse(kind.chunk(**head, choices=[kind.chunk_choice(choices[i], delta, with_logprobs)]))
+        async with aclosing(merge([c.generation for c in choices])) as deltas:
+            async for i, delta in deltas:
+                yield _sse(kind.chunk(**head, choices=[kind.chunk_choice(choices[i], delta, with_logprobs)]))
         if usage is not None:
             yield _sse(kind.chunk(**head, choices=[], usage=usage.model()))
     except APIError as e:

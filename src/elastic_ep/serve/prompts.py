@@ -159,8 +159,6 @@ def _check_request_options(body: CompletionRequest | ChatCompletionRequest, voca
         )
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    if any(s == "" for s in stop_strings(body.stop)):
-        raise bad_request("stop strings must not be empty", "stop")
     check_token_ids(body.stop_token_ids or [], vocab_size, "stop_token_ids")
     for key in body.logit_bias or {}:
         if not (key.isascii() and key.isdigit() and int(key) < vocab_size):

@@ -42,6 +42,9 @@ class StreamOptions(_Body):
 
 
 TokenId = Annotated[int, Field(ge=0)]
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
+"""Bounds on `stop`, which is searched after every token on the server's event loop."""
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Penalty = Annotated[float, Field(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)]
 
 
@@ -64,7 +67,9 @@ class _SamplingBody(_Body):
         Field(None, description="token id (as a string) -> bias added to its logit")
     )
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="the text ends before the first of these strings"
+    )
     stop_token_ids: list[TokenId] | None = None
     min_tokens: int = Field(
         0, ge=0, description="EOS and stop_token_ids are not drawn before this many tokens"
