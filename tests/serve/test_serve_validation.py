@@ -5,6 +5,8 @@ implement are refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -113,8 +115,8 @@ def test_unsupported_fields_are_refused_by_name(served, path, field, value):
         ('{"prompt": ["ok", ""]}', "prompt", "empty"),
         ('{"prompt": [[1, 2], []]}', "prompt", "empty"),
         ('{"prompt": "hi", "stop": ["x", ""]}', "stop", "at least 1 character"),
-        ('{"prompt": "hi", "stop": "%s"}' % ("x" * 1025), "stop", "at most 1024 characters"),
-        ('{"prompt": "hi", "stop": [%s]}' % ", ".join(['"x"'] * 65), "stop", "at most 64 items"),
+        (json.dumps({"prompt": "hi", "stop": "x" * 1025}), "stop", "at most 1024 characters"),
+        (json.dumps({"prompt": "hi", "stop": ["x"] * 65}), "stop", "at most 64 items"),
     ],
 )
 def test_fields_that_contradict_each_other_are_refused(served, body, field, needle):
