@@ -172,32 +172,12 @@ def test_missing_tokenizer(capsys, tmp_path, tiny_dirs):
 
 
 def test_generate_takes_every_sampling_parameter_and_prints_logprobs(capsys, tiny_dirs):
+    flags = (
+        "--max-tokens 6 --temperature 0.8 --min-p 0.05 --presence-penalty 0.5 --frequency-penalty 0.5 "
+        "--repetition-penalty 1.2 --min-tokens 6 --stop-token-id 3 --logprobs 2 --json"
+    )
     code, out, _ = run_cli(
-        capsys,
-        "generate",
-        "--model",
-        str(tiny_dirs["qwen3_moe"]),
-        "--prompt",
-        "Hi",
-        "--max-tokens",
-        "6",
-        "--temperature",
-        "0.8",
-        "--min-p",
-        "0.05",
-        "--presence-penalty",
-        "0.5",
-        "--frequency-penalty",
-        "0.5",
-        "--repetition-penalty",
-        "1.2",
-        "--min-tokens",
-        "6",
-        "--stop-token-id",
-        "3",
-        "--logprobs",
-        "2",
-        "--json",
+        capsys, "generate", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", "Hi", *flags.split()
     )
     assert code == 0
     record = json.loads(out)

@@ -97,12 +97,7 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
         return ModelList(data=[card])
 
     @router.post(
-        "/v1/completions",
-        response_model=CompletionResponse,
-        responses={
-            200: event_stream_response(CompletionStreamResponse),
-            **error_responses(400, 404, 500, 503),
-        },
+        "/v1/completions", response_model=CompletionResponse, responses=_answers(CompletionStreamResponse)
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model, info)
@@ -112,10 +107,7 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
     @router.post(
         "/v1/chat/completions",
         response_model=ChatCompletionResponse,
-        responses={
-            200: event_stream_response(ChatCompletionStreamResponse),
-            **error_responses(400, 404, 500, 503),
-        },
+        responses=_answers(ChatCompletionStreamResponse),
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, info)
@@ -174,6 +166,11 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
         return Response(response.model_dump_json(), media_type="application/json")
 
     return router
+
+
+def _answers(event: type[BaseModel]) -> dict[int | str, dict]:
+    """The documented answers of a completions route besides its JSON 200."""
+    return {200: event_stream_response(event), **error_responses(400, 404, 500, 503)}
 
 
 def _chat_text(body: TokenizeChatRequest) -> str:

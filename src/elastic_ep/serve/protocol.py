@@ -186,11 +186,16 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
-class CompletionResponse(BaseModel):
+class _Answer(BaseModel):
+    """What every completion answer and stream event starts with."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+
+
+class CompletionResponse(_Answer):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -198,14 +203,11 @@ class CompletionResponse(BaseModel):
 _ABSENT_IF_NONE = {"default": None, "exclude_if": lambda value: value is None}
 
 
-class CompletionStreamResponse(BaseModel):
+class CompletionStreamResponse(_Answer):
     """One server-sent event of a streamed completion; `usage` only in the last event, and
     only with stream_options.include_usage."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = Field(**_ABSENT_IF_NONE)
 
@@ -236,11 +238,8 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Answer):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -259,13 +258,10 @@ class ChatStreamChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_Answer):
     """One server-sent event of a streamed chat completion (see CompletionStreamResponse)."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = Field(**_ABSENT_IF_NONE)
 
