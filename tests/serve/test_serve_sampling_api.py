@@ -225,3 +225,9 @@ def test_tokenize_and_detokenize_as_vllm(served):
     assert (outside.status_code, outside.json()["error"]["param"]) == (400, "tokens")
     unknown = httpx.post(f"{served.url}/tokenize", json={"prompt": "x", "model": "gpt-4"})
     assert unknown.status_code == 404
+
+
+def test_an_engine_error_keeps_its_message_when_logprobs_were_asked(served):
+    response = httpx.post(f"{served.url}/v1/completions", json={"prompt": "[error]", "logprobs": 1})
+    assert response.status_code == 500
+    assert "rank 2 lost its KV cache" in response.json()["error"]["message"]

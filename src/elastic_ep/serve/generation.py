@@ -88,7 +88,7 @@ class Generation:
         held: list[TextLogprob] = []
         while event is not None:
             self.timer.tokens(len(event.new_token_ids))
-            held += self._guarded(lambda e=event: self._logprobs(e))
+            held += self._logprobs(event)
             text = self._guarded(lambda e=event: self._text.add(e.new_token_ids))
             if self._text.stopped:
                 yield Delta(text, "stop", held)
@@ -104,21 +104,26 @@ class Generation:
             event = await self._next()
 
     def _logprobs(self, event: RequestOutput) -> list[TextLogprob]:
-        if self.request.params.logprobs is None:
+        if self.request.params.logprobs is None or not event.new_token_ids:
             return []
         if event.logprobs is None or len(event.logprobs) != len(event.new_token_ids):
-            raise ValueError(
-                f"the engine sent {len(event.logprobs or [])} logprobs for {len(event.new_token_ids)} tokens"
+            raise APIError(
+                500,
+                f"the engine sent {len(event.logprobs or [])} logprobs for {len(event.new_token_ids)} tokens "
+                f"of request {self.request.request_id}, which asked for logprobs",
+                code="engine_error",
             )
-        token_text = self._text.token_text
-        return [
-            TextLogprob(
-                token_text(token),
-                max(lp.logprob, MIN_LOGPROB),
-                [(token_text(t), max(v, MIN_LOGPROB)) for t, v in lp.top],
-            )
-            for token, lp in zip(event.new_token_ids, event.logprobs, strict=True)
-        ]
+        text = self._text.token_text
+        return self._guarded(
+            lambda: [
+                TextLogprob(
+                    text(token),
+                    max(lp.logprob, MIN_LOGPROB),
+                    [(text(t), max(v, MIN_LOGPROB)) for t, v in lp.top],
+                )
+                for token, lp in zip(event.new_token_ids, event.logprobs, strict=True)
+            ]
+        )
 
     def _guarded(self, step: Callable[[], T]) -> T:
         try:
