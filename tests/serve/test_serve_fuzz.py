@@ -26,7 +26,7 @@ def http(served):
 
 
 @settings(
-    max_examples=400,
+    max_examples=800,
     deadline=None,
     derandomize=True,
     database=None,
