@@ -37,7 +37,7 @@ def test_greedy_and_streaming_match_generate_then_eplb_rebalances_and_output_sta
     expected = reference("tiny-deepseek-v3", tuple(PROMPTS), MAX_TOKENS)
     texts = concurrently(lambda p: ep4.complete(p, MAX_TOKENS, temperature=0), PROMPTS)
     assert texts == list(expected)
-    streamed = concurrently(lambda p: ep4.stream(p, MAX_TOKENS, temperature=0)[0], PROMPTS[:3])
+    streamed = concurrently(lambda p: ep4.stream(p, MAX_TOKENS, temperature=0), PROMPTS[:3])
     assert streamed == list(expected[:3])
 
     cluster = ep4.wait_for(

@@ -30,6 +30,7 @@ import uvicorn
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from elastic_ep.control.api import (
+    ChaosOrder,
     EngineInfo,
     GenerationRequest,
     Readiness,
@@ -150,7 +151,7 @@ class ScriptedEngine:
     def readiness(self) -> Readiness:
         return self.ready
 
-    def cluster(self) -> dict:
+    def cluster(self, events_since: int | None = None, events_limit: int | None = 50) -> dict:
         return sample_cluster(self.ep_size)
 
     def start_expert_distribution_record(self) -> None:
@@ -162,7 +163,7 @@ class ScriptedEngine:
     def dump_expert_distribution_record(self) -> dict:
         return {"path": "/tmp/expert_load.pt", "layers": 2, "experts": 8, "tokens": 123}
 
-    def scale(self, new_ep_size: int) -> dict:
+    async def scale(self, new_ep_size: int) -> dict:
         if new_ep_size > 8:
             raise ScaleRejected(f"new_ep_size {new_ep_size} exceeds --max-ep-size 8", 400)
         if self.scaling_to is not None:
@@ -175,9 +176,9 @@ class ScriptedEngine:
     def scale_status(self) -> dict:
         return {"is_scaling": self.scaling_to is not None, "state": "pending" if self.scaling_to else "idle"}
 
-    def chaos(self, action: str, rank_id: int, delay_s: float = 0.0) -> dict:
-        self.chaos_calls.append((action, rank_id, delay_s))
-        return {"action": action, "rank_id": rank_id, "delay_s": delay_s}
+    def chaos(self, order: ChaosOrder) -> dict:
+        self.chaos_calls.append((order.action, order.rank_id, order.delay_s))
+        return {"action": order.action, "rank_id": order.rank_id, "delay_s": order.delay_s}
 
 
 SLOW_RANK = 2

@@ -25,9 +25,9 @@ import httpx
 import psutil
 import torch
 
-from elastic_ep.control.server_process import ServerProcess
 from elastic_ep.demo_view import LiveView, StreamState, fmt_bytes, fmt_ms, format_table
 from elastic_ep.errors import ElasticEPError
+from elastic_ep.harness.server_process import ServerProcess
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.engine import OfflineEngine, greedy
 from elastic_ep.model.tiny import resolve_model

@@ -11,12 +11,12 @@ import threading
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from elastic_ep.control.agent import NodeAgent
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
+from elastic_ep.node.agent import NodeAgent
 
 # SGLang's flag name, kept as an alias.
 ALIASES = {"elastic_ep_scale_timeout_s": ["--elastic-ep-scale-timeout"]}
@@ -57,6 +57,8 @@ HELP = {
                              "then move to the others",
     "health_checks": "heartbeat and watchdog detection (off only to measure their cost)",
     "health_check_period_s": "how often the controller runs the heartbeat and watchdog checks",
+    "expert_sweep_interval_s": "background check of expert slots: how often each rank checksums a few slots",
+    "expert_sweep_slots": "slots each rank checksums per background check (0: no background check)",
 }
 
 
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(model_dir)
     from elastic_ep.serve.app import create_app
 
-    app = create_app(controller, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
+    app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
     agent = NodeAgent(controller.health_addr, args.node, cfg.host,
                       args.ep_size if args.local_ranks is None else args.local_ranks)
     agent_stop = threading.Event()

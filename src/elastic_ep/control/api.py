@@ -1,6 +1,6 @@
 """The contract between the HTTP server (`serve/`) and the engine that runs requests.
 
-The controller (`control/controller.py`) implements `Engine`; the HTTP app only talks to
+The controller's facade (`control/engine.py`) implements `Engine`; the HTTP app only talks to
 this protocol, so it can be exercised in tests with any engine that honours it.
 Token ids only cross this boundary: the HTTP layer tokenizes, detokenizes and applies stop
 strings; the engine schedules, runs steps on the ranks and survives their faults.
@@ -81,6 +81,24 @@ class ScaleRejected(ElasticEPError):
         self.status = status
 
 
+@dataclass(frozen=True)
+class ChaosOrder:
+    """A fault to inject. action: kill (SIGKILL), hang (SIGSTOP), resume (SIGCONT), slow (the rank
+    sleeps `delay_s` per step), corrupt (overwrite expert slot (`layer`, `slot`) of the rank; by
+    default its first occupied slot). `at_next_epoch`: for kill and hang, act right after the
+    next epoch is announced, so the fault lands while that epoch forms."""
+
+    action: str
+    rank_id: int
+    delay_s: float = 0.0
+    layer: int | None = None
+    slot: int | None = None
+    at_next_epoch: bool = False
+
+
+CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt")
+
+
 @dataclass
 class EngineInfo:
     model_name: str
@@ -100,8 +118,9 @@ class Engine(Protocol):
 
     def readiness(self) -> Readiness: ...
 
-    def cluster(self) -> dict[str, Any]:
-        """JSON for GET /cluster: epoch, ranks, scale state, deadlines, recent events.
+    def cluster(self, events_since: int | None = None, events_limit: int | None = 50) -> dict[str, Any]:
+        """JSON for GET /cluster: epoch, ranks, scale state, deadlines, events: the last
+        `events_limit` (None: all kept, up to 1000), only those with id > `events_since` if given.
 
         The dashboard (serve/static/dashboard.html) reads these fields; any may be missing
         or null, extra fields are shown as they are:
@@ -115,7 +134,10 @@ class Engine(Protocol):
                       "heartbeat_age_s": float, "ready": bool,  # ready: serves in a verified epoch
                       "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
            "scale": scale_status(), "deadlines": {name: seconds},
-           "events": [{"time_s": unix seconds, "kind": str, "rank_id": int | None, "message": str}, ...]}
+           "events": [{"id": int, "time_s": unix seconds, "kind": str, "rank_id": int | None,
+                       "message": str, ...details}, ...]}
+        Rank states are `control.ranks.RankStatus` values: starting, serving, draining, fencing,
+        fenced, dead, retiring.
         """
         ...
 
@@ -128,7 +150,7 @@ class Engine(Protocol):
         returns {"path": ..., "layers": L, "experts": E, "tokens": n}."""
         ...
 
-    def scale(self, new_ep_size: int) -> dict[str, Any]:
+    async def scale(self, new_ep_size: int) -> dict[str, Any]:
         """Start a scale to `new_ep_size` in the background; returns
         {"old_ep_size", "new_ep_size"}. Raises ScaleRejected."""
         ...
@@ -138,7 +160,7 @@ class Engine(Protocol):
         scale_phase, last_error, old_ep_size, new_ep_size, elapsed_s (see control/scaling.py)."""
         ...
 
-    def chaos(self, action: str, rank_id: int, delay_s: float = 0.0) -> dict[str, Any]:
-        """Fault injection (only when served with --enable-chaos): action is one of
-        kill, hang, resume, slow, cut."""
+    def chaos(self, order: ChaosOrder) -> dict[str, Any]:
+        """Fault injection (only when served with --enable-chaos); returns what was done to
+        which process. Raises ElasticEPError for an unknown rank, slot or action."""
         ...

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from elastic_ep.control.api import GenerationRequest
+from elastic_ep.wire import ChunkPlan
 
-from .messages import ChunkPlan
+from .api import GenerationRequest
 
 
 @dataclass

@@ -11,16 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
-from fastapi.responses import (
-    FileResponse,
-    JSONResponse,
-    RedirectResponse,
-    Response,
-)
+from fastapi import APIRouter, Query
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from elastic_ep.control.api import Engine
+from elastic_ep.control.api import CHAOS_ACTIONS, ChaosOrder, Engine
 from elastic_ep.serve.errors import APIError
 from elastic_ep.serve.openapi import error_responses
 from elastic_ep.serve.protocol import (
@@ -32,7 +27,6 @@ from elastic_ep.serve.protocol import (
     ScaleResponse,
 )
 
-CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "cut")
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 
 
@@ -60,9 +54,12 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @router.get("/cluster", response_model=dict[str, Any])
-    async def cluster() -> dict[str, Any]:
+    async def cluster(
+        events: int = Query(50, ge=0, description="the last N events (0: all kept, up to 1000)"),
+        since: int | None = Query(None, ge=0, description="only events with an id above this"),
+    ) -> dict[str, Any]:
         """The cluster view; its fields are documented on `Engine.cluster` (control/api.py)."""
-        return engine.cluster()
+        return engine.cluster(since, events or None)
 
     @router.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:
@@ -74,7 +71,7 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
 
     @router.post("/scale_elastic_ep", response_model=ScaleResponse, responses=error_responses(400, 409))
     async def scale(body: ScaleRequest) -> dict[str, Any]:
-        return engine.scale(body.new_ep_size)
+        return await engine.scale(body.new_ep_size)
 
     @router.get("/is_scaling_elastic_ep", response_model=dict[str, Any])
     async def is_scaling() -> dict[str, Any]:
@@ -107,7 +104,9 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
             )
         if action not in CHAOS_ACTIONS:
             raise APIError(404, f"unknown chaos action {action!r}; use one of {', '.join(CHAOS_ACTIONS)}")
-        return engine.chaos(action, body.rank_id, body.delay_s)
+        return engine.chaos(
+            ChaosOrder(action, body.rank_id, body.delay_s, body.layer, body.slot, body.at_next_epoch)
+        )
 
     return router
 

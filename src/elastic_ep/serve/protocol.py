@@ -145,6 +145,9 @@ class ScaleRequest(_Body):
 class ChaosRequest(_Body):
     rank_id: int
     delay_s: float = Field(0.0, ge=0, le=3600)
+    layer: int | None = Field(None, description="corrupt: the MoE layer index of the slot")
+    slot: int | None = Field(None, description="corrupt: the slot within the rank")
+    at_next_epoch: bool = Field(False, description="kill / hang: right after the next epoch is announced")
 
 
 # ---- responses ----------------------------------------------------------------------------
