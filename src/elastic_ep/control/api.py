@@ -13,27 +13,41 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One request as the engine sees it. `seed` is fixed at admission so that a
-    recomputation after a fault draws the same tokens."""
+    """One request as the engine sees it: one prompt, one sequence (the HTTP layer turns
+    `n` choices and lists of prompts into one GenerationRequest each).
+
+    The engine samples every token with `model.sampling.sample_tokens(logits, [params],
+    [seed], [TokenHistory(prompt_token_ids, output so far)], eos_token_ids)`, so a token is a
+    pure function of (seed, position, logits, history) and a recomputation after a fault draws
+    the same one. `seed` is fixed at admission (params.seed is the client's, maybe None).
+    It finishes the request with "stop" on a token in `params.stop_ids(eos_token_ids)`,
+    "length" after `params.max_tokens` tokens or at max_model_len; the sampler already keeps
+    stop tokens out before `params.min_tokens`.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
-    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.params.stop_token_ids
 
 
 @dataclass(frozen=True)
 class RequestOutput:
     """One event of a request's stream: the tokens produced since the last event.
 
-    finish_reason: None while running; "stop" (EOS or a stop token), "length"
+    finish_reason: None while running; "stop" (EOS or a stop token id), "length"
     (max_tokens or max_model_len), "abort" (client gone), "error" (see `error`).
+    logprobs: when `params.logprobs` is not None, one `TokenLogprobs` per token of
+    `new_token_ids`, as `sample_tokens` returned it; else None.
     """
 
     request_id: str
@@ -41,6 +55,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
