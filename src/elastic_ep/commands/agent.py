@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import threading
 
+from elastic_ep.errors import ElasticEPError
 from elastic_ep.node.agent import NodeAgent
 
 
@@ -27,14 +29,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --auto-recover: wait before the first restart, doubled per death in a row (default 1)")
     parser.add_argument("--restart-backoff-max-s", type=float, default=30.0,
                         help="with --auto-recover: longest wait between restarts (default 30)")
-    parser.add_argument("--advertise-host", default="127.0.0.1",
-                        help="address other nodes reach this agent's expert backup at (default 127.0.0.1)")
+    parser.add_argument("--advertise-host", default=None,
+                        help="this host's address: other nodes reach its agent (backup, dense weights) and its ranks' "
+                             "data plane there (default: the address of the interface that reaches the controller)")
+    parser.add_argument("--lease-s", type=float, default=5.0,
+                        help="with no word from the controller this long, kill this node's ranks and register "
+                             "again in recover mode (the node fences itself when it is cut off)")
+
+
+def address_towards(controller: str) -> str:
+    """The address of this host's interface that routes to `controller` (tcp://HOST:PORT). A
+    UDP connect only looks up the route: nothing is sent."""
+    host, _, port = controller.removeprefix("tcp://").rpartition(":")
+    try:
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host.strip("[]"), int(port)))
+            return s.getsockname()[0]
+    except (OSError, ValueError) as e:
+        raise ElasticEPError(f"no route to the controller {controller} ({e}); check --controller, or pass this "
+                             "host's address with --advertise-host") from None
 
 
 def run(args: argparse.Namespace) -> int:
     controller = args.controller if args.controller.startswith("tcp://") else f"tcp://{args.controller}"
-    agent = NodeAgent(controller, args.node, args.advertise_host, args.ranks, args.stop_grace_s, args.join_mode,
-                      args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s)
+    if args.lease_s <= 0:
+        raise ElasticEPError(f"--lease-s must be > 0 seconds, got {args.lease_s}")
+    host = args.advertise_host or address_towards(controller)
+    agent = NodeAgent(controller, args.node, host, args.ranks, args.stop_grace_s, args.join_mode,
+                      args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s)
+    print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -28,7 +28,9 @@ HELP = {
     "redundant_experts": "extra expert slots in all; (experts + K) must divide by --ep-size (aliases: vLLM's "
                          "--num-redundant-experts, SGLang's --ep-num-redundant-experts)",
     "backend": "data plane: gloo (CPU) or nccl (GPU)",
-    "host": "address every process binds and the HTTP server listens on",
+    "host": "address the HTTP server listens on, and the controller binds unless --advertise-host says otherwise",
+    "advertise_host": "this host's address for the control plane and the store, what agents and workers on other "
+                      "hosts reach (default: --host); needed when --host is 0.0.0.0",
     "max_num_seqs": "sequences in flight per rank",
     "max_model_len": "longest prompt plus output, tokens",
     "max_num_batched_tokens": "tokens per rank per step (chunked prefill)",
@@ -65,6 +67,10 @@ HELP = {
     "expert_sweep_slots": "slots each rank checksums per background check (0: no background check)",
     "isolation_max_steps": "a step that fails with every rank alive is re-run without suspect requests to find the "
                            "one at fault; after this many steps the remaining suspects end with an error",
+    "agent_timeout_s": "a node whose agent is silent this long is lost (host down or cut off): its ranks are "
+                       "dropped at once",
+    "lease_s": "an agent that has not heard the controller this long kills its workers and registers again "
+               "(the same for the agent of this node)",
 }
 
 
@@ -76,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--node", default="node0", help="this node's name (failure domain)")
     parser.add_argument("--local-ranks", type=int, default=None,
-                        help="ranks started on this node (default --ep-size; others come from `elastic-ep agent`)")
+                        help="ranks started on this node (default --ep-size; others come from `elastic-ep agent`; "
+                             "0: a controller with no workers and no agent here)")
     for f in dataclasses.fields(ServeConfig):
         if f.name not in HELP:
             continue
@@ -108,11 +115,15 @@ def run(args: argparse.Namespace) -> int:
     from elastic_ep.serve.app import create_app
 
     app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
-    agent = NodeAgent(controller.health_addr, args.node, cfg.host,
-                      args.ep_size if args.local_ranks is None else args.local_ranks)
+    local_ranks = args.ep_size if args.local_ranks is None else args.local_ranks
+    if local_ranks < 0:
+        raise ElasticEPError(f"--local-ranks must be >= 0, got {local_ranks}")
     agent_stop = threading.Event()
-    agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
-    agent_thread.start()
+    agent_thread = threading.Thread(name="agent", daemon=True)
+    if local_ranks:
+        agent = NodeAgent(controller.health_addr, args.node, cfg.control_host, local_ranks, lease_s=cfg.lease_s)
+        agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
+        agent_thread.start()
     # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.
     controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
     controller.start()
@@ -128,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         controller.stop()
         agent_stop.set()
-        agent_thread.join(10)
+        if agent_thread.is_alive():
+            agent_thread.join(10)
     if controller.fatal:
         raise ElasticEPError(f"the cluster stopped: {controller.fatal}")
     return 0

@@ -127,11 +127,12 @@ class Engine(Protocol):
         or null, extra fields are shown as they are:
           {"time_s": unix seconds of the snapshot, "epoch": int, "ep_size": int,
            "ranks": [{"rank_id": int, "node": str, "pid": int | None,
-                      "state": "serving" | "joining" | "draining" | "hung" | "dead" | "fenced" | ...,
+                      "state": a RankStatus value (below),
                       "slots": {"used": int, "total": int}, "requests": int,
                       "step_ms": {"p50", "p99", "max"},   # step time of the recent window
                       "wait_ms": {"p50", "p99"},            # collective (all-to-all) wait per step
                       "own_ms": {"p50", "p99", "max"},      # step less collective wait
+                      "link_ms": {"p50", "p99", "max"},     # control-plane round trip less the step
                       "heartbeat_age_s": float, "ready": bool,  # ready: serves in a verified epoch
                       "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
            "scale": scale_status(), "deadlines": {name: seconds},

@@ -19,6 +19,7 @@ class ServeConfig:
     redundant_experts: int = 0
     backend: str = "gloo"
     host: str = "127.0.0.1"
+    advertise_host: str = ""
     max_num_seqs: int = 32
     max_model_len: int = 1024
     max_num_batched_tokens: int = 256
@@ -51,6 +52,14 @@ class ServeConfig:
     expert_sweep_interval_s: float = 0.5
     expert_sweep_slots: int = 4
     isolation_max_steps: int = 24
+    agent_timeout_s: float = 1.0
+    lease_s: float = 5.0
+
+    @property
+    def control_host(self) -> str:
+        """Where the control plane and the store bind and what agents and workers reach:
+        --advertise-host, else --host."""
+        return self.advertise_host or self.host
 
     @property
     def max_ranks(self) -> int:
@@ -65,6 +74,10 @@ class ServeConfig:
 
 def check_config(cfg: ServeConfig, config: MoEConfig) -> int:
     """Refuse a deployment that cannot start, naming the flag to change; returns slots per rank."""
+    if cfg.control_host in ("0.0.0.0", "::", ""):
+        raise ElasticEPError(
+            f"--host {cfg.host} listens on every interface, but agents and workers need one address to reach the "
+            "controller: pass this host's address with --advertise-host")
     total_slots = config.num_experts + cfg.redundant_experts
     if cfg.ep_size < 1 or total_slots % cfg.ep_size:
         raise ElasticEPError(

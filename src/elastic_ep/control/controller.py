@@ -32,6 +32,7 @@ from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
+    AgentAlive,
     AgentBye,
     AgentHello,
     BackupReady,
@@ -98,10 +99,10 @@ class Controller:
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.streams = Streams(self.scheduler)
         self.detector = FaultDetector(cfg)
-        self.plane = ControlPlane(cfg.host)
-        self.store_port = _free_port(cfg.host)
+        self.plane = ControlPlane(cfg.control_host)
+        self.store_port = _free_port(cfg.control_host)
         self.store = dist.TCPStore(
-            cfg.host, self.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+            cfg.control_host, self.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
         )
         self.isolation = Isolation(self.streams, self.cluster.events, self.fault, cfg.isolation_max_steps)
         self.steps = StepLoop(self.cluster, cfg, self.plane, self.scheduler, self.detector, self.metrics,
@@ -190,6 +191,7 @@ class Controller:
         c = self.cluster
         for fault in self.detector.check(now, c.ranks, c.members, bool(self.steps.in_step), c.epoch):
             self.fault(fault)
+        self.nodes.check_agents(now)
         self.nodes.restart_due(now)
         self.publish(throttle_s=0.25)
 
@@ -199,6 +201,8 @@ class Controller:
             r = self.cluster.ranks.get(msg.rank_id)
             if r is not None and r.pid == msg.pid:
                 self.detector.heartbeat(r, msg, self.cluster.epoch, time.monotonic())
+        elif isinstance(msg, AgentAlive):
+            nodes.on_agent_alive(inbound.identity, msg)
         elif isinstance(msg, StepResult | StepFailed):
             self.steps.on_reply(msg)
         elif isinstance(msg, EpochReady | EpochFailed):

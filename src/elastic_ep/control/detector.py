@@ -42,6 +42,7 @@ class FaultCause(str, Enum):
     NO_ANSWER = "no_answer"  # did not leave a failed step within --drain-timeout-s
     NOT_JOINED = "did_not_join"  # did not join a new epoch within --epoch-timeout-s
     STEP_ERRORS = "step_errors"  # its computation fails with no request to blame (control/isolation.py)
+    NODE_LOST = "node_lost"  # its node's agent went silent for --agent-timeout-s (host lost or cut off)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ class EventKind(str, Enum):
     BACKUP = "backup"  # a node's host-memory backup was written (or is off)
     BACKUP_LOST = "backup-lost"  # a node's backup can no longer be used
     REPLACE = "replace"  # a down rank moves to a replacement node
+    AGENT = "agent"  # a node's agent registered (or registered again)
+    NODE_LOST = "node-lost"  # a node's agent went silent: its ranks are faults
     RETIRED = "retired"  # a rank left the cluster
     SCALE = "scale"  # a scale started or finished
     SCALE_FAILED = "scale-failed"

@@ -74,6 +74,7 @@ class RankInfo:
     wait_s: deque = field(default_factory=lambda: deque(maxlen=256))
     own_s: deque = field(default_factory=lambda: deque(maxlen=256))
     slot_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
+    link_s: deque = field(default_factory=lambda: deque(maxlen=256))  # controller <-> rank round trip less step
     hello: WorkerHello | None = None
 
     def view(self, location: ExpertLocation | None, total_slots: int, requests: int, delay_s: float,
@@ -88,6 +89,8 @@ class RankInfo:
             "requests": requests,
             "step_ms": percentiles_ms(self.step_s), "wait_ms": percentiles_ms(self.wait_s),
             "own_ms": percentiles_ms(self.own_s),
+            # a rank behind a slow link shows here (slow, not dead)
+            "link_ms": percentiles_ms(self.link_s),
             "heartbeat_age_s": round(now - self.last_heartbeat, 3) if self.last_heartbeat else None,
             "progress": vars(self.progress),
             # the per-rank gate: requests go to a rank only once it serves in a verified epoch
@@ -99,13 +102,17 @@ class RankInfo:
 
 @dataclass
 class AgentInfo:
-    """One node agent: its control-plane identity, its fetch address (backup and dense weights),
-    how many ranks it offers, and its host-memory backup once written."""
+    """One node agent: its control-plane identity and session, its host address, its fetch
+    address (backup and dense weights), how many ranks it offers, when it was last heard
+    (monotonic), and its host-memory backup once written."""
 
     node: str
     identity: bytes
     fetch_addr: str
     num_ranks: int
     auto_recover: bool = False
+    session: str = ""
+    host: str = ""
+    last_alive: float = 0.0
     backup: BackupSite | None = None
     backup_experts: list[tuple[int, int]] = field(default_factory=list)

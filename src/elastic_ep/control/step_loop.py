@@ -55,11 +55,14 @@ class StepLoop:
         self.in_step: set[int] = set()  # members of the step in flight
         self.failed_batch: StepBatch | None = None  # the batch of the step recovery re-runs
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
+        self._sent_at = 0.0
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
             return
         self.replies[msg.rank_id] = msg
+        if isinstance(msg, StepResult):  # the control plane's round trip to this rank, its step time left out
+            self.cluster.ranks[msg.rank_id].link_s.append(max(time.perf_counter() - self._sent_at - msg.step_s, 0.0))
         if isinstance(msg, StepFailed) and msg.kind == StepErrorKind.COLLECTIVE:
             self.detector.error(f"rank {msg.rank_id}: {msg.error}")
 
@@ -73,7 +76,7 @@ class StepLoop:
         c.step += 1
         self.replies = {}
         self.in_step = set(c.members)
-        start = time.perf_counter()
+        start = self._sent_at = time.perf_counter()
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
         for rank_id in c.members:

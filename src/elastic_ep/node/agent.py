@@ -4,7 +4,8 @@ the node's share of the expert backup in shared memory.
 It reports a worker's exit the moment it happens (one thread blocked in `wait()` per worker),
 kills a rank on the controller's `FenceWorker` and confirms once the process is gone, sends
 signals for fault injection, and answers `BackupFetch` and `DenseFetch` from workers of other
-nodes on its own ROUTER socket. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
+nodes on its own ROUTER socket. It holds a lease on the controller (node/lease.py): cut off
+for `lease_s`, it kills its workers itself and registers again in recover mode. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
 one alone. With `auto_recover` it starts a rank that died again itself (join_mode recover),
 after a backoff that doubles with every death in a row, up to `backoff_max_s`.
 On shutdown it terminates its workers (SIGTERM, then SIGKILL after `stop_grace_s`) and removes
@@ -26,6 +27,7 @@ import zmq
 
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.wire import (
+    AgentAlive,
     AgentBye,
     AgentHello,
     AgentShutdown,
@@ -38,6 +40,8 @@ from elastic_ep.wire import (
     DenseFetch,
     DenseTensors,
     FenceWorker,
+    LeaseRenew,
+    SessionEnded,
     SignalWorker,
     StartWorker,
     WorkerArgs,
@@ -50,6 +54,7 @@ from elastic_ep.wire import (
 )
 
 from .backup_file import read_backup, read_dense, write_backup
+from .lease import Lease
 
 
 @dataclass
@@ -63,8 +68,10 @@ class _Child:
 
 class NodeAgent:
     """controller_addr: the controller's health socket (tcp://host:port); node: this failure
-    domain's name; advertise_host: the address other nodes reach this agent's backup at;
-    num_ranks: how many ranks this node offers (the controller assigns their rank_ids);
+    domain's name; advertise_host: this host's address: other nodes reach this agent's backup
+    there, and its workers bind their data plane to it; lease_s: how long its ranks run without
+    word from the controller; num_ranks: how many ranks this node offers (the controller
+    assigns their rank_ids);
     join_mode: "recover" for a replacement node that takes over ranks that are down;
     auto_recover: restart dead ranks here, `backoff_s` after the first death, doubling up to
     `backoff_max_s`; a rank that ran `backoff_reset_s` before dying starts the count again."""
@@ -81,8 +88,11 @@ class NodeAgent:
         backoff_s: float = 1.0,
         backoff_max_s: float = 30.0,
         backoff_reset_s: float = 60.0,
+        lease_s: float = 5.0,
     ):
         self.node = node
+        self.host = advertise_host
+        self.lease = Lease(lease_s)
         self.stop_grace_s = stop_grace_s
         self.num_ranks = num_ranks
         self.join_mode = join_mode
@@ -94,6 +104,9 @@ class NodeAgent:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"a{node}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        # notice a connection that died silently (a cut link) and connect again once it heals
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 250)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)
         self.sock.connect(controller_addr)
         self.fetch = self.ctx.socket(zmq.ROUTER)
         self.fetch.setsockopt(zmq.LINGER, 0)
@@ -111,16 +124,13 @@ class NodeAgent:
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve until AgentShutdown or `stop` is set; then stop every worker."""
         stop = stop or threading.Event()
-        self.sock.send(
-            encode(AgentHello(self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available,
-                              self.num_ranks, self.join_mode, self.auto_recover))
-        )
         poller = zmq.Poller()
         for s in (self.sock, self.fetch, self.events):
             poller.register(s, zmq.POLLIN)
         try:
             while not stop.is_set():
-                ready = dict(poller.poll(50))
+                self._keep_lease(time.monotonic())
+                ready = dict(poller.poll(20))
                 if self.events in ready:
                     self.sock.send(self.events.recv())
                 if self.fetch in ready:
@@ -131,10 +141,49 @@ class NodeAgent:
         finally:
             self.shutdown()
 
+    def _keep_lease(self, now: float) -> None:
+        """Register until welcomed, say alive while welcomed, fence this node when the lease ran out."""
+        if self.lease.expired(now):
+            self._fence_node(f"no word from the controller for {self.lease.lease_s:g}s (--lease-s)")
+        if self.lease.hello_due(now):
+            self.sock.send(encode(AgentHello(
+                self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available, self.num_ranks,
+                self.join_mode, self.auto_recover, self.lease.session, self.host)))
+        if self.lease.alive_due(now):
+            self.sock.send(encode(AgentAlive(self.node, self.lease.session)))
+
+    def _fence_node(self, why: str) -> None:
+        """Kill every worker of this node (no restart) and register again, in recover mode."""
+        with self._lock:
+            children = list(self.children.values())
+            for child in children:
+                child.fencing, child.final = True, True
+            self.restart_at.clear()
+        for child in children:
+            self._signal(child.proc.pid, signal.SIGKILL)
+        print(f"elastic-ep agent {self.node}: fenced its {len(children)} ranks: {why}; registering again",
+              file=sys.stderr, flush=True)
+        self.join_mode = "recover"
+        self.lease.restart()
+
     def _handle(self, msg) -> bool:
+        now = time.monotonic()
         if isinstance(msg, AgentWelcome):
-            self.launch = msg.launch
-        elif isinstance(msg, BackupAssign):
+            if self.lease.welcome(msg.session, now):
+                self.launch = msg.launch
+            return True
+        if isinstance(msg, LeaseRenew):
+            self.lease.renew(msg.session, now)
+            return True
+        if isinstance(msg, SessionEnded):
+            if msg.session == self.lease.session:
+                self._fence_node(f"the controller ended this session: {msg.reason}")
+            return True
+        if isinstance(msg, AgentShutdown):
+            return False
+        if not self.lease.welcomed:  # an order to a session that ended
+            return True
+        if isinstance(msg, BackupAssign):
             threading.Thread(target=self._build_backup, args=(msg.items,), daemon=True).start()
         elif isinstance(msg, StartWorker):
             with self._lock:
@@ -144,8 +193,6 @@ class NodeAgent:
             self._fence(msg)
         elif isinstance(msg, SignalWorker):
             self._signal(msg.pid, msg.signal)
-        elif isinstance(msg, AgentShutdown):
-            return False
         return True
 
     def _notify(self, message) -> None:
@@ -159,7 +206,7 @@ class NodeAgent:
     def _start(self, rank_id: int, join_mode: str, dense_site: BackupSite | None = None) -> None:
         assert self.launch is not None, "StartWorker before AgentWelcome"
         local = dense_site is not None and dense_site.node == self.node
-        args = WorkerArgs(self.launch, rank_id, self.node, join_mode,
+        args = WorkerArgs(self.launch, rank_id, self.node, self.host, join_mode,
                           dense_path=dense_site.path if dense_site is not None and local else "",
                           dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -197,6 +244,8 @@ class NodeAgent:
 
     def _restart_due(self) -> None:
         """Start the ranks whose backoff has run out (auto_recover), dense weights from this node's backup."""
+        if not self.lease.welcomed:
+            return
         now = time.monotonic()
         with self._lock:
             due = [r for r, t in self.restart_at.items() if t <= now]

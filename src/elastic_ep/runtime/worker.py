@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
+    AbortEpoch,
     CorruptSlot,
     EpochFailed,
     EpochReady,
@@ -54,7 +56,14 @@ from elastic_ep.wire import (
 from .dense import load_dense
 from .ep_moe import ExpertParallelMoE
 from .experts import BackupUnreachable, ExpertSlots
-from .group import CollectiveError, EpochGroup, EpochSuperseded, ProgressBoard
+from .group import (
+    AddressNotLocal,
+    CollectiveError,
+    EpochGroup,
+    EpochSuperseded,
+    ProgressBoard,
+    bind_data_plane,
+)
 
 
 def _die_with_parent() -> None:
@@ -87,7 +96,7 @@ class Worker:
         self.slots: ExpertSlots | None = None
         self.group: EpochGroup | None = None
         self.moe: ExpertParallelMoE | None = None
-        self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False, wait_for_workers=False)
+        self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
         if launch.backend == "nccl":
             self.device = torch.device("cuda", args.rank_id % max(torch.cuda.device_count(), 1))
         else:
@@ -150,10 +159,10 @@ class Worker:
         if self.group is not None:
             self.group.destroy()
         self.progress.new_epoch(msg.epoch)
-        group = EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.device)
+        # the group is this rank's from now on, forming or not: an AbortEpoch for it reaches it
+        group = self.group = EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.device)
         try:
             rendezvous_s = group.form(self.store, msg.collective_timeout_s, self._newer_epoch_arrived)
-            self.group = group
             location = ExpertLocation.from_phy2log(msg.phy2log, msg.slots_per_rank, self.config.num_experts)
             if self.slots is None:
                 self.slots = ExpertSlots(
@@ -297,7 +306,7 @@ class Worker:
 
     def _fail(self, plan: StepPlan, kind: StepErrorKind, e: Exception, in_experts: bool = False) -> None:
         if kind == StepErrorKind.COLLECTIVE:
-            self.group.destroy()  # closes this rank's connections: peers blocked on it fail fast
+            self.group.destroy()  # this epoch is over for this rank; the controller aborts it for the others
         self.progress.idle()
         detail = "" if isinstance(e, RuntimeError) else traceback.format_exc(limit=3)
         self.send(StepFailed(plan.epoch, plan.step, self.args.rank_id, f"{type(e).__name__}: {e}{detail}", kind,
@@ -311,14 +320,37 @@ class Worker:
         self.send(SlotChecksums(msg.epoch, self.args.rank_id, self.slots.checksums(msg.slots)))
 
     def _heartbeats(self) -> None:
+        """Say where the main thread is every heartbeat_interval_s, and abort the epoch the
+        controller gave up on (its collectives may wait on a peer that will never answer)."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.args.launch.health_addr)
         pid = os.getpid()
-        while not self._stop.wait(self.args.launch.heartbeat_interval_s):
+        interval_s = self.args.launch.heartbeat_interval_s
+        next_beat = time.monotonic()
+        while not self._stop.is_set():
+            if sock.poll(max(int((next_beat - time.monotonic()) * 1000), 0)):
+                msg = decode(sock.recv())
+                group = self.group
+                if isinstance(msg, AbortEpoch) and group is not None and group.epoch == msg.epoch:
+                    group.abort()
+                continue
             sock.send(encode(Heartbeat(self.args.rank_id, pid, self.progress.current)))
+            next_beat = time.monotonic() + interval_s
         sock.close()
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The controller's TCPStore (every epoch's rendezvous). Raises ConnectionError naming the
+    address and the flag behind it when it cannot be reached within timeout_s."""
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:
+        raise ConnectionError(
+            f"cannot reach the controller's store at {host}:{port} within {timeout_s:g}s ({e}); this host must "
+            "reach the address `elastic-ep serve` binds (--host / --advertise-host)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,7 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     args = WorkerArgs.from_json(argv[0])
-    Worker(args).run()
+    try:
+        bind_data_plane(args.host)
+        worker = Worker(args)
+    except (AddressNotLocal, ConnectionError) as e:
+        print(f"elastic-ep rank {args.rank_id} on {args.node}: {e}", file=sys.stderr, flush=True)
+        return 2
+    worker.run()
     return 0
 
 

@@ -28,17 +28,20 @@ class WorkerLaunch:
     max_model_len: int
     heartbeat_interval_s: float
     dense_fetch_timeout_s: float = 10.0
+    connect_timeout_s: float = 30.0  # reaching the controller's store at start
 
 
 @dataclass(frozen=True)
 class WorkerArgs:
     """One worker's command-line argument (JSON): the cluster's `WorkerLaunch` plus what its
-    agent decides: its rank, node, join mode and where its dense weights come from
-    (`dense_path`: this node's backup file; `dense_addr`: another node's agent; neither: disk)."""
+    agent decides: its rank, node, the address of its host (`host`: the data plane binds it),
+    join mode and where its dense weights come from (`dense_path`: this node's backup file;
+    `dense_addr`: another node's agent; neither: disk)."""
 
     launch: WorkerLaunch
     rank_id: int
     node: str
+    host: str = "127.0.0.1"
     join_mode: str = "initial"
     dense_path: str = ""
     dense_addr: str = ""
