@@ -102,7 +102,7 @@ def test_the_recorder_sums_steps_per_interval_and_closes_idle_intervals_on_time(
 
 
 def test_a_rule_that_cannot_work_is_refused():
-    with pytest.raises(ElasticEPError, match="ratio must be > 1"):
+    with pytest.raises(ElasticEPError, match="--straggler-ratio must be > 1"):
         StragglerRule(ratio=1.0)
-    with pytest.raises(ElasticEPError, match=r"persistence must be in \(0, 1\]"):
+    with pytest.raises(ElasticEPError, match=r"--straggler-persistence must be in \(0, 1\]"):
         StragglerRule(persistence=0)

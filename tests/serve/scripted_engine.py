@@ -33,6 +33,7 @@ from elastic_ep.control.api import (
     ChaosOrder,
     EngineInfo,
     GenerationRequest,
+    Health,
     Readiness,
     RequestOutput,
     ScaleRejected,
@@ -70,6 +71,7 @@ class ScriptedEngine:
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
         self.ready = Readiness(True)
+        self.healthy = Health("ok")
         self.ep_size = 4
         self.scaling_to: int | None = None
         self.chaos_calls: list[tuple[str, int, float]] = []
@@ -150,6 +152,9 @@ class ScriptedEngine:
 
     def readiness(self) -> Readiness:
         return self.ready
+
+    def health(self) -> Health:
+        return self.healthy
 
     def cluster(self, events_since: int | None = None, events_limit: int | None = 50) -> dict:
         return sample_cluster(self.ep_size)

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scripted_engine import SLOW_RANK
 
 from elastic_ep.cli import main
-from elastic_ep.control.api import Readiness
+from elastic_ep.control.api import Health, Readiness
 
 
 def metric_samples(served) -> dict:
@@ -27,16 +27,22 @@ def metric_samples(served) -> dict:
 
 
 def test_health_and_readiness(served):
-    assert httpx.get(f"{served.url}/health").status_code == 200
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok", "reason": ""}
     assert httpx.get(f"{served.url}/ready").json() == {"ready": True, "reason": ""}
     served.engine.ready = Readiness(False, "loading dense weights on rank 1")
+    served.engine.healthy = Health("degraded", "not ready: loading dense weights on rank 1")
     try:
         response = httpx.get(f"{served.url}/ready")
         assert response.status_code == 503
         assert response.json()["reason"] == "loading dense weights on rank 1"
-        assert httpx.get(f"{served.url}/health").status_code == 200
+        health = httpx.get(f"{served.url}/health")  # alive: a liveness probe must not restart it
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        served.engine.healthy = Health("dead", "the control loop stopped: boom")
+        health = httpx.get(f"{served.url}/health")
+        assert health.status_code == 503 and health.json() == {"status": "dead", "reason": "the control loop stopped: boom"}
     finally:
         served.engine.ready = Readiness(True)
+        served.engine.healthy = Health("ok")
 
 
 def test_metrics_count_requests_tokens_and_latency(served):

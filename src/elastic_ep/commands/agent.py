@@ -7,6 +7,7 @@ import argparse
 import signal
 import threading
 
+from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.node.agent import NodeAgent
 
 
@@ -29,9 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --auto-recover: longest wait between restarts (default 30)")
     parser.add_argument("--advertise-host", default="127.0.0.1",
                         help="address other nodes reach this agent's expert backup at (default 127.0.0.1)")
+    add_log_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, args.log_format)
     controller = args.controller if args.controller.startswith("tcp://") else f"tcp://{args.controller}"
     agent = NodeAgent(controller, args.node, args.advertise_host, args.ranks, args.stop_grace_s, args.join_mode,
                       args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s)

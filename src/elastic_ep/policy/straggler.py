@@ -53,15 +53,15 @@ class StragglerRule:
 
     def __post_init__(self) -> None:
         if not self.ratio > 1:
-            raise ElasticEPError(f"straggler ratio must be > 1 (a multiple of the peers' median), got {self.ratio}")
+            raise ElasticEPError(f"--straggler-ratio must be > 1 (a multiple of the peers' median), got {self.ratio}")
         if not self.min_excess_ms >= 0:
-            raise ElasticEPError(f"straggler min excess must be >= 0 ms, got {self.min_excess_ms}")
+            raise ElasticEPError(f"--straggler-min-excess-ms must be >= 0, got {self.min_excess_ms}")
         if not self.window_s > 0:
-            raise ElasticEPError(f"straggler window must be > 0 s, got {self.window_s}")
+            raise ElasticEPError(f"--straggler-window-s must be > 0, got {self.window_s}")
         if self.min_steps < 1:
-            raise ElasticEPError(f"straggler min steps must be at least 1, got {self.min_steps}")
+            raise ElasticEPError(f"--straggler-min-steps must be at least 1, got {self.min_steps}")
         if not 0 < self.persistence <= 1:
-            raise ElasticEPError(f"straggler persistence must be in (0, 1], got {self.persistence}")
+            raise ElasticEPError(f"--straggler-persistence must be in (0, 1], got {self.persistence}")
 
     def more_tokens(self, a: float, b: float) -> bool:
         """Whether a rank that ran `a` tokens per step ran notably more than one that ran `b`."""
