@@ -35,10 +35,6 @@ class GenerationRequest:
     params: SamplingParams
     seed: int
 
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return self.params.stop_token_ids
-
 
 @dataclass(frozen=True)
 class RequestOutput:

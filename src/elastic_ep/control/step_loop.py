@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from elastic_ep.model.sampling import TokenLogprobs
 from elastic_ep.policy.straggler import IntervalRecorder
 from elastic_ep.wire import StepFailed, StepPlan, StepResult
 
@@ -100,10 +101,12 @@ class StepLoop:
         c, m = self.cluster, self.metrics
         results: dict[int, StepResult] = self.replies  # type: ignore[assignment]
         sampled: dict[int, int] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
         slowest = 0.0
         load = np.zeros((c.num_layers, c.num_experts), dtype=np.int64)
         for rank_id, res in results.items():
             sampled.update(res.tokens)
+            logprobs.update(res.logprobs)
             slowest = max(slowest, res.step_s)
             r = c.ranks[rank_id]
             r.step_s.append(res.step_s)
@@ -137,6 +140,8 @@ class StepLoop:
         self.load_window.append(load)
         self.recorder.add(load)
         for seq, new_tokens in self.scheduler.commit(batch, sampled):
+            token_logprobs = [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None
             self.streams.deliver(seq.seq_id, RequestOutput(
                 seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
+                logprobs=token_logprobs,
             ))

@@ -30,7 +30,7 @@ import zmq
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.model import MoEForCausalLM, SeqChunk
-from elastic_ep.model.sampling import SamplingParams, sample_tokens
+from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
     CorruptSlot,
@@ -81,6 +81,8 @@ class Worker:
         )
         self.model = MoEForCausalLM(self.config, dense)
         self.kv = self.model.new_kv_cache(launch.max_num_seqs, launch.max_model_len)
+        # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
+        self.tokens: dict[int, list[int]] = {}
         self.slots: ExpertSlots | None = None
         self.group: EpochGroup | None = None
         self.moe: ExpertParallelMoE | None = None
@@ -201,9 +203,16 @@ class Worker:
         try:
             for seq_id in plan.free:
                 self.kv.free(seq_id)
+                self.tokens.pop(seq_id, None)
             for c in plan.chunks:
                 if c.start_pos == 0 or c.seq_id not in self.kv:
                     self.kv.allocate(c.seq_id)
+                    self.tokens[c.seq_id] = []
+                held = self.tokens[c.seq_id]
+                if len(held) < c.start_pos:
+                    raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")
+                # A re-run step overwrites, as the KV cache does.
+                held[c.start_pos :] = c.token_ids
             if plan.delay_s > 0:
                 time.sleep(plan.delay_s)
             moe.start_step(plan.dispatch_rows)
@@ -211,16 +220,23 @@ class Worker:
             logits = self.model.forward(chunks, self.kv, moe.moe_fn())
             sampled = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
             tokens: dict[int, int] = {}
+            logprobs = {}
             if sampled:
                 rows = torch.tensor([i for i, _ in sampled], dtype=torch.int64)
-                params = [SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k) for _, c in sampled]
-                picked = sample_tokens(
+                histories = [
+                    TokenHistory(held[: c.prompt_len], held[c.prompt_len :])
+                    for _, c in sampled
+                    for held in (self.tokens[c.seq_id],)
+                ]
+                out = sample_tokens(
                     logits[rows],
-                    params,
+                    [c.params for _, c in sampled],
                     [c.seed for _, c in sampled],
-                    [c.start_pos + len(c.token_ids) for _, c in sampled],
+                    histories,
+                    self.config.eos_token_ids,
                 )
-                tokens = {c.seq_id: t for (_, c), t in zip(sampled, picked, strict=True)}
+                tokens = {c.seq_id: t for (_, c), t in zip(sampled, out.tokens, strict=True)}
+                logprobs = {c.seq_id: lp for (_, c), lp in zip(sampled, out.logprobs, strict=True) if lp is not None}
         except Exception as e:
             group.destroy()
             self.progress.idle()
@@ -242,6 +258,7 @@ class Worker:
                 c.combine_wait_s,
                 c.expert_load,
                 c.slot_tokens,
+                logprobs,
             )
         )
 

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
+
 from .fetch import BackupSite
 
 
@@ -148,16 +150,17 @@ class EpochFailed:
 @dataclass(frozen=True)
 class ChunkPlan:
     """One sequence's tokens in a step. `sample` is set when this chunk ends at the
-    sequence's last known token, so the step produces the sequence's next token."""
+    sequence's last known token, so the step produces the sequence's next token. The first
+    `prompt_len` tokens of the sequence are its prompt, the rest its output so far (the
+    sampler's penalties and min_tokens tell them apart)."""
 
     seq_id: int
     token_ids: list[int]
     start_pos: int
     sample: bool
-    temperature: float
-    top_p: float
-    top_k: int
+    params: SamplingParams
     seed: int
+    prompt_len: int
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,8 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepResult:
     """tokens: seq_id -> sampled token; expert_load: [L, E] tokens this rank routed to each
-    logical expert; slot_tokens: tokens its own slots computed (all layers)."""
+    logical expert; slot_tokens: tokens its own slots computed (all layers); logprobs:
+    seq_id -> the sampled token's logprobs, for sequences whose params ask for them."""
 
     epoch: int
     step: int
@@ -190,6 +194,7 @@ class StepResult:
     combine_wait_s: float
     expert_load: np.ndarray
     slot_tokens: int
+    logprobs: dict[int, TokenLogprobs]
 
 
 @dataclass(frozen=True)
