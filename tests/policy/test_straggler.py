@@ -42,7 +42,7 @@ def test_a_slow_rank_with_the_same_tokens_is_the_only_straggler():
     v = verdicts[2]
     assert (v.over, v.intervals, v.steps) == (10, 10, 200)
     assert "55.0 ms/step against 5.0 ms on ranks with at least as many tokens" in v.evidence
-    assert "200 steps in 10 intervals over the last 5.0s, newest 0.0s old" in v.evidence
+    assert "200 steps in 10 intervals spanning 5.0s, newest 0.0s old" in v.evidence
 
 
 def test_a_slow_rank_with_fewer_tokens_is_a_straggler():

@@ -37,12 +37,15 @@ class EventKind(str, Enum):
     SCALE_FAILED = "scale-failed"
     DRAINED = "drained"  # leaving ranks drained on scale-down
     CHAOS = "chaos"  # a fault injected on request
+    STALLED = "stalled"  # no step progressed for the stall deadline: not ready (reason in the message)
+    STALL_ENDED = "stall-ended"  # steps move again
     FATAL = "fatal"  # the control loop stopped
 
 
 WARNING_KINDS = frozenset({
     EventKind.FAULT, EventKind.FENCING, EventKind.FENCE_TIMEOUT, EventKind.EPOCH_FAILED, EventKind.VERIFY_FAILED,
     EventKind.DEGRADED, EventKind.REQUEST_ERROR, EventKind.BACKUP_LOST, EventKind.SCALE_FAILED, EventKind.CHAOS,
+    EventKind.STALLED,
 })
 logger = logging.getLogger("elastic_ep.events")
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from elastic_ep.policy.straggler import judge
 
 from .api import Health, Readiness
+from .events import EventKind
 from .health import adaptive_deadline_s, rank_liveness, stall_reason
 from .ranks import Liveness, RankLiveness, RankStatus
 from .stats_log import StatsLog
@@ -37,6 +38,7 @@ class Publisher:
         self.rule = ctl.cfg.straggler_rule()
         self.stats = StatsLog(ctl.cfg.log_stats_interval_s, time.monotonic())
         self._published_at = 0.0
+        self._stalled_since: float | None = None
 
     def stall_deadline_s(self) -> float:
         cfg = self.ctl.cfg
@@ -74,6 +76,7 @@ class Publisher:
         members = {r: lv for r, lv in liveness.items() if r in c.members}
         stalled = stall_reason(step_age_s, self.stall_deadline_s(), members) if c.readiness.ready else None
         readiness = Readiness(False, stalled) if stalled else c.readiness
+        self._note_stall(now, stalled)
         health = self.health(readiness, liveness)
         ctl.published.readiness, ctl.published.health = readiness, health
         self.stats.maybe_log(now, ctl, readiness)
@@ -88,6 +91,16 @@ class Publisher:
             {r: v.to_json() for r, v in verdicts.items() if r in c.members},
             health=vars(health), straggler_rule=self.rule.to_json())
         self._set_gauges(now, readiness, liveness)
+
+    def _note_stall(self, now: float, stalled: str | None) -> None:
+        """One event when the group stalls and one when it moves again (not one per publish)."""
+        events = self.ctl.cluster.events
+        if stalled and self._stalled_since is None:
+            self._stalled_since = now
+            events.add(EventKind.STALLED, stalled)
+        elif not stalled and self._stalled_since is not None:
+            events.add(EventKind.STALL_ENDED, f"steps move again after {now - self._stalled_since:.1f}s stalled")
+            self._stalled_since = None
 
     def _set_gauges(self, now: float, readiness: Readiness, liveness: dict[int, RankLiveness]) -> None:
         ctl, m = self.ctl, self.ctl.metrics

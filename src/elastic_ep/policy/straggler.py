@@ -168,7 +168,7 @@ class Verdict:
     @property
     def evidence(self) -> str:
         """The verdict's grounds in one line, for people."""
-        seen = (f"{self.steps} steps in {self.intervals} intervals over the last {self.window_s:.1f}s, newest "
+        seen = (f"{self.steps} steps in {self.intervals} intervals spanning {self.window_s:.1f}s, newest "
                 f"{self.age_s:.1f}s old" if self.age_s is not None else f"no step in the last {self.rule.window_s:g}s")
         if self.kind == VerdictKind.UNKNOWN:
             return f"no verdict: {seen} (needs {self.rule.min_steps} steps)"
