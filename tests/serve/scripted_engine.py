@@ -206,6 +206,9 @@ def sample_cluster(ep_size: int) -> dict:
                 # does not wait (rank 2 here: 50 ms own time against 12 ms for the others).
                 "step_ms": {"p50": 52.0 + r, "p99": 60.0 + r, "max": 75.0},
                 "wait_ms": {"p50": 2.0 + r if slow else 40.0 + r, "p99": 45.0},
+                "liveness": {"state": "live", "stalled_s": None, "reason": ""},
+                "verdict": {"kind": "straggler" if slow else "ok",
+                            "evidence": f"own time {50.0 if slow else 12.0} ms/step against 12.0 ms ..."},
             }
         )
     ranks.append(
