@@ -38,7 +38,7 @@ class EventKind(str, Enum):
     DRAINED = "drained"  # leaving ranks drained on scale-down
     CHAOS = "chaos"  # a fault injected on request
     STALLED = "stalled"  # no step progressed for the stall deadline: not ready (reason in the message)
-    STALL_ENDED = "stall-ended"  # steps move again
+    STALL_ENDED = "stall-ended"  # no step in flight past the stall deadline, no member silent
     FATAL = "fatal"  # the control loop stopped
 
 

@@ -99,7 +99,8 @@ class Publisher:
             self._stalled_since = now
             events.add(EventKind.STALLED, stalled)
         elif not stalled and self._stalled_since is not None:
-            events.add(EventKind.STALL_ENDED, f"steps move again after {now - self._stalled_since:.1f}s stalled")
+            events.add(EventKind.STALL_ENDED, f"no longer stalled after {now - self._stalled_since:.1f}s: no step "
+                       "in flight is past the stall deadline and no member is silent")
             self._stalled_since = None
 
     def _set_gauges(self, now: float, readiness: Readiness, liveness: dict[int, RankLiveness]) -> None:
