@@ -151,12 +151,14 @@ def test_injected_slow_rank_is_the_straggler_and_called_slow_not_bad():
     recorded = [(0.0, samples("busy")), (4.0, samples("slow"))]  # the server then exported no tokens
     [interval] = scrape_intervals(recorded)
     assert interval.ranks[2].steps == 55 and interval.ranks[2].own_ms_per_step > 40 > interval.ranks[0].own_ms_per_step
-    findings = diagnose_stragglers(snapshot("slow"), verdicts(snapshot("slow"), [interval], StragglerRule()))
+    one_interval = StragglerRule(min_intervals=1)  # two recorded scrapes: one interval
+    findings = diagnose_stragglers(snapshot("slow"), verdicts(snapshot("slow"), [interval], one_interval))
     assert named(findings, "straggler") == [2]
     assert "slow, not bad" in findings[0].suspicion and "chaos slow" in findings[0].suspicion
     assert "--delay-s 0" in findings[0].action
     assert "55 steps in 1 intervals" in findings[0].symptom
-    everything, judged = diagnose(snapshot("busy"), snapshot("slow"), 4.0, 1795974219.0, recorded)
+    everything, judged = diagnose(snapshot("busy"), snapshot("slow"), 4.0, 1795974219.0, recorded,
+                                  th=Thresholds(straggler=one_interval))
     assert [f.kind for f in everything] == ["straggler"]
     assert {r: v.kind.value for r, v in judged.items()} == {0: "ok", 1: "ok", 2: "straggler", 3: "ok"}
 

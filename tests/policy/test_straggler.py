@@ -62,14 +62,16 @@ def test_stale_samples_give_no_verdict():
     old = intervals({0: (5.0, 1), 1: (50.0, 1), 2: (5.0, 1)}, end_s=100.0)
     verdicts = judge(old, RULE, now_s=100.0 + RULE.window_s + 1, rank_ids=[0, 1, 2, 3])
     assert kinds(verdicts) == {0: "unknown", 1: "unknown", 2: "unknown", 3: "unknown"}
-    assert verdicts[1].evidence == "no verdict: no step in the last 5s (needs 10 steps)"
+    assert verdicts[1].evidence == "no verdict: no step in the last 5s (needs 10 steps in 4 intervals)"
 
 
-def test_too_few_steps_give_no_verdict():
-    few = intervals({0: (5.0, 1), 1: (50.0, 1), 2: (5.0, 1)}, count=2, steps=2)
+def test_too_few_steps_or_intervals_give_no_verdict():
+    few = intervals({0: (5.0, 1), 1: (50.0, 1), 2: (5.0, 1)}, count=4, steps=2)
     verdicts = judge(few, RULE, 100.0)
     assert kinds(verdicts) == {0: "unknown", 1: "unknown", 2: "unknown"}
-    assert "4 steps in 2 intervals" in verdicts[1].evidence
+    assert "8 steps in 4 intervals" in verdicts[1].evidence
+    brief = intervals({0: (5.0, 1), 1: (50.0, 1), 2: (5.0, 1)}, count=3, steps=50)  # slow for a moment only
+    assert kinds(judge(brief, RULE, 100.0)) == {0: "unknown", 1: "unknown", 2: "unknown"}
 
 
 def test_slowness_must_persist_over_the_window():

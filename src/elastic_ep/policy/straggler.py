@@ -14,8 +14,9 @@ Built so that it does not accuse a healthy rank:
 - relative and absolute excess: own time at least `ratio` x the peers' median AND at least
   `min_excess_ms` above it (1.5 x 2 ms is noise, not a card to replace).
 - persistence over fresh samples: samples are summed per interval (the controller's, or the
-  doctor's scrapes); a verdict needs `min_steps` steps in the intervals that ended within the
-  last `window_s`, and a straggler is over the line in at least `persistence` of them. Older
+  doctor's scrapes); a verdict needs `min_steps` steps in at least `min_intervals` of the
+  intervals that ended within the last `window_s`, and a straggler is over the line in at least
+  `persistence` of them (a rank that was slow for a moment, e.g. its first steps, is not). Older
   intervals do not count: an idle cluster has no verdict (`UNKNOWN`), not a stale one.
 - the reference is the others' median, so a slowdown of the whole group accuses nobody.
 """
@@ -38,9 +39,10 @@ INTERVALS_PER_WINDOW = 10  # the controller's interval is window_s / 10: persist
 @dataclass(frozen=True)
 class StragglerRule:
     """ratio, min_excess_ms: own time per step over the peers' median that counts as slow, both
-    must hold. window_s: only intervals that ended this recently count. min_steps: the fewest
-    steps in them for any verdict. persistence: fraction of the fresh intervals a straggler (or a
-    DP-heavy rank) must be over the line in. token_tolerance, min_extra_tokens: rank a runs more
+    must hold. window_s: only intervals that ended this recently count. min_steps,
+    min_intervals: the fewest steps, and intervals with steps, in them for any verdict.
+    persistence: fraction of the fresh intervals a straggler (or a DP-heavy rank) must be over
+    the line in. token_tolerance, min_extra_tokens: rank a runs more
     tokens per step than b when a - b >= max(token_tolerance x b, min_extra_tokens)."""
 
     ratio: float = 1.5
@@ -48,6 +50,7 @@ class StragglerRule:
     window_s: float = 5.0
     min_steps: int = 10
     persistence: float = 0.8
+    min_intervals: int = 4
     token_tolerance: float = 0.1
     min_extra_tokens: float = 0.5
 
@@ -60,6 +63,8 @@ class StragglerRule:
             raise ElasticEPError(f"--straggler-window-s must be > 0, got {self.window_s}")
         if self.min_steps < 1:
             raise ElasticEPError(f"--straggler-min-steps must be at least 1, got {self.min_steps}")
+        if self.min_intervals < 1:
+            raise ElasticEPError(f"straggler min_intervals must be at least 1, got {self.min_intervals}")
         if not 0 < self.persistence <= 1:
             raise ElasticEPError(f"--straggler-persistence must be in (0, 1], got {self.persistence}")
 
@@ -171,7 +176,7 @@ class Verdict:
         seen = (f"{self.steps} steps in {self.intervals} intervals spanning {self.window_s:.1f}s, newest "
                 f"{self.age_s:.1f}s old" if self.age_s is not None else f"no step in the last {self.rule.window_s:g}s")
         if self.kind == VerdictKind.UNKNOWN:
-            return f"no verdict: {seen} (needs {self.rule.min_steps} steps)"
+            return f"no verdict: {seen} (needs {self.rule.min_steps} steps in {self.rule.min_intervals} intervals)"
         if self.kind == VerdictKind.DP_HEAVY:
             return (f"runs {self.tokens_per_step:.2f} tokens/step against {self.others_tokens_per_step:.2f} on the "
                     f"others (median) in {self.heavy} of {self.intervals} intervals; own time "
@@ -245,7 +250,7 @@ def judge(intervals: Sequence[Interval], rule: StragglerRule, now_s: float,
     verdicts = {r: Verdict(r, VerdictKind.UNKNOWN, rule=rule) for r in rank_ids}
     for r, t in tallies.items():
         needed = rule.persistence * t.intervals - 1e-9
-        if t.steps < rule.min_steps:
+        if t.steps < rule.min_steps or t.intervals < rule.min_intervals:
             kind = VerdictKind.UNKNOWN
         elif t.over >= needed:
             kind = VerdictKind.STRAGGLER
