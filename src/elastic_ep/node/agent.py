@@ -182,6 +182,7 @@ class NodeAgent:
             self.children[proc.pid] = _Child(rank_id, proc, time.monotonic())
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
         self.sock.send(encode(WorkerStarted(self.node, rank_id, proc.pid)))
+        logger.info("node %s: started rank %d (pid %d, %s)", self.node, rank_id, proc.pid, join_mode)
 
     def _wait(self, pid: int) -> None:
         child = self.children[pid]
@@ -194,6 +195,9 @@ class NodeAgent:
                 self.deaths[child.rank_id] = deaths + 1
                 delay_s = min(self.backoff_s * 2**deaths, self.backoff_max_s)
                 self.restart_at[child.rank_id] = time.monotonic() + delay_s
+        logger.log(logging.INFO if child.fencing or returncode == 0 else logging.WARNING,
+                   "node %s: rank %d (pid %d) %s with code %d", self.node, child.rank_id, pid,
+                   "fenced" if child.fencing else "exited", returncode)
         if child.fencing:
             self._notify(WorkerFenced(self.node, child.rank_id, pid))
         else:

@@ -59,10 +59,15 @@ def owner_alive(path: str) -> bool | None:
         return False
 
 
+def backup_dir(directory: str = SHM_DIR) -> str:
+    """Where backup files go: `directory` (RAM-backed /dev/shm by default), else the temp dir."""
+    return directory if os.path.isdir(directory) else tempfile.gettempdir()
+
+
 def reap_stale_backups(directory: str = SHM_DIR) -> list[str]:
-    """Remove the backup files in `directory` whose owner process is gone; returns their paths."""
+    """Remove the backup files in backup_dir(directory) whose owner process is gone; returns their paths."""
     removed = []
-    for path in sorted(Path(directory).glob(f"{FILE_PREFIX}*.safetensors")) if os.path.isdir(directory) else []:
+    for path in sorted(Path(backup_dir(directory)).glob(f"{FILE_PREFIX}*.safetensors")):
         if owner_alive(str(path)) is False:
             try:
                 path.unlink()
@@ -104,7 +109,7 @@ def write_backup(
         for i, expert in enumerate(experts):
             tensors[backup_key(layer, expert, "w13")] = w13[i].contiguous()
             tensors[backup_key(layer, expert, "w2")] = w2[i].contiguous()
-    base = directory if os.path.isdir(directory) else tempfile.gettempdir()
+    base = backup_dir(directory)
     fd, path = tempfile.mkstemp(prefix=f"{FILE_PREFIX}{node}-{owner_tag(os.getpid())}-", suffix=".safetensors",
                                 dir=base)
     os.close(fd)
