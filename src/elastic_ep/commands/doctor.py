@@ -9,6 +9,7 @@ Exit status: 0 with no critical finding, 1 with one (a hang, a stopped process, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -122,7 +123,8 @@ def rank_table(d: Diagnosis) -> str:
 def rule_for(cluster: dict[str, Any], args: argparse.Namespace) -> StragglerRule:
     """The server's straggler rule (GET /cluster), judged over the doctor's own window; --straggler-ratio
     overrides the server's ratio."""
-    server = {k: v for k, v in (cluster.get("straggler_rule") or {}).items() if k in StragglerRule.__dataclass_fields__}
+    known = {f.name for f in dataclasses.fields(StragglerRule)}
+    server = {k: v for k, v in (cluster.get("straggler_rule") or {}).items() if k in known}
     rule = {**server, "window_s": args.interval_s}
     if args.straggler_ratio is not None:
         rule["ratio"] = args.straggler_ratio
