@@ -65,6 +65,8 @@ HELP = {
     "health_check_period_s": "how often the controller runs the heartbeat and watchdog checks",
     "expert_sweep_interval_s": "background check of expert slots: how often each rank checksums a few slots",
     "expert_sweep_slots": "slots each rank checksums per background check (0: no background check)",
+    "isolation_max_steps": "a step that fails with every rank alive is re-run without suspect requests to find the "
+                           "one at fault; after this many steps the remaining suspects end with an error",
     "heartbeat_suspect_s": "a rank whose heartbeat is this old shows as suspect (nothing is done to it)",
     "stall_floor_s": "least time a step may run before /ready turns false and the rank holding it shows "
                      "as stalled, whatever the fencing deadlines",

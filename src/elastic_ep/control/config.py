@@ -51,6 +51,7 @@ class ServeConfig:
     health_check_period_s: float = 0.02
     expert_sweep_interval_s: float = 0.5
     expert_sweep_slots: int = 4
+    isolation_max_steps: int = 24
     heartbeat_suspect_s: float = 0.5
     stall_floor_s: float = 1.0
     stall_multiple: float = 10.0
