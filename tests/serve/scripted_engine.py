@@ -33,6 +33,7 @@ from elastic_ep.control.api import (
     ChaosOrder,
     EngineInfo,
     GenerationRequest,
+    Health,
     Readiness,
     RequestOutput,
     ScaleRejected,
@@ -70,6 +71,7 @@ class ScriptedEngine:
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
         self.ready = Readiness(True)
+        self.healthy = Health("ok")
         self.ep_size = 4
         self.scaling_to: int | None = None
         self.chaos_calls: list[tuple[str, int, float]] = []
@@ -151,6 +153,9 @@ class ScriptedEngine:
     def readiness(self) -> Readiness:
         return self.ready
 
+    def health(self) -> Health:
+        return self.healthy
+
     def cluster(self, events_since: int | None = None, events_limit: int | None = 50) -> dict:
         return sample_cluster(self.ep_size)
 
@@ -201,6 +206,9 @@ def sample_cluster(ep_size: int) -> dict:
                 # does not wait (rank 2 here: 50 ms own time against 12 ms for the others).
                 "step_ms": {"p50": 52.0 + r, "p99": 60.0 + r, "max": 75.0},
                 "wait_ms": {"p50": 2.0 + r if slow else 40.0 + r, "p99": 45.0},
+                "liveness": {"state": "live", "stalled_s": None, "reason": ""},
+                "verdict": {"kind": "straggler" if slow else "ok",
+                            "evidence": f"own time {50.0 if slow else 12.0} ms/step against 12.0 ms ..."},
             }
         )
     ranks.append(

@@ -8,6 +8,7 @@ import signal
 import socket
 import threading
 
+from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.node.agent import NodeAgent
 
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, default=5.0,
                         help="with no word from the controller this long, kill this node's ranks and register "
                              "again in recover mode (the node fences itself when it is cut off)")
+    add_log_arguments(parser)
 
 
 def address_towards(controller: str) -> str:
@@ -52,6 +54,7 @@ def address_towards(controller: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, args.log_format)
     controller = args.controller if args.controller.startswith("tcp://") else f"tcp://{args.controller}"
     if args.lease_s <= 0:
         raise ElasticEPError(f"--lease-s must be > 0 seconds, got {args.lease_s}")

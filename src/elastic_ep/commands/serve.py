@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import signal
 import threading
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.errors import ElasticEPError
@@ -71,6 +73,17 @@ HELP = {
                        "dropped at once",
     "lease_s": "an agent that has not heard the controller this long kills its workers and registers again "
                "(the same for the agent of this node)",
+    "heartbeat_suspect_s": "a rank whose heartbeat is this old shows as suspect (nothing is done to it)",
+    "stall_floor_s": "least time a step may run before /ready turns false and the rank holding it shows "
+                     "as stalled, whatever the fencing deadlines",
+    "stall_multiple": "a step stalls after this multiple of the median recent step time (at least "
+                      "--stall-floor-s)",
+    "straggler_ratio": "a straggler's own time per step is at least this multiple of its peers' median",
+    "straggler_min_excess_ms": "and at least this many ms above it",
+    "straggler_window_s": "the straggler verdict judges the steps of this recent window only",
+    "straggler_min_steps": "no straggler verdict with fewer steps than this in the window",
+    "straggler_persistence": "fraction of the window a rank must be slow in to be named a straggler",
+    "log_stats_interval_s": "log a one-line stats summary this often (0: never)",
 }
 
 
@@ -84,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-ranks", type=int, default=None,
                         help="ranks started on this node (default --ep-size; others come from `elastic-ep agent`; "
                              "0: a controller with no workers and no agent here)")
+    add_log_arguments(parser)
     for f in dataclasses.fields(ServeConfig):
         if f.name not in HELP:
             continue
@@ -102,6 +116,7 @@ def _interrupt(*_) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, args.log_format)
     model_dir = resolve_model(args.model)
     cfg = ServeConfig(
         model_dir=str(model_dir),
@@ -127,13 +142,14 @@ def run(args: argparse.Namespace) -> int:
     # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.
     controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
     controller.start()
-    print(f"elastic-ep: controller at {controller.health_addr} (agents connect here), "
-          f"HTTP on http://{cfg.host}:{args.port}", flush=True)
+    logging.getLogger("elastic_ep.serve").info("controller at %s (agents connect here), HTTP on http://%s:%d",
+                                               controller.health_addr, cfg.host, args.port)
     # uvicorn shuts down on SIGINT/SIGTERM, then re-raises the signal under the handler found at
     # start: make that an exception here too, so the cluster below is always stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        uvicorn.run(app, host=cfg.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+        uvicorn.run(app, host=cfg.host, port=args.port, log_level="warning", log_config=None,
+                    timeout_graceful_shutdown=2)
     except KeyboardInterrupt:
         pass
     finally:

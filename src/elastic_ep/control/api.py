@@ -60,6 +60,20 @@ class Readiness:
     reason: str = ""
 
 
+HEALTH_STATUSES = ("ok", "degraded", "dead")
+
+
+@dataclass(frozen=True)
+class Health:
+    """Whether the server process is worth keeping (GET /health, a liveness probe): "ok";
+    "degraded" while it runs but not at full strength (not ready, a rank stalled, suspect or down;
+    `reason` says which), which a restart would not mend; "dead" when the engine stopped and
+    only a restart helps (HTTP 503)."""
+
+    status: str
+    reason: str = ""
+
+
 class ServiceUnavailable(ElasticEPError):
     """The engine cannot take the request now (e.g. too few live ranks to hold every
     expert). The HTTP layer answers 503 with `Retry-After: retry_after_s`."""
@@ -119,6 +133,8 @@ class Engine(Protocol):
 
     def readiness(self) -> Readiness: ...
 
+    def health(self) -> Health: ...
+
     def cluster(self, events_since: int | None = None, events_limit: int | None = 50) -> dict[str, Any]:
         """JSON for GET /cluster: epoch, ranks, scale state, deadlines, events: the last
         `events_limit` (None: all kept, up to 1000), only those with id > `events_since` if given.
@@ -128,18 +144,27 @@ class Engine(Protocol):
           {"time_s": unix seconds of the snapshot, "epoch": int, "ep_size": int,
            "ranks": [{"rank_id": int, "node": str, "pid": int | None,
                       "state": a RankStatus value (below),
+                      "liveness": {"state": "live" | "suspect" | "waiting" | "stalled",
+                                   "stalled_s": float | None, "reason": str} | None,  # None: not running
                       "slots": {"used": int, "total": int}, "requests": int,
                       "step_ms": {"p50", "p99", "max"},   # step time of the recent window
                       "wait_ms": {"p50", "p99"},            # collective (all-to-all) wait per step
                       "own_ms": {"p50", "p99", "max"},      # step less collective wait
                       "link_ms": {"p50", "p99", "max"},     # control-plane round trip less the step
-                      "heartbeat_age_s": float, "ready": bool,  # ready: serves in a verified epoch
+                      "heartbeat_age_s": float, "progress_age_s": float,  # since the last heartbeat / move
+                      "progress": {"epoch", "step", "layer", "phase", "seq"}, "last_collective": str,
+                      "verdict": {"kind": "ok" | "straggler" | "dp-imbalance" | "unknown", "evidence": str,
+                                  ...numbers} | None,   # members only; policy/straggler.py
+                      "ready": bool,  # ready: serves in a verified epoch
                       "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
-           "scale": scale_status(), "deadlines": {name: seconds},
+           "ready": bool, "reason": str,   # as GET /ready
+           "health": {"status": "ok" | "degraded" | "dead", "reason": str},   # as GET /health
+           "straggler_rule": {"ratio", "min_excess_ms", "window_s", "min_steps", "persistence", ...},
+           "scale": scale_status(), "deadlines": {name: seconds},   # with stall_deadline_s, stall_multiple
            "events": [{"id": int, "time_s": unix seconds, "kind": str, "rank_id": int | None,
                        "message": str, ...details}, ...]}
         Rank states are `control.ranks.RankStatus` values: starting, serving, draining, fencing,
-        fenced, dead, retiring.
+        fenced, dead, retiring; liveness values are `control.ranks.Liveness`.
         """
         ...
 

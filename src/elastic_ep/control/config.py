@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.config import MoEConfig
+from elastic_ep.policy.straggler import StragglerRule
 
 
 @dataclass
@@ -52,6 +53,15 @@ class ServeConfig:
     expert_sweep_interval_s: float = 0.5
     expert_sweep_slots: int = 4
     isolation_max_steps: int = 24
+    heartbeat_suspect_s: float = 0.5
+    stall_floor_s: float = 1.0
+    stall_multiple: float = 10.0
+    straggler_ratio: float = 1.5
+    straggler_min_excess_ms: float = 2.0
+    straggler_window_s: float = 5.0
+    straggler_min_steps: int = 10
+    straggler_persistence: float = 0.8
+    log_stats_interval_s: float = 10.0
     agent_timeout_s: float = 1.0
     lease_s: float = 5.0
 
@@ -65,6 +75,11 @@ class ServeConfig:
     def max_ranks(self) -> int:
         """--max-ep-size, 0 meaning twice --ep-size."""
         return self.max_ep_size or 2 * self.ep_size
+
+    def straggler_rule(self) -> StragglerRule:
+        """The straggler verdict's rule (policy/straggler.py) from the --straggler-* flags."""
+        return StragglerRule(self.straggler_ratio, self.straggler_min_excess_ms, self.straggler_window_s,
+                             self.straggler_min_steps, self.straggler_persistence)
 
     def deadlines(self) -> dict[str, float]:
         return {
@@ -92,6 +107,7 @@ def check_config(cfg: ServeConfig, config: MoEConfig) -> int:
             f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
             f"{config.max_position_embeddings}; lower it"
         )
+    cfg.straggler_rule()  # refuses a rule that cannot work, naming the value
     if cfg.max_ranks < cfg.ep_size:
         raise ElasticEPError(f"--max-ep-size {cfg.max_ep_size} is below --ep-size {cfg.ep_size}; raise it")
     return total_slots // cfg.ep_size

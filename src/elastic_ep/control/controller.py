@@ -67,6 +67,7 @@ from .health import relative_speeds
 from .isolation import Isolation
 from .metrics import ClusterMetrics
 from .nodes import Nodes
+from .publisher import Publisher
 from .ranks import RankStatus
 from .rebalance import eplb_due, load_estimate, plan_rebalance
 from .recorder import ExpertRecorder
@@ -122,7 +123,7 @@ class Controller:
         self._thread: threading.Thread | None = None
         self.on_fatal = None  # called from the control thread when the loop dies
         self._last_eplb_step = -1
-        self._published_at = 0.0
+        self.publisher = Publisher(self)
         self.publish()
 
     @property
@@ -387,12 +388,5 @@ class Controller:
     # ---- snapshot ----------------------------------------------------------------------------
 
     def publish(self, throttle_s: float = 0.0) -> None:
-        """Readiness at once; the /cluster snapshot at most every `throttle_s`."""
-        self.published.readiness = self.cluster.readiness
-        now = time.monotonic()
-        if throttle_s and now - self._published_at < throttle_s:
-            return
-        self._published_at = now
-        deadlines = {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.detector.watchdog_deadline_s(), 3)}
-        self.published.snapshot = self.cluster.snapshot(self.scheduler.num_requests, self.plane.health_addr,
-                                                        deadlines, self.scaling.status())
+        """Readiness and health at once; the /cluster snapshot at most every `throttle_s` (publisher.py)."""
+        self.publisher.publish(throttle_s)

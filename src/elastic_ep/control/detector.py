@@ -26,7 +26,7 @@ from elastic_ep.wire import Heartbeat
 
 from .config import ServeConfig
 from .health import adaptive_deadline_s, hung_ranks, lost_heartbeats
-from .ranks import RankInfo, RankStatus
+from .ranks import RankInfo
 
 
 class RecoveryNeeded(Exception):
@@ -103,7 +103,8 @@ class FaultDetector:
         rank.last_heartbeat = now
         if msg.progress.epoch == epoch and msg.progress.seq not in self.seq_first_seen:
             self.seq_first_seen[msg.progress.seq] = now
-        rank.progress = msg.progress
+        if msg.progress != rank.progress:
+            rank.progress, rank.progress_at = msg.progress, now
 
     def new_epoch(self) -> None:
         self.seq_first_seen = {}
@@ -121,9 +122,7 @@ class FaultDetector:
         if not self.cfg.health_checks or now - self._checked_at < self.cfg.health_check_period_s:
             return []
         self._checked_at = now
-        watched = {r.rank_id: r.last_heartbeat for r in ranks.values()
-                   if r.status in (RankStatus.SERVING, RankStatus.DRAINING)
-                   or (r.status == RankStatus.STARTING and r.hello is not None)}
+        watched = {r.rank_id: r.last_heartbeat for r in ranks.values() if r.watched}
         timeout_s = self.cfg.heartbeat_timeout_s
         found = [Fault(r, FaultCause.HEARTBEAT_LOST, f"no heartbeat for {timeout_s:.2f}s (stopped or cut off)")
                  for r in lost_heartbeats(watched, now, timeout_s)]

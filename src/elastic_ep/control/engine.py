@@ -24,6 +24,7 @@ from .api import (
     ChaosOrder,
     EngineInfo,
     GenerationRequest,
+    Health,
     Readiness,
     RequestOutput,
     ScaleRejected,
@@ -54,6 +55,7 @@ class Published:
     """What the control thread publishes for other threads; each field is replaced whole."""
 
     readiness: Readiness = field(default_factory=lambda: Readiness(False, "starting: waiting for ranks to register"))
+    health: Health = field(default_factory=lambda: Health("degraded", "starting"))
     snapshot: dict[str, Any] = field(default_factory=dict)
     fatal: str | None = None
 
@@ -73,6 +75,9 @@ class EngineFacade:
 
     def readiness(self) -> Readiness:
         return self.published.readiness
+
+    def health(self) -> Health:
+        return self.published.health
 
     def cluster(self, events_since: int | None = None, events_limit: int | None = 50) -> dict[str, Any]:
         snapshot = self.published.snapshot

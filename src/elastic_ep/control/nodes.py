@@ -140,7 +140,7 @@ class Nodes:
             self.ctl.plane.to_identity(identity, FenceWorker(msg.rank_id, msg.pid, "it left the cluster", final=True))
             return
         r.node, r.pid, r.status, r.last_heartbeat = msg.node, msg.pid, RankStatus.STARTING, time.monotonic()
-        r.progress, r.hello = Progress(), None
+        r.progress, r.progress_at, r.hello = Progress(), time.monotonic(), None
         self.cluster.events.add(EventKind.STARTED, f"rank {msg.rank_id} started on {msg.node} (pid {msg.pid})",
                                 msg.rank_id)
 

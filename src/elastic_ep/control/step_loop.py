@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from elastic_ep.model.sampling import TokenLogprobs
+from elastic_ep.policy.straggler import IntervalRecorder
 from elastic_ep.wire import StepErrorKind, StepFailed, StepPlan, StepResult
 
 from .api import RequestOutput
@@ -53,6 +54,10 @@ class StepLoop:
         self.pump = pump
         self.replies: dict[int, StepResult | StepFailed] = {}
         self.in_step: set[int] = set()  # members of the step in flight
+        self.started_at = 0.0  # monotonic time the step in flight was sent
+        self.own_time = IntervalRecorder(cfg.straggler_window_s)  # per rank: tokens and own time per step
+        self.tokens_run = 0  # tokens (prefill and decode) run, all steps and ranks
+        self.tokens_sampled = 0
         self.failed_batch: StepBatch | None = None  # the batch of the step recovery re-runs
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
         self._sent_at = 0.0
@@ -76,6 +81,7 @@ class StepLoop:
         c.step += 1
         self.replies = {}
         self.in_step = set(c.members)
+        self.started_at = time.monotonic()
         start = self._sent_at = time.perf_counter()
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
@@ -135,8 +141,14 @@ class StepLoop:
         m.step_wall_seconds.observe(wall_s)
         m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
         tokens = batch.tokens_per_rank()
+        now = time.monotonic()
+        for rank_id, res in results.items():
+            self.own_time.add(now, rank_id, tokens.get(rank_id, 0), res.compute_s)
         for rank_id, n in tokens.items():
             m.rank_tokens.labels(str(rank_id)).set(n)
+            m.rank_tokens_total.labels(str(rank_id)).inc(n)
+        self.tokens_run += sum(tokens.values())
+        self.tokens_sampled += len(sampled)
         if sum(tokens.values()):
             m.dp_token_imbalance.set(max(tokens.values()) / (sum(tokens.values()) / len(tokens)))
         slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}

@@ -9,11 +9,15 @@ for `lease_s`, it kills its workers itself and registers again in recover mode. 
 one alone. With `auto_recover` it starts a rank that died again itself (join_mode recover),
 after a backoff that doubles with every death in a row, up to `backoff_max_s`.
 On shutdown it terminates its workers (SIGTERM, then SIGKILL after `stop_grace_s`) and removes
-its backup file.
+its backup file. The file is also removed when the controller's connection closes (the
+controller stopped or died: a new controller assigns a new backup), by a guard process when the
+agent's own process dies however it ends, and, for owners gone without either, by the next
+agent that starts on the node (`backup_file.reap_stale_backups`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 
 import psutil
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.wire import (
@@ -53,8 +58,10 @@ from elastic_ep.wire import (
     encode,
 )
 
-from .backup_file import read_backup, read_dense, write_backup
+from .backup_file import guard_backup, read_backup, read_dense, reap_stale_backups, write_backup
 from .lease import Lease
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,6 +114,7 @@ class NodeAgent:
         # notice a connection that died silently (a cut link) and connect again once it heals
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 250)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)
+        self.controller_link = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(controller_addr)
         self.fetch = self.ctx.socket(zmq.ROUTER)
         self.fetch.setsockopt(zmq.LINGER, 0)
@@ -118,19 +126,25 @@ class NodeAgent:
         self.children: dict[int, _Child] = {}
         self.launch: WorkerLaunch | None = None
         self.backup_path: str | None = None
+        self._backup_guard: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve until AgentShutdown or `stop` is set; then stop every worker."""
         stop = stop or threading.Event()
+        for path in reap_stale_backups():
+            logger.warning("node %s: removed %s, the backup file of an owner that is gone", self.node, path)
         poller = zmq.Poller()
-        for s in (self.sock, self.fetch, self.events):
+        for s in (self.sock, self.fetch, self.events, self.controller_link):
             poller.register(s, zmq.POLLIN)
         try:
             while not stop.is_set():
                 self._keep_lease(time.monotonic())
                 ready = dict(poller.poll(20))
+                if self.controller_link in ready and recv_monitor_message(self.controller_link)["event"] \
+                        == zmq.EVENT_DISCONNECTED:
+                    self.drop_backup("the controller closed its connection (it stopped or died)", warn=True)
                 if self.events in ready:
                     self.sock.send(self.events.recv())
                 if self.fetch in ready:
@@ -161,8 +175,9 @@ class NodeAgent:
             self.restart_at.clear()
         for child in children:
             self._signal(child.proc.pid, signal.SIGKILL)
-        print(f"elastic-ep agent {self.node}: fenced its {len(children)} ranks: {why}; registering again",
-              file=sys.stderr, flush=True)
+        logger.warning("node %s: fenced its %d ranks: %s; registering again", self.node, len(children), why)
+        # the controller plans no transfer from this node's backup any more
+        self.drop_backup("this node fenced itself", warn=False)
         self.join_mode = "recover"
         self.lease.restart()
 
@@ -215,6 +230,7 @@ class NodeAgent:
             self.children[proc.pid] = _Child(rank_id, proc, time.monotonic())
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
         self.sock.send(encode(WorkerStarted(self.node, rank_id, proc.pid)))
+        logger.info("node %s: started rank %d (pid %d, %s)", self.node, rank_id, proc.pid, join_mode)
 
     def _wait(self, pid: int) -> None:
         child = self.children[pid]
@@ -227,6 +243,9 @@ class NodeAgent:
                 self.deaths[child.rank_id] = deaths + 1
                 delay_s = min(self.backoff_s * 2**deaths, self.backoff_max_s)
                 self.restart_at[child.rank_id] = time.monotonic() + delay_s
+        logger.log(logging.INFO if child.fencing or returncode == 0 else logging.WARNING,
+                   "node %s: rank %d (pid %d) %s with code %d", self.node, child.rank_id, pid,
+                   "fenced" if child.fencing else "exited", returncode)
         if child.fencing:
             self._notify(WorkerFenced(self.node, child.rank_id, pid))
         else:
@@ -266,10 +285,12 @@ class NodeAgent:
         assert self.launch is not None
         reader = CheckpointReader(self.launch.model_dir)
         path, nbytes = write_backup(reader, items, self.node, dense=True)
-        self.backup_path = path
+        self.backup_path, self._backup_guard = path, guard_backup(path)
         if self._stopped.is_set():
-            os.unlink(path)
+            self.drop_backup("the agent stopped while it was written")
             return
+        logger.info("node %s: backup of %d experts and the dense weights in %s (%d bytes)", self.node, len(items),
+                    path, nbytes)
         self._notify(BackupReady(self.node, BackupSite(self.node, path, self.fetch_addr), items, nbytes))
 
     def _answer_fetch(self) -> None:
@@ -287,9 +308,20 @@ class NodeAgent:
             try:
                 w13, w2 = read_backup(self.backup_path, msg.items)
                 reply = BackupTensors(w13, w2)
-            except KeyError as e:
+            except (OSError, KeyError) as e:
                 reply = BackupTensors(None, None, str(e))
         self.fetch.send_multipart([sender, b"", encode(reply)])
+
+    def drop_backup(self, why: str, warn: bool = False) -> None:
+        """Remove the backup file now and serve no more fetches from it."""
+        path, guard, self.backup_path, self._backup_guard = self.backup_path, self._backup_guard, None, None
+        if path and os.path.exists(path):
+            os.unlink(path)
+            logger.log(logging.WARNING if warn else logging.INFO, "node %s: removed its backup file %s: %s",
+                       self.node, path, why)
+        if guard is not None:
+            guard.stdin.close()
+            guard.wait()
 
     def shutdown(self) -> None:
         """Stop every worker (SIGTERM, SIGKILL after stop_grace_s) and remove the backup file."""
@@ -307,8 +339,8 @@ class NodeAgent:
             except subprocess.TimeoutExpired:
                 self._signal(p.pid, signal.SIGKILL)
                 p.wait()
-        if self.backup_path and os.path.exists(self.backup_path):
-            os.unlink(self.backup_path)
+        self.drop_backup("the agent stopped")
         self.sock.send(encode(AgentBye(self.node)))
-        for s in (self.sock, self.fetch, self.events):
+        self.sock.disable_monitor()
+        for s in (self.sock, self.fetch, self.events, self.controller_link):
             s.close()

@@ -33,9 +33,17 @@ DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool) -> APIRouter:
     router = APIRouter(responses=error_responses(500))
 
-    @router.get("/health", response_model=HealthResponse)
-    async def health() -> HealthResponse:
-        return HealthResponse()
+    @router.get(
+        "/health",
+        response_model=HealthResponse,
+        responses={503: {"model": HealthResponse, "description": "The engine stopped; restart the server"}},
+    )
+    async def health() -> JSONResponse:
+        """200 while the engine runs ("ok", or "degraded" with the reason: a restart would not help),
+        503 once it stopped ("dead"). Readiness to take traffic is GET /ready."""
+        h = engine.health()
+        body = HealthResponse(status=h.status, reason=h.reason)
+        return JSONResponse(body.model_dump(), status_code=503 if h.status == "dead" else 200)
 
     @router.get(
         "/ready",

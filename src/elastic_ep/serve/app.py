@@ -41,6 +41,9 @@ def create_app(
         version=__version__,
         description="OpenAI-compatible serving of Mixture-of-Experts models that survives rank faults",
         redoc_url=None,
+        # A path that matches no route is a documented 404, not an undocumented 307 to the path
+        # without its trailing slash (found by the schema fuzz test: POST /chaos/0%2F).
+        redirect_slashes=False,
     )
     metrics = HttpMetrics(registry)
     app.include_router(openai_router(engine, tokenizer, metrics))

@@ -299,7 +299,10 @@ class DetokenizeResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok"] = "ok"
+    """ok; degraded (serving or about to, not at full strength: `reason` says why); dead (503)."""
+
+    status: Literal["ok", "degraded", "dead"] = "ok"
+    reason: str = ""
 
 
 class ReadyResponse(BaseModel):
