@@ -47,13 +47,14 @@ def _generator(seed: int, position: int) -> torch.Generator:
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
     """Pick one token.
 
-    logits: [V] float, the next-token logits of one sequence.
+    logits: [V] float, the next-token logits of one sequence, on any device: they are drawn
+        from on the CPU, so a seed gives the same token whatever device computed them.
     position: index of the token being produced (prompt length + tokens so far), so that the
         same request at the same position always draws the same token.
     """
     if params.temperature == 0:
         return int(torch.argmax(logits).item())
-    scaled = logits.float() / params.temperature
+    scaled = logits.float().cpu() / params.temperature
     if params.top_k > 0:
         k = min(params.top_k, scaled.numel())
         kth = torch.topk(scaled, k).values[-1]
