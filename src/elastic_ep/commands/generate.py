@@ -46,12 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch device to run on, e.g. cpu, cuda, cuda:1 (default: cuda if present)",
     )
-    parser.add_argument(
-        "--mla-cache",
-        choices=["latent", "per_head"],
-        default="latent",
-        help="DeepSeek-V3 KV cache: the compressed latent (small) or per-head keys and values (default latent)",
-    )
     parser.add_argument("--json", action="store_true", help="one JSON line per prompt")
 
 
@@ -63,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         dtype=args.dtype,
         device=resolve_device(args.device),
-        mla_cache=args.mla_cache,
     )
     tokenizer = load_tokenizer(model_dir)
     params = SamplingParams(

@@ -47,7 +47,8 @@ def resolve_device(name: str | None) -> torch.device:
         index = device.index or 0
         if index >= count:
             raise ElasticEPError(
-                f"--device {name}: this process sees {count} CUDA device(s); use --device cpu or a visible GPU"
+                f"--device {name}: this process sees {count} CUDA device(s); "
+                "use --device cpu or a visible GPU"
             )
     return device
 

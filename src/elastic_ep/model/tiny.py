@@ -137,7 +137,7 @@ def default_config(
     }
 
 
-def _tensor_shapes(cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the checkpoint and its shape, in a fixed order."""
     hf = cfg.hf
     h, inter, moe_i = cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size
@@ -278,7 +278,7 @@ def write_checkpoint(hf: dict[str, Any], out_dir: str | Path, *, seed: int = 0, 
     quiet_ids = _quiet_token_ids(tokenizer, config.vocab_size)
     tensors = {
         name: _random_tensor(name, shape, gen, quiet_ids).to(dtype)
-        for name, shape in _tensor_shapes(config).items()
+        for name, shape in tensor_shapes(config).items()
     }
     _write_shards(tensors, out, num_shards)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
