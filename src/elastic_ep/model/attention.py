@@ -9,12 +9,12 @@ DeepSeek's MLA caches its compressed latent by default, as DeepSeek-V2/V3, vLLM 
 per token and layer only the normed latent (kv_lora_rank) and the rotated rope key
 (qk_rope_head_dim), shared by all heads. Decode tokens attend in the absorbed form: W_UK (the
 key half of kv_b_proj) is folded into the query and W_UV (the value half) applied to the
-output, so the history is read as it is stored and never up-projected. Prefill chunks, whose
-queries outnumber their history's tokens' share of the work, up-project the cached latents to
-per-head keys and values and attend per head (fewer operations per query at full size: 192 + 128
-per head instead of 2 x 512 + 64). `mla_cache="per_head"` keeps the per-head keys and values
-instead (heads x (qk + v) numbers per token and layer), which spares the absorbed products
-and is faster where heads are few and memory does not matter; benchmarks/mla_cache.py measures both.
+output, so the history is read as it is stored and never up-projected. Prefill chunks
+up-project their sequences' cached latents to per-head keys and values and attend per head:
+the up-projection is shared by all the chunk's queries, and each query-key product is then
+qk_nope + qk_rope long instead of kv_lora_rank + qk_rope (192 instead of 576 at full size).
+`mla_cache="per_head"` keeps per-head keys and values instead (heads x (qk + v) numbers per
+token and layer); benchmarks/mla_cache.py measures the two side by side.
 """
 
 from __future__ import annotations
