@@ -109,7 +109,7 @@ def test_the_hub_configs_mean_what_transformers_reads_in_them(tmp_path):
     qwen = MoEConfig.from_pretrained(
         write_checkpoint(json.loads((CONFIG_VECTORS / "qwen3_moe_hub_4x.json").read_text()), tmp_path / "q")
     )
-    assert (deepseek.num_experts, deepseek.moe_layers, deepseek.torch_dtype) == (16, [1, 2], "bfloat16")
+    assert (deepseek.num_experts, deepseek.moe_layers, deepseek.declared_dtype) == (16, [1, 2], "bfloat16")
     assert (deepseek.rope.rope_type, deepseek.rope.factor, deepseek.rope.interleave) == ("yarn", 32.0, True)
     assert (qwen.num_experts, qwen.moe_layers, qwen.rope.theta, qwen.rope.dim) == (16, [0, 1, 2], 1e6, 16)
 

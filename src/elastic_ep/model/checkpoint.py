@@ -69,7 +69,7 @@ class CheckpointReader:
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         if dtype == "auto":
-            declared = self.config.torch_dtype
+            declared = self.config.declared_dtype
             dtype = declared or self.stored_dtype("model.embed_tokens.weight")
             if dtype not in DTYPES:
                 source = "config.json declares" if declared else "the checkpoint stores"

@@ -98,7 +98,7 @@ class MoEConfig:
     """The fields every package needs, for both architectures.
 
     `moe_layers` are the layer ids with routed experts; the other layers have a dense MLP.
-    `torch_dtype` is the dtype config.json declares for the weights ("bfloat16", ...), None if it
+    `declared_dtype` is the dtype config.json declares for the weights ("bfloat16", ...), None if it
     declares none. `hf` is config.json as read, renamed fields under their canonical name
     (`FIELD_ALIASES`), with transformers' defaults filled in for absent fields.
     """
@@ -115,7 +115,7 @@ class MoEConfig:
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
     num_attention_heads: int
-    torch_dtype: str | None
+    declared_dtype: str | None
     rms_norm_eps: float
     norm_topk_prob: bool
     routed_scaling_factor: float
@@ -275,7 +275,7 @@ def _build(arch: str, hf: dict[str, Any]) -> MoEConfig:
         eos_token_ids=_eos_ids(hf),
         max_position_embeddings=max_pos,
         num_attention_heads=int(hf["num_attention_heads"]),
-        torch_dtype=hf.get("dtype"),
+        declared_dtype=hf.get("dtype"),
         rms_norm_eps=float(hf["rms_norm_eps"]),
         norm_topk_prob=norm_topk,
         routed_scaling_factor=routed_scaling_factor,

@@ -268,7 +268,7 @@ def write_checkpoint(hf: dict[str, Any], out_dir: str | Path, *, seed: int = 0, 
     """Write config.json exactly as `hf`, random weights of the shapes it implies (in the dtype it
     declares, float32 if none) and the tokenizer into `out_dir`; return its path."""
     config = MoEConfig.from_dict(hf)
-    dtype = DTYPES[config.torch_dtype or "float32"]
+    dtype = DTYPES[config.declared_dtype or "float32"]
     tokenizer = _train_tokenizer(config.vocab_size)
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise CheckpointError(f"vocab {config.vocab_size} is smaller than the tokenizer's; raise --vocab")
