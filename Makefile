@@ -21,6 +21,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
 test: $(STAMP) lint
+	bash scripts/install-netbed-deps.sh
 	$(VENV)/bin/pytest -q
 
 bench: $(STAMP)

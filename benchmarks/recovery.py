@@ -18,26 +18,24 @@ timed part by part. Medians over the repeats.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import signal
 import statistics
 import tempfile
-import threading
 import time
 import timeit
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.health import adaptive_deadline_s, hung_ranks, lost_heartbeats
-from elastic_ep.control.messages import Heartbeat, Progress, decode, encode
-from elastic_ep.control.server_process import ServerProcess
+from elastic_ep.harness.load import client_for, streams_with_fault
+from elastic_ep.harness.server_process import ServerProcess
 from elastic_ep.runtime.group import ProgressBoard
+from elastic_ep.wire import Heartbeat, Progress, decode, encode
 
 EP_SIZE = 4
 RESTART_DELAY_S = 8.0
@@ -52,39 +50,20 @@ def serve_args(model: str, *extra: str) -> list[str]:
             "--restart-delay-s", str(RESTART_DELAY_S), *extra]
 
 
-def client_for(server: ServerProcess) -> tuple[openai.OpenAI, str]:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
-    return client, client.models.list().data[0].id
-
-
 def streams_with_signal(server: ServerProcess, pid: int, sig: int, n: int, max_tokens: int) -> dict[str, float]:
     """Stream n completions; signal `pid` once all have started. Returns pause and normal gap (s)
     and the wall time of the signal."""
-    client, model = client_for(server)
-    started = threading.Barrier(n + 1)
     sent: dict[str, float] = {}
 
-    def one(prompt: str) -> list[float]:
-        times = []
-        for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                               temperature=0, extra_body={"ignore_eos": True}):
-            if chunk.choices:
-                times.append(time.monotonic())
-                if len(times) == 2:
-                    started.wait(timeout=60)
-        return [b - a for a, b in itertools.pairwise(times)]
-
     def inject() -> None:
-        started.wait(timeout=60)
         time.sleep(0.2)
         sent["time_s"] = time.time()
         os.kill(pid, sig)
 
-    injector = threading.Thread(target=inject)
-    injector.start()
-    with ThreadPoolExecutor(n) as pool:
-        gaps = [g for gs in pool.map(one, [PROMPTS[i % len(PROMPTS)] for i in range(n)]) for g in gs]
-    injector.join()
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    results = streams_with_fault(server.url, inject, prompts, max_tokens, after_chunks=2, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    gaps = [g for r in results for g in r.gaps]
     normal = statistics.median(gaps)
     return {"pause_s": max(gaps) - normal, "normal_gap_s": normal, "signal_time_s": sent["time_s"]}
 
@@ -127,7 +106,7 @@ def full_restart(server: ServerProcess, args: list[str], log: Path) -> tuple[flo
     start = time.monotonic()
     server.stop()
     fresh = ServerProcess(args, log)
-    client, model = client_for(fresh)
+    client, model = client_for(fresh.url)
     for _ in client.completions.create(model=model, prompt="hello", max_tokens=4, stream=True):
         break
     return time.monotonic() - start, fresh
@@ -142,7 +121,7 @@ def mean_step_s(server: ServerProcess, streams: int, max_tokens: int) -> float:
                 return values["elastic_ep_step_wall_seconds_sum"], values["elastic_ep_step_wall_seconds_count"]
         raise KeyError("elastic_ep_step_wall_seconds")
 
-    client, model = client_for(server)
+    client, model = client_for(server.url)
     s0, c0 = sums()
     with ThreadPoolExecutor(streams) as pool:
         list(pool.map(lambda p: client.completions.create(model=model, prompt=p, max_tokens=max_tokens,

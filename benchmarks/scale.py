@@ -19,54 +19,11 @@ import argparse
 import json
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
-import openai
-
-from elastic_ep.control.server_process import ServerProcess
-
-PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "1 2 3 4 5",
-           "elastic expert parallel", "hello world"]
-
-
-class Streams:
-    """Clients streaming in a loop; every chunk's arrival time and gap (s) are kept."""
-
-    def __init__(self, server: ServerProcess, n: int, max_tokens: int):
-        self.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
-        self.model = self.client.models.list().data[0].id
-        self.max_tokens = max_tokens
-        self.gaps: list[tuple[float, float]] = []
-        self.done, self.failed, self.errors = 0, 0, []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(n)]
-
-    def _loop(self, i: int) -> None:
-        k = i
-        while not self.stop.is_set():
-            prompt = PROMPTS[k % len(PROMPTS)]
-            k += 1
-            last = None
-            try:
-                for chunk in self.client.completions.create(model=self.model, prompt=prompt, temperature=0,
-                                                            max_tokens=self.max_tokens, stream=True):
-                    now = time.monotonic()
-                    if chunk.choices and chunk.choices[0].finish_reason == "error":
-                        raise RuntimeError("stream ended with an error")
-                    if last is not None:
-                        self.gaps.append((now, now - last))
-                    last = now
-                self.done += 1
-            except Exception as e:  # counted: the benchmark's requests-failed figure
-                self.failed += 1
-                self.errors.append(f"{type(e).__name__}: {e}")
-
-    def window_p99_ms(self, t0: float, t1: float) -> float:
-        gaps = [g for t, g in list(self.gaps) if t0 <= t <= t1]
-        return round(float(np.percentile(gaps, 99)) * 1000, 1) if gaps else float("nan")
+from elastic_ep.harness.load import StreamingLoad
+from elastic_ep.harness.server_process import ServerProcess
 
 
 def scale_to(server: ServerProcess, n: int, timeout_s: float = 120.0) -> tuple[float, float, float, float]:
@@ -102,9 +59,7 @@ def main() -> None:
                             "--max-ep-size", "6", "--scale-drain-timeout-s", "2"], log)
     rows: dict[str, list[dict]] = {"4 -> 6": [], "6 -> 4": []}
     try:
-        streams = Streams(server, args.streams, args.max_tokens)
-        for t in streams.threads:
-            t.start()
+        streams = StreamingLoad(server.url, args.streams, args.max_tokens).start()
         for _ in range(args.repeats):
             t_before = time.monotonic()
             time.sleep(args.before_s)
@@ -115,16 +70,14 @@ def main() -> None:
                                    "settled_s": round(settled - start, 3),
                                    "tpot_p99_before_ms": before, "tpot_p99_during_ms": streams.window_p99_ms(start, end)})
                 time.sleep(1.0)
-        streams.stop.set()
-        for t in streams.threads:
-            t.join(120)
+        streams.stop()
     finally:
         server.stop()
     summary = {
         name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"runs": runs}
         for name, runs in rows.items()
     }
-    summary["requests"] = {"finished": streams.done, "failed": streams.failed, "errors": streams.errors[:5]}
+    summary["requests"] = {"finished": streams.done, "failed": len(streams.failures), "errors": streams.failures[:5]}
     if args.json:
         print(json.dumps(summary, indent=2))
         return
@@ -134,7 +87,7 @@ def main() -> None:
         s = summary[name]
         print(f"{name:8} {s['serve_s']:>19.2f}s {s['controller_s']:>10.2f}s {s['settled_s']:>7.2f}s "
               f"{s['tpot_p99_before_ms']:>14.1f}ms {s['tpot_p99_during_ms']:>6.1f}ms")
-    print(f"requests finished {streams.done}, failed {streams.failed}")
+    print(f"requests finished {streams.done}, failed {len(streams.failures)}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_ep.control.server_process import ServerProcess
+from elastic_ep.harness.server_process import ServerProcess
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "1 2 3 4 5",
            "elastic expert parallel", "hello world", "MoE layers route tokens", "a b c d e f"]

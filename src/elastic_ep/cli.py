@@ -26,9 +26,32 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Adds "(default X)" to every option whose help does not say its default already. Options
+    without a value (None) or off switches explain themselves."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default == argparse.SUPPRESS
+        if "default" in text or not action.option_strings or unset:
+            return action.help
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        return f"{text} (default {str(shown).replace('%', '%%')})"
+
+
 def _load(name: str):
     module_name, _ = COMMANDS[name]
     return importlib.import_module(f"elastic_ep.commands.{module_name}")
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The argument parser of sub-command `name` (imports its module)."""
+    parser = argparse.ArgumentParser(
+        prog=f"elastic-ep {name}", description=COMMANDS[name][1], formatter_class=DefaultsHelpFormatter
+    )
+    _load(name).add_arguments(parser)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,14 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = argv[0]
     try:
-        module = _load(name)
+        cmd_parser = command_parser(name)
     except ModuleNotFoundError as e:
         if e.name and e.name.startswith("elastic_ep.commands"):
             print(f"error: `elastic-ep {name}` is not built yet (see docs/FEATURES.md)", file=sys.stderr)
             return 2
         raise
-    cmd_parser = argparse.ArgumentParser(prog=f"elastic-ep {name}", description=COMMANDS[name][1])
-    module.add_arguments(cmd_parser)
+    module = _load(name)
     args = cmd_parser.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from elastic_ep.control.health import adaptive_deadline_s, hung_ranks, lost_heartbeats, relative_speeds
-from elastic_ep.control.messages import Progress
+from elastic_ep.wire import Progress
 
 
 def at(seq: int, epoch: int = 3) -> Progress:

@@ -14,48 +14,20 @@ import sys
 import threading
 import time
 
-import httpx
 import pytest
 
 from elastic_ep.cli import main
-from elastic_ep.control.server_process import ServerProcess, free_port
 from elastic_ep.doctor.stacks import PY_SPY_MISSING, py_spy_path
+from elastic_ep.harness.load import StreamingLoad
+from elastic_ep.harness.server_process import ServerProcess, free_port
 
 SLOW_DETECTION = ["--heartbeat-timeout-s", "300", "--watchdog-floor-s", "300", "--drain-timeout-s", "300",
                   "--restart-delay-s", "-1"]
 
 
-class Load:
-    """Clients that keep completions in flight until stopped, so ranks are always in a step."""
-
-    def __init__(self, url: str, clients: int = 3, max_tokens: int = 48):
-        self.url, self.max_tokens = url, max_tokens
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
-
-    def _client(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=120) as http:
-            while not self.stop.is_set():
-                try:
-                    http.post("/v1/completions", json={"model": "tiny-deepseek-v3", "prompt": "hello world",
-                                                       "max_tokens": self.max_tokens})
-                except httpx.HTTPError:
-                    time.sleep(0.05)
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(60)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(["--ep-size", "4", "--enable-chaos", *SLOW_DETECTION],
+    s = ServerProcess(["--model", "tiny-deepseek-v3", "--ep-size", "4", "--enable-chaos", *SLOW_DETECTION],
                       tmp_path_factory.mktemp("doctor") / "serve.log")
     try:
         s.wait_full_group(4)
@@ -75,8 +47,9 @@ def doctor(capsys, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.e2e
 def test_slow_rank_is_named_the_straggler(server, capsys):
-    with Load(server.url):
+    with StreamingLoad(server.url, threads=3, max_tokens=48, prompts=["hello world"]):
         wait_steps(server)
         server.http.post("/chaos/slow", json={"rank_id": 2, "delay_s": 0.05}).raise_for_status()
         try:
@@ -94,9 +67,10 @@ def test_slow_rank_is_named_the_straggler(server, capsys):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.e2e
 def test_stopped_rank_is_named_as_the_one_the_others_wait_for(server, capsys):
     pid = server.pids()[1]
-    with Load(server.url):
+    with StreamingLoad(server.url, threads=3, max_tokens=48, prompts=["hello world"]):
         wait_steps(server)
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -118,6 +92,7 @@ def test_stopped_rank_is_named_as_the_one_the_others_wait_for(server, capsys):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.e2e
 def test_watch_diagnoses_again_until_interrupted(server):
     proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "doctor", server.url, "--json",
                              "--watch", "0.2", "--interval-s", "0.2"], stdout=subprocess.PIPE, text=True)

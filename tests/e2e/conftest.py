@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -19,16 +17,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from elastic_ep.control.server_process import ServerProcess
-
-PROMPTS = [
-    "The quick brown fox",
-    "def add(a, b):",
-    "Once upon a time",
-    "1 2 3 4 5",
-    "elastic expert parallel",
-    "hello world",
-]
+from elastic_ep.harness.load import PROMPTS, StreamingLoad, stream
+from elastic_ep.harness.server_process import ServerProcess
 
 
 class Server(ServerProcess):
@@ -42,15 +32,9 @@ class Server(ServerProcess):
         out = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens, **kwargs)
         return out.choices[0].text
 
-    def stream(self, prompt: str, max_tokens: int, **kwargs) -> tuple[str, list[float]]:
-        """Streamed completion text and the arrival time of every chunk."""
-        times, parts = [], []
-        for chunk in self.client.completions.create(
-            model=self.model, prompt=prompt, max_tokens=max_tokens, stream=True, **kwargs
-        ):
-            times.append(time.monotonic())
-            parts.append(chunk.choices[0].text if chunk.choices else "")
-        return "".join(parts), times
+    def stream(self, prompt: str, max_tokens: int, **kwargs) -> str:
+        """Streamed completion text."""
+        return stream(self.client, self.model, prompt, max_tokens, **kwargs).text
 
     @property
     def model(self) -> str:
@@ -76,39 +60,10 @@ def concurrently(fn, items):
         return list(pool.map(fn, items))
 
 
-class Load:
-    """Streams PROMPTS from `threads` clients in a loop until stopped; every finished output
-    is compared with the fault-free run."""
-
-    def __init__(self, server, model: str, threads: int = 3, max_tokens: int = 24):
-        self.server, self.stop_flag, self.max_tokens = server, threading.Event(), max_tokens
-        self.done, self.failures = 0, []
-        self.expected = dict(zip(PROMPTS, reference(model, tuple(PROMPTS), max_tokens), strict=True))
-        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(threads)]
-
-    def _loop(self, i: int) -> None:
-        k = i
-        while not self.stop_flag.is_set():
-            prompt = PROMPTS[k % len(PROMPTS)]
-            k += 1
-            try:
-                text, _ = self.server.stream(prompt, self.max_tokens, temperature=0)
-            except Exception as e:  # any failure is what the test counts
-                self.failures.append(f"{prompt!r}: {type(e).__name__}: {e}")
-                continue
-            if text != self.expected[prompt]:
-                self.failures.append(f"{prompt!r}: {text!r} != {self.expected[prompt]!r}")
-            self.done += 1
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_flag.set()
-        for t in self.threads:
-            t.join(120)
+def reference_load(server, model: str, threads: int = 3, max_tokens: int = 24) -> StreamingLoad:
+    """Greedy streams of PROMPTS in a loop; every finished output is compared with the fault-free run."""
+    expected = dict(zip(PROMPTS, reference(model, tuple(PROMPTS), max_tokens), strict=True))
+    return StreamingLoad(server.url, threads, max_tokens, expected)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import sys
 import psutil
 import pytest
 
-from elastic_ep.commands.demo import survivable_redundancy
 from elastic_ep.demo_view import CURSOR_UP_AND_CLEAR, LiveView, StreamState
 
 
@@ -49,12 +48,6 @@ def test_demo_names_a_rank_that_does_not_exist():
     done = run_demo("--kill-rank", "4", timeout_s=60)
     assert done.returncode == 2
     assert "--kill-rank 4 is not a rank; ranks are 0..3" in done.stderr
-
-
-def test_redundancy_lets_one_rank_fewer_hold_every_expert():
-    assert survivable_redundancy(16, 4) == 8  # 6 slots per rank, 3 ranks hold 18 >= 16
-    assert survivable_redundancy(16, 2) == 16
-    assert survivable_redundancy(256, 8) == 40  # 37 slots per rank
 
 
 def test_live_view_redraws_its_block_in_place_and_plain_view_never_moves_the_cursor():

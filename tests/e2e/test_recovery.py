@@ -13,12 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from elastic_ep.harness.load import streams_with_fault as harness_streams_with_fault
 
 from .conftest import PROMPTS, Server, concurrently, reference
 
@@ -47,26 +48,8 @@ def recoveries(server) -> float:
 def streams_with_fault(server, inject, prompts=PROMPTS, max_tokens=MAX_TOKENS, **sampling):
     """Stream `prompts` concurrently; call inject() once every stream has its first chunk.
     Returns the texts and the largest gap between chunks of any stream (s)."""
-    sampling = sampling or {"temperature": 0}
-    started = threading.Barrier(len(prompts) + 1)
-
-    def one(prompt):
-        times, parts = [], []
-        stream = server.client.completions.create(
-            model=server.model, prompt=prompt, max_tokens=max_tokens, stream=True, **sampling
-        )
-        for i, chunk in enumerate(stream):
-            times.append(time.monotonic())
-            parts.append(chunk.choices[0].text if chunk.choices else "")
-            if i == 0:
-                started.wait(timeout=30)
-        return "".join(parts), max((b - a for a, b in itertools.pairwise(times)), default=0.0)
-
-    injector = threading.Thread(target=lambda: (started.wait(timeout=30), inject()))
-    injector.start()
-    results = concurrently(one, prompts)
-    injector.join()
-    return [t for t, _ in results], max(g for _, g in results)
+    results = harness_streams_with_fault(server.url, inject, prompts, max_tokens, **(sampling or {"temperature": 0}))
+    return [r.text for r in results], max(r.largest_gap for r in results)
 
 
 def recovery_events(cluster: dict, since_epoch: int) -> list[dict]:
@@ -143,17 +126,42 @@ def test_two_ranks_at_once_losing_every_replica_of_some_experts_restores_from_ba
     assert moved.get("backup", 0) > 0 and moved.get("disk", 0) == 0
 
 
-def test_second_fault_during_recovery(server):
+def test_second_fault_lands_during_the_recovery_of_the_first(server):
     before = full_group(server)
     pids = server.pids()
+    last_id = before["events"][-1]["id"]
 
     def two_faults():
+        # rank 3 is killed by the controller right after it announces the recovery epoch
+        server.http.post("/chaos/kill", json={"rank_id": 3, "at_next_epoch": True}).raise_for_status()
+        server.wait_for(lambda c: any(e["kind"] == "chaos" and "armed" in e["message"] for e in c["events"]
+                                      if e["id"] > last_id), what="the armed kill")
         os.kill(pids[1], signal.SIGKILL)
-        time.sleep(0.02)
-        os.kill(pids[3], signal.SIGKILL)
 
     texts, _ = streams_with_fault(server, two_faults)
-    check_recovered(server, before, texts, {1, 3}, "exited")
+    cluster = check_recovered(server, before, texts, {1, 3}, "exited")
+    (record,) = recovery_events(cluster, before["epoch"])  # one recovery, extended by the second fault
+    assert record["culprits"] == [1, 3] and "; then rank 3" in record["cause"], record
+    kill = next(e for e in cluster["events"] if e["kind"] == "chaos" and e["id"] > last_id
+                and e["message"].startswith("SIGKILL"))
+    assert f"in epoch {before['epoch'] + 1}" in kill["message"]  # the epoch the first recovery announced
+
+
+def test_a_corrupted_expert_slot_is_found_and_refilled_from_a_clean_copy(server):
+    before = full_group(server)
+    last_id = before["events"][-1]["id"]
+    done = server.http.post("/chaos/corrupt", json={"rank_id": 2}).json()
+
+    def refilled(c):
+        return any(e["kind"] == "epoch" and "refill" in e["message"] for e in c["events"] if e["id"] > last_id)
+
+    cluster = server.wait_for(refilled, timeout_s=20, what="the refill epoch")
+    found = [e for e in cluster["events"] if e["kind"] == "verify-failed" and e["id"] > last_id]
+    assert found[0]["slots"] == [[2, done["layer"], done["slot"]]]
+    refill = next(e for e in cluster["events"] if e["kind"] == "epoch" and "refill" in e["message"] and e["id"] > last_id)
+    assert sum(stat["bytes"] for source, stat in refill["transfers"].items() if source != "local") > 0
+    assert concurrently(lambda p: server.complete(p, MAX_TOKENS, temperature=0), PROMPTS) == list(
+        reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
 
 
 def test_slow_rank_and_a_short_stop_are_not_declared_dead(server):
@@ -229,19 +237,22 @@ def _pair_holding_only_replicas(placement: dict) -> tuple[int, int]:
 
 
 def test_two_nodes_keep_each_others_backup_and_survive_a_kill(tmp_path):
-    server = Server(["--model", MODEL, "--ep-size", "4", "--local-ranks", "2", "--redundant-experts", "8",
+    """Node0 runs ranks 0-2, node1 rank 3. The backup of an expert lives on the node after its
+    first replica's node, so the experts only rank 0 held are backed up on node1 and the node0
+    ranks that take them over fetch them through node1's agent."""
+    server = Server(["--model", MODEL, "--ep-size", "4", "--local-ranks", "3", "--redundant-experts", "8",
                      "--restart-delay-s", "-1"], tmp_path / "serve.log", ready_timeout_s=None)
     agent = subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", server.controller_addr(),
-                              "--node", "node1", "--ranks", "2"])
+                              "--node", "node1", "--ranks", "1"])
     try:
         server.wait_ready()
         before = server.wait_for(lambda c: sum(e["kind"] == "backup" for e in c["events"]) == 2, what="2 backups")
-        assert {r["rank_id"]: r["node"] for r in before["ranks"]} == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
+        assert {r["rank_id"]: r["node"] for r in before["ranks"]} == {0: "node0", 1: "node0", 2: "node0", 3: "node1"}
         pid = server.pids()[0]
         texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGKILL))
         cluster = check_recovered(server, before, texts, {0}, "exited")
         moved = recovery_events(cluster, before["epoch"])[0]["transfers"]
-        assert moved["backup"]["bytes"] + moved.get("backup_remote", {"bytes": 0})["bytes"] > 0
+        assert moved["backup_remote"]["bytes"] > 0
         server.stop()
         assert agent.wait(20) == 0  # the controller's shutdown stops the other node's agent too
     finally:
@@ -263,3 +274,13 @@ def test_streams_end_with_the_reason_when_too_few_ranks_stay_too_few(server_fact
     late = server.http.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2})
     assert late.status_code == 503 and "too few ranks" in late.text
     server.stop()
+
+
+def test_events_older_than_the_last_50_are_reachable(server):
+    everything = server.http.get("/cluster", params={"events": 0}).json()["events"]
+    assert len(everything) > 50  # this module's faults, fences, epochs and rejoins
+    ids = [e["id"] for e in everything]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert server.cluster()["events"] == everything[-50:]
+    since = server.http.get("/cluster", params={"since": ids[-60], "events": 0}).json()["events"]
+    assert [e["id"] for e in since] == ids[-59:]

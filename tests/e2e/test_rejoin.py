@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 
-from .conftest import Load, Server
+from .conftest import Server, reference_load
 
 MODEL = "tiny-deepseek-v3"
 
@@ -35,7 +35,7 @@ def test_auto_recover_then_a_replacement_node_takes_over(tmp_path):
     try:
         server.wait_ready()
         server.wait_for(lambda c: sum(e["kind"] == "backup" for e in c["events"]) == 2, what="2 backups")
-        with Load(server, MODEL, threads=2) as load:
+        with reference_load(server, MODEL, threads=2) as load:
             first_pid = server.pids()[3]
             os.kill(first_pid, signal.SIGKILL)
             cluster = server.wait_for(lambda c: len(registered(c, 3)) == 2 and c["ready"]

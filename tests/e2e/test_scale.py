@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .conftest import PROMPTS, Load
+from .conftest import PROMPTS, reference_load
 
 MODEL = "tiny-deepseek-v3"
 # 16 experts + 16 redundant over 4 ranks: 8 slots per rank, so 2 ranks hold every expert.
@@ -77,7 +77,7 @@ def test_invalid_and_concurrent_scale_requests_are_400_and_409(server):
 
 def test_4_6_3_5_with_a_kill_between_steps_under_load(server):
     # 6 streams: one per rank at 6 ranks, so the ranks that leave have requests to drain
-    with Load(server, MODEL, threads=6) as load:
+    with reference_load(server, MODEL, threads=6) as load:
         scale(server, 6)
         up = wait_scaled(server, 6, "serving_expanded")
         assert {"joining", "configuring_data_plane"} & up["seen"] and up["new_ranks"] == [4, 5]
@@ -101,7 +101,7 @@ def test_4_6_3_5_with_a_kill_between_steps_under_load(server):
 
 
 def test_three_recover_cycles_of_the_same_rank_under_load(server):
-    with Load(server, MODEL, threads=2) as load:
+    with reference_load(server, MODEL, threads=2) as load:
         for _ in range(3):
             kill_rank(server, 2, 5)
     assert not load.failures, load.failures[:3]
@@ -114,7 +114,7 @@ def test_three_recover_cycles_of_the_same_rank_under_load(server):
 
 
 def test_a_joiner_killed_mid_join_fails_that_scale_not_the_service(server):
-    with Load(server, MODEL, threads=2) as load:
+    with reference_load(server, MODEL, threads=2) as load:
         scale(server, 6)
         joining = server.wait_for(lambda c: any(r["rank_id"] == 5 and r["pid"] for r in c["ranks"]),
                                   what="the new rank's process")

@@ -10,7 +10,7 @@ from elastic_ep.commands.eplb import read_load
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.measures import rank_loads
 
-from .conftest import Load
+from .conftest import reference_load
 
 MODEL = "tiny-deepseek-v3"
 SLOW = 3
@@ -28,7 +28,7 @@ def test_slow_rank_gets_less_expert_load_after_rebalance_and_output_stays_exact(
     )
     # slowed before any request, so every own-time sample of that rank is a slow one
     server.http.post("/chaos/slow", json={"rank_id": SLOW, "delay_s": 0.05}).raise_for_status()
-    with Load(server, MODEL, threads=3) as load:
+    with reference_load(server, MODEL, threads=3) as load:
         server.wait_for(lambda c: _eplb_epochs(c), timeout_s=60, what="a speed-aware EPLB rebalance")
         done_at_rebalance = load.done
         assert server.http.post("/start_expert_distribution_record").status_code == 200

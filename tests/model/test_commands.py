@@ -173,6 +173,28 @@ def test_missing_tokenizer(capsys, tmp_path, tiny_dirs):
 
 
 
+def test_generate_takes_every_sampling_parameter_and_prints_logprobs(capsys, tiny_dirs):
+    flags = (
+        "--max-tokens 6 --temperature 0.8 --min-p 0.05 --presence-penalty 0.5 --frequency-penalty 0.5 "
+        "--repetition-penalty 1.2 --min-tokens 6 --stop-token-id 3 --logprobs 2 --json"
+    )
+    code, out, _ = run_cli(
+        capsys, "generate", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", "Hi", *flags.split()
+    )
+    assert code == 0
+    record = json.loads(out)
+    assert len(record["token_ids"]) == 6 and 3 not in record["token_ids"]
+    assert [len(lp["top"]) for lp in record["logprobs"]] == [2] * 6
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--temperature", "nan"), ("--top-p", "0"), ("--repetition-penalty", "inf")]
+)
+def test_generate_refuses_sampling_values_out_of_range(capsys, flag, value):
+    code, _, err = run_cli(capsys, "generate", "--prompt", "x", flag, value)
+    assert_clean_error(code, err, flag.removeprefix("--").replace("-", "_"))
+
+
 def test_a_bfloat16_checkpoint_generates_in_bfloat16_unless_told_otherwise(capsys, tmp_path):
     out_dir = tmp_path / "bf16"
     code, _, _ = run_cli(

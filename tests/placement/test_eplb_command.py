@@ -83,6 +83,12 @@ def test_deepseek_policies_over_live_ranks(tmp_path, capsys, load, policy):
         ("[[1, 2, 3, 4]]", ["--from", "missing.json"], "cannot read placement file"),
         ("[[1, 2, 3, 4]]", ["--from", "small.json"], "the load is 1 x 4"),
         ("[[1, 2, 3, 4]]", ["--from", "small.json", "--policy", "global"], "cannot compare"),
+        ("[[0, 0, 0, 0], [0, 0, 0, 0]]", [], "holds no tokens (every count is 0)"),
+        ('{"logical_count": [[[0, 0, 0, 0]], [[0, 0, 0, 0]]]}', [], "holds no tokens"),
+        ("[[0, 0, 0, 0], [1, 2, 3, 4]]", [], "layers [0] hold no tokens while others do"),
+        ("[[1, 2, 3, 4]]", ["--policy", "hierarchical", "--groups", "0"], "--groups 0 must be at least 1"),
+        ("[[1, 2, 3, 4]]", ["--tolerance", "-0.5"], "--tolerance -0.5 must be >= 0"),
+        ("[[1, 2, 3, 4]]", ["--out", "no/such/dir/p.json"], "folder no/such/dir does not exist"),
     ],
 )
 def test_bad_input_is_a_clear_error_with_exit_2(tmp_path, monkeypatch, capsys, content, argv, message):

@@ -1,12 +1,16 @@
 """`elastic-ep sim` and `elastic-ep plan` as a user runs them: tables, JSON, plots, errors."""
 
 import json
+import shlex
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from elastic_ep.cli import main
+from elastic_ep.cli import command_parser, main
+from elastic_ep.commands.plan import draw_plan
+from elastic_ep.sim.planner import AUTO, PlanInputs, make_plan
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -58,6 +62,62 @@ def test_fleet_table_and_json(capsys):
     assert [p["policy"] for p in report["policies"]] == ["restart", "elastic-disk", "elastic-backup"]
 
 
+def test_fleet_with_one_replication_says_it_has_no_interval(capsys):
+    argv = ["sim", "fleet", "--gpus", "512", "--days", "10", "--replications", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "inf" not in out and "±n/a" in out and "give --replications 2 or more" in out
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert report["failures"]["half_width"] is None
+
+
+def test_issue_17_plan_lists_what_serve_accepts_and_prints_its_command(capsys):
+    assert main(["plan", "--gpus", "2048", "--ep-sizes", "48,96"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("EP48", "EP96"))]
+    assert rows and all((256 + int(row[1])) % int(row[0][2:]) == 0 for row in rows)
+    assert not any(row[:2] == ["EP48", "0"] for row in rows)
+    assert "note: EP48: 256 experts + 0 redundant do not split evenly over 48 ranks" in out
+    commands = [line.strip() for line in out.splitlines() if line.startswith("  elastic-ep ")]
+    serve, *agents = commands
+    args = command_parser("serve").parse_args(shlex.split(serve)[2:])
+    assert (256 + args.redundant_experts) % args.ep_size == 0 and args.expert_backup
+    assert f"recommended: EP{args.ep_size} with {args.redundant_experts} redundant experts" in out
+    assert sum(command_parser("agent").parse_args(shlex.split(a)[2:]).ranks for a in agents) + args.local_ranks == (
+        args.ep_size
+    )
+
+
+def test_plan_plot_has_a_title_the_choice_and_a_visible_line_per_option():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    requests, backups = ["0", AUTO, "256"], [False, True]
+    plan = make_plan(PlanInputs(), [32, 64, 128], [0, AUTO, 256], backups, np.random.default_rng(0))
+    fig, ax = plt.subplots()
+    try:
+        draw_plan(ax, plan, requests, backups)
+        assert "GPU-hours lost" in ax.get_title() and "2048 GPUs" in ax.get_title()
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        best = plan.recommended
+        star = next(line for label, line in lines.items() if label.startswith("recommended:"))
+        assert list(star.get_xdata()) == [best.ep_size] and list(star.get_ydata()) == [best.gpu_hours_lost_elastic]
+        options = [line for label, line in lines.items() if label.startswith("elastic,")]
+        assert len(options) == len(requests) * len(backups)
+        drawn = {(x, y) for line in options for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True)}
+        assert all((o.ep_size, o.gpu_hours_lost_elastic) in drawn for o in plan.options)
+        # A line drawn over an earlier one with the same points is thinner, so both show.
+        for i, under in enumerate(options):
+            for over in options[i + 1 :]:
+                if list(under.get_ydata()) == list(over.get_ydata()):
+                    assert under.get_linewidth() > over.get_linewidth()
+    finally:
+        plt.close(fig)
+
+
 def test_plan_prints_options_and_a_recommendation(capsys):
     assert main(["plan", "--gpus", "2048", "--ep-sizes", "64", "--redundant", "0,256"]) == 0
     out = capsys.readouterr().out
@@ -92,6 +152,19 @@ def test_every_command_draws_a_png(tmp_path, capsys, argv):
         (["sim", "fleet", "--ep-size", "64", "--slots-per-rank", "2"], "cannot hold 256 experts"),
         (["sim", "blast-radius", "--plot", "/nonexistent/dir/x.png"], "does not exist"),
         (["plan", "--ep-sizes", "4096"], "between 1 and --gpus"),
+        (["plan", "--gpus", "-5"], "--gpus -5 must be > 0"),
+        (["plan", "--redundant", "-32"], "--redundant -32 must be a count >= 0"),
+        (["sim", "fleet", "--spare-fraction", "2"], "--spare-fraction 2.0 must be between 0 and 1"),
+        (["sim", "fleet", "--gpus", "-5"], "--gpus (-5) and --days (365.0) must be > 0"),
+        (["sim", "fleet", "--days", "nan"], "--days (nan) must be > 0"),
+        (["plan", "--expert-mb", "nan"], "--expert-mb nan must be a number > 0"),
+        (["sim", "blast-radius", "--pause-min", "nan"], "--pause-min must be >= 0"),
+        (["sim", "fleet", "--node-repair-h", "-1"], "--node-repair-h -1.0 must be a number >= 0"),
+        (["sim", "fleet", "--slots-per-rank", "0"], "--slots-per-rank (0) must be > 0"),
+        (["sim", "blast-radius", "--gpus", "-5"], "--gpus -5 must be > 0"),
+        (["sim", "redundancy", "--ranks", "4", "--slots", "4", "--experts", "8", "--k", "-1"], "must be >= 0"),
+        (["sim", "redundancy", "--ranks", "4", "--slots", "4", "--experts", "8", "--trials", "1"], "at least 2 draws"),
+        (["sim", "redundancy", "--method", "exact", "--max-terms", "-1"], "--max-terms -1 must be >= 0"),
     ],
 )
 def test_impossible_inputs_exit_2_with_a_message_and_no_traceback(capsys, argv, message):

@@ -7,7 +7,7 @@ import argparse
 import signal
 import threading
 
-from elastic_ep.control.agent import NodeAgent
+from elastic_ep.node.agent import NodeAgent
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

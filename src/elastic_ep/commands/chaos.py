@@ -8,32 +8,39 @@ import json
 
 import httpx
 
+from elastic_ep.commands.remote import server_url, unreachable
+from elastic_ep.control.api import CHAOS_ACTIONS
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.serve.admin import CHAOS_ACTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("url", type=server_url, help="the server, e.g. http://127.0.0.1:8000 (or 127.0.0.1:8000)")
     parser.add_argument(
         "action",
         choices=CHAOS_ACTIONS,
-        help="kill (SIGKILL), hang (SIGSTOP), resume (SIGCONT), slow (add delay_s per step), cut (drop its links)",
+        help="kill (SIGKILL), hang (SIGSTOP), resume (SIGCONT), slow (add delay_s per step), corrupt (overwrite "
+             "one of its expert slots: --layer, --slot, default its first)",
     )
     parser.add_argument("rank", type=int, help="rank_id, as listed by GET /cluster")
-    parser.add_argument("--delay-s", type=float, default=0.0, help="for slow: seconds added to every step")
+    parser.add_argument("--delay-s", type=float, default=None,
+                        help="slow needs it: seconds added to every step of the rank; 0 takes the delay away")
+    parser.add_argument("--layer", type=int, default=None, help="for corrupt: MoE layer index of the slot")
+    parser.add_argument("--slot", type=int, default=None, help="for corrupt: slot within the rank")
+    parser.add_argument("--at-next-epoch", action="store_true",
+                        help="for kill / hang: act right after the next epoch is announced (a fault during recovery)")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout (default 10)")
 
 
 def run(args: argparse.Namespace) -> int:
-    url = f"{args.url.rstrip('/')}/chaos/{args.action}"
+    _check_args(args)
+    url = f"{args.url}/chaos/{args.action}"
     try:
         response = httpx.post(
-            url, json={"rank_id": args.rank, "delay_s": args.delay_s}, timeout=args.timeout_s
+            url, json={"rank_id": args.rank, "delay_s": args.delay_s or 0.0, "layer": args.layer, "slot": args.slot,
+                       "at_next_epoch": args.at_next_epoch}, timeout=args.timeout_s
         )
     except httpx.HTTPError as e:
-        raise ElasticEPError(
-            f"cannot reach {args.url} ({type(e).__name__}: {e}); is `elastic-ep serve` running there?"
-        ) from None
+        raise unreachable(args.url, e) from None
     if response.status_code != 200:
         raise ElasticEPError(
             f"{args.action} rank {args.rank} refused (HTTP {response.status_code}): {_message(response)}"
@@ -42,8 +49,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    if args.rank < 0:
+        raise ElasticEPError(f"rank {args.rank} is not a rank_id: give one listed by GET {args.url}/cluster")
+    if args.timeout_s <= 0:
+        raise ElasticEPError(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
+    if args.action == "slow" and args.delay_s is None:
+        raise ElasticEPError("chaos slow needs --delay-s SECONDS, the time added to every step of the rank "
+                             "(e.g. --delay-s 0.05); --delay-s 0 takes a delay away")
+    if args.delay_s is not None and not args.delay_s >= 0:
+        raise ElasticEPError(f"--delay-s must be >= 0 seconds, got {args.delay_s}")
+    if args.action != "slow" and args.delay_s:
+        raise ElasticEPError(f"--delay-s is for slow only; {args.action} takes no delay")
+
+
 def _message(response: httpx.Response) -> str:
     try:
         return response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
-        return response.text.strip() or "(empty body)"
+        return f"{response.request.url} did not answer as elastic-ep does; check the URL and port"

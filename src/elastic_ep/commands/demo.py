@@ -25,13 +25,15 @@ import httpx
 import psutil
 import torch
 
-from elastic_ep.control.server_process import ServerProcess
 from elastic_ep.demo_view import LiveView, StreamState, fmt_bytes, fmt_ms, format_table
 from elastic_ep.errors import ElasticEPError
+from elastic_ep.harness.server_process import ServerProcess
+from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.engine import OfflineEngine, greedy
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import decode, encode, load_tokenizer
+from elastic_ep.placement import choose_redundant_experts
 
 PROMPTS = [
     "A fault-tolerant server",
@@ -69,8 +71,11 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     torch.set_num_threads(1)
     model_dir = resolve_model(args.model)
-    num_experts = MoEConfig.from_pretrained(model_dir).num_experts
-    redundant = survivable_redundancy(num_experts, args.ep_size)
+    config = MoEConfig.from_pretrained(model_dir)
+    num_experts = config.num_experts
+    expert_bytes = CheckpointReader(model_dir, config).expert_nbytes
+    choice = choose_redundant_experts(num_experts, args.ep_size, len(config.moe_layers), expert_bytes)
+    redundant = choice.redundant_experts
     out = sys.stderr if args.json else sys.stdout
     prompts = demo_prompts(args.requests)
     sig = signal.SIGSTOP if args.hang else signal.SIGKILL
@@ -132,13 +137,6 @@ def _wait_serving(server: ServerProcess, ep_size: int, timeout_s: float) -> dict
     except (TimeoutError, RuntimeError) as e:
         raise ElasticEPError(f"the server did not serve on {ep_size} ranks: {e}\n(its log: {server.log_path}; "
                              f"on a slow machine raise --ready-timeout-s)") from None
-
-
-def survivable_redundancy(num_experts: int, ep_size: int) -> int:
-    """Fewest redundant expert slots with which `ep_size - 1` ranks still hold every expert
-    (slots per rank = (experts + redundant) / ep_size)."""
-    slots_per_rank = -(-num_experts // (ep_size - 1))
-    return slots_per_rank * ep_size - num_experts
 
 
 def demo_prompts(n: int) -> list[str]:

@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from elastic_ep.commands.remote import server_url, unreachable
 from elastic_ep.doctor.diagnose import ProcessInfo, Thresholds, describe, diagnose
 from elastic_ep.doctor.findings import Finding, render
 from elastic_ep.doctor.metrics import RankWindow, Samples, parse_metrics, rank_windows
@@ -27,7 +28,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("url", type=server_url, help="the server, e.g. http://127.0.0.1:8000 (or 127.0.0.1:8000)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per diagnosis")
     parser.add_argument("--watch", type=float, default=None, metavar="S",
                         help="diagnose again every S seconds until Ctrl-C")
@@ -53,9 +54,7 @@ class Server:
         try:
             response = self.http.get(path)
         except httpx.HTTPError as e:
-            raise ElasticEPError(
-                f"cannot reach {self.url} ({type(e).__name__}: {e}); is `elastic-ep serve` running there?"
-            ) from None
+            raise unreachable(self.url, e) from None
         if response.status_code != 200:
             raise ElasticEPError(f"{self.url}{path} answered HTTP {response.status_code}: not an elastic-ep server "
                                  "(GET /cluster and /metrics are elastic-ep's); check the URL and port")
@@ -171,14 +170,20 @@ def report(server: Server, args: argparse.Namespace) -> int:
     return 1 if any(f.severity == "critical" for f in d.findings) else 0
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    for flag, value in (("--interval-s", args.interval_s), ("--timeout-s", args.timeout_s), ("--watch", args.watch)):
+        if value is not None and not value > 0:
+            raise ElasticEPError(f"{flag} must be > 0 seconds, got {value}")
+    if not args.straggler_ratio > 1:
+        raise ElasticEPError(f"--straggler-ratio must be > 1 (a multiple of the others' median own time), "
+                             f"got {args.straggler_ratio}")
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.interval_s <= 0:
-        raise ElasticEPError(f"--interval-s must be > 0, got {args.interval_s}")
+    _check_args(args)
     server = Server(args.url, args.timeout_s)
     if args.watch is None:
         return report(server, args)
-    if args.watch <= 0:
-        raise ElasticEPError(f"--watch must be > 0 seconds, got {args.watch}")
     while True:
         report(server, args)
         time.sleep(args.watch)

@@ -49,10 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     load = read_load(Path(args.load))
+    _check_tokens(load, args.load)
     if args.ranks < 1 or args.slots < 1 or args.nodes < 1:
         raise PlacementError("--ranks, --slots and --nodes must be at least 1")
     if args.ranks % args.nodes:
         raise PlacementError(f"--ranks {args.ranks} does not split evenly over --nodes {args.nodes}")
+    if args.groups is not None and args.groups < 1:
+        raise PlacementError(f"--groups {args.groups} must be at least 1")
+    if not args.tolerance >= 0:
+        raise PlacementError(f"--tolerance {args.tolerance} must be >= 0 (a fraction of the ideal time)")
+    if args.out and not Path(args.out).parent.is_dir():
+        raise PlacementError(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
     dead = _parse_ranks(args.dead, args.ranks)
     live = [r for r in range(args.ranks) if r not in dead]
     rank_nodes = {r: r // (args.ranks // args.nodes) for r in range(args.ranks)}
@@ -107,6 +114,23 @@ def read_load(path: Path) -> np.ndarray:
     if not np.isfinite(load).all() or (load < 0).any():
         raise PlacementError(f"load file {path} must hold finite, non-negative token counts")
     return load
+
+
+def _check_tokens(load: np.ndarray, path: str) -> None:
+    """A placement needs tokens to balance: every layer routes the same tokens, so a layer with
+    none means an empty recording or a broken file."""
+    empty = np.nonzero(load.sum(axis=1) == 0)[0]
+    if len(empty) == len(load):
+        raise PlacementError(
+            f"load file {path} holds no tokens (every count is 0): record load while serving "
+            "(POST /start_expert_distribution_record, send requests, then /dump_expert_distribution_record) "
+            "and pass the dumped file"
+        )
+    if len(empty):
+        raise PlacementError(
+            f"load file {path}: layers {empty.tolist()} hold no tokens while others do; every layer routes the "
+            "same tokens, so the file is incomplete"
+        )
 
 
 def _parse_ranks(text: str, num_ranks: int) -> set[int]:

@@ -11,18 +11,22 @@ import threading
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from elastic_ep.control.agent import NodeAgent
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
+from elastic_ep.node.agent import NodeAgent
 
-# SGLang's flag name, kept as an alias.
-ALIASES = {"elastic_ep_scale_timeout_s": ["--elastic-ep-scale-timeout"]}
+# vLLM's and SGLang's flag names, kept as aliases.
+ALIASES = {
+    "elastic_ep_scale_timeout_s": ["--elastic-ep-scale-timeout"],
+    "redundant_experts": ["--num-redundant-experts", "--ep-num-redundant-experts"],
+}
 
 HELP = {
-    "redundant_experts": "extra expert slots in all; (experts + K) must divide by --ep-size",
+    "redundant_experts": "extra expert slots in all; (experts + K) must divide by --ep-size (aliases: vLLM's "
+                         "--num-redundant-experts, SGLang's --ep-num-redundant-experts)",
     "backend": "data plane: gloo (CPU) or nccl (GPU)",
     "host": "address every process binds and the HTTP server listens on",
     "max_num_seqs": "sequences in flight per rank",
@@ -57,11 +61,14 @@ HELP = {
                              "then move to the others",
     "health_checks": "heartbeat and watchdog detection (off only to measure their cost)",
     "health_check_period_s": "how often the controller runs the heartbeat and watchdog checks",
+    "expert_sweep_interval_s": "background check of expert slots: how often each rank checksums a few slots",
+    "expert_sweep_slots": "slots each rank checksums per background check (0: no background check)",
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-deepseek-v3", help="checkpoint dir, or tiny-deepseek-v3 / tiny-qwen3-moe")
+    parser.add_argument("--model", required=True,
+                        help="checkpoint dir, or tiny-deepseek-v3 / tiny-qwen3-moe (the embedded random test models)")
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
     parser.add_argument("--ep-size", type=int, default=2, help="number of EP ranks (worker processes)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(model_dir)
     from elastic_ep.serve.app import create_app
 
-    app = create_app(controller, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
+    app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
     agent = NodeAgent(controller.health_addr, args.node, cfg.host,
                       args.ep_size if args.local_ranks is None else args.local_ranks)
     agent_stop = threading.Event()

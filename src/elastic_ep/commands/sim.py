@@ -91,7 +91,11 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="what", metavar="WHAT", required=True)
 
-    blast = sub.add_parser("blast-radius", help="GPU-hours lost a month per EP group size (seed 001 table 1)")
+    blast = sub.add_parser(
+        "blast-radius",
+        help="GPU-hours lost a month per EP group size (seed 001 table 1)",
+        formatter_class=parser.formatter_class,
+    )
     blast.add_argument("--gpus", type=int, default=2048, help="GPUs in the service (default 2048)")
     blast.add_argument("--group-sizes", type=int_list, default=[16, 64, 128, 256], help="EP group sizes")
     blast.add_argument(
@@ -110,7 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_arguments(blast)
 
     red = sub.add_parser(
-        "redundancy", help="chance that k dead ranks or nodes lose an expert (seed 001 table 2)"
+        "redundancy",
+        help="chance that k dead ranks or nodes lose an expert (seed 001 table 2)",
+        formatter_class=parser.formatter_class,
     )
     red.add_argument(
         "--placement", metavar="FILE", help="placement JSON (phy2log) written by `elastic-ep eplb`"
@@ -126,12 +132,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     red.add_argument(
         "--k", type=int_list, default=[1, 2, 4], help="dead ranks (or nodes) to try (default 1,2,4)"
     )
-    red.add_argument("--method", choices=["monte-carlo", "exact", "both"], default="both")
+    red.add_argument(
+        "--method", choices=["monte-carlo", "exact", "both"], default="both", help="how to estimate the loss"
+    )
     red.add_argument("--trials", type=int, default=4000, help="Monte Carlo draws per k (default 4000)")
     red.add_argument(
         "--placements", type=int, default=1, help="random placements to average over (default 1)"
     )
-    red.add_argument("--seed", type=int, default=0)
+    red.add_argument("--seed", type=int, default=0, help="seed of the random placements and draws")
     red.add_argument(
         "--ranks-per-node", type=int, help="whole-node failures: k counts nodes of this many ranks"
     )
@@ -153,14 +161,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_arguments(red)
 
     fl = sub.add_parser(
-        "fleet", help="discrete-event simulation of a fleet: restart against elastic recovery"
+        "fleet",
+        help="discrete-event simulation of a fleet: restart against elastic recovery",
+        formatter_class=parser.formatter_class,
     )
     add_dataclass_options(fl, fleet.FleetConfig, skip=FLEET_SKIP)
     add_rate_option(fl)
     fl.add_argument(
         "--replications", type=int, default=10, help="independent runs for the 95%% intervals (default 10)"
     )
-    fl.add_argument("--seed", type=int, default=0)
+    fl.add_argument("--seed", type=int, default=0, help="seed of the failure traces")
     add_output_arguments(fl)
 
 
@@ -354,10 +364,14 @@ def run_fleet(args: argparse.Namespace) -> int:
 
 def _fleet_text(report: fleet.FleetReport) -> str:
     cfg = report.config
+    interval = (
+        "mean ± 95% interval"
+        if report.replications > 1
+        else "one replication gives no interval (n/a): give --replications 2 or more for one"
+    )
     head = (
         f"{cfg.groups} EP{cfg.ep_size} groups ({cfg.groups * cfg.ep_size} GPUs, {cfg.spare_gpus} spares), "
-        f"{cfg.days:g} days, {report.replications} replications; failures {_pm(report.failures, 0)}; "
-        f"mean ± 95% interval"
+        f"{cfg.days:g} days, {report.replications} replications; failures {_pm(report.failures, 0)}; {interval}"
     )
 
     def row(label: str, pick, digits: int = 0, scale: float = 1.0) -> list[str]:
@@ -387,4 +401,5 @@ def _fleet_text(report: fleet.FleetReport) -> str:
 
 
 def _pm(metric: fleet.Metric, digits: int, scale: float = 1.0) -> str:
-    return f"{metric.mean * scale:.{digits}f} ±{metric.half_width * scale:.{digits}f}"
+    half = "n/a" if metric.half_width is None else f"{metric.half_width * scale:.{digits}f}"
+    return f"{metric.mean * scale:.{digits}f} ±{half}"

@@ -1,6 +1,6 @@
 """The contract between the HTTP server (`serve/`) and the engine that runs requests.
 
-The controller (`control/controller.py`) implements `Engine`; the HTTP app only talks to
+The controller's facade (`control/engine.py`) implements `Engine`; the HTTP app only talks to
 this protocol, so it can be exercised in tests with any engine that honours it.
 Token ids only cross this boundary: the HTTP layer tokenizes, detokenizes and applies stop
 strings; the engine schedules, runs steps on the ranks and survives their faults.
@@ -13,27 +13,37 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One request as the engine sees it. `seed` is fixed at admission so that a
-    recomputation after a fault draws the same tokens."""
+    """One request as the engine sees it: one prompt, one sequence (the HTTP layer turns
+    `n` choices and lists of prompts into one GenerationRequest each).
+
+    The engine samples every token with `model.sampling.sample_tokens(logits, [params],
+    [seed], [TokenHistory(prompt_token_ids, output so far)], eos_token_ids)`, so a token is a
+    pure function of (seed, position, logits, history) and a recomputation after a fault draws
+    the same one. `seed` is fixed at admission (params.seed is the client's, maybe None).
+    It finishes the request with "stop" on a token in `params.stop_ids(eos_token_ids)`,
+    "length" after `params.max_tokens` tokens or at max_model_len; the sampler already keeps
+    stop tokens out before `params.min_tokens`.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
-    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class RequestOutput:
     """One event of a request's stream: the tokens produced since the last event.
 
-    finish_reason: None while running; "stop" (EOS or a stop token), "length"
+    finish_reason: None while running; "stop" (EOS or a stop token id), "length"
     (max_tokens or max_model_len), "abort" (client gone), "error" (see `error`).
+    logprobs: when `params.logprobs` is not None, one `TokenLogprobs` per token of
+    `new_token_ids`, as `sample_tokens` returned it; else None.
     """
 
     request_id: str
@@ -41,6 +51,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,24 @@ class ScaleRejected(ElasticEPError):
         self.status = status
 
 
+@dataclass(frozen=True)
+class ChaosOrder:
+    """A fault to inject. action: kill (SIGKILL), hang (SIGSTOP), resume (SIGCONT), slow (the rank
+    sleeps `delay_s` per step), corrupt (overwrite expert slot (`layer`, `slot`) of the rank; by
+    default its first occupied slot). `at_next_epoch`: for kill and hang, act right after the
+    next epoch is announced, so the fault lands while that epoch forms."""
+
+    action: str
+    rank_id: int
+    delay_s: float = 0.0
+    layer: int | None = None
+    slot: int | None = None
+    at_next_epoch: bool = False
+
+
+CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt")
+
+
 @dataclass
 class EngineInfo:
     model_name: str
@@ -85,8 +114,9 @@ class Engine(Protocol):
 
     def readiness(self) -> Readiness: ...
 
-    def cluster(self) -> dict[str, Any]:
-        """JSON for GET /cluster: epoch, ranks, scale state, deadlines, recent events.
+    def cluster(self, events_since: int | None = None, events_limit: int | None = 50) -> dict[str, Any]:
+        """JSON for GET /cluster: epoch, ranks, scale state, deadlines, events: the last
+        `events_limit` (None: all kept, up to 1000), only those with id > `events_since` if given.
 
         The dashboard (serve/static/dashboard.html) reads these fields; any may be missing
         or null, extra fields are shown as they are:
@@ -100,7 +130,10 @@ class Engine(Protocol):
                       "heartbeat_age_s": float, "ready": bool,  # ready: serves in a verified epoch
                       "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
            "scale": scale_status(), "deadlines": {name: seconds},
-           "events": [{"time_s": unix seconds, "kind": str, "rank_id": int | None, "message": str}, ...]}
+           "events": [{"id": int, "time_s": unix seconds, "kind": str, "rank_id": int | None,
+                       "message": str, ...details}, ...]}
+        Rank states are `control.ranks.RankStatus` values: starting, serving, draining, fencing,
+        fenced, dead, retiring.
         """
         ...
 
@@ -113,7 +146,7 @@ class Engine(Protocol):
         returns {"path": ..., "layers": L, "experts": E, "tokens": n}."""
         ...
 
-    def scale(self, new_ep_size: int) -> dict[str, Any]:
+    async def scale(self, new_ep_size: int) -> dict[str, Any]:
         """Start a scale to `new_ep_size` in the background; returns
         {"old_ep_size", "new_ep_size"}. Raises ScaleRejected."""
         ...
@@ -123,7 +156,7 @@ class Engine(Protocol):
         scale_phase, last_error, old_ep_size, new_ep_size, elapsed_s (see control/scaling.py)."""
         ...
 
-    def chaos(self, action: str, rank_id: int, delay_s: float = 0.0) -> dict[str, Any]:
-        """Fault injection (only when served with --enable-chaos): action is one of
-        kill, hang, resume, slow, cut."""
+    def chaos(self, order: ChaosOrder) -> dict[str, Any]:
+        """Fault injection (only when served with --enable-chaos); returns what was done to
+        which process. Raises ElasticEPError for an unknown rank, slot or action."""
         ...

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastic_ep.errors import ElasticEPError
+from elastic_ep.model.config import MoEConfig
+
 
 @dataclass
 class ServeConfig:
@@ -45,6 +48,8 @@ class ServeConfig:
     scale_drain_timeout_s: float = 5.0
     health_checks: bool = True
     health_check_period_s: float = 0.02
+    expert_sweep_interval_s: float = 0.5
+    expert_sweep_slots: int = 4
 
     @property
     def max_ranks(self) -> int:
@@ -55,3 +60,24 @@ class ServeConfig:
         return {
             k: v for k, v in vars(self).items() if k.endswith("_s") and isinstance(v, float | int)
         }
+
+
+def check_config(cfg: ServeConfig, config: MoEConfig) -> int:
+    """Refuse a deployment that cannot start, naming the flag to change; returns slots per rank."""
+    total_slots = config.num_experts + cfg.redundant_experts
+    if cfg.ep_size < 1 or total_slots % cfg.ep_size:
+        raise ElasticEPError(
+            f"{config.num_experts} experts + {cfg.redundant_experts} redundant = {total_slots} slots do not split "
+            f"evenly over --ep-size {cfg.ep_size}; choose --redundant-experts so the sum is a multiple of it"
+        )
+    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval"):
+        if getattr(cfg, name) < 1:
+            raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.max_model_len > config.max_position_embeddings:
+        raise ElasticEPError(
+            f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}; lower it"
+        )
+    if cfg.max_ranks < cfg.ep_size:
+        raise ElasticEPError(f"--max-ep-size {cfg.max_ep_size} is below --ep-size {cfg.ep_size}; raise it")
+    return total_slots // cfg.ep_size

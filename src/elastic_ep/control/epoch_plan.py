@@ -11,8 +11,7 @@ import numpy as np
 
 from elastic_ep.placement.location import EMPTY, ExpertLocation
 from elastic_ep.placement.transfer import TransferPlan
-
-from .messages import SlotSource
+from elastic_ep.wire import SlotSource
 
 
 def held_placement(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Mapping
 
-from .messages import Progress
+from elastic_ep.wire import Progress
 
 
 def adaptive_deadline_s(recent_step_s: Iterable[float], multiple: float, floor_s: float) -> float:

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from elastic_ep.control.api import GenerationRequest
+from elastic_ep.wire import ChunkPlan
 
-from .messages import ChunkPlan
+from .api import GenerationRequest
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Sequence:
 
     def check_finished(self, token: int) -> str | None:
         params = self.request.params
-        if token in self.request.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+        if token in params.stop_ids(self.eos_token_ids):
             return "stop"
         if len(self.output) >= params.max_tokens or len(self.tokens) >= self.max_model_len:
             return "length"
@@ -161,17 +161,15 @@ class Scheduler:
             return 0
         tokens = seq.tokens
         start = seq.num_cached
-        p = seq.request.params
         out.append(
             ChunkPlan(
                 seq.seq_id,
                 tokens[start : start + n],
                 start,
                 start + n == len(tokens),
-                p.temperature,
-                p.top_p,
-                p.top_k,
+                seq.request.params,
                 seq.request.seed,
+                len(seq.request.prompt_token_ids),
             )
         )
         return n

@@ -13,23 +13,12 @@ import time
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
-from elastic_ep.control.messages import DenseFetch
 from elastic_ep.model.checkpoint import CheckpointReader
+from elastic_ep.node.backup_file import read_dense
+from elastic_ep.wire import DenseFetch
 
 from .experts import ask_agent
-
-DENSE_PREFIX = "dense."
-
-
-def read_dense(path: str) -> dict[str, torch.Tensor]:
-    """The dense tensors of a backup file (name -> tensor). Raises KeyError when it has none."""
-    with safe_open(path, framework="pt") as f:
-        state = {k[len(DENSE_PREFIX):]: f.get_tensor(k) for k in f.keys() if k.startswith(DENSE_PREFIX)}
-    if not state:
-        raise KeyError(f"{path} holds no dense weights")
-    return state
 
 
 def fetch_dense(addr: str, timeout_s: float) -> dict[str, torch.Tensor]:

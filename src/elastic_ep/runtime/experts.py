@@ -5,7 +5,8 @@ w2 [S, H, I] for its S slots. A new epoch rebuilds them from the old contents (k
 moves), peers (point-to-point in the new group), the host-memory backup (same node: mmap of
 the agent's safetensors file; other node: the agent over ZeroMQ) or the checkpoint (only the
 tensors needed). Every slot is then summarised by `expert_checksum`, which the controller
-compares with the checksum recorded when that expert was first read from disk.
+compares with the checksum of that expert's weights as first read from the checkpoint (the
+source, reported in `EpochReady.source_checksums`), never with another slot's copy.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 import zmq
 from safetensors import safe_open
 
-from elastic_ep.control.messages import BackupFetch, BackupSite, SlotSource, TransferStat, decode, encode
 from elastic_ep.model.checkpoint import CheckpointReader
+from elastic_ep.node.backup_file import backup_key
+from elastic_ep.wire import BackupFetch, BackupSite, SlotSource, TransferStat, decode, encode
 
 from .group import EpochGroup
 
@@ -30,11 +32,6 @@ def expert_checksum(w13: torch.Tensor, w2: torch.Tensor) -> int:
     """CRC32 of the bytes of one expert (w13 [2I, H], w2 [H, I]): equal iff the same weights."""
     crc = zlib.crc32(w13.contiguous().numpy().tobytes())
     return zlib.crc32(w2.contiguous().numpy().tobytes(), crc)
-
-
-def backup_key(layer: int, expert: int, part: str) -> str:
-    """Tensor name of an expert in a backup file (layer = MoE layer index)."""
-    return f"layer{layer}.expert{expert}.{part}"
 
 
 @dataclass
@@ -57,14 +54,15 @@ class ExpertSlots:
     def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.w13[li], self.w2[li]
 
-    def checksums(self) -> dict[tuple[int, int], int]:
-        """(layer, slot) -> checksum for every occupied slot."""
-        return {
-            (li, j): expert_checksum(self.w13[li][j], self.w2[li][j])
-            for li in range(len(self.moe_layers))
-            for j in range(self.slots_per_rank)
-            if self.experts[li, j] >= 0
-        }
+    def checksums(self, slots: list[tuple[int, int]] | None = None) -> dict[tuple[int, int], int]:
+        """(layer, slot) -> checksum for `slots` (default: every slot), occupied ones only."""
+        if slots is None:
+            slots = [(li, j) for li in range(len(self.moe_layers)) for j in range(self.slots_per_rank)]
+        return {(li, j): expert_checksum(self.w13[li][j], self.w2[li][j]) for li, j in slots if self.experts[li, j] >= 0}
+
+    def corrupt(self, layer: int, slot: int) -> None:
+        """Fault injection: flip the sign of the slot's down projection in place."""
+        self.w2[layer][slot].neg_()
 
     def apply(
         self,
@@ -76,14 +74,15 @@ class ExpertSlots:
         backups: dict[str, BackupSite],
         node: str,
         fetch_timeout_s: float,
-    ) -> list[TransferStat]:
+    ) -> tuple[list[TransferStat], dict[tuple[int, int], int]]:
         """Fill every slot for the new epoch.
 
         new_experts: [L, S] the logical expert each slot must hold afterwards.
         sources: where each changed slot comes from; sends: (dst_rank_id, layer, src_slot)
         this rank sends, in the order the receiver lists its peer sources.
         fetch_timeout_s: how long another node's agent may take to answer a backup fetch.
-        Returns bytes and seconds per source kind.
+        Returns bytes and seconds per source kind, and (layer, expert) -> checksum of every
+        expert read from disk, taken on the weights as read.
         """
         # Sources refer to the old contents: copy out every slot read before any is overwritten.
         read = {(src.layer, src.src_slot) for src in sources if src.kind == "local"}
@@ -115,14 +114,17 @@ class ExpertSlots:
         by_layer: dict[int, list[SlotSource]] = defaultdict(list)
         for src in by_kind["disk"]:
             by_layer[src.layer].append(src)
+        source_checksums: dict[tuple[int, int], int] = {}
         for li, items in by_layer.items():
             w13, w2 = reader.read_experts(self.moe_layers[li], [s.expert for s in items])
             for i, src in enumerate(items):
+                source_checksums[(li, src.expert)] = expert_checksum(w13[i], w2[i])
                 self._put(src, w13[i], w2[i], stats["disk"])
         stats["disk"][1] += time.perf_counter() - t0
 
         self.experts = np.array(new_experts, dtype=np.int64)
-        return [TransferStat(kind, int(b), s) for kind, (b, s) in stats.items() if b or kind in by_kind]
+        stat_list = [TransferStat(kind, int(b), s) for kind, (b, s) in stats.items() if b or kind in by_kind]
+        return stat_list, source_checksums
 
     def _put(self, src: SlotSource, w13: torch.Tensor, w2: torch.Tensor, stat: list[float]) -> None:
         self.w13[src.layer][src.slot].copy_(w13)

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_ep.control.messages import Progress
+from elastic_ep.wire import Progress
 
 
 class EpochSuperseded(Exception):

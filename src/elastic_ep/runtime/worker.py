@@ -2,8 +2,9 @@
 
 Threads:
 - main: registers, then runs what the controller sends on the step socket: `EpochStart`
-  (form the group, fill the expert slots, verify, report) and `StepPlan` (attention on its own
-  sequences, EP MoE with the epoch's group, sampling). It blocks inside collectives.
+  (form the group, fill the expert slots, checksum them, report), `StepPlan` (attention on its
+  own sequences, EP MoE with the epoch's group, sampling), `SweepSlots` (checksum a few slots
+  between steps) and `CorruptSlot` (fault injection). It blocks inside collectives.
 - heartbeat: its own ZeroMQ socket; sends `Heartbeat` with the main thread's progress every
   `heartbeat_interval_s`, so the controller sees which collective the rank waits in even
   while the main thread is blocked, and sees nothing once the process is stopped.
@@ -15,66 +16,44 @@ Messages of an epoch other than the current one are dropped.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 import zmq
 
-from elastic_ep.control.messages import (
+from elastic_ep.model.checkpoint import CheckpointReader
+from elastic_ep.model.config import MoEConfig
+from elastic_ep.model.model import MoEForCausalLM, SeqChunk
+from elastic_ep.model.sampling import TokenHistory, sample_tokens
+from elastic_ep.placement.location import ExpertLocation
+from elastic_ep.wire import (
+    CorruptSlot,
     EpochFailed,
     EpochReady,
     EpochStart,
     Heartbeat,
     Shutdown,
+    SlotChecksums,
     StepFailed,
     StepPlan,
     StepResult,
+    SweepSlots,
+    WorkerArgs,
     WorkerHello,
     decode,
     encode,
 )
-from elastic_ep.model.checkpoint import CheckpointReader
-from elastic_ep.model.config import MoEConfig
-from elastic_ep.model.model import MoEForCausalLM, SeqChunk
-from elastic_ep.model.sampling import SamplingParams, sample_tokens
-from elastic_ep.placement.location import ExpertLocation
 
 from .dense import load_dense
 from .ep_moe import ExpertParallelMoE
 from .experts import BackupUnreachable, ExpertSlots
 from .group import EpochGroup, EpochSuperseded, ProgressBoard
-
-
-@dataclass(frozen=True)
-class WorkerArgs:
-    """Everything a worker needs, passed as one JSON argument by its agent."""
-
-    rank_id: int
-    node: str
-    model_dir: str
-    step_addr: str
-    health_addr: str
-    store_host: str
-    store_port: int
-    backend: str
-    max_num_seqs: int
-    max_model_len: int
-    heartbeat_interval_s: float  # 0: no heartbeats (only to measure their cost)
-    join_mode: str = "initial"
-    dense_path: str = ""  # this node's agent file with the dense weights (runtime.dense)
-    dense_addr: str = ""  # another node's agent that has them
-    dense_fetch_timeout_s: float = 10.0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
 
 
 def _die_with_parent() -> None:
@@ -88,24 +67,27 @@ def _die_with_parent() -> None:
 class Worker:
     def __init__(self, args: WorkerArgs):
         self.args = args
+        launch = args.launch
         self.progress = ProgressBoard()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"w{args.rank_id}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(args.step_addr)
-        self.config = MoEConfig.from_pretrained(args.model_dir)
-        self.reader = CheckpointReader(args.model_dir, self.config)
+        self.sock.connect(launch.step_addr)
+        self.config = MoEConfig.from_pretrained(launch.model_dir)
+        self.reader = CheckpointReader(launch.model_dir, self.config)
         dense, self.dense_source, self.load_s = load_dense(
-            self.reader, args.dense_path, args.dense_addr, args.dense_fetch_timeout_s
+            self.reader, args.dense_path, args.dense_addr, launch.dense_fetch_timeout_s
         )
         self.model = MoEForCausalLM(self.config, dense)
-        self.kv = self.model.new_kv_cache(args.max_num_seqs, args.max_model_len)
+        self.kv = self.model.new_kv_cache(launch.max_num_seqs, launch.max_model_len)
+        # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
+        self.tokens: dict[int, list[int]] = {}
         self.slots: ExpertSlots | None = None
         self.group: EpochGroup | None = None
         self.moe: ExpertParallelMoE | None = None
-        self.store = dist.TCPStore(args.store_host, args.store_port, is_master=False, wait_for_workers=False)
-        if args.backend == "nccl":
+        self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False, wait_for_workers=False)
+        if launch.backend == "nccl":
             self.device = torch.device("cuda", args.rank_id % max(torch.cuda.device_count(), 1))
         else:
             self.device = torch.device("cpu")
@@ -133,7 +115,7 @@ class Worker:
         self.sock.send(encode(message))
 
     def run(self) -> None:
-        if self.args.heartbeat_interval_s > 0:
+        if self.args.launch.heartbeat_interval_s > 0:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
                               self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4)))
@@ -147,6 +129,9 @@ class Worker:
             elif isinstance(msg, StepPlan):
                 if self.group is not None and msg.epoch == self.group.epoch and self.group.alive:
                     self._step(msg)
+            elif isinstance(msg, SweepSlots | CorruptSlot):
+                if self.slots is not None and self.group is not None and msg.epoch == self.group.epoch:
+                    self._slot_request(msg)
         self._stop.set()
         if self.group is not None:
             self.group.destroy()
@@ -164,7 +149,7 @@ class Worker:
         if self.group is not None:
             self.group.destroy()
         self.progress.new_epoch(msg.epoch)
-        group = EpochGroup(msg.epoch, msg.members, args.rank_id, args.backend, self.device)
+        group = EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.device)
         try:
             rendezvous_s = group.form(self.store, msg.collective_timeout_s, self._newer_epoch_arrived)
             self.group = group
@@ -175,7 +160,7 @@ class Worker:
                 )
             self.progress.enter("transfer")
             t0 = time.perf_counter()
-            stats = self.slots.apply(
+            stats, source_checksums = self.slots.apply(
                 location.experts_of_rank(args.rank_id),
                 msg.sources,
                 msg.sends,
@@ -199,7 +184,8 @@ class Worker:
                 location.num_ranks,
             )
             self.progress.idle()
-            self.send(EpochReady(msg.epoch, args.rank_id, checksums, stats, rendezvous_s, transfer_s, verify_s))
+            self.send(EpochReady(msg.epoch, args.rank_id, checksums, source_checksums, stats, rendezvous_s, transfer_s,
+                                 verify_s))
         except EpochSuperseded:
             group.destroy()
         except BackupUnreachable as e:
@@ -217,9 +203,16 @@ class Worker:
         try:
             for seq_id in plan.free:
                 self.kv.free(seq_id)
+                self.tokens.pop(seq_id, None)
             for c in plan.chunks:
                 if c.start_pos == 0 or c.seq_id not in self.kv:
                     self.kv.allocate(c.seq_id)
+                    self.tokens[c.seq_id] = []
+                held = self.tokens[c.seq_id]
+                if len(held) < c.start_pos:
+                    raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")
+                # A re-run step overwrites, as the KV cache does.
+                held[c.start_pos :] = c.token_ids
             if plan.delay_s > 0:
                 time.sleep(plan.delay_s)
             moe.start_step(plan.dispatch_rows)
@@ -227,16 +220,23 @@ class Worker:
             logits = self.model.forward(chunks, self.kv, moe.moe_fn())
             sampled = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
             tokens: dict[int, int] = {}
+            logprobs = {}
             if sampled:
                 rows = torch.tensor([i for i, _ in sampled], dtype=torch.int64)
-                params = [SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k) for _, c in sampled]
-                picked = sample_tokens(
+                histories = [
+                    TokenHistory(held[: c.prompt_len], held[c.prompt_len :])
+                    for _, c in sampled
+                    for held in (self.tokens[c.seq_id],)
+                ]
+                out = sample_tokens(
                     logits[rows],
-                    params,
+                    [c.params for _, c in sampled],
                     [c.seed for _, c in sampled],
-                    [c.start_pos + len(c.token_ids) for _, c in sampled],
+                    histories,
+                    self.config.eos_token_ids,
                 )
-                tokens = {c.seq_id: t for (_, c), t in zip(sampled, picked, strict=True)}
+                tokens = {c.seq_id: t for (_, c), t in zip(sampled, out.tokens, strict=True)}
+                logprobs = {c.seq_id: lp for (_, c), lp in zip(sampled, out.logprobs, strict=True) if lp is not None}
         except Exception as e:
             group.destroy()
             self.progress.idle()
@@ -258,16 +258,24 @@ class Worker:
                 c.combine_wait_s,
                 c.expert_load,
                 c.slot_tokens,
+                logprobs,
             )
         )
+
+    def _slot_request(self, msg: SweepSlots | CorruptSlot) -> None:
+        assert self.slots is not None
+        if isinstance(msg, CorruptSlot):
+            self.slots.corrupt(msg.layer, msg.slot)
+            return
+        self.send(SlotChecksums(msg.epoch, self.args.rank_id, self.slots.checksums(msg.slots)))
 
     def _heartbeats(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.args.health_addr)
+        sock.connect(self.args.launch.health_addr)
         pid = os.getpid()
-        while not self._stop.wait(self.args.heartbeat_interval_s):
+        while not self._stop.wait(self.args.launch.heartbeat_interval_s):
             sock.send(encode(Heartbeat(self.args.rank_id, pid, self.progress.current)))
         sock.close()
 
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    args = WorkerArgs(**json.loads(argv[0]))
+    args = WorkerArgs.from_json(argv[0])
     Worker(args).run()
     return 0
 

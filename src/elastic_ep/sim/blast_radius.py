@@ -7,6 +7,7 @@ of an elastic recovery). This is seed 001's first table.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from elastic_ep.errors import SimulationError
@@ -50,7 +51,7 @@ def blast_radius(
     """
     if total_gpus <= 0:
         raise SimulationError(f"--gpus {total_gpus} must be > 0")
-    if restart_min < 0 or pause_min < 0:
+    if not (0 <= restart_min < math.inf and 0 <= pause_min < math.inf):
         raise SimulationError("--restart-min and --pause-min must be >= 0 minutes")
     if not group_sizes:
         raise SimulationError("--group-sizes is empty: give at least one EP group size")

@@ -35,6 +35,11 @@ from elastic_ep.sim.placements import random_placement, replica_counts
 from elastic_ep.sim.stats import mean_interval, weighted_quantiles
 
 POLICIES = ("restart", "elastic-disk", "elastic-backup")
+DURATIONS_AND_RATES = (
+    "gpu_repair_h", "node_repair_h", "software_restart_min", "restart_min", "pause_min", "join_min",
+    "disk_reload_min", "backup_reload_s", "straggler_h", "straggler_detect_min", "rate_per_gpu_hour",
+    "straggler_rate_per_gpu_hour",
+)  # fmt: skip
 CAPACITY_QUANTILES = (0.01, 0.05, 0.5)
 
 
@@ -65,8 +70,8 @@ class FleetConfig:
     straggler_detect_min: float = 5.0
 
     def validate(self) -> None:
-        if self.gpus <= 0 or self.days <= 0:
-            raise SimulationError("--gpus and --days must be > 0")
+        if self.gpus <= 0 or not 0 < self.days < np.inf:
+            raise SimulationError(f"--gpus ({self.gpus}) and --days ({self.days}) must be > 0")
         if self.gpus_per_node <= 0 or self.ep_size <= 0:
             raise SimulationError("--gpus-per-node and --ep-size must be > 0")
         if self.ep_size % self.gpus_per_node and self.gpus_per_node % self.ep_size:
@@ -75,6 +80,8 @@ class FleetConfig:
             )
         if self.gpus < self.ep_size:
             raise SimulationError(f"--gpus {self.gpus} cannot hold one EP group of {self.ep_size}")
+        if self.experts <= 0 or self.slots_per_rank <= 0:
+            raise SimulationError(f"--experts ({self.experts}) and --slots-per-rank ({self.slots_per_rank}) must be > 0")
         if self.ep_size * self.slots_per_rank < self.experts:
             raise SimulationError(
                 f"{self.ep_size} ranks x {self.slots_per_rank} slots cannot hold {self.experts} experts: "
@@ -82,8 +89,15 @@ class FleetConfig:
             )
         if not 0 < self.straggler_speed <= 1:
             raise SimulationError(f"--straggler-speed {self.straggler_speed} must be in (0, 1]")
-        if self.spare_fraction < 0 or self.rate_per_gpu_hour < 0 or self.straggler_rate_per_gpu_hour < 0:
-            raise SimulationError("spares and rates must be >= 0")
+        if not 0 <= self.spare_fraction <= 1:
+            raise SimulationError(
+                f"--spare-fraction {self.spare_fraction} must be between 0 and 1 (a fraction of --gpus: 0.01 is 1%)"
+            )
+        for name in DURATIONS_AND_RATES:
+            value = getattr(self, name)
+            if not 0 <= value < np.inf:
+                flag = "--" + name.replace("_per_gpu_hour", "").replace("_", "-")
+                raise SimulationError(f"{flag} {value} must be a number >= 0")
 
     @property
     def groups(self) -> int:
@@ -387,8 +401,10 @@ class _PlacementPool:
 
 @dataclass(frozen=True)
 class Metric:
+    """A mean over replications and the half-width of its 95% interval (None from one replication)."""
+
     mean: float
-    half_width: float
+    half_width: float | None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,16 @@
 """The deployment planner: EP size, redundant experts and backup, side by side.
 
-For each option: the GPU memory its expert slots take, the chance that a failure loses an
-expert (in any layer; random per-layer placements with replicas on distinct ranks), and the
-GPU-hours lost a month, whole-group restart against elastic recovery (pause plus reloading
-lost experts from the host-memory backup or from disk). Then the option to take, and why.
+Only configurations `elastic-ep serve` accepts are listed: experts + redundant slots divide
+evenly over the EP size (a requested count that does not is raised to the next one that does,
+with a note), and `auto` is the fewest count that outlives one rank or the largest node
+(`placement.choose_redundant_experts`, what `serve` uses).
+
+For each option: the GPU memory its expert slots take, the losses it outlives, the chance that
+a failure loses an expert (in any layer; random per-layer placements with replicas on distinct
+ranks), and the GPU-hours lost a month, whole-group restart against elastic recovery (pause
+plus reloading lost experts from the host-memory backup or from disk; a failure the option does
+not outlive stops the group for a restart). Then the option to take, why, and the commands
+that run it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic_ep.errors import SimulationError
+from elastic_ep.placement.redundancy import choose_redundant_experts, losses_survived
 from elastic_ep.sim.assumptions import BACKUP_RELOAD_S, DISK_RELOAD_MIN, PAUSE_MIN, RESTART_MIN
 from elastic_ep.sim.blast_radius import HOURS_PER_MONTH
 from elastic_ep.sim.failure_rates import load_llama3
@@ -26,6 +34,8 @@ from elastic_ep.sim.redundancy import (
 )
 
 MB_PER_GB = 1000
+BYTES_PER_MB = 1_000_000
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -50,13 +60,19 @@ class PlanInputs:
 
 @dataclass(frozen=True)
 class PlanOption:
-    """One option. `loss_p_rank`/`loss_p_node`: chance that one dead rank / one dead node loses
-    some expert in some layer; `loss_p_failure` mixes them by the failure cause mix."""
+    """One option. `requested`: the `--redundant` values that gave this count (`auto` among them
+    when it is the fewest that outlives one rank or node loss). `survives_rank_losses` /
+    `survives_node_losses`: dead ranks / largest nodes after which the group still holds every
+    expert. `loss_p_rank`/`loss_p_node`: chance that one dead rank / one dead node loses some
+    expert in some layer; `loss_p_failure` mixes them by the failure cause mix."""
 
     ep_size: int
     redundant: int
+    requested: tuple[str, ...]
     backup: bool
     slots_per_rank: int
+    survives_rank_losses: int
+    survives_node_losses: int
     expert_gb_per_gpu: float
     redundancy_gb_per_group: float
     backup_gb_per_node: float
@@ -70,17 +86,22 @@ class PlanOption:
 
 @dataclass(frozen=True)
 class Plan:
+    """Every option; the recommended one, why, and the commands that run one EP group of it;
+    `notes`: requested counts that serve would refuse, and what was listed instead."""
+
     inputs: PlanInputs
     failures_per_month: float
     options: list[PlanOption]
     recommended: PlanOption | None
     reason: str
+    commands: list[str]
+    notes: list[str]
 
 
 def make_plan(
     inputs: PlanInputs,
     ep_sizes: list[int],
-    redundant_options: list[int],
+    redundant_options: list[int | str],
     backup_options: list[bool],
     rng: np.random.Generator,
     near_best: float = 1.25,
@@ -88,43 +109,88 @@ def make_plan(
 ) -> Plan:
     """Every (EP size, redundant experts, backup) option, and the one to take.
 
+    redundant_options: counts of redundant experts per layer, or AUTO (the fewest that outlive
+    one rank, or the largest node when a group spans nodes of `gpus_per_node`).
     Recommended: of the options whose expert slots leave `min_free_gb` per GPU and that lose
     at most `near_best` times the fewest GPU-hours a month under elastic recovery, the one with
     the least expert memory per GPU (memory left is KV cache, i.e. throughput); then backup on.
     """
     _validate(inputs, ep_sizes, redundant_options)
     failures = inputs.gpus * inputs.rate_per_gpu_hour * HOURS_PER_MONTH
-    options = []
+    options, notes = [], []
     for ep in ep_sizes:
-        for redundant in redundant_options:
+        counts, ep_notes = _serve_counts(inputs, ep, redundant_options)
+        notes += ep_notes
+        for redundant, requested in counts.items():
             loss_rank, loss_node = _loss_probabilities(inputs, ep, redundant, rng, max_terms)
             for backup in backup_options:
-                options.append(_option(inputs, ep, redundant, backup, failures, loss_rank, loss_node))
+                options.append(
+                    _option(inputs, ep, redundant, requested, backup, failures, loss_rank, loss_node)
+                )
     fitting = [o for o in options if o.fits]
     if not fitting:
-        return Plan(inputs, failures, options, None, _nothing_fits(inputs, options))
+        return Plan(inputs, failures, options, None, _nothing_fits(inputs, options), [], notes)
     fewest = min(o.gpu_hours_lost_elastic for o in fitting)
     near = [o for o in fitting if o.gpu_hours_lost_elastic <= near_best * fewest]
     best = min(near, key=lambda o: (o.expert_gb_per_gpu, not o.backup, o.gpu_hours_lost_elastic))
-    return Plan(inputs, failures, options, best, _reason(inputs, best, options, fewest, near_best))
+    reason = _reason(inputs, best, options, fewest, near_best)
+    return Plan(inputs, failures, options, best, reason, serve_commands(inputs, best), notes)
 
 
-def _validate(inputs: PlanInputs, ep_sizes: list[int], redundant_options: list[int]) -> None:
-    if inputs.experts <= 0 or inputs.layers <= 0 or inputs.expert_mb <= 0:
-        raise SimulationError("--experts, --layers and --expert-mb must be > 0")
+def _validate(inputs: PlanInputs, ep_sizes: list[int], redundant_options: list[int | str]) -> None:
+    for name in ("gpus", "gpus_per_node"):
+        if getattr(inputs, name) <= 0:
+            raise SimulationError(f"--{name.replace('_', '-')} {getattr(inputs, name)} must be > 0")
+    for name in ("experts", "layers", "expert_mb", "gpu_mem_gb"):
+        value = getattr(inputs, name)
+        if not 0 < value < math.inf:
+            raise SimulationError(f"--{name.replace('_', '-')} {value} must be a number > 0")
+    for name in ("other_gb", "min_free_gb", "restart_min", "pause_min", "disk_reload_min", "backup_reload_s"):
+        value = getattr(inputs, name)
+        if not 0 <= value < math.inf:
+            raise SimulationError(f"--{name.replace('_', '-')} {value} must be a number >= 0")
+    if not 0 <= inputs.node_share <= 1:
+        raise SimulationError(f"--node-share {inputs.node_share} must be between 0 and 1 (a share of failures)")
     if not ep_sizes or not redundant_options:
         raise SimulationError("give at least one --ep-sizes and one --redundant value")
     for ep in ep_sizes:
         if not 0 < ep <= inputs.gpus:
             raise SimulationError(f"EP size {ep} must be between 1 and --gpus {inputs.gpus}")
     for redundant in redundant_options:
-        if redundant < 0:
-            raise SimulationError(f"--redundant {redundant} must be >= 0")
-        for ep in ep_sizes:
-            if redundant // inputs.experts + (1 if redundant % inputs.experts else 0) + 1 > ep:
-                raise SimulationError(
-                    f"{redundant} redundant experts put more replicas of an expert than EP{ep} has ranks"
+        if redundant != AUTO and (not isinstance(redundant, int) or redundant < 0):
+            raise SimulationError(f"--redundant {redundant} must be a count >= 0 or {AUTO}")
+
+
+def _serve_counts(
+    inputs: PlanInputs, ep: int, redundant_options: list[int | str]
+) -> tuple[dict[int, tuple[str, ...]], list[str]]:
+    """For one EP size: {count serve accepts: the requests that gave it}, ascending, and a note for
+    each request raised to the next count that divides evenly over `ep` ranks."""
+    by_count: dict[int, tuple[str, ...]] = {}
+    notes = []
+    for request in redundant_options:
+        if request == AUTO:
+            count = _auto_choice(inputs, ep).redundant_experts
+        else:
+            count = -(-(inputs.experts + request) // ep) * ep - inputs.experts
+            if count != request:
+                notes.append(
+                    f"EP{ep}: {inputs.experts} experts + {request} redundant do not split evenly over {ep} ranks "
+                    f"(serve refuses it); listed {count} redundant instead, the next count that does"
                 )
+        if (inputs.experts + count) // ep > inputs.experts:
+            raise SimulationError(
+                f"{count} redundant experts put more replicas of an expert than EP{ep} has ranks; "
+                "give fewer --redundant"
+            )
+        by_count[count] = by_count.get(count, ()) + (str(request),)
+    return dict(sorted(by_count.items())), notes
+
+
+def _auto_choice(inputs: PlanInputs, ep: int):
+    return choose_redundant_experts(
+        inputs.experts, ep, inputs.layers, round(inputs.expert_mb * BYTES_PER_MB), ranks_per_node=inputs.gpus_per_node
+    )
 
 
 def _loss_probabilities(
@@ -136,7 +202,7 @@ def _loss_probabilities(
     are placed independently at random, so given the dead set each layer keeps all its experts
     with the same probability q, and all L layers do with q**L.
     """
-    slots = math.ceil((inputs.experts + redundant) / ep)
+    slots = (inputs.experts + redundant) // ep
     per_node = min(inputs.gpus_per_node, ep)
     cfg = RandomConfig(f"EP{ep}", ep, slots, inputs.experts, redundant)
     max_replicas = 1 + math.ceil(redundant / inputs.experts)
@@ -154,23 +220,32 @@ def _option(
     inputs: PlanInputs,
     ep: int,
     redundant: int,
+    requested: tuple[str, ...],
     backup: bool,
     failures: float,
     loss_rank: float,
     loss_node: float,
 ) -> PlanOption:
-    slots = math.ceil((inputs.experts + redundant) / ep)
+    slots = (inputs.experts + redundant) // ep
+    survives = losses_survived(inputs.experts, ep, redundant, ranks_per_node=inputs.gpus_per_node)
     expert_gb = slots * inputs.layers * inputs.expert_mb / MB_PER_GB
     nodes_per_group = max(1, ep // inputs.gpus_per_node)
     loss_failure = (1 - inputs.node_share) * loss_rank + inputs.node_share * loss_node
     reload_min = inputs.backup_reload_s / 60 if backup else inputs.disk_reload_min
+    # A loss the group does not outlive stops it until the lost ranks come back.
+    rank_min = inputs.pause_min + loss_rank * reload_min if survives.rank_losses else inputs.restart_min
+    node_min = inputs.pause_min + loss_node * reload_min if survives.node_losses else inputs.restart_min
+    elastic_min = (1 - inputs.node_share) * rank_min + inputs.node_share * node_min
     groups_gpus = (inputs.gpus // ep) * ep
     fleet_failures = failures * groups_gpus / inputs.gpus
     return PlanOption(
         ep_size=ep,
         redundant=redundant,
+        requested=requested,
         backup=backup,
         slots_per_rank=slots,
+        survives_rank_losses=survives.rank_losses,
+        survives_node_losses=survives.node_losses,
         expert_gb_per_gpu=expert_gb,
         redundancy_gb_per_group=redundant * inputs.layers * inputs.expert_mb / MB_PER_GB,
         backup_gb_per_node=(
@@ -181,8 +256,28 @@ def _option(
         loss_p_node=loss_node,
         loss_p_failure=loss_failure,
         gpu_hours_lost_restart=fleet_failures * ep * inputs.restart_min / 60,
-        gpu_hours_lost_elastic=fleet_failures * ep * (inputs.pause_min + loss_failure * reload_min) / 60,
+        gpu_hours_lost_elastic=fleet_failures * ep * elastic_min / 60,
     )
+
+
+def serve_commands(inputs: PlanInputs, option: PlanOption) -> list[str]:
+    """The commands that run one EP group of `option`: `elastic-ep serve` on the first node, and
+    `elastic-ep agent` on each other node of `gpus_per_node` GPUs (placeholders in capitals:
+    the checkpoint, each node's address, the controller's agent address serve prints)."""
+    first = min(option.ep_size, inputs.gpus_per_node)
+    serve = (
+        f"elastic-ep serve --model CHECKPOINT_DIR --ep-size {option.ep_size} --redundant-experts {option.redundant} "
+        f"--{'' if option.backup else 'no-'}expert-backup"
+    )
+    if first == option.ep_size:
+        return [serve]
+    full, rest = divmod(option.ep_size - first, inputs.gpus_per_node)
+    agents = [inputs.gpus_per_node] * full + ([rest] if rest else [])
+    # Across hosts every process binds and advertises its own host's address, not 127.0.0.1.
+    return [f"{serve} --local-ranks {first} --host NODE0_IP"] + [
+        f"elastic-ep agent --controller CONTROLLER_ADDR --node node{i} --ranks {ranks} --advertise-host NODE{i}_IP"
+        for i, ranks in enumerate(agents, start=1)
+    ]
 
 
 def _reason(
@@ -195,15 +290,26 @@ def _reason(
         f"{best.gpu_hours_lost_restart:.0f} with whole-group restarts), within {near_best:g}x of the fewest of the "
         f"options that fit ({fewest:.1f}), and of those its experts take the least memory, "
         f"{best.expert_gb_per_gpu:.1f} GB per GPU, leaving {inputs.gpu_mem_gb - inputs.other_gb - best.expert_gb_per_gpu:.1f} "
-        f"GB for the KV cache; {best.loss_p_failure:.0%} of failures lose an expert, which comes back from {source}."
+        f"GB for the KV cache; {survives_text(best)}; {best.loss_p_failure:.0%} of failures lose an expert, which "
+        f"comes back from {source}."
     )
-    twice = [o for o in options if o.redundant >= inputs.experts]
-    if twice:
+    if any(o.redundant >= inputs.experts for o in options):
         text += (
-            f" Every expert twice costs {twice[0].redundancy_gb_per_group:.0f} GB more GPU memory per EP group;"
+            f" Every expert twice costs {inputs.experts * inputs.layers * inputs.expert_mb / MB_PER_GB:.0f} GB more "
+            "GPU memory per EP group;"
             f" the backup takes host memory instead ({best.backup_gb_per_node:.0f} GB per node here)."
         )
     return text
+
+
+def survives_text(option: PlanOption) -> str:
+    """What the option outlives, in words."""
+    if not option.survives_rank_losses:
+        return "it does not outlive the loss of a rank: every failure stops it for a restart"
+    nodes = option.survives_node_losses
+    node_text = {0: "", 1: " or its largest node"}.get(nodes, f" or its {nodes} largest nodes")
+    ranks = option.survives_rank_losses
+    return f"it keeps serving after losing any {ranks} rank{'s' if ranks > 1 else ''}{node_text}"
 
 
 def _nothing_fits(inputs: PlanInputs, options: list[PlanOption]) -> str:

@@ -112,7 +112,9 @@ def monte_carlo_lost(
 
 
 def _check_k(k: int, n_domains: int) -> None:
-    if not 0 <= k <= n_domains:
+    if k < 0:
+        raise SimulationError(f"k={k}: the number of dead failure domains must be >= 0")
+    if k > n_domains:
         raise SimulationError(
             f"k={k} dead failure domains is more than the {n_domains} there are: give k <= {n_domains}"
         )
@@ -244,6 +246,8 @@ def analyse(
     """
     if method not in ("monte-carlo", "exact"):
         raise SimulationError(f"unknown method {method!r}: use monte-carlo or exact")
+    if max_terms < 0:
+        raise SimulationError(f"--max-terms {max_terms} must be >= 0 (0: bounds only)")
     n_domains = int(domains.max()) + 1
     for k in ks:
         _check_k(k, n_domains)
@@ -269,13 +273,14 @@ def _monte_carlo_estimate(
     trials: int,
     rng: np.random.Generator,
 ) -> LossEstimate:
-    if trials <= 0:
-        raise SimulationError(f"--trials {trials} must be > 0")
+    if trials < 2:
+        raise SimulationError(f"--trials {trials}: Monte Carlo needs at least 2 draws for an interval")
     share = -(-trials // len(placements))
     lost = np.concatenate([monte_carlo_lost(p, slots_per_rank, domains, k, share, rng) for p in placements])
     hits = int((lost > 0).sum())
     p_low, p_high = wilson_interval(hits, len(lost))
     mean, half = mean_interval(lost.astype(np.float64))
+    assert half is not None, "at least 2 draws"
     return LossEstimate(k, "monte-carlo", hits / len(lost), p_low, p_high, mean, mean - half, mean + half)
 
 

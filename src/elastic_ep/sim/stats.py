@@ -17,12 +17,13 @@ def t95(dof: int) -> float:
     return z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
 
 
-def mean_interval(samples: np.ndarray) -> tuple[float, float]:
-    """(mean, half-width of its 95% interval) of independent samples [n]."""
+def mean_interval(samples: np.ndarray) -> tuple[float, float | None]:
+    """(mean, half-width of its 95% interval) of independent samples [n]; the half-width is None
+    for a single sample, which gives no interval."""
     n = len(samples)
     mean = float(np.mean(samples))
     if n < 2:
-        return mean, math.inf
+        return mean, None
     return mean, t95(n - 1) * float(np.std(samples, ddof=1)) / math.sqrt(n)
 
 

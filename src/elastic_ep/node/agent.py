@@ -25,11 +25,7 @@ import psutil
 import zmq
 
 from elastic_ep.model.checkpoint import CheckpointReader
-from elastic_ep.runtime.dense import read_dense
-from elastic_ep.runtime.worker import WorkerArgs
-
-from .backup import read_backup, write_backup
-from .messages import (
+from elastic_ep.wire import (
     AgentBye,
     AgentHello,
     AgentShutdown,
@@ -44,12 +40,16 @@ from .messages import (
     FenceWorker,
     SignalWorker,
     StartWorker,
+    WorkerArgs,
     WorkerExited,
     WorkerFenced,
+    WorkerLaunch,
     WorkerStarted,
     decode,
     encode,
 )
+
+from .backup_file import read_backup, read_dense, write_backup
 
 
 @dataclass
@@ -103,7 +103,7 @@ class NodeAgent:
         self.events = self.ctx.socket(zmq.PULL)
         self.events.bind(self._events_addr)
         self.children: dict[int, _Child] = {}
-        self.worker_args: dict | None = None
+        self.launch: WorkerLaunch | None = None
         self.backup_path: str | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -133,7 +133,7 @@ class NodeAgent:
 
     def _handle(self, msg) -> bool:
         if isinstance(msg, AgentWelcome):
-            self.worker_args = msg.worker_args
+            self.launch = msg.launch
         elif isinstance(msg, BackupAssign):
             threading.Thread(target=self._build_backup, args=(msg.items,), daemon=True).start()
         elif isinstance(msg, StartWorker):
@@ -157,11 +157,11 @@ class NodeAgent:
         push.close()
 
     def _start(self, rank_id: int, join_mode: str, dense_site: BackupSite | None = None) -> None:
-        assert self.worker_args is not None, "StartWorker before AgentWelcome"
-        dense = {}
-        if dense_site is not None:
-            dense = {"dense_path": dense_site.path} if dense_site.node == self.node else {"dense_addr": dense_site.fetch_addr}
-        args = WorkerArgs(**{**self.worker_args, "rank_id": rank_id, "node": self.node, "join_mode": join_mode, **dense})
+        assert self.launch is not None, "StartWorker before AgentWelcome"
+        local = dense_site is not None and dense_site.node == self.node
+        args = WorkerArgs(self.launch, rank_id, self.node, join_mode,
+                          dense_path=dense_site.path if dense_site is not None and local else "",
+                          dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env)
         with self._lock:
@@ -214,8 +214,8 @@ class NodeAgent:
             pass
 
     def _build_backup(self, items: list[tuple[int, int]]) -> None:
-        assert self.worker_args is not None
-        reader = CheckpointReader(self.worker_args["model_dir"])
+        assert self.launch is not None
+        reader = CheckpointReader(self.launch.model_dir)
         path, nbytes = write_backup(reader, items, self.node, dense=True)
         self.backup_path = path
         if self._stopped.is_set():

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# System tools of the network test bed (src/elastic_ep/harness/netns.py): ip and tc (iproute2),
+# nft (nftables) and iptables-legacy (iptables). Installs whichever is missing with apt-get;
+# does nothing when all are there. Without root the bed's tests skip, so this skips too.
+set -euo pipefail
+declare -A package=([ip]=iproute2 [tc]=iproute2 [nft]=nftables [iptables-legacy]=iptables)
+missing=()
+for tool in "${!package[@]}"; do
+    command -v "$tool" >/dev/null || missing+=("${package[$tool]}")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ]; then
+    echo "install-netbed-deps: not root, not installing ${missing[*]} (the network test bed tests skip)" >&2
+    exit 0
+fi
+readarray -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

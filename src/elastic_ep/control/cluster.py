@@ -1,0 +1,102 @@
+"""Cluster state: ranks, agents, the epoch and its members, the placement, readiness and the event
+log, with the queries the roles ask of them and the `/cluster` snapshot.
+
+Owned by the control thread: every role reads and writes it from there, and other threads only
+ever see the snapshot it publishes. When a rank dies, hangs or is slow nothing here reacts; the
+detector names it, recovery changes `status`, `members` and `location` through a new epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from elastic_ep.placement.location import ExpertLocation
+from elastic_ep.wire import BackupSite
+
+from .api import Readiness
+from .events import EventLog
+from .ranks import AgentInfo, RankInfo, RankStatus
+
+
+class ClusterState:
+    """num_layers: MoE layers; slots_per_rank: expert slots per rank and layer."""
+
+    def __init__(self, num_layers: int, num_experts: int, slots_per_rank: int):
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.slots_per_rank = slots_per_rank
+        self.ranks: dict[int, RankInfo] = {}
+        self.agents: dict[str, AgentInfo] = {}
+        self.epoch = -1
+        self.members: list[int] = []
+        self.location: ExpertLocation | None = None
+        self.step = 0
+        self.events = EventLog()
+        self.readiness = Readiness(False, "starting: waiting for ranks to register")
+        self.degraded_since: float | None = None
+        self.delay_s: dict[int, float] = {}  # chaos: added seconds per step, by rank
+        self.restart_at: dict[int, float] = {}  # rank -> monotonic time its restart is due
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    @property
+    def min_ranks(self) -> int:
+        """The fewest ranks whose slots hold every expert once."""
+        return -(-self.num_experts // self.slots_per_rank)
+
+    def can_serve(self, ranks: Iterable[int]) -> bool:
+        return len(list(ranks)) >= self.min_ranks
+
+    def rank_nodes(self) -> dict[int, str]:
+        return {r.rank_id: r.node for r in self.ranks.values()}
+
+    def registered_outside(self) -> list[int]:
+        """Ranks that registered and wait outside the group (restarted or new)."""
+        return sorted(r.rank_id for r in self.ranks.values()
+                      if r.hello is not None and r.status == RankStatus.STARTING and r.rank_id not in self.members)
+
+    def intended_ranks(self) -> list[int]:
+        """Ranks meant to serve: members plus ranks starting or waiting to be restarted."""
+        return sorted(r.rank_id for r in self.ranks.values() if r.status != RankStatus.RETIRING)
+
+    def down_ranks(self) -> list[int]:
+        return sorted(r.rank_id for r in self.ranks.values() if r.status.down)
+
+    def backup_sites(self) -> dict[str, BackupSite]:
+        return {a.node: a.backup for a in self.agents.values() if a.backup is not None}
+
+    def backup_map(self) -> dict[tuple[int, int], str]:
+        """(layer, expert) -> the node whose backup holds it."""
+        return {tuple(item): a.node for a in self.agents.values() if a.backup is not None for item in a.backup_experts}
+
+    def dense_site(self, node: str) -> BackupSite | None:
+        """An agent with the dense weights in host memory: the rank's own node first."""
+        sites = list(self.backup_sites().values())
+        return next((s for s in sites if s.node == node), sites[0] if sites else None)
+
+    def set_readiness(self, ready: bool, reason: str = "") -> None:
+        """Ready clears `degraded_since`; recovery sets it when it degrades."""
+        self.readiness = Readiness(ready, reason)
+        if ready:
+            self.degraded_since = None
+
+    # ---- /cluster ----------------------------------------------------------------------------
+
+    def snapshot(self, requests_of: Callable[[int], int], controller_addr: str, deadlines: dict[str, float],
+                 scale: dict[str, Any]) -> dict[str, Any]:
+        """The JSON of GET /cluster (see control/api.py `Engine.cluster` for the fields)."""
+        now = time.monotonic()
+        total_slots = self.slots_per_rank * self.num_layers
+        ranks = [r.view(self.location, total_slots, requests_of(r.rank_id), self.delay_s.get(r.rank_id, 0.0), now)
+                 for r in sorted(self.ranks.values(), key=lambda r: r.rank_id)]
+        return {
+            "time_s": time.time(), "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),
+            "controller": controller_addr, "slots_per_rank": self.slots_per_rank, "ranks": ranks,
+            "ready": self.readiness.ready, "reason": self.readiness.reason, "deadlines": deadlines,
+            "step": self.step, "scale": scale,
+            "placement": json.loads(self.location.to_json()) if self.location is not None else None,
+            "events": self.events.all(),
+        }

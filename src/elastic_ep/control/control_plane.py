@@ -1,0 +1,78 @@
+"""The controller's sockets: it receives typed messages and sends them, and handles none.
+
+Two ZeroMQ ROUTER sockets bound on the controller's host (see `elastic_ep.wire` for who sends
+what on each): the step socket (worker main threads) and the health socket (worker heartbeat
+threads and node agents), plus a wake-up pipe other threads write to so a waiting control thread
+returns at once. Sending to a peer that is gone drops the message (no ROUTER_MANDATORY): a dead
+rank's silence is for the fault detector to notice, never an exception here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from elastic_ep.wire import decode, encode
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """One received message; `identity` is the sender's ZeroMQ identity (agents are answered by it)."""
+
+    identity: bytes
+    message: Any
+
+
+class ControlPlane:
+    """Bind both sockets on `host`; `step_addr` and `health_addr` are what workers and agents connect to."""
+
+    def __init__(self, host: str):
+        self.ctx = zmq.Context.instance()
+        self.step_sock = self.ctx.socket(zmq.ROUTER)
+        self.health_sock = self.ctx.socket(zmq.ROUTER)
+        for s in (self.step_sock, self.health_sock):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.step_addr = f"tcp://{host}:{self.step_sock.bind_to_random_port(f'tcp://{host}')}"
+        self.health_addr = f"tcp://{host}:{self.health_sock.bind_to_random_port(f'tcp://{host}')}"
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.poller = zmq.Poller()
+        for s in (self.step_sock, self.health_sock, self._wake_r):
+            self.poller.register(s, zmq.POLLIN)
+
+    def wake(self) -> None:
+        """Make a waiting `receive` return now (any thread)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def receive(self, timeout_s: float) -> list[Inbound]:
+        """Wait up to timeout_s for input (or a wake-up); everything that arrived, health socket first."""
+        ready = dict(self.poller.poll(int(timeout_s * 1000)))
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        out = []
+        while self.health_sock.poll(0):
+            identity, frame = self.health_sock.recv_multipart()
+            out.append(Inbound(identity, decode(frame)))
+        while self.step_sock.poll(0):
+            identity, frame = self.step_sock.recv_multipart()
+            out.append(Inbound(identity, decode(frame)))
+        return out
+
+    def to_worker(self, rank_id: int, message) -> None:
+        """To a worker's main thread (step socket)."""
+        self.step_sock.send_multipart([f"w{rank_id}".encode(), encode(message)])
+
+    def to_identity(self, identity: bytes, message) -> None:
+        """To a peer of the health socket (an agent) by its identity."""
+        self.health_sock.send_multipart([identity, encode(message)])

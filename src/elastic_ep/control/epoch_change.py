@@ -1,0 +1,198 @@
+"""The epoch change: a new membership with a placement, the transfer plan that fills its slots,
+and the verification of every slot, ending in a typed outcome.
+
+Every membership change goes through `EpochChanger.change`: start, recovery, rejoin, EPLB,
+scale-up and -down, and the refill of slots that failed a check. It computes a placement over
+the live ranks that keeps experts where they are, plans each changed slot's source (a local
+copy, a surviving replica on a peer, a node's host-memory backup, else disk), announces the
+epoch and waits for every member to form the group, fill its slots and report checksums.
+
+When a rank dies or hangs while the epoch forms, the wait ends with `Interrupted` (the detector
+holds the fault) or, for a member that never answers, `NotFormed` naming it; a slot whose
+checksum differs from its expert's reference (taken from the weights as first read from the
+checkpoint, never from another copy) ends with `VerifyFailed`, and the slot is refilled by the
+next epoch. The caller decides what each outcome means: this module calls no recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from elastic_ep.errors import PlacementError
+from elastic_ep.placement.fault_aware import fault_aware_placement
+from elastic_ep.placement.location import ExpertLocation
+from elastic_ep.placement.transfer import plan_transfers
+from elastic_ep.wire import EpochFailed, EpochReady, EpochStart
+
+from .cluster import ClusterState
+from .config import ServeConfig
+from .control_plane import ControlPlane
+from .epoch_plan import held_placement, split_by_rank
+from .ranks import RankStatus
+
+Slot = tuple[int, int, int]  # (rank_id, layer, slot within the rank)
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """How a formed epoch went (seconds; bytes and seconds moved per source kind)."""
+
+    epoch: int
+    members: list[int]
+    placement_s: float
+    rendezvous_s: float
+    transfer_s: float
+    verify_s: float
+    transfers: dict[str, dict[str, float]]
+    epoch_change_s: float
+
+    def fields(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Formed:
+    report: EpochReport
+
+
+@dataclass(frozen=True)
+class NoPlacement:
+    """The live ranks cannot hold every expert (or the placement failed): `reason` says why."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class NotFormed:
+    """The epoch did not form: `errors` reported by ranks, or `missing` ranks that never answered
+    within --epoch-timeout-s (when no rank reported an error)."""
+
+    detail: str
+    missing: list[int]
+
+
+@dataclass(frozen=True)
+class VerifyFailed:
+    bad: set[Slot]
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """A member was named by a fault while the epoch formed."""
+
+
+EpochOutcome = Formed | NoPlacement | NotFormed | VerifyFailed | Interrupted
+
+
+class EpochChanger:
+    """`pump(timeout_s)` handles input while the change waits (replies arrive through `on_reply`);
+    `faulted(rank_ids)` tells whether any of them has a pending fault."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, store: dist.Store,
+                 expert_nbytes: int, pump: Callable[[float], None], faulted: Callable[[list[int]], bool]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.plane = plane
+        self.store = store
+        self.expert_nbytes = expert_nbytes
+        self.pump = pump
+        self.faulted = faulted
+        self.replies: dict[int, EpochReady | EpochFailed] = {}
+        self.reference_checksums: dict[tuple[int, int], int] = {}  # (layer, expert) -> as read from disk
+        self.suspect_slots: set[Slot] = set()
+        self.after_start: list[Callable[[], None]] = []  # one-shot hooks (chaos: a fault mid-change)
+
+    def on_reply(self, msg: EpochReady | EpochFailed) -> None:
+        if msg.epoch == self.cluster.epoch:
+            self.replies[msg.rank_id] = msg
+
+    def change(self, live: list[int], load: np.ndarray, new: ExpertLocation | None = None,
+               holding: list[int] | None = None) -> EpochOutcome:
+        """Form a new epoch over `live` with a placement for `load` [L, E] (or `new`), move the
+        experts, verify. `holding`: the members that hold experts and get requests (default all);
+        the others only send what they hold (scale-down)."""
+        c = self.cluster
+        t0 = time.monotonic()
+        rank_nodes = c.rank_nodes()
+        holding = list(live) if holding is None else holding
+        num_ranks = max(self.cfg.ep_size, max(live) + 1)
+        if new is None:
+            try:
+                new = fault_aware_placement(load, holding, rank_nodes, None, c.slots_per_rank, num_ranks,
+                                            current=c.location)
+            except PlacementError as e:
+                return NoPlacement(f"no placement over ranks {live}: {e}")
+        placement_s = time.monotonic() - t0
+        s = c.slots_per_rank
+        serving = [r for r in live if c.ranks[r].status in (RankStatus.SERVING, RankStatus.DRAINING)]
+        old = held_placement(c.location, c.num_layers, c.num_experts, s, num_ranks, serving, self.suspect_slots)
+        plan = plan_transfers(old, new, live, rank_nodes, c.backup_map(), self.expert_nbytes)
+        sources, sends = split_by_rank(plan, s)
+        backups = c.backup_sites()
+        c.epoch += 1
+        c.members = list(live)
+        self.replies = {}
+        self.store.set(f"epoch/{c.epoch}/members", json.dumps(live))
+        for rank_id in live:
+            self.plane.to_worker(rank_id, EpochStart(
+                c.epoch, live, np.asarray(new.phy2log), s, sources[rank_id], sends[rank_id], backups,
+                self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s,
+            ))
+        while self.after_start:
+            self.after_start.pop()()
+        deadline = time.monotonic() + self.cfg.epoch_timeout_s
+        while len(self.replies) < len(live):
+            self.pump(0.002)
+            if self.faulted(live):
+                return Interrupted()
+            failed = [m for m in self.replies.values() if isinstance(m, EpochFailed)]
+            if failed or time.monotonic() > deadline:
+                missing = [r for r in live if r not in self.replies]
+                detail = "; ".join(f"rank {m.rank_id}: {m.error}" for m in failed) or f"ranks {missing} timed out"
+                return NotFormed(detail, [] if failed else missing)
+        replies: dict[int, EpochReady] = self.replies  # type: ignore[assignment]
+        bad = self._verify(new, replies)
+        if bad:
+            self.suspect_slots |= bad
+            return VerifyFailed(bad)
+        c.location = new
+        self.suspect_slots.clear()
+        for r in live:
+            c.ranks[r].status = RankStatus.SERVING if r in holding else RankStatus.DRAINING
+        by_source: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0, "seconds": 0.0})
+        for rep in replies.values():
+            for st in rep.transfers:
+                by_source[st.source]["bytes"] += st.bytes_moved
+                by_source[st.source]["seconds"] = max(by_source[st.source]["seconds"], round(st.seconds, 4))
+        return Formed(EpochReport(
+            c.epoch, list(live), round(placement_s, 4),
+            round(max(r.rendezvous_s for r in replies.values()), 4),
+            round(max(r.transfer_s for r in replies.values()), 4),
+            round(max(r.verify_s for r in replies.values()), 4),
+            dict(by_source), round(time.monotonic() - t0, 4),
+        ))
+
+    def _verify(self, location: ExpertLocation, replies: dict[int, EpochReady]) -> set[Slot]:
+        """(rank, layer, slot) of every occupied slot whose checksum differs from its expert's
+        reference or that reports none."""
+        for rep in replies.values():
+            for key, checksum in rep.source_checksums.items():
+                self.reference_checksums.setdefault(key, checksum)
+        bad = set()
+        for rank_id, rep in replies.items():
+            for (li, j), expert in np.ndenumerate(location.experts_of_rank(rank_id)):
+                if expert >= 0 and not self.matches(li, int(expert), rep.checksums.get((li, j))):
+                    bad.add((rank_id, li, j))
+        return bad
+
+    def matches(self, layer: int, expert: int, checksum: int | None) -> bool:
+        """Whether `checksum` of a slot holding (layer, expert) equals that expert's reference."""
+        return checksum is not None and self.reference_checksums.get((layer, expert)) == checksum

@@ -1,0 +1,61 @@
+"""The cluster's event log: every fault, fence, epoch, recovery, rejoin, scale step and chaos action,
+numbered so a reader can ask for what came after the last one it saw.
+
+Written by the control thread only; readers get copies through the published snapshot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from enum import Enum
+from typing import Any
+
+
+class EventKind(str, Enum):
+    STARTED = "started"  # the agent started a rank's process
+    REGISTERED = "registered"  # the rank loaded its weights, warmed up and registered
+    FAULT = "fault"  # a rank was named by a detection signal (cause in the message)
+    FENCING = "fencing"  # culprits are being killed and the others leave the failed step
+    FENCE_TIMEOUT = "fence-timeout"  # an agent did not confirm a kill
+    EPOCH = "epoch"  # a new epoch formed and was verified (placement, transfers, timings)
+    EPOCH_FAILED = "epoch-failed"  # an epoch did not form
+    VERIFY_FAILED = "verify-failed"  # slots hold weights other than their expert's
+    RECOVERED = "recovered"  # the first step after a fault completed (the recovery record)
+    DEGRADED = "degraded"  # too few ranks (or no placement): not ready
+    REQUEST_ERROR = "request-error"  # requests ended with an error
+    BACKUP = "backup"  # a node's host-memory backup was written (or is off)
+    BACKUP_LOST = "backup-lost"  # a node's backup can no longer be used
+    REPLACE = "replace"  # a down rank moves to a replacement node
+    RETIRED = "retired"  # a rank left the cluster
+    SCALE = "scale"  # a scale started or finished
+    SCALE_FAILED = "scale-failed"
+    DRAINED = "drained"  # leaving ranks drained on scale-down
+    CHAOS = "chaos"  # a fault injected on request
+    FATAL = "fatal"  # the control loop stopped
+
+
+class EventLog:
+    """The last `capacity` events, each a JSON-ready dict
+    {"id", "time_s" (unix), "kind", "rank_id", "message", **details}; ids count from 1."""
+
+    def __init__(self, capacity: int = 1000):
+        self._events: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self._ids = itertools.count(1)
+
+    def add(self, kind: EventKind, message: str, rank_id: int | None = None, **details) -> dict[str, Any]:
+        event = {"id": next(self._ids), "time_s": time.time(), "kind": kind.value, "rank_id": rank_id,
+                 "message": message, **details}
+        self._events.append(event)
+        return event
+
+    def all(self) -> list[dict[str, Any]]:
+        return list(self._events)
+
+
+def select_events(events: list[dict[str, Any]], since: int | None, limit: int | None) -> list[dict[str, Any]]:
+    """Events with id > `since` (all kept ones when None), the last `limit` of them (all when None)."""
+    if since is not None:
+        events = [e for e in events if e["id"] > since]
+    return events[-limit:] if limit else events

@@ -1,0 +1,217 @@
+"""Node agents and the rank processes they run: welcome an agent and give it ranks, follow each
+process from start to exit, fence, stop or restart a rank, and the node backups.
+
+When a rank's process dies its agent reports the exit at once and it becomes a fault (unless
+the rank was leaving); when it is fenced the agent kills it and confirms. A down rank is started
+again after --restart-delay-s by its agent (or by the agent itself with --auto-recover), or by
+a replacement node's agent (`--join-mode recover`). When an agent goes, its backup goes with
+it and transfers are no longer planned from it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import psutil
+
+from elastic_ep.wire import (
+    AgentBye,
+    AgentHello,
+    AgentShutdown,
+    AgentWelcome,
+    BackupAssign,
+    BackupReady,
+    FenceWorker,
+    Progress,
+    Shutdown,
+    SignalWorker,
+    StartWorker,
+    WorkerExited,
+    WorkerFenced,
+    WorkerHello,
+    WorkerLaunch,
+    WorkerStarted,
+)
+
+from .backup import backup_shares
+from .events import EventKind
+from .ranks import AgentInfo, RankInfo, RankStatus
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+
+class Nodes:
+    def __init__(self, ctl: Controller):
+        self.ctl = ctl
+        self.cluster = ctl.cluster
+
+    # ---- agents ------------------------------------------------------------------------------
+
+    def on_agent_hello(self, identity: bytes, msg: AgentHello) -> None:
+        agent = AgentInfo(msg.node, identity, msg.fetch_addr, msg.num_ranks, msg.auto_recover)
+        self.cluster.agents[msg.node] = agent
+        self._welcome(agent, msg.join_mode)
+
+    def _welcome(self, agent: AgentInfo, join_mode: str) -> None:
+        """Give a new agent its ranks: free rank ids, or with join_mode recover (a replacement
+        node) ranks that are down, which it starts again in their place."""
+        c = self.cluster
+        self.ctl.plane.to_identity(agent.identity, AgentWelcome(self.launch()))
+        if join_mode == "recover":
+            for rank_id in c.down_ranks()[: agent.num_ranks]:
+                c.restart_at.pop(rank_id, None)
+                c.ranks[rank_id].node = agent.node
+                c.events.add(EventKind.REPLACE, f"rank {rank_id} moves to node {agent.node}", rank_id)
+                self.ctl.plane.to_identity(agent.identity, StartWorker(rank_id, "recover", c.dense_site(agent.node)))
+            return
+        free = [r for r in range(self.ctl.scaling.target_ep_size) if r not in c.ranks]
+        for rank_id in free[: agent.num_ranks]:
+            c.ranks[rank_id] = RankInfo(rank_id, agent.node)
+            self.ctl.plane.to_identity(agent.identity, StartWorker(rank_id, "initial"))
+
+    def launch(self) -> WorkerLaunch:
+        cfg, plane = self.ctl.cfg, self.ctl.plane
+        return WorkerLaunch(
+            cfg.model_dir, plane.step_addr, plane.health_addr, cfg.host, self.ctl.store_port, cfg.backend,
+            cfg.max_num_seqs, cfg.max_model_len, cfg.heartbeat_interval_s if cfg.health_checks else 0.0,
+            cfg.backup_fetch_timeout_s,
+        )
+
+    def on_agent_bye(self, msg: AgentBye) -> None:
+        self.drop_backup(msg.node, "its agent stopped")
+        self.cluster.agents.pop(msg.node, None)
+
+    def send(self, node: str, message) -> None:
+        agent = self.cluster.agents.get(node)
+        if agent is not None:
+            self.ctl.plane.to_identity(agent.identity, message)
+
+    # ---- rank processes ------------------------------------------------------------------------
+
+    def on_worker_started(self, identity: bytes, msg: WorkerStarted) -> None:
+        r = self.cluster.ranks.get(msg.rank_id)
+        if r is None or r.status == RankStatus.RETIRING:  # it left the cluster (its scale ended) before it started
+            self.ctl.plane.to_identity(identity, FenceWorker(msg.rank_id, msg.pid, "it left the cluster", final=True))
+            return
+        r.node, r.pid, r.status, r.last_heartbeat = msg.node, msg.pid, RankStatus.STARTING, time.monotonic()
+        r.progress, r.hello = Progress(), None
+        self.cluster.events.add(EventKind.STARTED, f"rank {msg.rank_id} started on {msg.node} (pid {msg.pid})",
+                                msg.rank_id)
+
+    def on_worker_hello(self, msg: WorkerHello) -> None:
+        r = self.cluster.ranks.setdefault(msg.rank_id, RankInfo(msg.rank_id, msg.node))
+        if r.pid != msg.pid:
+            return
+        r.hello, r.last_heartbeat = msg, time.monotonic()
+        self.cluster.events.add(
+            EventKind.REGISTERED, f"rank {msg.rank_id} registered ({msg.join_mode}); dense weights from "
+            f"{msg.dense_source} in {msg.load_s:.2f}s, warmed up in {msg.warmup_s:.3f}s", msg.rank_id,
+            dense_source=msg.dense_source, load_s=msg.load_s, warmup_s=msg.warmup_s)
+
+    def on_worker_exited(self, msg: WorkerExited) -> None:
+        r = self.cluster.ranks.get(msg.rank_id)
+        if r is None or r.pid != msg.pid:
+            return
+        if r.status != RankStatus.RETIRING:
+            self.ctl.fault(self.ctl.detector.exited(msg.rank_id, msg.returncode))
+        if r.status == RankStatus.RETIRING:  # also when the fault above failed a scale it was joining
+            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped (exit code {msg.returncode})")
+            return
+        r.status = RankStatus.DEAD
+
+    def on_worker_fenced(self, msg: WorkerFenced) -> None:
+        r = self.cluster.ranks.get(msg.rank_id)
+        if r is None or r.pid != msg.pid:
+            return
+        if r.status == RankStatus.RETIRING:
+            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped")
+        elif r.status == RankStatus.FENCING:
+            r.status = RankStatus.FENCED
+
+    def fence(self, rank_id: int, reason: str) -> None:
+        """Have the rank's agent SIGKILL it (confirmed by `WorkerFenced`)."""
+        r = self.cluster.ranks[rank_id]
+        self.send(r.node, FenceWorker(rank_id, r.pid, reason))
+        r.status = RankStatus.FENCING
+
+    def signal(self, rank_id: int, sig: int) -> None:
+        r = self.cluster.ranks.get(rank_id)
+        if r is not None and r.pid is not None:
+            self.send(r.node, SignalWorker(rank_id, r.pid, sig))
+
+    def stop_rank(self, rank_id: int) -> None:
+        """Stop a rank that leaves the cluster; its exit report removes it from /cluster."""
+        r = self.cluster.ranks[rank_id]
+        r.status = RankStatus.RETIRING
+        self.ctl.scheduler.draining.discard(rank_id)
+        if r.hello is not None:
+            self.ctl.plane.to_worker(rank_id, Shutdown())
+        elif r.pid is not None:
+            self.send(r.node, FenceWorker(rank_id, r.pid, "its scale ended", final=True))
+        else:  # not started yet: if it starts later, its WorkerStarted finds no rank and fences it
+            self.forget_rank(rank_id, f"rank {rank_id} will not start")
+
+    def forget_rank(self, rank_id: int, message: str) -> None:
+        c = self.cluster
+        c.ranks.pop(rank_id, None)
+        c.restart_at.pop(rank_id, None)
+        c.delay_s.pop(rank_id, None)
+        self.ctl.scheduler.draining.discard(rank_id)
+        self.ctl.metrics.forget_rank(rank_id)
+        c.events.add(EventKind.RETIRED, message, rank_id)
+
+    def restart_due(self, now: float) -> None:
+        """Ask agents to start the down ranks whose --restart-delay-s has passed."""
+        c = self.cluster
+        for rank_id, t in list(c.restart_at.items()):
+            if now >= t:
+                del c.restart_at[rank_id]
+                node = c.ranks[rank_id].node
+                self.send(node, StartWorker(rank_id, "recover", c.dense_site(node)))
+
+    def schedule_restart(self, rank_id: int) -> None:
+        """After a fault: restart it after --restart-delay-s unless its agent restarts its own ranks."""
+        agent = self.cluster.agents.get(self.cluster.ranks[rank_id].node)
+        if self.ctl.cfg.restart_delay_s >= 0 and not (agent is not None and agent.auto_recover):
+            self.cluster.restart_at[rank_id] = time.monotonic() + self.ctl.cfg.restart_delay_s
+
+    def shutdown(self) -> None:
+        for r in self.cluster.ranks.values():
+            if not r.status.down:
+                self.ctl.plane.to_worker(r.rank_id, Shutdown())
+        for agent in self.cluster.agents.values():
+            self.ctl.plane.to_identity(agent.identity, AgentShutdown())
+
+    # ---- host-memory backup --------------------------------------------------------------------
+
+    def start_backup(self) -> None:
+        """Give every agent its share of the expert backup, if memory allows."""
+        c, cfg = self.cluster, self.ctl.cfg
+        if not cfg.expert_backup:
+            c.events.add(EventKind.BACKUP, "expert backup disabled (--no-expert-backup)")
+            return
+        total = self.ctl.reader.expert_nbytes * c.num_layers * c.num_experts
+        room = psutil.virtual_memory().available
+        if total > room // 2:
+            c.events.add(EventKind.BACKUP, f"expert backup off: {total} bytes exceed half the free memory ({room})")
+            return
+        assert c.location is not None
+        for node, items in backup_shares(c.location, c.rank_nodes(), sorted(c.agents)).items():
+            self.ctl.plane.to_identity(c.agents[node].identity, BackupAssign(items))
+
+    def on_backup_ready(self, msg: BackupReady) -> None:
+        agent = self.cluster.agents.get(msg.node)
+        if agent is not None:
+            agent.backup, agent.backup_experts = msg.site, msg.experts
+            self.cluster.events.add(
+                EventKind.BACKUP, f"node {msg.node} holds {len(msg.experts)} experts in host memory "
+                f"({msg.nbytes} bytes)", nbytes=msg.nbytes, path=msg.site.path)
+
+    def drop_backup(self, node: str, why: str) -> None:
+        """Stop planning transfers from a node's backup (and dense weights from it)."""
+        agent = self.cluster.agents.get(node)
+        if agent is not None and agent.backup is not None:
+            agent.backup, agent.backup_experts = None, []
+            self.cluster.events.add(EventKind.BACKUP_LOST, f"node {node}'s backup is gone: {why}", node=node)

@@ -1,0 +1,111 @@
+"""What the controller knows about each rank and each node agent, and the one list of rank states.
+
+Everything here is written by the control thread only; `/cluster`, the dashboard, the doctor and
+the docs show `RankStatus` values as they are.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from elastic_ep.placement.location import ExpertLocation
+from elastic_ep.wire import BackupSite, Progress, WorkerHello
+
+
+class RankStatus(str, Enum):
+    """A rank's state. Who sets it, and when:
+
+    - STARTING: its agent reported the process up (`WorkerStarted`); it loads its weights and
+      registers (`WorkerHello`), then waits outside the group until an epoch admits it
+      (start, rejoin, scale-up). Heartbeats are watched once it has registered.
+    - SERVING: a member of the current verified epoch that holds experts and takes requests.
+    - DRAINING: a member that takes no new requests: it leaves with a scale-down, and in the
+      epoch that moves its experts away it only sends.
+    - FENCING: a fault named it; its agent was told to SIGKILL it and has not confirmed yet.
+    - FENCED: killed on the controller's order (confirmed). Restarted after --restart-delay-s
+      (or by its agent with --auto-recover), taken over by a `--join-mode recover` agent, or
+      left down.
+    - DEAD: exited on its own (crash, OOM kill), or its fence was never confirmed within
+      --fence-timeout-s. Handled like FENCED.
+    - RETIRING: leaving the cluster for good (scale-down, or a joiner of a failed scale); never a
+      fault, never restarted; dropped from `/cluster` once its process is gone.
+    """
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    FENCING = "fencing"
+    FENCED = "fenced"
+    DEAD = "dead"
+    RETIRING = "retiring"
+
+    @property
+    def down(self) -> bool:
+        """The process is gone (or being killed): not a member of any later epoch until restarted."""
+        return self in (RankStatus.FENCED, RankStatus.DEAD)
+
+
+def percentiles_ms(values) -> dict[str, float] | None:
+    """{p50, p99, max} in milliseconds of `values` in seconds; None when there are none."""
+    if not values:
+        return None
+    a = np.asarray(values, dtype=np.float64) * 1000
+    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
+            "max": round(float(a.max()), 3)}
+
+
+@dataclass
+class RankInfo:
+    """One rank (worker process): where it runs, its state, its last heartbeat and progress, and
+    its recent per-step timings (seconds): step, collective wait, own (step less wait)."""
+
+    rank_id: int
+    node: str
+    pid: int | None = None
+    status: RankStatus = RankStatus.STARTING
+    last_heartbeat: float = 0.0
+    progress: Progress = field(default_factory=Progress)
+    step_s: deque = field(default_factory=lambda: deque(maxlen=256))
+    wait_s: deque = field(default_factory=lambda: deque(maxlen=256))
+    own_s: deque = field(default_factory=lambda: deque(maxlen=256))
+    slot_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
+    hello: WorkerHello | None = None
+
+    def view(self, location: ExpertLocation | None, total_slots: int, requests: int, delay_s: float,
+             now: float) -> dict[str, Any]:
+        """This rank in /cluster: identity, state, slots (experts per MoE layer), timing."""
+        experts = (location.experts_of_rank(self.rank_id).tolist()
+                   if location is not None and self.rank_id < location.num_ranks else [])
+        used = sum(1 for layer in experts for e in layer if e >= 0)
+        return {
+            "rank_id": self.rank_id, "node": self.node, "pid": self.pid, "state": self.status.value,
+            "slots": {"used": used, "total": total_slots, "experts": experts},
+            "requests": requests,
+            "step_ms": percentiles_ms(self.step_s), "wait_ms": percentiles_ms(self.wait_s),
+            "own_ms": percentiles_ms(self.own_s),
+            "heartbeat_age_s": round(now - self.last_heartbeat, 3) if self.last_heartbeat else None,
+            "progress": vars(self.progress),
+            # the per-rank gate: requests go to a rank only once it serves in a verified epoch
+            "ready": self.status == RankStatus.SERVING,
+            "dense_source": self.hello.dense_source if self.hello is not None else None,
+            "slow_delay_s": delay_s,
+        }
+
+
+@dataclass
+class AgentInfo:
+    """One node agent: its control-plane identity, its fetch address (backup and dense weights),
+    how many ranks it offers, and its host-memory backup once written."""
+
+    node: str
+    identity: bytes
+    fetch_addr: str
+    num_ranks: int
+    auto_recover: bool = False
+    backup: BackupSite | None = None
+    backup_experts: list[tuple[int, int]] = field(default_factory=list)

@@ -1,0 +1,56 @@
+"""EPLB in the loop, as pure decisions: when to look, the load estimate, and whether a new
+placement is worth an epoch.
+
+A slow rank is part of the decision when speeds are given: imbalance is judged in time
+(load / speed), so a rank that takes twice as long with an even share of tokens is the
+imbalance to fix, and a plan that unloads it is not rejected as worse by token counts. A dead
+rank never appears here: rebalancing runs only between faults, over the current members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from elastic_ep.placement.fault_aware import fault_aware_placement
+from elastic_ep.placement.location import ExpertLocation
+from elastic_ep.placement.measures import balancedness
+
+
+def eplb_due(step: int, interval: int, window_steps: int, last_step: int) -> bool:
+    """Every `interval` steps, once the load window holds that many steps."""
+    return step > 0 and step % interval == 0 and window_steps >= interval and last_step != step
+
+
+def load_estimate(window: Sequence[np.ndarray], num_layers: int, num_experts: int) -> np.ndarray:
+    """[L, E] tokens per expert over the recorded steps, plus one so an unused expert still
+    gets a slot; all ones before any load was recorded."""
+    if window:
+        total = np.sum(np.stack(list(window)), axis=0).astype(np.float64)
+        if total.sum() > 0:
+            return total + 1.0
+    return np.ones((num_layers, num_experts))
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    placement: ExpertLocation
+    before: float  # max / mean rank load (in time when speeds are given)
+    after: float
+
+
+def plan_rebalance(current: ExpertLocation, load: np.ndarray, members: list[int], rank_nodes: Mapping[int, str],
+                   speeds: Mapping[int, float] | None, threshold: float) -> Rebalance | None:
+    """A placement over `members` for `load` [L, E] when the current one's imbalance is at least
+    `threshold` and the new one is better; None otherwise."""
+    before = float(1 / balancedness(current, load, members, speeds).min())
+    if before < threshold:
+        return None
+    new = fault_aware_placement(load, members, rank_nodes, speeds, current.slots_per_rank, current.num_ranks,
+                                current=current, movement_tolerance=0.0)
+    after = float(1 / balancedness(new, load, members, speeds).min())
+    if new == current or after >= before:
+        return None
+    return Rebalance(new, before, after)

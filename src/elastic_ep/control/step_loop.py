@@ -1,0 +1,135 @@
+"""The step loop: plan one step, send it to every member, gather the results, deliver the tokens.
+
+Every member runs every step, an empty plan included, because every MoE layer's all-to-all
+needs all of them. When a rank dies or hangs mid-step the wait ends as soon as the detector
+holds a fault (or a rank reports that its collective raised): the step's frees are asked for
+again, the batch is kept for a possible retry, and `RecoveryNeeded` hands over to recovery,
+which re-runs the step in the next epoch (tokens are a pure function of the sequence, so the
+re-run samples the same ones). A slow rank only makes the step slower; its time shows in the
+per-rank metrics and the radar.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from elastic_ep.model.sampling import TokenLogprobs
+from elastic_ep.wire import StepFailed, StepPlan, StepResult
+
+from .api import RequestOutput
+from .cluster import ClusterState
+from .config import ServeConfig
+from .control_plane import ControlPlane
+from .detector import FaultDetector, RecoveryNeeded
+from .metrics import ClusterMetrics
+from .recorder import ExpertRecorder
+from .scheduler import Scheduler, StepBatch
+from .streams import Streams
+
+
+class StepLoop:
+    """`pump(timeout_s)` handles input while a step waits (results arrive through `on_reply`)."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, scheduler: Scheduler,
+                 detector: FaultDetector, metrics: ClusterMetrics, recorder: ExpertRecorder, streams: Streams,
+                 top_k: int, pump: Callable[[float], None]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.plane = plane
+        self.scheduler = scheduler
+        self.detector = detector
+        self.metrics = metrics
+        self.recorder = recorder
+        self.streams = streams
+        self.top_k = top_k
+        self.pump = pump
+        self.replies: dict[int, StepResult | StepFailed] = {}
+        self.in_step: set[int] = set()  # members of the step in flight
+        self.failed_batch: StepBatch | None = None  # the batch of the step recovery re-runs
+        self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
+
+    def on_reply(self, msg: StepResult | StepFailed) -> None:
+        if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
+            return
+        self.replies[msg.rank_id] = msg
+        if isinstance(msg, StepFailed):
+            self.detector.error(f"rank {msg.rank_id}: {msg.error}")
+
+    def run(self) -> float:
+        """Run the next step; returns its wall time (s). Raises RecoveryNeeded on a fault."""
+        c = self.cluster
+        batch = self.scheduler.schedule()
+        c.step += 1
+        self.replies = {}
+        self.in_step = set(c.members)
+        start = time.perf_counter()
+        busiest = max(batch.tokens_per_rank().values(), default=0)
+        dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
+        for rank_id in c.members:
+            self.plane.to_worker(rank_id, StepPlan(
+                c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
+                c.delay_s.get(rank_id, 0.0), dispatch_rows,
+            ))
+        while len(self.replies) < len(c.members):
+            self.pump(0.002)
+            if self.detector.pending:
+                self._requeue_frees(batch)
+                self.failed_batch = batch
+                raise RecoveryNeeded()
+        self.in_step = set()
+        wall_s = time.perf_counter() - start
+        self._finish(batch, wall_s)
+        return wall_s
+
+    def _requeue_frees(self, batch: StepBatch) -> None:
+        """A failed step's frees may not have run: ask again in the next step."""
+        for rank_id, ids in batch.free.items():
+            if rank_id in self.scheduler.to_free:
+                self.scheduler.to_free[rank_id].extend(ids)
+
+    def _finish(self, batch: StepBatch, wall_s: float) -> None:
+        c, m = self.cluster, self.metrics
+        results: dict[int, StepResult] = self.replies  # type: ignore[assignment]
+        sampled: dict[int, int] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
+        slowest = 0.0
+        load = np.zeros((c.num_layers, c.num_experts), dtype=np.int64)
+        for rank_id, res in results.items():
+            sampled.update(res.tokens)
+            logprobs.update(res.logprobs)
+            slowest = max(slowest, res.step_s)
+            r = c.ranks[rank_id]
+            r.step_s.append(res.step_s)
+            r.wait_s.append(res.dispatch_wait_s + res.combine_wait_s)
+            r.own_s.append(res.compute_s)
+            r.slot_tokens.append(res.slot_tokens)
+            label = str(rank_id)
+            m.step_seconds.labels(label).observe(res.step_s)
+            m.collective_wait_seconds.labels(label).observe(res.dispatch_wait_s + res.combine_wait_s)
+            load += res.expert_load
+        self.detector.step_done(wall_s)
+        self.failed_batch = None
+        m.step_wall_seconds.observe(wall_s)
+        m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
+        tokens = batch.tokens_per_rank()
+        for rank_id, n in tokens.items():
+            m.rank_tokens.labels(str(rank_id)).set(n)
+        if sum(tokens.values()):
+            m.dp_token_imbalance.set(max(tokens.values()) / (sum(tokens.values()) / len(tokens)))
+        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
+        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
+        if mean:
+            for r, v in slot_totals.items():
+                m.expert_load_imbalance.labels(str(r)).set(v / mean)
+        self.load_window.append(load)
+        self.recorder.add(load)
+        for seq, new_tokens in self.scheduler.commit(batch, sampled):
+            token_logprobs = [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None
+            self.streams.deliver(seq.seq_id, RequestOutput(
+                seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
+                logprobs=token_logprobs,
+            ))

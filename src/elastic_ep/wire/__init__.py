@@ -1,0 +1,116 @@
+"""Every message that crosses a process boundary on the control plane, and the launch spec of
+a worker process (`worker.py`: launch and step socket; `health.py`: heartbeats and agents;
+`fetch.py`: agent fetch socket). The controller (`control/`), the node agent (`node/`) and the worker
+(`runtime/`) all import this module and nothing of each other.
+
+Transport: ZeroMQ. The controller binds two ROUTER sockets:
+- the step socket: each worker's main thread (DEALER, identity `w<rank_id>`) receives
+  `EpochStart`, `StepPlan`, `SweepSlots`, `CorruptSlot`, `Shutdown` and answers `WorkerHello`,
+  `EpochReady`, `EpochFailed`, `StepResult`, `StepFailed`, `SlotChecksums`;
+- the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
+  `Heartbeat`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
+  `WorkerStarted`, `WorkerExited`, `WorkerFenced` and receives `AgentWelcome`, `BackupAssign`,
+  `StartWorker`, `FenceWorker`, `SignalWorker`, `AgentShutdown`, and says `AgentBye` when it stops.
+An agent also binds a ROUTER for `BackupFetch` -> `BackupTensors` and `DenseFetch` ->
+`DenseTensors` from workers of other nodes.
+
+Frames are pickled dataclasses: the control plane is a trusted cluster-internal network (the
+same trust as the TCPStore and the torch.distributed data plane). Every message a worker acts
+on carries its epoch; a worker drops a message of an epoch other than its current or next one,
+which is what keeps a fenced or late process out of a newer epoch.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from .fetch import (
+    BackupFetch,
+    BackupSite,
+    BackupTensors,
+    DenseFetch,
+    DenseTensors,
+)
+from .health import (
+    AgentBye,
+    AgentHello,
+    AgentShutdown,
+    AgentWelcome,
+    BackupAssign,
+    BackupReady,
+    FenceWorker,
+    Heartbeat,
+    Progress,
+    SignalWorker,
+    StartWorker,
+    WorkerExited,
+    WorkerFenced,
+    WorkerStarted,
+)
+from .worker import (
+    ChunkPlan,
+    CorruptSlot,
+    EpochFailed,
+    EpochReady,
+    EpochStart,
+    Shutdown,
+    SlotChecksums,
+    SlotSource,
+    StepFailed,
+    StepPlan,
+    StepResult,
+    SweepSlots,
+    TransferStat,
+    WorkerArgs,
+    WorkerHello,
+    WorkerLaunch,
+)
+
+__all__ = [
+    "AgentBye",
+    "AgentHello",
+    "AgentShutdown",
+    "AgentWelcome",
+    "BackupAssign",
+    "BackupFetch",
+    "BackupReady",
+    "BackupSite",
+    "BackupTensors",
+    "ChunkPlan",
+    "CorruptSlot",
+    "DenseFetch",
+    "DenseTensors",
+    "EpochFailed",
+    "EpochReady",
+    "EpochStart",
+    "FenceWorker",
+    "Heartbeat",
+    "Progress",
+    "Shutdown",
+    "SignalWorker",
+    "SlotChecksums",
+    "SlotSource",
+    "StartWorker",
+    "StepFailed",
+    "StepPlan",
+    "StepResult",
+    "SweepSlots",
+    "TransferStat",
+    "WorkerArgs",
+    "WorkerExited",
+    "WorkerFenced",
+    "WorkerHello",
+    "WorkerLaunch",
+    "WorkerStarted",
+    "decode",
+    "encode",
+]
+
+
+def encode(message: Any) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(frame: bytes) -> Any:
+    return pickle.loads(frame)

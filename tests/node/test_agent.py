@@ -1,0 +1,120 @@
+"""A real node agent with real worker processes, driven by a stand-in controller (two ZeroMQ
+ROUTER sockets and a TCPStore): it starts ranks and reports them, fences one and confirms,
+reports another's death with its exit code, writes and serves its backup, and on shutdown
+stops everything and removes the backup file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import psutil
+import pytest
+import torch.distributed as dist
+import zmq
+
+from elastic_ep.harness.server_process import free_port
+from elastic_ep.model.tiny import resolve_model
+from elastic_ep.node.agent import NodeAgent
+from elastic_ep.wire import (
+    AgentBye,
+    AgentHello,
+    AgentShutdown,
+    AgentWelcome,
+    BackupAssign,
+    BackupReady,
+    FenceWorker,
+    SignalWorker,
+    StartWorker,
+    WorkerExited,
+    WorkerFenced,
+    WorkerHello,
+    WorkerLaunch,
+    WorkerStarted,
+    decode,
+    encode,
+)
+
+
+class StandInController:
+    def __init__(self):
+        ctx = zmq.Context.instance()
+        self.health, self.step = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+        for s in (self.health, self.step):
+            s.setsockopt(zmq.LINGER, 0)
+        self.health_addr = f"tcp://127.0.0.1:{self.health.bind_to_random_port('tcp://127.0.0.1')}"
+        self.step_addr = f"tcp://127.0.0.1:{self.step.bind_to_random_port('tcp://127.0.0.1')}"
+        self.store_port = free_port()
+        self.store = dist.TCPStore("127.0.0.1", self.store_port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=30))
+        self.agent_identity = b""
+
+    def expect(self, sock, kind, timeout_s: float = 60.0):
+        """The next message of type `kind` on `sock` (others are skipped)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sock.poll(100):
+                identity, frame = sock.recv_multipart()
+                msg = decode(frame)
+                if isinstance(msg, kind):
+                    if isinstance(msg, AgentHello):
+                        self.agent_identity = identity
+                    return msg
+        raise TimeoutError(f"no {kind.__name__} within {timeout_s}s")
+
+    def to_agent(self, msg) -> None:
+        self.health.send_multipart([self.agent_identity, encode(msg)])
+
+    def close(self) -> None:
+        self.health.close()
+        self.step.close()
+
+
+@pytest.mark.e2e
+def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
+    ctl = StandInController()
+    agent = NodeAgent(ctl.health_addr, "nodeT", num_ranks=2, stop_grace_s=2.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    pids: list[int] = []
+    try:
+        hello = ctl.expect(ctl.health, AgentHello)
+        assert (hello.node, hello.num_ranks, hello.fetch_addr) == ("nodeT", 2, agent.fetch_addr)
+        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
+                              ctl.store_port, "gloo", 4, 64, 0.0)
+        ctl.to_agent(AgentWelcome(launch))
+        for rank in (0, 1):
+            ctl.to_agent(StartWorker(rank, "initial"))
+        started = {m.rank_id: m.pid for m in (ctl.expect(ctl.health, WorkerStarted) for _ in range(2))}
+        pids = list(started.values())
+        registered = {m.rank_id: m for m in (ctl.expect(ctl.step, WorkerHello) for _ in range(2))}
+        assert {r: m.pid for r, m in registered.items()} == started
+        assert all(m.dense_source == "disk" and m.node == "nodeT" for m in registered.values())
+
+        ctl.to_agent(FenceWorker(0, started[0], "test fence"))
+        fenced = ctl.expect(ctl.health, WorkerFenced)
+        assert (fenced.rank_id, fenced.pid) == (0, started[0]) and not psutil.pid_exists(started[0])
+
+        ctl.to_agent(SignalWorker(1, started[1], signal.SIGKILL))
+        exited = ctl.expect(ctl.health, WorkerExited)
+        assert (exited.rank_id, exited.pid, exited.returncode) == (1, started[1], -signal.SIGKILL)
+
+        ctl.to_agent(BackupAssign([(0, 0), (1, 5)]))
+        ready = ctl.expect(ctl.health, BackupReady, timeout_s=60)
+        assert ready.experts == [(0, 0), (1, 5)] and os.path.exists(ready.site.path) and ready.nbytes > 0
+
+        ctl.to_agent(AgentShutdown())
+        ctl.expect(ctl.health, AgentBye)
+        thread.join(10)
+        assert not thread.is_alive() and not os.path.exists(ready.site.path)
+    finally:
+        stop.set()
+        thread.join(10)
+        for pid in pids:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+        ctl.close()

@@ -1,0 +1,79 @@
+"""An epoch's process group on real processes: it forms, a newer epoch abandons a forming one,
+a member that never arrives is named, and a peer that dies makes the collective raise instead of
+hanging."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from elastic_ep.runtime.group import EpochGroup, EpochSuperseded
+
+from .ranks import run_ranks
+
+
+def form_and_exchange(rank: int, world: int, store):
+    group = EpochGroup(3, list(range(world)), rank, "gloo", torch.device("cpu"))
+    group.form(store, 30, lambda: False)
+    out = torch.empty(world, dtype=torch.int64)
+    group.all_to_all(out, torch.full((world,), 10 * rank, dtype=torch.int64))
+    group.destroy()
+    return out.tolist(), group.alive
+
+
+def never_arrives(rank: int, world: int, store):
+    """Rank 0 waits for a member (rank 2) that never comes; rank 1 is superseded meanwhile."""
+    if rank == 0:
+        group = EpochGroup(5, [0, 1, 2], 0, "gloo", torch.device("cpu"))
+        try:
+            group.form(store, 1.0, lambda: False)
+        except TimeoutError as e:
+            return str(e)
+        return "formed"
+    group = EpochGroup(6, [1, 2], 1, "gloo", torch.device("cpu"))
+    deadline = time.monotonic() + 0.3
+    try:
+        group.form(store, 30, lambda: time.monotonic() > deadline)
+    except EpochSuperseded as e:
+        return str(e)
+    return "formed"
+
+
+def peer_dies(rank: int, world: int, store):
+    group = EpochGroup(7, [0, 1], rank, "gloo", torch.device("cpu"))
+    group.form(store, 30, lambda: False)
+    if rank == 1:
+        store.set("rank1/exiting", "1")
+        os._exit(0)
+    store.wait(["rank1/exiting"])
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    try:
+        out = torch.empty(2)
+        group.all_to_all(out, torch.ones(2))
+    except RuntimeError as e:
+        return {"raised": type(e).__name__, "after_s": time.monotonic() - t0}
+    return {"raised": None}
+
+
+@pytest.mark.e2e
+def test_members_form_the_group_exchange_and_leave_it():
+    results = run_ranks(form_and_exchange, 3)
+    assert [r[0] for r in results] == [[0, 10, 20]] * 3
+    assert not any(alive for _, alive in results)
+
+
+@pytest.mark.e2e
+def test_a_missing_member_is_named_and_a_superseded_epoch_is_abandoned():
+    timeout_error, superseded = run_ranks(never_arrives, 2)
+    assert "ranks [1, 2] did not arrive" in timeout_error
+    assert "epoch 6 was superseded" in superseded
+
+
+@pytest.mark.e2e
+def test_a_dead_peer_makes_the_collective_raise():
+    (survivor,) = run_ranks(peer_dies, 2, answering=[0])
+    assert survivor["raised"] == "RuntimeError"
