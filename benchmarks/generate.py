@@ -65,6 +65,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-intermediate", type=int, default=128)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, tokens: int) -> None:
+    """How much to measure: `tokens` per sequence by default, batch sizes, repeats, threads."""
+    parser.add_argument("--tokens", type=int, default=tokens, help="generated tokens per sequence")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+
+
 def write_model(arch: str, model_dir: str, args: argparse.Namespace, **config_overrides) -> None:
     """A random checkpoint of the sizes in `args` (vocabulary 1024) into `model_dir`."""
     make_tiny(
@@ -86,10 +94,7 @@ def main() -> None:
     parser.add_argument("--arch", choices=ARCHS, default="deepseek_v3")
     add_model_arguments(parser)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=64, help="generated tokens per sequence")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    add_run_arguments(parser, tokens=64)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as model_dir:

@@ -22,7 +22,7 @@ import torch
 
 from elastic_ep.model.engine import OfflineEngine
 from elastic_ep.model.model import SeqChunk
-from generate import add_model_arguments, write_model
+from generate import add_model_arguments, add_run_arguments, write_model
 
 CACHES = ("latent", "per_head")
 
@@ -53,10 +53,7 @@ def main() -> None:
         help="qk_nope and v head dim, rope half of it (default hidden/heads)",
     )
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 512])
-    parser.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    add_run_arguments(parser, tokens=32)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as model_dir:
