@@ -229,9 +229,20 @@ def test_a_bfloat16_checkpoint_generates_in_bfloat16_unless_told_otherwise(capsy
     assert tokens("--dtype", "float32") != tokens()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
-def test_a_device_this_process_cannot_see_is_named(capsys, tiny_dirs):
+@pytest.mark.parametrize(
+    "device, fragment",
+    [
+        pytest.param(
+            "cuda",
+            "--device cuda: this process sees 0 CUDA device(s); use --device cpu",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU"),
+        ),
+        ("meta", "--device meta: elastic-ep runs on cpu or cuda"),
+        ("gpu0", "--device 'gpu0' is not a torch device"),
+    ],
+)
+def test_a_device_this_process_cannot_run_on_is_named(capsys, tiny_dirs, device, fragment):
     code, _, err = run_cli(
-        capsys, "generate", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", "x", "--device", "cuda"
+        capsys, "generate", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", "x", "--device", device
     )
-    assert_clean_error(code, err, "--device cuda: this process sees 0 CUDA device(s); use --device cpu")
+    assert_clean_error(code, err, fragment)
