@@ -120,7 +120,7 @@ class AttentionRows:
         if self.max_chunk == 1:
             rows = q if self.chunk_of_row is None else q[self.chunk_of_row]
             out = F.scaled_dot_product_attention(
-                rows.view(tokens, kv_heads, heads // kv_heads, -1),
+                rows.reshape(tokens, kv_heads, heads // kv_heads, -1),
                 keys,
                 values,
                 attn_mask=self.mask,
