@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fuzz_bodies import FuzzTarget
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from scripted_engine import MODEL
+
+from elastic_ep.harness.fuzz import FuzzTarget
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,8 @@ HELP = {
     "health_check_period_s": "how often the controller runs the heartbeat and watchdog checks",
     "expert_sweep_interval_s": "background check of expert slots: how often each rank checksums a few slots",
     "expert_sweep_slots": "slots each rank checksums per background check (0: no background check)",
+    "isolation_max_steps": "a step that fails with every rank alive is re-run without suspect requests to find the "
+                           "one at fault; after this many steps the remaining suspects end with an error",
 }
 
 

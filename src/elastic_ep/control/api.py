@@ -81,8 +81,11 @@ class ScaleRejected(ElasticEPError):
 class ChaosOrder:
     """A fault to inject. action: kill (SIGKILL), hang (SIGSTOP), resume (SIGCONT), slow (the rank
     sleeps `delay_s` per step), corrupt (overwrite expert slot (`layer`, `slot`) of the rank; by
-    default its first occupied slot). `at_next_epoch`: for kill and hang, act right after the
-    next epoch is announced, so the fault lands while that epoch forms."""
+    default its first occupied slot), poison (every step of the requests whose id starts with
+    `request_id`, running or yet to come, raises on its rank, in `phase`: its local computation,
+    its experts, or its sampling; without `request_id` every step of rank `rank_id` raises: a
+    broken rank). `at_next_epoch`: for kill and hang, act
+    right after the next epoch is announced, so the fault lands while that epoch forms."""
 
     action: str
     rank_id: int
@@ -90,9 +93,11 @@ class ChaosOrder:
     layer: int | None = None
     slot: int | None = None
     at_next_epoch: bool = False
+    request_id: str | None = None
+    phase: str = "local"
 
 
-CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt")
+CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt", "poison")
 
 
 @dataclass

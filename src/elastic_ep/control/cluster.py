@@ -38,6 +38,7 @@ class ClusterState:
         self.readiness = Readiness(False, "starting: waiting for ranks to register")
         self.degraded_since: float | None = None
         self.delay_s: dict[int, float] = {}  # chaos: added seconds per step, by rank
+        self.broken: dict[int, str] = {}  # chaos: rank -> where every step of it raises
         self.restart_at: dict[int, float] = {}  # rank -> monotonic time its restart is due
 
     # ---- queries ---------------------------------------------------------------------------

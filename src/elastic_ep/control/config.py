@@ -50,6 +50,7 @@ class ServeConfig:
     health_check_period_s: float = 0.02
     expert_sweep_interval_s: float = 0.5
     expert_sweep_slots: int = 4
+    isolation_max_steps: int = 24
 
     @property
     def max_ranks(self) -> int:

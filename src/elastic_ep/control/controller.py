@@ -18,7 +18,6 @@ degrade `recovery.py`, placement + transfers + verification `epoch_change.py`, E
 from __future__ import annotations
 
 import queue
-import signal
 import socket
 import threading
 import time
@@ -36,7 +35,6 @@ from elastic_ep.wire import (
     AgentBye,
     AgentHello,
     BackupReady,
-    CorruptSlot,
     EpochFailed,
     EpochReady,
     Heartbeat,
@@ -50,8 +48,14 @@ from elastic_ep.wire import (
 )
 
 from .api import EngineInfo, RequestOutput, ScaleRejected
+from .chaos import ChaosInjector
 from .cluster import ClusterState
-from .commands import AbortRequest, AddRequest, Command, CorruptExpertSlot, SignalRank, SlowRank, StartScale
+from .commands import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    StartScale,
+)
 from .config import ServeConfig, check_config
 from .control_plane import ControlPlane, Inbound
 from .detector import Fault, FaultDetector, RecoveryNeeded
@@ -59,6 +63,7 @@ from .engine import EngineFacade, Published
 from .epoch_change import EpochChanger, EpochReport, Formed, Interrupted, NoPlacement, NotFormed, VerifyFailed
 from .events import EventKind
 from .health import relative_speeds
+from .isolation import Isolation
 from .metrics import ClusterMetrics
 from .nodes import Nodes
 from .ranks import RankStatus
@@ -98,14 +103,16 @@ class Controller:
         self.store = dist.TCPStore(
             cfg.host, self.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
         )
+        self.isolation = Isolation(self.streams, self.cluster.events, self.fault, cfg.isolation_max_steps)
         self.steps = StepLoop(self.cluster, cfg, self.plane, self.scheduler, self.detector, self.metrics,
-                              self.recorder, self.streams, self.config.top_k, self.pump)
+                              self.recorder, self.streams, self.isolation, self.config.top_k, self.pump)
         self.changer = EpochChanger(self.cluster, cfg, self.plane, self.store, self.reader.expert_nbytes, self.pump,
                                     lambda ranks: any(r in self.detector.faults for r in ranks))
         self.recovery = Recovery(self)
         self.scaling = ScaleDriver(self)
         self.nodes = Nodes(self)
         self.sweeper = SlotSweeper(self.cluster, cfg, self.plane, self.changer)
+        self.chaos = ChaosInjector(self)
         self.published = Published()
         self._commands: queue.Queue[Command] = queue.Queue()
         info = EngineInfo(cfg.model_name, cfg.max_model_len, tuple(self.config.eos_token_ids))
@@ -224,8 +231,8 @@ class Controller:
             self._run_command(cmd)
 
     def _run_command(self, cmd: Command) -> None:
-        c = self.cluster
         if isinstance(cmd, AddRequest):
+            self.chaos.on_add(cmd.seq)
             self.streams.add(cmd.seq.seq_id, cmd.stream)
             self.scheduler.add(cmd.seq)
         elif isinstance(cmd, AbortRequest):
@@ -239,29 +246,8 @@ class Controller:
                 return
             self.publish()  # before the answer: the caller's next /is_scaling_elastic_ep sees the scale
             cmd.reply.set_result(answer)
-        elif isinstance(cmd, SignalRank):
-            self._signal(cmd)
-        elif isinstance(cmd, SlowRank):
-            c.delay_s[cmd.rank_id] = cmd.delay_s
-            c.events.add(EventKind.CHAOS, f"rank {cmd.rank_id} slowed by {cmd.delay_s}s per step", cmd.rank_id)
-        elif isinstance(cmd, CorruptExpertSlot):
-            self.plane.to_worker(cmd.rank_id, CorruptSlot(c.epoch, cmd.layer, cmd.slot))
-            c.events.add(EventKind.CHAOS, f"corrupted layer {cmd.layer} slot {cmd.slot} of rank {cmd.rank_id}",
-                         cmd.rank_id, layer=cmd.layer, slot=cmd.slot)
-
-    def _signal(self, cmd: SignalRank) -> None:
-        def send() -> None:
-            r = self.cluster.ranks.get(cmd.rank_id)
-            self.nodes.signal(cmd.rank_id, cmd.signal)
-            self.cluster.events.add(EventKind.CHAOS, f"{signal.Signals(cmd.signal).name} to rank {cmd.rank_id} "
-                                    f"(pid {r.pid if r else None}) in epoch {self.cluster.epoch}", cmd.rank_id)
-
-        if cmd.at_next_epoch:
-            self.changer.after_start.append(send)
-            self.cluster.events.add(EventKind.CHAOS, f"armed: {signal.Signals(cmd.signal).name} to rank {cmd.rank_id} "
-                                    f"once epoch {self.cluster.epoch + 1} is announced", cmd.rank_id)
         else:
-            send()
+            self.chaos.run(cmd)
 
     # ---- faults and epochs -----------------------------------------------------------------
 
@@ -379,7 +365,9 @@ class Controller:
         if not self.scheduler.has_work:
             self.pump(0.05)
             return
-        self.recovery.step_completed(self.steps.run())
+        wall_s = self.steps.run()
+        if wall_s is not None:
+            self.recovery.step_completed(wall_s)
 
     def _rebalance(self) -> None:
         c = self.cluster

@@ -2,7 +2,8 @@
 
 Signals, fastest first: the agent reports a worker's exit (crash, OOM kill, `kill -9`); a worker
 reports that a collective raised (gloo fails in milliseconds when a peer's socket closes, with
-no rank to blame: an error, not a fault); a rank's heartbeats stop for --heartbeat-timeout-s (a
+no rank to blame: an error, not a fault; an error in a rank's own computation is not even that,
+see control/isolation.py); a rank's heartbeats stop for --heartbeat-timeout-s (a
 stopped process or a cut link; heartbeats come from their own thread, so a rank blocked in a
 collective or merely slow keeps beating); the progress watchdog names a rank that has not
 entered the collective the others wait in for the adaptive deadline (a hang). A slow rank is
@@ -40,6 +41,7 @@ class FaultCause(str, Enum):
     HUNG = "hung"  # the progress watchdog
     NO_ANSWER = "no_answer"  # did not leave a failed step within --drain-timeout-s
     NOT_JOINED = "did_not_join"  # did not join a new epoch within --epoch-timeout-s
+    STEP_ERRORS = "step_errors"  # its computation fails with no request to blame (control/isolation.py)
 
 
 @dataclass(frozen=True)

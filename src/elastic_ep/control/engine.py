@@ -29,7 +29,17 @@ from .api import (
     ScaleRejected,
     ServiceUnavailable,
 )
-from .commands import AbortRequest, AddRequest, Command, CorruptExpertSlot, SignalRank, SlowRank, StartScale
+from .commands import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    CorruptExpertSlot,
+    PoisonRank,
+    PoisonRequest,
+    SignalRank,
+    SlowRank,
+    StartScale,
+)
 from .config import ServeConfig
 from .events import select_events
 from .recorder import ExpertRecorder
@@ -120,6 +130,9 @@ class EngineFacade:
     def chaos(self, order: ChaosOrder) -> dict[str, Any]:
         if not self.cfg.enable_chaos:
             raise ElasticEPError("fault injection is off; start the server with --enable-chaos")
+        if order.action == "poison" and order.request_id:
+            self.send(PoisonRequest(order.request_id, order.phase))
+            return {"action": "poison", "request_id": order.request_id, "phase": order.phase}
         snapshot = self.published.snapshot
         ranks = {r["rank_id"]: r for r in snapshot.get("ranks", [])}
         rank = ranks.get(order.rank_id)
@@ -134,6 +147,9 @@ class EngineFacade:
                 raise ElasticEPError(f"delay_s must be >= 0, got {order.delay_s}")
             self.send(SlowRank(order.rank_id, order.delay_s))
             return {**done, "delay_s": order.delay_s}
+        if order.action == "poison":
+            self.send(PoisonRank(order.rank_id, order.phase))
+            return {**done, "phase": order.phase}
         if order.action == "corrupt":
             layer, slot = self._slot_to_corrupt(rank, order)
             self.send(CorruptExpertSlot(order.rank_id, layer, slot))

@@ -53,6 +53,10 @@ class ClusterMetrics:
             "elastic_ep_recovery_seconds", "From fault detection to serving again", buckets=RECOVERY_BUCKETS,
             registry=registry,
         )
+        self.failed_steps = Counter(
+            "elastic_ep_failed_steps", "Steps dropped because a rank's own computation failed (ranks alive)",
+            registry=registry,
+        )
         self.epoch = Gauge("elastic_ep_epoch", "Current membership epoch", registry=registry)
         self.live_ranks = Gauge("elastic_ep_live_ranks", "Ranks serving in the current epoch", registry=registry)
         self.eplb_rebalances = Counter(

@@ -158,6 +158,7 @@ class Nodes:
         c.ranks.pop(rank_id, None)
         c.restart_at.pop(rank_id, None)
         c.delay_s.pop(rank_id, None)
+        c.broken.pop(rank_id, None)
         self.ctl.scheduler.draining.discard(rank_id)
         self.ctl.metrics.forget_rank(rank_id)
         c.events.add(EventKind.RETIRED, message, rank_id)

@@ -74,11 +74,13 @@ class Recovery:
         self.fence_and_drain()
         fence_s = time.monotonic() - t0
         culprits, errors, detected_at = ctl.detector.take()
+        ctl.isolation.reset()
         live = [r for r in c.members if r not in culprits and not c.ranks[r].status.down]
         for r in culprits:
             ctl.scheduler.evict_rank(r)
             ctl.metrics.forget_rank(r)
             c.delay_s.pop(r, None)
+            c.broken.pop(r, None)
             if ctl.scaling.joiner(r):
                 ctl.scaling.fail(f"joining rank {r} failed: {culprits[r].detail}")
             if ctl.scaling.leaves(r):

@@ -33,6 +33,7 @@ class Sequence:
     rank: int | None = None
     num_cached: int = 0
     finish_reason: str | None = None
+    fail_at: str = ""  # fault injection (chaos poison): where its steps raise, see wire.ChunkPlan
 
     @property
     def tokens(self) -> list[int]:
@@ -77,6 +78,8 @@ class Scheduler:
         self.by_id: dict[int, Sequence] = {}
         # ranks leaving on scale-down: they finish what they run but take nothing new
         self.draining: set[int] = set()
+        # sequences left out of the next step (suspects of a failed step, control/isolation.py)
+        self.held: set[int] = set()
 
     def set_ranks(self, ranks: list[int]) -> None:
         """Serve on `ranks` from now on; sequences of ranks no longer listed go back to the
@@ -127,7 +130,8 @@ class Scheduler:
         used = dict.fromkeys(self.running, 0)
         for rank, seqs in self.running.items():
             for seq in seqs:
-                used[rank] += self._plan(seq, chunks[rank], budget - used[rank])
+                if seq.seq_id not in self.held:
+                    used[rank] += self._plan(seq, chunks[rank], budget - used[rank])
         room = sum(max(self.max_num_seqs - len(seqs), 0) for r, seqs in self.running.items() if r not in self.draining)
         admitted = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         # Longest first onto the least loaded rank: the classic greedy for even sums.
@@ -170,6 +174,7 @@ class Scheduler:
                 seq.request.params,
                 seq.request.seed,
                 len(seq.request.prompt_token_ids),
+                seq.fail_at,
             )
         )
         return n

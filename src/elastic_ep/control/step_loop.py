@@ -5,8 +5,10 @@ needs all of them. When a rank dies or hangs mid-step the wait ends as soon as t
 holds a fault (or a rank reports that its collective raised): the step's frees are asked for
 again, the batch is kept for a possible retry, and `RecoveryNeeded` hands over to recovery,
 which re-runs the step in the next epoch (tokens are a pure function of the sequence, so the
-re-run samples the same ones). A slow rank only makes the step slower; its time shows in the
-per-rank metrics and the radar.
+re-run samples the same ones). When a rank's own computation fails with every rank alive, the
+step is dropped and isolation (control/isolation.py) finds the request at fault, in the same
+epoch. A slow rank only makes the step slower; its time shows in the per-rank metrics and the
+radar.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from collections.abc import Callable
 import numpy as np
 
 from elastic_ep.model.sampling import TokenLogprobs
-from elastic_ep.wire import StepFailed, StepPlan, StepResult
+from elastic_ep.wire import StepErrorKind, StepFailed, StepPlan, StepResult
 
 from .api import RequestOutput
 from .cluster import ClusterState
 from .config import ServeConfig
 from .control_plane import ControlPlane
 from .detector import FaultDetector, RecoveryNeeded
+from .isolation import Isolation
 from .metrics import ClusterMetrics
 from .recorder import ExpertRecorder
 from .scheduler import Scheduler, StepBatch
@@ -36,7 +39,7 @@ class StepLoop:
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, scheduler: Scheduler,
                  detector: FaultDetector, metrics: ClusterMetrics, recorder: ExpertRecorder, streams: Streams,
-                 top_k: int, pump: Callable[[float], None]):
+                 isolation: Isolation, top_k: int, pump: Callable[[float], None]):
         self.cluster = cluster
         self.cfg = cfg
         self.plane = plane
@@ -45,6 +48,7 @@ class StepLoop:
         self.metrics = metrics
         self.recorder = recorder
         self.streams = streams
+        self.isolation = isolation
         self.top_k = top_k
         self.pump = pump
         self.replies: dict[int, StepResult | StepFailed] = {}
@@ -56,12 +60,15 @@ class StepLoop:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
             return
         self.replies[msg.rank_id] = msg
-        if isinstance(msg, StepFailed):
+        if isinstance(msg, StepFailed) and msg.kind == StepErrorKind.COLLECTIVE:
             self.detector.error(f"rank {msg.rank_id}: {msg.error}")
 
-    def run(self) -> float:
-        """Run the next step; returns its wall time (s). Raises RecoveryNeeded on a fault."""
+    def run(self) -> float | None:
+        """Run the next step; returns its wall time (s), or None when a rank's own computation
+        failed (the step is dropped; isolation decides what runs next). Raises RecoveryNeeded
+        on a fault."""
         c = self.cluster
+        self.scheduler.held = self.isolation.held
         batch = self.scheduler.schedule()
         c.step += 1
         self.replies = {}
@@ -72,7 +79,7 @@ class StepLoop:
         for rank_id in c.members:
             self.plane.to_worker(rank_id, StepPlan(
                 c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
-                c.delay_s.get(rank_id, 0.0), dispatch_rows,
+                c.delay_s.get(rank_id, 0.0), dispatch_rows, c.broken.get(rank_id, ""),
             ))
         while len(self.replies) < len(c.members):
             self.pump(0.002)
@@ -82,7 +89,14 @@ class StepLoop:
                 raise RecoveryNeeded()
         self.in_step = set()
         wall_s = time.perf_counter() - start
+        failures = {r: m for r, m in self.replies.items() if isinstance(m, StepFailed)}
+        if failures:
+            self._requeue_frees(batch)
+            self.metrics.failed_steps.inc()
+            self.isolation.step_failed(c.step, batch, failures)
+            return None
         self._finish(batch, wall_s)
+        self.isolation.step_passed(batch)
         return wall_s
 
     def _requeue_frees(self, batch: StepBatch) -> None:
@@ -99,6 +113,8 @@ class StepLoop:
         slowest = 0.0
         load = np.zeros((c.num_layers, c.num_experts), dtype=np.int64)
         for rank_id, res in results.items():
+            for seq_id, error in res.errors.items():
+                self.streams.end_with_error(seq_id, f"this request failed on rank {rank_id}: {error}")
             sampled.update(res.tokens)
             logprobs.update(res.logprobs)
             slowest = max(slowest, res.step_s)

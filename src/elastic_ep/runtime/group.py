@@ -7,9 +7,11 @@ superseded (a second fault during recovery) is abandoned at once instead of wait
 timeout.
 
 What happens when a peer dies: gloo raises on the next read or write to that peer's socket
-(milliseconds after the process exits). A hung peer blocks the collective until it is killed
-(fenced) or `collective_timeout_s` passes. After any error the group is destroyed, which closes
-this rank's sockets, so ranks waiting on it fail fast too instead of hanging.
+(milliseconds after the process exits), which surfaces here as `CollectiveError`. A hung peer
+blocks the collective until it is killed (fenced) or `collective_timeout_s` passes. After a
+collective error the group is destroyed, which closes this rank's sockets, so ranks waiting on
+it fail fast too instead of hanging. An error in this rank's own computation is not a
+collective error: the rank finishes the step's collectives and the group stays whole.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from elastic_ep.wire import Progress
 
 class EpochSuperseded(Exception):
     """A newer epoch was announced while this one was still forming."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the epoch's group failed (a peer died, the group was destroyed)."""
 
 
 class ProgressBoard:
@@ -115,13 +121,17 @@ class EpochGroup:
         self.alive = False
 
     def all_to_all(self, output: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None) -> None:
-        """all_to_all_single over this epoch's group, on the group's device."""
-        if self.device.type == "cpu":
-            dist.all_to_all_single(output, inp, out_splits, in_splits)
-            return
-        out_dev = torch.empty(output.shape, dtype=output.dtype, device=self.device)
-        dist.all_to_all_single(out_dev, inp.to(self.device), out_splits, in_splits)
-        output.copy_(out_dev.cpu())
+        """all_to_all_single over this epoch's group, on the group's device. Raises
+        CollectiveError when it fails."""
+        try:
+            if self.device.type == "cpu":
+                dist.all_to_all_single(output, inp, out_splits, in_splits)
+                return
+            out_dev = torch.empty(output.shape, dtype=output.dtype, device=self.device)
+            dist.all_to_all_single(out_dev, inp.to(self.device), out_splits, in_splits)
+            output.copy_(out_dev.cpu())
+        except RuntimeError as e:
+            raise CollectiveError(f"all_to_all in epoch {self.epoch}: {e}") from e
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
         """Point-to-point: send sends[i] to member index i and receive recvs[j] from member j,

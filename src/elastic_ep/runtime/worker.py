@@ -40,6 +40,7 @@ from elastic_ep.wire import (
     Heartbeat,
     Shutdown,
     SlotChecksums,
+    StepErrorKind,
     StepFailed,
     StepPlan,
     StepResult,
@@ -53,7 +54,7 @@ from elastic_ep.wire import (
 from .dense import load_dense
 from .ep_moe import ExpertParallelMoE
 from .experts import BackupUnreachable, ExpertSlots
-from .group import EpochGroup, EpochSuperseded, ProgressBoard
+from .group import CollectiveError, EpochGroup, EpochSuperseded, ProgressBoard
 
 
 def _die_with_parent() -> None:
@@ -196,71 +197,111 @@ class Worker:
             self.send(EpochFailed(msg.epoch, args.rank_id, f"{type(e).__name__}: {e}"))
 
     def _step(self, plan: StepPlan) -> None:
+        """Run one step and answer `StepResult`, or `StepFailed`: COLLECTIVE when the group broke
+        (this rank leaves it, so peers fail fast too), LOCAL when this rank's own computation
+        raised (it finishes the step's collectives first, so the group stays whole)."""
         group, moe = self.group, self.moe
         assert group is not None and moe is not None
         start = time.perf_counter()
         self.progress.enter("compute", step=plan.step)
+        moe.start_step(plan.dispatch_rows)
         try:
-            for seq_id in plan.free:
-                self.kv.free(seq_id)
-                self.tokens.pop(seq_id, None)
-            for c in plan.chunks:
-                if c.start_pos == 0 or c.seq_id not in self.kv:
-                    self.kv.allocate(c.seq_id)
-                    self.tokens[c.seq_id] = []
-                held = self.tokens[c.seq_id]
-                if len(held) < c.start_pos:
-                    raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")
-                # A re-run step overwrites, as the KV cache does.
-                held[c.start_pos :] = c.token_ids
+            self._prepare(plan)
             if plan.delay_s > 0:
                 time.sleep(plan.delay_s)
-            moe.start_step(plan.dispatch_rows)
-            chunks = [SeqChunk(c.seq_id, c.token_ids, c.start_pos) for c in plan.chunks]
-            logits = self.model.forward(chunks, self.kv, moe.moe_fn())
-            sampled = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
-            tokens: dict[int, int] = {}
-            logprobs = {}
-            if sampled:
-                rows = torch.tensor([i for i, _ in sampled], dtype=torch.int64)
-                histories = [
-                    TokenHistory(held[: c.prompt_len], held[c.prompt_len :])
-                    for _, c in sampled
-                    for held in (self.tokens[c.seq_id],)
-                ]
-                out = sample_tokens(
-                    logits[rows],
-                    [c.params for _, c in sampled],
-                    [c.seed for _, c in sampled],
-                    histories,
-                    self.config.eos_token_ids,
-                )
-                tokens = {c.seq_id: t for (_, c), t in zip(sampled, out.tokens, strict=True)}
-                logprobs = {c.seq_id: lp for (_, c), lp in zip(sampled, out.logprobs, strict=True) if lp is not None}
-        except Exception as e:
-            group.destroy()
-            self.progress.idle()
-            detail = "" if isinstance(e, RuntimeError) else traceback.format_exc(limit=3)
-            self.send(StepFailed(plan.epoch, plan.step, self.args.rank_id, f"{type(e).__name__}: {e}{detail}"))
+            logits = self.model.forward([SeqChunk(c.seq_id, c.token_ids, c.start_pos) for c in plan.chunks], self.kv,
+                                        self._moe_fn(plan, moe))
+        except CollectiveError as e:
+            self._fail(plan, StepErrorKind.COLLECTIVE, e)
             return
+        except Exception as e:
+            in_experts = moe.in_experts
+            try:
+                moe.finish_collectives(self.config.hidden_size)
+            except CollectiveError as broken:
+                self._fail(plan, StepErrorKind.COLLECTIVE, broken)
+                return
+            self._fail(plan, StepErrorKind.LOCAL, e, in_experts)
+            return
+        tokens, logprobs, errors = self._sample(plan, logits)
         self.progress.idle()
         c = moe.counters
         step_s = time.perf_counter() - start
-        self.send(
-            StepResult(
-                plan.epoch,
-                plan.step,
-                self.args.rank_id,
-                tokens,
-                step_s,
-                step_s - c.dispatch_wait_s - c.combine_wait_s,
-                c.dispatch_wait_s,
-                c.combine_wait_s,
-                c.expert_load,
-                c.slot_tokens,
-                logprobs,
-            )
-        )
+        self.send(StepResult(
+            plan.epoch, plan.step, self.args.rank_id, tokens, step_s, step_s - c.dispatch_wait_s - c.combine_wait_s,
+            c.dispatch_wait_s, c.combine_wait_s, c.expert_load, c.slot_tokens, logprobs, errors,
+        ))
+
+    def _prepare(self, plan: StepPlan) -> None:
+        """Free finished sequences, give new ones a cache row, track every sequence's tokens."""
+        for seq_id in plan.free:
+            self.kv.free(seq_id)
+            self.tokens.pop(seq_id, None)
+        for c in plan.chunks:
+            if c.start_pos == 0 or c.seq_id not in self.kv:
+                self.kv.allocate(c.seq_id)
+                self.tokens[c.seq_id] = []
+            held = self.tokens[c.seq_id]
+            if len(held) < c.start_pos:
+                raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")
+            # A re-run step overwrites, as the KV cache does.
+            held[c.start_pos :] = c.token_ids
+
+    def _moe_fn(self, plan: StepPlan, moe: ExpertParallelMoE):
+        """The step's moe_fn; fault injection (`fail_at`) raises in this rank's local computation
+        of the second MoE layer, or in its experts of the first."""
+        faults = {c.fail_at for c in plan.chunks} | {plan.fail_at}
+        moe.fail_in_experts = "experts" in faults
+        if "local" not in faults:
+            return moe.moe_fn()
+        second = self.config.moe_layers[min(1, len(self.config.moe_layers) - 1)]
+
+        def moe_fn(layer, hidden, topk_ids, topk_weights):
+            if layer == second:
+                raise RuntimeError(f"injected fault: local computation of layer {layer} failed")
+            return moe.moe_fn()(layer, hidden, topk_ids, topk_weights)
+
+        return moe_fn
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor):
+        """(tokens, logprobs, errors) by seq_id for the chunks that sample. When sampling the
+        batch raises, each row is sampled alone, so only the sequence at fault gets an error."""
+        rows = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
+        try:
+            return (*self._sample_rows(rows, logits), {})
+        except Exception:
+            tokens, logprobs, errors = {}, {}, {}
+            for row in rows:
+                try:
+                    t, lp = self._sample_rows([row], logits)
+                except Exception as e:
+                    errors[row[1].seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+                    continue
+                tokens.update(t)
+                logprobs.update(lp)
+            return tokens, logprobs, errors
+
+    def _sample_rows(self, rows: list, logits: torch.Tensor):
+        """rows: (row of logits [N, V], its ChunkPlan); -> (seq_id -> token, seq_id -> logprobs)."""
+        if not rows:
+            return {}, {}
+        if any(c.fail_at == "sampling" for _, c in rows):
+            raise RuntimeError("injected fault: sampling failed")
+        histories = [TokenHistory(held[: c.prompt_len], held[c.prompt_len :])
+                     for _, c in rows for held in (self.tokens[c.seq_id],)]
+        out = sample_tokens(logits[torch.tensor([i for i, _ in rows])], [c.params for _, c in rows],
+                            [c.seed for _, c in rows], histories, self.config.eos_token_ids)
+        tokens = {c.seq_id: t for (_, c), t in zip(rows, out.tokens, strict=True)}
+        logprobs = {c.seq_id: lp for (_, c), lp in zip(rows, out.logprobs, strict=True) if lp is not None}
+        return tokens, logprobs
+
+    def _fail(self, plan: StepPlan, kind: StepErrorKind, e: Exception, in_experts: bool = False) -> None:
+        if kind == StepErrorKind.COLLECTIVE:
+            self.group.destroy()  # closes this rank's connections: peers blocked on it fail fast
+        self.progress.idle()
+        detail = "" if isinstance(e, RuntimeError) else traceback.format_exc(limit=3)
+        self.send(StepFailed(plan.epoch, plan.step, self.args.rank_id, f"{type(e).__name__}: {e}{detail}", kind,
+                             in_experts))
 
     def _slot_request(self, msg: SweepSlots | CorruptSlot) -> None:
         assert self.slots is not None

@@ -104,9 +104,13 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
             )
         if action not in CHAOS_ACTIONS:
             raise APIError(404, f"unknown chaos action {action!r}; use one of {', '.join(CHAOS_ACTIONS)}")
-        return engine.chaos(
-            ChaosOrder(action, body.rank_id, body.delay_s, body.layer, body.slot, body.at_next_epoch)
-        )
+        if action == "poison" and not body.request_id and body.rank_id is None:
+            raise APIError(400, "poison needs request_id (the id of a running request: its chunks' `id`) or "
+                           "rank_id (every step of that rank raises)", param="request_id")
+        if action != "poison" and body.rank_id is None:
+            raise APIError(400, f"{action} needs rank_id: a rank listed by GET /cluster", param="rank_id")
+        return engine.chaos(ChaosOrder(action, body.rank_id if body.rank_id is not None else -1, body.delay_s,
+                                       body.layer, body.slot, body.at_next_epoch, body.request_id, body.phase))
 
     return router
 

@@ -133,7 +133,8 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
     async def _respond(
         request: Request, body: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], kind: _Kind
     ) -> Response:
-        response_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        # vLLM's behaviour: the client may name the request (X-Request-Id), else a fresh id
+        response_id = f"{kind.id_prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
         gen_requests = generation_requests(response_id, prompts, body, info, vocab_size)
         stops = stop_strings(body.stop)
         hidden = (*info.eos_token_ids, *(body.stop_token_ids or []))

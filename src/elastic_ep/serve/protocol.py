@@ -143,11 +143,14 @@ class ScaleRequest(_Body):
 
 
 class ChaosRequest(_Body):
-    rank_id: int
+    rank_id: int | None = Field(None, ge=0, description="the rank (every action but poison)")
     delay_s: float = Field(0.0, ge=0, le=3600)
     layer: int | None = Field(None, description="corrupt: the MoE layer index of the slot")
     slot: int | None = Field(None, description="corrupt: the slot within the rank")
     at_next_epoch: bool = Field(False, description="kill / hang: right after the next epoch is announced")
+    request_id: str | None = Field(None, max_length=256, description="poison: the id of a running request")
+    phase: Literal["local", "experts", "sampling"] = Field(
+        "local", description="poison: where the request's steps raise on its rank")
 
 
 # ---- responses ----------------------------------------------------------------------------

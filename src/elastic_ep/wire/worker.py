@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 
 import numpy as np
 
@@ -161,6 +162,7 @@ class ChunkPlan:
     params: SamplingParams
     seed: int
     prompt_len: int
+    fail_at: str = ""  # fault injection (chaos poison): "local", "experts" or "sampling" raise there
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ class StepPlan:
     """Run one step of `epoch`. `free`: sequences whose KV cache to drop first.
     `delay_s`: injected slowness (chaos), slept before the first collective.
     `dispatch_rows`: rows per peer of the padded dispatch (same on every rank), 0 = exchange
-    split sizes."""
+    split sizes. `fail_at`: fault injection (chaos poison of the rank), as in ChunkPlan."""
 
     epoch: int
     step: int
@@ -176,6 +178,7 @@ class StepPlan:
     free: list[int]
     delay_s: float = 0.0
     dispatch_rows: int = 0
+    fail_at: str = ""
 
 
 @dataclass(frozen=True)
@@ -195,14 +198,29 @@ class StepResult:
     expert_load: np.ndarray
     slot_tokens: int
     logprobs: dict[int, TokenLogprobs]
+    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why its token could not be sampled
+
+
+class StepErrorKind(str, Enum):
+    """COLLECTIVE: a collective raised (a peer died or the group broke); the rank left the
+    group. LOCAL: the rank's own computation raised (its requests, its experts); it still ran
+    every collective of the step, so the group is intact and the step can be re-run."""
+
+    COLLECTIVE = "collective"
+    LOCAL = "local"
 
 
 @dataclass(frozen=True)
 class StepFailed:
+    """`in_experts`: a LOCAL error raised while the rank computed experts for dispatched tokens,
+    so the expert outputs it sent back to every rank were zeros."""
+
     epoch: int
     step: int
     rank_id: int
     error: str
+    kind: StepErrorKind = StepErrorKind.COLLECTIVE
+    in_experts: bool = False
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ no JSON object at all. `FuzzTarget.problems(request, response)` lists what an an
 wrong: a 5xx, a status or content type the document does not list for the operation, an
 error body not in OpenAI's shape, a stream without `data: [DONE]` or with an internal error.
 
-tests/serve/test_serve_fuzz.py runs it against the scripted engine. The same target fuzzes
-the real distributed server beside innocent streams (issue 18 item 4); `caps` keeps the
+tests/serve/test_serve_fuzz.py runs it against the scripted engine; tests/e2e/test_isolation.py
+fuzzes the real distributed server's OpenAI routes beside innocent streams; `caps` keeps the
 valid bodies cheap there (n, token counts, list lengths), since a real engine runs every
 token. The schema walker covers what pydantic emits: $ref, anyOf / oneOf, const / enum,
 null, boolean, integer and number ranges, string, array, object with properties, required,
