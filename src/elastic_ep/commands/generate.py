@@ -7,7 +7,9 @@ import json
 
 import torch
 
+from elastic_ep.model.checkpoint import DTYPES
 from elastic_ep.model.engine import OfflineEngine
+from elastic_ep.model.model import resolve_device
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import decode, encode, load_tokenizer
@@ -53,6 +55,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads; raise for large models (default 1)"
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="weights, KV cache and compute; auto = the checkpoint's (config.json's dtype / torch_dtype, "
+        "else the stored weights') (default auto)",
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="torch device to run on, e.g. cpu, cuda, cuda:1 (default: cuda if present)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON line per prompt")
 
 
@@ -75,7 +89,12 @@ def run(args: argparse.Namespace) -> int:
     )
     params.validate()
     model_dir = resolve_model(args.model)
-    engine = OfflineEngine.from_pretrained(model_dir, max_batch=args.max_batch)
+    engine = OfflineEngine.from_pretrained(
+        model_dir,
+        max_batch=args.max_batch,
+        dtype=args.dtype,
+        device=resolve_device(args.device),
+    )
     tokenizer = load_tokenizer(model_dir)
     prompts = [encode(tokenizer, text) for text in args.prompt]
     results = engine.generate(prompts, params)

@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from elastic_ep.errors import ElasticEPError
 
 from .checkpoint import CheckpointReader
@@ -62,13 +64,29 @@ class OfflineEngine:
         self.eos_ids = set(model.config.eos_token_ids)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, max_batch: int = 16, max_model_len: int | None = None):
-        """Load a checkpoint dir with every routed expert in this process."""
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        max_batch: int = 16,
+        max_model_len: int | None = None,
+        *,
+        dtype: torch.dtype | str = torch.float32,
+        device: torch.device | str = "cpu",
+        mla_cache: str = "latent",
+    ):
+        """Load a checkpoint dir with every routed expert in this process, on `device`.
+
+        dtype: a torch dtype, its name, or "auto" (the checkpoint's; see `CheckpointReader`);
+        mla_cache: see `MoEForCausalLM`.
+        """
         config = MoEConfig.from_pretrained(model_dir)
-        reader = CheckpointReader(model_dir, config)
-        model = MoEForCausalLM(config, reader.dense_state())
+        reader = CheckpointReader(model_dir, config, dtype)
+        model = MoEForCausalLM(
+            config, reader.dense_state(device), dtype=reader.dtype, device=device, mla_cache=mla_cache
+        )
         experts = {
-            layer: reader.read_experts(layer, list(range(config.num_experts))) for layer in config.moe_layers
+            layer: reader.read_experts(layer, list(range(config.num_experts)), device)
+            for layer in config.moe_layers
         }
         return cls(model, local_moe_fn(experts), max_batch, max_model_len)
 

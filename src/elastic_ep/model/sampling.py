@@ -161,10 +161,12 @@ def sample_tokens(
 ) -> SampleOutput:
     """Pick one token per row.
 
-    logits: [N, V], each row the next-token logits of one sequence.
+    logits: [N, V], each row the next-token logits of one sequence, on any device: sampling
+        runs on the CPU, so a seed draws the same token whatever device computed the logits.
     params, seeds, histories: length N; a row's seed is its request's fixed seed.
     eos_token_ids: the model's EOS tokens (banned with stop_token_ids until min_tokens).
     """
+    logits = logits.cpu()
     n = logits.shape[0]
     if not len(params) == len(seeds) == len(histories) == n:
         raise ValueError(
