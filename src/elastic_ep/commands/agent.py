@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         raise ElasticEPError(f"--lease-s must be > 0 seconds, got {args.lease_s}")
     host = args.advertise_host or address_towards(controller)
     agent = NodeAgent(controller, args.node, host, args.ranks, args.stop_grace_s, args.join_mode,
-                      args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s)
+                      args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
+                      standalone=True)
     print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

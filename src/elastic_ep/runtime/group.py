@@ -139,9 +139,13 @@ class EpochGroup:
             try:
                 work.wait(timedelta(seconds=ABORT_POLL_S))
                 return
-            except RuntimeError as e:
-                if work.is_completed():  # it ended with an error: a peer died or the group broke
-                    raise self._broke(f"{what} in epoch {self.epoch}: {e}") from e
+            except RuntimeError:
+                if work.is_completed():  # done meanwhile: fine, or it ended with the error of a peer that died
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as e:
+                        raise self._broke(f"{what} in epoch {self.epoch}: {e}") from e
             if self._aborted.is_set():
                 raise self._broke(f"{what} in epoch {self.epoch}: the controller aborted the epoch")
             if time.monotonic() > deadline:
