@@ -73,7 +73,8 @@ def stream_load(server: ServerProcess, concurrency: int, max_tokens: int) -> dic
 
 
 def measure(model: str, ep_size: int, concurrency: int, max_tokens: int, log_dir: Path) -> dict[str, float]:
-    server = ServerProcess(["--model", model, "--ep-size", str(ep_size), "--max-num-seqs", str(concurrency)],
+    server = ServerProcess(["--model", model, "--ep-size", str(ep_size), "--redundant-experts", "0",
+                            "--max-num-seqs", str(concurrency)],
                            log_dir / f"serve-ep{ep_size}.log")
     try:
         stream_load(server, concurrency, 8)
@@ -93,7 +94,8 @@ def padded_vs_counted(model: str, concurrency: int, max_tokens: int, repeats: in
     """Median TPOT p50 at EP 4 with the padded decode dispatch and with split sizes exchanged
     every layer: two servers alive at once, runs interleaved so both see the same noise."""
     servers = {
-        pad: ServerProcess(["--model", model, "--ep-size", "4", "--max-num-seqs", str(concurrency),
+        pad: ServerProcess(["--model", model, "--ep-size", "4", "--redundant-experts", "0",
+                            "--max-num-seqs", str(concurrency),
                             "--padded-dispatch-max-tokens", str(pad)], log_dir / f"serve-pad{pad}.log")
         for pad in (16, 0)
     }

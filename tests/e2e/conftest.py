@@ -43,10 +43,10 @@ class Server(ServerProcess):
 
 @cache
 def reference(model: str, prompts: tuple[str, ...], max_tokens: int, temperature: float = 0.0,
-              seed: int | None = None) -> tuple[str, ...]:
+              seed: int | None = None, dtype: str = "auto") -> tuple[str, ...]:
     """Completion texts of single-process `elastic-ep generate`."""
     cmd = [sys.executable, "-m", "elastic_ep.cli", "generate", "--json", "--model", model,
-           "--max-tokens", str(max_tokens), "--temperature", str(temperature)]
+           "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--dtype", dtype]
     if seed is not None:
         cmd += ["--seed", str(seed)]
     for p in prompts:

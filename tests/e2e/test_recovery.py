@@ -265,7 +265,7 @@ def test_two_nodes_keep_each_others_backup_and_survive_a_kill(tmp_path):
 
 
 def test_streams_end_with_the_reason_when_too_few_ranks_stay_too_few(server_factory):
-    server = server_factory("--model", MODEL, "--ep-size", "2", "--restart-delay-s", "-1",
+    server = server_factory("--model", MODEL, "--ep-size", "2", "--redundant-experts", "0", "--restart-delay-s", "-1",
                             "--degraded-timeout-s", "1.5", "--admission-timeout-s", "1")
     pid = server.pids()[1]
     start = time.monotonic()
@@ -317,3 +317,20 @@ def test_a_short_cut_healed_in_time_is_no_fault(server):
     assert not [e for e in after["events"] if e["kind"] == "fault" and e["id"] > before["events"][-1]["id"]]
     assert [e["message"] for e in after["events"] if e["kind"] == "chaos" and e["id"] > before["events"][-1]["id"]] \
         == ["cut the links of rank 3", "heal the links of rank 3"]
+
+
+def test_the_default_serve_survives_a_kill_without_waiting_for_the_restart(server_factory):
+    """`serve --ep-size 4` with no redundancy flag (auto) holds every expert on 3 ranks: a kill -9
+    is recovered on the others at once; restarts are off, so nothing came back to help."""
+    server = server_factory("--model", MODEL, "--ep-size", "4", "--restart-delay-s", "-1")
+    try:
+        before = server.wait_full_group(4)
+        redundancy = before["redundancy"]
+        assert redundancy["chosen"] == "auto" and redundancy["survives"]["rank_losses"] >= 1
+        pid = server.pids()[1]
+        texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGKILL))
+        cluster = check_recovered(server, before, texts, {1}, "exited")
+        # served on by the three left: rank 1 is not restarted, so the streams waited for nothing
+        assert cluster["ready"] and sorted(cluster["members"]) == [0, 2, 3]
+    finally:
+        server.stop()

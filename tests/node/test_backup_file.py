@@ -37,7 +37,7 @@ def test_backup_round_trips_experts_and_dense_weights(reader, tmp_path):
     w13, w2 = read_backup(path, items)
     for i, (layer, expert) in enumerate(items):
         e13, e2 = reader.read_experts(reader.config.moe_layers[layer], [expert])
-        assert torch.equal(torch.from_numpy(w13[i]), e13[0]) and torch.equal(torch.from_numpy(w2[i]), e2[0])
+        assert torch.equal(w13[i], e13[0]) and torch.equal(w2[i], e2[0])
     dense = read_dense(path)
     expected = reader.dense_state()
     assert dense.keys() == expected.keys()

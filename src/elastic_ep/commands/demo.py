@@ -28,12 +28,10 @@ import torch
 from elastic_ep.demo_view import LiveView, StreamState, fmt_bytes, fmt_ms, format_table
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.harness.server_process import ServerProcess
-from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.engine import OfflineEngine, greedy
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import decode, encode, load_tokenizer
-from elastic_ep.placement import choose_redundant_experts
 
 PROMPTS = [
     "A fault-tolerant server",
@@ -71,11 +69,7 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     torch.set_num_threads(1)
     model_dir = resolve_model(args.model)
-    config = MoEConfig.from_pretrained(model_dir)
-    num_experts = config.num_experts
-    expert_bytes = CheckpointReader(model_dir, config).expert_nbytes
-    choice = choose_redundant_experts(num_experts, args.ep_size, len(config.moe_layers), expert_bytes)
-    redundant = choice.redundant_experts
+    num_experts = MoEConfig.from_pretrained(model_dir).num_experts
     out = sys.stderr if args.json else sys.stdout
     prompts = demo_prompts(args.requests)
     sig = signal.SIGSTOP if args.hang else signal.SIGKILL
@@ -88,15 +82,15 @@ def run(args: argparse.Namespace) -> int:
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(reference_texts, model_dir, prompts, args.max_tokens)
         server = ServerProcess(
-            ["--model", args.model, "--ep-size", str(args.ep_size), "--redundant-experts", str(redundant),
-             "--restart-delay-s", "-1"],
+            # the default --redundant-experts auto: the group outlives losing a rank
+            ["--model", args.model, "--ep-size", str(args.ep_size), "--restart-delay-s", "-1"],
             log_dir / "serve.log", ready_timeout_s=None,
         )
         pids = {server.proc.pid}
         try:
             before = _wait_serving(server, args.ep_size, args.ready_timeout_s)
             pids |= {r["pid"] for r in before["ranks"]}
-            _show_ranks(before, redundant, num_experts, out)
+            _show_ranks(before, num_experts, out)
             try:
                 report = _stream_with_fault(server, prompts, args, sig, before, out)
                 report["recovery"] = _wait_recovery(server, report, args.recovery_timeout_s)
@@ -177,11 +171,13 @@ def stream_completion(http: httpx.Client, model: str, state: StreamState) -> Non
         state.error = "the stream ended without a finish reason"
 
 
-def _show_ranks(cluster: dict, redundant: int, num_experts: int, out) -> None:
+def _show_ranks(cluster: dict, num_experts: int, out) -> None:
     rows = [[str(r["rank_id"]), str(r["pid"]), r["node"], r["state"],
              f"{cluster['slots_per_rank']} per layer ({r['slots']['used']} in all)"] for r in cluster["ranks"]]
-    print(f"server ready, epoch {cluster['epoch']}: {num_experts} experts + {redundant} redundant copies over "
-          f"{cluster['ep_size']} ranks (so {cluster['ep_size'] - 1} ranks still hold every expert)", file=out)
+    redundancy = cluster["redundancy"]
+    print(f"server ready, epoch {cluster['epoch']}: {num_experts} experts + {redundancy['redundant_experts']} "
+          f"redundant copies over {cluster['ep_size']} ranks ({redundancy['chosen']}: every expert still has a "
+          f"place after losing any {redundancy['survives']['rank_losses']} rank(s))", file=out)
     print("\n".join(format_table(["rank", "pid", "node", "state", "expert slots"], rows)) + "\n", file=out, flush=True)
 
 

@@ -20,6 +20,24 @@ from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
 from elastic_ep.node.agent import NodeAgent
 
+
+def redundant_count(text: str) -> int | str:
+    """--redundant-experts: auto, or a count >= 0."""
+    if text == "auto":
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a count >= 0")
+    return count
+
+
+TYPES = {"redundant_experts": redundant_count}
+CHOICES = {"backend": ["gloo", "nccl"], "dtype": ["auto", "float32", "bfloat16", "float16"],
+           "device": ["auto", "cpu", "cuda"]}
+
 # vLLM's and SGLang's flag names, kept as aliases.
 ALIASES = {
     "elastic_ep_scale_timeout_s": ["--elastic-ep-scale-timeout"],
@@ -27,9 +45,14 @@ ALIASES = {
 }
 
 HELP = {
-    "redundant_experts": "extra expert slots in all; (experts + K) must divide by --ep-size (aliases: vLLM's "
+    "redundant_experts": "extra expert slots in all: auto (the fewest with which the group outlives losing a rank, "
+                         "or its largest node when --local-ranks is below --ep-size) or a count K, (experts + K) "
+                         "dividing by --ep-size; 0 means any loss waits for a restart (aliases: vLLM's "
                          "--num-redundant-experts, SGLang's --ep-num-redundant-experts)",
-    "backend": "data plane: gloo (CPU) or nccl (GPU)",
+    "backend": "data plane: gloo (through the host; ranks may share a GPU) or nccl (one GPU per rank)",
+    "dtype": "weights, KV cache and compute: auto (the checkpoint's), float32, bfloat16 or float16",
+    "device": "where each rank runs: auto (cuda when present), cpu or cuda (a rank takes the GPU of its local "
+              "index on its node)",
     "host": "address the HTTP server listens on, and the controller binds unless --advertise-host says otherwise",
     "advertise_host": "this host's address for the control plane and the store, what agents and workers on other "
                       "hosts reach (default: --host); needed when --host is 0.0.0.0",
@@ -106,8 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f"{HELP[f.name]} (default {'on' if f.default else 'off'})")
         else:
-            kwargs = {"choices": ["gloo", "nccl"]} if f.name == "backend" else {}
-            parser.add_argument(flag, *ALIASES.get(f.name, []), type=type(f.default), default=f.default,
+            kwargs = {"choices": CHOICES[f.name]} if f.name in CHOICES else {}
+            parser.add_argument(flag, *ALIASES.get(f.name, []), type=TYPES.get(f.name, type(f.default)),
+                                default=f.default,
                                 help=f"{HELP[f.name]} (default {f.default})", **kwargs)
 
 
@@ -118,10 +142,15 @@ def _interrupt(*_) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     model_dir = resolve_model(args.model)
+    local_ranks = args.ep_size if args.local_ranks is None else args.local_ranks
+    if local_ranks < 0:
+        raise ElasticEPError(f"--local-ranks must be >= 0, got {local_ranks}")
     cfg = ServeConfig(
         model_dir=str(model_dir),
         model_name=args.served_model_name or args.model,
         ep_size=args.ep_size,
+        # other nodes' agents likely run as many ranks as this one: --redundant-experts auto plans for a node loss
+        ranks_per_node=local_ranks if 0 < local_ranks < args.ep_size else 0,
         **{name: getattr(args, name) for name in HELP},
     )
     registry = CollectorRegistry()
@@ -130,9 +159,6 @@ def run(args: argparse.Namespace) -> int:
     from elastic_ep.serve.app import create_app
 
     app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
-    local_ranks = args.ep_size if args.local_ranks is None else args.local_ranks
-    if local_ranks < 0:
-        raise ElasticEPError(f"--local-ranks must be >= 0, got {local_ranks}")
     agent_stop = threading.Event()
     agent_thread = threading.Thread(name="agent", daemon=True)
     if local_ranks:

@@ -4,9 +4,11 @@ its default, and `/cluster` shows them all."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from elastic_ep.errors import ElasticEPError
+from elastic_ep.errors import ElasticEPError, PlacementError
 from elastic_ep.model.config import MoEConfig
+from elastic_ep.placement.redundancy import Survival, choose_redundant_experts, losses_survived
 from elastic_ep.policy.straggler import StragglerRule
 
 
@@ -17,8 +19,11 @@ class ServeConfig:
     model_dir: str
     model_name: str
     ep_size: int
-    redundant_experts: int = 0
+    redundant_experts: int | str = "auto"  # a count, or "auto"
+    ranks_per_node: int = 0  # for --redundant-experts auto: ranks a node runs (0: one node, or not known)
     backend: str = "gloo"
+    dtype: str = "auto"
+    device: str = "auto"
     host: str = "127.0.0.1"
     advertise_host: str = ""
     max_num_seqs: int = 32
@@ -87,18 +92,56 @@ class ServeConfig:
         }
 
 
-def check_config(cfg: ServeConfig, config: MoEConfig) -> int:
-    """Refuse a deployment that cannot start, naming the flag to change; returns slots per rank."""
+@dataclass(frozen=True)
+class Redundancy:
+    """The redundant expert slots a deployment runs with and what they buy (placement/redundancy.py)."""
+
+    redundant_experts: int
+    slots_per_rank: int
+    survives: Survival
+    extra_bytes: int  # the redundant slots over the whole group, every MoE layer
+    chosen: str  # "auto" or "explicit"
+
+    def view(self) -> dict[str, Any]:
+        return {"redundant_experts": self.redundant_experts, "slots_per_rank": self.slots_per_rank,
+                "survives": {"rank_losses": self.survives.rank_losses, "node_losses": self.survives.node_losses},
+                "extra_bytes": self.extra_bytes, "chosen": self.chosen}
+
+    def describe(self) -> str:
+        nodes = f", or losing its {self.survives.node_losses} largest node(s)" if self.survives.node_losses else ""
+        return (f"{self.redundant_experts} redundant expert slots ({self.chosen}): {self.slots_per_rank} slots per rank; "
+                f"the group holds every expert after losing any {self.survives.rank_losses} rank(s){nodes}; the "
+                f"extra slots take {self.extra_bytes / 2**30:.3g} GiB over the group")
+
+
+def resolve_redundancy(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Redundancy:
+    """--redundant-experts: auto chooses the fewest extra slots with which the group outlives one
+    rank (or, with --local-ranks below --ep-size, its largest node); a count is checked. Raises
+    ElasticEPError naming the fix."""
+    layers, per_node = len(config.moe_layers), cfg.ranks_per_node or None
+    try:
+        if cfg.redundant_experts == "auto":
+            choice = choose_redundant_experts(config.num_experts, cfg.ep_size, layers, expert_nbytes,
+                                              ranks_per_node=per_node)
+            return Redundancy(choice.redundant_experts, choice.slots_per_rank, choice.survives, choice.extra_bytes,
+                              "auto")
+        count = int(cfg.redundant_experts)
+        survives = losses_survived(config.num_experts, cfg.ep_size, count, ranks_per_node=per_node)
+    except PlacementError as e:
+        raise ElasticEPError(f"--redundant-experts / --ep-size: {e}") from None
+    return Redundancy(count, (config.num_experts + count) // cfg.ep_size, survives, count * layers * expert_nbytes,
+                      "explicit")
+
+
+def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Redundancy:
+    """Refuse a deployment that cannot start, naming the flag to change; returns its redundancy."""
     if cfg.control_host in ("0.0.0.0", "::", ""):
         raise ElasticEPError(
             f"--host {cfg.host} listens on every interface, but agents and workers need one address to reach the "
             "controller: pass this host's address with --advertise-host")
-    total_slots = config.num_experts + cfg.redundant_experts
-    if cfg.ep_size < 1 or total_slots % cfg.ep_size:
-        raise ElasticEPError(
-            f"{config.num_experts} experts + {cfg.redundant_experts} redundant = {total_slots} slots do not split "
-            f"evenly over --ep-size {cfg.ep_size}; choose --redundant-experts so the sum is a multiple of it"
-        )
+    if cfg.ep_size < 1:
+        raise ElasticEPError(f"--ep-size must be at least 1, got {cfg.ep_size}")
+    redundancy = resolve_redundancy(cfg, config, expert_nbytes)
     for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval"):
         if getattr(cfg, name) < 1:
             raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
@@ -110,4 +153,4 @@ def check_config(cfg: ServeConfig, config: MoEConfig) -> int:
     cfg.straggler_rule()  # refuses a rule that cannot work, naming the value
     if cfg.max_ranks < cfg.ep_size:
         raise ElasticEPError(f"--max-ep-size {cfg.max_ep_size} is below --ep-size {cfg.ep_size}; raise it")
-    return total_slots // cfg.ep_size
+    return redundancy

@@ -17,6 +17,7 @@ degrade `recovery.py`, placement + transfers + verification `epoch_change.py`, E
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -79,6 +80,8 @@ from .slot_check import SlotSweeper
 from .step_loop import StepLoop
 from .streams import Streams
 
+logger = logging.getLogger(__name__)
+
 
 def _free_port(host: str) -> int:
     with socket.socket() as s:
@@ -92,8 +95,14 @@ class Controller:
     def __init__(self, cfg: ServeConfig, registry: CollectorRegistry | None = None):
         self.cfg = cfg
         self.config = MoEConfig.from_pretrained(cfg.model_dir)
-        self.reader = CheckpointReader(cfg.model_dir, self.config)
-        slots_per_rank = check_config(cfg, self.config)
+        self.reader = CheckpointReader(cfg.model_dir, self.config, dtype=cfg.dtype)
+        self.redundancy = check_config(cfg, self.config, self.reader.expert_nbytes)
+        slots_per_rank = self.redundancy.slots_per_rank
+        logger.info("%s", self.redundancy.describe())
+        if self.redundancy.survives.rank_losses == 0 and cfg.ep_size > 1:
+            logger.warning("with %s redundant expert slots the group cannot hold every expert once it loses a rank: "
+                           "any loss waits for the rank to restart (--redundant-experts auto outlives one)",
+                           self.redundancy.redundant_experts)
         num_layers = len(self.config.moe_layers)
         self.metrics = ClusterMetrics(registry or CollectorRegistry())
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens)

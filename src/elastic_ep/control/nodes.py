@@ -122,7 +122,7 @@ class Nodes:
         return WorkerLaunch(
             cfg.model_dir, plane.step_addr, plane.health_addr, cfg.control_host, self.ctl.store_port, cfg.backend,
             cfg.max_num_seqs, cfg.max_model_len, cfg.heartbeat_interval_s if cfg.health_checks else 0.0,
-            cfg.backup_fetch_timeout_s,
+            cfg.backup_fetch_timeout_s, dtype=cfg.dtype, device=cfg.device,
         )
 
     def on_agent_bye(self, msg: AgentBye) -> None:

@@ -134,6 +134,7 @@ class NodeAgent:
         self.events = self.ctx.socket(zmq.PULL)
         self.events.bind(self._events_addr)
         self.children: dict[int, _Child] = {}
+        self.local_index: dict[int, int] = {}  # rank -> its place among this node's ranks
         self.launch: WorkerLaunch | None = None
         self.backup_path: str | None = None
         self._backup_guard: subprocess.Popen | None = None
@@ -260,7 +261,7 @@ class NodeAgent:
     def _start(self, rank_id: int, join_mode: str, dense_site: BackupSite | None = None) -> None:
         assert self.launch is not None, "StartWorker before AgentWelcome"
         local = dense_site is not None and dense_site.node == self.node
-        args = WorkerArgs(self.launch, rank_id, self.node, self.host, join_mode,
+        args = WorkerArgs(self.launch, rank_id, self.node, self.host, self._local_index(rank_id), join_mode,
                           dense_path=dense_site.path if dense_site is not None and local else "",
                           dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -272,6 +273,17 @@ class NodeAgent:
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
         self.sock.send(encode(WorkerStarted(self.node, rank_id, proc.pid)))
         logger.info("node %s: started rank %d (pid %d, %s)", self.node, rank_id, proc.pid, join_mode)
+
+    def _local_index(self, rank_id: int) -> int:
+        """The rank's place among this node's ranks (its GPU): the one it had, else the lowest free."""
+        with self._lock:
+            running = {c.rank_id for c in self.children.values()} - {rank_id}
+            taken = {self.local_index[r] for r in running if r in self.local_index}
+            index = self.local_index.get(rank_id)
+            if index is None or index in taken:
+                index = min(set(range(len(taken) + 1)) - taken)
+            self.local_index[rank_id] = index
+        return index
 
     def _wait(self, pid: int) -> None:
         child = self.children[pid]
@@ -325,7 +337,7 @@ class NodeAgent:
 
     def _build_backup(self, items: list[tuple[int, int]]) -> None:
         assert self.launch is not None
-        reader = CheckpointReader(self.launch.model_dir)
+        reader = CheckpointReader(self.launch.model_dir, dtype=self.launch.dtype)
         path, nbytes = write_backup(reader, items, self.node, dense=True)
         self.backup_path, self._backup_guard = path, guard_backup(path)
         if self._stopped.is_set():
@@ -343,7 +355,7 @@ class NodeAgent:
             reply = DenseTensors({}, "this node holds no dense weights in host memory")
             if self.backup_path:
                 try:
-                    reply = DenseTensors({k: t.numpy() for k, t in read_dense(self.backup_path).items()})
+                    reply = DenseTensors(read_dense(self.backup_path))
                 except (OSError, KeyError) as e:
                     reply = DenseTensors({}, str(e))
         elif isinstance(msg, BackupFetch) and self.backup_path:

@@ -22,7 +22,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import psutil
 import torch
 from safetensors import safe_open
@@ -117,7 +116,7 @@ def write_backup(
     return path, Path(path).stat().st_size
 
 
-def read_backup(path: str, items: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+def read_backup(path: str, items: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """w13 [n, 2I, H], w2 [n, H, I] of `items` from a backup file. Raises KeyError for a missing item."""
     with safe_open(path, framework="pt") as f:
         names = set(f.keys())
@@ -126,7 +125,7 @@ def read_backup(path: str, items: list[tuple[int, int]]) -> tuple[np.ndarray, np
                 raise KeyError(f"layer {layer} expert {expert} is not in this node's backup")
         w13 = torch.stack([f.get_tensor(backup_key(layer, e, "w13")) for layer, e in items])
         w2 = torch.stack([f.get_tensor(backup_key(layer, e, "w2")) for layer, e in items])
-    return w13.numpy(), w2.numpy()
+    return w13, w2
 
 
 def read_dense(path: str) -> dict[str, torch.Tensor]:

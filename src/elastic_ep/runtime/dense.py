@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from elastic_ep.model.checkpoint import CheckpointReader
@@ -23,8 +22,7 @@ from .experts import ask_agent
 
 def fetch_dense(addr: str, timeout_s: float) -> dict[str, torch.Tensor]:
     """Ask the agent at `addr` for its dense weights. Raises TimeoutError / RuntimeError."""
-    reply = ask_agent(addr, DenseFetch(), timeout_s, "dense weights")
-    return {name: torch.from_numpy(np.asarray(a)) for name, a in reply.tensors.items()}
+    return ask_agent(addr, DenseFetch(), timeout_s, "dense weights").tensors
 
 
 def load_dense(reader: CheckpointReader, path: str, addr: str, timeout_s: float) -> tuple[dict, str, float]:

@@ -52,7 +52,7 @@ def route_to_slots(
     num_tokens, k = topk_ids.shape
     replicas = log2phy[ids]  # [N, R]
     counts = logcnt[ids].clamp(min=1)
-    token_index = torch.arange(num_tokens, dtype=torch.int64).repeat_interleave(k)
+    token_index = torch.arange(num_tokens, dtype=torch.int64, device=topk_ids.device).repeat_interleave(k)
     spread = replicas.gather(1, (token_index % counts)[:, None]).squeeze(1)
     local = (replicas >= 0) & (replicas // slots_per_rank == rank_id)
     has_local = local.any(dim=1)
@@ -78,8 +78,9 @@ class ExpertParallelMoE:
         num_ranks: int,
     ):
         self.slots = slots
-        self.log2phy = torch.from_numpy(np.array(log2phy))
-        self.logcnt = torch.from_numpy(np.array(logcnt))
+        device = slots.device  # where routing and the experts run; the group stages to its own device
+        self.log2phy = torch.from_numpy(np.array(log2phy)).to(device)
+        self.logcnt = torch.from_numpy(np.array(logcnt)).to(device)
         self.group = group
         self.progress = progress
         self.layer_index = {layer: i for i, layer in enumerate(moe_layers)}
@@ -87,7 +88,7 @@ class ExpertParallelMoE:
         index_of_rank = torch.full((num_ranks,), -1, dtype=torch.int64)
         for i, r in enumerate(group.members):
             index_of_rank[r] = i
-        self.index_of_rank = index_of_rank
+        self.index_of_rank = index_of_rank.to(device)
         self.moe_layers = list(moe_layers)
         self.counters = StepCounters()
         self.dispatch_rows = 0
@@ -114,9 +115,11 @@ class ExpertParallelMoE:
         the step. Raises CollectiveError when a collective fails."""
         if self._open is not None:
             self._open()
-        empty = torch.empty(0, hidden_size)
+        device = self.slots.device
+        empty = torch.empty(0, hidden_size, dtype=self.slots.w13[0].dtype, device=device)
         for layer in self.moe_layers[self.layers_done:]:
-            self._forward(layer, empty, torch.empty(0, 1, dtype=torch.int64), torch.empty(0, 1))
+            self._forward(layer, empty, torch.empty(0, 1, dtype=torch.int64, device=device),
+                          torch.empty(0, 1, device=device))
 
     def moe_fn(self) -> MoEFn:
         return self._forward
@@ -129,9 +132,9 @@ class ExpertParallelMoE:
         num_tokens, k = topk_ids.shape
         hidden_size = hidden.shape[1]
         if num_tokens:
-            self.counters.expert_load[li] += np.bincount(
-                topk_ids.reshape(-1).numpy(), minlength=self.num_experts
-            )
+            self.counters.expert_load[li] += torch.bincount(
+                topk_ids.reshape(-1), minlength=self.num_experts
+            ).cpu().numpy()
         slot = route_to_slots(topk_ids, self.log2phy[li], self.logcnt[li], s, group.rank_id)
         dest = self.index_of_rank[slot // s]
         order = torch.argsort(dest, stable=True)
@@ -147,7 +150,7 @@ class ExpertParallelMoE:
         self.counters.dispatch_wait_s += time.perf_counter() - t0
         self.progress.enter("compute", layer)
         self._open = lambda: self._combine(layer, back_to_rows,
-                                           torch.zeros(received.shape[0], hidden_size, dtype=hidden.dtype))
+                                           hidden.new_zeros(received.shape[0], hidden_size))
 
         if self.fail_in_experts:
             self.fail_in_experts = False
@@ -155,7 +158,7 @@ class ExpertParallelMoE:
         w13, w2 = self.slots.layer(li)
         slot_ids = received[:, hidden_size].long()
         valid = slot_ids >= 0
-        computed = torch.zeros(received.shape[0], hidden_size, dtype=hidden.dtype)
+        computed = hidden.new_zeros(received.shape[0], hidden_size)
         computed[valid] = grouped_expert_forward(received[valid, :hidden_size].to(hidden.dtype), slot_ids[valid], w13, w2)
         self.counters.slot_tokens += int(valid.sum())
 
@@ -183,11 +186,11 @@ class ExpertParallelMoE:
         recv_counts = torch.empty_like(send_counts)
         group.all_to_all(recv_counts, send_counts)
         in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
-        received = torch.empty(sum(out_splits), payload.shape[1])
+        received = payload.new_empty(sum(out_splits), payload.shape[1])
         group.all_to_all(received, payload, out_splits, in_splits)
 
         def back_to_rows(computed: torch.Tensor) -> torch.Tensor:
-            back = torch.empty(payload.shape[0], computed.shape[1], dtype=computed.dtype)
+            back = computed.new_empty(payload.shape[0], computed.shape[1])
             group.all_to_all(back, computed, in_splits, out_splits)
             return back
 
@@ -200,9 +203,9 @@ class ExpertParallelMoE:
         group, cap = self.group, self.dispatch_rows
         counts = torch.bincount(dest_sorted, minlength=group.size)
         assert int(counts.max()) <= cap, f"{int(counts.max())} rows for one peer exceed {cap}"
-        position = torch.arange(len(dest_sorted)) - (torch.cumsum(counts, 0) - counts)[dest_sorted]
+        position = torch.arange(len(dest_sorted), device=dest_sorted.device) - (torch.cumsum(counts, 0) - counts)[dest_sorted]
         index = dest_sorted * cap + position
-        block = torch.zeros(group.size * cap, payload.shape[1])
+        block = payload.new_zeros(group.size * cap, payload.shape[1])
         block[:, -1] = -1
         block[index] = payload
         received = torch.empty_like(block)

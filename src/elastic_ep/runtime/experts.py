@@ -12,9 +12,7 @@ source, reported in `EpochReady.source_checksums`), never with another slot's co
 from __future__ import annotations
 
 import time
-import zlib
 from collections import defaultdict
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,26 +27,31 @@ from .group import EpochGroup
 
 
 def expert_checksum(w13: torch.Tensor, w2: torch.Tensor) -> int:
-    """CRC32 of the bytes of one expert (w13 [2I, H], w2 [H, I]): equal iff the same weights."""
-    crc = zlib.crc32(w13.contiguous().numpy().tobytes())
-    return zlib.crc32(w2.contiguous().numpy().tobytes(), crc)
-
-
-@dataclass
-class _Fill:
-    w13: list[torch.Tensor]
-    w2: list[torch.Tensor]
+    """A checksum of the bytes of one expert (w13 [2I, H], w2 [H, I]), computed on the device the
+    weights live on (nothing is copied to the host): the sum of its 32-bit words, each times its
+    position, mod 2^64. The same weights give the same number on any device; a change of any one
+    word always changes it."""
+    total = 0
+    for t in (w13, w2):
+        flat = t.contiguous().reshape(-1)
+        words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.uint8)
+        position = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
+        total = (total * 1_000_003 + int((words.to(torch.int64) * position).sum())) % 2**64
+    return total
 
 
 class ExpertSlots:
-    """This rank's expert weights: `experts` [L, S] logical id per slot (-1 empty)."""
+    """This rank's expert weights, in `dtype` on `device`: `experts` [L, S] logical id per slot
+    (-1 empty)."""
 
-    def __init__(self, moe_layers: list[int], slots_per_rank: int, inter: int, hidden: int):
+    def __init__(self, moe_layers: list[int], slots_per_rank: int, inter: int, hidden: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         self.moe_layers = moe_layers
         self.slots_per_rank = slots_per_rank
+        self.device = torch.device(device)
         num_layers = len(moe_layers)
-        self.w13 = [torch.zeros(slots_per_rank, 2 * inter, hidden) for _ in range(num_layers)]
-        self.w2 = [torch.zeros(slots_per_rank, hidden, inter) for _ in range(num_layers)]
+        self.w13 = [torch.zeros(slots_per_rank, 2 * inter, hidden, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.w2 = [torch.zeros(slots_per_rank, hidden, inter, dtype=dtype, device=device) for _ in range(num_layers)]
         self.experts = np.full((num_layers, slots_per_rank), -1, dtype=np.int64)
 
     def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +119,7 @@ class ExpertSlots:
             by_layer[src.layer].append(src)
         source_checksums: dict[tuple[int, int], int] = {}
         for li, items in by_layer.items():
-            w13, w2 = reader.read_experts(self.moe_layers[li], [s.expert for s in items])
+            w13, w2 = reader.read_experts(self.moe_layers[li], [s.expert for s in items], self.device)
             for i, src in enumerate(items):
                 source_checksums[(li, src.expert)] = expert_checksum(w13[i], w2[i])
                 self._put(src, w13[i], w2[i], stats["disk"])
@@ -149,7 +152,8 @@ class ExpertSlots:
         recv_from: dict[int, list[SlotSource]] = defaultdict(list)
         for src in peer_sources:
             recv_from[group.members.index(src.src_rank)].append(src)
-        recvs = {peer: torch.empty(len(items) * per_expert) for peer, items in recv_from.items()}
+        recvs = {peer: torch.empty(len(items) * per_expert, dtype=self.w13[0].dtype, device=self.device)
+                 for peer, items in recv_from.items()}
         group.exchange({peer: torch.cat(parts) for peer, parts in send_parts.items()}, recvs)
         for peer, items in recv_from.items():
             for i, src in enumerate(items):
@@ -202,7 +206,7 @@ def fetch_backup(addr: str, items: list[tuple[int, int]], timeout_s: float) -> t
     within timeout_s, RuntimeError when it lacks an item.
     """
     reply = ask_agent(addr, BackupFetch(items), timeout_s, "expert backup")
-    return torch.from_numpy(reply.w13), torch.from_numpy(reply.w2)
+    return reply.w13, reply.w2
 
 
 def ask_agent(addr: str, message, timeout_s: float, what: str):

@@ -135,6 +135,9 @@ class EpochGroup:
         """Wait for an async collective, giving up when the epoch is aborted or timeout_s passes.
         A collective given up on stays posted in the backend; the group is destroyed next."""
         deadline = time.monotonic() + self.timeout_s
+        if self.backend == "nccl":
+            self._wait_nccl(work, what, deadline)
+            return
         while True:
             try:
                 work.wait(timedelta(seconds=ABORT_POLL_S))
@@ -150,6 +153,21 @@ class EpochGroup:
                 raise self._broke(f"{what} in epoch {self.epoch}: the controller aborted the epoch")
             if time.monotonic() > deadline:
                 raise self._broke(f"{what} in epoch {self.epoch}: no answer within {self.timeout_s:g}s")
+
+    def _wait_nccl(self, work, what: str, deadline: float) -> None:
+        """NCCL runs the collective on a CUDA stream: poll it, and on an abort or past the
+        deadline abort the communicator itself (ncclCommAbort), which frees the stream a dead or
+        stopped peer would hold forever (NCCL is fail-stop otherwise). Not run here: no GPU."""
+        while not work.is_completed():
+            if self._aborted.is_set() or time.monotonic() > deadline:
+                self.pg.abort()
+                raise self._broke(f"{what} in epoch {self.epoch}: aborted (the controller gave up on the epoch, "
+                                  f"or no answer within {self.timeout_s:g}s)")
+            time.sleep(0.0002)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise self._broke(f"{what} in epoch {self.epoch}: {e}") from e
 
     def _broke(self, message: str) -> CollectiveError:
         self.broken = True
@@ -223,25 +241,26 @@ class EpochGroup:
     def all_to_all(self, output: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None) -> None:
         """all_to_all_single over this epoch's group, on the group's device. Raises
         CollectiveError when it fails."""
-        on_device = self.device.type != "cpu"
-        out_dev = torch.empty(output.shape, dtype=output.dtype, device=self.device) if on_device else output
+        staged = output.device != self.device  # gloo with the model on a GPU: through the host
+        out_dev = torch.empty(output.shape, dtype=output.dtype, device=self.device) if staged else output
         try:
             work = self.pg.alltoall_base(out_dev, inp.to(self.device), out_splits or [], in_splits or [],
                                          dist.AllToAllOptions())
         except RuntimeError as e:
             raise self._broke(f"all_to_all in epoch {self.epoch}: {e}") from e
         self._wait(work, "all_to_all")
-        if on_device:
-            output.copy_(out_dev.cpu())
+        if staged:
+            output.copy_(out_dev)
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
         """Point-to-point: send sends[i] to member index i and receive recvs[j] from member j,
-        all posted at once so no pair order can deadlock. Buffers are 1-D and on the CPU."""
+        all posted at once so no pair order can deadlock (batched send/recv: two ranks swapping
+        experts cannot wait on each other). Buffers are 1-D, on any device."""
         works = []
         staged = {}
         try:
             for peer, buf in recvs.items():
-                staged[peer] = buf if self.device.type == "cpu" else torch.empty_like(buf, device=self.device)
+                staged[peer] = buf if buf.device == self.device else torch.empty_like(buf, device=self.device)
                 works.append(self.pg.recv([staged[peer]], peer, 0))
             for peer, buf in sends.items():
                 works.append(self.pg.send([buf.to(self.device)], peer, 0))
@@ -251,4 +270,4 @@ class EpochGroup:
             self._wait(w, "expert exchange")
         for peer, buf in recvs.items():
             if staged[peer] is not buf:
-                buf.copy_(staged[peer].cpu())
+                buf.copy_(staged[peer])

@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
-from elastic_ep.model.model import MoEForCausalLM, SeqChunk
+from elastic_ep.model.model import MoEForCausalLM, SeqChunk, resolve_device
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
@@ -84,12 +85,13 @@ class Worker:
         self.sock.setsockopt(zmq.IDENTITY, f"w{args.rank_id}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(launch.step_addr)
+        self.device, self.comm_device = rank_devices(launch.device, launch.backend, args.local_index)
         self.config = MoEConfig.from_pretrained(launch.model_dir)
-        self.reader = CheckpointReader(launch.model_dir, self.config)
+        self.reader = CheckpointReader(launch.model_dir, self.config, dtype=launch.dtype)
         dense, self.dense_source, self.load_s = load_dense(
             self.reader, args.dense_path, args.dense_addr, launch.dense_fetch_timeout_s
         )
-        self.model = MoEForCausalLM(self.config, dense)
+        self.model = MoEForCausalLM(self.config, dense, dtype=self.reader.dtype, device=self.device)
         self.kv = self.model.new_kv_cache(launch.max_num_seqs, launch.max_model_len)
         # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
         self.tokens: dict[int, list[int]] = {}
@@ -97,10 +99,6 @@ class Worker:
         self.group: EpochGroup | None = None
         self.moe: ExpertParallelMoE | None = None
         self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
-        if launch.backend == "nccl":
-            self.device = torch.device("cuda", args.rank_id % max(torch.cuda.device_count(), 1))
-        else:
-            self.device = torch.device("cpu")
         self._pending: list = []
         self._stop = threading.Event()
         self.warmup_s = self._warm_up()
@@ -160,13 +158,14 @@ class Worker:
             self.group.destroy()
         self.progress.new_epoch(msg.epoch)
         # the group is this rank's from now on, forming or not: an AbortEpoch for it reaches it
-        group = self.group = EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.device)
+        group = self.group = EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.comm_device)
         try:
             rendezvous_s = group.form(self.store, msg.collective_timeout_s, self._newer_epoch_arrived)
             location = ExpertLocation.from_phy2log(msg.phy2log, msg.slots_per_rank, self.config.num_experts)
             if self.slots is None:
                 self.slots = ExpertSlots(
-                    self.config.moe_layers, msg.slots_per_rank, self.config.moe_intermediate_size, self.config.hidden_size
+                    self.config.moe_layers, msg.slots_per_rank, self.config.moe_intermediate_size,
+                    self.config.hidden_size, self.reader.dtype, self.device,
                 )
             self.progress.enter("transfer")
             t0 = time.perf_counter()
@@ -341,6 +340,24 @@ class Worker:
         sock.close()
 
 
+def rank_devices(spec: str, backend: str, local_index: int) -> tuple[torch.device, torch.device]:
+    """(compute device, collective device) of a rank: `spec` cpu, cuda or auto (cuda when present);
+    on cuda each rank takes the GPU of its local index on its node. nccl needs a GPU per rank
+    and runs its collectives there; gloo stages them through the host, so ranks may share a GPU.
+    Raises ElasticEPError when nccl is asked for more ranks than this node has GPUs."""
+    device = resolve_device(None if spec == "auto" else spec)
+    if device.type == "cuda" and device.index is None:
+        count = torch.cuda.device_count()
+        if backend == "nccl" and local_index >= count:
+            raise ElasticEPError(f"--backend nccl runs one rank per GPU, but this rank is number {local_index + 1} on "
+                                 f"a node with {count} GPU(s): start fewer ranks here (--ranks / --local-ranks) or "
+                                 "use --backend gloo")
+        device = torch.device("cuda", local_index % count)
+    if backend == "nccl" and device.type != "cuda":
+        raise ElasticEPError("--backend nccl needs --device cuda (the GPUs of this node)")
+    return device, device if backend == "nccl" else torch.device("cpu")
+
+
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """The controller's TCPStore (every epoch's rendezvous). Raises ConnectionError naming the
     address and the flag behind it when it cannot be reached within timeout_s."""
@@ -362,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bind_data_plane(args.host)
         worker = Worker(args)
-    except (AddressNotLocal, ConnectionError) as e:
+    except (AddressNotLocal, ConnectionError, ElasticEPError) as e:
         print(f"elastic-ep rank {args.rank_id} on {args.node}: {e}", file=sys.stderr, flush=True)
         return 2
     worker.run()

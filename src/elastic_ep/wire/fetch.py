@@ -4,8 +4,7 @@ where a node's backup lives."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -31,16 +30,18 @@ class DenseFetch:
 
 @dataclass(frozen=True)
 class DenseTensors:
-    """tensors: name -> numpy float32 array; error if the agent holds none."""
+    """tensors: name -> CPU torch tensor in the checkpoint's serving dtype (bf16 included, which
+    numpy cannot hold); error if the agent holds none."""
 
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, Any]
     error: str = ""
 
 
 @dataclass(frozen=True)
 class BackupTensors:
-    """w13: [n, 2I, H], w2: [n, H, I] as numpy float32, in the order asked; error if any is missing."""
+    """w13: [n, 2I, H], w2: [n, H, I] CPU torch tensors in the serving dtype, in the order asked;
+    error if any is missing."""
 
-    w13: np.ndarray | None
-    w2: np.ndarray | None
+    w13: Any
+    w2: Any
     error: str = ""

@@ -29,6 +29,8 @@ class WorkerLaunch:
     heartbeat_interval_s: float
     dense_fetch_timeout_s: float = 10.0
     connect_timeout_s: float = 30.0  # reaching the controller's store at start
+    dtype: str = "auto"  # the weights' dtype when served (model/checkpoint.py: auto = the checkpoint's)
+    device: str = "auto"  # cpu, cuda or auto (cuda when present); each rank takes the GPU of its local index
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class WorkerArgs:
     rank_id: int
     node: str
     host: str = "127.0.0.1"
+    local_index: int = 0  # its place among the ranks of its node: picks its GPU
     join_mode: str = "initial"
     dense_path: str = ""
     dense_addr: str = ""
