@@ -163,6 +163,29 @@ class KVCache:
         self.values = [grown(v) for v in self.values]
         self.capacity = capacity
 
+    def read(self, seq_id: int, num_tokens: int) -> torch.Tensor:
+        """The first num_tokens positions of `seq_id` in every layer, keys then values (values
+        only when stored apart): [layers, kv_heads, num_tokens, k_dim (+ v_dim)], a copy."""
+        row = self.slot(seq_id)
+        if num_tokens > self.length(seq_id):
+            raise ValueError(f"sequence {seq_id}: {num_tokens} positions asked, {self.length(seq_id)} cached")
+        parts = [torch.stack([k[row, :, :num_tokens] for k in self.keys])]
+        if self.values:
+            parts.append(torch.stack([v[row, :, :num_tokens] for v in self.values]))
+        return torch.cat(parts, dim=-1)
+
+    def load(self, seq_id: int, rows: torch.Tensor) -> None:
+        """Give `seq_id` a row holding `rows` ([layers, kv_heads, n, k_dim (+ v_dim)], as `read`
+        returns them) at positions [0, n); its length is n."""
+        self.allocate(seq_id)
+        n = rows.shape[2]
+        self.begin_chunk(seq_id, 0, n)
+        row = self.slot(seq_id)
+        for layer in range(self.num_layers):
+            self.keys[layer][row, :, :n] = rows[layer, :, :, : self.shape.k_dim]
+            if self.values:
+                self.values[layer][row, :, :n] = rows[layer, :, :, self.shape.k_dim :]
+
     def write(
         self,
         layer: int,

@@ -5,6 +5,8 @@
 which the single-process engine fills with `moe.local_moe_fn` and the EP runtime with its
 dispatch / combine. The model calls `moe_fn` for every MoE layer in layer order even when
 the batch is empty, so an EP rank with no requests still joins every collective.
+`forward_stages` is the same forward as a generator that yields each MoE layer's `MoECall`
+and takes its answer back, so a caller can interleave two micro-batches (runtime/overlap.py).
 
 Weights, KV cache and every intermediate tensor live on the model's `device` in its `dtype`
 (float32, bfloat16 or float16; transformers' choices where it computes in float32: RMSNorm,
@@ -13,6 +15,7 @@ rotary factors, DeepSeek's router, the softmax of routing). Logits come back as 
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +68,20 @@ class SeqChunk:
     start_pos: int
 
 
+@dataclass(frozen=True)
+class MoECall:
+    """The routed experts of one MoE layer, asked of the driver of `forward_stages`.
+
+    hidden: [T, H] (normed) in the model's dtype; topk_ids: [T, k]; topk_weights: [T, k]
+    float32. The answer is sum_k weight * expert_k(hidden): [T, H], as `MoEFn` returns.
+    """
+
+    layer: int
+    hidden: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+
 def _gate_up(w: DenseWeights, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A gated MLP's weights: gate_up [2I, H] (gate rows then up rows), down [H, I]."""
     gate, up = w.get("gate_proj.weight", (inter, hidden)), w.get("up_proj.weight", (inter, hidden))
@@ -77,7 +94,7 @@ class _DenseMLP:
     def __init__(self, cfg: MoEConfig, w: DenseWeights):
         self.gate_up, self.down = _gate_up(w, cfg.hidden_size, cfg.intermediate_size)
 
-    def __call__(self, layer: int, x: torch.Tensor, moe_fn: MoEFn) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return gated_mlp(x, self.gate_up, self.down)
 
 
@@ -121,9 +138,9 @@ class _MoEBlock:
             cfg.norm_topk_prob,
         )
 
-    def __call__(self, layer: int, x: torch.Tensor, moe_fn: MoEFn) -> torch.Tensor:
-        topk_ids, topk_weights = self.route(x)
-        out = moe_fn(layer, x, topk_ids, topk_weights)
+    def finish(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input x [T, H] and the routed experts' sum [T, H]."""
+        out = routed
         if self.cfg.routed_scaling_factor != 1.0:
             out = out * self.cfg.routed_scaling_factor
         if self.shared is not None:
@@ -206,6 +223,20 @@ class MoEForCausalLM:
         Writes each chunk's KV at its positions (overwriting) and sets its sequence length to
         start_pos + len(token_ids). With no chunks it still calls moe_fn once per MoE layer.
         """
+        stages = self.forward_stages(chunks, kv)
+        routed = None
+        while True:
+            try:
+                call = stages.send(routed)
+            except StopIteration as done:
+                return done.value
+            routed = moe_fn(call.layer, call.hidden, call.topk_ids, call.topk_weights)
+
+    @torch.inference_mode()
+    def forward_stages(self, chunks: list[SeqChunk], kv: KVCache) -> Generator[MoECall, torch.Tensor, torch.Tensor]:
+        """`forward` as a generator: yields one `MoECall` per MoE layer in layer order (even with
+        no chunks), takes the routed experts' output [T, H] back, returns the logits [len(chunks), V].
+        The chunks' KV rows are declared before the first yield."""
         cfg = self.config
         batch = self._prepare(chunks, kv)
         token_ids = torch.tensor(
@@ -215,7 +246,13 @@ class MoEForCausalLM:
         for i, layer in enumerate(self.layers):
             if batch is not None:
                 x = x + layer.attention(rms_norm(x, layer.input_norm, cfg.rms_norm_eps), batch, kv, i)
-            x = x + layer.mlp(i, rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps), moe_fn)
+            h = rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps)
+            if isinstance(layer.mlp, _MoEBlock):
+                topk_ids, topk_weights = layer.mlp.route(h)
+                routed = yield MoECall(i, h, topk_ids, topk_weights)
+                x = x + layer.mlp.finish(h, routed)
+            else:
+                x = x + layer.mlp(h)
         ends = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64, device=self.device)
         last = torch.cumsum(ends, 0) - 1
         return F.linear(rms_norm(x[last], self.norm, cfg.rms_norm_eps), self.lm_head).float()

@@ -1,35 +1,48 @@
-"""Expert parallelism for one MoE layer: route each (token, choice) to one replica of its
-expert, dispatch with all_to_all_single, run the experts of this rank's slots, combine back.
+"""Expert parallelism for one step: route each (token, choice) to one replica of its expert,
+dispatch the rows (`exchange.py` flat, `hierarchical.py` two-stage), run the experts of this
+rank's slots, combine back, for every MoE layer of one or two micro-batches.
 
-Two dispatch layouts, the same on every rank of a step: exchange split sizes then the rows
-(three collectives per layer), or fixed blocks of `dispatch_rows` rows per peer (two), used
-when the controller sees that every rank runs few tokens (decode).
+`ExpertParallelMoE.run` drives each micro-batch's forward (`model.forward_stages`) as a task
+that runs until it posts its next collective; the tasks take turns, waiting for one's collective
+while the others compute, so with two micro-batches (`--enable-dbo`) one's all-to-all is in
+flight during the other's attention and experts. With one micro-batch it is the plain sequence.
+Every rank posts the same collectives in the same order: the same micro-batch count and layout
+on every rank (the step plan says), a task per micro-batch even with no tokens.
 
-Replica choice is deterministic: a replica on this rank if there is one (no network), else
-replica `token_index % replica_count`, which spreads a hot expert's tokens over its replicas.
-Every rank runs the collectives of every layer even with zero tokens, which is what keeps the
-group in step; after an error in its own computation a rank finishes the step's remaining
-collectives with nothing to send (`finish_collectives`), so its peers never wait on it.
+Replica choice is deterministic: a replica on this rank if there is one (no network), else one
+on this rank's host, spread by `token_index % count`, else any, spread the same way.
+
+After an error in this rank's own computation (attention, routing, its experts) the task that
+raised goes on with nothing to send, so its peers never wait on it: the layer in flight is
+combined with zeros when the error came from the experts, the remaining layers run empty
+(still computing the rows peers send here); `run` raises `LocalFailure` once every collective of
+the step has run. A failed collective raises CollectiveError at once: the group is broken.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from elastic_ep.model.moe import MoEFn, combine_weighted, grouped_expert_forward
+from elastic_ep.model.model import MoECall
+from elastic_ep.model.moe import combine_weighted, grouped_expert_forward
 
+from .exchange import CountedExchange, Links, PaddedExchange
 from .experts import ExpertSlots
-from .group import EpochGroup, ProgressBoard
+from .group import CollectiveError, ProgressBoard
+from .hierarchical import TwoStageExchange
+
+Forward = Generator[MoECall, torch.Tensor, torch.Tensor]
 
 
 @dataclass
 class StepCounters:
-    """What one step measured: wait in the collectives (s) and tokens per logical expert.
+    """What one step measured: wait in the collectives (s), tokens per logical expert, and what
+    this rank sent to other hosts (point-to-point messages and bytes, see `Links`).
 
     expert_load: [L, E] choices this rank routed to each logical expert.
     """
@@ -38,182 +51,243 @@ class StepCounters:
     combine_wait_s: float = 0.0
     slot_tokens: int = 0
     expert_load: np.ndarray | None = None
+    remote_messages: int = 0
+    remote_bytes: int = 0
 
 
-def route_to_slots(
-    topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, slots_per_rank: int, rank_id: int
-) -> torch.Tensor:
+class LocalFailure(Exception):
+    """This rank's own computation raised during the step (every collective still ran).
+    in_experts: it raised in the experts of a dispatched layer, so peers got zeros back."""
+
+    def __init__(self, error: Exception, in_experts: bool):
+        super().__init__(str(error))
+        self.error, self.in_experts = error, in_experts
+
+
+@dataclass
+class _TaskState:
+    """Where one micro-batch's task is: MoE layers combined, the exchange whose rows it holds
+    (dispatched, not yet combined) and their count, and whether it is inside an exchange."""
+
+    layers_done: int = 0
+    open: tuple | None = None
+    in_exchange: bool = False
+    finishing: bool = False  # it failed once and runs the rest empty
+
+
+def route_to_slots(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, slots_per_rank: int,
+                   rank_id: int, host_of_rank: torch.Tensor | None = None) -> torch.Tensor:
     """Pick the global slot of one replica for every (token, choice).
 
-    topk_ids: [T, k] logical experts; log2phy: [E, R] slots of each expert (-1 padded);
-    logcnt: [E] replica counts. Returns [T * k] global slot ids.
+    topk_ids: [T, k] logical experts; log2phy: [E, R] slots of each expert (-1 padded, valid
+    first); logcnt: [E] replica counts; host_of_rank: [num_ranks] host of each rank_id (None:
+    one host). Returns [T * k] global slot ids.
     """
     ids = topk_ids.reshape(-1)
     num_tokens, k = topk_ids.shape
     replicas = log2phy[ids]  # [N, R]
-    counts = logcnt[ids].clamp(min=1)
+    valid = replicas >= 0
+    owner = torch.where(valid, replicas // slots_per_rank, -1)
     token_index = torch.arange(num_tokens, dtype=torch.int64, device=topk_ids.device).repeat_interleave(k)
-    spread = replicas.gather(1, (token_index % counts)[:, None]).squeeze(1)
-    local = (replicas >= 0) & (replicas // slots_per_rank == rank_id)
-    has_local = local.any(dim=1)
+    near = valid if host_of_rank is None else valid & (host_of_rank[owner.clamp(min=0)] == host_of_rank[rank_id])
+    pool = torch.where(near.any(dim=1, keepdim=True), near, valid)
+    pick = token_index % pool.sum(dim=1).clamp(min=1)
+    chosen = (pool & (pool.cumsum(dim=1) - 1 == pick[:, None])).to(torch.int8).argmax(dim=1)
+    spread = replicas.gather(1, chosen[:, None]).squeeze(1)
+    local = valid & (owner == rank_id)
     first_local = replicas.gather(1, local.to(torch.int8).argmax(dim=1, keepdim=True)).squeeze(1)
-    return torch.where(has_local, first_local, spread)
+    return torch.where(local.any(dim=1), first_local, spread)
 
 
 class ExpertParallelMoE:
-    """The `moe_fn` of an EP rank for one epoch.
+    """The MoE layers of an EP rank for one epoch.
 
     slots: this rank's expert weights; log2phy: [L, E, R] and logcnt: [L, E] of the epoch's
-    placement; group: the epoch's group (member index by rank_id via `group.members`).
+    placement; links: the epoch's groups (`Links`); moe_layers: the model's MoE layer ids;
+    top_k: the model's choices per token (sizes the padded dispatch alike on every rank).
     """
 
-    def __init__(
-        self,
-        slots: ExpertSlots,
-        log2phy: np.ndarray,
-        logcnt: np.ndarray,
-        group: EpochGroup,
-        progress: ProgressBoard,
-        moe_layers: list[int],
-        num_ranks: int,
-    ):
-        self.slots = slots
+    def __init__(self, slots: ExpertSlots, log2phy: np.ndarray, logcnt: np.ndarray, links: Links,
+                 progress: ProgressBoard, moe_layers: list[int], num_ranks: int, top_k: int):
+        self.slots, self.links, self.group, self.progress = slots, links, links.group, progress
+        self.top_k = top_k
         device = slots.device  # where routing and the experts run; the group stages to its own device
         self.log2phy = torch.from_numpy(np.array(log2phy)).to(device)
         self.logcnt = torch.from_numpy(np.array(logcnt)).to(device)
-        self.group = group
-        self.progress = progress
         self.layer_index = {layer: i for i, layer in enumerate(moe_layers)}
-        self.num_experts = int(logcnt.shape[1])
-        index_of_rank = torch.full((num_ranks,), -1, dtype=torch.int64)
-        for i, r in enumerate(group.members):
-            index_of_rank[r] = i
-        self.index_of_rank = index_of_rank.to(device)
         self.moe_layers = list(moe_layers)
+        self.num_experts = int(logcnt.shape[1])
+        self.hidden_size = int(slots.w13[0].shape[2])
+        members = self.group.members
+        self.index_of_rank = torch.full((num_ranks,), -1, dtype=torch.int64)
+        for i, r in enumerate(members):
+            self.index_of_rank[r] = i
+        self.index_of_rank = self.index_of_rank.to(device)
+        self.host_of_rank = links.layout.host_of_ranks(members, num_ranks).to(device)
+        self.local_of_rank = torch.full((num_ranks,), -1, dtype=torch.int64)
+        if links.host_group is not None:
+            for i, r in enumerate(links.host_group.members):
+                self.local_of_rank[r] = i
+        self.local_of_rank = self.local_of_rank.to(device)
+        self.max_host_size = max(len(h) for h in links.layout.hosts)
         self.counters = StepCounters()
-        self.dispatch_rows = 0
-        self.layers_done = 0
-        self._open: Callable[[], None] | None = None  # combines the dispatched layer with zeros
-        self.fail_in_experts = False  # fault injection: raise between this step's first dispatch and combine
+        self.busiest_per_micro_batch = 0  # padded dispatch: tokens bounding every micro-batch of the step, 0 = counted
+        self.fail_in_experts = False  # fault injection: raise in the experts of this step's first dispatched layer
+        self.fail_local_at = -1  # fault injection: raise before dispatching this MoE layer id
 
-    def start_step(self, dispatch_rows: int = 0) -> None:
-        """dispatch_rows: rows per peer of the padded dispatch this step, 0 = exchange split sizes."""
-        self.dispatch_rows = dispatch_rows
-        self.layers_done = 0
-        self._open = None
-        self.fail_in_experts = False
+    def start_step(self, dispatch_rows: int = 0, micro_batches: int = 1) -> None:
+        """dispatch_rows: rows per peer of the padded dispatch this step (the busiest rank's tokens
+        x top-k), 0 = exchange split sizes; each of `micro_batches` gets its share."""
+        busiest = dispatch_rows // self.top_k
+        self.busiest_per_micro_batch = -(-busiest // micro_batches)  # a micro-batch has at most its share
+        self.fail_in_experts, self.fail_local_at = False, -1
+        self.links.remote_messages = self.links.remote_bytes = 0
         self.counters = StepCounters(expert_load=np.zeros((len(self.layer_index), self.num_experts), dtype=np.int64))
 
-    @property
-    def in_experts(self) -> bool:
-        """A layer is dispatched and not yet combined: an error now would send peers zeros."""
-        return self._open is not None
+    def run(self, forwards: list[Forward]) -> list[torch.Tensor]:
+        """Drive each micro-batch's forward to its end; returns their logits in order. Raises
+        CollectiveError when a collective fails, LocalFailure after an error in this rank's own
+        computation (once the step's collectives have all run)."""
+        n = len(forwards)
+        states = [_TaskState() for _ in range(n)]
+        tasks = [self._task(f, s) for f, s in zip(forwards, states, strict=True)]
+        pending: list = [None] * n
+        results: list = [None] * n
+        failures: list[LocalFailure] = []
 
-    def finish_collectives(self, hidden_size: int) -> None:
-        """After an error in this rank's own computation: combine the layer in flight with zeros,
-        then run every remaining MoE layer of the step with no tokens, so the peers complete
-        the step. Raises CollectiveError when a collective fails."""
-        if self._open is not None:
-            self._open()
-        device = self.slots.device
-        empty = torch.empty(0, hidden_size, dtype=self.slots.w13[0].dtype, device=device)
-        for layer in self.moe_layers[self.layers_done:]:
-            self._forward(layer, empty, torch.empty(0, 1, dtype=torch.int64, device=device),
-                          torch.empty(0, 1, device=device))
+        def advance(i: int) -> None:
+            while True:
+                try:
+                    pending[i] = tasks[i].send(None)
+                    return
+                except StopIteration as done:
+                    pending[i], results[i] = None, done.value
+                    return
+                except CollectiveError:
+                    raise
+                except Exception as e:
+                    state = states[i]
+                    # an exchange half done, or an empty layer that fails, cannot go on in step with the peers
+                    if state.in_exchange or (state.finishing and state.open is None):
+                        raise CollectiveError(f"rank {self.group.rank_id} cannot finish the step's all-to-alls: "
+                                              f"{type(e).__name__}: {e}") from e
+                    failures.append(LocalFailure(e, state.open is not None))
+                    state.finishing = True
+                    tasks[i] = self._finish_empty(state)
 
-    def moe_fn(self) -> MoEFn:
-        return self._forward
+        for i in range(n):
+            advance(i)
+        while any(p is not None for p in pending):
+            for i in range(n):
+                if pending[i] is None:
+                    continue
+                posted, phase = pending[i]
+                t0 = time.perf_counter()
+                posted.wait()
+                waited = time.perf_counter() - t0
+                if phase == "dispatch":
+                    self.counters.dispatch_wait_s += waited
+                else:
+                    self.counters.combine_wait_s += waited
+                advance(i)
+        self.counters.remote_messages, self.counters.remote_bytes = self.links.remote_messages, self.links.remote_bytes
+        if failures:
+            raise failures[0]
+        return results
 
-    def _forward(
-        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
-        li = self.layer_index[layer]
-        group, s = self.group, self.slots.slots_per_rank
-        num_tokens, k = topk_ids.shape
-        hidden_size = hidden.shape[1]
+    def run_empty(self, micro_batches: int) -> None:
+        """Every collective of a step with no tokens (this rank failed before its forward)."""
+        try:
+            self.run([self._empty_forward(0) for _ in range(micro_batches)])
+        except LocalFailure:
+            pass
+
+    def _task(self, forward: Forward, state: _TaskState):
+        """One micro-batch: its forward, with each MoE layer's exchange and experts. Yields
+        (Posted, phase) for every collective it posts; returns the forward's result."""
+        routed = None
+        while True:
+            try:
+                call = forward.send(routed)
+            except StopIteration as done:
+                return done.value
+            if call.layer == self.fail_local_at:
+                self.fail_local_at = -1
+                raise RuntimeError(f"injected fault: local computation of layer {call.layer} failed")
+            exchange = self._exchange(call)
+            self.progress.enter("dispatch", call.layer)
+            state.in_exchange = True
+            received = yield from _tagged(exchange.dispatch(), "dispatch")
+            state.in_exchange, state.open = False, (exchange, received.shape[0])
+            computed = self._experts(call.layer, received, call.hidden.dtype)
+            routed = combine_weighted((yield from self._combine(state, computed)), call.topk_weights)
+
+    def _combine(self, state: _TaskState, computed: torch.Tensor):
+        """Combine the open layer of a task; the layer is done afterwards."""
+        exchange, _ = state.open
+        self.progress.enter("combine", self.moe_layers[state.layers_done])
+        state.in_exchange = True
+        expert_out = yield from _tagged(exchange.combine(computed), "combine")
+        state.in_exchange, state.open = False, None
+        state.layers_done += 1
+        self.progress.enter("compute", self.moe_layers[state.layers_done - 1])
+        return expert_out
+
+    def _finish_empty(self, state: _TaskState):
+        """A task's remaining collectives after its own computation raised: the open layer
+        combined with zeros, then every remaining layer with no tokens of its own."""
+        if state.open is not None:
+            yield from self._combine(state, torch.zeros(state.open[1], self.hidden_size, dtype=self.slots.w13[0].dtype,
+                                                        device=self.slots.device))
+        return (yield from self._task(self._empty_forward(state.layers_done), state))
+
+    def _empty_forward(self, first: int) -> Forward:
+        """A forward with no tokens from MoE layer index `first` on."""
+        device, dtype = self.slots.device, self.slots.w13[0].dtype
+        for layer in self.moe_layers[first:]:
+            yield MoECall(layer, torch.empty(0, self.hidden_size, dtype=dtype, device=device),
+                          torch.empty(0, 1, dtype=torch.int64, device=device), torch.empty(0, 1, device=device))
+        return None
+
+    def _exchange(self, call: MoECall):
+        """Route one layer's (token, choice) pairs and pack the exchange that moves them."""
+        li = self.layer_index[call.layer]
+        num_tokens, k = call.topk_ids.shape
         if num_tokens:
-            self.counters.expert_load[li] += torch.bincount(
-                topk_ids.reshape(-1), minlength=self.num_experts
-            ).cpu().numpy()
-        slot = route_to_slots(topk_ids, self.log2phy[li], self.logcnt[li], s, group.rank_id)
+            self.counters.expert_load[li] += torch.bincount(call.topk_ids.reshape(-1),
+                                                            minlength=self.num_experts).cpu().numpy()
+        s = self.slots.slots_per_rank
+        slot = route_to_slots(call.topk_ids, self.log2phy[li], self.logcnt[li], s, self.group.rank_id,
+                              self.host_of_rank)
+        busiest = self.busiest_per_micro_batch
+        if self.links.hierarchical:
+            return TwoStageExchange(self.links, call.hidden, slot.view(num_tokens, k), self.host_of_rank,
+                                    self.local_of_rank, s, busiest * self.max_host_size)
         dest = self.index_of_rank[slot // s]
-        order = torch.argsort(dest, stable=True)
-        rows = hidden[order // k]  # (token, choice) n is token n // k: one gather, no k-fold copy first
-        payload = torch.cat([rows.float(), (slot[order] % s).float()[:, None]], dim=1)
+        if busiest:
+            return PaddedExchange(self.links, call.hidden, dest, slot % s, k, busiest * self.top_k)
+        return CountedExchange(self.links, call.hidden, dest, slot % s, k)
 
-        self.progress.enter("dispatch", layer)
-        t0 = time.perf_counter()
-        if self.dispatch_rows:
-            received, back_to_rows = self._dispatch_padded(payload, dest[order])
-        else:
-            received, back_to_rows = self._dispatch_counted(payload, dest)
-        self.counters.dispatch_wait_s += time.perf_counter() - t0
-        self.progress.enter("compute", layer)
-        self._open = lambda: self._combine(layer, back_to_rows,
-                                           hidden.new_zeros(received.shape[0], hidden_size))
-
+    def _experts(self, layer: int, received: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """received: [N, H + 1] rows with their local slot (-1: padding) -> outputs [N, H]."""
         if self.fail_in_experts:
             self.fail_in_experts = False
             raise RuntimeError(f"injected fault: expert computation of layer {layer} failed")
-        w13, w2 = self.slots.layer(li)
-        slot_ids = received[:, hidden_size].long()
+        w13, w2 = self.slots.layer(self.layer_index[layer])
+        h = self.hidden_size
+        slot_ids = received[:, h].long()
         valid = slot_ids >= 0
-        computed = hidden.new_zeros(received.shape[0], hidden_size)
-        computed[valid] = grouped_expert_forward(received[valid, :hidden_size].to(hidden.dtype), slot_ids[valid], w13, w2)
+        computed = torch.zeros(received.shape[0], h, dtype=dtype, device=received.device)
+        computed[valid] = grouped_expert_forward(received[valid, :h].to(dtype), slot_ids[valid], w13, w2)
         self.counters.slot_tokens += int(valid.sum())
+        return computed
 
-        back = self._combine(layer, back_to_rows, computed)
 
-        expert_out = torch.empty_like(back)
-        expert_out[order] = back
-        return combine_weighted(expert_out, topk_weights)
-
-    def _combine(self, layer: int, back_to_rows, computed: torch.Tensor) -> torch.Tensor:
-        """The combine all-to-all of a dispatched layer; the layer is done afterwards."""
-        self._open = None
-        self.progress.enter("combine", layer)
-        t0 = time.perf_counter()
-        back = back_to_rows(computed)
-        self.counters.combine_wait_s += time.perf_counter() - t0
-        self.progress.enter("compute", layer)
-        self.layers_done += 1
-        return back
-
-    def _dispatch_counted(self, payload: torch.Tensor, dest: torch.Tensor):
-        """Exchange split sizes, then the rows. payload: [N, H+1] sorted by destination."""
-        group = self.group
-        send_counts = torch.bincount(dest, minlength=group.size)
-        recv_counts = torch.empty_like(send_counts)
-        group.all_to_all(recv_counts, send_counts)
-        in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
-        received = payload.new_empty(sum(out_splits), payload.shape[1])
-        group.all_to_all(received, payload, out_splits, in_splits)
-
-        def back_to_rows(computed: torch.Tensor) -> torch.Tensor:
-            back = computed.new_empty(payload.shape[0], computed.shape[1])
-            group.all_to_all(back, computed, in_splits, out_splits)
-            return back
-
-        return received, back_to_rows
-
-    def _dispatch_padded(self, payload: torch.Tensor, dest_sorted: torch.Tensor):
-        """One exchange of fixed-size blocks: `dispatch_rows` rows per peer, which the
-        controller sized from the busiest rank's tokens, so no split sizes are exchanged
-        (DP token padding, seed 000 section 3). Padding rows carry slot -1."""
-        group, cap = self.group, self.dispatch_rows
-        counts = torch.bincount(dest_sorted, minlength=group.size)
-        assert int(counts.max()) <= cap, f"{int(counts.max())} rows for one peer exceed {cap}"
-        position = torch.arange(len(dest_sorted), device=dest_sorted.device) - (torch.cumsum(counts, 0) - counts)[dest_sorted]
-        index = dest_sorted * cap + position
-        block = payload.new_zeros(group.size * cap, payload.shape[1])
-        block[:, -1] = -1
-        block[index] = payload
-        received = torch.empty_like(block)
-        group.all_to_all(received, block)
-
-        def back_to_rows(computed: torch.Tensor) -> torch.Tensor:
-            back = torch.empty_like(computed)
-            group.all_to_all(back, computed)
-            return back[index]
-
-        return received, back_to_rows
+def _tagged(stages, phase: str):
+    """Yield (Posted, phase) for each collective an exchange generator posts; return its result."""
+    while True:
+        try:
+            posted = next(stages)
+        except StopIteration as done:
+            return done.value
+        yield posted, phase

@@ -23,8 +23,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 import psutil
 import torch
@@ -104,12 +105,31 @@ def new_backend(backend: str, store: dist.Store, rank: int, size: int, timeout: 
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+@dataclass
+class Posted:
+    """An all-to-all in flight on `group`; `wait()` blocks until `output` holds the result
+    (raising CollectiveError as `EpochGroup.all_to_all` does). `inputs` are kept alive until then."""
+
+    group: EpochGroup
+    work: Any
+    output: torch.Tensor
+    staged: torch.Tensor | None
+    inputs: torch.Tensor
+
+    def wait(self) -> None:
+        self.group._wait(self.work, "all_to_all")
+        if self.staged is not None:
+            self.output.copy_(self.staged)
+
+
 class EpochGroup:
     """This rank's membership in one epoch's process group.
 
     members: rank_ids of the epoch; a rank's index in it is its torch.distributed rank.
     device: where collective buffers live ("cpu" for gloo, "cuda:<i>" for nccl).
     timeout_s: the longest any collective may wait (set when the group forms).
+    A subgroup (`subgroup`: a host's ranks, the hosts' leaders) is an EpochGroup of some members
+    with a process group of its own, aborted and left together with the epoch's.
     """
 
     def __init__(self, epoch: int, members: list[int], rank_id: int, backend: str, device: torch.device):
@@ -125,6 +145,8 @@ class EpochGroup:
         self.pg = None  # this epoch's own process group (no global torch.distributed state)
         self.broken = False
         self._aborted = threading.Event()
+        self._prefix: dist.Store | None = None
+        self._subgroups: list[EpochGroup] = []
 
     def abort(self) -> None:
         """Make every collective of this group in flight or to come raise CollectiveError (any
@@ -186,7 +208,7 @@ class EpochGroup:
         when not every member arrives within timeout_s.
         """
         start = time.perf_counter()
-        prefix = dist.PrefixStore(f"epoch/{self.epoch}/", store)
+        prefix = self._prefix = dist.PrefixStore(f"epoch/{self.epoch}/", store)
         prefix.set(f"arrived/{self.rank_id}", "1")
         keys = [f"arrived/{r}" for r in self.members]
         while not prefix.check(keys):
@@ -200,6 +222,19 @@ class EpochGroup:
         self.alive = True
         self.timeout_s = timeout_s
         return time.perf_counter() - start
+
+    def subgroup(self, name: str, members: list[int], superseded: Callable[[], bool]) -> EpochGroup:
+        """Form a process group of `members` (rank_ids, this rank among them; every one of them
+        calls this with the same name) under this formed epoch's store prefix. Its collectives
+        give up when this epoch is aborted; `destroy` leaves it with the epoch. Raises as `form`."""
+        assert self._prefix is not None, "form the epoch's group first"
+        sub = EpochGroup(self.epoch, members, self.rank_id, self.backend, self.device)
+        sub._aborted = self._aborted
+        sub.pg = sub._connect(dist.PrefixStore(f"sub/{name}/", self._prefix), timedelta(seconds=self.timeout_s),
+                              superseded)
+        sub.alive, sub.timeout_s = True, self.timeout_s
+        self._subgroups.append(sub)
+        return sub
 
     def _connect(self, store: dist.Store, timeout: timedelta, superseded: Callable[[], bool]):
         """Build this epoch's process group on a helper thread, so that a member dying or cut off
@@ -230,27 +265,35 @@ class EpochGroup:
         return built["pg"]
 
     def destroy(self) -> None:
-        """Leave the group. A group whose collectives failed or were given up on is kept, never
-        torn down: a collective may still wait inside it on a peer that will not answer (cut
-        off), and tearing it down would wait with it."""
-        if self.pg is not None and self.broken:
-            _ABANDONED.append(self.pg)
-        self.pg = None
-        self.alive = False
+        """Leave the group and its subgroups. A group whose collectives (or a subgroup's) failed
+        or were given up on is kept, never torn down: a collective may still wait inside it on a
+        peer that will not answer (cut off), and tearing it down would wait with it."""
+        family = [self, *self._subgroups]
+        broken = any(g.broken for g in family)
+        for g in family:
+            if g.pg is not None and broken:
+                _ABANDONED.append(g.pg)
+            g.pg = None
+            g.alive = False
+        self._subgroups = []
 
     def all_to_all(self, output: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None) -> None:
-        """all_to_all_single over this epoch's group, on the group's device. Raises
-        CollectiveError when it fails."""
+        """all_to_all_single over this group, on the group's device. Raises CollectiveError when
+        it fails."""
+        self.post_all_to_all(output, inp, out_splits, in_splits).wait()
+
+    def post_all_to_all(self, output: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None) -> Posted:
+        """Start all_to_all_single over this group and return at once; `Posted.wait()` finishes
+        it. Every member must post this group's collectives in the same order. Raises
+        CollectiveError when the backend refuses it."""
         staged = output.device != self.device  # gloo with the model on a GPU: through the host
         out_dev = torch.empty(output.shape, dtype=output.dtype, device=self.device) if staged else output
+        sent = inp.to(self.device).contiguous()
         try:
-            work = self.pg.alltoall_base(out_dev, inp.to(self.device), out_splits or [], in_splits or [],
-                                         dist.AllToAllOptions())
+            work = self.pg.alltoall_base(out_dev, sent, out_splits or [], in_splits or [], dist.AllToAllOptions())
         except RuntimeError as e:
             raise self._broke(f"all_to_all in epoch {self.epoch}: {e}") from e
-        self._wait(work, "all_to_all")
-        if staged:
-            output.copy_(out_dev)
+        return Posted(self, work, output, out_dev if staged else None, sent)
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
         """Point-to-point: send sends[i] to member index i and receive recvs[j] from member j,

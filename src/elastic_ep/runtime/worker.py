@@ -55,7 +55,8 @@ from elastic_ep.wire import (
 )
 
 from .dense import load_dense
-from .ep_moe import ExpertParallelMoE
+from .ep_moe import ExpertParallelMoE, LocalFailure
+from .exchange import Links
 from .experts import BackupUnreachable, ExpertSlots
 from .group import (
     AddressNotLocal,
@@ -65,6 +66,8 @@ from .group import (
     ProgressBoard,
     bind_data_plane,
 )
+from .kv_move import move_kv
+from .overlap import forward_micro_batches
 
 
 def _die_with_parent() -> None:
@@ -161,6 +164,7 @@ class Worker:
         group = self.group = EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.comm_device)
         try:
             rendezvous_s = group.form(self.store, msg.collective_timeout_s, self._newer_epoch_arrived)
+            links = Links.form(group, msg.nodes, msg.all2all_backend, self._newer_epoch_arrived)
             location = ExpertLocation.from_phy2log(msg.phy2log, msg.slots_per_rank, self.config.num_experts)
             if self.slots is None:
                 self.slots = ExpertSlots(
@@ -183,15 +187,8 @@ class Worker:
             t0 = time.perf_counter()
             checksums = self.slots.checksums()
             verify_s = time.perf_counter() - t0
-            self.moe = ExpertParallelMoE(
-                self.slots,
-                location.log2phy,
-                location.logcnt,
-                group,
-                self.progress,
-                self.config.moe_layers,
-                location.num_ranks,
-            )
+            self.moe = ExpertParallelMoE(self.slots, location.log2phy, location.logcnt, links, self.progress,
+                                         self.config.moe_layers, location.num_ranks, self.config.top_k)
             self.progress.idle()
             self.send(EpochReady(msg.epoch, args.rank_id, checksums, source_checksums, stats, rendezvous_s, transfer_s,
                                  verify_s))
@@ -207,29 +204,25 @@ class Worker:
     def _step(self, plan: StepPlan) -> None:
         """Run one step and answer `StepResult`, or `StepFailed`: COLLECTIVE when the group broke
         (this rank leaves it, so peers fail fast too), LOCAL when this rank's own computation
-        raised (it finishes the step's collectives first, so the group stays whole)."""
+        raised (it ran the step's collectives all the same, so the group stays whole)."""
         group, moe = self.group, self.moe
         assert group is not None and moe is not None
         start = time.perf_counter()
         self.progress.enter("compute", step=plan.step)
-        moe.start_step(plan.dispatch_rows)
+        moe.start_step(plan.dispatch_rows, plan.micro_batches)
+        faults = {c.fail_at for c in plan.chunks} | {plan.fail_at}
+        moe.fail_in_experts = "experts" in faults
+        if "local" in faults:  # the second MoE layer's local computation raises
+            moe.fail_local_at = self.config.moe_layers[min(1, len(self.config.moe_layers) - 1)]
         try:
-            self._prepare(plan)
-            if plan.delay_s > 0:
-                time.sleep(plan.delay_s)
-            logits = self.model.forward([SeqChunk(c.seq_id, c.token_ids, c.start_pos) for c in plan.chunks], self.kv,
-                                        self._moe_fn(plan, moe))
+            kv_move_s = self._before_forward(plan, moe)
+            logits = forward_micro_batches(self.model, self.kv, [SeqChunk(c.seq_id, c.token_ids, c.start_pos)
+                                                                 for c in plan.chunks], moe, plan.micro_batches)
         except CollectiveError as e:
             self._fail(plan, StepErrorKind.COLLECTIVE, e)
             return
-        except Exception as e:
-            in_experts = moe.in_experts
-            try:
-                moe.finish_collectives(self.config.hidden_size)
-            except CollectiveError as broken:
-                self._fail(plan, StepErrorKind.COLLECTIVE, broken)
-                return
-            self._fail(plan, StepErrorKind.LOCAL, e, in_experts)
+        except LocalFailure as failure:
+            self._fail(plan, StepErrorKind.LOCAL, failure.error, failure.in_experts)
             return
         tokens, logprobs, errors = self._sample(plan, logits)
         self.progress.idle()
@@ -238,13 +231,36 @@ class Worker:
         self.send(StepResult(
             plan.epoch, plan.step, self.args.rank_id, tokens, step_s, step_s - c.dispatch_wait_s - c.combine_wait_s,
             c.dispatch_wait_s, c.combine_wait_s, c.expert_load, c.slot_tokens, logprobs, errors,
+            c.remote_messages, c.remote_bytes, round(kv_move_s, 6),
         ))
 
-    def _prepare(self, plan: StepPlan) -> None:
-        """Free finished sequences, give new ones a cache row, track every sequence's tokens."""
+    def _before_forward(self, plan: StepPlan, moe: ExpertParallelMoE) -> float:
+        """Frees, KV moves, cache rows, injected delay; returns the KV moves' seconds. An error
+        here runs the step's collectives with no tokens and raises LocalFailure."""
+        try:
+            kv_move_s = 0.0
+            try:
+                self._free(plan)
+            finally:  # the peers of a move wait on this rank whatever happened above
+                kv_move_s = move_kv(self.kv, self.group, plan.kv_moves, self.tokens)
+            self._allocate(plan)
+            if plan.delay_s > 0:
+                time.sleep(plan.delay_s)
+            return kv_move_s
+        except CollectiveError:
+            raise
+        except Exception as e:
+            moe.run_empty(plan.micro_batches)
+            raise LocalFailure(e, False) from e
+
+    def _free(self, plan: StepPlan) -> None:
+        """Free finished sequences (and moved ones: the source's copy)."""
         for seq_id in plan.free:
             self.kv.free(seq_id)
             self.tokens.pop(seq_id, None)
+
+    def _allocate(self, plan: StepPlan) -> None:
+        """Give new sequences a cache row, track every sequence's tokens."""
         for c in plan.chunks:
             if c.start_pos == 0 or c.seq_id not in self.kv:
                 self.kv.allocate(c.seq_id)
@@ -254,22 +270,6 @@ class Worker:
                 raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")
             # A re-run step overwrites, as the KV cache does.
             held[c.start_pos :] = c.token_ids
-
-    def _moe_fn(self, plan: StepPlan, moe: ExpertParallelMoE):
-        """The step's moe_fn; fault injection (`fail_at`) raises in this rank's local computation
-        of the second MoE layer, or in its experts of the first."""
-        faults = {c.fail_at for c in plan.chunks} | {plan.fail_at}
-        moe.fail_in_experts = "experts" in faults
-        if "local" not in faults:
-            return moe.moe_fn()
-        second = self.config.moe_layers[min(1, len(self.config.moe_layers) - 1)]
-
-        def moe_fn(layer, hidden, topk_ids, topk_weights):
-            if layer == second:
-                raise RuntimeError(f"injected fault: local computation of layer {layer} failed")
-            return moe.moe_fn()(layer, hidden, topk_ids, topk_weights)
-
-        return moe_fn
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor):
         """(tokens, logprobs, errors) by seq_id for the chunks that sample. When sampling the

@@ -104,7 +104,8 @@ class EpochStart:
 
     `sources` lists, for the receiving rank only, every slot whose contents change, plus
     `sends`: (dst_rank, layer, src_slot) this rank must send to peers, in the order the peer
-    expects them.
+    expects them. `nodes`: the node (host) of each member, in member order (empty: one host);
+    `all2all_backend`: "flat" or "hierarchical" (two-stage over those hosts, runtime/hierarchical.py).
     """
 
     epoch: int
@@ -116,6 +117,8 @@ class EpochStart:
     backups: dict[str, BackupSite]
     collective_timeout_s: float
     backup_fetch_timeout_s: float
+    nodes: list[str] = field(default_factory=list)
+    all2all_backend: str = "flat"
 
 
 @dataclass(frozen=True)
@@ -172,11 +175,26 @@ class ChunkPlan:
 
 
 @dataclass(frozen=True)
+class KVMove:
+    """Copy the KV cache of `seq_id` (its first len(token_ids) positions, which hold
+    `token_ids`) from rank `src_rank` to rank `dst_rank` at the start of the step (DP alignment
+    moves a decoding sequence off a rank that stays the busiest). The source keeps its copy
+    until the controller frees it."""
+
+    seq_id: int
+    src_rank: int
+    dst_rank: int
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """Run one step of `epoch`. `free`: sequences whose KV cache to drop first.
     `delay_s`: injected slowness (chaos), slept before the first collective.
     `dispatch_rows`: rows per peer of the padded dispatch (same on every rank), 0 = exchange
-    split sizes. `fail_at`: fault injection (chaos poison of the rank), as in ChunkPlan."""
+    split sizes. `fail_at`: fault injection (chaos poison of the rank), as in ChunkPlan.
+    `micro_batches`: forwards interleaved in this step (2 with --enable-dbo; same on every rank).
+    `kv_moves`: the moves this rank sends or receives, in the same order on both sides."""
 
     epoch: int
     step: int
@@ -185,6 +203,8 @@ class StepPlan:
     delay_s: float = 0.0
     dispatch_rows: int = 0
     fail_at: str = ""
+    micro_batches: int = 1
+    kv_moves: list[KVMove] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -205,6 +225,9 @@ class StepResult:
     slot_tokens: int
     logprobs: dict[int, TokenLogprobs]
     errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why its token could not be sampled
+    remote_messages: int = 0  # point-to-point sends of the all-to-alls to ranks on other hosts
+    remote_bytes: int = 0
+    kv_move_s: float = 0.0  # time in this step's KV moves (sending or receiving)
 
 
 class StepErrorKind(str, Enum):
