@@ -36,7 +36,8 @@ def redundant_count(text: str) -> int | str:
 
 TYPES = {"redundant_experts": redundant_count}
 CHOICES = {"backend": ["gloo", "nccl"], "dtype": ["auto", "float32", "bfloat16", "float16"],
-           "device": ["auto", "cpu", "cuda"]}
+           "device": ["auto", "cpu", "cuda"], "all2all_backend": ["flat", "hierarchical"],
+           "dp_migrate": ["off", "kv", "reprefill"]}
 
 # vLLM's and SGLang's flag names, kept as aliases.
 ALIASES = {
@@ -61,6 +62,19 @@ HELP = {
     "max_num_batched_tokens": "tokens per rank per step (chunked prefill)",
     "padded_dispatch_max_tokens": "steps whose busiest rank runs at most this many tokens dispatch fixed-size "
                                   "blocks, one all-to-all fewer per layer (0: never)",
+    "enable_dbo": "two micro-batches per step (vLLM's dual batch overlap): one's dispatch and combine are in "
+                  "flight while the other runs attention and experts",
+    "dbo_min_tokens": "with --enable-dbo, a step runs two micro-batches when its busiest rank runs at least this "
+                      "many tokens",
+    "all2all_backend": "flat (every rank to every rank) or hierarchical (gather per node, cross between nodes once, "
+                       "scatter on arrival; the same as flat on one node)",
+    "dp_align": "even the tokens per rank every step: prefill cut to the step's level, unstarted prefills placed "
+                "again on the least loaded rank",
+    "dp_align_min_chunk": "with --dp-align, least prefill tokens a rank with prefill runs per step",
+    "dp_migrate": "move a decoding sequence off a rank that stays the busiest: off, kv (copy its KV cache) or "
+                  "reprefill (recompute it on the new rank)",
+    "dp_migrate_patience": "steps a rank must stay the busiest (two decoding sequences above the least loaded) "
+                           "before one of its sequences moves",
     "expert_backup": "keep each node's share of the routed experts in host shared memory",
     "enable_eplb": "re-place experts from the recorded load while serving",
     "eplb_interval": "steps between EPLB checks",

@@ -164,6 +164,9 @@ class Engine(Protocol):
            "health": {"status": "ok" | "degraded" | "dead", "reason": str},   # as GET /health
            "straggler_rule": {"ratio", "min_excess_ms", "window_s", "min_steps", "persistence", ...},
            "scale": scale_status(), "deadlines": {name: seconds},   # with stall_deadline_s, stall_multiple
+           "data_plane": {"all2all_backend", "enable_dbo", "dbo_min_tokens", "padded_dispatch_max_tokens",
+                          "dp_align", "dp_align_min_chunk", "dp_migrate", "dp_migrate_patience",
+                          "nodes": {node: [member rank_ids]}},   # the host groups of this epoch
            "events": [{"id": int, "time_s": unix seconds, "kind": str, "rank_id": int | None,
                        "message": str, ...details}, ...]}
         Rank states are `control.ranks.RankStatus` values: starting, serving, draining, fencing,

@@ -54,6 +54,13 @@ class ClusterState:
     def rank_nodes(self) -> dict[int, str]:
         return {r.rank_id: r.node for r in self.ranks.values()}
 
+    def member_nodes(self) -> dict[str, list[int]]:
+        """The members of the current epoch by node: the host groups of the hierarchical all-to-all."""
+        nodes: dict[str, list[int]] = {}
+        for r in self.members:
+            nodes.setdefault(self.ranks[r].node, []).append(r)
+        return nodes
+
     def registered_outside(self) -> list[int]:
         """Ranks that registered and wait outside the group (restarted or new)."""
         return sorted(r.rank_id for r in self.ranks.values()

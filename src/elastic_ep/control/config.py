@@ -11,6 +11,8 @@ from elastic_ep.model.config import MoEConfig
 from elastic_ep.placement.redundancy import Survival, choose_redundant_experts, losses_survived
 from elastic_ep.policy.straggler import StragglerRule
 
+from .alignment import AlignRule
+
 
 @dataclass
 class ServeConfig:
@@ -30,6 +32,13 @@ class ServeConfig:
     max_model_len: int = 1024
     max_num_batched_tokens: int = 256
     padded_dispatch_max_tokens: int = 16
+    enable_dbo: bool = False
+    dbo_min_tokens: int = 2
+    all2all_backend: str = "flat"
+    dp_align: bool = True
+    dp_align_min_chunk: int = 32
+    dp_migrate: str = "kv"
+    dp_migrate_patience: int = 8
     expert_backup: bool = True
     enable_eplb: bool = False
     eplb_interval: int = 200
@@ -85,6 +94,16 @@ class ServeConfig:
         """The straggler verdict's rule (policy/straggler.py) from the --straggler-* flags."""
         return StragglerRule(self.straggler_ratio, self.straggler_min_excess_ms, self.straggler_window_s,
                              self.straggler_min_steps, self.straggler_persistence)
+
+    def align_rule(self) -> AlignRule:
+        """Per-step DP alignment (control/alignment.py) from the --dp-* flags."""
+        return AlignRule(self.dp_align, self.dp_align_min_chunk, self.dp_migrate, self.dp_migrate_patience)
+
+    def data_plane(self) -> dict[str, Any]:
+        """The knobs of the long tail at the all-to-all, as /cluster shows them."""
+        return {name: getattr(self, name) for name in (
+            "all2all_backend", "enable_dbo", "dbo_min_tokens", "padded_dispatch_max_tokens", "dp_align",
+            "dp_align_min_chunk", "dp_migrate", "dp_migrate_patience")}
 
     def deadlines(self) -> dict[str, float]:
         return {
@@ -151,6 +170,9 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
             f"{config.max_position_embeddings}; lower it"
         )
     cfg.straggler_rule()  # refuses a rule that cannot work, naming the value
+    for name in ("dbo_min_tokens", "dp_align_min_chunk", "dp_migrate_patience"):
+        if getattr(cfg, name) < 1:
+            raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.max_ranks < cfg.ep_size:
         raise ElasticEPError(f"--max-ep-size {cfg.max_ep_size} is below --ep-size {cfg.ep_size}; raise it")
     return redundancy

@@ -105,7 +105,7 @@ class Controller:
                            self.redundancy.redundant_experts)
         num_layers = len(self.config.moe_layers)
         self.metrics = ClusterMetrics(registry or CollectorRegistry())
-        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.align_rule())
         self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.streams = Streams(self.scheduler)

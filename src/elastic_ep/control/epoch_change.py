@@ -144,7 +144,8 @@ class EpochChanger:
         for rank_id in live:
             self.plane.to_worker(rank_id, EpochStart(
                 c.epoch, live, np.asarray(new.phy2log), s, sources[rank_id], sends[rank_id], backups,
-                self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s,
+                self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s, [rank_nodes[r] for r in live],
+                self.cfg.all2all_backend,
             ))
         while self.after_start:
             self.after_start.pop()()

@@ -7,9 +7,14 @@ mean, and liveness (up, heartbeat age, last progress), set each time the control
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from elastic_ep.wire import KVMove, StepResult
+
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+IMBALANCE_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
 RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -62,6 +67,28 @@ class ClusterMetrics:
             "Max over mean of tokens per rank in the last non-empty step (1.0 = even)",
             registry=registry,
         )
+        self.dp_imbalance = Histogram(
+            "elastic_ep_dp_imbalance", "Per step: max over mean of tokens per rank, as planned before the prefill "
+            "was cut to the step's level (plan=unaligned) and as run (plan=aligned)", ["plan"],
+            buckets=IMBALANCE_BUCKETS, registry=registry,
+        )
+        self.remote_messages = Counter(
+            "elastic_ep_all2all_remote_messages", "Point-to-point sends of the MoE all-to-alls to a rank on another "
+            "node, per sending rank (gloo sends one per peer per collective, empty ones included)", ["rank"],
+            registry=registry,
+        )
+        self.remote_bytes = Counter(
+            "elastic_ep_all2all_remote_bytes", "Bytes the MoE all-to-alls of a rank sent to ranks on other nodes",
+            ["rank"], registry=registry,
+        )
+        self.dp_migrations = Counter(
+            "elastic_ep_dp_migrations", "Decoding sequences moved off a rank that stayed the busiest", ["mode"],
+            registry=registry,
+        )
+        self.kv_move_seconds = Histogram(
+            "elastic_ep_kv_move_seconds", "Per step with a KV move: the longest any rank spent sending or receiving",
+            buckets=STEP_BUCKETS, registry=registry,
+        )
         self.expert_load_imbalance = Gauge(
             "elastic_ep_expert_load_imbalance",
             "Tokens computed by a rank's expert slots over the mean across ranks, recent window (1.0 = even)",
@@ -92,6 +119,17 @@ class ClusterMetrics:
         self.eplb_rebalances = Counter(
             "elastic_ep_eplb_rebalances", "Expert placements changed for load balance", registry=registry
         )
+
+    def data_plane_step(self, results: Mapping[int, StepResult], moves: list[KVMove], reprefilled: list[int]) -> None:
+        """What a completed step's all-to-alls sent across nodes, and its migrations."""
+        for rank_id, res in results.items():
+            self.remote_messages.labels(str(rank_id)).inc(res.remote_messages)
+            self.remote_bytes.labels(str(rank_id)).inc(res.remote_bytes)
+        if moves:
+            self.dp_migrations.labels("kv").inc(len(moves))
+            self.kv_move_seconds.observe(max(res.kv_move_s for res in results.values()))
+        if reprefilled:
+            self.dp_migrations.labels("reprefill").inc(len(reprefilled))
 
     def forget_rank(self, rank: int) -> None:
         """Drop a rank's series when it leaves (its last values would read as current)."""

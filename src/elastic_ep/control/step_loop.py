@@ -23,6 +23,7 @@ from elastic_ep.model.sampling import TokenLogprobs
 from elastic_ep.policy.straggler import IntervalRecorder
 from elastic_ep.wire import StepErrorKind, StepFailed, StepPlan, StepResult
 
+from .alignment import imbalance
 from .api import RequestOutput
 from .cluster import ClusterState
 from .config import ServeConfig
@@ -85,10 +86,12 @@ class StepLoop:
         start = self._sent_at = time.perf_counter()
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
+        micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
         for rank_id in c.members:
             self.plane.to_worker(rank_id, StepPlan(
                 c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
-                c.delay_s.get(rank_id, 0.0), dispatch_rows, c.broken.get(rank_id, ""),
+                c.delay_s.get(rank_id, 0.0), dispatch_rows, c.broken.get(rank_id, ""), micro_batches,
+                [m for m in batch.moves if rank_id in (m.src_rank, m.dst_rank)],
             ))
         while len(self.replies) < len(c.members):
             self.pump(0.002)
@@ -109,8 +112,10 @@ class StepLoop:
         return wall_s
 
     def _requeue_frees(self, batch: StepBatch) -> None:
-        """A failed step's frees may not have run: ask again in the next step."""
-        for rank_id, ids in batch.free.items():
+        """A failed step's frees may not have run: ask again in the next step. A KV move may have
+        left a copy on its destination: free it there (the sequence stays on its old rank)."""
+        frees = [(r, ids) for r, ids in batch.free.items()] + [(m.dst_rank, [m.seq_id]) for m in batch.moves]
+        for rank_id, ids in frees:
             if rank_id in self.scheduler.to_free:
                 self.scheduler.to_free[rank_id].extend(ids)
 
@@ -149,8 +154,13 @@ class StepLoop:
             m.rank_tokens_total.labels(str(rank_id)).inc(n)
         self.tokens_run += sum(tokens.values())
         self.tokens_sampled += len(sampled)
-        if sum(tokens.values()):
-            m.dp_token_imbalance.set(max(tokens.values()) / (sum(tokens.values()) / len(tokens)))
+        aligned, unaligned = imbalance(tokens.values()), imbalance(batch.unaligned.values())
+        if aligned is not None:
+            m.dp_token_imbalance.set(aligned)
+            m.dp_imbalance.labels("aligned").observe(aligned)
+        if unaligned is not None:
+            m.dp_imbalance.labels("unaligned").observe(unaligned)
+        m.data_plane_step(results, batch.moves, batch.reprefilled)
         slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
         mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
         if mean:
