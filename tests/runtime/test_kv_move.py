@@ -1,0 +1,46 @@
+"""A decoding sequence moves to another rank with its KV cache (real gloo, the tiny models):
+the next token's logits on the new rank equal those on the old one, for MLA's latent cache and
+for per-head keys and values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_ep.model.engine import OfflineEngine
+from elastic_ep.model.model import SeqChunk
+from elastic_ep.model.tiny import resolve_model
+from elastic_ep.runtime.group import EpochGroup
+from elastic_ep.runtime.kv_move import move_kv
+from elastic_ep.wire import KVMove
+
+from .ranks import run_ranks
+
+PROMPT = list(range(3, 20))
+
+
+def move_then_decode(rank: int, world: int, store, model_name: str):
+    engine = OfflineEngine.from_pretrained(resolve_model(model_name))
+    model, moe_fn = engine.model, engine.moe_fn
+    kv = model.new_kv_cache(max_seqs=4, max_model_len=64)
+    group = EpochGroup(0, [0, 1], rank, "gloo", torch.device("cpu"))
+    group.form(store, 30, lambda: False)
+    tokens: dict[int, list[int]] = {}
+    logits = None
+    if rank == 0:  # sequence 7 is prefilled here, and decodes one token here for reference
+        kv.allocate(7)
+        model.forward([SeqChunk(7, PROMPT, 0)], kv, moe_fn)
+        logits = model.forward([SeqChunk(7, [42], len(PROMPT))], kv, moe_fn)
+    move_kv(kv, group, [KVMove(7, 0, 1, PROMPT)], tokens)
+    if rank == 1:
+        logits = model.forward([SeqChunk(7, [42], len(PROMPT))], kv, moe_fn)
+    group.destroy()
+    return {"logits": logits.tolist(), "tokens": tokens.get(7)}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("model_name", ["tiny-deepseek-v3", "tiny-qwen3-moe"])
+def test_the_moved_sequence_decodes_the_same_on_its_new_rank(model_name):
+    source, destination = run_ranks(move_then_decode, 2, model_name)
+    assert destination["tokens"] == PROMPT and source["tokens"] is None
+    assert torch.equal(torch.tensor(destination["logits"]), torch.tensor(source["logits"]))
