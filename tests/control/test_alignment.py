@@ -5,11 +5,10 @@ or re-prefill and re-homed only when its step commits)."""
 from __future__ import annotations
 
 import pytest
+from test_scheduler import run_step, seq
 
 from elastic_ep.control.alignment import AlignRule, DecodeBalance, imbalance, rank_caps
 from elastic_ep.control.scheduler import Scheduler
-
-from test_scheduler import run_step, seq
 
 
 def test_prefill_is_cut_to_the_mean_while_other_ranks_decode():

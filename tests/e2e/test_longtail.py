@@ -6,8 +6,8 @@ level, decoding sequences moved by KV copy or re-prefill), two micro-batches per
 Every combination of backend and DBO serves greedy and seeded output equal to single-process
 `elastic-ep generate`, while sequences move between ranks; with DBO and the hierarchical
 backend on, a rank SIGKILLed mid-stream (on either node, the leader of its node included) is
-recovered with every output equal to the fault-free run, and the host groups follow the new
-membership.
+recovered with every output equal to the fault-free run, and a scale down and up under load loses
+no request; the host groups follow every new membership.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from functools import cache
 
 import pytest
@@ -26,7 +27,7 @@ from elastic_ep.harness.load import streams_with_fault
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import decode, load_tokenizer
 
-from .conftest import PROMPTS, Server, concurrently, reference
+from .conftest import PROMPTS, Server, concurrently, reference, reference_load
 
 # 16 requests with different lengths of output: ranks run uneven numbers of decoding sequences
 REQUESTS = [(f"request {i}: {PROMPTS[i % len(PROMPTS)]}", 4 + 3 * (i % 8)) for i in range(16)]
@@ -112,7 +113,8 @@ def test_hierarchical_without_dbo_re_prefilling_moved_sequences_is_exact(tmp_pat
 def hierarchical_dbo(tmp_path_factory):
     server, agent = start_two_nodes(tmp_path_factory.mktemp("longtail"), "tiny-deepseek-v3", "--all2all-backend",
                                     "hierarchical", "--enable-dbo", "--redundant-experts", "16", "--enable-eplb",
-                                    "--eplb-interval", "16", "--eplb-threshold", "1.01", *ALIGN)
+                                    "--eplb-interval", "16", "--eplb-threshold", "1.01", "--scale-drain-timeout-s",
+                                    "1.0", *ALIGN)
     yield server
     stop(server, agent)
 
@@ -127,6 +129,20 @@ def test_hierarchical_with_dbo_kv_moves_and_eplb_is_exact(hierarchical_dbo):
     # layer (B counts, B rows, B'), 3 MoE layers, 2 micro-batches; flat sends 4 x 2 per collective
     per_step = metric(server, "elastic_ep_all2all_remote_messages_total") / cluster["step"]
     assert 0 < per_step <= 2 * 3 * 3 * 2
+
+
+def test_scaling_down_and_up_rebuilds_the_host_groups_under_load(hierarchical_dbo):
+    server = hierarchical_dbo
+    with reference_load(server, "tiny-deepseek-v3", threads=4) as load:
+        for size, nodes in ((3, {"node0": [0, 1], "node1": [2]}), (4, {"node0": [0, 1], "node1": [2, 3]})):
+            assert server.http.post("/scale_elastic_ep", json={"new_ep_size": size}).status_code == 200
+            server.wait_for(lambda c, size=size: c["ready"] and len(c["members"]) == size
+                            and not c["scale"]["is_scaling_elastic_ep"], timeout_s=120, what=f"serving at {size} ranks")
+            assert server.cluster()["data_plane"]["nodes"] == nodes
+            done = load.done
+            while load.done < done + 4:
+                time.sleep(0.1)
+    assert not load.failures, load.failures[:3]
 
 
 @pytest.mark.parametrize("victim", [3, 0], ids=["rank-on-node1", "leader-of-node0"])

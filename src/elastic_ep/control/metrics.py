@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from elastic_ep.wire import KVMove, StepResult
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 IMBALANCE_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
 RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
 
@@ -71,6 +72,11 @@ class ClusterMetrics:
             "elastic_ep_dp_imbalance", "Per step: max over mean of tokens per rank, as planned before the prefill "
             "was cut to the step's level (plan=unaligned) and as run (plan=aligned)", ["plan"],
             buckets=IMBALANCE_BUCKETS, registry=registry,
+        )
+        self.dp_busiest_tokens = Histogram(
+            "elastic_ep_dp_busiest_tokens", "Per step: tokens of the busiest rank, which the others wait for at the "
+            "all-to-all, before the prefill was cut to the step's level (plan=unaligned) and as run (plan=aligned)",
+            ["plan"], buckets=TOKEN_BUCKETS, registry=registry,
         )
         self.remote_messages = Counter(
             "elastic_ep_all2all_remote_messages", "Point-to-point sends of the MoE all-to-alls to a rank on another "

@@ -154,12 +154,14 @@ class StepLoop:
             m.rank_tokens_total.labels(str(rank_id)).inc(n)
         self.tokens_run += sum(tokens.values())
         self.tokens_sampled += len(sampled)
-        aligned, unaligned = imbalance(tokens.values()), imbalance(batch.unaligned.values())
-        if aligned is not None:
-            m.dp_token_imbalance.set(aligned)
-            m.dp_imbalance.labels("aligned").observe(aligned)
-        if unaligned is not None:
-            m.dp_imbalance.labels("unaligned").observe(unaligned)
+        for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
+            ratio = imbalance(per_rank.values())
+            if ratio is None:
+                continue
+            m.dp_imbalance.labels(plan).observe(ratio)
+            m.dp_busiest_tokens.labels(plan).observe(max(per_rank.values()))
+            if plan == "aligned":
+                m.dp_token_imbalance.set(ratio)
         m.data_plane_step(results, batch.moves, batch.reprefilled)
         slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
         mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
