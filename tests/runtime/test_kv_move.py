@@ -22,10 +22,12 @@ PROMPT = list(range(3, 20))
 def move_then_decode(rank: int, world: int, store, model_name: str):
     engine = OfflineEngine.from_pretrained(resolve_model(model_name))
     model, moe_fn = engine.model, engine.moe_fn
-    kv = model.new_kv_cache(max_seqs=4, max_model_len=64)
+    kv = model.new_kv_cache(max_seqs=4, max_model_len=64, initial_capacity=4)  # grows inside the forwards
     group = EpochGroup(0, [0, 1], rank, "gloo", torch.device("cpu"))
     group.form(store, 30, lambda: False)
     tokens: dict[int, list[int]] = {}
+    kv.allocate(8)  # an earlier sequence grew each cache inside a forward: its tensors are inference tensors
+    model.forward([SeqChunk(8, list(range(30, 60)), 0)], kv, moe_fn)
     logits = None
     if rank == 0:  # sequence 7 is prefilled here, and decodes one token here for reference
         kv.allocate(7)

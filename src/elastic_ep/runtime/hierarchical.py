@@ -93,6 +93,7 @@ class TwoStageExchange:
         outgoing = gathered[regroup(self.counts_a)]  # destination-host-major, then rank order
         per_dest = self.counts_a.sum(0)
         if self.cap:
+            assert int(per_dest.max()) <= self.cap, f"{int(per_dest.max())} rows for one host exceed {self.cap}"
             block = outgoing.new_zeros(leaders.size * self.cap, outgoing.shape[1])
             block[:, hs:] = -1
             at = torch.arange(len(outgoing)) - torch.repeat_interleave(torch.cumsum(per_dest, 0) - per_dest, per_dest)

@@ -21,6 +21,7 @@ from elastic_ep.wire import KVMove
 from .group import EpochGroup
 
 
+@torch.inference_mode()  # the cache's tensors were made (grown) in a forward: inference tensors
 def move_kv(kv: KVCache, group: EpochGroup, moves: list[KVMove], tokens: dict[int, list[int]]) -> float:
     """This rank's side of `moves` (in plan order; the peer lists them in the same order):
     send the sequences it holds, load those it receives and set their held `tokens`. Returns
