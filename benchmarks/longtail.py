@@ -15,7 +15,7 @@ decoders' TPOT p50 / p99, the long prompts' TTFT, the busiest rank's tokens per 
 imbalance per step (max / mean tokens), as planned and as run, sequences moved and the time of
 a KV move.
 
-    sudo .venv/bin/python benchmarks/longtail.py [--parts a2a,align] [--shapes 2,10,10/10]
+    sudo .venv/bin/python benchmarks/longtail.py [--parts a2a,align] [--shapes 2,10,10/2]
         [--concurrency 8] [--max-tokens 48] [--model tiny-deepseek-v3] [--json]
 
 A shape is DELAY_MS or DELAY_MS/RATE_MBIT, on the links of B and C (and A's). Needs root.
@@ -224,7 +224,7 @@ def parse_shape(text: str) -> tuple[float, float | None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="a2a,align")
-    parser.add_argument("--shapes", default="2,10,10/10", help="link shapes: DELAY_MS[/RATE_MBIT], comma separated")
+    parser.add_argument("--shapes", default="2,10,10/2", help="link shapes: DELAY_MS[/RATE_MBIT], comma separated")
     parser.add_argument("--model", default="tiny-deepseek-v3")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
