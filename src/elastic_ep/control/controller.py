@@ -40,6 +40,7 @@ from elastic_ep.wire import (
     ChaosFailed,
     EpochFailed,
     EpochReady,
+    HardwareReport,
     Heartbeat,
     SlotChecksums,
     StepFailed,
@@ -65,7 +66,7 @@ from .detector import Fault, FaultDetector, RecoveryNeeded
 from .engine import EngineFacade, Published
 from .epoch_change import EpochChanger, EpochReport, Formed, Interrupted, NoPlacement, NotFormed, VerifyFailed
 from .events import EventKind
-from .health import relative_speeds
+from .hardware import HardwareSignals
 from .isolation import Isolation
 from .metrics import ClusterMetrics
 from .nodes import Nodes
@@ -77,7 +78,9 @@ from .recovery import Recovery
 from .scale_driver import ScaleDriver
 from .scheduler import Scheduler
 from .slot_check import SlotSweeper
+from .standby import Standbys
 from .step_loop import StepLoop
+from .straggler_control import StragglerControl
 from .streams import Streams
 
 logger = logging.getLogger(__name__)
@@ -104,7 +107,8 @@ class Controller:
                            "any loss waits for the rank to restart (--redundant-experts auto outlives one)",
                            self.redundancy.redundant_experts)
         num_layers = len(self.config.moe_layers)
-        self.metrics = ClusterMetrics(registry or CollectorRegistry())
+        registry = registry or CollectorRegistry()
+        self.metrics = ClusterMetrics(registry)
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
@@ -123,6 +127,9 @@ class Controller:
         self.recovery = Recovery(self)
         self.scaling = ScaleDriver(self)
         self.nodes = Nodes(self)
+        self.standby = Standbys(self)
+        self.hardware = HardwareSignals(registry, self.cluster.events)
+        self.stragglers = StragglerControl(self)
         self.sweeper = SlotSweeper(self.cluster, cfg, self.plane, self.changer)
         self.chaos = ChaosInjector(self)
         self.published = Published()
@@ -236,6 +243,8 @@ class Controller:
             nodes.on_agent_bye(msg)
         elif isinstance(msg, BackupReady):
             nodes.on_backup_ready(msg)
+        elif isinstance(msg, HardwareReport):
+            self.hardware.on_report(msg)
         elif isinstance(msg, ChaosFailed):
             self.cluster.events.add(EventKind.CHAOS, f"node {msg.node} could not inject the fault: {msg.reason}",
                                     node=msg.node)
@@ -275,6 +284,9 @@ class Controller:
         r = self.cluster.ranks[fault.rank_id]
         if fault.rank_id in self.detector.faults or r.status.down or r.status == RankStatus.RETIRING:
             return
+        if r.status == RankStatus.STANDBY:
+            self.standby.lost(fault.rank_id, fault.detail)
+            return
         if self.scaling.joiner(fault.rank_id) and fault.rank_id not in self.cluster.members:
             self.scaling.fail(f"joining rank {fault.rank_id} failed: {fault.detail}")
             return
@@ -310,6 +322,7 @@ class Controller:
         assert isinstance(outcome, Formed)
         report = outcome.report
         self.scheduler.set_ranks(list(live) if holding is None else holding)
+        self.standby.admitted(live)
         self.metrics.epoch.set(c.epoch)
         self.metrics.live_ranks.set(len(live))
         c.set_readiness(True)
@@ -325,11 +338,11 @@ class Controller:
         c = self.cluster
         return load_estimate(self.steps.load_window, c.num_layers, c.num_experts)
 
-    def joiners(self) -> list[int]:
-        """Registered ranks waiting outside the group that recovery or a rejoin admits (not the
-        joiners of a scale in flight, which join together)."""
-        return [r for r in self.cluster.registered_outside()
-                if r not in self.detector.faults and not self.scaling.joiner(r)]
+    def joiners(self, live: list[int] | None = None) -> list[int]:
+        """Ranks from outside that recovery or a rejoin admits into an epoch over `live` (default the
+        members): registered ranks and standbys up to the target size (control/standby.py); not
+        the joiners of a scale in flight, which join together."""
+        return self.standby.joiners(self.cluster.members if live is None else live)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -367,6 +380,7 @@ class Controller:
         if joiners and c.can_serve(c.members + joiners):
             self.form_epoch(sorted(c.members + joiners), "rejoin")
             return
+        self.standby.park()
         if not c.readiness.ready:
             self.recovery.end_requests_if_degraded_too_long()
             self.pump(0.05)
@@ -375,6 +389,10 @@ class Controller:
             bad = sorted(self.changer.suspect_slots)
             self.form_epoch(list(c.members), f"refill slots (rank, layer, slot) {bad[:5]}", new=c.location)
             return
+        if not self.scaling.active:
+            if self.stragglers.review(time.monotonic()):
+                return
+            self.standby.upkeep()
         if self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, len(self.steps.load_window),
                                              self._last_eplb_step):
             self._rebalance()
@@ -391,8 +409,8 @@ class Controller:
         c = self.cluster
         self._last_eplb_step = c.step
         assert c.location is not None
-        speeds = relative_speeds({r: c.ranks[r].own_s for r in c.members}) if self.cfg.eplb_speed_aware else None
-        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), speeds, self.cfg.eplb_threshold)
+        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self.stragglers.placement_speeds(),
+                              self.cfg.eplb_threshold)
         if plan is None:
             return
         self.metrics.eplb_rebalances.inc()

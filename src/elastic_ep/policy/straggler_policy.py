@@ -32,7 +32,7 @@ from typing import Any
 
 from elastic_ep.errors import ElasticEPError
 
-from .straggler import Verdict, VerdictKind
+from .straggler import StragglerRule, Verdict, VerdictKind
 
 GROUP_SLOWDOWN_FRACTION = 0.5  # more members than this fraction named at once: a group slowdown, act on none
 MIN_SPEED = 0.05  # a derate weight below this would leave a rank no expert work at all
@@ -66,6 +66,29 @@ class StragglerPolicy:
 
     def to_json(self) -> dict[str, Any]:
         return {**vars(self), "action": self.action.value}
+
+
+# flag (`serve` / `sim fleet`, as a ServeConfig field name) -> (the dataclass it sets, its field there)
+FLAG_FIELDS: dict[str, tuple[type, str]] = {
+    "straggler_ratio": (StragglerRule, "ratio"),
+    "straggler_min_excess_ms": (StragglerRule, "min_excess_ms"),
+    "straggler_window_s": (StragglerRule, "window_s"),
+    "straggler_min_steps": (StragglerRule, "min_steps"),
+    "straggler_persistence": (StragglerRule, "persistence"),
+    "straggler_policy": (StragglerPolicy, "action"),
+    "straggler_evict_after_s": (StragglerPolicy, "evict_after_s"),
+    "straggler_clear_after_s": (StragglerPolicy, "clear_after_s"),
+    "straggler_max_evictions": (StragglerPolicy, "max_evictions"),
+    "straggler_eviction_window_s": (StragglerPolicy, "eviction_window_s"),
+}
+
+
+def from_flags(values: Mapping[str, Any]) -> tuple[StragglerRule, StragglerPolicy]:
+    """The verdict's rule and the policy from flag values by FLAG_FIELDS name (others ignored)."""
+    given: dict[type, dict[str, Any]] = {StragglerRule: {}, StragglerPolicy: {}}
+    for name, (cls, attr) in FLAG_FIELDS.items():
+        given[cls][attr] = values[name]
+    return StragglerRule(**given[StragglerRule]), StragglerPolicy(**given[StragglerPolicy])
 
 
 class DecisionKind(str, Enum):
