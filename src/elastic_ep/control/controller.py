@@ -381,6 +381,8 @@ class Controller:
             self.form_epoch(sorted(c.members + joiners), "rejoin")
             return
         self.standby.park()
+        if not self.scaling.active:
+            self.standby.upkeep()
         if not c.readiness.ready:
             self.recovery.end_requests_if_degraded_too_long()
             self.pump(0.05)
@@ -389,10 +391,8 @@ class Controller:
             bad = sorted(self.changer.suspect_slots)
             self.form_epoch(list(c.members), f"refill slots (rank, layer, slot) {bad[:5]}", new=c.location)
             return
-        if not self.scaling.active:
-            if self.stragglers.review(time.monotonic()):
-                return
-            self.standby.upkeep()
+        if not self.scaling.active and self.stragglers.review(time.monotonic()):
+            return
         if self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, len(self.steps.load_window),
                                              self._last_eplb_step):
             self._rebalance()

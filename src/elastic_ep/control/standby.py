@@ -10,7 +10,8 @@ change instead of a process start (Python, torch, the dense weights: seconds).
   next epoch takes a standby), a rejoin at a step boundary, and a scale-up (`take`).
 - upkeep: with K > 0, at each step boundary of a ready cluster, processes are started on the
   agents running the fewest ranks until the ranks outside the group, on their way there (started,
-  or down and due to restart) and standing by, cover the group's shortfall plus K. A standby that
+  or down and due to restart) and standing by, cover the group's shortfall plus K. An evicted
+  rank is never restarted (its card is suspect): a new process replaces it, whatever K is. A standby that
   dies or stops beating is stopped and replaced, never treated as a fault of the group.
 The decisions are the pure `admission` below; this role applies them.
 """
@@ -59,6 +60,7 @@ class Standbys:
         self.ctl = ctl
         self.cluster = ctl.cluster
         self.wanted = ctl.cfg.standby_ranks
+        self.owed: list[int] = []  # evicted ranks whose replacement is still to start
 
     def ready(self) -> list[int]:
         return sorted(r.rank_id for r in self.cluster.ranks.values() if r.status == RankStatus.STANDBY)
@@ -88,13 +90,22 @@ class Standbys:
         for r in live:
             self.cluster.ranks[r].spare = False
 
+    def replace_later(self, rank_id: int) -> None:
+        """An evicted rank is replaced by a new process at the next step boundary (after the
+        recovery that fences it: starting a process first would slow the fence down)."""
+        self.owed.append(rank_id)
+
     def upkeep(self) -> None:
-        """Start spare processes until standbys and ranks on their way cover the shortfall plus K."""
+        """Start the replacements owed, and spare processes until standbys and ranks on their way
+        cover the shortfall plus K."""
         c = self.cluster
         coming = [r for r in c.ranks.values() if r.rank_id not in c.members and not self.ctl.scaling.joiner(r.rank_id)
                   and (r.status in (RankStatus.STANDBY, RankStatus.STARTING) or r.rank_id in c.restart_at)]
-        for _ in range(processes_to_start(self.wanted, self.shortfall(c.members), len(coming))):
-            self.start_spare(f"to keep {self.wanted} standby rank(s)")
+        spares = processes_to_start(self.wanted, self.shortfall(c.members), len(coming))
+        why = (f"to replace evicted rank(s) {self.owed}" if self.owed else f"to keep {self.wanted} standby rank(s)")
+        for _ in range(max(spares, len(self.owed))):
+            self.start_spare(why)
+        self.owed = []
 
     def start_spare(self, why: str) -> int | None:
         """Start one process on the agent running the fewest ranks; it stands by or joins once it

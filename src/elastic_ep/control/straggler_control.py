@@ -69,7 +69,7 @@ class StragglerControl:
             if d.kind == DecisionKind.EVICT:
                 assert d.rank_id is not None
                 ctl.fault(Fault(d.rank_id, FaultCause.EVICTED, d.reason))
-                ctl.standby.start_spare(f"to replace evicted rank {d.rank_id}")
+                ctl.standby.replace_later(d.rank_id)
         if ctl.detector.pending:
             return True
         return self._place(decisions)
@@ -79,7 +79,12 @@ class StragglerControl:
         ctl, c = self.ctl, self.ctl.cluster
         weights = self.derated()
         placed_epoch, placed = self._placed
-        if weights == placed and (not weights or placed_epoch == c.epoch):
+        # an epoch made elsewhere (recovery, rejoin, scale) placed without weights
+        if weights:
+            due = weights != placed or placed_epoch != c.epoch
+        else:
+            due = bool(placed) and placed_epoch == c.epoch
+        if not due:
             return False
         assert c.location is not None
         plan = plan_rebalance(c.location, ctl.load(), c.members, c.rank_nodes(), self.placement_speeds(), 1.0)
