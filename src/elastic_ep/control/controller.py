@@ -279,16 +279,16 @@ class Controller:
     # ---- faults and epochs -----------------------------------------------------------------
 
     def fault(self, fault: Fault) -> None:
-        """Route a detected fault: a joiner of the scale in flight fails that scale; a live rank
-        is kept for recovery (once)."""
+        """Route a detected fault: a joiner of the scale in flight fails that scale; a standby is
+        replaced; a live rank is kept for recovery (once)."""
         r = self.cluster.ranks[fault.rank_id]
         if fault.rank_id in self.detector.faults or r.status.down or r.status == RankStatus.RETIRING:
             return
-        if r.status == RankStatus.STANDBY:
-            self.standby.lost(fault.rank_id, fault.detail)
-            return
         if self.scaling.joiner(fault.rank_id) and fault.rank_id not in self.cluster.members:
             self.scaling.fail(f"joining rank {fault.rank_id} failed: {fault.detail}")
+            return
+        if r.status == RankStatus.STANDBY:
+            self.standby.lost(fault.rank_id, fault.detail)
             return
         self.detector.record(fault)
         self.cluster.events.add(EventKind.FAULT, f"rank {fault.rank_id}: {fault.detail}", fault.rank_id,
