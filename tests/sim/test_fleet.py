@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from elastic_ep.errors import SimulationError
-from elastic_ep.sim.blast_radius import blast_radius
 from elastic_ep.policy.straggler_policy import StragglerAction, StragglerPolicy
+from elastic_ep.sim.blast_radius import blast_radius
 from elastic_ep.sim.fleet import FleetConfig, simulate_fleet
 
 
