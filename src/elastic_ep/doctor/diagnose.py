@@ -263,7 +263,7 @@ def diagnose_membership(cluster: dict[str, Any], now_s: float, th: Thresholds = 
     """Not ready (with the server's reason; too few ranks to hold every expert), ranks out of
     service, recoveries that failed and recent faults, from /cluster's state and events."""
     findings = []
-    not_serving = [r for r in cluster.get("ranks", []) if r.get("state") != "serving"]
+    not_serving = [r for r in cluster.get("ranks", []) if r.get("state") not in ("serving", "standby")]
     if not cluster.get("ready", True):
         placement = cluster.get("placement") or {}
         live = [r for r in cluster.get("ranks", []) if r.get("state") == "serving"]
