@@ -2,8 +2,9 @@
 
 It owns every socket (`ControlPlane`) and all cluster state (`ClusterState`), and alternates
 between the step loop and handling what arrives. At each step boundary it decides, in order:
-recover (pending faults), move a scale on, admit registered ranks (rejoin), refill slots that
-failed their check, rebalance experts (EPLB), check a few slots in the background, run a step.
+recover (pending faults), move a scale on, admit registered ranks (rejoin) up to the target size
+(the rest stand by), keep the standby ranks, refill slots that failed their check, act on
+stragglers, rebalance experts (EPLB), check a few slots in the background, run a step.
 Every wait anywhere (a step, a fence, an epoch forming) goes through `pump`, which keeps
 heartbeats, agent reports and HTTP commands flowing and runs the detector; a fault found while
 waiting ends the wait with `RecoveryNeeded`, and the loop recovers.
@@ -12,7 +13,9 @@ The roles and where they live (docs/ARCHITECTURE.md has the full table):
 detection `detector.py` (rules in `health.py`), one step `step_loop.py`, fence / drain /
 degrade `recovery.py`, placement + transfers + verification `epoch_change.py`, EPLB
 `rebalance.py`, scaling `scale_driver.py` (rules in `scaling.py`), agents and rank processes
-`nodes.py`, the HTTP side `engine.py` (commands in `commands.py`).
+`nodes.py`, warm standby ranks `standby.py`, the straggler policy `straggler_control.py` (rules in
+`policy/straggler_policy.py`), hardware signals `hardware.py`, the HTTP side `engine.py`
+(commands in `commands.py`).
 """
 
 from __future__ import annotations
