@@ -4,8 +4,9 @@ against a cold start; time to scale up by one rank with a standby against a cold
 
     .venv/bin/python benchmarks/straggler.py [--repeats 3] [--json]
 
-Every server: tiny-deepseek-v3, EP 4, `--streams` clients streaming greedy completions of
-`--max-tokens` in a loop. TPOT is the gap between two chunks of one stream.
+Every server: tiny-deepseek-v3, EP 4, `--agent-timeout-s 5 --lease-s 10` (start-up on a loaded
+2-core machine can starve the agent thread past the default 1 s), `--streams` clients streaming
+greedy completions of `--max-tokens` in a loop. TPOT is the gap between two chunks of one stream.
 
 1. Policies side by side (one server after the other, same load): `--before-s` of steady load,
    then `chaos slow` rank 2 by `--delay-s` per step. "during" runs from the slowdown to the
@@ -33,7 +34,10 @@ import numpy as np
 from elastic_ep.harness.load import StreamingLoad
 from elastic_ep.harness.server_process import ServerProcess
 
-BASE = ["--ep-size", "4", "--max-model-len", "256", "--enable-chaos", "--max-ep-size", "5"]
+# a longer agent timeout than the default 1 s: on a shared 2-core machine, worker start-up (torch imports)
+# can starve the in-process agent thread that long, which reads as a lost node
+BASE = ["--ep-size", "4", "--max-model-len", "256", "--enable-chaos", "--max-ep-size", "5", "--agent-timeout-s", "5",
+        "--lease-s", "10"]
 
 
 def start(args, *flags: str) -> ServerProcess:
