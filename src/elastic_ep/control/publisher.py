@@ -89,7 +89,9 @@ class Publisher:
         ctl.published.snapshot = c.snapshot(
             ctl.scheduler.num_requests, ctl.plane.health_addr, deadlines, ctl.scaling.status(), readiness, liveness,
             {r: v.to_json() for r, v in verdicts.items() if r in c.members},
-            health=vars(health), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view())
+            health=vars(health), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view(),
+            straggler_policy=ctl.stragglers.view(now), hardware=ctl.hardware.view(),
+            standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()})
         self._set_gauges(now, readiness, liveness)
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
