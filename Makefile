@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean-venv
+.PHONY: demo test lint bench gpu-check clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,11 +18,15 @@ demo: $(STAMP)
 	$(VENV)/bin/elastic-ep demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts
 
 test: $(STAMP) lint
 	bash scripts/install-netbed-deps.sh
 	$(VENV)/bin/pytest -q
+
+# The GPU checks (scripts/gpu_check.py): says so and exits 0 where there is no CUDA device.
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py --out gpu_check.json
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

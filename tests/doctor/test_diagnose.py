@@ -199,6 +199,18 @@ def test_hot_expert_slots_are_named():
     assert named(diagnose_expert_balance(busy, hot), "expert-imbalance") == [2]
 
 
+def test_a_rank_derated_by_the_straggler_policy_is_light_on_purpose():
+    # rank 3, derated to speed 0.2, computes a fifth of the others' share: in time the group is even
+    light = {k: v for k, v in samples("busy").items() if k[0] != "elastic_ep_expert_load_imbalance"}
+    for rank, share in {0: 1.35, 1: 1.2, 2: 1.2, 3: 0.25}.items():
+        light[("elastic_ep_expert_load_imbalance", (("rank", str(rank)),))] = share
+    assert named(diagnose_expert_balance(snapshot("busy"), light), "expert-imbalance") == [0]
+    derated = {**snapshot("busy"), "straggler_policy": {"derated": {"3": {"speed": 0.2}}}}
+    assert diagnose_expert_balance(derated, light) == []
+    light[("elastic_ep_expert_load_imbalance", (("rank", "0"),))] = 2.0
+    assert named(diagnose_expert_balance(derated, light), "expert-imbalance") == [0]
+
+
 def test_too_few_ranks_is_critical_and_names_the_ranks_out_of_service():
     c = snapshot("hang2")
     c["ready"] = False

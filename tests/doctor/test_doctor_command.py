@@ -28,7 +28,9 @@ SLOW_DETECTION = ["--heartbeat-timeout-s", "300", "--watchdog-floor-s", "300", "
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(["--model", "tiny-deepseek-v3", "--ep-size", "4", "--enable-chaos", *SLOW_DETECTION],
+    # the straggler policy off: these tests watch the doctor judge a slow rank the server leaves alone
+    s = ServerProcess(["--model", "tiny-deepseek-v3", "--ep-size", "4", "--enable-chaos", "--straggler-policy", "off",
+                       *SLOW_DETECTION],
                       tmp_path_factory.mktemp("doctor") / "serve.log")
     try:
         s.wait_full_group(4)
@@ -106,21 +108,24 @@ def test_one_request_at_a_time_is_dp_imbalance_not_a_straggler(server, capsys):
 @pytest.mark.e2e
 def test_idle_cluster_with_stale_slow_samples_names_no_straggler(server, capsys):
     def stale_p50s_accuse_rank_3(c: dict) -> bool:
-        own = {r["rank_id"]: r["own_ms"]["p50"] for r in c["ranks"]}
+        own = {r["rank_id"]: (r["own_ms"] or {"p50": 0.0})["p50"] for r in c["ranks"]}
         return own[3] > 2 * max(v for r, v in own.items() if r != 3) + 2
 
-    with StreamingLoad(server.url, threads=3, max_tokens=48, prompts=["hello world"]):
-        server.http.post("/chaos/slow", json={"rank_id": 3, "delay_s": 0.05}).raise_for_status()
-        try:  # until most of /cluster's recent steps of rank 3 are slow ones
+    server.http.post("/chaos/slow", json={"rank_id": 3, "delay_s": 0.05}).raise_for_status()
+    try:  # until most of /cluster's recent steps of rank 3 are slow ones; then the load stops, slow to the end
+        with StreamingLoad(server.url, threads=3, max_tokens=48, prompts=["hello world"]):
             server.wait_for(stale_p50s_accuse_rank_3, 90, "rank 3's recent own time p50 high")
-        finally:
-            server.http.post("/chaos/slow", json={"rank_id": 3, "delay_s": 0.0}).raise_for_status()
+    finally:
+        server.http.post("/chaos/slow", json={"rank_id": 3, "delay_s": 0.0}).raise_for_status()
     # idle now: the slow steps stay in /cluster's recent percentiles but age out of the verdict
     idle = server.wait_for(lambda c: set(verdicts(c).values()) == {"unknown"}, 30, "no verdict once idle")
-    code, out = doctor(capsys, server.url)
+    code, out = doctor(capsys, server.url, "--json")
+    report = json.loads(out)
     assert stale_p50s_accuse_rank_3(idle)
-    assert code == 0 and "] straggler:" not in out and "kill -9" not in out, out
-    assert "no straggler verdict" in out
+    assert code == 0 and not [f for f in report["findings"] if f["kind"] == "straggler"], report["findings"]
+    assert "kill -9" not in out
+    # too few fresh steps to judge anyone: every verdict says so, none accuses
+    assert {v["kind"] for v in report["verdicts"].values()} == {"unknown"}, report["verdicts"]
 
 
 @pytest.mark.timeout(120)

@@ -104,8 +104,7 @@ def test_delay_and_loss_on_a_link_are_no_fault_and_show_as_a_slower_link(bed, cl
     c.set_link(delay_ms=20, loss_pct=1)
     try:
         with reference_load(server, MODEL, threads=3, max_tokens=MAX_TOKENS) as load:
-            while load.done < 6:
-                time.sleep(0.2)
+            load.wait_done(6)
         after = server.cluster()
     finally:
         c.set_link()

@@ -5,12 +5,14 @@ hanging."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import pytest
 import torch
 
-from elastic_ep.runtime.group import EpochGroup, EpochSuperseded
+from elastic_ep.runtime.group import CollectiveError, EpochGroup, EpochSuperseded
 
 from .ranks import run_ranks
 
@@ -77,3 +79,37 @@ def test_a_missing_member_is_named_and_a_superseded_epoch_is_abandoned():
 def test_a_dead_peer_makes_the_collective_raise():
     (survivor,) = run_ranks(peer_dies, 2, answering=[0])
     assert survivor["raised"] == "CollectiveError"
+
+
+def aborted_while_waiting(rank: int, world: int, store):
+    """Rank 1 stops (SIGSTOP: no reset ever reaches its peers); rank 0 waits in an all_to_all with
+    it until another thread of rank 0 aborts the epoch, as the heartbeat thread does on the
+    controller's AbortEpoch; then rank 0 forms the next epoch's group alone."""
+    group = EpochGroup(8, [0, 1], rank, "gloo", torch.device("cpu"))
+    group.form(store, 30, lambda: False)
+    if rank == 1:
+        store.set("rank1/stopping", "1")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return None
+    store.wait(["rank1/stopping"])
+    threading.Timer(1.0, group.abort).start()
+    t0 = time.monotonic()
+    try:
+        group.all_to_all(torch.empty(2), torch.ones(2))
+        raised = None
+    except CollectiveError as e:
+        raised = str(e)
+    waited_s = time.monotonic() - t0
+    group.destroy()
+    alone = EpochGroup(9, [0], 0, "gloo", torch.device("cpu"))
+    alone.form(store, 30, lambda: False)
+    out = torch.empty(1)
+    alone.all_to_all(out, torch.full((1,), 7.0))
+    return {"raised": raised, "waited_s": waited_s, "next_epoch": out.tolist()}
+
+
+@pytest.mark.e2e
+def test_an_aborted_epoch_frees_a_collective_waiting_on_a_stopped_peer():
+    (survivor,) = run_ranks(aborted_while_waiting, 2, answering=[0])
+    assert survivor["raised"] and "aborted the epoch" in survivor["raised"]
+    assert survivor["next_epoch"] == [7.0]  # the broken group is left behind, the next one forms

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from elastic_ep.errors import SimulationError
+from elastic_ep.policy.straggler_policy import StragglerAction, StragglerPolicy
 from elastic_ep.sim.blast_radius import blast_radius
 from elastic_ep.sim.fleet import FleetConfig, simulate_fleet
 
@@ -90,3 +91,25 @@ def test_capacity_series_is_a_fraction_over_time():
 def test_impossible_fleets_are_refused(changes, message):
     with pytest.raises(SimulationError, match=message):
         simulate_fleet(FleetConfig(**changes), 1)
+
+
+def test_the_straggler_policy_serve_runs_decides_what_elastic_groups_lose_to_stragglers():
+    """The same trace under --straggler-policy off, derate and evict: off loses what restart loses
+    to stragglers, derate about half of that (the attention half cannot move), evict almost
+    nothing; only evict evicts, and never more than the cap."""
+    def run(**policy):
+        cfg = FleetConfig(gpus=1024, days=60, rate_per_gpu_hour=0.0, straggler_rate_per_gpu_hour=5e-5,
+                          straggler_policy=StragglerPolicy(**policy))
+        report = simulate_fleet(cfg, replications=2, seed=1)
+        return report, _policy(report, "elastic-backup")
+
+    (off_report, off), (_, derate), (evict_report, evict) = (
+        run(action=a) for a in (StragglerAction.OFF, StragglerAction.DERATE, StragglerAction.EVICT))
+    restart = _policy(off_report, "restart")
+    assert off.slow_gpu_h.mean == pytest.approx(restart.slow_gpu_h.mean)
+    assert 0.3 * off.slow_gpu_h.mean < derate.slow_gpu_h.mean < 0.8 * off.slow_gpu_h.mean
+    assert evict.slow_gpu_h.mean < 0.05 * off.slow_gpu_h.mean
+    assert off.evictions.mean == derate.evictions.mean == 0 < evict.evictions.mean
+    assert off_report.straggler_policy.startswith("off") and evict_report.straggler_policy.startswith("evict")
+    _, capped = run(action=StragglerAction.EVICT, max_evictions=0)
+    assert capped.evictions.mean == 0 and capped.slow_gpu_h.mean == pytest.approx(derate.slow_gpu_h.mean)

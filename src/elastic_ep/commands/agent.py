@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, default=5.0,
                         help="with no word from the controller this long, kill this node's ranks and register "
                              "again in recover mode (the node fences itself when it is cut off)")
+    parser.add_argument("--hardware-interval-s", type=float, default=1.0,
+                        help="read this node's hardware signals (CPU steal and frequency; NVML ECC, clocks, "
+                             "throttle reasons, Xid where present) this often (default 1.0)")
     add_log_arguments(parser)
 
 
@@ -58,10 +61,12 @@ def run(args: argparse.Namespace) -> int:
     controller = args.controller if args.controller.startswith("tcp://") else f"tcp://{args.controller}"
     if args.lease_s <= 0:
         raise ElasticEPError(f"--lease-s must be > 0 seconds, got {args.lease_s}")
+    if args.hardware_interval_s <= 0:
+        raise ElasticEPError(f"--hardware-interval-s must be > 0 seconds, got {args.hardware_interval_s}")
     host = args.advertise_host or address_towards(controller)
     agent = NodeAgent(controller, args.node, host, args.ranks, args.stop_grace_s, args.join_mode,
                       args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
-                      standalone=True)
+                      standalone=True, hardware_interval_s=args.hardware_interval_s)
     print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

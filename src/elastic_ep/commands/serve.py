@@ -13,6 +13,8 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from elastic_ep.commands.log_options import add_log_arguments, configure_logging
+from elastic_ep.commands.straggler_options import CHOICES as STRAGGLER_CHOICES
+from elastic_ep.commands.straggler_options import STRAGGLER_HELP
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.errors import ElasticEPError
@@ -37,7 +39,7 @@ def redundant_count(text: str) -> int | str:
 TYPES = {"redundant_experts": redundant_count}
 CHOICES = {"backend": ["gloo", "nccl"], "dtype": ["auto", "float32", "bfloat16", "float16"],
            "device": ["auto", "cpu", "cuda"], "all2all_backend": ["flat", "hierarchical"],
-           "dp_migrate": ["off", "kv", "reprefill"]}
+           "dp_migrate": ["off", "kv", "reprefill"], **STRAGGLER_CHOICES}
 
 # vLLM's and SGLang's flag names, kept as aliases.
 ALIASES = {
@@ -115,11 +117,12 @@ HELP = {
                      "as stalled, whatever the fencing deadlines",
     "stall_multiple": "a step stalls after this multiple of the median recent step time (at least "
                       "--stall-floor-s)",
-    "straggler_ratio": "a straggler's own time per step is at least this multiple of its peers' median",
-    "straggler_min_excess_ms": "and at least this many ms above it",
-    "straggler_window_s": "the straggler verdict judges the steps of this recent window only",
-    "straggler_min_steps": "no straggler verdict with fewer steps than this in the window",
-    "straggler_persistence": "fraction of the window a rank must be slow in to be named a straggler",
+    **STRAGGLER_HELP,
+    "standby_ranks": "warm standby ranks kept outside the group (started, loaded, warmed up): a fault, an "
+                     "eviction or a scale-up takes one instead of starting a process, and a new one starts in the "
+                     "background",
+    "hardware_interval_s": "how often each node agent reads its hardware signals (CPU steal and frequency; NVML "
+                           "ECC, clocks, throttle reasons, Xid where present)",
     "log_stats_interval_s": "log a one-line stats summary this often (0: never)",
 }
 
@@ -176,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     agent_stop = threading.Event()
     agent_thread = threading.Thread(name="agent", daemon=True)
     if local_ranks:
-        agent = NodeAgent(controller.health_addr, args.node, cfg.control_host, local_ranks, lease_s=cfg.lease_s)
+        agent = NodeAgent(controller.health_addr, args.node, cfg.control_host, local_ranks, lease_s=cfg.lease_s,
+                          hardware_interval_s=cfg.hardware_interval_s)
         agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
         agent_thread.start()
     # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.

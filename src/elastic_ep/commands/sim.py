@@ -9,11 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
+from elastic_ep.commands.straggler_options import add_straggler_arguments, straggler_from_args
 from elastic_ep.errors import SimulationError
 from elastic_ep.sim import blast_radius as br
 from elastic_ep.sim import fleet, redundancy
 from elastic_ep.sim.assumptions import PAUSE_MIN, RESTART_MIN
 from elastic_ep.sim.failure_rates import parse_rate
+from elastic_ep.sim.fleet_report import FleetReport, Metric
 from elastic_ep.sim.placements import read_placement_file
 from elastic_ep.sim.report import dumps, format_table, save_plot
 
@@ -45,7 +47,8 @@ OPTION_HELP = {
     "straggler_rate_per_gpu_hour": "stragglers per GPU-hour",
     "straggler_speed": "speed of a group slowed by a straggler, fraction of normal",
     "straggler_h": "hours a straggler stays slow when nobody evicts it",
-    "straggler_detect_min": "minutes before elastic recovery evicts a straggler",
+    "attention_share": "share of a rank's step that is attention (its own DP requests), which a derate cannot "
+                       "move to other ranks",
     "layers": "MoE layers",
     "expert_mb": "MB of one expert's weights in one layer (DeepSeek-V3 FP8: 44)",
     "gpu_mem_gb": "GB of memory per GPU",
@@ -53,7 +56,7 @@ OPTION_HELP = {
     "min_free_gb": "GB per GPU an option must leave free for the KV cache",
     "node_share": "share of failures that take a whole node, by default the Llama 3 counts'",
 }
-FLEET_SKIP = ("class_shares", "rate_per_gpu_hour")
+FLEET_SKIP = ("class_shares", "rate_per_gpu_hour", "straggler_rule", "straggler_policy")
 
 
 def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...]) -> None:
@@ -166,6 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         formatter_class=parser.formatter_class,
     )
     add_dataclass_options(fl, fleet.FleetConfig, skip=FLEET_SKIP)
+    add_straggler_arguments(fl)
     add_rate_option(fl)
     fl.add_argument(
         "--replications", type=int, default=10, help="independent runs for the 95%% intervals (default 10)"
@@ -339,7 +343,9 @@ def _estimate_cells(e: redundancy.LossEstimate) -> list[str]:
 
 
 def run_fleet(args: argparse.Namespace) -> int:
-    cfg = dataclass_from_options(fleet.FleetConfig, args, FLEET_SKIP, rate_per_gpu_hour=parse_rate(args.rate))
+    rule, policy = straggler_from_args(args)  # a bad value is an ElasticEPError naming the flag
+    cfg = dataclass_from_options(fleet.FleetConfig, args, FLEET_SKIP, rate_per_gpu_hour=parse_rate(args.rate),
+                                 straggler_rule=rule, straggler_policy=policy)
     report = fleet.simulate_fleet(cfg, args.replications, args.seed)
     if args.json:
         print(dumps(report))
@@ -362,7 +368,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet_text(report: fleet.FleetReport) -> str:
+def _fleet_text(report: FleetReport) -> str:
     cfg = report.config
     interval = (
         "mean ± 95% interval"
@@ -385,6 +391,7 @@ def _fleet_text(report: fleet.FleetReport) -> str:
         row("availability %", lambda p: p.availability, 4, 100),
         row("goodput %", lambda p: p.goodput, 4, 100),
         row("expert-loss events", lambda p: p.expert_loss_events, 1),
+        row("straggler evictions", lambda p: p.evictions, 1),
     ]
     rows += [
         row(f"capacity {q} %", lambda p, q=q: p.capacity_quantiles[q], 2, 100) for q in ("p1", "p5", "p50")
@@ -394,12 +401,12 @@ def _fleet_text(report: fleet.FleetReport) -> str:
         f"assumed: restart {cfg.restart_min:g} min, pause {cfg.pause_min:g} min, expert reload {cfg.disk_reload_min:g} "
         f"min from disk / {cfg.backup_reload_s:g} s from backup, repair {cfg.gpu_repair_h:g} h (GPU) / "
         f"{cfg.node_repair_h:g} h (node); stragglers {cfg.straggler_rate_per_gpu_hour:.2e}/GPU-h at "
-        f"{cfg.straggler_speed:.0%} speed for {cfg.straggler_h:g} h, evicted after {cfg.straggler_detect_min:g} min "
-        f"when elastic"
+        f"{cfg.straggler_speed:.0%} speed for {cfg.straggler_h:g} h\n"
+        f"straggler policy of the elastic policies (restart does not see stragglers): {report.straggler_policy}"
     )
     return head + "\n" + assumed + "\n" + format_table(["metric"] + [p.policy for p in report.policies], rows)
 
 
-def _pm(metric: fleet.Metric, digits: int, scale: float = 1.0) -> str:
+def _pm(metric: Metric, digits: int, scale: float = 1.0) -> str:
     half = "n/a" if metric.half_width is None else f"{metric.half_width * scale:.{digits}f}"
     return f"{metric.mean * scale:.{digits}f} ±{half}"

@@ -163,14 +163,22 @@ class Engine(Protocol):
            "ready": bool, "reason": str,   # as GET /ready
            "health": {"status": "ok" | "degraded" | "dead", "reason": str},   # as GET /health
            "straggler_rule": {"ratio", "min_excess_ms", "window_s", "min_steps", "persistence", ...},
+           "straggler_policy": {"action": "off" | "derate" | "evict", "evict_after_s", "clear_after_s",
+                                "max_evictions", "eviction_window_s",   # the policy (policy/straggler_policy.py)
+                                "derated": {rank: {"speed", "slow_for_s", "ok_for_s"}},   # its state
+                                "evictions_s_ago": [float], "group_slowdown": bool},
+           "standby": {"wanted": int, "ready": [rank_id]},   # --standby-ranks, ranks standing by
+           "hardware": {node: {"cpu_steal_ratio", "cpu_freq_mhz", "gpus": [{"index", "ecc_corrected",
+                        "ecc_uncorrected", "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "throttle_reasons",
+                        "xid_errors", "absent"}], "absent": {signal: why}, "age_s"}},   # node/hardware.py
            "scale": scale_status(), "deadlines": {name: seconds},   # with stall_deadline_s, stall_multiple
            "data_plane": {"all2all_backend", "enable_dbo", "dbo_min_tokens", "padded_dispatch_max_tokens",
                           "dp_align", "dp_align_min_chunk", "dp_migrate", "dp_migrate_patience",
                           "nodes": {node: [member rank_ids]}},   # the host groups of this epoch
            "events": [{"id": int, "time_s": unix seconds, "kind": str, "rank_id": int | None,
                        "message": str, ...details}, ...]}
-        Rank states are `control.ranks.RankStatus` values: starting, serving, draining, fencing,
-        fenced, dead, retiring; liveness values are `control.ranks.Liveness`.
+        Rank states are `control.ranks.RankStatus` values: starting, standby, serving, draining,
+        fencing, fenced, dead, retiring; liveness values are `control.ranks.Liveness`.
         """
         ...
 

@@ -67,8 +67,10 @@ class ClusterState:
                       if r.hello is not None and r.status == RankStatus.STARTING and r.rank_id not in self.members)
 
     def intended_ranks(self) -> list[int]:
-        """Ranks meant to serve: members plus ranks starting or waiting to be restarted."""
-        return sorted(r.rank_id for r in self.ranks.values() if r.status != RankStatus.RETIRING)
+        """Ranks meant to serve: members plus ranks starting or waiting to be restarted (not
+        standbys: they are spares)."""
+        return sorted(r.rank_id for r in self.ranks.values()
+                      if r.status not in (RankStatus.RETIRING, RankStatus.STANDBY) and not r.spare)
 
     def down_ranks(self) -> list[int]:
         return sorted(r.rank_id for r in self.ranks.values() if r.status.down)

@@ -10,6 +10,7 @@ from elastic_ep.errors import ElasticEPError, PlacementError
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.placement.redundancy import Survival, choose_redundant_experts, losses_survived
 from elastic_ep.policy.straggler import StragglerRule
+from elastic_ep.policy.straggler_policy import StragglerPolicy, from_flags
 
 from .alignment import AlignRule
 
@@ -70,11 +71,19 @@ class ServeConfig:
     heartbeat_suspect_s: float = 0.5
     stall_floor_s: float = 1.0
     stall_multiple: float = 10.0
-    straggler_ratio: float = 1.5
-    straggler_min_excess_ms: float = 2.0
-    straggler_window_s: float = 5.0
-    straggler_min_steps: int = 10
-    straggler_persistence: float = 0.8
+    # the straggler verdict and policy: defaults are those of policy/ (one definition with `sim fleet`)
+    straggler_ratio: float = StragglerRule.ratio
+    straggler_min_excess_ms: float = StragglerRule.min_excess_ms
+    straggler_window_s: float = StragglerRule.window_s
+    straggler_min_steps: int = StragglerRule.min_steps
+    straggler_persistence: float = StragglerRule.persistence
+    straggler_policy: str = StragglerPolicy.action.value
+    straggler_evict_after_s: float = StragglerPolicy.evict_after_s
+    straggler_clear_after_s: float = StragglerPolicy.clear_after_s
+    straggler_max_evictions: int = StragglerPolicy.max_evictions
+    straggler_eviction_window_s: float = StragglerPolicy.eviction_window_s
+    standby_ranks: int = 0
+    hardware_interval_s: float = 1.0
     log_stats_interval_s: float = 10.0
     agent_timeout_s: float = 1.0
     lease_s: float = 5.0
@@ -92,8 +101,12 @@ class ServeConfig:
 
     def straggler_rule(self) -> StragglerRule:
         """The straggler verdict's rule (policy/straggler.py) from the --straggler-* flags."""
-        return StragglerRule(self.straggler_ratio, self.straggler_min_excess_ms, self.straggler_window_s,
-                             self.straggler_min_steps, self.straggler_persistence)
+        return from_flags(vars(self))[0]
+
+    def straggler_policy_params(self) -> StragglerPolicy:
+        """What is done about a straggler (policy/straggler_policy.py), from the --straggler-policy,
+        --straggler-evict-after-s, ... flags."""
+        return from_flags(vars(self))[1]
 
     def align_rule(self) -> AlignRule:
         """Per-step DP alignment (control/alignment.py) from the --dp-* flags."""
@@ -169,7 +182,11 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
             f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
             f"{config.max_position_embeddings}; lower it"
         )
-    cfg.straggler_rule()  # refuses a rule that cannot work, naming the value
+    from_flags(vars(cfg))  # refuses a rule or policy that cannot work, naming the value
+    if cfg.standby_ranks < 0:
+        raise ElasticEPError(f"--standby-ranks must be >= 0, got {cfg.standby_ranks}")
+    if not cfg.hardware_interval_s > 0:
+        raise ElasticEPError(f"--hardware-interval-s must be > 0, got {cfg.hardware_interval_s}")
     for name in ("dbo_min_tokens", "dp_align_min_chunk", "dp_migrate_patience"):
         if getattr(cfg, name) < 1:
             raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")

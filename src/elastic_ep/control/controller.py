@@ -2,8 +2,9 @@
 
 It owns every socket (`ControlPlane`) and all cluster state (`ClusterState`), and alternates
 between the step loop and handling what arrives. At each step boundary it decides, in order:
-recover (pending faults), move a scale on, admit registered ranks (rejoin), refill slots that
-failed their check, rebalance experts (EPLB), check a few slots in the background, run a step.
+recover (pending faults), move a scale on, admit registered ranks (rejoin) up to the target size
+(the rest stand by), keep the standby ranks, refill slots that failed their check, act on
+stragglers, rebalance experts (EPLB), check a few slots in the background, run a step.
 Every wait anywhere (a step, a fence, an epoch forming) goes through `pump`, which keeps
 heartbeats, agent reports and HTTP commands flowing and runs the detector; a fault found while
 waiting ends the wait with `RecoveryNeeded`, and the loop recovers.
@@ -12,7 +13,9 @@ The roles and where they live (docs/ARCHITECTURE.md has the full table):
 detection `detector.py` (rules in `health.py`), one step `step_loop.py`, fence / drain /
 degrade `recovery.py`, placement + transfers + verification `epoch_change.py`, EPLB
 `rebalance.py`, scaling `scale_driver.py` (rules in `scaling.py`), agents and rank processes
-`nodes.py`, the HTTP side `engine.py` (commands in `commands.py`).
+`nodes.py`, warm standby ranks `standby.py`, the straggler policy `straggler_control.py` (rules in
+`policy/straggler_policy.py`), hardware signals `hardware.py`, the HTTP side `engine.py`
+(commands in `commands.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from elastic_ep.wire import (
     ChaosFailed,
     EpochFailed,
     EpochReady,
+    HardwareReport,
     Heartbeat,
     SlotChecksums,
     StepFailed,
@@ -65,7 +69,7 @@ from .detector import Fault, FaultDetector, RecoveryNeeded
 from .engine import EngineFacade, Published
 from .epoch_change import EpochChanger, EpochReport, Formed, Interrupted, NoPlacement, NotFormed, VerifyFailed
 from .events import EventKind
-from .health import relative_speeds
+from .hardware import HardwareSignals
 from .isolation import Isolation
 from .metrics import ClusterMetrics
 from .nodes import Nodes
@@ -77,7 +81,9 @@ from .recovery import Recovery
 from .scale_driver import ScaleDriver
 from .scheduler import Scheduler
 from .slot_check import SlotSweeper
+from .standby import Standbys
 from .step_loop import StepLoop
+from .straggler_control import StragglerControl
 from .streams import Streams
 
 logger = logging.getLogger(__name__)
@@ -104,7 +110,8 @@ class Controller:
                            "any loss waits for the rank to restart (--redundant-experts auto outlives one)",
                            self.redundancy.redundant_experts)
         num_layers = len(self.config.moe_layers)
-        self.metrics = ClusterMetrics(registry or CollectorRegistry())
+        registry = registry or CollectorRegistry()
+        self.metrics = ClusterMetrics(registry)
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.align_rule())
         self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
@@ -123,6 +130,9 @@ class Controller:
         self.recovery = Recovery(self)
         self.scaling = ScaleDriver(self)
         self.nodes = Nodes(self)
+        self.standby = Standbys(self)
+        self.hardware = HardwareSignals(registry, self.cluster.events)
+        self.stragglers = StragglerControl(self)
         self.sweeper = SlotSweeper(self.cluster, cfg, self.plane, self.changer)
         self.chaos = ChaosInjector(self)
         self.published = Published()
@@ -236,6 +246,8 @@ class Controller:
             nodes.on_agent_bye(msg)
         elif isinstance(msg, BackupReady):
             nodes.on_backup_ready(msg)
+        elif isinstance(msg, HardwareReport):
+            self.hardware.on_report(msg)
         elif isinstance(msg, ChaosFailed):
             self.cluster.events.add(EventKind.CHAOS, f"node {msg.node} could not inject the fault: {msg.reason}",
                                     node=msg.node)
@@ -270,13 +282,16 @@ class Controller:
     # ---- faults and epochs -----------------------------------------------------------------
 
     def fault(self, fault: Fault) -> None:
-        """Route a detected fault: a joiner of the scale in flight fails that scale; a live rank
-        is kept for recovery (once)."""
+        """Route a detected fault: a joiner of the scale in flight fails that scale; a standby is
+        replaced; a live rank is kept for recovery (once)."""
         r = self.cluster.ranks[fault.rank_id]
         if fault.rank_id in self.detector.faults or r.status.down or r.status == RankStatus.RETIRING:
             return
         if self.scaling.joiner(fault.rank_id) and fault.rank_id not in self.cluster.members:
             self.scaling.fail(f"joining rank {fault.rank_id} failed: {fault.detail}")
+            return
+        if r.status == RankStatus.STANDBY:
+            self.standby.lost(fault.rank_id, fault.detail)
             return
         self.detector.record(fault)
         self.cluster.events.add(EventKind.FAULT, f"rank {fault.rank_id}: {fault.detail}", fault.rank_id,
@@ -310,6 +325,7 @@ class Controller:
         assert isinstance(outcome, Formed)
         report = outcome.report
         self.scheduler.set_ranks(list(live) if holding is None else holding)
+        self.standby.admitted(live)
         self.metrics.epoch.set(c.epoch)
         self.metrics.live_ranks.set(len(live))
         c.set_readiness(True)
@@ -325,11 +341,11 @@ class Controller:
         c = self.cluster
         return load_estimate(self.steps.load_window, c.num_layers, c.num_experts)
 
-    def joiners(self) -> list[int]:
-        """Registered ranks waiting outside the group that recovery or a rejoin admits (not the
-        joiners of a scale in flight, which join together)."""
-        return [r for r in self.cluster.registered_outside()
-                if r not in self.detector.faults and not self.scaling.joiner(r)]
+    def joiners(self, live: list[int] | None = None) -> list[int]:
+        """Ranks from outside that recovery or a rejoin admits into an epoch over `live` (default the
+        members): registered ranks and standbys up to the target size (control/standby.py); not
+        the joiners of a scale in flight, which join together."""
+        return self.standby.joiners(self.cluster.members if live is None else live)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -367,6 +383,9 @@ class Controller:
         if joiners and c.can_serve(c.members + joiners):
             self.form_epoch(sorted(c.members + joiners), "rejoin")
             return
+        self.standby.park()
+        if not self.scaling.active:
+            self.standby.upkeep()
         if not c.readiness.ready:
             self.recovery.end_requests_if_degraded_too_long()
             self.pump(0.05)
@@ -374,6 +393,8 @@ class Controller:
         if self.changer.suspect_slots:
             bad = sorted(self.changer.suspect_slots)
             self.form_epoch(list(c.members), f"refill slots (rank, layer, slot) {bad[:5]}", new=c.location)
+            return
+        if not self.scaling.active and self.stragglers.review(time.monotonic()):
             return
         if self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, len(self.steps.load_window),
                                              self._last_eplb_step):
@@ -391,8 +412,8 @@ class Controller:
         c = self.cluster
         self._last_eplb_step = c.step
         assert c.location is not None
-        speeds = relative_speeds({r: c.ranks[r].own_s for r in c.members}) if self.cfg.eplb_speed_aware else None
-        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), speeds, self.cfg.eplb_threshold)
+        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self.stragglers.placement_speeds(),
+                              self.cfg.eplb_threshold)
         if plan is None:
             return
         self.metrics.eplb_rebalances.inc()

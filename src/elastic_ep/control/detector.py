@@ -43,6 +43,7 @@ class FaultCause(str, Enum):
     NOT_JOINED = "did_not_join"  # did not join a new epoch within --epoch-timeout-s
     STEP_ERRORS = "step_errors"  # its computation fails with no request to blame (control/isolation.py)
     NODE_LOST = "node_lost"  # its node's agent went silent for --agent-timeout-s (host lost or cut off)
+    EVICTED = "evicted"  # the straggler policy evicts it (slow, not bad): fenced and replaced, not restarted
 
 
 @dataclass(frozen=True)

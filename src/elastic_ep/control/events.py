@@ -39,6 +39,9 @@ class EventKind(str, Enum):
     SCALE_FAILED = "scale-failed"
     DRAINED = "drained"  # leaving ranks drained on scale-down
     CHAOS = "chaos"  # a fault injected on request
+    STRAGGLER = "straggler"  # the straggler policy decided (derate, restore, evict, hold) with its evidence
+    STANDBY = "standby"  # a standby rank started, stood by, was taken or lost
+    HARDWARE = "hardware"  # a node reported an Xid critical error
     STALLED = "stalled"  # no step progressed for the stall deadline: not ready (reason in the message)
     STALL_ENDED = "stall-ended"  # no step in flight past the stall deadline, no member silent
     FATAL = "fatal"  # the control loop stopped
@@ -47,7 +50,7 @@ class EventKind(str, Enum):
 WARNING_KINDS = frozenset({
     EventKind.FAULT, EventKind.FENCING, EventKind.FENCE_TIMEOUT, EventKind.EPOCH_FAILED, EventKind.VERIFY_FAILED,
     EventKind.DEGRADED, EventKind.REQUEST_ERROR, EventKind.BACKUP_LOST, EventKind.SCALE_FAILED, EventKind.CHAOS,
-    EventKind.STALLED,
+    EventKind.STALLED, EventKind.STRAGGLER, EventKind.HARDWARE,
 })
 logger = logging.getLogger("elastic_ep.events")
 

@@ -213,6 +213,7 @@ class Nodes:
         c.broken.pop(rank_id, None)
         self.ctl.scheduler.draining.discard(rank_id)
         self.ctl.metrics.forget_rank(rank_id)
+        self.ctl.steps.own_time.forget(rank_id)
         c.events.add(EventKind.RETIRED, message, rank_id)
 
     def restart_due(self, now: float) -> None:

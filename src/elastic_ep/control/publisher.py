@@ -90,6 +90,8 @@ class Publisher:
             ctl.scheduler.num_requests, ctl.plane.health_addr, deadlines, ctl.scaling.status(), readiness, liveness,
             {r: v.to_json() for r, v in verdicts.items() if r in c.members},
             health=vars(health), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view(),
+            straggler_policy=ctl.stragglers.view(now), hardware=ctl.hardware.view(),
+            standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()},
             data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()})
         self._set_gauges(now, readiness, liveness)
 

@@ -30,6 +30,10 @@ class RankStatus(str, Enum):
     - STARTING: its agent reported the process up (`WorkerStarted`); it loads its weights and
       registers (`WorkerHello`), then waits outside the group until an epoch admits it
       (start, rejoin, scale-up). Heartbeats are watched once it has registered.
+    - STANDBY: registered (loaded and warmed up) and kept outside the group as a warm spare
+      (`--standby-ranks`, control/standby.py): never admitted as a joiner by itself; a fault,
+      an eviction or a scale-up takes it into the next epoch instead of starting a process.
+      Watched like a member; one that dies or goes silent is stopped and replaced, never a fault.
     - SERVING: a member of the current verified epoch that holds experts and takes requests.
     - DRAINING: a member that takes no new requests: it leaves with a scale-down, and in the
       epoch that moves its experts away it only sends.
@@ -44,6 +48,7 @@ class RankStatus(str, Enum):
     """
 
     STARTING = "starting"
+    STANDBY = "standby"
     SERVING = "serving"
     DRAINING = "draining"
     FENCING = "fencing"
@@ -112,11 +117,12 @@ class RankInfo:
     slot_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
     link_s: deque = field(default_factory=lambda: deque(maxlen=256))  # controller <-> rank round trip less step
     hello: WorkerHello | None = None
+    spare: bool = False  # started as a standby (control/standby.py) until a membership takes it
 
     @property
     def watched(self) -> bool:
         """Its process should be running and beating: a member, or registered and waiting to join."""
-        return self.status in (RankStatus.SERVING, RankStatus.DRAINING) or (
+        return self.status in (RankStatus.SERVING, RankStatus.DRAINING, RankStatus.STANDBY) or (
             self.status == RankStatus.STARTING and self.hello is not None)
 
     def view(self, location: ExpertLocation | None, total_slots: int, requests: int, delay_s: float,

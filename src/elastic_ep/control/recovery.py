@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic_ep.wire import AbortEpoch
 
-from .detector import Fault
+from .detector import Fault, FaultCause
 from .epoch_change import EpochReport
 from .events import EventKind
 from .ranks import RankStatus
@@ -87,6 +87,8 @@ class Recovery:
                 ctl.scaling.fail(f"joining rank {r} failed: {culprits[r].detail}")
             if ctl.scaling.leaves(r):
                 ctl.nodes.forget_rank(r, f"rank {r} left with its scale")
+            elif culprits[r].cause == FaultCause.EVICTED:  # its card is suspect: replaced, never restarted there
+                ctl.nodes.forget_rank(r, f"rank {r} evicted: {culprits[r].detail}")
             else:
                 ctl.nodes.schedule_restart(r)
         for r in [r for r in live if ctl.scaling.leaves(r) and c.ranks[r].status != RankStatus.DRAINING]:
@@ -103,7 +105,7 @@ class Recovery:
         record = RecoveryRecord(detected_at, sorted(culprits), cause, fence_s)
         self.record = self.record.then(record) if self.record is not None else record
         c.events.add(EventKind.FENCING, f"fenced {sorted(culprits)}: {cause}", min(culprits) if culprits else None)
-        live = sorted(set(live) | set(ctl.joiners()))
+        live = sorted(set(live) | set(ctl.joiners(live)))
         holding = [r for r in live if not ctl.scaling.leaves(r)]
         if not c.can_serve(holding):
             self.degrade(holding)

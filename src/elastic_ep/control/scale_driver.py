@@ -1,7 +1,8 @@
 """The scale driver: moves a `ScaleOp` (control/scaling.py, the rules) on at step boundaries.
 
-Scale-up starts new ranks through the agents, waits for all of them to register while the old
-group serves, then admits them together in one epoch. Scale-down drains the leaving ranks,
+Scale-up takes standby ranks first (registered and warm, `--standby-ranks`), starts the rest
+through the agents, waits for all of them to register while the old group serves, then admits
+them together in one epoch. Scale-down drains the leaving ranks,
 moves the experts only they hold in an epoch where they still send, then drops and stops them.
 Every change of members is an epoch through the same path as recovery. A joiner that dies or
 stops before it is a member fails the scale, not the service; a fault of a member during a
@@ -102,14 +103,17 @@ class ScaleDriver:
         intended = c.intended_ranks()
         if op.up:
             rank_nodes = c.rank_nodes()
-            op.new_ranks = new_rank_ids(c.ranks, max(op.new_ep_size - len(intended), 0))
-            for rank_id in op.new_ranks:
+            count = max(op.new_ep_size - len(intended), 0)
+            standbys = self.ctl.standby.take(count)  # registered and warm: they join without a process start
+            op.new_ranks = standbys + new_rank_ids(c.ranks, count - len(standbys))
+            for rank_id in op.new_ranks[len(standbys):]:
                 node = agent_for_new_rank(c.agents, rank_nodes)
                 rank_nodes[rank_id] = node
                 c.ranks[rank_id] = RankInfo(rank_id, node)
                 self.ctl.nodes.send(node, StartWorker(rank_id, "initial", c.dense_site(node)))
             op.phase = "joining"
-            c.events.add(EventKind.SCALE, f"scale-up {op.old_ep_size} -> {op.new_ep_size}: starting ranks {op.new_ranks}")
+            c.events.add(EventKind.SCALE, f"scale-up {op.old_ep_size} -> {op.new_ep_size}: standby ranks {standbys}, "
+                         f"starting ranks {op.new_ranks[len(standbys):]}", standbys=standbys)
         else:
             op.retiring = ranks_to_retire(intended, len(intended) - op.new_ep_size)
             for rank_id in op.retiring:

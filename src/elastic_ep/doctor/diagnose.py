@@ -240,15 +240,21 @@ def diagnose_stragglers(cluster: dict[str, Any], verdicts: dict[int, Verdict]) -
 
 
 def diagnose_expert_balance(cluster: dict[str, Any], samples: Samples, th: Thresholds = Thresholds()) -> list[Finding]:
-    """Expert load imbalance: tokens a rank's expert slots computed over the mean, from /metrics."""
+    """Expert load imbalance: tokens a rank's expert slots computed over the mean, from /metrics;
+    judged in time where the straggler policy derated ranks (their light load is on purpose)."""
     ids = set(cluster.get("members", []))
     load = {r: v for r, v in per_rank(samples, "elastic_ep_expert_load_imbalance").items() if r in ids}
+    derated = {int(r): d["speed"] for r, d in ((cluster.get("straggler_policy") or {}).get("derated") or {}).items()}
+    if derated and load:
+        timed = {r: v / derated.get(r, 1.0) for r, v in load.items()}
+        load = {r: v * len(timed) / sum(timed.values()) for r, v in timed.items()}
     if not load or max(load.values()) < th.expert_imbalance:
         return []
     hot = max(load, key=load.get)
     return [Finding(
         "expert-imbalance", "warning",
-        f"rank {hot}'s expert slots compute {load[hot]:.2f}x the mean tokens (per rank: "
+        f"rank {hot}'s expert slots compute {load[hot]:.2f}x the mean tokens"
+        f"{' (in time: derated ranks weighted by their speed)' if derated else ''} (per rank: "
         f"{ {r: round(v, 2) for r, v in sorted(load.items())} })",
         "hot experts sit on this rank: every all-to-all waits for its expert compute",
         "POST /start_expert_distribution_record, serve a while, POST /dump_expert_distribution_record; "
@@ -263,7 +269,7 @@ def diagnose_membership(cluster: dict[str, Any], now_s: float, th: Thresholds = 
     """Not ready (with the server's reason; too few ranks to hold every expert), ranks out of
     service, recoveries that failed and recent faults, from /cluster's state and events."""
     findings = []
-    not_serving = [r for r in cluster.get("ranks", []) if r.get("state") != "serving"]
+    not_serving = [r for r in cluster.get("ranks", []) if r.get("state") not in ("serving", "standby")]
     if not cluster.get("ready", True):
         placement = cluster.get("placement") or {}
         live = [r for r in cluster.get("ranks", []) if r.get("state") == "serving"]

@@ -123,6 +123,15 @@ class StreamingLoad:
         if len(times) > 1:
             self.gaps.append((times[-1], times[-1] - times[-2]))
 
+    def wait_done(self, count: int, timeout_s: float = 120.0) -> None:
+        """Wait until `count` streams have finished since the load started; TimeoutError after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while self.done < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.done} of {count} streams finished within {timeout_s}s; "
+                                   f"failures: {self.failures[:3]}")
+            time.sleep(0.05)
+
     def window_p99_ms(self, t0: float, t1: float) -> float:
         """p99 of the chunk gaps that arrived between t0 and t1 (monotonic s); nan if none."""
         gaps = [g for t, g in list(self.gaps) if t0 <= t <= t1]

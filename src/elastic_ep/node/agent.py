@@ -62,6 +62,7 @@ from elastic_ep.wire import (
 )
 
 from .backup_file import guard_backup, read_backup, read_dense, reap_stale_backups, write_backup
+from .hardware import HardwareReader
 from .lease import Lease
 from .netcut import NetCut, NetCutUnavailable
 
@@ -101,6 +102,7 @@ class NodeAgent:
         backoff_reset_s: float = 60.0,
         lease_s: float = 5.0,
         standalone: bool = False,
+        hardware_interval_s: float = 1.0,
     ):
         self.node = node
         self.standalone = standalone
@@ -140,6 +142,9 @@ class NodeAgent:
         self._backup_guard: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self.hardware_interval_s = hardware_interval_s
+        self.hardware: HardwareReader | None = None
+        self._hardware_at = 0.0
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve until AgentShutdown or `stop` is set; then stop every worker."""
@@ -149,9 +154,11 @@ class NodeAgent:
         poller = zmq.Poller()
         for s in (self.sock, self.fetch, self.events, self.controller_link):
             poller.register(s, zmq.POLLIN)
+        self.hardware = HardwareReader()
         try:
             while not stop.is_set():
                 self._keep_lease(time.monotonic())
+                self._report_hardware(time.monotonic())
                 self._heal_due(time.monotonic())
                 ready = dict(poller.poll(20))
                 if self.controller_link in ready and recv_monitor_message(self.controller_link)["event"] \
@@ -177,6 +184,13 @@ class NodeAgent:
                 self.join_mode, self.auto_recover, self.lease.session, self.host, self.standalone)))
         if self.lease.alive_due(now):
             self.sock.send(encode(AgentAlive(self.node, self.lease.session)))
+
+    def _report_hardware(self, now: float) -> None:
+        """This node's hardware signals every hardware_interval_s while welcomed (node/hardware.py)."""
+        if self.hardware is None or not self.lease.welcomed or now - self._hardware_at < self.hardware_interval_s:
+            return
+        self._hardware_at = now
+        self.sock.send(encode(self.hardware.read(self.node)))
 
     def _fence_node(self, why: str) -> None:
         """Kill every worker of this node (no restart) and register again, in recover mode."""
@@ -382,6 +396,8 @@ class NodeAgent:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.hardware is not None:
+            self.hardware.close()
         with self._lock:
             procs = [c.proc for c in self.children.values()]
         for p in procs:

@@ -125,6 +125,12 @@ class IntervalRecorder:
         r.own_s += own_s
         r.tokens += tokens
 
+    def forget(self, rank_id: int) -> None:
+        """Drop a rank's samples (it left: a new process given its id must not inherit them)."""
+        self._open.pop(rank_id, None)
+        self.closed = deque((Interval(i.start_s, i.end_s, {r: x for r, x in i.ranks.items() if r != rank_id})
+                             for i in self.closed), maxlen=self.closed.maxlen)
+
     def intervals(self, now_s: float) -> list[Interval]:
         """The closed intervals, oldest first (the open one is closed once its time is up)."""
         self._roll(now_s)

@@ -13,8 +13,10 @@ Policies, all run on the same trace of events (common random numbers):
   they clear.
 - `elastic-disk` / `elastic-backup`: a failure pauses the group for `pause_min`, plus the time
   to reload the experts it lost (from disk, or from the host-memory backup); the group serves
-  on with its live ranks while replacements join online. A straggler is evicted after
-  `straggler_detect_min`. A group whose live slots cannot hold every expert stops.
+  on with its live ranks while replacements join online. A straggler gets the straggler policy
+  `serve` runs (`straggler_policy`, the same flags; the times to derate and to evict come from
+  the server's verdict and policy replayed on per-rank timings, `straggler_episode.py`). A group
+  whose live slots cannot hold every expert stops.
 Whether a failure loses an expert is drawn from random placements of the group's experts on
 its live ranks (replicas on distinct nodes where possible), as in `redundancy`.
 Assumptions with a default are parameters; repair times and spares are guesses to replace
@@ -29,87 +31,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic_ep.errors import SimulationError
-from elastic_ep.sim.assumptions import BACKUP_RELOAD_S, DISK_RELOAD_MIN, PAUSE_MIN, RESTART_MIN
-from elastic_ep.sim.failure_rates import FAILURE_CLASSES, load_llama3
+from elastic_ep.policy.straggler_policy import StragglerAction, eviction_refusal
+from elastic_ep.sim.failure_rates import FAILURE_CLASSES
+from elastic_ep.sim.fleet_config import FleetConfig
+from elastic_ep.sim.fleet_report import FleetReport, RunResult, metric, summarise
 from elastic_ep.sim.placements import random_placement, replica_counts
-from elastic_ep.sim.stats import mean_interval, weighted_quantiles
+from elastic_ep.sim.straggler_episode import derated_group_speed, episode_times
 
 POLICIES = ("restart", "elastic-disk", "elastic-backup")
-DURATIONS_AND_RATES = (
-    "gpu_repair_h", "node_repair_h", "software_restart_min", "restart_min", "pause_min", "join_min",
-    "disk_reload_min", "backup_reload_s", "straggler_h", "straggler_detect_min", "rate_per_gpu_hour",
-    "straggler_rate_per_gpu_hour",
-)  # fmt: skip
-CAPACITY_QUANTILES = (0.01, 0.05, 0.5)
-
-
-@dataclass(frozen=True)
-class FleetConfig:
-    """One fleet and its assumptions; times carry their unit in the name."""
-
-    gpus: int = 2048
-    days: float = 365.0
-    gpus_per_node: int = 8
-    ep_size: int = 64
-    experts: int = 256
-    slots_per_rank: int = 8
-    rate_per_gpu_hour: float = field(default_factory=lambda: load_llama3().rate_per_gpu_hour)
-    class_shares: dict[str, float] = field(default_factory=lambda: load_llama3().class_shares())
-    gpu_repair_h: float = 48.0
-    node_repair_h: float = 24.0
-    software_restart_min: float = 5.0
-    spare_fraction: float = 0.01
-    restart_min: float = RESTART_MIN
-    pause_min: float = PAUSE_MIN
-    join_min: float = 10.0
-    disk_reload_min: float = DISK_RELOAD_MIN
-    backup_reload_s: float = BACKUP_RELOAD_S
-    straggler_rate_per_gpu_hour: float = field(default_factory=lambda: load_llama3().rate_per_gpu_hour)
-    straggler_speed: float = 0.6
-    straggler_h: float = 4.0
-    straggler_detect_min: float = 5.0
-
-    def validate(self) -> None:
-        if self.gpus <= 0 or not 0 < self.days < np.inf:
-            raise SimulationError(f"--gpus ({self.gpus}) and --days ({self.days}) must be > 0")
-        if self.gpus_per_node <= 0 or self.ep_size <= 0:
-            raise SimulationError("--gpus-per-node and --ep-size must be > 0")
-        if self.ep_size % self.gpus_per_node and self.gpus_per_node % self.ep_size:
-            raise SimulationError(
-                f"--ep-size {self.ep_size} and --gpus-per-node {self.gpus_per_node}: one must divide the other"
-            )
-        if self.gpus < self.ep_size:
-            raise SimulationError(f"--gpus {self.gpus} cannot hold one EP group of {self.ep_size}")
-        if self.experts <= 0 or self.slots_per_rank <= 0:
-            raise SimulationError(f"--experts ({self.experts}) and --slots-per-rank ({self.slots_per_rank}) must be > 0")
-        if self.ep_size * self.slots_per_rank < self.experts:
-            raise SimulationError(
-                f"{self.ep_size} ranks x {self.slots_per_rank} slots cannot hold {self.experts} experts: "
-                f"give more --slots or a larger --ep-size"
-            )
-        if not 0 < self.straggler_speed <= 1:
-            raise SimulationError(f"--straggler-speed {self.straggler_speed} must be in (0, 1]")
-        if not 0 <= self.spare_fraction <= 1:
-            raise SimulationError(
-                f"--spare-fraction {self.spare_fraction} must be between 0 and 1 (a fraction of --gpus: 0.01 is 1%)"
-            )
-        for name in DURATIONS_AND_RATES:
-            value = getattr(self, name)
-            if not 0 <= value < np.inf:
-                flag = "--" + name.replace("_per_gpu_hour", "").replace("_", "-")
-                raise SimulationError(f"{flag} {value} must be a number >= 0")
-
-    @property
-    def groups(self) -> int:
-        return self.gpus // self.ep_size
-
-    @property
-    def spare_gpus(self) -> int:
-        return int(np.ceil(self.gpus * self.spare_fraction))
-
-    @property
-    def hours(self) -> float:
-        return self.days * 24
+__all__ = ["FleetConfig", "FleetReport", "POLICIES", "RunResult", "draw_trace", "simulate_fleet"]
 
 
 @dataclass(frozen=True)
@@ -148,7 +78,8 @@ class _Group:
     live: int
     down_until: float = 0.0
     waiting: int = 0
-    slow: int = 0
+    stragglers: dict[int, bool] = field(default_factory=dict)  # straggler id -> derated
+    evictions_h: list[float] = field(default_factory=list)
     capacity: float = 0.0
     last_t: float = 0.0
     serving_gpu_h: float = 0.0
@@ -156,24 +87,6 @@ class _Group:
     degraded_gpu_h: float = 0.0
     slow_gpu_h: float = 0.0
     serving_h: float = 0.0
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """One policy over one replication. capacity_t/capacity: [n] breakpoints of the fleet's
-    serving capacity as a fraction of its active GPUs."""
-
-    policy: str
-    failures: int
-    expert_loss_events: int
-    serving_gpu_h: float
-    stopped_gpu_h: float
-    degraded_gpu_h: float
-    slow_gpu_h: float
-    availability: float
-    goodput: float
-    capacity_t: np.ndarray
-    capacity: np.ndarray
 
 
 class _Simulation:
@@ -190,6 +103,8 @@ class _Simulation:
         self.loss_rng = np.random.default_rng(trace.loss_seed)
         self.pool = placement_pool
         self.expert_losses = 0
+        self.evictions = 0
+        self.stragglers_seen = 0
         total = cfg.groups * cfg.ep_size
         self.capacity = float(total)
         self.cap_t: list[float] = [0.0]
@@ -210,6 +125,7 @@ class _Simulation:
             "fail": self.on_failure,
             "slow": self.on_straggler,
             "slow_end": self.on_straggler_end,
+            "derate": self.on_derate,
             "evict": self.on_evict,
             "join": self.on_join,
             "repaired": self.on_repaired,
@@ -233,7 +149,15 @@ class _Simulation:
         ):
             return 0.0
         ranks = grp.live if self.elastic else self.cfg.ep_size
-        return ranks * (self.cfg.straggler_speed if grp.slow else 1.0)
+        return ranks * self.group_speed(grp)
+
+    def group_speed(self, grp: _Group) -> float:
+        """The slowest rank sets every step: a straggler's speed, better once every straggler is derated."""
+        if not grp.stragglers:
+            return 1.0
+        if all(grp.stragglers.values()):
+            return derated_group_speed(self.cfg.straggler_speed, self.cfg.attention_share)
+        return self.cfg.straggler_speed
 
     def integrate(self, g: int, t: float) -> None:
         grp = self.groups[g]
@@ -337,27 +261,48 @@ class _Simulation:
         self.groups[g].live += count
 
     def on_straggler(self, t: float, g: int, _: int) -> None:
-        grp = self.groups[g]
+        """A rank of group g turns slow for `straggler_h`. The elastic policies run the server's
+        straggler policy on it (`straggler_episode`: the same verdict, policy and flags); the
+        restart policy does not see it."""
+        cfg, grp = self.cfg, self.groups[g]
         if grp.live == 0:
             return
-        grp.slow += 1
-        if self.elastic:
-            self.push(t + self.cfg.straggler_detect_min / 60, "evict", g)
-        else:
-            self.push(t + self.cfg.straggler_h, "slow_end", g)
-
-    def on_straggler_end(self, t: float, g: int, _: int) -> None:
-        self.groups[g].slow -= 1
-
-    def on_evict(self, t: float, g: int, _: int) -> None:
-        """The slow rank leaves while alive, so its experts are copied out first: no loss."""
-        grp = self.groups[g]
-        grp.slow -= 1
-        if grp.live == 0:
+        self.stragglers_seen += 1
+        sid = self.stragglers_seen
+        grp.stragglers[sid] = False
+        self.push(t + cfg.straggler_h, "slow_end", g, sid)
+        if not self.elastic or cfg.straggler_policy.action == StragglerAction.OFF:
             return
+        times = episode_times(cfg.straggler_rule, cfg.straggler_policy, cfg.straggler_speed)
+        for kind, after_s in (("derate", times.derate_s), ("evict", times.evict_s)):
+            if after_s is not None and after_s / 3600 < cfg.straggler_h:
+                self.push(t + after_s / 3600, kind, g, sid)
+
+    def on_derate(self, t: float, g: int, sid: int) -> None:
+        if sid in self.groups[g].stragglers:
+            self.groups[g].stragglers[sid] = True
+
+    def on_straggler_end(self, t: float, g: int, sid: int) -> None:
+        self.groups[g].stragglers.pop(sid, None)
+
+    def on_evict(self, t: float, g: int, sid: int) -> None:
+        """The slow rank leaves while alive, so its experts are copied out first: no loss. As on
+        the server, the cap and the floor may refuse (it then stays derated until it clears); a
+        spare GPU replaces it after `join_min`, and its card returns to the spares once it clears."""
+        cfg, grp = self.cfg, self.groups[g]
+        if sid not in grp.stragglers:
+            return
+        min_ranks = -(-cfg.experts // cfg.slots_per_rank)
+        if eviction_refusal(cfg.straggler_policy, [x * 3600 for x in grp.evictions_h], t * 3600, grp.live,
+                            min_ranks, 0) is not None:
+            return
+        del grp.stragglers[sid]
+        grp.evictions_h.append(t)
+        self.evictions += 1
         grp.live -= 1
-        self.stop(t, g, self.cfg.pause_min)
-        self.push(t + self.cfg.straggler_h, "join", g)
+        self.stop(t, g, cfg.pause_min)
+        self.take_spares(t, g, 1)
+        self.push(t + cfg.straggler_h, "repaired", g, 1)
 
     def result(self) -> RunResult:
         hours = self.cfg.hours
@@ -366,6 +311,7 @@ class _Simulation:
             policy=self.policy,
             failures=len(self.trace.fail_t),
             expert_loss_events=self.expert_losses,
+            evictions=self.evictions,
             serving_gpu_h=sum(x.serving_gpu_h for x in grps),
             stopped_gpu_h=sum(x.stopped_gpu_h for x in grps),
             degraded_gpu_h=sum(x.degraded_gpu_h for x in grps),
@@ -399,37 +345,17 @@ class _PlacementPool:
         return pool[int(rng.integers(len(pool)))]
 
 
-@dataclass(frozen=True)
-class Metric:
-    """A mean over replications and the half-width of its 95% interval (None from one replication)."""
-
-    mean: float
-    half_width: float | None
-
-
-@dataclass(frozen=True)
-class PolicySummary:
-    """A policy over all replications: each metric with its 95% interval."""
-
-    policy: str
-    gpu_hours_lost: Metric
-    stopped_gpu_h: Metric
-    degraded_gpu_h: Metric
-    slow_gpu_h: Metric
-    availability: Metric
-    goodput: Metric
-    expert_loss_events: Metric
-    capacity_quantiles: dict[str, Metric]
-    capacity_min: Metric
-
-
-@dataclass(frozen=True)
-class FleetReport:
-    config: FleetConfig
-    replications: int
-    failures: Metric
-    policies: list[PolicySummary]
-    example_runs: list[RunResult]
+def describe_straggler_policy(cfg: FleetConfig) -> str:
+    """Which straggler policy the elastic policies ran, with what it does to a straggler here."""
+    p = cfg.straggler_policy
+    if p.action == StragglerAction.OFF:
+        return "off (stragglers are seen, nothing is done)"
+    times = episode_times(cfg.straggler_rule, p, cfg.straggler_speed)
+    derate = (f"derated {times.derate_s:.1f} s after it turns slow (group at "
+              f"{derated_group_speed(cfg.straggler_speed, cfg.attention_share):.0%} speed)")
+    evict = (f", evicted after {times.evict_s:.1f} s (--straggler-evict-after-s {p.evict_after_s:g}, at most "
+             f"{p.max_evictions} per {p.eviction_window_s:g} s per group)" if times.evict_s is not None else "")
+    return f"{p.action.value}: {derate}{evict}"
 
 
 def simulate_fleet(cfg: FleetConfig, replications: int = 10, seed: int = 0) -> FleetReport:
@@ -448,38 +374,11 @@ def simulate_fleet(cfg: FleetConfig, replications: int = 10, seed: int = 0) -> F
             runs[policy].append(_Simulation(cfg, policy, trace, pool).run())
     return FleetReport(
         config=cfg,
+        straggler_policy=describe_straggler_policy(cfg),
         replications=replications,
-        failures=_metric(failures),
-        policies=[_summarise(cfg, p, runs[p]) for p in POLICIES],
+        failures=metric(failures),
+        policies=[summarise(cfg, p, runs[p]) for p in POLICIES],
         example_runs=[runs[p][0] for p in POLICIES],
     )
 
 
-def _metric(values: list[float]) -> Metric:
-    return Metric(*mean_interval(np.asarray(values, dtype=np.float64)))
-
-
-def _summarise(cfg: FleetConfig, policy: str, runs: list[RunResult]) -> PolicySummary:
-    total = cfg.groups * cfg.ep_size * cfg.hours
-    quantiles = [_capacity_quantiles(r, cfg.hours) for r in runs]
-    return PolicySummary(
-        policy=policy,
-        gpu_hours_lost=_metric([total - r.serving_gpu_h for r in runs]),
-        stopped_gpu_h=_metric([r.stopped_gpu_h for r in runs]),
-        degraded_gpu_h=_metric([r.degraded_gpu_h for r in runs]),
-        slow_gpu_h=_metric([r.slow_gpu_h for r in runs]),
-        availability=_metric([r.availability for r in runs]),
-        goodput=_metric([r.goodput for r in runs]),
-        expert_loss_events=_metric([r.expert_loss_events for r in runs]),
-        capacity_quantiles={
-            f"p{round(q * 100)}": _metric([qs[i] for qs in quantiles])
-            for i, q in enumerate(CAPACITY_QUANTILES)
-        },
-        capacity_min=_metric([float(r.capacity.min()) for r in runs]),
-    )
-
-
-def _capacity_quantiles(run: RunResult, hours: float) -> list[float]:
-    """Time-weighted quantiles of the fleet's serving capacity fraction."""
-    durations = np.diff(np.append(run.capacity_t, hours))
-    return weighted_quantiles(run.capacity, durations, list(CAPACITY_QUANTILES))

@@ -9,7 +9,7 @@ Transport: ZeroMQ. The controller binds two ROUTER sockets:
   `EpochReady`, `EpochFailed`, `StepResult`, `StepFailed`, `SlotChecksums`;
 - the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
   `Heartbeat` and receives `AbortEpoch`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
-  `WorkerStarted`, `WorkerExited`, `WorkerFenced` and receives `AgentWelcome`, `BackupAssign`,
+  `WorkerStarted`, `WorkerExited`, `WorkerFenced`, `HardwareReport` and receives `AgentWelcome`, `BackupAssign`,
   `StartWorker`, `FenceWorker`, `SignalWorker`, `AgentShutdown`, and says `AgentBye` when it stops.
 An agent also binds a ROUTER for `BackupFetch` -> `BackupTensors` and `DenseFetch` ->
 `DenseTensors` from workers of other nodes.
@@ -32,6 +32,7 @@ from .fetch import (
     DenseFetch,
     DenseTensors,
 )
+from .hardware import IDLE_REASONS, THROTTLE_REASONS, GpuSignals, HardwareReport
 from .health import (
     AbortEpoch,
     AgentAlive,
@@ -98,6 +99,10 @@ __all__ = [
     "EpochReady",
     "EpochStart",
     "FenceWorker",
+    "GpuSignals",
+    "HardwareReport",
+    "IDLE_REASONS",
+    "THROTTLE_REASONS",
     "HealLinks",
     "Heartbeat",
     "KVMove",

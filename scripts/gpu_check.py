@@ -1,0 +1,122 @@
+"""The GPU checks (`make gpu-check`): what the CPU suite cannot show, on a machine with CUDA.
+
+1. parity on the device: greedy tokens of `elastic-ep generate --device cuda` equal to
+   `--device cpu` (float32), and the tiny model's logits on the GPU within 1e-3 of the CPU's;
+2. `serve --device cuda --backend gloo` with 2 ranks sharing one GPU (collectives staged through
+   the host) survives `kill -9` of a rank with outputs equal to the fault-free run;
+3. where there are two or more GPUs, the same with `--backend nccl` (one GPU per rank; the
+   survivors' NCCL communicator is aborted on the controller's order);
+4. decode tokens/s of the offline engine on the GPU against the CPU, batch 16.
+
+Without a CUDA device it prints why and exits 0 (nothing is claimed). Results go to stdout as
+JSON lines and, with --out, to a file.
+
+    .venv/bin/python scripts/gpu_check.py [--out gpu_check.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from elastic_ep.harness.load import PROMPTS, streams_with_fault
+from elastic_ep.harness.server_process import ServerProcess
+from elastic_ep.model.engine import OfflineEngine, greedy
+from elastic_ep.model.model import SeqChunk
+from elastic_ep.model.tiny import resolve_model
+from elastic_ep.model.tokenizer import encode, load_tokenizer
+
+MODEL = "tiny-deepseek-v3"
+
+
+def generate(device: str, tokens: int = 24) -> list[str]:
+    cmd = [sys.executable, "-m", "elastic_ep.cli", "generate", "--json", "--model", MODEL, "--max-tokens",
+           str(tokens), "--device", device, "--dtype", "float32"]
+    for p in PROMPTS:
+        cmd += ["--prompt", p]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
+    return [json.loads(line)["text"] for line in out.splitlines() if line.strip()]
+
+
+def prefill_logits(device: str, ids: list[int]) -> torch.Tensor:
+    engine = OfflineEngine.from_pretrained(resolve_model(MODEL), device=device)
+    cache = engine.model.new_kv_cache(1)
+    cache.allocate(0)
+    return engine.model.forward([SeqChunk(0, ids, 0)], cache, engine.moe_fn).cpu()
+
+
+def parity() -> dict:
+    on_gpu, on_cpu = generate("cuda"), generate("cpu")
+    ids = encode(load_tokenizer(resolve_model(MODEL)), PROMPTS[0])
+    diff = float((prefill_logits("cuda", ids) - prefill_logits("cpu", ids)).abs().max())
+    return {"check": "parity", "tokens_equal": on_gpu == on_cpu, "max_logit_diff": diff, "ok": on_gpu == on_cpu
+            and diff < 1e-3}
+
+
+def serve_survives_kill(backend: str) -> dict:
+    log = Path(tempfile.mkdtemp()) / "serve.log"
+    server = ServerProcess(["--model", MODEL, "--ep-size", "2", "--device", "cuda", "--backend", backend,
+                            "--restart-delay-s", "-1"], log)
+    try:
+        server.wait_full_group(2)
+        expected = generate("cuda", 32)
+        pid = server.pids()[1]
+        results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGKILL), PROMPTS, 32, temperature=0)
+        texts = [r.text for r in results]
+        state = server.wait_for(lambda c: any(e["kind"] == "recovered" for e in c["events"]), 60, "the recovery")
+        recovered = next(e for e in state["events"] if e["kind"] == "recovered")
+        return {"check": f"serve kill -9 ({backend})", "outputs_equal": texts == expected,
+                "pause_s": round(max(r.largest_gap for r in results), 3), "recovery_s": recovered["total_s"],
+                "ok": texts == expected}
+    finally:
+        server.stop()
+
+
+def decode_speed(batch: int = 16, tokens: int = 64) -> dict:
+    rates = {}
+    tokenizer = load_tokenizer(resolve_model(MODEL))
+    prompts = [encode(tokenizer, p) for p in (PROMPTS * batch)[:batch]]
+    for device in ("cuda", "cpu"):
+        engine = OfflineEngine.from_pretrained(resolve_model(MODEL), device=device)
+        engine.generate(prompts, greedy(4, ignore_eos=True))
+        t0 = time.perf_counter()
+        engine.generate(prompts, greedy(tokens, ignore_eos=True))
+        rates[device] = round(batch * tokens / (time.perf_counter() - t0), 1)
+    return {"check": "decode tokens/s", **rates, "ok": True}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="also write the results here (JSON lines)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device on this machine; nothing was checked (the CPU suite runs the same code "
+              "with --device cpu)")
+        return 0
+    checks = [parity, lambda: serve_survives_kill("gloo"), decode_speed]
+    if torch.cuda.device_count() >= 2:
+        checks.insert(2, lambda: serve_survives_kill("nccl"))
+    results = []
+    for check in checks:
+        try:
+            result = check()
+        except Exception as e:  # a check that cannot run is reported, the others still run
+            result = {"check": getattr(check, "__name__", "check"), "ok": False, "error": f"{type(e).__name__}: {e}"}
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    if args.out:
+        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in results))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
