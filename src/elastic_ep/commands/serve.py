@@ -63,6 +63,10 @@ HELP = {
     "health_check_period_s": "how often the controller runs the heartbeat and watchdog checks",
     "expert_sweep_interval_s": "background check of expert slots: how often each rank checksums a few slots",
     "expert_sweep_slots": "slots each rank checksums per background check (0: no background check)",
+    "rebalance_move_bytes": "after a recovery or rejoin (which restore only the experts that lost every copy) and "
+                            "for EPLB, experts move towards balance in the background: at most this many bytes "
+                            "per move, one move between steps",
+    "rebalance_every_steps": "steps served between two moves of the background rebalance",
 }
 
 

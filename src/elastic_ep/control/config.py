@@ -50,6 +50,8 @@ class ServeConfig:
     health_check_period_s: float = 0.02
     expert_sweep_interval_s: float = 0.5
     expert_sweep_slots: int = 4
+    rebalance_move_bytes: int = 32 * 2**20
+    rebalance_every_steps: int = 1
 
     @property
     def max_ranks(self) -> int:
@@ -70,7 +72,8 @@ def check_config(cfg: ServeConfig, config: MoEConfig) -> int:
             f"{config.num_experts} experts + {cfg.redundant_experts} redundant = {total_slots} slots do not split "
             f"evenly over --ep-size {cfg.ep_size}; choose --redundant-experts so the sum is a multiple of it"
         )
-    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval"):
+    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval", "rebalance_move_bytes",
+                 "rebalance_every_steps"):
         if getattr(cfg, name) < 1:
             raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.max_model_len > config.max_position_embeddings:

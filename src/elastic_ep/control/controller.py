@@ -3,15 +3,16 @@
 It owns every socket (`ControlPlane`) and all cluster state (`ClusterState`), and alternates
 between the step loop and handling what arrives. At each step boundary it decides, in order:
 recover (pending faults), move a scale on, admit registered ranks (rejoin), refill slots that
-failed their check, rebalance experts (EPLB), check a few slots in the background, run a step.
+failed their check, move experts towards balance (after a recovery or rejoin, or for EPLB),
+check a few slots in the background, run a step.
 Every wait anywhere (a step, a fence, an epoch forming) goes through `pump`, which keeps
 heartbeats, agent reports and HTTP commands flowing and runs the detector; a fault found while
 waiting ends the wait with `RecoveryNeeded`, and the loop recovers.
 
 The roles and where they live (docs/ARCHITECTURE.md has the full table):
 detection `detector.py` (rules in `health.py`), one step `step_loop.py`, fence / drain /
-degrade `recovery.py`, placement + transfers + verification `epoch_change.py`, EPLB
-`rebalance.py`, scaling `scale_driver.py` (rules in `scaling.py`), agents and rank processes
+degrade `recovery.py`, placement + transfers + verification `epoch_change.py`, the background
+rebalance and EPLB `background_rebalance.py` (decisions in `rebalance.py`), scaling `scale_driver.py` (rules in `scaling.py`), agents and rank processes
 `nodes.py`, the HTTP side `engine.py` (commands in `commands.py`).
 """
 
@@ -50,6 +51,7 @@ from elastic_ep.wire import (
 )
 
 from .api import EngineInfo, RequestOutput, ScaleRejected
+from .background_rebalance import BackgroundRebalance
 from .cluster import ClusterState
 from .commands import AbortRequest, AddRequest, Command, CorruptExpertSlot, SignalRank, SlowRank, StartScale
 from .config import ServeConfig, check_config
@@ -58,11 +60,10 @@ from .detector import Fault, FaultDetector, RecoveryNeeded
 from .engine import EngineFacade, Published
 from .epoch_change import EpochChanger, EpochReport, Formed, Interrupted, NoPlacement, NotFormed, VerifyFailed
 from .events import EventKind
-from .health import relative_speeds
 from .metrics import ClusterMetrics
 from .nodes import Nodes
 from .ranks import RankStatus
-from .rebalance import eplb_due, load_estimate, plan_rebalance
+from .rebalance import load_estimate
 from .recorder import ExpertRecorder
 from .recovery import Recovery
 from .scale_driver import ScaleDriver
@@ -106,6 +107,7 @@ class Controller:
         self.scaling = ScaleDriver(self)
         self.nodes = Nodes(self)
         self.sweeper = SlotSweeper(self.cluster, cfg, self.plane, self.changer)
+        self.rebalancer = BackgroundRebalance(self)
         self.published = Published()
         self._commands: queue.Queue[Command] = queue.Queue()
         info = EngineInfo(cfg.model_name, cfg.max_model_len, tuple(self.config.eos_token_ids))
@@ -113,7 +115,6 @@ class Controller:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_fatal = None  # called from the control thread when the loop dies
-        self._last_eplb_step = -1
         self._published_at = 0.0
         self.publish()
 
@@ -279,13 +280,14 @@ class Controller:
                                 cause=fault.detail, signal=fault.cause.value)
 
     def form_epoch(self, live: list[int], reason: str, new: ExpertLocation | None = None,
-                   holding: list[int] | None = None) -> EpochReport | None:
+                   holding: list[int] | None = None, restore: bool = False,
+                   reuse_group: bool = False) -> EpochReport | None:
         """A new epoch over `live` (see EpochChanger.change). Returns its report, or None when no
         placement exists (the cluster degrades). Raises RecoveryNeeded when it did not form."""
         c = self.cluster
         first = c.location is None
         self.detector.new_epoch()
-        outcome = self.changer.change(live, self.load(), new, holding)
+        outcome = self.changer.change(live, self.load(), new, holding, restore, reuse_group)
         if isinstance(outcome, NoPlacement):
             self.recovery.degrade(live, outcome.reason)
             return None
@@ -311,7 +313,8 @@ class Controller:
         c.set_readiness(True)
         c.events.add(EventKind.EPOCH, f"epoch {c.epoch} ({reason}) with ranks {live}", reason=reason,
                      **report.fields())
-        self.recovery.epoch_formed(report)
+        if not reuse_group:  # a background move or refill is not the recovery's epoch
+            self.recovery.epoch_formed(report)
         if first:
             self.nodes.start_backup()
         self.publish()
@@ -361,7 +364,9 @@ class Controller:
             return
         joiners = self.joiners()
         if joiners and c.can_serve(c.members + joiners):
-            self.form_epoch(sorted(c.members + joiners), "rejoin")
+            self.rebalancer.cancel()
+            self.form_epoch(sorted(c.members + joiners), "rejoin", restore=True)
+            self.rebalancer.request("rejoin")
             return
         if not c.readiness.ready:
             self.recovery.end_requests_if_degraded_too_long()
@@ -369,28 +374,18 @@ class Controller:
             return
         if self.changer.suspect_slots:
             bad = sorted(self.changer.suspect_slots)
-            self.form_epoch(list(c.members), f"refill slots (rank, layer, slot) {bad[:5]}", new=c.location)
+            self.form_epoch(list(c.members), f"refill slots (rank, layer, slot) {bad[:5]}", new=c.location,
+                            reuse_group=True)
             return
-        if self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, len(self.steps.load_window),
-                                             self._last_eplb_step):
-            self._rebalance()
+        self.rebalancer.check_eplb()
+        if self.rebalancer.due():
+            self.rebalancer.advance()
             return
         self.sweeper.sweep()
         if not self.scheduler.has_work:
             self.pump(0.05)
             return
         self.recovery.step_completed(self.steps.run())
-
-    def _rebalance(self) -> None:
-        c = self.cluster
-        self._last_eplb_step = c.step
-        assert c.location is not None
-        speeds = relative_speeds({r: c.ranks[r].own_s for r in c.members}) if self.cfg.eplb_speed_aware else None
-        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), speeds, self.cfg.eplb_threshold)
-        if plan is None:
-            return
-        self.metrics.eplb_rebalances.inc()
-        self.form_epoch(c.members, f"eplb: imbalance {plan.before:.2f} -> {plan.after:.2f}", new=plan.placement)
 
     # ---- snapshot ----------------------------------------------------------------------------
 

@@ -1,11 +1,15 @@
 """The epoch change: a new membership with a placement, the transfer plan that fills its slots,
-and the verification of every slot, ending in a typed outcome.
+and the verification of the slots that changed, ending in a typed outcome.
 
-Every membership change goes through `EpochChanger.change`: start, recovery, rejoin, EPLB,
-scale-up and -down, and the refill of slots that failed a check. It computes a placement over
-the live ranks that keeps experts where they are, plans each changed slot's source (a local
-copy, a surviving replica on a peer, a node's host-memory backup, else disk), announces the
-epoch and waits for every member to form the group, fill its slots and report checksums.
+Every placement change goes through `EpochChanger.change`: start, recovery, rejoin, the moves of
+a background rebalance (EPLB included), scale-up and -down, and the refill of slots that failed
+a check. Recovery and rejoin use the restore placement (`placement/restore.py`): every expert
+stays where it is and only the experts no live rank holds are filled, so the group serves again
+after moving only those; other changes compute a balanced placement over the live ranks that
+keeps experts where balance allows, or take the one given. It plans each changed slot's source
+(a local copy, a surviving replica on a peer, a node's host-memory backup, else disk), announces
+the epoch and waits for every member to form the group (or keep it, for the same members),
+fill its slots and report their checksums.
 
 When a rank dies or hangs while the epoch forms, the wait ends with `Interrupted` (the detector
 holds the fault) or, for a member that never answers, `NotFormed` naming it; a slot whose
@@ -29,8 +33,9 @@ import torch.distributed as dist
 from elastic_ep.errors import PlacementError
 from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.placement.location import ExpertLocation
+from elastic_ep.placement.restore import restore_placement
 from elastic_ep.placement.transfer import plan_transfers
-from elastic_ep.wire import EpochFailed, EpochReady, EpochStart
+from elastic_ep.wire import EpochFailed, EpochReady, EpochStart, SlotSource
 
 from .cluster import ClusterState
 from .config import ServeConfig
@@ -115,26 +120,31 @@ class EpochChanger:
             self.replies[msg.rank_id] = msg
 
     def change(self, live: list[int], load: np.ndarray, new: ExpertLocation | None = None,
-               holding: list[int] | None = None) -> EpochOutcome:
+               holding: list[int] | None = None, restore: bool = False, reuse_group: bool = False) -> EpochOutcome:
         """Form a new epoch over `live` with a placement for `load` [L, E] (or `new`), move the
-        experts, verify. `holding`: the members that hold experts and get requests (default all);
-        the others only send what they hold (scale-down)."""
+        experts, verify the slots that changed. `holding`: the members that hold experts and get
+        requests (default all); the others only send what they hold (scale-down). `restore`: keep
+        every expert where it is and fill only the experts no live rank holds (recovery, rejoin;
+        a background rebalance balances later). `reuse_group`: the members are the current
+        epoch's and its group is healthy, so they keep it (no rendezvous)."""
         c = self.cluster
         t0 = time.monotonic()
         rank_nodes = c.rank_nodes()
         holding = list(live) if holding is None else holding
         num_ranks = max(self.cfg.ep_size, max(live) + 1)
-        if new is None:
-            try:
-                new = fault_aware_placement(load, holding, rank_nodes, None, c.slots_per_rank, num_ranks,
-                                            current=c.location)
-            except PlacementError as e:
-                return NoPlacement(f"no placement over ranks {live}: {e}")
-        placement_s = time.monotonic() - t0
         s = c.slots_per_rank
         serving = [r for r in live if c.ranks[r].status in (RankStatus.SERVING, RankStatus.DRAINING)]
         old = held_placement(c.location, c.num_layers, c.num_experts, s, num_ranks, serving, self.suspect_slots)
-        plan = plan_transfers(old, new, live, rank_nodes, c.backup_map(), self.expert_nbytes)
+        backup = c.backup_map()
+        try:
+            if restore:
+                new = restore_placement(old, load, holding, rank_nodes, backup)
+            elif new is None:
+                new = fault_aware_placement(load, holding, rank_nodes, None, s, num_ranks, current=c.location)
+        except PlacementError as e:
+            return NoPlacement(f"no placement over ranks {live}: {e}")
+        placement_s = time.monotonic() - t0
+        plan = plan_transfers(old, new, live, rank_nodes, backup, self.expert_nbytes)
         sources, sends = split_by_rank(plan, s)
         backups = c.backup_sites()
         c.epoch += 1
@@ -144,7 +154,7 @@ class EpochChanger:
         for rank_id in live:
             self.plane.to_worker(rank_id, EpochStart(
                 c.epoch, live, np.asarray(new.phy2log), s, sources[rank_id], sends[rank_id], backups,
-                self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s,
+                self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s, reuse_group,
             ))
         while self.after_start:
             self.after_start.pop()()
@@ -159,7 +169,7 @@ class EpochChanger:
                 detail = "; ".join(f"rank {m.rank_id}: {m.error}" for m in failed) or f"ranks {missing} timed out"
                 return NotFormed(detail, [] if failed else missing)
         replies: dict[int, EpochReady] = self.replies  # type: ignore[assignment]
-        bad = self._verify(new, replies)
+        bad = self._verify(sources, replies)
         if bad:
             self.suspect_slots |= bad
             return VerifyFailed(bad)
@@ -180,17 +190,18 @@ class EpochChanger:
             dict(by_source), round(time.monotonic() - t0, 4),
         ))
 
-    def _verify(self, location: ExpertLocation, replies: dict[int, EpochReady]) -> set[Slot]:
-        """(rank, layer, slot) of every occupied slot whose checksum differs from its expert's
-        reference or that reports none."""
+    def _verify(self, filled: dict[int, list[SlotSource]], replies: dict[int, EpochReady]) -> set[Slot]:
+        """(rank, layer, slot) of every slot filled in this epoch whose checksum differs from its
+        expert's reference or that reports none. Slots kept as they were are not read again here:
+        the background check (slot_check.py) sweeps them while serving."""
         for rep in replies.values():
             for key, checksum in rep.source_checksums.items():
                 self.reference_checksums.setdefault(key, checksum)
         bad = set()
         for rank_id, rep in replies.items():
-            for (li, j), expert in np.ndenumerate(location.experts_of_rank(rank_id)):
-                if expert >= 0 and not self.matches(li, int(expert), rep.checksums.get((li, j))):
-                    bad.add((rank_id, li, j))
+            for src in filled.get(rank_id, []):
+                if not self.matches(src.layer, src.expert, rep.checksums.get((src.layer, src.slot))):
+                    bad.add((rank_id, src.layer, src.slot))
         return bad
 
     def matches(self, layer: int, expert: int, checksum: int | None) -> bool:

@@ -71,6 +71,7 @@ class Recovery:
         """Fence, drain, then a new epoch over the live ranks (or degrade)."""
         ctl, c = self.ctl, self.cluster
         t0 = time.monotonic()
+        ctl.rebalancer.cancel()
         self.fence_and_drain()
         fence_s = time.monotonic() - t0
         culprits, errors, detected_at = ctl.detector.take()
@@ -104,7 +105,8 @@ class Recovery:
         if not c.can_serve(holding):
             self.degrade(holding)
             return
-        ctl.form_epoch(live, "recovery", holding=holding)
+        if ctl.form_epoch(live, "recovery", holding=holding, restore=True) is not None:
+            ctl.rebalancer.request("recovery")
 
     def fence_and_drain(self) -> None:
         """Fence every culprit and wait until every other member has left the failed step; a

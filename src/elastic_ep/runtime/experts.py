@@ -29,9 +29,10 @@ from .group import EpochGroup
 
 
 def expert_checksum(w13: torch.Tensor, w2: torch.Tensor) -> int:
-    """CRC32 of the bytes of one expert (w13 [2I, H], w2 [H, I]): equal iff the same weights."""
-    crc = zlib.crc32(w13.contiguous().numpy().tobytes())
-    return zlib.crc32(w2.contiguous().numpy().tobytes(), crc)
+    """CRC32 of the bytes of one expert (w13 [2I, H], w2 [H, I]): equal iff the same weights.
+    Read in place (no copy of the bytes): a slot is a contiguous view."""
+    crc = zlib.crc32(w13.contiguous().numpy())
+    return zlib.crc32(w2.contiguous().numpy(), crc)
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 Threads:
 - main: registers, then runs what the controller sends on the step socket: `EpochStart`
-  (form the group, fill the expert slots, checksum them, report), `StepPlan` (attention on its
-  own sequences, EP MoE with the epoch's group, sampling), `SweepSlots` (checksum a few slots
-  between steps) and `CorruptSlot` (fault injection). It blocks inside collectives.
+  (form the group or keep it, fill the expert slots, checksum the ones it filled, report),
+  `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling),
+  `SweepSlots` (checksum a few slots between steps) and `CorruptSlot` (fault injection). It
+  blocks inside collectives.
 - heartbeat: its own ZeroMQ socket; sends `Heartbeat` with the main thread's progress every
   `heartbeat_interval_s`, so the controller sees which collective the rank waits in even
   while the main thread is blocked, and sees nothing once the process is stopped.
@@ -144,12 +145,21 @@ class Worker:
 
     def _start_epoch(self, msg: EpochStart) -> None:
         args = self.args
-        if self.group is not None:
-            self.group.destroy()
+        kept = self.group if msg.reuse_group and self.group is not None and self.group.alive \
+            and self.group.members == msg.members else None
+        if self.group is not None and kept is None:
+            self.group.destroy()  # closes its sockets: peers that kept theirs fail fast, not at a timeout
+        if msg.reuse_group and kept is None:
+            self.send(EpochFailed(msg.epoch, args.rank_id, "asked to keep the epoch's group, which this rank "
+                                  "no longer has"))
+            return
         self.progress.new_epoch(msg.epoch)
-        group = EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.device)
+        group = kept or EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.device)
         try:
-            rendezvous_s = group.form(self.store, msg.collective_timeout_s, self._newer_epoch_arrived)
+            if kept is None:
+                rendezvous_s = group.form(self.store, msg.collective_timeout_s, self._newer_epoch_arrived)
+            else:
+                group.epoch, rendezvous_s = msg.epoch, 0.0
             self.group = group
             location = ExpertLocation.from_phy2log(msg.phy2log, msg.slots_per_rank, self.config.num_experts)
             if self.slots is None:
@@ -170,7 +180,7 @@ class Worker:
             )
             transfer_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            checksums = self.slots.checksums()
+            checksums = self.slots.checksums([(src.layer, src.slot) for src in msg.sources])
             verify_s = time.perf_counter() - t0
             self.moe = ExpertParallelMoE(
                 self.slots,

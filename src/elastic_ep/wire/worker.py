@@ -95,7 +95,8 @@ class EpochStart:
 
     `sources` lists, for the receiving rank only, every slot whose contents change, plus
     `sends`: (dst_rank, layer, src_slot) this rank must send to peers, in the order the peer
-    expects them.
+    expects them. `reuse_group`: same members as the current epoch, whose group is healthy: keep
+    it (no rendezvous); a rank that no longer has it answers `EpochFailed`.
     """
 
     epoch: int
@@ -107,6 +108,7 @@ class EpochStart:
     backups: dict[str, BackupSite]
     collective_timeout_s: float
     backup_fetch_timeout_s: float
+    reuse_group: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,8 @@ class TransferStat:
 class EpochReady:
     """The rank is in the group of `epoch`, holds its slots and has checked them.
 
-    checksums: (layer, slot) -> checksum of the expert now in that slot (see runtime.experts).
+    checksums: (layer, slot) -> checksum of the expert now in each slot this epoch filled (the
+    slots kept as they were are left to the background check; see runtime.experts).
     source_checksums: (layer, expert) -> checksum of the weights as read from the checkpoint,
     for every expert this rank read from disk: the controller's reference for that expert.
     """
