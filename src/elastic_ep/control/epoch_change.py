@@ -58,6 +58,7 @@ class EpochReport:
     verify_s: float
     transfers: dict[str, dict[str, float]]
     epoch_change_s: float
+    disk_reason: str  # why experts came from disk ("" when none did)
 
     def fields(self) -> dict[str, Any]:
         return asdict(self)
@@ -187,7 +188,7 @@ class EpochChanger:
             round(max(r.rendezvous_s for r in replies.values()), 4),
             round(max(r.transfer_s for r in replies.values()), 4),
             round(max(r.verify_s for r in replies.values()), 4),
-            dict(by_source), round(time.monotonic() - t0, 4),
+            dict(by_source), round(time.monotonic() - t0, 4), c.why_disk() if plan.bytes_by_source["disk"] else "",
         ))
 
     def _verify(self, filled: dict[int, list[SlotSource]], replies: dict[int, EpochReady]) -> set[Slot]:

@@ -49,7 +49,11 @@ from elastic_ep.wire import (
     encode,
 )
 
-from .backup_file import read_backup, read_dense, write_backup
+from .backup_file import BackupWriter, read_backup, read_dense
+
+# Experts per announcement of the backup being written: small enough that a fault soon after
+# start finds most of the single-copy experts already in host memory.
+BACKUP_PIECE_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -214,14 +218,24 @@ class NodeAgent:
             pass
 
     def _build_backup(self, items: list[tuple[int, int]]) -> None:
+        """Write the dense weights, then the experts in the order given (the controller puts the
+        ones with the fewest copies first), announcing every piece as soon as it is written."""
         assert self.launch is not None
         reader = CheckpointReader(self.launch.model_dir)
-        path, nbytes = write_backup(reader, items, self.node, dense=True)
-        self.backup_path = path
-        if self._stopped.is_set():
-            os.unlink(path)
-            return
-        self._notify(BackupReady(self.node, BackupSite(self.node, path, self.fetch_addr), items, nbytes))
+        writer = BackupWriter(reader, items, self.node, dense=True)
+        site = BackupSite(self.node, writer.path, self.fetch_addr)
+        try:
+            writer.write_dense()
+            self.backup_path = writer.path  # from here on restarts may take the dense weights from it
+            step = max(1, BACKUP_PIECE_BYTES // reader.expert_nbytes)
+            for i in range(0, max(len(items), 1), step):
+                if self._stopped.is_set():
+                    os.unlink(writer.path)
+                    return
+                writer.write_experts(items[i : i + step])
+                self._notify(BackupReady(self.node, site, items[i : i + step], writer.nbytes, len(items)))
+        finally:
+            writer.close()
 
     def _answer_fetch(self) -> None:
         sender, _, frame = self.fetch.recv_multipart()

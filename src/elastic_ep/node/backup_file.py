@@ -1,26 +1,31 @@
 """The node's host-memory backup file: its format, how the agent writes it and how workers read it.
 
 One safetensors file per node under /dev/shm, owned by the node agent so it outlives any worker
-crash: the routed experts of the node's share (`layer<L>.expert<E>.w13|w2`, L = MoE layer index)
-and the dense weights (`dense.<name>`) for ranks that restart. Same-node workers read it with
-`safe_open` (mmap); other nodes ask the agent, which reads it the same way.
+crash: the dense weights (`dense.<name>`, for ranks that restart) and the routed experts of the
+node's share (`layer<L>.expert<E>.w13|w2`, L = MoE layer index), float32. The whole layout (the
+header and every tensor's offset) is fixed before any weight is written, so the agent writes the
+file piece by piece and announces each piece as it lands: a fault soon after start restores
+from what is already written instead of from disk. A reader reads an expert straight into its
+destination with one positioned read per tensor (no mapping, no intermediate copy); other nodes
+ask the agent, which reads it the same way.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from elastic_ep.model.checkpoint import CheckpointReader
 
 SHM_DIR = "/dev/shm"
 DENSE_PREFIX = "dense."
+_F32 = 4
 
 
 def backup_key(layer: int, expert: int, part: str) -> str:
@@ -28,41 +33,122 @@ def backup_key(layer: int, expert: int, part: str) -> str:
     return f"layer{layer}.expert{expert}.{part}"
 
 
+class BackupWriter:
+    """A backup file of `items` (MoE layer index, expert) of `reader`'s checkpoint in `directory`
+    (RAM-backed /dev/shm by default), plus the dense weights when `dense`. The file exists at its
+    full size from the start; `write_dense` and `write_experts` fill it in, and what they wrote
+    can be read at once (by this process or another)."""
+
+    def __init__(self, reader: CheckpointReader, items: list[tuple[int, int]], node: str,
+                 directory: str = SHM_DIR, dense: bool = True):
+        self.reader = reader
+        cfg = reader.config
+        self.dense = {DENSE_PREFIX + name: t.contiguous() for name, t in reader.dense_state().items()} if dense else {}
+        shapes = {name: list(t.shape) for name, t in self.dense.items()}
+        for layer, expert in items:
+            shapes[backup_key(layer, expert, "w13")] = [2 * cfg.moe_intermediate_size, cfg.hidden_size]
+            shapes[backup_key(layer, expert, "w2")] = [cfg.hidden_size, cfg.moe_intermediate_size]
+        header, self.offsets, data_bytes = _layout(shapes)
+        base = directory if os.path.isdir(directory) else tempfile.gettempdir()
+        fd, self.path = tempfile.mkstemp(prefix=f"elastic-ep-backup-{node}-", suffix=".safetensors", dir=base)
+        self._fd = fd
+        self.nbytes = len(header) + data_bytes
+        os.ftruncate(fd, self.nbytes)
+        os.pwrite(fd, header, 0)
+
+    def write_dense(self) -> None:
+        for name, t in self.dense.items():
+            self._write(name, [t])
+
+    def write_experts(self, items: list[tuple[int, int]]) -> None:
+        """Copy these experts from the checkpoint into their places in the file."""
+        moe_layers = self.reader.config.moe_layers
+        for layer, expert in items:
+            gate, up, down = self.reader.expert_projections(moe_layers[layer], expert)
+            self._write(backup_key(layer, expert, "w13"), [gate, up])
+            self._write(backup_key(layer, expert, "w2"), [down])
+
+    def _write(self, name: str, parts: list[torch.Tensor]) -> None:
+        offset = self.offsets[name]
+        buffers = [memoryview(p.contiguous().numpy()).cast("B") for p in parts]
+        if os.pwritev(self._fd, buffers, offset) != sum(b.nbytes for b in buffers):
+            raise OSError(f"short write of {name} to {self.path}")
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _layout(shapes: dict[str, list[int]]) -> tuple[bytes, dict[str, int], int]:
+    """The safetensors header for float32 tensors of `shapes` laid out in order, each tensor's
+    absolute file offset, and the bytes of data after the header."""
+    entries, data_offsets, at = {}, {}, 0
+    for name, shape in shapes.items():
+        n = int(np.prod(shape)) * _F32
+        entries[name] = {"dtype": "F32", "shape": shape, "data_offsets": [at, at + n]}
+        data_offsets[name] = at
+        at += n
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    start = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, {k: start + v for k, v in data_offsets.items()}, at
+
+
 def write_backup(
     reader: CheckpointReader, items: list[tuple[int, int]], node: str, directory: str = SHM_DIR,
     dense: bool = True,
 ) -> tuple[str, int]:
-    """Read `items` (MoE layer index, expert) from the checkpoint into a safetensors file in
-    `directory` (RAM-backed /dev/shm by default), plus the dense weights when `dense`, for ranks
-    that restart; returns (path, bytes)."""
-    moe_layers = reader.config.moe_layers
-    tensors: dict[str, torch.Tensor] = {}
-    if dense:
-        tensors.update({DENSE_PREFIX + name: t.contiguous() for name, t in reader.dense_state().items()})
-    by_layer: dict[int, list[int]] = {}
-    for layer, expert in items:
-        by_layer.setdefault(layer, []).append(expert)
-    for layer, experts in by_layer.items():
-        w13, w2 = reader.read_experts(moe_layers[layer], experts)
-        for i, expert in enumerate(experts):
-            tensors[backup_key(layer, expert, "w13")] = w13[i].contiguous()
-            tensors[backup_key(layer, expert, "w2")] = w2[i].contiguous()
-    base = directory if os.path.isdir(directory) else tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix=f"elastic-ep-backup-{node}-", suffix=".safetensors", dir=base)
-    os.close(fd)
-    save_file(tensors, path)
-    return path, Path(path).stat().st_size
+    """The whole backup file at once (see BackupWriter); returns (path, bytes)."""
+    writer = BackupWriter(reader, items, node, directory, dense)
+    try:
+        writer.write_dense()
+        writer.write_experts(items)
+    finally:
+        writer.close()
+    return writer.path, writer.nbytes
+
+
+def _tensors(path: str) -> dict[str, tuple[int, list[int]]]:
+    """name -> (absolute offset, shape) of every tensor of a float32 safetensors file."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {name: (8 + size + e["data_offsets"][0], e["shape"]) for name, e in header.items() if name != "__metadata__"}
+
+
+def _entry(tensors: dict[str, tuple[int, list[int]]], layer: int, expert: int, part: str) -> tuple[int, list[int]]:
+    name = backup_key(layer, expert, part)
+    if name not in tensors:
+        raise KeyError(f"layer {layer} expert {expert} is not in this node's backup")
+    return tensors[name]
+
+
+def read_experts_into(path: str, items: list[tuple[int, int]], w13: list[torch.Tensor], w2: list[torch.Tensor]) -> int:
+    """Read `items` (layer, expert) of a backup file into w13[i] [2I, H] and w2[i] [H, I]
+    (contiguous float32, e.g. expert slots); returns bytes read. Raises KeyError for a missing item."""
+    tensors = _tensors(path)
+    fd = os.open(path, os.O_RDONLY)
+    total = 0
+    try:
+        for (layer, expert), d13, d2 in zip(items, w13, w2, strict=True):
+            for part, dst in (("w13", d13), ("w2", d2)):
+                offset, shape = _entry(tensors, layer, expert, part)
+                buf = memoryview(dst.numpy()).cast("B")
+                if list(dst.shape) != shape or os.preadv(fd, [buf], offset) != buf.nbytes:
+                    raise OSError(f"{backup_key(layer, expert, part)} in {path} has shape {shape}, "
+                                  f"expected {list(dst.shape)}")
+                total += buf.nbytes
+    finally:
+        os.close(fd)
+    return total
 
 
 def read_backup(path: str, items: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     """w13 [n, 2I, H], w2 [n, H, I] of `items` from a backup file. Raises KeyError for a missing item."""
-    with safe_open(path, framework="pt") as f:
-        names = set(f.keys())
-        for layer, expert in items:
-            if backup_key(layer, expert, "w13") not in names:
-                raise KeyError(f"layer {layer} expert {expert} is not in this node's backup")
-        w13 = torch.stack([f.get_tensor(backup_key(layer, e, "w13")) for layer, e in items])
-        w2 = torch.stack([f.get_tensor(backup_key(layer, e, "w2")) for layer, e in items])
+    tensors = _tensors(path)
+    shapes = [_entry(tensors, layer, expert, part)[1] for layer, expert in items[:1] for part in ("w13", "w2")]
+    s13, s2 = shapes or ([0, 0], [0, 0])
+    w13, w2 = torch.empty(len(items), *s13), torch.empty(len(items), *s2)
+    read_experts_into(path, items, list(w13), list(w2))
     return w13.numpy(), w2.numpy()
 
 

@@ -2,9 +2,9 @@
 
 Per MoE layer (index 0..L-1, not the model's layer id) the rank holds w13 [S, 2I, H] and
 w2 [S, H, I] for its S slots. A new epoch rebuilds them from the old contents (keep, local
-moves), peers (point-to-point in the new group), the host-memory backup (same node: mmap of
-the agent's safetensors file; other node: the agent over ZeroMQ) or the checkpoint (only the
-tensors needed). Every slot is then summarised by `expert_checksum`, which the controller
+moves), peers (point-to-point in the new group), the host-memory backup (same node: read from
+the agent's file straight into the slots; other node: the agent over ZeroMQ) or the checkpoint
+(only the tensors needed). Every filled slot is then summarised by `expert_checksum`, which the controller
 compares with the checksum of that expert's weights as first read from the checkpoint (the
 source, reported in `EpochReady.source_checksums`), never with another slot's copy.
 """
@@ -14,15 +14,13 @@ from __future__ import annotations
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import zmq
-from safetensors import safe_open
 
 from elastic_ep.model.checkpoint import CheckpointReader
-from elastic_ep.node.backup_file import backup_key
+from elastic_ep.node.backup_file import read_experts_into
 from elastic_ep.wire import BackupFetch, BackupSite, SlotSource, TransferStat, decode, encode
 
 from .group import EpochGroup
@@ -33,12 +31,6 @@ def expert_checksum(w13: torch.Tensor, w2: torch.Tensor) -> int:
     Read in place (no copy of the bytes): a slot is a contiguous view."""
     crc = zlib.crc32(w13.contiguous().numpy())
     return zlib.crc32(w2.contiguous().numpy(), crc)
-
-
-@dataclass
-class _Fill:
-    w13: list[torch.Tensor]
-    w2: list[torch.Tensor]
 
 
 class ExpertSlots:
@@ -170,15 +162,10 @@ class ExpertSlots:
             by_node[src.src_node].append(src)
         for site_node, wanted in by_node.items():
             site = backups[site_node]
-            if site_node == node:
-                with safe_open(site.path, framework="pt") as f:
-                    for src in wanted:
-                        self._put(
-                            src,
-                            f.get_tensor(backup_key(src.layer, src.expert, "w13")),
-                            f.get_tensor(backup_key(src.layer, src.expert, "w2")),
-                            stat,
-                        )
+            if site_node == node:  # straight from the node's file into the slots
+                stat[0] += read_experts_into(site.path, [(s.layer, s.expert) for s in wanted],
+                                             [self.w13[s.layer][s.slot] for s in wanted],
+                                             [self.w2[s.layer][s.slot] for s in wanted])
                 continue
             try:
                 w13, w2 = fetch_backup(site.fetch_addr, [(s.layer, s.expert) for s in wanted], timeout_s)
