@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --auto-recover: wait before the first restart, doubled per death in a row (default 1)")
     parser.add_argument("--restart-backoff-max-s", type=float, default=30.0,
                         help="with --auto-recover: longest wait between restarts (default 30)")
+    parser.add_argument("--exit-poll-interval-s", type=float, default=0.005,
+                        help="how often the workers' /proc stat is read, so a worker's death is reported when "
+                             "it begins, not once its memory is freed (default 0.005)")
     parser.add_argument("--advertise-host", default="127.0.0.1",
                         help="address other nodes reach this agent's expert backup at (default 127.0.0.1)")
 
@@ -34,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     controller = args.controller if args.controller.startswith("tcp://") else f"tcp://{args.controller}"
     agent = NodeAgent(controller, args.node, args.advertise_host, args.ranks, args.stop_grace_s, args.join_mode,
-                      args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s)
+                      args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s,
+                      exit_poll_s=args.exit_poll_interval_s)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -61,6 +61,8 @@ HELP = {
                              "then move to the others",
     "health_checks": "heartbeat and watchdog detection (off only to measure their cost)",
     "health_check_period_s": "how often the controller runs the heartbeat and watchdog checks",
+    "exit_poll_interval_s": "how often this node's agent reads its workers' /proc stat, so a worker's death is "
+                            "reported when it begins, not once the kernel has freed its memory",
     "expert_sweep_interval_s": "background check of expert slots: how often each rank checksums a few slots",
     "expert_sweep_slots": "slots each rank checksums per background check (0: no background check)",
     "rebalance_move_bytes": "after a recovery or rejoin (which restore only the experts that lost every copy) and "
@@ -111,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
     agent = NodeAgent(controller.health_addr, args.node, cfg.host,
-                      args.ep_size if args.local_ranks is None else args.local_ranks)
+                      args.ep_size if args.local_ranks is None else args.local_ranks,
+                      exit_poll_s=cfg.exit_poll_interval_s)
     agent_stop = threading.Event()
     agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
     agent_thread.start()

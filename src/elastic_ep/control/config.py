@@ -48,6 +48,7 @@ class ServeConfig:
     scale_drain_timeout_s: float = 5.0
     health_checks: bool = True
     health_check_period_s: float = 0.02
+    exit_poll_interval_s: float = 0.005
     expert_sweep_interval_s: float = 0.5
     expert_sweep_slots: int = 4
     rebalance_move_bytes: int = 32 * 2**20

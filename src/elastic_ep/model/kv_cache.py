@@ -19,6 +19,8 @@ import torch
 
 from elastic_ep.errors import ElasticEPError
 
+from .memory import huge_zeros
+
 
 class CacheCapacityError(ElasticEPError):
     """A sequence does not fit: too many sequences at once, or longer than max_model_len."""
@@ -52,10 +54,10 @@ class KVCache:
         self.num_layers = num_layers
         self.capacity = min(initial_capacity, max_model_len)
         self.keys = [
-            torch.zeros(max_seqs, shape.kv_heads, self.capacity, shape.k_dim) for _ in range(num_layers)
+            huge_zeros(max_seqs, shape.kv_heads, self.capacity, shape.k_dim) for _ in range(num_layers)
         ]
         self.values = [
-            torch.zeros(max_seqs, shape.kv_heads, self.capacity, shape.v_dim) for _ in range(num_layers)
+            huge_zeros(max_seqs, shape.kv_heads, self.capacity, shape.v_dim) for _ in range(num_layers)
         ]
         self._slots: dict[int, int] = {}
         self._lengths: dict[int, int] = {}
@@ -126,11 +128,9 @@ class KVCache:
         while capacity < needed:
             capacity *= 2
         capacity = min(capacity, self.max_model_len)
-        pad = capacity - self.capacity
         for layer in range(self.num_layers):
-            k, v = self.keys[layer], self.values[layer]
-            self.keys[layer] = torch.cat([k, k.new_zeros(*k.shape[:2], pad, k.shape[3])], dim=2)
-            self.values[layer] = torch.cat([v, v.new_zeros(*v.shape[:2], pad, v.shape[3])], dim=2)
+            self.keys[layer] = _grown(self.keys[layer], capacity)
+            self.values[layer] = _grown(self.values[layer], capacity)
         self.capacity = capacity
 
     def write(
@@ -152,3 +152,10 @@ class KVCache:
             return keys[rows, :, :max_len], values[rows, :, :max_len]
         index = torch.tensor(slots, dtype=torch.int64)
         return keys[index, :, :max_len], values[index, :, :max_len]
+
+
+def _grown(cache: torch.Tensor, capacity: int) -> torch.Tensor:
+    """cache [seqs, heads, n, dim] copied into a zeroed [seqs, heads, capacity, dim]."""
+    out = huge_zeros(*cache.shape[:2], capacity, cache.shape[3])
+    out[:, :, : cache.shape[2]] = cache
+    return out

@@ -1,10 +1,11 @@
 """The node agent: starts and supervises the node's workers, fences them on order, and keeps
 the node's share of the expert backup in shared memory.
 
-It reports a worker's exit the moment it happens (one thread blocked in `wait()` per worker),
-kills a rank on the controller's `FenceWorker` and confirms once the process is gone, sends
-signals for fault injection, and answers `BackupFetch` and `DenseFetch` from workers of other
-nodes on its own ROUTER socket. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
+It reports a worker's exit the moment it begins (a thread polls the workers' /proc stat every
+`exit_poll_s`, see `exits.py`; one thread blocked in `wait()` per worker reaps it and reports an
+exit the poll missed), kills a rank on the controller's `FenceWorker` and confirms once the
+process can no longer run, sends signals for fault injection, and answers `BackupFetch` and
+`DenseFetch` from workers of other nodes on its own ROUTER socket. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
 one alone. With `auto_recover` it starts a rank that died again itself (join_mode recover),
 after a backoff that doubles with every death in a row, up to `backoff_max_s`.
 On shutdown it terminates its workers (SIGTERM, then SIGKILL after `stop_grace_s`) and removes
@@ -50,6 +51,7 @@ from elastic_ep.wire import (
 )
 
 from .backup_file import BackupWriter, read_backup, read_dense
+from .exits import exit_code, open_stat
 
 # Experts per announcement of the backup being written: small enough that a fault soon after
 # start finds most of the single-copy experts already in host memory.
@@ -61,8 +63,10 @@ class _Child:
     rank_id: int
     proc: subprocess.Popen
     started_at: float
+    stat_fd: int
     fencing: bool = False
     final: bool = False
+    reported: bool = False
 
 
 class NodeAgent:
@@ -71,7 +75,8 @@ class NodeAgent:
     num_ranks: how many ranks this node offers (the controller assigns their rank_ids);
     join_mode: "recover" for a replacement node that takes over ranks that are down;
     auto_recover: restart dead ranks here, `backoff_s` after the first death, doubling up to
-    `backoff_max_s`; a rank that ran `backoff_reset_s` before dying starts the count again."""
+    `backoff_max_s`; a rank that ran `backoff_reset_s` before dying starts the count again;
+    exit_poll_s: how often the workers' /proc stat is read for an exit that has begun."""
 
     def __init__(
         self,
@@ -85,6 +90,7 @@ class NodeAgent:
         backoff_s: float = 1.0,
         backoff_max_s: float = 30.0,
         backoff_reset_s: float = 60.0,
+        exit_poll_s: float = 0.005,
     ):
         self.node = node
         self.stop_grace_s = stop_grace_s
@@ -92,6 +98,7 @@ class NodeAgent:
         self.join_mode = join_mode
         self.auto_recover = auto_recover
         self.backoff_s, self.backoff_max_s, self.backoff_reset_s = backoff_s, backoff_max_s, backoff_reset_s
+        self.exit_poll_s = exit_poll_s
         self.deaths: dict[int, int] = {}
         self.restart_at: dict[int, float] = {}
         self.ctx = zmq.Context.instance()
@@ -122,6 +129,7 @@ class NodeAgent:
         poller = zmq.Poller()
         for s in (self.sock, self.fetch, self.events):
             poller.register(s, zmq.POLLIN)
+        threading.Thread(target=self._watch_exits, name="exit-watch", daemon=True).start()
         try:
             while not stop.is_set():
                 ready = dict(poller.poll(50))
@@ -169,13 +177,35 @@ class NodeAgent:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env)
         with self._lock:
-            self.children[proc.pid] = _Child(rank_id, proc, time.monotonic())
+            self.children[proc.pid] = _Child(rank_id, proc, time.monotonic(), open_stat(proc.pid))
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
         self.sock.send(encode(WorkerStarted(self.node, rank_id, proc.pid)))
+
+    def _watch_exits(self) -> None:
+        while not self._stopped.wait(self.exit_poll_s):
+            with self._lock:
+                running = [c for c in self.children.values() if not c.reported]
+            for child in running:
+                code = exit_code(child.stat_fd)
+                if code is not None:
+                    self._report_exit(child, code)
+
+    def _report_exit(self, child: _Child, returncode: int) -> None:
+        """Report a worker's exit once: to the controller as fenced when it was fenced."""
+        with self._lock:
+            if child.reported:
+                return
+            child.reported = True
+        if child.fencing:
+            self._notify(WorkerFenced(self.node, child.rank_id, child.proc.pid))
+        else:
+            self._notify(WorkerExited(self.node, child.rank_id, child.proc.pid, returncode))
 
     def _wait(self, pid: int) -> None:
         child = self.children[pid]
         returncode = child.proc.wait()
+        self._report_exit(child, returncode)
+        os.close(child.stat_fd)
         with self._lock:
             self.children.pop(pid, None)
             if self.auto_recover and returncode != 0 and not child.final and not self._stopped.is_set():
@@ -184,10 +214,6 @@ class NodeAgent:
                 self.deaths[child.rank_id] = deaths + 1
                 delay_s = min(self.backoff_s * 2**deaths, self.backoff_max_s)
                 self.restart_at[child.rank_id] = time.monotonic() + delay_s
-        if child.fencing:
-            self._notify(WorkerFenced(self.node, child.rank_id, pid))
-        else:
-            self._notify(WorkerExited(self.node, child.rank_id, pid, returncode))
 
     def _fence(self, msg: FenceWorker) -> None:
         with self._lock:

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from elastic_ep.model.checkpoint import CheckpointReader
+from elastic_ep.model.memory import huge_zeros
 from elastic_ep.node.backup_file import read_experts_into
 from elastic_ep.wire import BackupFetch, BackupSite, SlotSource, TransferStat, decode, encode
 
@@ -40,8 +41,8 @@ class ExpertSlots:
         self.moe_layers = moe_layers
         self.slots_per_rank = slots_per_rank
         num_layers = len(moe_layers)
-        self.w13 = [torch.zeros(slots_per_rank, 2 * inter, hidden) for _ in range(num_layers)]
-        self.w2 = [torch.zeros(slots_per_rank, hidden, inter) for _ in range(num_layers)]
+        self.w13 = [huge_zeros(slots_per_rank, 2 * inter, hidden) for _ in range(num_layers)]
+        self.w2 = [huge_zeros(slots_per_rank, hidden, inter) for _ in range(num_layers)]
         self.experts = np.full((num_layers, slots_per_rank), -1, dtype=np.int64)
 
     def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
