@@ -32,6 +32,8 @@ HELP = {
     "max_num_seqs": "sequences in flight per rank",
     "max_model_len": "longest prompt plus output, tokens",
     "max_num_batched_tokens": "tokens per rank per step (chunked prefill)",
+    "reprefill_tokens_per_step": "tokens per step, over all ranks, of re-prefilling the requests of a lost rank, so "
+                                 "the others keep decoding at their pace (0: no limit)",
     "padded_dispatch_max_tokens": "steps whose busiest rank runs at most this many tokens dispatch fixed-size "
                                   "blocks, one all-to-all fewer per layer (0: never)",
     "expert_backup": "keep each node's share of the routed experts in host shared memory",

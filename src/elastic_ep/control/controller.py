@@ -89,7 +89,7 @@ class Controller:
         slots_per_rank = check_config(cfg, self.config)
         num_layers = len(self.config.moe_layers)
         self.metrics = ClusterMetrics(registry or CollectorRegistry())
-        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.reprefill_tokens_per_step)
         self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.streams = Streams(self.scheduler)

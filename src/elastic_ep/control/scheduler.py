@@ -7,7 +7,9 @@ no rank arrives late at the all-to-all (seed 000, section 3). Limits: `max_num_s
 per rank, `max_num_batched_tokens` tokens per rank per step.
 
 The scheduler holds every sequence's prompt and generated tokens, so a sequence whose rank
-died is simply re-prefilled elsewhere (`evict_rank`): prompt plus tokens so far.
+died is simply re-prefilled elsewhere (`evict_rank`): prompt plus tokens so far, at most
+`reprefill_tokens_per_step` tokens of such sequences per step over all ranks, so the survivors'
+decode is not held up by one long step (every rank waits for the slowest in each MoE layer).
 Nothing here does I/O; the controller calls `schedule`, runs the step, then `commit`.
 """
 
@@ -68,9 +70,12 @@ class StepBatch:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
+    """reprefill_tokens_per_step: 0 for no limit."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, reprefill_tokens_per_step: int = 0):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.reprefill_tokens_per_step = reprefill_tokens_per_step
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, list[Sequence]] = {}
         self.to_free: dict[int, list[int]] = {}
@@ -123,11 +128,21 @@ class Scheduler:
     def schedule(self) -> StepBatch:
         """Plan the next step over the ranks given to `set_ranks`."""
         budget = self.max_num_batched_tokens
+        moved_left = self.reprefill_tokens_per_step or budget * max(len(self.running), 1)
+
+        def plan(seq: Sequence, out: list[ChunkPlan], room: int) -> int:
+            nonlocal moved_left
+            if not (seq.output and seq.pending > 1):  # not a re-prefill after its rank was lost
+                return self._plan(seq, out, room)
+            n = self._plan(seq, out, min(room, moved_left))
+            moved_left -= n
+            return n
+
         chunks: dict[int, list[ChunkPlan]] = {r: [] for r in self.running}
         used = dict.fromkeys(self.running, 0)
         for rank, seqs in self.running.items():
             for seq in seqs:
-                used[rank] += self._plan(seq, chunks[rank], budget - used[rank])
+                used[rank] += plan(seq, chunks[rank], budget - used[rank])
         room = sum(max(self.max_num_seqs - len(seqs), 0) for r, seqs in self.running.items() if r not in self.draining)
         admitted = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         # Longest first onto the least loaded rank: the classic greedy for even sums.
@@ -136,7 +151,7 @@ class Scheduler:
             assert rank is not None
             seq.rank = rank
             self.running[rank].append(seq)
-            used[rank] += self._plan(seq, chunks[rank], budget - used[rank])
+            used[rank] += plan(seq, chunks[rank], budget - used[rank])
         free = {r: self.to_free[r] for r in self.running}
         self.to_free = {r: [] for r in self.running}
         return StepBatch(chunks, free)
