@@ -21,6 +21,7 @@ from elastic_ep.harness.server_process import free_port
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.node.agent import NodeAgent
+from elastic_ep.node.exits import exit_code, open_stat
 from elastic_ep.runtime.experts import fetch_backup
 from elastic_ep.wire import (
     AgentBye,
@@ -76,6 +77,18 @@ class StandInController:
         self.step.close()
 
 
+def can_no_longer_run(pid: int) -> bool:
+    """Gone, or its exit has begun (the agent confirms a fence then, before the kernel has freed it)."""
+    try:
+        fd = open_stat(pid)
+    except FileNotFoundError:
+        return True
+    try:
+        return exit_code(fd) is not None
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.e2e
 def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
     ctl = StandInController()
@@ -100,7 +113,7 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
 
         ctl.to_agent(FenceWorker(0, started[0], "test fence"))
         fenced = ctl.expect(ctl.health, WorkerFenced)
-        assert (fenced.rank_id, fenced.pid) == (0, started[0]) and not psutil.pid_exists(started[0])
+        assert (fenced.rank_id, fenced.pid) == (0, started[0]) and can_no_longer_run(started[0])
 
         ctl.to_agent(SignalWorker(1, started[1], signal.SIGKILL))
         exited = ctl.expect(ctl.health, WorkerExited)

@@ -22,7 +22,7 @@ class ServeConfig:
     max_num_seqs: int = 32
     max_model_len: int = 1024
     max_num_batched_tokens: int = 256
-    reprefill_tokens_per_step: int = 32
+    reprefill_tokens_per_step: int = 64
     padded_dispatch_max_tokens: int = 16
     expert_backup: bool = True
     enable_eplb: bool = False

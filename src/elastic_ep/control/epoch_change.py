@@ -58,6 +58,7 @@ class EpochReport:
     verify_s: float
     transfers: dict[str, dict[str, float]]
     epoch_change_s: float
+    verified_slots: int  # slots filled, hence checksummed, in this epoch (the others were kept)
     disk_reason: str  # why experts came from disk ("" when none did)
 
     def fields(self) -> dict[str, Any]:
@@ -188,7 +189,8 @@ class EpochChanger:
             round(max(r.rendezvous_s for r in replies.values()), 4),
             round(max(r.transfer_s for r in replies.values()), 4),
             round(max(r.verify_s for r in replies.values()), 4),
-            dict(by_source), round(time.monotonic() - t0, 4), c.why_disk() if plan.bytes_by_source["disk"] else "",
+            dict(by_source), round(time.monotonic() - t0, 4), sum(len(v) for v in sources.values()),
+            c.why_disk() if plan.bytes_by_source["disk"] else "",
         ))
 
     def _verify(self, filled: dict[int, list[SlotSource]], replies: dict[int, EpochReady]) -> set[Slot]:

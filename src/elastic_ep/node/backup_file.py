@@ -6,8 +6,8 @@ node's share (`layer<L>.expert<E>.w13|w2`, L = MoE layer index), float32. The wh
 header and every tensor's offset) is fixed before any weight is written, so the agent writes the
 file piece by piece and announces each piece as it lands: a fault soon after start restores
 from what is already written instead of from disk. A reader reads an expert straight into its
-destination with one positioned read per tensor (no mapping, no intermediate copy); other nodes
-ask the agent, which reads it the same way.
+destination with positioned reads (no mapping, no intermediate copy), checksumming each chunk as
+it lands; other nodes ask the agent, which reads it the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import os
 import struct
 import tempfile
+import zlib
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from elastic_ep.model.checkpoint import CheckpointReader
 SHM_DIR = "/dev/shm"
 DENSE_PREFIX = "dense."
 _F32 = 4
+READ_CHUNK_BYTES = 2**20  # read, then checksummed while still in cache
 
 
 def backup_key(layer: int, expert: int, part: str) -> str:
@@ -115,40 +117,43 @@ def _tensors(path: str) -> dict[str, tuple[int, list[int]]]:
     return {name: (8 + size + e["data_offsets"][0], e["shape"]) for name, e in header.items() if name != "__metadata__"}
 
 
-def _entry(tensors: dict[str, tuple[int, list[int]]], layer: int, expert: int, part: str) -> tuple[int, list[int]]:
-    name = backup_key(layer, expert, part)
-    if name not in tensors:
-        raise KeyError(f"layer {layer} expert {expert} is not in this node's backup")
-    return tensors[name]
-
-
-def read_experts_into(path: str, items: list[tuple[int, int]], w13: list[torch.Tensor], w2: list[torch.Tensor]) -> int:
-    """Read `items` (layer, expert) of a backup file into w13[i] [2I, H] and w2[i] [H, I]
-    (contiguous float32, e.g. expert slots); returns bytes read. Raises KeyError for a missing item."""
+def expert_offsets(path: str, items: list[tuple[int, int]]) -> list[tuple[tuple[int, list[int]], tuple[int, list[int]]]]:
+    """Per (layer, expert) of `items`: (offset, shape) of its w13 and of its w2 in a backup file,
+    for reading it straight into place. Raises KeyError for a missing item."""
     tensors = _tensors(path)
-    fd = os.open(path, os.O_RDONLY)
-    total = 0
-    try:
-        for (layer, expert), d13, d2 in zip(items, w13, w2, strict=True):
-            for part, dst in (("w13", d13), ("w2", d2)):
-                offset, shape = _entry(tensors, layer, expert, part)
-                buf = memoryview(dst.numpy()).cast("B")
-                if list(dst.shape) != shape or os.preadv(fd, [buf], offset) != buf.nbytes:
-                    raise OSError(f"{backup_key(layer, expert, part)} in {path} has shape {shape}, "
-                                  f"expected {list(dst.shape)}")
-                total += buf.nbytes
-    finally:
-        os.close(fd)
-    return total
+    out = []
+    for layer, expert in items:
+        if backup_key(layer, expert, "w13") not in tensors:
+            raise KeyError(f"layer {layer} expert {expert} is not in this node's backup")
+        out.append((tensors[backup_key(layer, expert, "w13")], tensors[backup_key(layer, expert, "w2")]))
+    return out
+
+
+def read_checked(fd: int, offset: int, dst: torch.Tensor, crc: int = 0) -> int:
+    """Fill `dst` (contiguous float32, e.g. an expert slot) from file `fd` at `offset`, a chunk at
+    a time, and return `crc` continued (zlib CRC32) over its bytes, each chunk checksummed right
+    after it landed, while in cache: a restored slot is verified without a second pass over memory."""
+    buf = memoryview(dst.numpy()).cast("B")
+    for at in range(0, buf.nbytes, READ_CHUNK_BYTES):
+        chunk = buf[at : at + READ_CHUNK_BYTES]
+        if os.preadv(fd, [chunk], offset + at) != chunk.nbytes:
+            raise OSError(f"short read of {chunk.nbytes} bytes at {offset + at}")
+        crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def read_backup(path: str, items: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     """w13 [n, 2I, H], w2 [n, H, I] of `items` from a backup file. Raises KeyError for a missing item."""
-    tensors = _tensors(path)
-    shapes = [_entry(tensors, layer, expert, part)[1] for layer, expert in items[:1] for part in ("w13", "w2")]
-    s13, s2 = shapes or ([0, 0], [0, 0])
+    entries = expert_offsets(path, items)
+    (_, s13), (_, s2) = entries[0] if entries else ((0, [0, 0]), (0, [0, 0]))
     w13, w2 = torch.empty(len(items), *s13), torch.empty(len(items), *s2)
-    read_experts_into(path, items, list(w13), list(w2))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for i, ((o13, _), (o2, _)) in enumerate(entries):
+            read_checked(fd, o13, w13[i])
+            read_checked(fd, o2, w2[i])
+    finally:
+        os.close(fd)
     return w13.numpy(), w2.numpy()
 
 

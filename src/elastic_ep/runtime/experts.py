@@ -11,9 +11,11 @@ source, reported in `EpochReady.source_checksums`), never with another slot's co
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,7 +23,7 @@ import zmq
 
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.memory import huge_zeros
-from elastic_ep.node.backup_file import read_experts_into
+from elastic_ep.node.backup_file import expert_offsets, read_checked
 from elastic_ep.wire import BackupFetch, BackupSite, SlotSource, TransferStat, decode, encode
 
 from .group import EpochGroup
@@ -32,6 +34,18 @@ def expert_checksum(w13: torch.Tensor, w2: torch.Tensor) -> int:
     Read in place (no copy of the bytes): a slot is a contiguous view."""
     crc = zlib.crc32(w13.contiguous().numpy())
     return zlib.crc32(w2.contiguous().numpy(), crc)
+
+
+@dataclass(frozen=True)
+class Filled:
+    """What filling the slots did: bytes and seconds per source kind; (layer, expert) -> checksum
+    of every expert read from disk, taken on the weights as read (the reference for that expert);
+    (layer, slot) -> checksum of the slots already checksummed as they were filled (the rest are
+    checksummed afterwards)."""
+
+    stats: list[TransferStat]
+    source_checksums: dict[tuple[int, int], int]
+    checked: dict[tuple[int, int], int]
 
 
 class ExpertSlots:
@@ -68,15 +82,13 @@ class ExpertSlots:
         backups: dict[str, BackupSite],
         node: str,
         fetch_timeout_s: float,
-    ) -> tuple[list[TransferStat], dict[tuple[int, int], int]]:
+    ) -> Filled:
         """Fill every slot for the new epoch.
 
         new_experts: [L, S] the logical expert each slot must hold afterwards.
         sources: where each changed slot comes from; sends: (dst_rank_id, layer, src_slot)
         this rank sends, in the order the receiver lists its peer sources.
         fetch_timeout_s: how long another node's agent may take to answer a backup fetch.
-        Returns bytes and seconds per source kind, and (layer, expert) -> checksum of every
-        expert read from disk, taken on the weights as read.
         """
         # Sources refer to the old contents: copy out every slot read before any is overwritten.
         read = {(src.layer, src.src_slot) for src in sources if src.kind == "local"}
@@ -98,10 +110,11 @@ class ExpertSlots:
 
         # Reported apart: "backup" is this node's shared memory, "backup_remote" another node's agent.
         backup = by_kind["backup"]
+        checked: dict[tuple[int, int], int] = {}
         for kind, items in (("backup", [b for b in backup if b.src_node == node]),
                             ("backup_remote", [b for b in backup if b.src_node != node])):
             t0 = time.perf_counter()
-            self._from_backup(items, backups, node, fetch_timeout_s, stats[kind])
+            self._from_backup(items, backups, node, fetch_timeout_s, stats[kind], checked)
             stats[kind][1] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -118,7 +131,7 @@ class ExpertSlots:
 
         self.experts = np.array(new_experts, dtype=np.int64)
         stat_list = [TransferStat(kind, int(b), s) for kind, (b, s) in stats.items() if b or kind in by_kind]
-        return stat_list, source_checksums
+        return Filled(stat_list, source_checksums, checked)
 
     def _put(self, src: SlotSource, w13: torch.Tensor, w2: torch.Tensor, stat: list[float]) -> None:
         self.w13[src.layer][src.slot].copy_(w13)
@@ -150,6 +163,19 @@ class ExpertSlots:
                 flat = recvs[peer][i * per_expert : (i + 1) * per_expert]
                 self._put(src, flat[:n13].view(w13_shape), flat[n13:].view(w2_shape), stat)
 
+    def _read_local(self, path: str, wanted: list[SlotSource], stat: list[float],
+                    checked: dict[tuple[int, int], int]) -> None:
+        """Same-node backup: straight from the file into the slots, checksummed as they land."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for src, ((o13, _), (o2, _)) in zip(wanted, expert_offsets(path, [(s.layer, s.expert) for s in wanted]),
+                                                strict=True):
+                w13, w2 = self.w13[src.layer][src.slot], self.w2[src.layer][src.slot]
+                checked[(src.layer, src.slot)] = read_checked(fd, o2, w2, read_checked(fd, o13, w13))
+                stat[0] += w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
+        finally:
+            os.close(fd)
+
     def _from_backup(
         self,
         items: list[SlotSource],
@@ -157,16 +183,15 @@ class ExpertSlots:
         node: str,
         timeout_s: float,
         stat: list[float],
+        checked: dict[tuple[int, int], int],
     ) -> None:
         by_node: dict[str, list[SlotSource]] = defaultdict(list)
         for src in items:
             by_node[src.src_node].append(src)
         for site_node, wanted in by_node.items():
             site = backups[site_node]
-            if site_node == node:  # straight from the node's file into the slots
-                stat[0] += read_experts_into(site.path, [(s.layer, s.expert) for s in wanted],
-                                             [self.w13[s.layer][s.slot] for s in wanted],
-                                             [self.w2[s.layer][s.slot] for s in wanted])
+            if site_node == node:
+                self._read_local(site.path, wanted, stat, checked)
                 continue
             try:
                 w13, w2 = fetch_backup(site.fetch_addr, [(s.layer, s.expert) for s in wanted], timeout_s)

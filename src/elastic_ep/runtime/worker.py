@@ -168,7 +168,7 @@ class Worker:
                 )
             self.progress.enter("transfer")
             t0 = time.perf_counter()
-            stats, source_checksums = self.slots.apply(
+            filled = self.slots.apply(
                 location.experts_of_rank(args.rank_id),
                 msg.sources,
                 msg.sends,
@@ -180,7 +180,8 @@ class Worker:
             )
             transfer_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            checksums = self.slots.checksums([(src.layer, src.slot) for src in msg.sources])
+            unchecked = [(src.layer, src.slot) for src in msg.sources if (src.layer, src.slot) not in filled.checked]
+            checksums = {**filled.checked, **self.slots.checksums(unchecked)}
             verify_s = time.perf_counter() - t0
             self.moe = ExpertParallelMoE(
                 self.slots,
@@ -192,8 +193,8 @@ class Worker:
                 location.num_ranks,
             )
             self.progress.idle()
-            self.send(EpochReady(msg.epoch, args.rank_id, checksums, source_checksums, stats, rendezvous_s, transfer_s,
-                                 verify_s))
+            self.send(EpochReady(msg.epoch, args.rank_id, checksums, filled.source_checksums, filled.stats,
+                                 rendezvous_s, transfer_s, verify_s))
         except EpochSuperseded:
             group.destroy()
         except BackupUnreachable as e:
