@@ -270,12 +270,16 @@ def sized_runs(model: str, backup: bool, args, expected: list[str], log: Path, s
     extra = [] if src else args.serve_extra.split()
     server = ServerProcess(sized_serve_args(model, backup, extra), log, ready_timeout_s=900, env=env)
     try:
-        if backup:
-            server.wait_for(lambda c: any(e["kind"] == "backup" and "holds" in e["message"] for e in c["events"]),
-                            timeout_s=600, what="the complete backup")
+        written_s = 0.0
+        if backup:  # from the first epoch (when the backup is assigned) to the whole file written
+            c = server.wait_for(lambda c: any(e["kind"] == "backup" and "holds" in e["message"] for e in c["events"]),
+                                timeout_s=600, what="the complete backup")
+            start = next(e for e in c["events"] if e["kind"] == "epoch")
+            written_s = next(e for e in c["events"] if e["kind"] == "backup")["time_s"] - start["time_s"]
         runs = []
         for i in range(args.repeats):
-            run = sized_kill(server, (i + 1) % EP_SIZE, args, expected, rebalances=src is None)
+            run = {**sized_kill(server, (i + 1) % EP_SIZE, args, expected, rebalances=src is None),
+                   "backup_written_s": written_s}
             print(json.dumps({"model": model, "backup": backup, "code": src or "this", **run}), flush=True)
             runs.append(run)
         return runs
@@ -285,7 +289,7 @@ def sized_runs(model: str, backup: bool, args, expected: list[str], log: Path, s
 
 def sized_row(size: str, backup: bool, code: str, runs: list[dict]) -> dict:
     keys = ("pause_s", "pause_kept_s", "normal_gap_s", *PARTS, "rebalance_s", "rebalance_mib", "move_max_s",
-            "rebalance_pause_s", "balancedness", "scratch_balancedness")
+            "rebalance_pause_s", "balancedness", "scratch_balancedness", "backup_written_s")
     mib: dict[str, float] = {}
     for r in runs:
         for k, v in r["mib"].items():
@@ -319,7 +323,8 @@ def run_sizes(args) -> None:
         model = checkpoint(size, cache)
         expected = reference(model, PROMPTS[: args.streams], args.max_tokens)
         for backup in {"both": (True, False), "on": (True,), "off": (False,)}[args.backup]:
-            for src in (None, args.baseline_src) if args.baseline_src else (None,):
+            baseline = args.baseline_src and size in (args.baseline_sizes or args.sizes).split(",")
+            for src in (None, args.baseline_src) if baseline else (None,):
                 log = cache / f"serve-{size}-{'backup' if backup else 'disk'}-{'base' if src else 'this'}.log"
                 runs = sized_runs(model, backup, args, expected, log, src)
                 rows.append(sized_row(size, backup, "baseline" if src else "this", runs))
@@ -347,6 +352,8 @@ def main() -> None:
     parser.add_argument("--remove-checkpoints", action="store_true", help="size sweep: delete them afterwards")
     parser.add_argument("--baseline-src", default="", help="size sweep: also run each configuration with this "
                         "source tree (its src/ directory), e.g. main's")
+    parser.add_argument("--baseline-sizes", default="", help="size sweep: the sizes to run the baseline for "
+                        "(default all)")
     parser.add_argument("--serve-extra", default="", help="size sweep: more `serve` flags for this code's servers")
     parser.add_argument("--backup", choices=["both", "on", "off"], default="both", help="size sweep: backup runs")
     args = parser.parse_args()

@@ -14,8 +14,10 @@ fill its slots and report their checksums.
 When a rank dies or hangs while the epoch forms, the wait ends with `Interrupted` (the detector
 holds the fault) or, for a member that never answers, `NotFormed` naming it; a slot whose
 checksum differs from its expert's reference (taken from the weights as first read from the
-checkpoint, never from another copy) ends with `VerifyFailed`, and the slot is refilled by the
-next epoch. The caller decides what each outcome means: this module calls no recovery.
+checkpoint, never from another copy) ends with `VerifyFailed`. After any of these, every slot
+the epoch was to fill is suspect (it may hold the old expert, the new one or parts of both) and
+the next epoch fills it again: only filled slots are verified, so what the controller believes a
+slot holds must be what it holds. The caller decides what each outcome means: this module calls no recovery.
 """
 
 from __future__ import annotations
@@ -160,21 +162,15 @@ class EpochChanger:
             ))
         while self.after_start:
             self.after_start.pop()()
-        deadline = time.monotonic() + self.cfg.epoch_timeout_s
-        while len(self.replies) < len(live):
-            self.pump(0.002)
-            if self.faulted(live):
-                return Interrupted()
-            failed = [m for m in self.replies.values() if isinstance(m, EpochFailed)]
-            if failed or time.monotonic() > deadline:
-                missing = [r for r in live if r not in self.replies]
-                detail = "; ".join(f"rank {m.rank_id}: {m.error}" for m in failed) or f"ranks {missing} timed out"
-                return NotFormed(detail, [] if failed else missing)
+        failure = self._wait(live)
         replies: dict[int, EpochReady] = self.replies  # type: ignore[assignment]
-        bad = self._verify(sources, replies)
-        if bad:
-            self.suspect_slots |= bad
-            return VerifyFailed(bad)
+        if failure is None and (bad := self._verify(sources, replies)):
+            failure = VerifyFailed(bad)
+        if failure is not None:
+            # A slot this epoch was to fill may now hold the old expert, the new one or parts of
+            # both: suspect until an epoch fills it again (held_placement leaves it out).
+            self.suspect_slots |= {(r, src.layer, src.slot) for r, filled in sources.items() for src in filled}
+            return failure
         c.location = new
         self.suspect_slots.clear()
         for r in live:
@@ -192,6 +188,20 @@ class EpochChanger:
             dict(by_source), round(time.monotonic() - t0, 4), sum(len(v) for v in sources.values()),
             c.why_disk() if plan.bytes_by_source["disk"] else "",
         ))
+
+    def _wait(self, live: list[int]) -> Interrupted | NotFormed | None:
+        """Until every member answered; None when all did with EpochReady."""
+        deadline = time.monotonic() + self.cfg.epoch_timeout_s
+        while len(self.replies) < len(live):
+            self.pump(0.002)
+            if self.faulted(live):
+                return Interrupted()
+            failed = [m for m in self.replies.values() if isinstance(m, EpochFailed)]
+            if failed or time.monotonic() > deadline:
+                missing = [r for r in live if r not in self.replies]
+                detail = "; ".join(f"rank {m.rank_id}: {m.error}" for m in failed) or f"ranks {missing} timed out"
+                return NotFormed(detail, [] if failed else missing)
+        return None
 
     def _verify(self, filled: dict[int, list[SlotSource]], replies: dict[int, EpochReady]) -> set[Slot]:
         """(rank, layer, slot) of every slot filled in this epoch whose checksum differs from its
