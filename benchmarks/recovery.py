@@ -216,18 +216,8 @@ def sized_serve_args(model: str, backup: bool, extra: list[str]) -> list[str]:
             *extra]
 
 
-def settled(c: dict, rebalances: bool) -> bool:
-    """Every rank serves and (where the code rebalances in the background) the rebalance after
-    the last recovery or rejoin is done."""
-    events = c["events"]
-    last = max((e["id"] for e in events if e["kind"] == "epoch" and e.get("reason") in ("rejoin", "recovery")),
-               default=0)
-    done = not rebalances or last == 0 or any(e["kind"] == "rebalanced" and e["id"] > last for e in events)
-    return c["ready"] and len(c["members"]) == EP_SIZE and all(r["state"] == "serving" for r in c["ranks"]) and done
-
-
 def sized_kill(server: ServerProcess, victim: int, args, expected: list[str], rebalances: bool) -> dict:
-    before = server.wait_for(lambda c: settled(c, rebalances), timeout_s=300, what="a settled group")
+    before = server.wait_full_group(EP_SIZE, timeout_s=300)
     pid = next(r["pid"] for r in before["ranks"] if r["rank_id"] == victim)
     sent: dict[str, float] = {}
 

@@ -119,6 +119,7 @@ class Engine(Protocol):
                       "heartbeat_age_s": float, "ready": bool,  # ready: serves in a verified epoch
                       "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
            "scale": scale_status(), "deadlines": {name: seconds},
+           "rebalance": {"active": bool, "reason": str | None, "moves": int, "slots": int},  # background
            "events": [{"id": int, "time_s": unix seconds, "kind": str, "rank_id": int | None,
                        "message": str, ...details}, ...]}
         Rank states are `control.ranks.RankStatus` values: starting, serving, draining, fencing,

@@ -19,7 +19,7 @@ placement computed from scratch over the same ranks and load.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.placement.location import ExpertLocation
@@ -52,6 +52,11 @@ class BackgroundRebalance:
     def request(self, reason: str) -> None:
         """Walk to a balanced placement over the current members, from the next boundary on."""
         self._start(reason, None)
+
+    def status(self) -> dict[str, Any]:
+        """For /cluster: whether a walk is under way, why, and how far it has come."""
+        return {"active": self.reason is not None, "reason": self.reason, "moves": self.moves,
+                "slots": self.slots_moved}
 
     def cancel(self) -> None:
         self.reason, self.target = None, None

@@ -100,7 +100,7 @@ class ClusterState:
     # ---- /cluster ----------------------------------------------------------------------------
 
     def snapshot(self, requests_of: Callable[[int], int], controller_addr: str, deadlines: dict[str, float],
-                 scale: dict[str, Any]) -> dict[str, Any]:
+                 scale: dict[str, Any], rebalance: dict[str, Any]) -> dict[str, Any]:
         """The JSON of GET /cluster (see control/api.py `Engine.cluster` for the fields)."""
         now = time.monotonic()
         total_slots = self.slots_per_rank * self.num_layers
@@ -110,7 +110,7 @@ class ClusterState:
             "time_s": time.time(), "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),
             "controller": controller_addr, "slots_per_rank": self.slots_per_rank, "ranks": ranks,
             "ready": self.readiness.ready, "reason": self.readiness.reason, "deadlines": deadlines,
-            "step": self.step, "scale": scale,
+            "step": self.step, "scale": scale, "rebalance": rebalance,
             "placement": json.loads(self.location.to_json()) if self.location is not None else None,
             "events": self.events.all(),
         }

@@ -398,4 +398,4 @@ class Controller:
         self._published_at = now
         deadlines = {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.detector.watchdog_deadline_s(), 3)}
         self.published.snapshot = self.cluster.snapshot(self.scheduler.num_requests, self.plane.health_addr,
-                                                        deadlines, self.scaling.status())
+                                                        deadlines, self.scaling.status(), self.rebalancer.status())

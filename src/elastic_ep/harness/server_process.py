@@ -82,9 +82,11 @@ class ServerProcess:
         raise TimeoutError(f"{what} not reached within {timeout_s}s: {json.dumps(self.cluster())[:3000]}")
 
     def wait_full_group(self, ep_size: int, timeout_s: float = 60.0) -> dict:
-        """Wait until `ep_size` ranks serve and the server is ready."""
+        """Wait until `ep_size` ranks serve, the server is ready and no background rebalance is
+        under way (a fault injected next lands in a quiet group)."""
         return self.wait_for(
-            lambda c: c["ready"] and len(c["members"]) == ep_size and all(r["state"] == "serving" for r in c["ranks"]),
+            lambda c: c["ready"] and len(c["members"]) == ep_size and all(r["state"] == "serving" for r in c["ranks"])
+            and not c.get("rebalance", {}).get("active"),
             timeout_s, f"all {ep_size} ranks serving",
         )
 
