@@ -29,7 +29,8 @@ kept their rank (all but the --streams / 4 with the largest gaps: the scheduler 
 an equal share). Texts are compared with `elastic-ep generate --ignore-eos`. The background
 rebalance: its time, its moves' longest epoch change, and the largest gap (less the median) that
 ended between the `recovered` and `rebalanced` events. --baseline-src runs every configuration
-again with that source tree's code (e.g. main), in the same run.
+again with that source tree's code (e.g. main), in the same run; --serve-extra "A;B" runs this
+code once per set of extra `serve` flags.
 """
 
 from __future__ import annotations
@@ -255,9 +256,9 @@ def sized_kill(server: ServerProcess, victim: int, args, expected: list[str], re
     }
 
 
-def sized_runs(model: str, backup: bool, args, expected: list[str], log: Path, src: str | None) -> list[dict]:
+def sized_runs(model: str, backup: bool, args, expected: list[str], log: Path, src: str | None,
+               extra: list[str]) -> list[dict]:
     env = {"PYTHONPATH": src} if src else None
-    extra = [] if src else args.serve_extra.split()
     server = ServerProcess(sized_serve_args(model, backup, extra), log, ready_timeout_s=900, env=env)
     try:
         written_s = 0.0
@@ -313,11 +314,13 @@ def run_sizes(args) -> None:
         model = checkpoint(size, cache)
         expected = reference(model, PROMPTS[: args.streams], args.max_tokens)
         for backup in {"both": (True, False), "on": (True,), "off": (False,)}[args.backup]:
-            baseline = args.baseline_src and size in (args.baseline_sizes or args.sizes).split(",")
-            for src in (None, args.baseline_src) if baseline else (None,):
-                log = cache / f"serve-{size}-{'backup' if backup else 'disk'}-{'base' if src else 'this'}.log"
-                runs = sized_runs(model, backup, args, expected, log, src)
-                rows.append(sized_row(size, backup, "baseline" if src else "this", runs))
+            variants = [(None, v.split()) for v in args.serve_extra.split(";")]
+            if args.baseline_src and size in (args.baseline_sizes or args.sizes).split(","):
+                variants.append((args.baseline_src, []))
+            for i, (src, extra) in enumerate(variants):
+                log = cache / f"serve-{size}-{'backup' if backup else 'disk'}-{i}.log"
+                runs = sized_runs(model, backup, args, expected, log, src, extra)
+                rows.append(sized_row(size, backup, "baseline" if src else " ".join(["this", *extra]), runs))
         if args.remove_checkpoints and SIZES[size]:
             subprocess.run(["rm", "-rf", model], check=True)
     print(json.dumps(rows, indent=2))
@@ -344,7 +347,8 @@ def main() -> None:
                         "source tree (its src/ directory), e.g. main's")
     parser.add_argument("--baseline-sizes", default="", help="size sweep: the sizes to run the baseline for "
                         "(default all)")
-    parser.add_argument("--serve-extra", default="", help="size sweep: more `serve` flags for this code's servers")
+    parser.add_argument("--serve-extra", default="", help="size sweep: more `serve` flags for this code's servers; "
+                        "';' separates variants, each run as a configuration of its own")
     parser.add_argument("--backup", choices=["both", "on", "off"], default="both", help="size sweep: backup runs")
     args = parser.parse_args()
     if args.sizes:
