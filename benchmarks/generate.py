@@ -55,33 +55,50 @@ def decode_tok_s(run, batch: int, tokens: int) -> float:
     return batch * (tokens - 1) / (time_s(lambda: run(tokens)) - time_s(lambda: run(1)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", choices=ARCHS, default="deepseek_v3")
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sizes of the random benchmark checkpoint (`write_model`)."""
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--moe-intermediate", type=int, default=128)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=64, help="generated tokens per sequence")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, tokens: int) -> None:
+    """How much to measure: `tokens` per sequence by default, batch sizes, repeats, threads."""
+    parser.add_argument("--tokens", type=int, default=tokens, help="generated tokens per sequence")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+
+
+def write_model(arch: str, model_dir: str, args: argparse.Namespace, **config_overrides) -> None:
+    """A random checkpoint of the sizes in `args` (vocabulary 1024) into `model_dir`."""
+    make_tiny(
+        arch,
+        model_dir,
+        hidden=args.hidden,
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        heads=args.heads,
+        moe_intermediate=args.moe_intermediate,
+        vocab=1024,
+        config_overrides=config_overrides,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=ARCHS, default="deepseek_v3")
+    add_model_arguments(parser)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    add_run_arguments(parser, tokens=64)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as model_dir:
-        make_tiny(
-            args.arch,
-            model_dir,
-            hidden=args.hidden,
-            layers=args.layers,
-            experts=args.experts,
-            top_k=args.top_k,
-            heads=8,
-            moe_intermediate=args.moe_intermediate,
-            vocab=1024,
-        )
+        write_model(args.arch, model_dir, args)
         engine = OfflineEngine.from_pretrained(model_dir, max_batch=max(args.batches))
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         gen = torch.Generator().manual_seed(0)

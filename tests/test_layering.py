@@ -9,7 +9,7 @@ from pathlib import Path
 import elastic_ep
 
 ROOT = Path(elastic_ep.__file__).parent
-PURE = {"model", "placement", "sim", "doctor"}
+PURE = {"model", "placement", "sim", "doctor", "policy"}
 RUNTIME_SIDE = {"runtime", "node", "control", "serve", "wire", "harness", "commands", "cli", "demo_view"}
 
 

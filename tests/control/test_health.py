@@ -1,8 +1,17 @@
-"""Detection rules: lost heartbeats, and the progress watchdog that names a hung rank but not a slow one."""
+"""Detection rules: lost heartbeats, the progress watchdog that names a hung rank but not a slow one,
+and the liveness an operator sees before any deadline acts."""
 
 from __future__ import annotations
 
-from elastic_ep.control.health import adaptive_deadline_s, hung_ranks, lost_heartbeats, relative_speeds
+from elastic_ep.control.health import (
+    adaptive_deadline_s,
+    hung_ranks,
+    lost_heartbeats,
+    rank_liveness,
+    relative_speeds,
+    stall_reason,
+)
+from elastic_ep.control.ranks import Liveness
 from elastic_ep.wire import Progress
 
 
@@ -41,3 +50,25 @@ def test_relative_speeds_from_own_time_slow_rank_gets_less():
     speeds = relative_speeds({0: [0.01, 0.01], 1: [0.01], 2: [0.02, 0.02, 0.02], 3: []})
     assert speeds[0] == speeds[1] == 1.0 and speeds[2] == 0.5 and 3 not in speeds
     assert relative_speeds({}) == {}
+
+
+def test_liveness_late_heartbeat_is_suspect_then_stalled_at_the_stall_deadline():
+    def state(heartbeat_age_s: float) -> Liveness:
+        return rank_liveness(heartbeat_age_s, None, False, "idle", suspect_after_s=0.5, stall_after_s=2.0).state
+
+    assert [state(a) for a in (0.1, 0.6, 2.5)] == [Liveness.LIVE, Liveness.SUSPECT, Liveness.STALLED]
+
+
+def test_in_a_stalled_step_the_rank_outside_the_collectives_is_stalled_the_others_wait():
+    def liveness(step_age_s: float, in_step: bool, phase: str):
+        return rank_liveness(0.05, step_age_s, in_step, phase, suspect_after_s=0.5, stall_after_s=2.0)
+
+    holder, victim = liveness(3.0, True, "compute"), liveness(3.0, True, "dispatch")
+    assert (holder.state, holder.stalled_s) == (Liveness.STALLED, 3.0)
+    assert victim.state == Liveness.WAITING
+    assert liveness(3.0, False, "idle").state == Liveness.LIVE  # it answered the step already
+    assert liveness(1.0, True, "compute").state == Liveness.LIVE  # a slow step, not yet stalled
+    reason = stall_reason(3.0, 2.0, {0: victim, 1: holder})
+    assert reason.startswith("stalled: the step in flight has run 3.0s") and "rank 1 in compute" in reason
+    assert "ranks [0] wait in a collective" in reason
+    assert stall_reason(1.0, 2.0, {0: liveness(1.0, True, "dispatch")}) is None

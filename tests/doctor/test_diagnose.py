@@ -18,14 +18,16 @@ from elastic_ep.doctor.diagnose import (
     ProcessInfo,
     Thresholds,
     diagnose,
-    diagnose_balance,
+    diagnose_expert_balance,
     diagnose_hang,
     diagnose_membership,
     diagnose_processes,
     diagnose_stragglers,
+    verdicts,
 )
 from elastic_ep.doctor.findings import render
-from elastic_ep.doctor.metrics import parse_metrics, rank_windows
+from elastic_ep.doctor.metrics import parse_metrics, scrape_intervals
+from elastic_ep.policy.straggler import StragglerRule
 
 DATA = Path(__file__).parent / "data"
 
@@ -44,6 +46,30 @@ def named(findings, kind: str) -> list[int]:
 
 def rank(cluster: dict, rank_id: int) -> dict:
     return next(r for r in cluster["ranks"] if r["rank_id"] == rank_id)
+
+
+def scrapes(per_rank: dict[int, tuple[float, float]], count: int = 5, steps: int = 10) -> list:
+    """`count` scrapes 0.25 s apart of counters that grow by `steps` steps per interval; per rank
+    (own ms per step, tokens per step), with 1 ms of collective wait per step."""
+    out = []
+    for k in range(count):
+        samples = {}
+        for r, (own_ms, tokens) in per_rank.items():
+            label = (("rank", str(r)),)
+            n = k * steps
+            samples[("elastic_ep_rank_step_seconds_count", label)] = float(n)
+            samples[("elastic_ep_rank_step_seconds_sum", label)] = n * (own_ms + 1.0) / 1000
+            samples[("elastic_ep_rank_collective_wait_seconds_sum", label)] = n * 1.0 / 1000
+            samples[("elastic_ep_rank_tokens_total", label)] = float(n * tokens)
+        out.append((k * 0.25, samples))
+    return out
+
+
+def stepping() -> tuple[dict, dict]:
+    """Two /cluster snapshots of the busy server, steps moving between them (no hang)."""
+    before, after = snapshot("busy"), snapshot("busy")
+    after["step"] += 10
+    return before, after
 
 
 def frozen(**progress: dict) -> tuple[dict, dict]:
@@ -122,37 +148,55 @@ def test_when_all_wait_in_one_collective_the_stopped_process_is_named():
 
 
 def test_injected_slow_rank_is_the_straggler_and_called_slow_not_bad():
-    windows = rank_windows(samples("busy"), samples("slow"))
-    assert windows[2].steps == 55 and windows[2].own_ms > 40 > windows[0].own_ms
-    findings = diagnose_stragglers(snapshot("slow"), windows)
+    recorded = [(0.0, samples("busy")), (4.0, samples("slow"))]  # the server then exported no tokens
+    [interval] = scrape_intervals(recorded)
+    assert interval.ranks[2].steps == 55 and interval.ranks[2].own_ms_per_step > 40 > interval.ranks[0].own_ms_per_step
+    one_interval = StragglerRule(min_intervals=1)  # two recorded scrapes: one interval
+    findings = diagnose_stragglers(snapshot("slow"), verdicts(snapshot("slow"), [interval], one_interval))
     assert named(findings, "straggler") == [2]
     assert "slow, not bad" in findings[0].suspicion and "chaos slow" in findings[0].suspicion
     assert "--delay-s 0" in findings[0].action
-    everything = diagnose(snapshot("busy"), snapshot("slow"), 4.0, 1795974219.0, samples("busy"), samples("slow"))
+    assert "55 steps in 1 intervals" in findings[0].symptom
+    everything, judged = diagnose(snapshot("busy"), snapshot("slow"), 4.0, 1795974219.0, recorded,
+                                  th=Thresholds(straggler=one_interval))
     assert [f.kind for f in everything] == ["straggler"]
+    assert {r: v.kind.value for r, v in judged.items()} == {0: "ok", 1: "ok", 2: "straggler", 3: "ok"}
 
 
-def test_even_ranks_have_no_straggler():
-    assert diagnose_stragglers(snapshot("busy")) == []
-    # the straggler rule on /cluster's percentiles alone (no /metrics window)
-    slow = snapshot("busy")
-    rank(slow, 3)["step_ms"]["p50"] = 40.0
-    assert named(diagnose_stragglers(slow), "straggler") == [3]
-    assert diagnose_stragglers(slow, th=Thresholds(straggler_ratio=10.0)) == []
+def test_more_tokens_is_dp_imbalance_and_never_a_straggler():
+    """One request at a time: rank 0 holds it and takes 1.9x the others' own time per step."""
+    findings, judged = diagnose(*stepping(), 1.0, 0.0, scrapes({0: (9.5, 1), 1: (5.0, 0), 2: (5.0, 0), 3: (5.0, 0)}))
+    assert [(f.kind, named([f], f.kind)) for f in findings] == [("dp-imbalance", [0])]
+    assert "runs 1.00 tokens/step against 0.00 on the others" in findings[0].symptom
+    assert "kill -9" not in findings[0].action
 
 
-def test_uneven_dp_tokens_and_hot_expert_slots_are_named():
+def test_no_straggler_and_no_kill_advice_without_fresh_steps():
+    before, slow = stepping()
+    rank(slow, 3)["step_ms"]["p50"] = 40.0  # old percentiles in /cluster say rank 3 was slow
+    idle = scrapes({0: (5.0, 1), 3: (40.0, 1)}, steps=0)
+    findings, judged = diagnose(before, slow, 1.0, 0.0, idle)
+    assert findings == [] and {v.kind.value for v in judged.values()} == {"unknown"}
+    few = scrapes({0: (5.0, 1), 1: (5.0, 1), 3: (40.0, 1)}, steps=2)  # 8 steps: fewer than min_steps
+    findings, judged = diagnose(before, slow, 1.0, 0.0, few)
+    assert findings == [] and "8 steps in 4 intervals" in judged[3].evidence
+
+
+def test_even_ranks_have_no_straggler_and_the_ratio_can_be_raised():
+    even = scrapes({0: (5.0, 1), 1: (5.2, 1), 2: (4.9, 1), 3: (5.1, 1)})
+    assert diagnose(*stepping(), 1.0, 0.0, even)[0] == []
+    slow = scrapes({0: (5.0, 1), 1: (5.2, 1), 2: (4.9, 1), 3: (40.0, 1)})
+    assert named(diagnose(*stepping(), 1.0, 0.0, slow)[0], "straggler") == [3]
+    assert diagnose(*stepping(), 1.0, 0.0, slow, th=Thresholds(straggler=StragglerRule(ratio=10.0)))[0] == []
+
+
+def test_hot_expert_slots_are_named():
     busy = snapshot("busy")
     base = samples("busy")
-    assert diagnose_balance(busy, base) == []
-    uneven = dict(base)
-    for r, v in {0: 200.0, 1: 10.0, 2: 10.0, 3: 12.0}.items():
-        uneven[("elastic_ep_rank_step_tokens", (("rank", str(r)),))] = v
-    uneven[("elastic_ep_dp_token_imbalance", ())] = 200.0 / 58.0
-    uneven[("elastic_ep_expert_load_imbalance", (("rank", "2"),))] = 1.8
-    findings = diagnose_balance(busy, uneven)
-    assert named(findings, "dp-imbalance") == [0]
-    assert named(findings, "expert-imbalance") == [2]
+    assert diagnose_expert_balance(busy, base) == []
+    hot = dict(base)
+    hot[("elastic_ep_expert_load_imbalance", (("rank", "2"),))] = 1.8
+    assert named(diagnose_expert_balance(busy, hot), "expert-imbalance") == [2]
 
 
 def test_too_few_ranks_is_critical_and_names_the_ranks_out_of_service():

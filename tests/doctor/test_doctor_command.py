@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
 
 from elastic_ep.cli import main
@@ -46,24 +47,80 @@ def doctor(capsys, *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
+def verdicts(cluster: dict) -> dict[int, str]:
+    return {r["rank_id"]: r["verdict"]["kind"] for r in cluster["ranks"] if r.get("verdict")}
+
+
+def one_at_a_time(server: ServerProcess, stop: threading.Event) -> None:
+    """A curl loop: one request at a time, so one rank holds all the work (DP imbalance)."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        while not stop.is_set():
+            http.post("/v1/completions", json={"model": "tiny-deepseek-v3", "prompt": "hello world",
+                                               "max_tokens": 32}).raise_for_status()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.e2e
-def test_slow_rank_is_named_the_straggler(server, capsys):
+def test_slow_rank_is_named_the_straggler_and_only_it(server, capsys):
     with StreamingLoad(server.url, threads=3, max_tokens=48, prompts=["hello world"]):
         wait_steps(server)
         server.http.post("/chaos/slow", json={"rank_id": 2, "delay_s": 0.05}).raise_for_status()
         try:
-            wait_steps(server, 3)
-            code, out = doctor(capsys, server.url, "--json", "--interval-s", "1.5")
+            named = server.wait_for(lambda c: "straggler" in verdicts(c).values(), 30, "a straggler verdict")
+            code, out = doctor(capsys, server.url, "--json", "--interval-s", "2")
         finally:
             server.http.post("/chaos/slow", json={"rank_id": 2, "delay_s": 0.0}).raise_for_status()
     report = json.loads(out)
+    assert [r for r, kind in verdicts(named).items() if kind == "straggler"] == [2]
     assert code == 0, report["findings"]
     stragglers = [f for f in report["findings"] if f["kind"] == "straggler"]
     assert [r["rank_id"] for f in stragglers for r in f["ranks"]] == [2]
     assert stragglers[0]["ranks"][0]["pid"] == server.pids()[2]
     assert "slow, not bad" in stragglers[0]["suspicion"]
+    assert stragglers[0]["evidence"]["steps"] >= 10 and "intervals spanning" in stragglers[0]["symptom"]
     assert not [f for f in report["findings"] if f["kind"] in ("hang", "path", "process")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.e2e
+def test_one_request_at_a_time_is_dp_imbalance_not_a_straggler(server, capsys):
+    stop = threading.Event()
+    loop = threading.Thread(target=one_at_a_time, args=(server, stop))
+    loop.start()
+    try:
+        judged = server.wait_for(lambda c: "dp-imbalance" in verdicts(c).values(), 30, "a dp-imbalance verdict")
+        code, out = doctor(capsys, server.url, "--json", "--interval-s", "2")
+    finally:
+        stop.set()
+        loop.join(60)
+    report = json.loads(out)
+    assert "straggler" not in verdicts(judged).values()
+    heavy = [r for r, kind in verdicts(judged).items() if kind == "dp-imbalance"]
+    assert len(heavy) == 1
+    assert code == 0 and not [f for f in report["findings"] if f["kind"] == "straggler"], report["findings"]
+    assert [r["rank_id"] for f in report["findings"] if f["kind"] == "dp-imbalance" for r in f["ranks"]] == heavy
+    assert not any("kill -9" in f["action"] for f in report["findings"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.e2e
+def test_idle_cluster_with_stale_slow_samples_names_no_straggler(server, capsys):
+    def stale_p50s_accuse_rank_3(c: dict) -> bool:
+        own = {r["rank_id"]: r["own_ms"]["p50"] for r in c["ranks"]}
+        return own[3] > 2 * max(v for r, v in own.items() if r != 3) + 2
+
+    with StreamingLoad(server.url, threads=3, max_tokens=48, prompts=["hello world"]):
+        server.http.post("/chaos/slow", json={"rank_id": 3, "delay_s": 0.05}).raise_for_status()
+        try:  # until most of /cluster's recent steps of rank 3 are slow ones
+            server.wait_for(stale_p50s_accuse_rank_3, 90, "rank 3's recent own time p50 high")
+        finally:
+            server.http.post("/chaos/slow", json={"rank_id": 3, "delay_s": 0.0}).raise_for_status()
+    # idle now: the slow steps stay in /cluster's recent percentiles but age out of the verdict
+    idle = server.wait_for(lambda c: set(verdicts(c).values()) == {"unknown"}, 30, "no verdict once idle")
+    code, out = doctor(capsys, server.url)
+    assert stale_p50s_accuse_rank_3(idle)
+    assert code == 0 and "] straggler:" not in out and "kill -9" not in out, out
+    assert "no straggler verdict" in out
 
 
 @pytest.mark.timeout(120)

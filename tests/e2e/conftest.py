@@ -24,8 +24,8 @@ from elastic_ep.harness.server_process import ServerProcess
 class Server(ServerProcess):
     """A serve process plus an OpenAI client on it."""
 
-    def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float | None = 120.0):
-        super().__init__(args, log_path, ready_timeout_s)
+    def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float | None = 120.0, **where):
+        super().__init__(args, log_path, ready_timeout_s, **where)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
 
     def complete(self, prompt: str, max_tokens: int, **kwargs) -> str:

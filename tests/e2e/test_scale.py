@@ -58,7 +58,7 @@ def kill_rank(server, rank_id: int, n: int) -> None:
 
 def test_invalid_and_concurrent_scale_requests_are_400_and_409(server):
     for body, needle in [({"new_ep_size": 1}, "2..6"), ({"new_ep_size": 7}, "--max-ep-size 6"),
-                         ({"new_ep_size": 4}, "already has 4"), ({"new_ep_size": 0}, ">= 1"),
+                         ({"new_ep_size": 4}, "already has 4"), ({"new_ep_size": 0}, "greater than or equal to 1"),
                          ({"size": 5}, "new_ep_size")]:
         reply = server.http.post("/scale_elastic_ep", json=body)
         assert reply.status_code == 400 and needle in reply.text, (body, reply.text)

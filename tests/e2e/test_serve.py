@@ -62,7 +62,9 @@ def test_bad_inputs_get_4xx_with_an_openai_error_and_the_server_keeps_serving(ep
         ("wrong type", json.dumps({"model": model, "prompt": "hi", "max_tokens": "many"}).encode()),
         ("unknown model", json.dumps({"model": "no-such-model", "prompt": "hi"}).encode()),
         ("prompt over --max-model-len", json.dumps({"model": model, "prompt": "word " * 400}).encode()),
-        ("n > 1", json.dumps({"model": model, "prompt": "hi", "n": 2}).encode()),
+        ("n = 0", json.dumps({"model": model, "prompt": "hi", "n": 0}).encode()),
+        ("temperature NaN", b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % model.encode()),
+        ("tools", json.dumps({"model": model, "prompt": "hi", "tools": [{"type": "function"}]}).encode()),
     ]
     for what, body in bad:
         r = ep4.http.post("/v1/completions", content=body, headers={"content-type": "application/json"})

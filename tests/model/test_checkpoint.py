@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from elastic_ep.errors import CheckpointError
 from elastic_ep.model.checkpoint import INDEX_FILE, CheckpointReader, expert_key
@@ -115,5 +115,90 @@ def test_bfloat16_checkpoints_are_read_as_float32(tmp_path):
 def test_a_config_without_a_required_field_names_it(tiny_dirs):
     hf = dict(MoEConfig.from_pretrained(tiny_dirs["qwen3_moe"]).hf)
     del hf["num_experts"]
-    with pytest.raises(CheckpointError, match="lacks the field 'num_experts' that qwen3_moe needs"):
+    with pytest.raises(
+        CheckpointError,
+        match="lacks the field 'num_experts' \\(or 'num_local_experts'\\) that qwen3_moe needs; add it",
+    ):
+        MoEConfig.from_dict(hf)
+
+
+@pytest.mark.parametrize(
+    "declared, stored, expected",
+    [
+        ({"torch_dtype": "bfloat16"}, torch.bfloat16, torch.bfloat16),  # 4.x config
+        ({"dtype": "float16"}, torch.float16, torch.float16),  # 5.x config
+        ({"torch_dtype": "float32"}, torch.bfloat16, torch.float32),  # the config's word wins
+        ({}, torch.bfloat16, torch.bfloat16),  # no declaration: the stored weights'
+    ],
+)
+def test_dtype_auto_is_the_checkpoints_own(tmp_path, declared, stored, expected):
+    model_dir = make_tiny("qwen3_moe", tmp_path / "m", num_shards=1)
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["torch_dtype"]
+    (model_dir / "config.json").write_text(json.dumps({**config, **declared}))
+    path = model_dir / "model.safetensors"
+    save_file({n: t.to(stored) for n, t in load_file(str(path)).items()}, str(path))
+    reader = CheckpointReader(model_dir, dtype="auto")
+    assert reader.dtype == expected
+    w13, w2 = reader.read_experts(1, [3, 0])
+    assert w13.dtype == w2.dtype == expected
+    assert all(t.dtype == expected for t in reader.dense_state().values())
+    assert reader.expert_nbytes == 3 * reader.config.hidden_size * reader.config.moe_intermediate_size * (
+        expected.itemsize
+    )
+
+
+def test_a_bfloat16_checkpoint_is_read_as_stored_and_deepseeks_router_in_float32(tmp_path):
+    model_dir = make_tiny("deepseek_v3", tmp_path / "m", num_shards=1, dtype="bfloat16")
+    reader = CheckpointReader(model_dir, dtype=torch.bfloat16)
+    w13, _ = reader.read_experts(1, [3])
+    assert torch.equal(
+        w13[0, : reader.config.moe_intermediate_size], stored(model_dir, expert_key(1, 3, "gate_proj"))
+    )
+    dense = reader.dense_state()
+    assert dense["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert dense["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert dense["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
+
+
+def test_weights_come_to_the_device_asked_for(tiny_dirs):
+    reader = CheckpointReader(tiny_dirs["deepseek_v3"])
+    w13, w2 = reader.read_experts(2, [1, 2], device="meta")
+    assert w13.is_meta and w2.is_meta
+    assert all(t.is_meta for t in reader.dense_state("meta").values())
+
+
+def test_an_unsupported_stored_dtype_is_refused_with_the_fix(tmp_path):
+    model_dir = make_tiny("qwen3_moe", tmp_path / "m", num_shards=1)
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["torch_dtype"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    path = model_dir / "model.safetensors"
+    save_file({n: t.double() for n, t in load_file(str(path)).items()}, str(path))
+    with pytest.raises(CheckpointError, match="stores F64 weights .*pass one of them with --dtype"):
+        CheckpointReader(model_dir, dtype="auto")
+    assert CheckpointReader(model_dir, dtype="bfloat16").dtype == torch.bfloat16
+
+
+def test_both_spellings_of_a_renamed_field_must_agree(tiny_dirs):
+    hf = dict(MoEConfig.from_pretrained(tiny_dirs["qwen3_moe"]).hf)
+    assert MoEConfig.from_dict({**hf, "num_local_experts": 16}).num_experts == 16
+    with pytest.raises(
+        CheckpointError, match="sets both 'num_experts' \\(16\\) and 'num_local_experts' \\(8\\)"
+    ):
+        MoEConfig.from_dict({**hf, "num_local_experts": 8})
+
+
+@pytest.mark.parametrize(
+    "arch, field, value",
+    [
+        ("deepseek_v3", "scoring_func", "softmax"),
+        ("deepseek_v3", "moe_layer_freq", 2),
+        ("qwen3_moe", "hidden_act", "gelu"),
+        ("qwen3_moe", "use_sliding_window", True),
+    ],
+)
+def test_a_field_value_only_another_implementation_serves_is_named(tiny_dirs, arch, field, value):
+    hf = dict(MoEConfig.from_pretrained(tiny_dirs[arch]).hf, **{field: value})
+    with pytest.raises(CheckpointError, match=f"{field}={value!r} is not supported for {arch}"):
         MoEConfig.from_dict(hf)

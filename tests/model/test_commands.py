@@ -8,7 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from elastic_ep.cli import main
+from elastic_ep.model.engine import OfflineEngine, greedy
 from elastic_ep.model.tiny import make_tiny
+from elastic_ep.model.tokenizer import encode, load_tokenizer
 
 
 def run_cli(capsys, *argv):
@@ -169,3 +171,78 @@ def test_missing_tokenizer(capsys, tmp_path, tiny_dirs):
     code, _, err = run_cli(capsys, "generate", "--model", str(model_dir), "--prompt", "x")
     assert_clean_error(code, err, "has no tokenizer.json")
 
+
+
+def test_generate_takes_every_sampling_parameter_and_prints_logprobs(capsys, tiny_dirs):
+    flags = (
+        "--max-tokens 6 --temperature 0.8 --min-p 0.05 --presence-penalty 0.5 --frequency-penalty 0.5 "
+        "--repetition-penalty 1.2 --min-tokens 6 --stop-token-id 3 --logprobs 2 --json"
+    )
+    code, out, _ = run_cli(
+        capsys, "generate", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", "Hi", *flags.split()
+    )
+    assert code == 0
+    record = json.loads(out)
+    assert len(record["token_ids"]) == 6 and 3 not in record["token_ids"]
+    assert [len(lp["top"]) for lp in record["logprobs"]] == [2] * 6
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--temperature", "nan"), ("--top-p", "0"), ("--repetition-penalty", "inf")]
+)
+def test_generate_refuses_sampling_values_out_of_range(capsys, flag, value):
+    code, _, err = run_cli(capsys, "generate", "--prompt", "x", flag, value)
+    assert_clean_error(code, err, flag.removeprefix("--").replace("-", "_"))
+
+
+def test_a_bfloat16_checkpoint_generates_in_bfloat16_unless_told_otherwise(capsys, tmp_path):
+    out_dir = tmp_path / "bf16"
+    code, _, _ = run_cli(
+        capsys, "make-tiny", "--arch", "qwen3_moe", "--out", str(out_dir), "--dtype", "bfloat16"
+    )
+    assert code == 0 and json.loads((out_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    stored = load_file(str(out_dir / "model-00001-of-00002.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+
+    def tokens(*dtype_args):
+        code, out, _ = run_cli(
+            capsys,
+            "generate",
+            "--model",
+            str(out_dir),
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "16",
+            "--ignore-eos",
+            "--json",
+            *dtype_args,
+        )
+        assert code == 0
+        return json.loads(out)["token_ids"]
+
+    prompt = encode(load_tokenizer(out_dir), "Once upon a time")
+    engine = OfflineEngine.from_pretrained(out_dir, dtype=torch.bfloat16)
+    in_bf16 = engine.generate([prompt], greedy(16, ignore_eos=True))
+    assert tokens() == tokens("--dtype", "bfloat16") == in_bf16[0].token_ids
+    # Rounding to bfloat16 moves this prompt's greedy path: float32 must really run in float32.
+    assert tokens("--dtype", "float32") != tokens()
+
+
+@pytest.mark.parametrize(
+    "device, fragment",
+    [
+        pytest.param(
+            "cuda",
+            "--device cuda: this process sees 0 CUDA device(s); use --device cpu",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU"),
+        ),
+        ("meta", "--device meta: elastic-ep runs on cpu or cuda"),
+        ("gpu0", "--device 'gpu0' is not a torch device"),
+    ],
+)
+def test_a_device_this_process_cannot_run_on_is_named(capsys, tiny_dirs, device, fragment):
+    code, _, err = run_cli(
+        capsys, "generate", "--model", str(tiny_dirs["qwen3_moe"]), "--prompt", "x", "--device", device
+    )
+    assert_clean_error(code, err, fragment)

@@ -40,3 +40,40 @@ def test_a_full_context_ends_generation_with_length(tiny_dirs):
     result = engine.generate([list(range(40, 55))], greedy(50))[0]
     assert result.finish_reason == "length"
     assert len(result.prompt_token_ids) + len(result.token_ids) == 20
+
+
+def test_stop_token_ids_end_generation_and_min_tokens_hold_them_back(tiny_dirs):
+    engine = OfflineEngine.from_pretrained(tiny_dirs["qwen3_moe"])
+    prompt = [30, 31, 32]
+    free = engine.generate([prompt], greedy(20, ignore_eos=True))[0].token_ids
+    stop = free[4]
+    cut = free.index(stop) + 1
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=(stop,)))[0]
+    assert (stopped.token_ids, stopped.finish_reason) == (free[:cut], "stop")
+    held = engine.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=(stop,), min_tokens=cut + 2))[0]
+    assert stop not in held.token_ids[: cut + 2]
+    assert held.token_ids[: cut - 1] == free[: cut - 1]
+
+
+def test_logprobs_are_raw_one_per_token_and_greedy_takes_the_top_one(tiny_dirs):
+    engine = OfflineEngine.from_pretrained(tiny_dirs["deepseek_v3"])
+    prompt = [40, 41, 42, 43]
+    plain = engine.generate([prompt], SamplingParams(max_tokens=8, logprobs=3))[0]
+    assert len(plain.logprobs) == len(plain.token_ids) == 8
+    for token, lp in zip(plain.token_ids, plain.logprobs, strict=True):
+        assert lp.top[0] == (token, lp.logprob) and len(lp.top) == 3
+        assert lp.logprob <= 0
+    penalized = engine.generate([prompt], SamplingParams(max_tokens=8, logprobs=3, repetition_penalty=2.0))[0]
+    # Raw logprobs describe the model: the first step sees the same logits either way.
+    assert penalized.logprobs[0] == plain.logprobs[0]
+
+
+def test_penalties_change_a_repetitive_greedy_output(tiny_dirs):
+    engine = OfflineEngine.from_pretrained(tiny_dirs["deepseek_v3"])
+    prompt = [40, 41, 42, 43]
+    plain = engine.generate([prompt], greedy(24, ignore_eos=True))[0].token_ids
+    assert len(set(plain)) < len(plain), "the tiny model repeats itself under greedy decoding"
+    penalized = SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
+    varied = engine.generate([prompt], penalized)[0].token_ids
+    assert len(set(varied)) > len(set(plain))
+    assert engine.generate([prompt], penalized)[0].token_ids == varied

@@ -92,3 +92,29 @@ def test_reprefill_after_a_fault_reproduces_the_decode_logits(engine):
     other.allocate(1)
     reprefilled = model.forward([SeqChunk(1, tokens, 0)], other, moe_fn)
     torch.testing.assert_close(reprefilled, decoded, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v3", "qwen3_moe"])
+def test_a_step_makes_every_tensor_on_the_models_device(tiny_dirs, variant):
+    # With the default device set to meta, any tensor made without naming the model's device
+    # lands on meta: the step then fails, or its logits come back on meta.
+    engine = OfflineEngine.from_pretrained(tiny_dirs[variant])
+    model, moe_fn = engine.model, engine.moe_fn
+
+    def two_steps():
+        cache = model.new_kv_cache(max_seqs=3)
+        for seq in (0, 1, 2):
+            cache.allocate(seq)
+        first = model.forward([SeqChunk(2, [5, 6, 7], 0), SeqChunk(0, [9], 0)], cache, moe_fn)
+        # Decode rows out of slot order next to a prefill chunk, and an empty step.
+        second = model.forward(
+            [SeqChunk(2, [8], 3), SeqChunk(1, [3, 4, 5, 6], 0), SeqChunk(0, [4], 1)], cache, moe_fn
+        )
+        return first, second, model.forward([], cache, moe_fn)
+
+    expected = two_steps()
+    with torch.device("meta"):
+        got = two_steps()
+    for logits, want in zip(got, expected, strict=True):
+        assert logits.device.type == "cpu"
+        torch.testing.assert_close(logits, want, atol=0, rtol=0)

@@ -138,3 +138,30 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
             if psutil.pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
         ctl.close()
+
+
+@pytest.mark.e2e
+def test_agent_removes_its_backup_when_the_controller_goes_away():
+    """The controller's socket closes (as when its process dies): the agent removes the backup
+    file at once instead of leaving it in /dev/shm."""
+    ctl = StandInController()
+    agent = NodeAgent(ctl.health_addr, "nodeC")
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        ctl.expect(ctl.health, AgentHello)
+        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
+                              ctl.store_port, "gloo", 4, 64, 0.0)
+        ctl.to_agent(AgentWelcome(launch))
+        ctl.to_agent(BackupAssign([(0, 1)]))
+        path = ctl.expect(ctl.health, BackupReady, timeout_s=60).site.path
+        assert os.path.exists(path)
+        ctl.close()
+        deadline = time.monotonic() + 30
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(path) and agent.backup_path is None
+    finally:
+        stop.set()
+        thread.join(10)

@@ -76,4 +76,4 @@ def test_a_missing_member_is_named_and_a_superseded_epoch_is_abandoned():
 @pytest.mark.e2e
 def test_a_dead_peer_makes_the_collective_raise():
     (survivor,) = run_ranks(peer_dies, 2, answering=[0])
-    assert survivor["raised"] == "RuntimeError"
+    assert survivor["raised"] == "CollectiveError"

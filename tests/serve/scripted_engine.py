@@ -1,14 +1,21 @@
 """The scripted test engine (the only double: FastAPI, uvicorn, prometheus and the
 clients are real) and a real uvicorn server in a background thread.
 
-The engine's behaviour is chosen by the prompt text, so tests need no shared switches:
-  "[slow]"   0.05 s between events (time to disconnect mid-stream)
-  "[stall]"  no event for 30 s (a cluster that cannot step: disconnect before the first token)
-  "[eos]"    EOS after 3 tokens (finish_reason "stop")
-  "[error]"  an error event after the first tokens
-  "[crash]"  generate raises an unexpected exception
-  "[busy]"   generate raises ServiceUnavailable(retry_after_s=7)
-Otherwise it streams REPLY's tokens, two per event, until max_tokens ("length").
+It honours the Engine contract as the real engines do: every token is drawn by
+`model.sampling.sample_tokens` (all sampling parameters, seeds, min_tokens, logprobs) from
+scripted logits, and a request ends on a stop token ("stop") or at max_tokens ("length").
+The logits put a peak of PEAK on REPLY's next token, so every setting short of strong
+penalties yields REPLY, two tokens per event.
+
+The prompt text chooses the rest, so tests need no shared switches:
+  "[slow]"     0.05 s between events (time to disconnect mid-stream)
+  "[stall]"    no event for 30 s (a cluster that cannot step: disconnect before the first token)
+  "[eos]"      EOS peaks (above REPLY's token) at the 5th token
+  "[random]"   flat logits: what is drawn depends on the seed
+  "[error]"    an error event after the first tokens
+  "[badtoken]" after the first tokens, a token id no tokenizer can decode (an engine bug)
+  "[crash]"    generate raises an unexpected exception
+  "[busy]"     generate raises ServiceUnavailable(retry_after_s=7)
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import socket
 import threading
 import time
 
+import torch
 import uvicorn
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -25,15 +33,20 @@ from elastic_ep.control.api import (
     ChaosOrder,
     EngineInfo,
     GenerationRequest,
+    Health,
     Readiness,
     RequestOutput,
     ScaleRejected,
     ServiceUnavailable,
 )
+from elastic_ep.model.sampling import TokenHistory, TokenLogprobs, sample_tokens
 
 MODEL = "tiny-test"
 MAX_MODEL_LEN = 128
 REPLY = "Hello, wörld! 你好 END of the reply, and then some more text to reach max_tokens."
+PEAK = 60.0
+EOS_AT = 4
+BAD_TOKEN = 2**40
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -58,6 +71,7 @@ class ScriptedEngine:
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
         self.ready = Readiness(True)
+        self.healthy = Health("ok")
         self.ep_size = 4
         self.scaling_to: int | None = None
         self.chaos_calls: list[tuple[str, int, float]] = []
@@ -71,33 +85,76 @@ class ScriptedEngine:
             raise RuntimeError("scripted engine crash")
         self.requests[request.request_id] = request
         delay_s = 0.05 if "[slow]" in prompt else 0.0
+        params, output, stopped = request.params, [], False
+        stop_ids = params.stop_ids(self.info.eos_token_ids)
         done = False
         try:
             if "[stall]" in prompt:
                 await asyncio.sleep(30)
-            produced = 0
             while True:
                 await asyncio.sleep(delay_s)
-                if "[error]" in prompt and produced > 0:
+                if output and "[error]" in prompt:
                     done = True
                     yield RequestOutput(request.request_id, [], True, "error", "rank 2 lost its KV cache")
                     return
-                if "[eos]" in prompt and produced >= 3:
-                    done = True
-                    yield RequestOutput(request.request_id, [self.info.eos_token_ids[0]], True, "stop")
-                    return
-                step = min(2, request.params.max_tokens - produced)
-                ids = [self.reply_ids[(produced + i) % len(self.reply_ids)] for i in range(step)]
-                produced += step
-                done = produced >= request.params.max_tokens
-                yield RequestOutput(request.request_id, ids, done, "length" if done else None)
+                if output and "[badtoken]" in prompt:
+                    yield RequestOutput(
+                        request.request_id, [BAD_TOKEN], False, None, None, self._logprobs(params, 1)
+                    )
+                new, logprobs = [], []
+                while len(new) < 2 and not done:
+                    sampled = sample_tokens(
+                        self.logits(prompt, len(output))[None],
+                        [params],
+                        [request.seed],
+                        [TokenHistory(request.prompt_token_ids, output)],
+                        self.info.eos_token_ids,
+                    )
+                    output.append(sampled.tokens[0])
+                    new.append(sampled.tokens[0])
+                    logprobs += sampled.logprobs
+                    stopped = sampled.tokens[0] in stop_ids
+                    done = stopped or len(output) >= params.max_tokens
+                reason = ("stop" if stopped else "length") if done else None
+                yield RequestOutput(
+                    request.request_id,
+                    new,
+                    done,
+                    reason,
+                    None,
+                    logprobs if params.logprobs is not None else None,
+                )
                 if done:
                     return
         finally:
             (self.finished if done else self.aborted).add(request.request_id)
 
+    def logits(self, prompt: str, index: int) -> torch.Tensor:
+        """[V] logits of output token `index` (see the module docstring)."""
+        vocab = self.tokenizer.get_vocab_size()
+        if "[random]" in prompt:
+            return torch.rand(vocab, generator=torch.Generator().manual_seed(index)) * 2
+        logits = torch.zeros(vocab)
+        logits[self.reply_ids[index % len(self.reply_ids)]] = PEAK
+        if "[eos]" in prompt and index == EOS_AT:
+            logits[self.info.eos_token_ids[0]] = 2 * PEAK
+        return logits
+
+    @staticmethod
+    def _logprobs(params, count: int) -> list[TokenLogprobs] | None:
+        if params.logprobs is None:
+            return None
+        return [TokenLogprobs(-1.0, ())] * count
+
+    def request_of(self, response_id: str, index: int = 0) -> GenerationRequest:
+        """The engine request behind choice `index` of a response."""
+        return self.requests[f"{response_id}-{index}"]
+
     def readiness(self) -> Readiness:
         return self.ready
+
+    def health(self) -> Health:
+        return self.healthy
 
     def cluster(self, events_since: int | None = None, events_limit: int | None = 50) -> dict:
         return sample_cluster(self.ep_size)
@@ -149,6 +206,9 @@ def sample_cluster(ep_size: int) -> dict:
                 # does not wait (rank 2 here: 50 ms own time against 12 ms for the others).
                 "step_ms": {"p50": 52.0 + r, "p99": 60.0 + r, "max": 75.0},
                 "wait_ms": {"p50": 2.0 + r if slow else 40.0 + r, "p99": 45.0},
+                "liveness": {"state": "live", "stalled_s": None, "reason": ""},
+                "verdict": {"kind": "straggler" if slow else "ok",
+                            "evidence": f"own time {50.0 if slow else 12.0} ms/step against 12.0 ms ..."},
             }
         )
     ranks.append(

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from scripted_engine import SLOW_RANK
+from scripted_engine import SLOW_RANK, sample_cluster
 
 from elastic_ep.cli import main
-from elastic_ep.control.api import Readiness
+from elastic_ep.control.api import Health, Readiness
+from elastic_ep.serve.admin import DASHBOARD_HTML
 
 
 def metric_samples(served) -> dict:
@@ -27,16 +29,22 @@ def metric_samples(served) -> dict:
 
 
 def test_health_and_readiness(served):
-    assert httpx.get(f"{served.url}/health").status_code == 200
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok", "reason": ""}
     assert httpx.get(f"{served.url}/ready").json() == {"ready": True, "reason": ""}
     served.engine.ready = Readiness(False, "loading dense weights on rank 1")
+    served.engine.healthy = Health("degraded", "not ready: loading dense weights on rank 1")
     try:
         response = httpx.get(f"{served.url}/ready")
         assert response.status_code == 503
         assert response.json()["reason"] == "loading dense weights on rank 1"
-        assert httpx.get(f"{served.url}/health").status_code == 200
+        health = httpx.get(f"{served.url}/health")  # alive: a liveness probe must not restart it
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        served.engine.healthy = Health("dead", "the control loop stopped: boom")
+        health = httpx.get(f"{served.url}/health")
+        assert health.status_code == 503 and health.json() == {"status": "dead", "reason": "the control loop stopped: boom"}
     finally:
         served.engine.ready = Readiness(True)
+        served.engine.healthy = Health("ok")
 
 
 def test_metrics_count_requests_tokens_and_latency(served):
@@ -99,6 +107,40 @@ def test_dashboard_radar_puts_the_rank_others_wait_for_first(served):
     assert 'class="worst"' in first_row
     assert radar.count('class="worst"') == 1
     assert "epoch" in dom and ">3<" in dom
+
+
+# Runs the dashboard's script on a /cluster document with stub DOM and fetch; prints what it rendered.
+DASHBOARD_IN_NODE = """
+const fs = require("fs");
+const html = fs.readFileSync(process.argv[1], "utf8");
+const cluster = JSON.parse(fs.readFileSync(process.argv[2], "utf8"));
+const els = {};
+global.document = { getElementById: (id) => (els[id] ??= { innerHTML: "", textContent: "", style: {}, className: "" }) };
+global.fetch = async (p) => ({ ok: true, json: async () => (p === "/cluster" ? cluster : { state: "idle" }) });
+global.setTimeout = () => {};
+eval(html.slice(html.indexOf("<script>") + 8, html.lastIndexOf("</script>")));
+setImmediate(() => setImmediate(() => console.log(JSON.stringify(
+  Object.fromEntries(Object.entries(els).map(([k, v]) => [k, v.innerHTML || v.textContent || v.className]))))));
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the dashboard's script")
+def test_dashboard_shows_a_stalled_rank_readiness_and_the_servers_verdict(tmp_path):
+    cluster = sample_cluster(4)
+    cluster["ranks"][1]["liveness"] = {"state": "stalled", "stalled_s": 3.2, "reason": "no heartbeat for 3.2s"}
+    cluster.update(ready=False, reason="stalled: the step in flight has run 3.2s",
+                   health={"status": "degraded", "reason": "not ready"})
+    (tmp_path / "cluster.json").write_text(json.dumps(cluster))
+    out = subprocess.run(["node", "-e", DASHBOARD_IN_NODE, str(DASHBOARD_HTML), str(tmp_path / "cluster.json")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    shown = json.loads(out)
+    stalled_row = shown["ranks"].split("</tr>")[1]
+    assert '<span class="state stalled" title="no heartbeat for 3.2s">stalled</span>' in stalled_row
+    assert shown["ready"] == "no" and "stalled: the step in flight has run 3.2s" in shown["reason"]
+    assert shown["health"] == "degraded" and shown["live"] == 3
+    radar_rows = shown["radar"].split("</tr>")[:-1]
+    assert [row.startswith('<tr class="worst">') for row in radar_rows] == [True, False, False, False]
+    assert f"<td>{SLOW_RANK}</td>" in radar_rows[0] and "<b>straggler</b>" in radar_rows[0]
 
 
 def test_scale_maps_engine_answers_to_status_codes(served):

@@ -4,6 +4,7 @@ engine's iterator, which is how the engine learns to abort and free the KV cache
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import httpx
@@ -40,7 +41,7 @@ def test_disconnect_mid_stream_aborts_the_request(served, path):
     ):
         lines = response.iter_lines()
         first = json.loads(next(line for line in lines if line)[len("data: ") :])
-        request_id = first["id"]
+        request_id = f"{first['id']}-0"
         assert request_id in served.engine.requests
     assert wait_for(lambda: request_id in served.engine.aborted), "the engine never saw the abort"
     assert request_id not in served.engine.finished
@@ -65,6 +66,38 @@ def test_a_stop_string_ends_the_engine_request_too(served):
     response = httpx.post(
         f"{served.url}/v1/completions", json={"prompt": "hi", "max_tokens": 60, "stop": "!"}
     )
-    request_id = response.json()["id"]
+    request_id = f"{response.json()['id']}-0"
     assert response.json()["choices"][0]["finish_reason"] == "stop"
     assert wait_for(lambda: request_id in served.engine.aborted)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_disconnect_mid_stream_aborts_every_choice(served, path, caplog):
+    body = {"max_tokens": 60, "stream": True, "n": 3}
+    body |= (
+        {"prompt": "[slow]"} if "chat" not in path else {"messages": [{"role": "user", "content": "[slow]"}]}
+    )
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", f"{served.url}{path}", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        first = json.loads(next(line for line in lines if line)[len("data: ") :])
+    request_ids = [f"{first['id']}-{i}" for i in range(3)]
+    assert wait_for(lambda: all(r in served.engine.aborted for r in request_ids)), "a choice kept running"
+    assert wait_for(lambda: running_requests(served) == 0)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_disconnect_while_collecting_choices_aborts_every_choice(served):
+    before = set(served.engine.requests)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{served.url}/v1/completions",
+            json={"prompt": ["[slow] a", "[slow] b"], "n": 2, "max_tokens": 60},
+            timeout=0.3,
+        )
+    request_ids = set(served.engine.requests) - before
+    assert len(request_ids) == 4
+    assert wait_for(lambda: request_ids <= served.engine.aborted), "a choice kept running"
+    assert wait_for(lambda: running_requests(served) == 0)

@@ -15,10 +15,6 @@ def client(served):
     return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=10)
 
 
-def request_of(served, response_id):
-    return served.engine.requests[response_id]
-
-
 def test_models_lists_the_served_model(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -34,7 +30,9 @@ def test_completion_returns_text_usage_and_length_finish(client, served):
     assert response.usage.prompt_tokens == len(b"Say hi")
     assert response.usage.completion_tokens == 13
     assert response.usage.total_tokens == 19
-    assert request_of(served, response.id).prompt_token_ids == served.engine.tokenizer.encode("Say hi").ids
+    assert (
+        served.engine.request_of(response.id).prompt_token_ids == served.engine.tokenizer.encode("Say hi").ids
+    )
 
 
 def test_streamed_completion_concatenates_to_the_whole_text_and_never_splits_a_character(client):
@@ -73,16 +71,16 @@ def test_eos_finishes_with_stop_and_is_not_in_the_text(client):
 def test_prompt_as_token_ids(client, served):
     ids = served.engine.tokenizer.encode("abc").ids
     response = client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
-    assert request_of(served, response.id).prompt_token_ids == ids
+    assert served.engine.request_of(response.id).prompt_token_ids == ids
     response = client.completions.create(model=MODEL, prompt=[ids], max_tokens=2)
-    assert request_of(served, response.id).prompt_token_ids == ids
+    assert served.engine.request_of(response.id).prompt_token_ids == ids
 
 
 def test_sampling_parameters_and_seed_reach_the_engine(client, served):
     response = client.completions.create(
         model=MODEL, prompt="hi", max_tokens=3, temperature=0.7, top_p=0.9, seed=1234, extra_body={"top_k": 5}
     )
-    request = request_of(served, response.id)
+    request = served.engine.request_of(response.id)
     assert request.seed == 1234
     assert (request.params.temperature, request.params.top_p, request.params.top_k) == (0.7, 0.9, 5)
     assert request.params.max_tokens == 3
@@ -90,7 +88,7 @@ def test_sampling_parameters_and_seed_reach_the_engine(client, served):
 
 def test_a_seed_is_drawn_at_admission_when_the_client_gives_none(client, served):
     seeds = {
-        request_of(served, client.completions.create(model=MODEL, prompt="hi", max_tokens=1).id).seed
+        served.engine.request_of(client.completions.create(model=MODEL, prompt="hi", max_tokens=1).id).seed
         for _ in range(3)
     }
     assert len(seeds) == 3
@@ -106,7 +104,7 @@ def test_chat_completion(client, served):
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == REPLY[:5]
     assert response.choices[0].finish_reason == "length"
-    prompt = served.engine.tokenizer.decode(request_of(served, response.id).prompt_token_ids)
+    prompt = served.engine.tokenizer.decode(served.engine.request_of(response.id).prompt_token_ids)
     assert prompt == "system: Be brief.\nuser: Hello\nassistant:"
     assert response.usage.prompt_tokens == len(prompt.encode())
 
@@ -158,7 +156,7 @@ def test_integer_temperature_is_accepted(served):
         f"{served.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0}
     )
     assert response.status_code == 200
-    assert request_of(served, response.json()["id"]).params.temperature == 0.0
+    assert served.engine.request_of(response.json()["id"]).params.temperature == 0.0
 
 
 def test_concurrent_streams_each_get_their_own_text(served):

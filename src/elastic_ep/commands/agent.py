@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import threading
 
+from elastic_ep.commands.log_options import add_log_arguments, configure_logging
+from elastic_ep.errors import ElasticEPError
 from elastic_ep.node.agent import NodeAgent
 
 
@@ -30,15 +33,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exit-poll-interval-s", type=float, default=0.005,
                         help="how often the workers' /proc stat is read, so a worker's death is reported when "
                              "it begins, not once its memory is freed (default 0.005)")
-    parser.add_argument("--advertise-host", default="127.0.0.1",
-                        help="address other nodes reach this agent's expert backup at (default 127.0.0.1)")
+    parser.add_argument("--advertise-host", default=None,
+                        help="this host's address: other nodes reach its agent (backup, dense weights) and its ranks' "
+                             "data plane there (default: the address of the interface that reaches the controller)")
+    parser.add_argument("--lease-s", type=float, default=5.0,
+                        help="with no word from the controller this long, kill this node's ranks and register "
+                             "again in recover mode (the node fences itself when it is cut off)")
+    add_log_arguments(parser)
+
+
+def address_towards(controller: str) -> str:
+    """The address of this host's interface that routes to `controller` (tcp://HOST:PORT). A
+    UDP connect only looks up the route: nothing is sent."""
+    host, _, port = controller.removeprefix("tcp://").rpartition(":")
+    try:
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host.strip("[]"), int(port)))
+            return s.getsockname()[0]
+    except (OSError, ValueError) as e:
+        raise ElasticEPError(f"no route to the controller {controller} ({e}); check --controller, or pass this "
+                             "host's address with --advertise-host") from None
 
 
 def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, args.log_format)
     controller = args.controller if args.controller.startswith("tcp://") else f"tcp://{args.controller}"
-    agent = NodeAgent(controller, args.node, args.advertise_host, args.ranks, args.stop_grace_s, args.join_mode,
-                      args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s,
+    if args.lease_s <= 0:
+        raise ElasticEPError(f"--lease-s must be > 0 seconds, got {args.lease_s}")
+    host = args.advertise_host or address_towards(controller)
+    agent = NodeAgent(controller, args.node, host, args.ranks, args.stop_grace_s, args.join_mode,
+                      args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
                       exit_poll_s=args.exit_poll_interval_s)
+    print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

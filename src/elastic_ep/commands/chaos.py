@@ -19,15 +19,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "action",
         choices=CHAOS_ACTIONS,
         help="kill (SIGKILL), hang (SIGSTOP), resume (SIGCONT), slow (add delay_s per step), corrupt (overwrite "
-             "one of its expert slots: --layer, --slot, default its first)",
+             "one of its expert slots: --layer, --slot, default its first), poison (with --request-id: that "
+             "request's steps raise on its rank; with RANK: every step of the rank raises)",
     )
-    parser.add_argument("rank", type=int, help="rank_id, as listed by GET /cluster")
+    parser.add_argument("rank", type=int, nargs="?", help="rank_id, as listed by GET /cluster")
     parser.add_argument("--delay-s", type=float, default=None,
                         help="slow needs it: seconds added to every step of the rank; 0 takes the delay away")
     parser.add_argument("--layer", type=int, default=None, help="for corrupt: MoE layer index of the slot")
     parser.add_argument("--slot", type=int, default=None, help="for corrupt: slot within the rank")
     parser.add_argument("--at-next-epoch", action="store_true",
                         help="for kill / hang: act right after the next epoch is announced (a fault during recovery)")
+    parser.add_argument("--request-id", default=None, help="for poison: the id of a running request")
+    parser.add_argument("--phase", choices=["local", "experts", "sampling"], default="local",
+                        help="for poison: where the steps raise")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout (default 10)")
 
 
@@ -37,20 +41,25 @@ def run(args: argparse.Namespace) -> int:
     try:
         response = httpx.post(
             url, json={"rank_id": args.rank, "delay_s": args.delay_s or 0.0, "layer": args.layer, "slot": args.slot,
-                       "at_next_epoch": args.at_next_epoch}, timeout=args.timeout_s
+                       "at_next_epoch": args.at_next_epoch, "request_id": args.request_id, "phase": args.phase},
+            timeout=args.timeout_s
         )
     except httpx.HTTPError as e:
         raise unreachable(args.url, e) from None
     if response.status_code != 200:
+        target = f"request {args.request_id}" if args.rank is None else f"rank {args.rank}"
         raise ElasticEPError(
-            f"{args.action} rank {args.rank} refused (HTTP {response.status_code}): {_message(response)}"
+            f"{args.action} {target} refused (HTTP {response.status_code}): {_message(response)}"
         )
     print(json.dumps(response.json(), indent=2))
     return 0
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if args.rank < 0:
+    if args.rank is None and not (args.action == "poison" and args.request_id):
+        raise ElasticEPError(f"{args.action} needs RANK, a rank_id listed by GET {args.url}/cluster"
+                             + (" (or --request-id for one request)" if args.action == "poison" else ""))
+    if args.rank is not None and args.rank < 0:
         raise ElasticEPError(f"rank {args.rank} is not a rank_id: give one listed by GET {args.url}/cluster")
     if args.timeout_s <= 0:
         raise ElasticEPError(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")

@@ -9,6 +9,7 @@ Exit status: 0 with no critical finding, 1 with one (a hang, a stopped process, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -20,11 +21,13 @@ import httpx
 from elastic_ep.commands.remote import server_url, unreachable
 from elastic_ep.doctor.diagnose import ProcessInfo, Thresholds, describe, diagnose
 from elastic_ep.doctor.findings import Finding, render
-from elastic_ep.doctor.metrics import RankWindow, Samples, parse_metrics, rank_windows
+from elastic_ep.doctor.metrics import Samples, parse_metrics
 from elastic_ep.doctor.stacks import PY_SPY_MISSING, LocalProcesses, py_spy_dump, py_spy_path, worker_process
 from elastic_ep.errors import ElasticEPError
+from elastic_ep.policy.straggler import StragglerRule, Verdict, VerdictKind
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+SCRAPES = 5  # /metrics scrapes per diagnosis: the straggler verdict judges the 4 intervals between them
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,10 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval-s", type=float, default=1.0,
                         help="time between the two samples a diagnosis compares (default 1.0)")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout (default 10)")
-    defaults = Thresholds()
-    parser.add_argument("--straggler-ratio", type=float, default=defaults.straggler_ratio,
-                        help=f"own time per step over the others' median that makes a straggler "
-                             f"(default {defaults.straggler_ratio})")
+    parser.add_argument("--straggler-ratio", type=float, default=None,
+                        help="own time per step over the peers' median that makes a straggler (default: the "
+                             "server's --straggler-ratio, as GET /cluster shows it)")
 
 
 class Server:
@@ -76,12 +78,12 @@ class Server:
 
 @dataclass
 class Diagnosis:
-    """One diagnosis: the later /cluster snapshot, the findings, per-rank /metrics windows and
-    the state of the rank processes on this machine."""
+    """One diagnosis: the later /cluster snapshot, the findings, every member's straggler verdict
+    over the doctor's /metrics window, and the state of the rank processes on this machine."""
 
     cluster: dict[str, Any]
     findings: list[Finding]
-    windows: dict[int, RankWindow]
+    verdicts: dict[int, Verdict]
     processes: dict[int, ProcessInfo]
 
 
@@ -98,36 +100,60 @@ def _process(info: ProcessInfo | None) -> str:
 def rank_table(d: Diagnosis) -> str:
     """One line per rank, highest own time first (the slow node radar); `process`: state and
     CPU use over the interval, for ranks on this machine."""
-    def own(r):
-        w = d.windows.get(r["rank_id"])
-        return w.own_ms if w else -1.0
+    def own(r) -> float:
+        v = d.verdicts.get(r["rank_id"])
+        return v.own_ms if v is not None and v.own_ms is not None else -1.0
 
-    lines = [f"{'rank':>4} {'node':<8} {'pid':>7} {'state':<9} {'step p50/p99/max ms':>21} "
-             f"{'wait p50/p99':>13} {'own ms':>7} {'req':>4} {'process':<13} progress"]
+    lines = [f"{'rank':>4} {'node':<8} {'pid':>7} {'state':<9} {'liveness':<8} {'step p50/p99/max ms':>21} "
+             f"{'wait p50/p99':>13} {'own ms':>7} {'verdict':<12} {'req':>4} {'process':<13} progress"]
     for r in sorted(d.cluster["ranks"], key=lambda r: -own(r)):
-        w = d.windows.get(r["rank_id"])
+        v = d.verdicts.get(r["rank_id"])
         step, wait = r.get("step_ms"), r.get("wait_ms")
         lines.append(
             f"{r['rank_id']:>4} {r.get('node', '?'):<8} {r.get('pid') or '-':>7} {r.get('state', '?'):<9} "
+            f"{(r.get('liveness') or {}).get('state', '-'):<8} "
             f"{_ms(step, 'p50') + '/' + _ms(step, 'p99') + '/' + _ms(step, 'max'):>21} "
-            f"{_ms(wait, 'p50') + '/' + _ms(wait, 'p99'):>13} {f'{w.own_ms:.1f}' if w else '-':>7} "
-            f"{r.get('requests', 0):>4} {_process(d.processes.get(r['rank_id'])):<13} "
-            f"{describe(r['progress']) if r.get('progress') else '-'}"
+            f"{_ms(wait, 'p50') + '/' + _ms(wait, 'p99'):>13} {f'{own(r):.1f}' if own(r) >= 0 else '-':>7} "
+            f"{v.kind.value if v is not None else '-':<12} {r.get('requests', 0):>4} "
+            f"{_process(d.processes.get(r['rank_id'])):<13} {describe(r['progress']) if r.get('progress') else '-'}"
         )
     return "\n".join(lines)
 
 
+def rule_for(cluster: dict[str, Any], args: argparse.Namespace) -> StragglerRule:
+    """The server's straggler rule (GET /cluster), judged over the doctor's own window; --straggler-ratio
+    overrides the server's ratio."""
+    known = {f.name for f in dataclasses.fields(StragglerRule)}
+    server = {k: v for k, v in (cluster.get("straggler_rule") or {}).items() if k in known}
+    rule = {**server, "window_s": args.interval_s}
+    if args.straggler_ratio is not None:
+        rule["ratio"] = args.straggler_ratio
+    return StragglerRule(**rule)
+
+
 def diagnose_once(server: Server, args: argparse.Namespace) -> Diagnosis:
-    """Sample /cluster and /metrics twice, --interval-s apart, and diagnose."""
-    before, samples_before = server.cluster(), server.metrics()
+    """Sample /cluster twice, --interval-s apart, and /metrics SCRAPES times in between; diagnose."""
+    before = server.cluster()
+    scrapes = [(time.monotonic(), server.metrics())]
     local = LocalProcesses(before, urlparse(server.url).hostname in LOCAL_HOSTS)
     local.start()
-    time.sleep(args.interval_s)
-    after, samples_after = server.cluster(), server.metrics()
+    for _ in range(SCRAPES - 1):
+        time.sleep(args.interval_s / (SCRAPES - 1))
+        scrapes.append((time.monotonic(), server.metrics()))
+    after = server.cluster()
     processes = local.read()
-    th = Thresholds(straggler_ratio=args.straggler_ratio)
-    findings = diagnose(before, after, args.interval_s, time.time(), samples_before, samples_after, processes, th)
-    return Diagnosis(after, findings, rank_windows(samples_before, samples_after), processes)
+    th = Thresholds(straggler=rule_for(after, args))
+    findings, verdicts = diagnose(before, after, args.interval_s, time.time(), scrapes, processes, th)
+    return Diagnosis(after, findings, verdicts, processes)
+
+
+def nothing_found(d: Diagnosis) -> str:
+    """The line printed without findings: it says when there was too little to judge stragglers."""
+    unknown = [v for v in d.verdicts.values() if v.kind == VerdictKind.UNKNOWN]
+    if unknown:
+        return (f"no findings; no straggler verdict for ranks {sorted(v.rank_id for v in unknown)}: "
+                f"{unknown[0].evidence} (serve some load, or diagnose a longer --interval-s)")
+    return "no findings: every rank steps in time"
 
 
 def _stacks(cluster: dict[str, Any], findings: list[Finding]) -> dict[int, str]:
@@ -152,15 +178,14 @@ def report(server: Server, args: argparse.Namespace) -> int:
         print(json.dumps({
             "url": server.url, "epoch": cluster.get("epoch"), "step": cluster.get("step"),
             "ready": cluster.get("ready"), "findings": [f.to_json() for f in d.findings],
-            "windows": {r: {"steps": w.steps, "step_ms": w.step_ms, "wait_ms": w.wait_ms, "own_ms": w.own_ms}
-                        for r, w in d.windows.items()},
+            "verdicts": {r: v.to_json() for r, v in d.verdicts.items()},
             "processes": {r: vars(p) for r, p in d.processes.items()},
             "stacks": stacks, "py_spy": None if not args.py_spy or stacks is not None else PY_SPY_MISSING,
         }), flush=True)
     else:
         print(f"elastic-ep doctor: {server.url} epoch {cluster.get('epoch')} step {cluster.get('step')}, "
               f"{len(cluster.get('members', []))} members, ready {cluster.get('ready')}")
-        print("\n\n".join(render(f) for f in d.findings) if d.findings else "no findings: every rank steps in time")
+        print("\n\n".join(render(f) for f in d.findings) if d.findings else nothing_found(d))
         print("\n" + rank_table(d))
         if args.py_spy and stacks is None:
             print("\n" + PY_SPY_MISSING)
@@ -174,9 +199,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--interval-s", args.interval_s), ("--timeout-s", args.timeout_s), ("--watch", args.watch)):
         if value is not None and not value > 0:
             raise ElasticEPError(f"{flag} must be > 0 seconds, got {value}")
-    if not args.straggler_ratio > 1:
-        raise ElasticEPError(f"--straggler-ratio must be > 1 (a multiple of the others' median own time), "
-                             f"got {args.straggler_ratio}")
+    if args.straggler_ratio is not None:
+        StragglerRule(ratio=args.straggler_ratio)  # refuses a ratio that cannot work, naming the flag
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from elastic_ep.model.checkpoint import DTYPES
 from elastic_ep.model.tiny import ARCHS, make_tiny
 
 
@@ -23,6 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shards", type=int, default=2, help="safetensors files; 1 writes no index (default 2)"
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same bytes (default 0)")
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="dtype of the stored weights (default float32)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         heads=args.heads,
         moe_intermediate=args.moe_intermediate,
         vocab=args.vocab,
+        dtype=args.dtype,
     )
     print(f"wrote {args.arch} checkpoint to {out}")
     return 0

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import signal
 import threading
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.errors import ElasticEPError
@@ -28,7 +30,9 @@ HELP = {
     "redundant_experts": "extra expert slots in all; (experts + K) must divide by --ep-size (aliases: vLLM's "
                          "--num-redundant-experts, SGLang's --ep-num-redundant-experts)",
     "backend": "data plane: gloo (CPU) or nccl (GPU)",
-    "host": "address every process binds and the HTTP server listens on",
+    "host": "address the HTTP server listens on, and the controller binds unless --advertise-host says otherwise",
+    "advertise_host": "this host's address for the control plane and the store, what agents and workers on other "
+                      "hosts reach (default: --host); needed when --host is 0.0.0.0",
     "max_num_seqs": "sequences in flight per rank",
     "max_model_len": "longest prompt plus output, tokens",
     "max_num_batched_tokens": "tokens per rank per step (chunked prefill)",
@@ -71,6 +75,23 @@ HELP = {
                             "for EPLB, experts move towards balance in the background: at most this many bytes "
                             "per move, one move between steps",
     "rebalance_every_steps": "steps served between two moves of the background rebalance",
+    "isolation_max_steps": "a step that fails with every rank alive is re-run without suspect requests to find the "
+                           "one at fault; after this many steps the remaining suspects end with an error",
+    "agent_timeout_s": "a node whose agent is silent this long is lost (host down or cut off): its ranks are "
+                       "dropped at once",
+    "lease_s": "an agent that has not heard the controller this long kills its workers and registers again "
+               "(the same for the agent of this node)",
+    "heartbeat_suspect_s": "a rank whose heartbeat is this old shows as suspect (nothing is done to it)",
+    "stall_floor_s": "least time a step may run before /ready turns false and the rank holding it shows "
+                     "as stalled, whatever the fencing deadlines",
+    "stall_multiple": "a step stalls after this multiple of the median recent step time (at least "
+                      "--stall-floor-s)",
+    "straggler_ratio": "a straggler's own time per step is at least this multiple of its peers' median",
+    "straggler_min_excess_ms": "and at least this many ms above it",
+    "straggler_window_s": "the straggler verdict judges the steps of this recent window only",
+    "straggler_min_steps": "no straggler verdict with fewer steps than this in the window",
+    "straggler_persistence": "fraction of the window a rank must be slow in to be named a straggler",
+    "log_stats_interval_s": "log a one-line stats summary this often (0: never)",
 }
 
 
@@ -82,7 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--node", default="node0", help="this node's name (failure domain)")
     parser.add_argument("--local-ranks", type=int, default=None,
-                        help="ranks started on this node (default --ep-size; others come from `elastic-ep agent`)")
+                        help="ranks started on this node (default --ep-size; others come from `elastic-ep agent`; "
+                             "0: a controller with no workers and no agent here)")
+    add_log_arguments(parser)
     for f in dataclasses.fields(ServeConfig):
         if f.name not in HELP:
             continue
@@ -101,6 +124,7 @@ def _interrupt(*_) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, args.log_format)
     model_dir = resolve_model(args.model)
     cfg = ServeConfig(
         model_dir=str(model_dir),
@@ -114,28 +138,34 @@ def run(args: argparse.Namespace) -> int:
     from elastic_ep.serve.app import create_app
 
     app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
-    agent = NodeAgent(controller.health_addr, args.node, cfg.host,
-                      args.ep_size if args.local_ranks is None else args.local_ranks,
-                      exit_poll_s=cfg.exit_poll_interval_s)
+    local_ranks = args.ep_size if args.local_ranks is None else args.local_ranks
+    if local_ranks < 0:
+        raise ElasticEPError(f"--local-ranks must be >= 0, got {local_ranks}")
     agent_stop = threading.Event()
-    agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
-    agent_thread.start()
+    agent_thread = threading.Thread(name="agent", daemon=True)
+    if local_ranks:
+        agent = NodeAgent(controller.health_addr, args.node, cfg.control_host, local_ranks, lease_s=cfg.lease_s,
+                          exit_poll_s=cfg.exit_poll_interval_s)
+        agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
+        agent_thread.start()
     # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.
     controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
     controller.start()
-    print(f"elastic-ep: controller at {controller.health_addr} (agents connect here), "
-          f"HTTP on http://{cfg.host}:{args.port}", flush=True)
+    logging.getLogger("elastic_ep.serve").info("controller at %s (agents connect here), HTTP on http://%s:%d",
+                                               controller.health_addr, cfg.host, args.port)
     # uvicorn shuts down on SIGINT/SIGTERM, then re-raises the signal under the handler found at
     # start: make that an exception here too, so the cluster below is always stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        uvicorn.run(app, host=cfg.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+        uvicorn.run(app, host=cfg.host, port=args.port, log_level="warning", log_config=None,
+                    timeout_graceful_shutdown=2)
     except KeyboardInterrupt:
         pass
     finally:
         controller.stop()
         agent_stop.set()
-        agent_thread.join(10)
+        if agent_thread.is_alive():
+            agent_thread.join(10)
     if controller.fatal:
         raise ElasticEPError(f"the cluster stopped: {controller.fatal}")
     return 0

@@ -13,27 +13,37 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One request as the engine sees it. `seed` is fixed at admission so that a
-    recomputation after a fault draws the same tokens."""
+    """One request as the engine sees it: one prompt, one sequence (the HTTP layer turns
+    `n` choices and lists of prompts into one GenerationRequest each).
+
+    The engine samples every token with `model.sampling.sample_tokens(logits, [params],
+    [seed], [TokenHistory(prompt_token_ids, output so far)], eos_token_ids)`, so a token is a
+    pure function of (seed, position, logits, history) and a recomputation after a fault draws
+    the same one. `seed` is fixed at admission (params.seed is the client's, maybe None).
+    It finishes the request with "stop" on a token in `params.stop_ids(eos_token_ids)`,
+    "length" after `params.max_tokens` tokens or at max_model_len; the sampler already keeps
+    stop tokens out before `params.min_tokens`.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
-    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class RequestOutput:
     """One event of a request's stream: the tokens produced since the last event.
 
-    finish_reason: None while running; "stop" (EOS or a stop token), "length"
+    finish_reason: None while running; "stop" (EOS or a stop token id), "length"
     (max_tokens or max_model_len), "abort" (client gone), "error" (see `error`).
+    logprobs: when `params.logprobs` is not None, one `TokenLogprobs` per token of
+    `new_token_ids`, as `sample_tokens` returned it; else None.
     """
 
     request_id: str
@@ -41,11 +51,26 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
 class Readiness:
     ready: bool
+    reason: str = ""
+
+
+HEALTH_STATUSES = ("ok", "degraded", "dead")
+
+
+@dataclass(frozen=True)
+class Health:
+    """Whether the server process is worth keeping (GET /health, a liveness probe): "ok";
+    "degraded" while it runs but not at full strength (not ready, a rank stalled, suspect or down;
+    `reason` says which), which a restart would not mend; "dead" when the engine stopped and
+    only a restart helps (HTTP 503)."""
+
+    status: str
     reason: str = ""
 
 
@@ -70,8 +95,11 @@ class ScaleRejected(ElasticEPError):
 class ChaosOrder:
     """A fault to inject. action: kill (SIGKILL), hang (SIGSTOP), resume (SIGCONT), slow (the rank
     sleeps `delay_s` per step), corrupt (overwrite expert slot (`layer`, `slot`) of the rank; by
-    default its first occupied slot). `at_next_epoch`: for kill and hang, act right after the
-    next epoch is announced, so the fault lands while that epoch forms."""
+    default its first occupied slot), poison (every step of the requests whose id starts with
+    `request_id`, running or yet to come, raises on its rank, in `phase`: its local computation,
+    its experts, or its sampling; without `request_id` every step of rank `rank_id` raises: a
+    broken rank). `at_next_epoch`: for kill and hang, act
+    right after the next epoch is announced, so the fault lands while that epoch forms."""
 
     action: str
     rank_id: int
@@ -79,9 +107,11 @@ class ChaosOrder:
     layer: int | None = None
     slot: int | None = None
     at_next_epoch: bool = False
+    request_id: str | None = None
+    phase: str = "local"
 
 
-CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt")
+CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt", "poison")
 
 
 @dataclass
@@ -103,6 +133,8 @@ class Engine(Protocol):
 
     def readiness(self) -> Readiness: ...
 
+    def health(self) -> Health: ...
+
     def cluster(self, events_since: int | None = None, events_limit: int | None = 50) -> dict[str, Any]:
         """JSON for GET /cluster: epoch, ranks, scale state, deadlines, events: the last
         `events_limit` (None: all kept, up to 1000), only those with id > `events_since` if given.
@@ -111,19 +143,29 @@ class Engine(Protocol):
         or null, extra fields are shown as they are:
           {"time_s": unix seconds of the snapshot, "epoch": int, "ep_size": int,
            "ranks": [{"rank_id": int, "node": str, "pid": int | None,
-                      "state": "serving" | "joining" | "draining" | "hung" | "dead" | "fenced" | ...,
+                      "state": a RankStatus value (below),
+                      "liveness": {"state": "live" | "suspect" | "waiting" | "stalled",
+                                   "stalled_s": float | None, "reason": str} | None,  # None: not running
                       "slots": {"used": int, "total": int}, "requests": int,
                       "step_ms": {"p50", "p99", "max"},   # step time of the recent window
                       "wait_ms": {"p50", "p99"},            # collective (all-to-all) wait per step
                       "own_ms": {"p50", "p99", "max"},      # step less collective wait
-                      "heartbeat_age_s": float, "ready": bool,  # ready: serves in a verified epoch
+                      "link_ms": {"p50", "p99", "max"},     # control-plane round trip less the step
+                      "heartbeat_age_s": float, "progress_age_s": float,  # since the last heartbeat / move
+                      "progress": {"epoch", "step", "layer", "phase", "seq"}, "last_collective": str,
+                      "verdict": {"kind": "ok" | "straggler" | "dp-imbalance" | "unknown", "evidence": str,
+                                  ...numbers} | None,   # members only; policy/straggler.py
+                      "ready": bool,  # ready: serves in a verified epoch
                       "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
-           "scale": scale_status(), "deadlines": {name: seconds},
+           "ready": bool, "reason": str,   # as GET /ready
+           "health": {"status": "ok" | "degraded" | "dead", "reason": str},   # as GET /health
+           "straggler_rule": {"ratio", "min_excess_ms", "window_s", "min_steps", "persistence", ...},
+           "scale": scale_status(), "deadlines": {name: seconds},   # with stall_deadline_s, stall_multiple
            "rebalance": {"active": bool, "reason": str | None, "moves": int, "slots": int},  # background
            "events": [{"id": int, "time_s": unix seconds, "kind": str, "rank_id": int | None,
                        "message": str, ...details}, ...]}
         Rank states are `control.ranks.RankStatus` values: starting, serving, draining, fencing,
-        fenced, dead, retiring.
+        fenced, dead, retiring; liveness values are `control.ranks.Liveness`.
         """
         ...
 

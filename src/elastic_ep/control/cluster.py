@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from elastic_ep.placement.location import ExpertLocation
@@ -18,7 +18,7 @@ from elastic_ep.wire import BackupSite
 
 from .api import Readiness
 from .events import EventLog
-from .ranks import AgentInfo, RankInfo, RankStatus
+from .ranks import AgentInfo, RankInfo, RankLiveness, RankStatus
 
 
 class ClusterState:
@@ -38,6 +38,7 @@ class ClusterState:
         self.readiness = Readiness(False, "starting: waiting for ranks to register")
         self.degraded_since: float | None = None
         self.delay_s: dict[int, float] = {}  # chaos: added seconds per step, by rank
+        self.broken: dict[int, str] = {}  # chaos: rank -> where every step of it raises
         self.restart_at: dict[int, float] = {}  # rank -> monotonic time its restart is due
         # The host-memory backup, for saying why an expert came from disk (`why_disk`):
         self.backup_off = "the backup is written once the first epoch serves"  # "" when on
@@ -100,17 +101,21 @@ class ClusterState:
     # ---- /cluster ----------------------------------------------------------------------------
 
     def snapshot(self, requests_of: Callable[[int], int], controller_addr: str, deadlines: dict[str, float],
-                 scale: dict[str, Any], rebalance: dict[str, Any]) -> dict[str, Any]:
-        """The JSON of GET /cluster (see control/api.py `Engine.cluster` for the fields)."""
+                 scale: dict[str, Any], readiness: Readiness, liveness: Mapping[int, RankLiveness],
+                 verdicts: Mapping[int, dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """The JSON of GET /cluster (see control/api.py `Engine.cluster` for the fields); `readiness`
+        as published (it adds the stall check to `self.readiness`), liveness of running ranks,
+        straggler verdicts of members, `extra` top-level fields."""
         now = time.monotonic()
         total_slots = self.slots_per_rank * self.num_layers
-        ranks = [r.view(self.location, total_slots, requests_of(r.rank_id), self.delay_s.get(r.rank_id, 0.0), now)
+        ranks = [r.view(self.location, total_slots, requests_of(r.rank_id), self.delay_s.get(r.rank_id, 0.0), now,
+                        liveness.get(r.rank_id), verdicts.get(r.rank_id))
                  for r in sorted(self.ranks.values(), key=lambda r: r.rank_id)]
         return {
             "time_s": time.time(), "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),
             "controller": controller_addr, "slots_per_rank": self.slots_per_rank, "ranks": ranks,
-            "ready": self.readiness.ready, "reason": self.readiness.reason, "deadlines": deadlines,
-            "step": self.step, "scale": scale, "rebalance": rebalance,
+            "ready": readiness.ready, "reason": readiness.reason, "deadlines": deadlines,
+            "step": self.step, "scale": scale, **extra,
             "placement": json.loads(self.location.to_json()) if self.location is not None else None,
             "events": self.events.all(),
         }

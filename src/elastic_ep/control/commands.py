@@ -60,4 +60,22 @@ class CorruptExpertSlot:
     slot: int
 
 
-Command = AddRequest | AbortRequest | StartScale | SignalRank | SlowRank | CorruptExpertSlot
+@dataclass(frozen=True)
+class PoisonRequest:
+    """Chaos: every step of the running requests whose id starts with `request_id` raises on its
+    rank, in `phase` ("local", "experts" or "sampling"), as a request that breaks a step would."""
+
+    request_id: str
+    phase: str
+
+
+@dataclass(frozen=True)
+class PoisonRank:
+    """Chaos: every step of the rank raises in `phase`, whatever it runs (a broken rank)."""
+
+    rank_id: int
+    phase: str
+
+
+Command = (AddRequest | AbortRequest | StartScale | SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest
+           | PoisonRank)

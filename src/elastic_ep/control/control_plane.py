@@ -36,6 +36,9 @@ class ControlPlane:
         for s in (self.step_sock, self.health_sock):
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            # drop a connection whose peer went silent (a cut link) so its reconnection is clean
+            s.setsockopt(zmq.HEARTBEAT_IVL, 250)
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)
         self.step_addr = f"tcp://{host}:{self.step_sock.bind_to_random_port(f'tcp://{host}')}"
         self.health_addr = f"tcp://{host}:{self.health_sock.bind_to_random_port(f'tcp://{host}')}"
         self._wake_r, self._wake_w = os.pipe()
@@ -72,6 +75,11 @@ class ControlPlane:
     def to_worker(self, rank_id: int, message) -> None:
         """To a worker's main thread (step socket)."""
         self.step_sock.send_multipart([f"w{rank_id}".encode(), encode(message)])
+
+    def to_heartbeat(self, rank_id: int, message) -> None:
+        """To a worker's heartbeat thread (health socket), which answers even while the main
+        thread waits in a collective."""
+        self.health_sock.send_multipart([f"h{rank_id}".encode(), encode(message)])
 
     def to_identity(self, identity: bytes, message) -> None:
         """To a peer of the health socket (an agent) by its identity."""

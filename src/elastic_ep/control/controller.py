@@ -12,14 +12,14 @@ waiting ends the wait with `RecoveryNeeded`, and the loop recovers.
 The roles and where they live (docs/ARCHITECTURE.md has the full table):
 detection `detector.py` (rules in `health.py`), one step `step_loop.py`, fence / drain /
 degrade `recovery.py`, placement + transfers + verification `epoch_change.py`, the background
-rebalance and EPLB `background_rebalance.py` (decisions in `rebalance.py`), scaling `scale_driver.py` (rules in `scaling.py`), agents and rank processes
-`nodes.py`, the HTTP side `engine.py` (commands in `commands.py`).
+rebalance and EPLB `background_rebalance.py` (decisions in `rebalance.py`), scaling
+`scale_driver.py` (rules in `scaling.py`), agents and rank processes `nodes.py`, the HTTP side
+`engine.py` (commands in `commands.py`).
 """
 
 from __future__ import annotations
 
 import queue
-import signal
 import socket
 import threading
 import time
@@ -34,10 +34,10 @@ from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
+    AgentAlive,
     AgentBye,
     AgentHello,
     BackupReady,
-    CorruptSlot,
     EpochFailed,
     EpochReady,
     Heartbeat,
@@ -52,16 +52,24 @@ from elastic_ep.wire import (
 
 from .api import EngineInfo, RequestOutput, ScaleRejected
 from .background_rebalance import BackgroundRebalance
+from .chaos import ChaosInjector
 from .cluster import ClusterState
-from .commands import AbortRequest, AddRequest, Command, CorruptExpertSlot, SignalRank, SlowRank, StartScale
+from .commands import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    StartScale,
+)
 from .config import ServeConfig, check_config
 from .control_plane import ControlPlane, Inbound
 from .detector import Fault, FaultDetector, RecoveryNeeded
 from .engine import EngineFacade, Published
 from .epoch_change import EpochChanger, EpochReport, Formed, Interrupted, NoPlacement, NotFormed, VerifyFailed
 from .events import EventKind
+from .isolation import Isolation
 from .metrics import ClusterMetrics
 from .nodes import Nodes
+from .publisher import Publisher
 from .ranks import RankStatus
 from .rebalance import load_estimate
 from .recorder import ExpertRecorder
@@ -94,13 +102,14 @@ class Controller:
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.streams = Streams(self.scheduler)
         self.detector = FaultDetector(cfg)
-        self.plane = ControlPlane(cfg.host)
-        self.store_port = _free_port(cfg.host)
+        self.plane = ControlPlane(cfg.control_host)
+        self.store_port = _free_port(cfg.control_host)
         self.store = dist.TCPStore(
-            cfg.host, self.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+            cfg.control_host, self.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
         )
+        self.isolation = Isolation(self.streams, self.cluster.events, self.fault, cfg.isolation_max_steps)
         self.steps = StepLoop(self.cluster, cfg, self.plane, self.scheduler, self.detector, self.metrics,
-                              self.recorder, self.streams, self.config.top_k, self.pump)
+                              self.recorder, self.streams, self.isolation, self.config.top_k, self.pump)
         self.changer = EpochChanger(self.cluster, cfg, self.plane, self.store, self.reader.expert_nbytes, self.pump,
                                     lambda ranks: any(r in self.detector.faults for r in ranks))
         self.recovery = Recovery(self)
@@ -108,6 +117,7 @@ class Controller:
         self.nodes = Nodes(self)
         self.sweeper = SlotSweeper(self.cluster, cfg, self.plane, self.changer)
         self.rebalancer = BackgroundRebalance(self)
+        self.chaos = ChaosInjector(self)
         self.published = Published()
         self._commands: queue.Queue[Command] = queue.Queue()
         info = EngineInfo(cfg.model_name, cfg.max_model_len, tuple(self.config.eos_token_ids))
@@ -115,7 +125,7 @@ class Controller:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_fatal = None  # called from the control thread when the loop dies
-        self._published_at = 0.0
+        self.publisher = Publisher(self)
         self.publish()
 
     @property
@@ -184,6 +194,7 @@ class Controller:
         c = self.cluster
         for fault in self.detector.check(now, c.ranks, c.members, bool(self.steps.in_step), c.epoch):
             self.fault(fault)
+        self.nodes.check_agents(now)
         self.nodes.restart_due(now)
         self.publish(throttle_s=0.25)
 
@@ -193,6 +204,8 @@ class Controller:
             r = self.cluster.ranks.get(msg.rank_id)
             if r is not None and r.pid == msg.pid:
                 self.detector.heartbeat(r, msg, self.cluster.epoch, time.monotonic())
+        elif isinstance(msg, AgentAlive):
+            nodes.on_agent_alive(inbound.identity, msg)
         elif isinstance(msg, StepResult | StepFailed):
             self.steps.on_reply(msg)
         elif isinstance(msg, EpochReady | EpochFailed):
@@ -225,8 +238,8 @@ class Controller:
             self._run_command(cmd)
 
     def _run_command(self, cmd: Command) -> None:
-        c = self.cluster
         if isinstance(cmd, AddRequest):
+            self.chaos.on_add(cmd.seq)
             self.streams.add(cmd.seq.seq_id, cmd.stream)
             self.scheduler.add(cmd.seq)
         elif isinstance(cmd, AbortRequest):
@@ -240,29 +253,8 @@ class Controller:
                 return
             self.publish()  # before the answer: the caller's next /is_scaling_elastic_ep sees the scale
             cmd.reply.set_result(answer)
-        elif isinstance(cmd, SignalRank):
-            self._signal(cmd)
-        elif isinstance(cmd, SlowRank):
-            c.delay_s[cmd.rank_id] = cmd.delay_s
-            c.events.add(EventKind.CHAOS, f"rank {cmd.rank_id} slowed by {cmd.delay_s}s per step", cmd.rank_id)
-        elif isinstance(cmd, CorruptExpertSlot):
-            self.plane.to_worker(cmd.rank_id, CorruptSlot(c.epoch, cmd.layer, cmd.slot))
-            c.events.add(EventKind.CHAOS, f"corrupted layer {cmd.layer} slot {cmd.slot} of rank {cmd.rank_id}",
-                         cmd.rank_id, layer=cmd.layer, slot=cmd.slot)
-
-    def _signal(self, cmd: SignalRank) -> None:
-        def send() -> None:
-            r = self.cluster.ranks.get(cmd.rank_id)
-            self.nodes.signal(cmd.rank_id, cmd.signal)
-            self.cluster.events.add(EventKind.CHAOS, f"{signal.Signals(cmd.signal).name} to rank {cmd.rank_id} "
-                                    f"(pid {r.pid if r else None}) in epoch {self.cluster.epoch}", cmd.rank_id)
-
-        if cmd.at_next_epoch:
-            self.changer.after_start.append(send)
-            self.cluster.events.add(EventKind.CHAOS, f"armed: {signal.Signals(cmd.signal).name} to rank {cmd.rank_id} "
-                                    f"once epoch {self.cluster.epoch + 1} is announced", cmd.rank_id)
         else:
-            send()
+            self.chaos.run(cmd)
 
     # ---- faults and epochs -----------------------------------------------------------------
 
@@ -385,17 +377,12 @@ class Controller:
         if not self.scheduler.has_work:
             self.pump(0.05)
             return
-        self.recovery.step_completed(self.steps.run())
+        wall_s = self.steps.run()
+        if wall_s is not None:
+            self.recovery.step_completed(wall_s)
 
     # ---- snapshot ----------------------------------------------------------------------------
 
     def publish(self, throttle_s: float = 0.0) -> None:
-        """Readiness at once; the /cluster snapshot at most every `throttle_s`."""
-        self.published.readiness = self.cluster.readiness
-        now = time.monotonic()
-        if throttle_s and now - self._published_at < throttle_s:
-            return
-        self._published_at = now
-        deadlines = {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.detector.watchdog_deadline_s(), 3)}
-        self.published.snapshot = self.cluster.snapshot(self.scheduler.num_requests, self.plane.health_addr,
-                                                        deadlines, self.scaling.status(), self.rebalancer.status())
+        """Readiness and health at once; the /cluster snapshot at most every `throttle_s` (publisher.py)."""
+        self.publisher.publish(throttle_s)

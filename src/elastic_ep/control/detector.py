@@ -2,7 +2,8 @@
 
 Signals, fastest first: the agent reports a worker's exit (crash, OOM kill, `kill -9`); a worker
 reports that a collective raised (gloo fails in milliseconds when a peer's socket closes, with
-no rank to blame: an error, not a fault); a rank's heartbeats stop for --heartbeat-timeout-s (a
+no rank to blame: an error, not a fault; an error in a rank's own computation is not even that,
+see control/isolation.py); a rank's heartbeats stop for --heartbeat-timeout-s (a
 stopped process or a cut link; heartbeats come from their own thread, so a rank blocked in a
 collective or merely slow keeps beating); the progress watchdog names a rank that has not
 entered the collective the others wait in for the adaptive deadline (a hang). A slow rank is
@@ -25,7 +26,7 @@ from elastic_ep.wire import Heartbeat
 
 from .config import ServeConfig
 from .health import adaptive_deadline_s, hung_ranks, lost_heartbeats
-from .ranks import RankInfo, RankStatus
+from .ranks import RankInfo
 
 
 class RecoveryNeeded(Exception):
@@ -40,6 +41,8 @@ class FaultCause(str, Enum):
     HUNG = "hung"  # the progress watchdog
     NO_ANSWER = "no_answer"  # did not leave a failed step within --drain-timeout-s
     NOT_JOINED = "did_not_join"  # did not join a new epoch within --epoch-timeout-s
+    STEP_ERRORS = "step_errors"  # its computation fails with no request to blame (control/isolation.py)
+    NODE_LOST = "node_lost"  # its node's agent went silent for --agent-timeout-s (host lost or cut off)
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,8 @@ class FaultDetector:
         rank.last_heartbeat = now
         if msg.progress.epoch == epoch and msg.progress.seq not in self.seq_first_seen:
             self.seq_first_seen[msg.progress.seq] = now
-        rank.progress = msg.progress
+        if msg.progress != rank.progress:
+            rank.progress, rank.progress_at = msg.progress, now
 
     def new_epoch(self) -> None:
         self.seq_first_seen = {}
@@ -118,9 +122,7 @@ class FaultDetector:
         if not self.cfg.health_checks or now - self._checked_at < self.cfg.health_check_period_s:
             return []
         self._checked_at = now
-        watched = {r.rank_id: r.last_heartbeat for r in ranks.values()
-                   if r.status in (RankStatus.SERVING, RankStatus.DRAINING)
-                   or (r.status == RankStatus.STARTING and r.hello is not None)}
+        watched = {r.rank_id: r.last_heartbeat for r in ranks.values() if r.watched}
         timeout_s = self.cfg.heartbeat_timeout_s
         found = [Fault(r, FaultCause.HEARTBEAT_LOST, f"no heartbeat for {timeout_s:.2f}s (stopped or cut off)")
                  for r in lost_heartbeats(watched, now, timeout_s)]

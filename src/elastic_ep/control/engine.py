@@ -24,12 +24,23 @@ from .api import (
     ChaosOrder,
     EngineInfo,
     GenerationRequest,
+    Health,
     Readiness,
     RequestOutput,
     ScaleRejected,
     ServiceUnavailable,
 )
-from .commands import AbortRequest, AddRequest, Command, CorruptExpertSlot, SignalRank, SlowRank, StartScale
+from .commands import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    CorruptExpertSlot,
+    PoisonRank,
+    PoisonRequest,
+    SignalRank,
+    SlowRank,
+    StartScale,
+)
 from .config import ServeConfig
 from .events import select_events
 from .recorder import ExpertRecorder
@@ -44,6 +55,7 @@ class Published:
     """What the control thread publishes for other threads; each field is replaced whole."""
 
     readiness: Readiness = field(default_factory=lambda: Readiness(False, "starting: waiting for ranks to register"))
+    health: Health = field(default_factory=lambda: Health("degraded", "starting"))
     snapshot: dict[str, Any] = field(default_factory=dict)
     fatal: str | None = None
 
@@ -63,6 +75,9 @@ class EngineFacade:
 
     def readiness(self) -> Readiness:
         return self.published.readiness
+
+    def health(self) -> Health:
+        return self.published.health
 
     def cluster(self, events_since: int | None = None, events_limit: int | None = 50) -> dict[str, Any]:
         snapshot = self.published.snapshot
@@ -120,6 +135,9 @@ class EngineFacade:
     def chaos(self, order: ChaosOrder) -> dict[str, Any]:
         if not self.cfg.enable_chaos:
             raise ElasticEPError("fault injection is off; start the server with --enable-chaos")
+        if order.action == "poison" and order.request_id:
+            self.send(PoisonRequest(order.request_id, order.phase))
+            return {"action": "poison", "request_id": order.request_id, "phase": order.phase}
         snapshot = self.published.snapshot
         ranks = {r["rank_id"]: r for r in snapshot.get("ranks", [])}
         rank = ranks.get(order.rank_id)
@@ -134,6 +152,9 @@ class EngineFacade:
                 raise ElasticEPError(f"delay_s must be >= 0, got {order.delay_s}")
             self.send(SlowRank(order.rank_id, order.delay_s))
             return {**done, "delay_s": order.delay_s}
+        if order.action == "poison":
+            self.send(PoisonRank(order.rank_id, order.phase))
+            return {**done, "phase": order.phase}
         if order.action == "corrupt":
             layer, slot = self._slot_to_corrupt(rank, order)
             self.send(CorruptExpertSlot(order.rank_id, layer, slot))

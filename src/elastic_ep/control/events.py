@@ -1,12 +1,16 @@
 """The cluster's event log: every fault, fence, epoch, recovery, rejoin, scale step and chaos action,
 numbered so a reader can ask for what came after the last one it saw.
 
-Written by the control thread only; readers get copies through the published snapshot.
+Written by the control thread only; readers get copies through the published snapshot. Every
+event is also one log line on the `elastic_ep.events` logger (stderr, as `--log-format` says):
+warnings for what went wrong or was injected, errors for a stopped control loop, info for the
+rest; the JSON format carries the event's fields.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from enum import Enum
@@ -29,12 +33,30 @@ class EventKind(str, Enum):
     BACKUP = "backup"  # a node's host-memory backup was written (or is off)
     BACKUP_LOST = "backup-lost"  # a node's backup can no longer be used
     REPLACE = "replace"  # a down rank moves to a replacement node
+    AGENT = "agent"  # a node's agent registered (or registered again)
+    NODE_LOST = "node-lost"  # a node's agent went silent: its ranks are faults
     RETIRED = "retired"  # a rank left the cluster
     SCALE = "scale"  # a scale started or finished
     SCALE_FAILED = "scale-failed"
     DRAINED = "drained"  # leaving ranks drained on scale-down
     CHAOS = "chaos"  # a fault injected on request
+    STALLED = "stalled"  # no step progressed for the stall deadline: not ready (reason in the message)
+    STALL_ENDED = "stall-ended"  # no step in flight past the stall deadline, no member silent
     FATAL = "fatal"  # the control loop stopped
+
+
+WARNING_KINDS = frozenset({
+    EventKind.FAULT, EventKind.FENCING, EventKind.FENCE_TIMEOUT, EventKind.EPOCH_FAILED, EventKind.VERIFY_FAILED,
+    EventKind.DEGRADED, EventKind.REQUEST_ERROR, EventKind.BACKUP_LOST, EventKind.SCALE_FAILED, EventKind.CHAOS,
+    EventKind.STALLED,
+})
+logger = logging.getLogger("elastic_ep.events")
+
+
+def log_level(kind: EventKind) -> int:
+    if kind == EventKind.FATAL:
+        return logging.ERROR
+    return logging.WARNING if kind in WARNING_KINDS else logging.INFO
 
 
 class EventLog:
@@ -49,6 +71,8 @@ class EventLog:
         event = {"id": next(self._ids), "time_s": time.time(), "kind": kind.value, "rank_id": rank_id,
                  "message": message, **details}
         self._events.append(event)
+        rank = f" rank={rank_id}" if rank_id is not None else ""
+        logger.log(log_level(kind), "event %s%s: %s", kind.value, rank, message, extra={"fields": event})
         return event
 
     def all(self) -> list[dict[str, Any]]:

@@ -8,6 +8,10 @@
   adaptive deadline (a multiple of recent step times, with a floor), the one that has not is
   hung and is named. A slow rank enters k late but within the deadline, and the deadline grows
   with the step times it causes, so slowness alone does not get a rank killed.
+- liveness: what an operator sees before any deadline above acts (`Liveness`): a late heartbeat
+  makes a rank suspect; a step that runs past the stall deadline names the rank that holds it
+  stalled and the ranks blocked in its collectives waiting. The stall deadline only informs
+  (`/ready`, `/cluster`, the dashboard, `/metrics`); fencing stays with the deadlines above.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ import statistics
 from collections.abc import Iterable, Mapping
 
 from elastic_ep.wire import Progress
+
+from .ranks import Liveness, RankLiveness
+
+COLLECTIVE_PHASES = ("dispatch", "combine")
 
 
 def adaptive_deadline_s(recent_step_s: Iterable[float], multiple: float, floor_s: float) -> float:
@@ -46,6 +54,39 @@ def hung_ranks(
     if furthest == 0 or now - first_seen.get(furthest, now) <= deadline_s:
         return []
     return sorted(r for r, s in seqs.items() if s < furthest)
+
+
+def rank_liveness(heartbeat_age_s: float, step_age_s: float | None, in_step: bool, phase: str,
+                  suspect_after_s: float, stall_after_s: float) -> RankLiveness:
+    """A running rank's liveness. heartbeat_age_s: since its last heartbeat; step_age_s: how long
+    the step in flight has run (None: no step in flight); in_step: it has not answered that step
+    yet; phase: where its last heartbeat says it is (`Progress.phase`)."""
+    if heartbeat_age_s >= stall_after_s:
+        return RankLiveness(Liveness.STALLED, heartbeat_age_s,
+                            f"no heartbeat for {heartbeat_age_s:.1f}s: stopped, frozen or cut off")
+    if step_age_s is not None and step_age_s >= stall_after_s and in_step:
+        if phase in COLLECTIVE_PHASES:
+            return RankLiveness(Liveness.WAITING, step_age_s, f"waits in a {phase} all-to-all for {step_age_s:.1f}s")
+        return RankLiveness(Liveness.STALLED, step_age_s,
+                            f"in {phase}, outside the collective the others wait in, for {step_age_s:.1f}s")
+    if heartbeat_age_s >= suspect_after_s:
+        return RankLiveness(Liveness.SUSPECT, None, f"heartbeat {heartbeat_age_s:.2f}s old")
+    return RankLiveness(Liveness.LIVE)
+
+
+def stall_reason(step_age_s: float | None, stall_after_s: float, liveness: Mapping[int, RankLiveness]) -> str | None:
+    """Why the group cannot make progress now (None when it can): the step in flight ran past the
+    stall deadline, or a member is stalled (the next step would wait for it)."""
+    stalled = {r: lv for r, lv in sorted(liveness.items()) if lv.state == Liveness.STALLED}
+    step_stalled = step_age_s is not None and step_age_s >= stall_after_s
+    if not stalled and not step_stalled:
+        return None
+    waiting = sorted(r for r, lv in liveness.items() if lv.state == Liveness.WAITING)
+    parts = [f"rank {r} {lv.reason}" for r, lv in stalled.items()]
+    parts += [f"ranks {waiting} wait in a collective"] if waiting else []
+    head = (f"stalled: the step in flight has run {step_age_s:.1f}s, past the stall deadline {stall_after_s:.2f}s"
+            if step_stalled else f"stalled: a member has been silent past the stall deadline {stall_after_s:.2f}s")
+    return "; ".join([head, *parts])
 
 
 def relative_speeds(own_s: Mapping[int, Iterable[float]]) -> dict[int, float]:

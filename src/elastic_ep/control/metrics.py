@@ -1,7 +1,8 @@
 """Cluster metrics, registered on the HTTP app's CollectorRegistry.
 
 Per-rank series (label `rank`), so one slow rank shows as itself and is not hidden in a mean
-(seed 000, sections 3 and 8): step time, collective wait, expert load relative to the mean.
+(seed 000, sections 3 and 8): step time, collective wait, tokens, expert load relative to the
+mean, and liveness (up, heartbeat age, last progress), set each time the control thread publishes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,35 @@ class ClusterMetrics:
             "elastic_ep_rank_step_tokens", "Tokens a rank ran in the last step (DP attention)", ["rank"],
             registry=registry,
         )
+        self.rank_tokens_total = Counter(
+            "elastic_ep_rank_tokens", "Tokens a rank ran (prefill and decode), for tokens per step over a window",
+            ["rank"], registry=registry,
+        )
+        self.rank_up = Gauge(
+            "elastic_ep_rank_up", "1 while a rank serves and is not stalled (liveness in /cluster), else 0",
+            ["rank"], registry=registry,
+        )
+        self.rank_heartbeat_age_seconds = Gauge(
+            "elastic_ep_rank_heartbeat_age_seconds", "Time since the rank's last heartbeat", ["rank"],
+            registry=registry,
+        )
+        self.rank_last_progress_seconds = Gauge(
+            "elastic_ep_rank_last_progress_timestamp_seconds",
+            "Unix time the rank last moved (entered a collective or phase); alert on time() minus this",
+            ["rank"], registry=registry,
+        )
+        self.rank_stalled_seconds = Gauge(
+            "elastic_ep_rank_stalled_seconds", "How long the rank has been stalled or waiting in a stalled step "
+            "(0 when live)", ["rank"], registry=registry,
+        )
+        self.requests_running = Gauge(
+            "elastic_ep_num_requests_running", "Requests placed on a rank (running or being prefilled)",
+            registry=registry,
+        )
+        self.requests_waiting = Gauge(
+            "elastic_ep_num_requests_waiting", "Requests admitted but not yet placed on a rank", registry=registry,
+        )
+        self.ready = Gauge("elastic_ep_ready", "1 while GET /ready is true", registry=registry)
         self.dp_token_imbalance = Gauge(
             "elastic_ep_dp_token_imbalance",
             "Max over mean of tokens per rank in the last non-empty step (1.0 = even)",
@@ -53,6 +83,10 @@ class ClusterMetrics:
             "elastic_ep_recovery_seconds", "From fault detection to serving again", buckets=RECOVERY_BUCKETS,
             registry=registry,
         )
+        self.failed_steps = Counter(
+            "elastic_ep_failed_steps", "Steps dropped because a rank's own computation failed (ranks alive)",
+            registry=registry,
+        )
         self.epoch = Gauge("elastic_ep_epoch", "Current membership epoch", registry=registry)
         self.live_ranks = Gauge("elastic_ep_live_ranks", "Ranks serving in the current epoch", registry=registry)
         self.eplb_rebalances = Counter(
@@ -61,7 +95,8 @@ class ClusterMetrics:
 
     def forget_rank(self, rank: int) -> None:
         """Drop a rank's series when it leaves (its last values would read as current)."""
-        for metric in (self.rank_tokens, self.expert_load_imbalance):
+        for metric in (self.rank_tokens, self.expert_load_imbalance, self.rank_up, self.rank_heartbeat_age_seconds,
+                       self.rank_last_progress_seconds, self.rank_stalled_seconds):
             try:
                 metric.remove(str(rank))
             except KeyError:

@@ -6,6 +6,13 @@ the rank was leaving); when it is fenced the agent kills it and confirms. A down
 again after --restart-delay-s by its agent (or by the agent itself with --auto-recover), or by
 a replacement node's agent (`--join-mode recover`). When an agent goes, its backup goes with
 it and transfers are no longer planned from it.
+
+Agents say they are alive every 0.1 s and each answer renews their lease. An agent silent for
+--agent-timeout-s (its host lost, or cut off) is dropped: every rank of its node is a fault at
+once, and since no one can kill them from here they count as down without a confirmation (a
+cut-off node fences itself when its lease runs out). When it comes back it registers again,
+in recover mode, and its ranks rejoin; anything from the session given up on is answered
+with `SessionEnded`.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from elastic_ep.wire import (
+    AgentAlive,
     AgentBye,
     AgentHello,
     AgentShutdown,
@@ -23,7 +31,9 @@ from elastic_ep.wire import (
     BackupAssign,
     BackupReady,
     FenceWorker,
+    LeaseRenew,
     Progress,
+    SessionEnded,
     Shutdown,
     SignalWorker,
     StartWorker,
@@ -35,6 +45,7 @@ from elastic_ep.wire import (
 )
 
 from .backup import backup_shares
+from .detector import Fault, FaultCause
 from .events import EventKind
 from .ranks import AgentInfo, RankInfo, RankStatus
 
@@ -50,17 +61,48 @@ class Nodes:
     # ---- agents ------------------------------------------------------------------------------
 
     def on_agent_hello(self, identity: bytes, msg: AgentHello) -> None:
-        agent = AgentInfo(msg.node, identity, msg.fetch_addr, msg.num_ranks, msg.auto_recover)
+        known = self.cluster.agents.get(msg.node)
+        if known is not None and known.session == msg.session:  # a hello repeated before our welcome arrived
+            self.ctl.plane.to_identity(identity, AgentWelcome(self.launch(), msg.session))
+            return
+        agent = AgentInfo(msg.node, identity, msg.fetch_addr, msg.num_ranks, msg.auto_recover, msg.session, msg.host,
+                          time.monotonic())
         self.cluster.agents[msg.node] = agent
+        self.cluster.events.add(EventKind.AGENT, f"node {msg.node} registered ({msg.join_mode}) at {msg.host or '?'}",
+                                node=msg.node, join_mode=msg.join_mode)
         self._welcome(agent, msg.join_mode)
 
+    def on_agent_alive(self, identity: bytes, msg: AgentAlive) -> None:
+        agent = self.cluster.agents.get(msg.node)
+        if agent is None or agent.session != msg.session:
+            self.ctl.plane.to_identity(identity, SessionEnded(msg.session, "the controller gave up on this session "
+                                                                           "(unreachable for --agent-timeout-s)"))
+            return
+        agent.last_alive = time.monotonic()
+        self.ctl.plane.to_identity(identity, LeaseRenew(msg.session, self.ctl.cfg.lease_s))
+
+    def check_agents(self, now: float) -> None:
+        """Drop every agent silent for --agent-timeout-s; its node's ranks are faults."""
+        timeout_s = self.ctl.cfg.agent_timeout_s
+        for agent in [a for a in self.cluster.agents.values() if now - a.last_alive > timeout_s]:
+            self.cluster.events.add(EventKind.NODE_LOST, f"node {agent.node} lost: no word from its agent for "
+                                    f"{timeout_s:g}s (host down or cut off); its ranks fence themselves within "
+                                    "their lease", node=agent.node)
+            self.drop_backup(agent.node, "its node is lost")
+            self.cluster.agents.pop(agent.node)
+            for r in self.cluster.ranks.values():
+                if r.node == agent.node and not r.status.down and r.status != RankStatus.RETIRING:
+                    self.ctl.fault(Fault(r.rank_id, FaultCause.NODE_LOST,
+                                         f"node {agent.node} unreachable (no agent heartbeat for {timeout_s:g}s)"))
+
     def _welcome(self, agent: AgentInfo, join_mode: str) -> None:
-        """Give a new agent its ranks: free rank ids, or with join_mode recover (a replacement
-        node) ranks that are down, which it starts again in their place."""
+        """Give a new agent its ranks: free rank ids, or with join_mode recover (a node that comes
+        back, or a replacement) ranks that are down, its own first, which it starts again."""
         c = self.cluster
-        self.ctl.plane.to_identity(agent.identity, AgentWelcome(self.launch()))
+        self.ctl.plane.to_identity(agent.identity, AgentWelcome(self.launch(), agent.session))
         if join_mode == "recover":
-            for rank_id in c.down_ranks()[: agent.num_ranks]:
+            down = sorted(c.down_ranks(), key=lambda r: (c.ranks[r].node != agent.node, r))
+            for rank_id in down[: agent.num_ranks]:
                 c.restart_at.pop(rank_id, None)
                 c.ranks[rank_id].node = agent.node
                 c.events.add(EventKind.REPLACE, f"rank {rank_id} moves to node {agent.node}", rank_id)
@@ -74,7 +116,7 @@ class Nodes:
     def launch(self) -> WorkerLaunch:
         cfg, plane = self.ctl.cfg, self.ctl.plane
         return WorkerLaunch(
-            cfg.model_dir, plane.step_addr, plane.health_addr, cfg.host, self.ctl.store_port, cfg.backend,
+            cfg.model_dir, plane.step_addr, plane.health_addr, cfg.control_host, self.ctl.store_port, cfg.backend,
             cfg.max_num_seqs, cfg.max_model_len, cfg.heartbeat_interval_s if cfg.health_checks else 0.0,
             cfg.backup_fetch_timeout_s,
         )
@@ -96,7 +138,7 @@ class Nodes:
             self.ctl.plane.to_identity(identity, FenceWorker(msg.rank_id, msg.pid, "it left the cluster", final=True))
             return
         r.node, r.pid, r.status, r.last_heartbeat = msg.node, msg.pid, RankStatus.STARTING, time.monotonic()
-        r.progress, r.hello = Progress(), None
+        r.progress, r.progress_at, r.hello = Progress(), time.monotonic(), None
         self.cluster.events.add(EventKind.STARTED, f"rank {msg.rank_id} started on {msg.node} (pid {msg.pid})",
                                 msg.rank_id)
 
@@ -131,8 +173,14 @@ class Nodes:
             r.status = RankStatus.FENCED
 
     def fence(self, rank_id: int, reason: str) -> None:
-        """Have the rank's agent SIGKILL it (confirmed by `WorkerFenced`)."""
+        """Have the rank's agent SIGKILL it (confirmed by `WorkerFenced`); a rank whose node is
+        unreachable counts as down at once: it fences itself when its agent's lease runs out."""
         r = self.cluster.ranks[rank_id]
+        if r.node not in self.cluster.agents:
+            r.status = RankStatus.DEAD
+            self.cluster.events.add(EventKind.FENCING, f"rank {rank_id} on unreachable node {r.node} counts as down; "
+                                    "it fences itself within its lease", rank_id)
+            return
         self.send(r.node, FenceWorker(rank_id, r.pid, reason))
         r.status = RankStatus.FENCING
 
@@ -158,6 +206,7 @@ class Nodes:
         c.ranks.pop(rank_id, None)
         c.restart_at.pop(rank_id, None)
         c.delay_s.pop(rank_id, None)
+        c.broken.pop(rank_id, None)
         self.ctl.scheduler.draining.discard(rank_id)
         self.ctl.metrics.forget_rank(rank_id)
         c.events.add(EventKind.RETIRED, message, rank_id)
@@ -166,9 +215,9 @@ class Nodes:
         """Ask agents to start the down ranks whose --restart-delay-s has passed."""
         c = self.cluster
         for rank_id, t in list(c.restart_at.items()):
-            if now >= t:
+            node = c.ranks[rank_id].node
+            if now >= t and node in c.agents:  # an unreachable node restarts its ranks when it registers again
                 del c.restart_at[rank_id]
-                node = c.ranks[rank_id].node
                 self.send(node, StartWorker(rank_id, "recover", c.dense_site(node)))
 
     def schedule_restart(self, rank_id: int) -> None:

@@ -1,7 +1,14 @@
-"""What the controller knows about each rank and each node agent, and the one list of rank states.
+"""What the controller knows about each rank and each node agent, the one list of rank states,
+and the one list of liveness values.
+
+A rank has two separate fields: its `RankStatus` (where it is in its life: what the controller
+decided and did, changed only by the control loop's actions) and, while its process should be
+running, its `Liveness` (what the controller observes this moment: heartbeats and progress, which
+can change every heartbeat and decides nothing by itself). A serving rank can be stalled: a hang
+with long fencing deadlines is visible at once, before any action is taken.
 
 Everything here is written by the control thread only; `/cluster`, the dashboard, the doctor and
-the docs show `RankStatus` values as they are.
+the docs show `RankStatus` and `Liveness` values as they are.
 """
 
 from __future__ import annotations
@@ -50,6 +57,34 @@ class RankStatus(str, Enum):
         return self in (RankStatus.FENCED, RankStatus.DEAD)
 
 
+class Liveness(str, Enum):
+    """What a rank's heartbeats and progress show now (`control/health.py` `rank_liveness` decides):
+
+    - LIVE: heartbeats on time, and not holding up a step.
+    - SUSPECT: its heartbeat is late (--heartbeat-suspect-s) but not yet for the stall deadline.
+    - WAITING: the step in flight has stalled and this rank waits inside a collective: a victim
+      of another rank, or of a cut link when every rank waits.
+    - STALLED: no heartbeat for the stall deadline (stopped, frozen, cut off), or the step has
+      stalled while this rank is outside every collective: it holds the others up.
+    The stall deadline is max(--stall-floor-s, --stall-multiple x median recent step time); the
+    fencing deadlines (--heartbeat-timeout-s, --watchdog-floor-s) act later and on their own.
+    """
+
+    LIVE = "live"
+    SUSPECT = "suspect"
+    WAITING = "waiting"
+    STALLED = "stalled"
+
+
+@dataclass(frozen=True)
+class RankLiveness:
+    """A rank's liveness, for how long it has been stalled or waiting (s), and why."""
+
+    state: Liveness
+    stalled_s: float | None = None
+    reason: str = ""
+
+
 def percentiles_ms(values) -> dict[str, float] | None:
     """{p50, p99, max} in milliseconds of `values` in seconds; None when there are none."""
     if not values:
@@ -70,15 +105,24 @@ class RankInfo:
     status: RankStatus = RankStatus.STARTING
     last_heartbeat: float = 0.0
     progress: Progress = field(default_factory=Progress)
+    progress_at: float = 0.0  # controller monotonic time `progress` last changed
     step_s: deque = field(default_factory=lambda: deque(maxlen=256))
     wait_s: deque = field(default_factory=lambda: deque(maxlen=256))
     own_s: deque = field(default_factory=lambda: deque(maxlen=256))
     slot_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
+    link_s: deque = field(default_factory=lambda: deque(maxlen=256))  # controller <-> rank round trip less step
     hello: WorkerHello | None = None
 
+    @property
+    def watched(self) -> bool:
+        """Its process should be running and beating: a member, or registered and waiting to join."""
+        return self.status in (RankStatus.SERVING, RankStatus.DRAINING) or (
+            self.status == RankStatus.STARTING and self.hello is not None)
+
     def view(self, location: ExpertLocation | None, total_slots: int, requests: int, delay_s: float,
-             now: float) -> dict[str, Any]:
-        """This rank in /cluster: identity, state, slots (experts per MoE layer), timing."""
+             now: float, liveness: RankLiveness | None = None, verdict: dict[str, Any] | None = None) -> dict[str, Any]:
+        """This rank in /cluster: identity, state, liveness, slots (experts per MoE layer), timing,
+        straggler verdict."""
         experts = (location.experts_of_rank(self.rank_id).tolist()
                    if location is not None and self.rank_id < location.num_ranks else [])
         used = sum(1 for layer in experts for e in layer if e >= 0)
@@ -88,8 +132,17 @@ class RankInfo:
             "requests": requests,
             "step_ms": percentiles_ms(self.step_s), "wait_ms": percentiles_ms(self.wait_s),
             "own_ms": percentiles_ms(self.own_s),
+            # a rank behind a slow link shows here (slow, not dead)
+            "link_ms": percentiles_ms(self.link_s),
             "heartbeat_age_s": round(now - self.last_heartbeat, 3) if self.last_heartbeat else None,
             "progress": vars(self.progress),
+            "progress_age_s": round(now - self.progress_at, 3) if self.progress_at else None,
+            "last_collective": (f"#{self.progress.seq} of epoch {self.progress.epoch}, now at step "
+                                f"{self.progress.step} layer {self.progress.layer} {self.progress.phase}"
+                                if self.progress.seq else None),
+            "liveness": None if liveness is None else {
+                "state": liveness.state.value, "stalled_s": liveness.stalled_s, "reason": liveness.reason},
+            "verdict": verdict,
             # the per-rank gate: requests go to a rank only once it serves in a verified epoch
             "ready": self.status == RankStatus.SERVING,
             "dense_source": self.hello.dense_source if self.hello is not None else None,
@@ -99,13 +152,17 @@ class RankInfo:
 
 @dataclass
 class AgentInfo:
-    """One node agent: its control-plane identity, its fetch address (backup and dense weights),
-    how many ranks it offers, and its host-memory backup once written."""
+    """One node agent: its control-plane identity and session, its host address, its fetch
+    address (backup and dense weights), how many ranks it offers, when it was last heard
+    (monotonic), and its host-memory backup once written."""
 
     node: str
     identity: bytes
     fetch_addr: str
     num_ranks: int
     auto_recover: bool = False
+    session: str = ""
+    host: str = ""
+    last_alive: float = 0.0
     backup: BackupSite | None = None
     backup_experts: list[tuple[int, int]] = field(default_factory=list)

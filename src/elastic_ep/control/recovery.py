@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from elastic_ep.wire import AbortEpoch
+
 from .detector import Fault
 from .epoch_change import EpochReport
 from .events import EventKind
@@ -75,11 +77,13 @@ class Recovery:
         self.fence_and_drain()
         fence_s = time.monotonic() - t0
         culprits, errors, detected_at = ctl.detector.take()
+        ctl.isolation.reset()
         live = [r for r in c.members if r not in culprits and not c.ranks[r].status.down]
         for r in culprits:
             ctl.scheduler.evict_rank(r)
             ctl.metrics.forget_rank(r)
             c.delay_s.pop(r, None)
+            c.broken.pop(r, None)
             if ctl.scaling.joiner(r):
                 ctl.scaling.fail(f"joining rank {r} failed: {culprits[r].detail}")
             if ctl.scaling.leaves(r):
@@ -115,6 +119,10 @@ class Recovery:
         ctl, c, cfg = self.ctl, self.cluster, self.ctl.cfg
         faults = ctl.detector.faults
         steps = ctl.steps
+        # the failed epoch is over: members waiting on a peer that will never answer (hung, cut
+        # off) give up their collectives now instead of at the collective timeout
+        for rank_id in c.members:
+            ctl.plane.to_heartbeat(rank_id, AbortEpoch(c.epoch))
         deadline = time.monotonic() + cfg.drain_timeout_s
         while True:
             for rank_id in list(faults):

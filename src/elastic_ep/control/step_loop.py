@@ -5,8 +5,10 @@ needs all of them. When a rank dies or hangs mid-step the wait ends as soon as t
 holds a fault (or a rank reports that its collective raised): the step's frees are asked for
 again, the batch is kept for a possible retry, and `RecoveryNeeded` hands over to recovery,
 which re-runs the step in the next epoch (tokens are a pure function of the sequence, so the
-re-run samples the same ones). A slow rank only makes the step slower; its time shows in the
-per-rank metrics and the radar.
+re-run samples the same ones). When a rank's own computation fails with every rank alive, the
+step is dropped and isolation (control/isolation.py) finds the request at fault, in the same
+epoch. A slow rank only makes the step slower; its time shows in the per-rank metrics and the
+radar.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from elastic_ep.wire import StepFailed, StepPlan, StepResult
+from elastic_ep.model.sampling import TokenLogprobs
+from elastic_ep.policy.straggler import IntervalRecorder
+from elastic_ep.wire import StepErrorKind, StepFailed, StepPlan, StepResult
 
 from .api import RequestOutput
 from .cluster import ClusterState
 from .config import ServeConfig
 from .control_plane import ControlPlane
 from .detector import FaultDetector, RecoveryNeeded
+from .isolation import Isolation
 from .metrics import ClusterMetrics
 from .recorder import ExpertRecorder
 from .scheduler import Scheduler, StepBatch
@@ -35,7 +40,7 @@ class StepLoop:
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, scheduler: Scheduler,
                  detector: FaultDetector, metrics: ClusterMetrics, recorder: ExpertRecorder, streams: Streams,
-                 top_k: int, pump: Callable[[float], None]):
+                 isolation: Isolation, top_k: int, pump: Callable[[float], None]):
         self.cluster = cluster
         self.cfg = cfg
         self.plane = plane
@@ -44,34 +49,46 @@ class StepLoop:
         self.metrics = metrics
         self.recorder = recorder
         self.streams = streams
+        self.isolation = isolation
         self.top_k = top_k
         self.pump = pump
         self.replies: dict[int, StepResult | StepFailed] = {}
         self.in_step: set[int] = set()  # members of the step in flight
+        self.started_at = 0.0  # monotonic time the step in flight was sent
+        self.own_time = IntervalRecorder(cfg.straggler_window_s)  # per rank: tokens and own time per step
+        self.tokens_run = 0  # tokens (prefill and decode) run, all steps and ranks
+        self.tokens_sampled = 0
         self.failed_batch: StepBatch | None = None  # the batch of the step recovery re-runs
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
+        self._sent_at = 0.0
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
             return
         self.replies[msg.rank_id] = msg
-        if isinstance(msg, StepFailed):
+        if isinstance(msg, StepResult):  # the control plane's round trip to this rank, its step time left out
+            self.cluster.ranks[msg.rank_id].link_s.append(max(time.perf_counter() - self._sent_at - msg.step_s, 0.0))
+        if isinstance(msg, StepFailed) and msg.kind == StepErrorKind.COLLECTIVE:
             self.detector.error(f"rank {msg.rank_id}: {msg.error}")
 
-    def run(self) -> float:
-        """Run the next step; returns its wall time (s). Raises RecoveryNeeded on a fault."""
+    def run(self) -> float | None:
+        """Run the next step; returns its wall time (s), or None when a rank's own computation
+        failed (the step is dropped; isolation decides what runs next). Raises RecoveryNeeded
+        on a fault."""
         c = self.cluster
+        self.scheduler.held = self.isolation.held
         batch = self.scheduler.schedule()
         c.step += 1
         self.replies = {}
         self.in_step = set(c.members)
-        start = time.perf_counter()
+        self.started_at = time.monotonic()
+        start = self._sent_at = time.perf_counter()
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
         for rank_id in c.members:
             self.plane.to_worker(rank_id, StepPlan(
                 c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
-                c.delay_s.get(rank_id, 0.0), dispatch_rows,
+                c.delay_s.get(rank_id, 0.0), dispatch_rows, c.broken.get(rank_id, ""),
             ))
         while len(self.replies) < len(c.members):
             self.pump(0.002)
@@ -81,7 +98,14 @@ class StepLoop:
                 raise RecoveryNeeded()
         self.in_step = set()
         wall_s = time.perf_counter() - start
+        failures = {r: m for r, m in self.replies.items() if isinstance(m, StepFailed)}
+        if failures:
+            self._requeue_frees(batch)
+            self.metrics.failed_steps.inc()
+            self.isolation.step_failed(c.step, batch, failures)
+            return None
         self._finish(batch, wall_s)
+        self.isolation.step_passed(batch)
         return wall_s
 
     def _requeue_frees(self, batch: StepBatch) -> None:
@@ -94,10 +118,14 @@ class StepLoop:
         c, m = self.cluster, self.metrics
         results: dict[int, StepResult] = self.replies  # type: ignore[assignment]
         sampled: dict[int, int] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
         slowest = 0.0
         load = np.zeros((c.num_layers, c.num_experts), dtype=np.int64)
         for rank_id, res in results.items():
+            for seq_id, error in res.errors.items():
+                self.streams.end_with_error(seq_id, f"this request failed on rank {rank_id}: {error}")
             sampled.update(res.tokens)
+            logprobs.update(res.logprobs)
             slowest = max(slowest, res.step_s)
             r = c.ranks[rank_id]
             r.step_s.append(res.step_s)
@@ -113,8 +141,14 @@ class StepLoop:
         m.step_wall_seconds.observe(wall_s)
         m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
         tokens = batch.tokens_per_rank()
+        now = time.monotonic()
+        for rank_id, res in results.items():
+            self.own_time.add(now, rank_id, tokens.get(rank_id, 0), res.compute_s)
         for rank_id, n in tokens.items():
             m.rank_tokens.labels(str(rank_id)).set(n)
+            m.rank_tokens_total.labels(str(rank_id)).inc(n)
+        self.tokens_run += sum(tokens.values())
+        self.tokens_sampled += len(sampled)
         if sum(tokens.values()):
             m.dp_token_imbalance.set(max(tokens.values()) / (sum(tokens.values()) / len(tokens)))
         slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
@@ -125,6 +159,8 @@ class StepLoop:
         self.load_window.append(load)
         self.recorder.add(load)
         for seq, new_tokens in self.scheduler.commit(batch, sampled):
+            token_logprobs = [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None
             self.streams.deliver(seq.seq_id, RequestOutput(
                 seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
+                logprobs=token_logprobs,
             ))

@@ -4,19 +4,21 @@ from snapshot dicts to `Finding`s, so every rule is testable without processes.
 The questions are the seeds' runbooks (seed 000 section 9, seed 001's troubleshooting list
 and exercise 3): which rank has not entered the collective the others wait in (a hang), which
 rank ran a different execution path, which rank always arrives last (a straggler: slow, not
-bad), whether DP tokens or expert load are uneven, and whether a recovery failed or too few
-ranks are left to hold every expert.
+bad) or runs more tokens (DP imbalance) by the straggler verdict the server itself shows
+(`policy/straggler.py`, judged here on the doctor's own /metrics window), whether expert load is
+uneven, and whether a recovery failed or too few ranks are left to hold every expert.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_ep.policy.straggler import Interval, StragglerRule, Verdict, VerdictKind, judge
+
 from .findings import Finding, rank_refs
-from .metrics import RankWindow, Samples, per_rank, rank_windows, scalar
+from .metrics import Samples, per_rank, scrape_intervals
 
 COLLECTIVE_PHASES = ("dispatch", "combine")
 FAILED_RECOVERY_EVENTS = ("epoch-failed", "verify-failed", "fence-timeout", "fatal", "request-error")
@@ -25,18 +27,13 @@ DEAD_PROCESS_STATES = ("stopped", "zombie", "dead", "gone")
 
 @dataclass(frozen=True)
 class Thresholds:
-    """straggler_ratio / straggler_min_ms: a rank is a straggler when its own time per step
-    exceeds both this multiple of the others' median and the median plus this many ms.
-    dp_imbalance: max over mean tokens per rank. expert_imbalance: a rank's expert-slot tokens
-    over the mean. events_window_s: how far back events count as recent. min_window_steps:
-    steps in the /metrics window needed to prefer it over the /cluster percentiles."""
+    """straggler: the straggler verdict's rule (the server's, from /cluster, unless overridden).
+    expert_imbalance: a rank's expert-slot tokens over the mean. events_window_s: how far back
+    events count as recent."""
 
-    straggler_ratio: float = 1.5
-    straggler_min_ms: float = 2.0
-    dp_imbalance: float = 1.5
+    straggler: StragglerRule = field(default_factory=StragglerRule)
     expert_imbalance: float = 1.3
     events_window_s: float = 600.0
-    min_window_steps: int = 5
 
 
 @dataclass(frozen=True)
@@ -197,98 +194,69 @@ def diagnose_processes(cluster: dict[str, Any], processes: dict[int, ProcessInfo
     )]
 
 
-def _own_and_wait(
-    ranks: list[dict[str, Any]], windows: dict[int, RankWindow] | None, min_steps: int,
-) -> tuple[dict[int, float], dict[int, float], str]:
-    """Per rank own time and collective wait (ms per step): the /metrics window when every
-    rank has enough steps in it, else the p50s of /cluster's recent window."""
-    ids = _ids(ranks)
-    if windows and all(r in windows and windows[r].steps >= min_steps for r in ids):
-        return ({r: windows[r].own_ms for r in ids}, {r: windows[r].wait_ms for r in ids},
-                "mean over the /metrics window")
-    own, wait = {}, {}
-    for r in ranks:
-        if r.get("step_ms") and r.get("wait_ms"):
-            own[r["rank_id"]] = r["step_ms"]["p50"] - r["wait_ms"]["p50"]
-            wait[r["rank_id"]] = r["wait_ms"]["p50"]
-    return own, wait, "p50 step minus p50 wait of /cluster's recent steps"
+def verdicts(cluster: dict[str, Any], intervals: list[Interval], rule: StragglerRule) -> dict[int, Verdict]:
+    """The straggler verdict (policy/straggler.py, the server's own rule) of every member over the
+    doctor's intervals, judged at the end of the last one."""
+    now_s = max((i.end_s for i in intervals), default=0.0)
+    return judge(intervals, rule, now_s, [r["rank_id"] for r in members(cluster)])
 
 
-def diagnose_stragglers(
-    cluster: dict[str, Any], windows: dict[int, RankWindow] | None = None, th: Thresholds = Thresholds(),
-) -> list[Finding]:
-    """The rank that always arrives last: its own time per step (step minus all-to-all wait)
-    stands out, and the others' wait is the time they spend waiting for it."""
-    ranks = [r for r in members(cluster) if r.get("state") == "serving"]
-    own, wait, source = _own_and_wait(ranks, windows, th.min_window_steps)
-    if len(own) < 2:
-        return []
-    by_id = {r["rank_id"]: r for r in ranks}
+def diagnose_stragglers(cluster: dict[str, Any], verdicts: dict[int, Verdict]) -> list[Finding]:
+    """Stragglers (same or fewer tokens than their peers, more own time, persistently) and DP
+    imbalance (more tokens per step), from the verdicts; a rank without enough fresh steps is
+    neither, whatever its averages say."""
+    by_id = {r["rank_id"]: r for r in cluster.get("ranks", [])}
     findings = []
-    for rank, own_ms in sorted(own.items(), key=lambda kv: -kv[1]):
-        others = [v for r, v in own.items() if r != rank]
-        median_ms = statistics.median(others)
-        if own_ms < th.straggler_ratio * median_ms or own_ms - median_ms < th.straggler_min_ms:
-            continue
-        others_wait_ms = statistics.median([v for r, v in wait.items() if r != rank])
-        delay_s = float(by_id[rank].get("slow_delay_s") or 0.0)
-        cause = (f"an injected delay of {delay_s}s per step is set on it (chaos slow)" if delay_s > 0 else
-                 "a throttled or erroring GPU (clocks, ECC), a degraded link, a noisy neighbour, or more expert "
-                 "load on its slots")
-        findings.append(Finding(
-            "straggler", "warning",
-            f"rank {rank} takes {own_ms:.1f} ms of its own per step against a median of {median_ms:.1f} ms on "
-            f"the others, which wait {others_wait_ms:.1f} ms per step in the all-to-alls (its own wait: "
-            f"{wait[rank]:.1f} ms): it arrives last",
-            f"slow, not bad: it still steps, so no detector fires and the watchdog deadline grows with the step "
-            f"time (seed 001: tell bad from slow); {cause}",
-            f"the per-rank table below (slow node radar) and elastic_ep_rank_step_seconds{{rank=\"{rank}\"}} in "
-            "/metrics; on its node nvidia-smi -q -d CLOCK,ECC,PERFORMANCE and the NIC error counters",
-            (f"`elastic-ep chaos URL slow {rank} --delay-s 0` clears the injected delay" if delay_s > 0 else
-             "cordon it: kill -9 its pid (the group re-forms without it) and repair the node; or move expert "
-             "load off it with EPLB"),
-            rank_refs(cluster, [rank]),
-            {"own_ms": {r: round(v, 3) for r, v in own.items()}, "wait_ms": {r: round(v, 3) for r, v in wait.items()},
-             "source": source},
-        ))
+    for rank, v in sorted(verdicts.items()):
+        if v.kind == VerdictKind.STRAGGLER:
+            delay_s = float(by_id.get(rank, {}).get("slow_delay_s") or 0.0)
+            cause = (f"an injected delay of {delay_s}s per step is set on it (chaos slow)" if delay_s > 0 else
+                     "a throttled or erroring GPU (clocks, ECC), a degraded link, a noisy neighbour, or more expert "
+                     "load on its slots")
+            findings.append(Finding(
+                "straggler", "warning", f"rank {rank} arrives last: {v.evidence}",
+                f"slow, not bad: it still steps, so no detector fires and the watchdog deadline grows with the step "
+                f"time (seed 001: tell bad from slow); it ran no more tokens than the ranks it is compared with; {cause}",
+                f"the slow node radar (GET /dashboard) and `verdict` in GET /cluster; "
+                f"elastic_ep_rank_step_seconds{{rank=\"{rank}\"}} in /metrics; on its node nvidia-smi -q -d "
+                "CLOCK,ECC,PERFORMANCE and the NIC error counters",
+                (f"`elastic-ep chaos URL slow {rank} --delay-s 0` clears the injected delay" if delay_s > 0 else
+                 "cordon it: kill -9 its pid (the group re-forms without it) and repair the node; or serve with "
+                 "--eplb-speed-aware so the next rebalance gives it less expert load"),
+                rank_refs(cluster, [rank]), v.to_json(),
+            ))
+        elif v.kind == VerdictKind.DP_HEAVY:
+            findings.append(Finding(
+                "dp-imbalance", "warning", f"rank {rank} runs more tokens than the others: {v.evidence}",
+                "DP attention load is uneven (few requests, or long prompts on few ranks): the others wait for it at "
+                "every all-to-all; the card itself is not slower",
+                "requests per rank in GET /cluster, elastic_ep_rank_tokens_total and elastic_ep_rank_step_tokens in "
+                "/metrics, over several scrapes (`elastic-ep doctor URL --watch 5`)",
+                "nothing to cordon; with more concurrent requests the scheduler evens tokens per rank; lower "
+                "--max-num-batched-tokens so chunked prefill evens the steps of long prompts",
+                rank_refs(cluster, [rank]), v.to_json(),
+            ))
     return findings
 
 
-def diagnose_balance(cluster: dict[str, Any], samples: Samples, th: Thresholds = Thresholds()) -> list[Finding]:
-    """DP token imbalance (tokens per rank in the last step) and expert load imbalance (tokens
-    a rank's expert slots computed over the mean), from /metrics."""
-    findings = []
+def diagnose_expert_balance(cluster: dict[str, Any], samples: Samples, th: Thresholds = Thresholds()) -> list[Finding]:
+    """Expert load imbalance: tokens a rank's expert slots computed over the mean, from /metrics."""
     ids = set(cluster.get("members", []))
-    tokens = {r: v for r, v in per_rank(samples, "elastic_ep_rank_step_tokens").items() if r in ids}
-    dp = scalar(samples, "elastic_ep_dp_token_imbalance")
-    if dp is not None and dp >= th.dp_imbalance and tokens and max(tokens.values()) - min(tokens.values()) > 1:
-        heavy = max(tokens, key=tokens.get)
-        findings.append(Finding(
-            "dp-imbalance", "warning",
-            f"tokens per rank in the last step {dict(sorted(tokens.items()))}: max over mean {dp:.2f}, variance "
-            f"{statistics.pvariance(tokens.values()):.1f}",
-            "DP attention load is uneven: long prompts landed on few ranks, the others wait for them at every "
-            "all-to-all",
-            "elastic_ep_rank_step_tokens and elastic_ep_dp_token_imbalance in /metrics, requests per rank in "
-            "/cluster, over several scrapes (`elastic-ep doctor URL --watch 5`)",
-            "lower --max-num-batched-tokens so chunked prefill evens the steps; spread long prompts",
-            rank_refs(cluster, [heavy]), {"tokens": tokens, "dp_token_imbalance": dp},
-        ))
     load = {r: v for r, v in per_rank(samples, "elastic_ep_expert_load_imbalance").items() if r in ids}
-    if load and max(load.values()) >= th.expert_imbalance:
-        hot = max(load, key=load.get)
-        findings.append(Finding(
-            "expert-imbalance", "warning",
-            f"rank {hot}'s expert slots compute {load[hot]:.2f}x the mean tokens (per rank: "
-            f"{ {r: round(v, 2) for r, v in sorted(load.items())} })",
-            "hot experts sit on this rank: every all-to-all waits for its expert compute",
-            "POST /start_expert_distribution_record, serve a while, POST /dump_expert_distribution_record; "
-            "elastic_ep_expert_load_imbalance in /metrics",
-            "`elastic-ep eplb --load DUMP` to see the better placement; serve with --enable-eplb (and "
-            "--redundant-experts) to apply it online",
-            rank_refs(cluster, [hot]), {"expert_load_imbalance": load},
-        ))
-    return findings
+    if not load or max(load.values()) < th.expert_imbalance:
+        return []
+    hot = max(load, key=load.get)
+    return [Finding(
+        "expert-imbalance", "warning",
+        f"rank {hot}'s expert slots compute {load[hot]:.2f}x the mean tokens (per rank: "
+        f"{ {r: round(v, 2) for r, v in sorted(load.items())} })",
+        "hot experts sit on this rank: every all-to-all waits for its expert compute",
+        "POST /start_expert_distribution_record, serve a while, POST /dump_expert_distribution_record; "
+        "elastic_ep_expert_load_imbalance in /metrics",
+        "`elastic-ep eplb --load DUMP` to see the better placement; serve with --enable-eplb (and "
+        "--redundant-experts) to apply it online",
+        rank_refs(cluster, [hot]), {"expert_load_imbalance": load},
+    )]
 
 
 def diagnose_membership(cluster: dict[str, Any], now_s: float, th: Thresholds = Thresholds()) -> list[Finding]:
@@ -351,18 +319,19 @@ def diagnose_membership(cluster: dict[str, Any], now_s: float, th: Thresholds = 
 
 def diagnose(
     before: dict[str, Any], after: dict[str, Any], interval_s: float, now_s: float,
-    samples_before: Samples | None = None, samples_after: Samples | None = None,
-    processes: dict[int, ProcessInfo] | None = None, th: Thresholds = Thresholds(),
-) -> list[Finding]:
-    """Every rule over two snapshots interval_s apart, critical findings first."""
+    scrapes: list[tuple[float, Samples]] | None = None, processes: dict[int, ProcessInfo] | None = None,
+    th: Thresholds = Thresholds(),
+) -> tuple[list[Finding], dict[int, Verdict]]:
+    """Every rule over two /cluster snapshots interval_s apart and the /metrics scrapes (time_s,
+    samples) between them; critical findings first, and the straggler verdict of every member."""
     processes = processes or {}
-    windows = rank_windows(samples_before, samples_after) if samples_before and samples_after else None
+    judged = verdicts(after, scrape_intervals(scrapes or []), th.straggler)
     findings = (
         diagnose_hang(before, after, interval_s, processes)
         + diagnose_processes(after, processes)
         + diagnose_membership(after, now_s, th)
-        + diagnose_stragglers(after, windows, th)
-        + (diagnose_balance(after, samples_after, th) if samples_after else [])
+        + diagnose_stragglers(after, judged)
+        + (diagnose_expert_balance(after, scrapes[-1][1], th) if scrapes else [])
     )
     order = {"critical": 0, "warning": 1, "info": 2}
-    return sorted(findings, key=lambda f: order[f.severity])
+    return sorted(findings, key=lambda f: order[f.severity]), judged

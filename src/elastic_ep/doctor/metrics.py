@@ -1,12 +1,15 @@
-"""The engine metrics the doctor reads from GET /metrics, and per-rank figures over the window
-between two scrapes (a window, not since start: a rank that turned slow a minute ago must not
-be averaged away by the hour before)."""
+"""The engine metrics the doctor reads from GET /metrics, and per-rank figures between scrapes
+(a window, not since start: a rank that turned slow a minute ago must not be averaged away by
+the hour before), as the intervals the straggler verdict (policy/straggler.py) judges."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from elastic_ep.policy.straggler import Interval, RankInterval
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -34,34 +37,20 @@ def scalar(samples: Samples, name: str) -> float | None:
     return samples.get((name, ()))
 
 
-@dataclass(frozen=True)
-class RankWindow:
-    """One rank's steps between two scrapes: mean step time, mean time waiting in the
-    all-to-alls, and their difference, the rank's own time (attention, experts, sampling)."""
+def rank_interval(before: Samples, after: Samples) -> dict[int, RankInterval]:
+    """Per rank, its steps between two scrapes: how many, its own time (step time less collective
+    wait, summed, s) and the tokens it ran; ranks with no step in between are left out."""
+    step, wait, tokens = "elastic_ep_rank_step_seconds", "elastic_ep_rank_collective_wait_seconds", "elastic_ep_rank_tokens_total"
 
-    steps: int
-    step_ms: float
-    wait_ms: float
+    def delta(name: str) -> dict[int, float]:
+        earlier = per_rank(before, name)
+        return {r: v - earlier.get(r, 0.0) for r, v in per_rank(after, name).items()}
 
-    @property
-    def own_ms(self) -> float:
-        return self.step_ms - self.wait_ms
+    steps, step_s, wait_s, ran = delta(f"{step}_count"), delta(f"{step}_sum"), delta(f"{wait}_sum"), delta(tokens)
+    return {r: RankInterval(int(n), step_s.get(r, 0.0) - wait_s.get(r, 0.0), int(round(ran.get(r, 0.0))))
+            for r, n in steps.items() if n >= 1}
 
 
-def rank_windows(before: Samples, after: Samples) -> dict[int, RankWindow]:
-    """Per rank, from the step and collective-wait histograms of both scrapes; ranks with no
-    step in the window are left out."""
-    step = "elastic_ep_rank_step_seconds"
-    wait = "elastic_ep_rank_collective_wait_seconds"
-    count_before = per_rank(before, f"{step}_count")
-    counts = {k: v - count_before.get(k, 0.0) for k, v in per_rank(after, f"{step}_count").items()}
-    step_after, step_before = per_rank(after, f"{step}_sum"), per_rank(before, f"{step}_sum")
-    wait_after, wait_before = per_rank(after, f"{wait}_sum"), per_rank(before, f"{wait}_sum")
-    out = {}
-    for rank, n in counts.items():
-        if n < 1:
-            continue
-        step_s = step_after[rank] - step_before.get(rank, 0.0)
-        wait_s = wait_after.get(rank, 0.0) - wait_before.get(rank, 0.0)
-        out[rank] = RankWindow(int(n), 1000 * step_s / n, 1000 * wait_s / n)
-    return out
+def scrape_intervals(scrapes: Sequence[tuple[float, Samples]]) -> list[Interval]:
+    """The intervals between consecutive scrapes (time_s, samples), for the straggler verdict."""
+    return [Interval(t0, t1, rank_interval(a, b)) for (t0, a), (t1, b) in itertools.pairwise(scrapes)]

@@ -228,6 +228,18 @@ class Host:
         self.processes.append(proc)
         return proc
 
+    def pids(self) -> list[int]:
+        """Every process running inside this host."""
+        return [int(p) for p in _run(["ip", "netns", "pids", self.name], check=False).stdout.split()]
+
+    def lose(self) -> None:
+        """Whole-host loss: SIGKILL every process inside this host at once. The link stays up,
+        its shape cleared (the packet delayer was one of those processes)."""
+        self.set_link()
+        _kill_netns_processes(self.name)
+        for proc in self.processes:
+            proc.wait(10)
+
     def set_link(self, delay_ms: float = 0.0, loss_pct: float = 0.0, rate_mbit: float | None = None) -> None:
         """Shape this host's link: a fixed delay, a random loss share, a rate cap (which
         direction each acts on: module docstring). Replaces the previous shape; no arguments

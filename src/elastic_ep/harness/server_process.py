@@ -25,22 +25,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
-    """One `elastic-ep serve ARGS` process with its output in `log_path`.
+    """One `elastic-ep serve ARGS` process with its output in `log_path`, listening on `host`.
 
     ready_timeout_s: how long to wait for GET /ready to answer 200 (default 120 s); None: do not
-    wait (call `wait_ready` later, e.g. after starting agents on other nodes). env: variables set
-    for the server on top of this process's (e.g. PYTHONPATH of another source tree).
+    wait (call `wait_ready` later, e.g. after starting agents on other nodes). `popen` starts
+    the process (e.g. a test bed host's, to run it in a network namespace; then give `port`).
+    env: variables set for the server on top of this process's (e.g. PYTHONPATH of another
+    source tree).
     """
 
     def __init__(self, args: list[str], log_path: str | Path, ready_timeout_s: float | None = 120.0,
+                 host: str = "127.0.0.1", port: int | None = None, popen=subprocess.Popen,
                  env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_ep.cli", "serve", "--port", str(self.port), *args],
+        self.proc = popen(
+            [sys.executable, "-m", "elastic_ep.cli", "serve", "--host", host, "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )
         self.http = httpx.Client(base_url=self.url, timeout=60)

@@ -1,10 +1,10 @@
 """Pure model code for DeepSeek-V3 and Qwen3-MoE; imports nothing from the rest of elastic_ep
 but `errors`.
 
-config       MoEConfig: one normalized view of both Hugging Face configs
-checkpoint   CheckpointReader: dense state, and chosen (layer, expert) tensors read alone
-model        MoEForCausalLM.forward(chunks, kv_cache, moe_fn): everything but routed experts
-attention    MLA and GQA over the padded KV cache; kv_cache: KVCache
+config       MoEConfig: one normalized view of both Hugging Face configs (transformers 4.x and 5.x)
+checkpoint   CheckpointReader: dense state, and chosen (layer, expert) tensors read alone, in a dtype
+model        MoEForCausalLM.forward(chunks, kv_cache, moe_fn): everything but routed experts, on a device
+attention    MLA (latent cache, absorbed decode) and GQA over the padded KV cache; kv_cache: KVCache
 router       top-k routing functions; moe: expert math and local_moe_fn
 layers       RMSNorm, rotary embedding (default, YaRN), gated MLP
 engine       OfflineEngine: continuous batching in one process; sampling: seeded sampling

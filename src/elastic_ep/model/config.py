@@ -3,6 +3,11 @@
 `MoEConfig.from_pretrained(dir)` reads `config.json` of a DeepSeek-V3 or Qwen3-MoE checkpoint and
 gives the rest of the code the same names for both (`num_experts`, `top_k`, `moe_layers`, ...);
 the raw dict stays available as `hf` for the architecture-specific fields.
+
+Both generations of transformers' configs load: 4.x (the hub's checkpoints: `torch_dtype`,
+`rope_theta` beside `rope_scaling`, Qwen3-MoE's `num_experts`) and 5.x (`save_pretrained` today:
+`dtype`, `rope_parameters` holding `rope_theta`, Qwen3-MoE's `num_local_experts`). `hf` holds the
+canonical spelling of each renamed field (the left side of `FIELD_ALIASES`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,24 @@ ARCHITECTURES: dict[str, str] = {
 }
 MODEL_TYPES: dict[str, str] = {"deepseek_v3": "deepseek_v3", "qwen3_moe": "qwen3_moe"}
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
+
+# One field, two spellings: canonical -> the other one (transformers 5.x renamed these, or accepts
+# both through its config's attribute_map).
+FIELD_ALIASES: dict[str, dict[str, str]] = {
+    "deepseek_v3": {"n_routed_experts": "num_local_experts", "dtype": "torch_dtype"},
+    "qwen3_moe": {"num_experts": "num_local_experts", "dtype": "torch_dtype"},
+}
+# Fields that change the math but that this package (and transformers' own implementation of the
+# architecture) computes only one way: the value it supports, checked when config.json has the field.
+ONLY_SUPPORTED: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {
+        "hidden_act": "silu",
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "moe_layer_freq": 1,
+    },
+    "qwen3_moe": {"hidden_act": "silu", "use_sliding_window": False},
+}
 
 # transformers' defaults for the fields this package reads, so that a config.json that leaves
 # one out means here what it means to transformers.
@@ -75,7 +98,9 @@ class MoEConfig:
     """The fields every package needs, for both architectures.
 
     `moe_layers` are the layer ids with routed experts; the other layers have a dense MLP.
-    `hf` is config.json as read, with transformers' defaults filled in for absent fields.
+    `declared_dtype` is the dtype config.json declares for the weights ("bfloat16", ...), None if it
+    declares none. `hf` is config.json as read, renamed fields under their canonical name
+    (`FIELD_ALIASES`), with transformers' defaults filled in for absent fields.
     """
 
     arch: str
@@ -90,6 +115,7 @@ class MoEConfig:
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
     num_attention_heads: int
+    declared_dtype: str | None
     rms_norm_eps: float
     norm_topk_prob: bool
     routed_scaling_factor: float
@@ -121,7 +147,8 @@ class MoEConfig:
     @classmethod
     def from_dict(cls, hf: dict[str, Any], source: str = "config") -> MoEConfig:
         arch = _detect_arch(hf, source)
-        hf = {**COMMON_DEFAULTS, **HF_DEFAULTS[arch], **hf}
+        hf = {**COMMON_DEFAULTS, **HF_DEFAULTS[arch], **_canonical_names(hf, arch, source)}
+        _check_supported(hf, arch, source)
         if hf.get("quantization_config"):
             method = hf["quantization_config"].get("quant_method", "?")
             raise CheckpointError(
@@ -131,7 +158,12 @@ class MoEConfig:
         try:
             return _build(arch, hf)
         except KeyError as e:
-            raise CheckpointError(f"{source} lacks the field {e.args[0]!r} that {arch} needs") from e
+            name = e.args[0]
+            other = FIELD_ALIASES[arch].get(name)
+            spelling = f" (or {other!r})" if other else ""
+            raise CheckpointError(
+                f"{source} lacks the field {name!r}{spelling} that {arch} needs; add it to config.json"
+            ) from e
 
 
 def _detect_arch(hf: dict[str, Any], source: str) -> str:
@@ -145,6 +177,31 @@ def _detect_arch(hf: dict[str, Any], source: str) -> str:
         f"{source}: unsupported architecture {found!r}; supported: {', '.join(ARCHITECTURES)} "
         f"(model_type {', '.join(MODEL_TYPES)})"
     )
+
+
+def _canonical_names(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """hf with each aliased field under its canonical name; CheckpointError if both names disagree."""
+    hf = dict(hf)
+    for canonical, other in FIELD_ALIASES[arch].items():
+        if other not in hf:
+            continue
+        value = hf.pop(other)
+        if canonical in hf and hf[canonical] != value:
+            raise CheckpointError(
+                f"{source} sets both {canonical!r} ({hf[canonical]!r}) and {other!r} ({value!r}), two names "
+                f"of one field; keep one of them"
+            )
+        hf[canonical] = value
+    return hf
+
+
+def _check_supported(hf: dict[str, Any], arch: str, source: str) -> None:
+    for name, supported in ONLY_SUPPORTED[arch].items():
+        if name in hf and hf[name] != supported:
+            raise CheckpointError(
+                f"{source}: {name}={hf[name]!r} is not supported for {arch} (only {supported!r}); "
+                "elastic-ep cannot serve this checkpoint as it is"
+            )
 
 
 def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
@@ -193,16 +250,16 @@ def _build(arch: str, hf: dict[str, Any]) -> MoEConfig:
         routed_scaling_factor = float(hf["routed_scaling_factor"])
         norm_topk = bool(hf["norm_topk_prob"])
     else:
-        if hf["use_sliding_window"]:
-            raise CheckpointError("Qwen3-MoE with use_sliding_window=true is not supported; set it to false")
         step = int(hf["decoder_sparse_step"])
         mlp_only = set(hf["mlp_only_layers"] or [])
         num_experts = int(hf["num_experts"])
         moe_layers = [
             i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
         ]
-        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
-        rope = _rope(hf, head_dim, False, max_pos)
+        # transformers' defaults that depend on other fields.
+        hf["head_dim"] = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+        hf["num_key_value_heads"] = int(hf["num_key_value_heads"] or hf["num_attention_heads"])
+        rope = _rope(hf, hf["head_dim"], False, max_pos)
         routed_scaling_factor = 1.0
         norm_topk = bool(hf["norm_topk_prob"])
     return MoEConfig(
@@ -218,6 +275,7 @@ def _build(arch: str, hf: dict[str, Any]) -> MoEConfig:
         eos_token_ids=_eos_ids(hf),
         max_position_embeddings=max_pos,
         num_attention_heads=int(hf["num_attention_heads"]),
+        declared_dtype=hf.get("dtype"),
         rms_norm_eps=float(hf["rms_norm_eps"]),
         norm_topk_prob=norm_topk,
         routed_scaling_factor=routed_scaling_factor,

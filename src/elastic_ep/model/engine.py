@@ -2,8 +2,9 @@
 
 Each step runs, in one forward, the whole prompt of every newly admitted request and one
 decode token of every running one; a finished request (EOS, max_tokens or full context) frees
-its cache row for the next waiting prompt. Sampling goes through `model.sampling`, a pure
-function of (seed, position, logits), so the same request gives the same tokens in any batch.
+its cache row for the next waiting prompt. Sampling goes through `model.sampling.sample_tokens`,
+a pure function of (seed, position, logits, token history), so the same request gives the same
+tokens in any batch; this engine is the reference the distributed one is compared with.
 """
 
 from __future__ import annotations
@@ -12,22 +13,26 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from elastic_ep.errors import ElasticEPError
 
 from .checkpoint import CheckpointReader
 from .config import MoEConfig
 from .model import MoEForCausalLM, SeqChunk
 from .moe import MoEFn, local_moe_fn
-from .sampling import SamplingParams, sample_tokens
+from .sampling import SamplingParams, TokenHistory, TokenLogprobs, sample_tokens
 
 
 @dataclass
 class GenerationResult:
-    """One request's output. finish_reason: "stop" (an EOS token) or "length"."""
+    """One request's output. finish_reason: "stop" (EOS or a stop token id) or "length".
+    logprobs: one per token of `token_ids` when the params asked for logprobs, else empty."""
 
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -40,6 +45,10 @@ class _Running:
     @property
     def length(self) -> int:
         return len(self.result.prompt_token_ids) + len(self.result.token_ids)
+
+    @property
+    def history(self) -> TokenHistory:
+        return TokenHistory(self.result.prompt_token_ids, self.result.token_ids)
 
 
 class OfflineEngine:
@@ -55,13 +64,29 @@ class OfflineEngine:
         self.eos_ids = set(model.config.eos_token_ids)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, max_batch: int = 16, max_model_len: int | None = None):
-        """Load a checkpoint dir with every routed expert in this process."""
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        max_batch: int = 16,
+        max_model_len: int | None = None,
+        *,
+        dtype: torch.dtype | str = torch.float32,
+        device: torch.device | str = "cpu",
+        mla_cache: str = "latent",
+    ):
+        """Load a checkpoint dir with every routed expert in this process, on `device`.
+
+        dtype: a torch dtype, its name, or "auto" (the checkpoint's; see `CheckpointReader`);
+        mla_cache: see `MoEForCausalLM`.
+        """
         config = MoEConfig.from_pretrained(model_dir)
-        reader = CheckpointReader(model_dir, config)
-        model = MoEForCausalLM(config, reader.dense_state())
+        reader = CheckpointReader(model_dir, config, dtype)
+        model = MoEForCausalLM(
+            config, reader.dense_state(device), dtype=reader.dtype, device=device, mla_cache=mla_cache
+        )
         experts = {
-            layer: reader.read_experts(layer, list(range(config.num_experts))) for layer in config.moe_layers
+            layer: reader.read_experts(layer, list(range(config.num_experts)), device)
+            for layer in config.moe_layers
         }
         return cls(model, local_moe_fn(experts), max_batch, max_model_len)
 
@@ -71,7 +96,8 @@ class OfflineEngine:
         """Token ids out for token ids in, in prompt order.
 
         A request without a seed uses its index in `prompts` as its seed.
-        Raises ElasticEPError for an empty prompt or one that leaves no room in the context.
+        Raises ElasticEPError for an empty prompt, one that leaves no room in the context, or
+        sampling params out of range (InvalidSamplingParams).
         """
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -98,11 +124,17 @@ class OfflineEngine:
                 chunks.append(SeqChunk(i, results[i].prompt_token_ids, 0))
             logits = self.model.forward(chunks, cache, self.moe_fn)
             states = [running[c.seq_id] for c in chunks]
-            tokens = sample_tokens(
-                logits, [s.params for s in states], [s.seed for s in states], [s.length for s in states]
+            sampled = sample_tokens(
+                logits,
+                [s.params for s in states],
+                [s.seed for s in states],
+                [s.history for s in states],
+                self.eos_ids,
             )
-            for state, token in zip(states, tokens, strict=True):
+            for state, token, logprobs in zip(states, sampled.tokens, sampled.logprobs, strict=True):
                 state.result.token_ids.append(token)
+                if logprobs is not None:
+                    state.result.logprobs.append(logprobs)
                 reason = self._finish_reason(state, token)
                 if reason:
                     state.result.finish_reason = reason
@@ -120,7 +152,7 @@ class OfflineEngine:
             )
 
     def _finish_reason(self, state: _Running, token: int) -> str:
-        if token in self.eos_ids and not state.params.ignore_eos:
+        if token in state.params.stop_ids(self.eos_ids):
             return "stop"
         if len(state.result.token_ids) >= state.params.max_tokens or state.length >= self.max_model_len:
             return "length"

@@ -2,9 +2,11 @@
 
 Layout per layer: keys [max_seqs, kv_heads, capacity, k_dim], values [max_seqs, kv_heads,
 capacity, v_dim]: heads before positions, so the keys of a batch are a [B * heads, len, dim]
-batch of matrices for attention without a copy. A sequence owns one row (its slot) while allocated. `capacity` grows by
-doubling up to `max_model_len`, so a cache sized for long contexts costs memory only once
-a sequence is that long.
+batch of matrices for attention without a copy. MLA's latent cache is the case kv_heads = 1
+with `values_in_keys`: a key is [latent, rope key] and the value is its latent, a view of the
+key, so nothing is stored twice. A sequence owns one row (its slot) while allocated.
+`capacity` grows by doubling up to `max_model_len`, so a cache sized for long contexts costs
+memory only once a sequence is that long. Every tensor lives on the cache's `device`.
 
 Writing is idempotent: a forward of a chunk at positions [start, start + n) overwrites those
 positions and sets the length to start + n, so re-running a step interrupted half-way (some
@@ -28,15 +30,25 @@ class CacheCapacityError(ElasticEPError):
 
 @dataclass(frozen=True)
 class KVShape:
-    """Per-token cache shape of one layer: kv_heads heads of k_dim keys and v_dim values."""
+    """Per-token cache shape of one layer: kv_heads heads of k_dim keys and v_dim values.
+
+    values_in_keys: the value is the first v_dim entries of the key and is not stored apart
+    (MLA's latent cache).
+    """
 
     kv_heads: int
     k_dim: int
     v_dim: int
+    values_in_keys: bool = False
+
+    @property
+    def elements_per_token(self) -> int:
+        """Numbers stored per token of one layer."""
+        return self.kv_heads * (self.k_dim + (0 if self.values_in_keys else self.v_dim))
 
 
 class KVCache:
-    """KV cache of up to `max_seqs` sequences of up to `max_model_len` tokens each."""
+    """KV cache of up to `max_seqs` sequences of up to `max_model_len` tokens each, in `dtype` on `device`."""
 
     def __init__(
         self,
@@ -45,6 +57,8 @@ class KVCache:
         max_seqs: int,
         max_model_len: int,
         initial_capacity: int = 256,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ):
         if max_seqs < 1 or max_model_len < 1:
             raise ValueError(f"max_seqs and max_model_len must be >= 1, got {max_seqs}, {max_model_len}")
@@ -52,16 +66,28 @@ class KVCache:
         self.max_seqs = max_seqs
         self.max_model_len = max_model_len
         self.num_layers = num_layers
+        self.dtype = dtype
         self.capacity = min(initial_capacity, max_model_len)
-        self.keys = [
-            huge_zeros(max_seqs, shape.kv_heads, self.capacity, shape.k_dim) for _ in range(num_layers)
-        ]
-        self.values = [
-            huge_zeros(max_seqs, shape.kv_heads, self.capacity, shape.v_dim) for _ in range(num_layers)
-        ]
+        self.keys = [self._zeros(shape.k_dim, device) for _ in range(num_layers)]
+        self.values = (
+            [] if shape.values_in_keys else [self._zeros(shape.v_dim, device) for _ in range(num_layers)]
+        )
         self._slots: dict[int, int] = {}
         self._lengths: dict[int, int] = {}
         self._free_slots = list(range(max_seqs - 1, -1, -1))  # pop() hands out the lowest row first
+
+    def _zeros(self, dim: int, device: torch.device | str) -> torch.Tensor:
+        return huge_zeros(self.max_seqs, self.shape.kv_heads, self.capacity, dim, dtype=self.dtype, device=device)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token of one sequence takes, over all layers:
+        layers x kv_heads x (k_dim + v_dim, or k_dim alone for values_in_keys) x dtype bytes."""
+        return self.num_layers * self.shape.elements_per_token * self.dtype.itemsize
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
 
     def allocate(self, seq_id: int) -> None:
         """Give `seq_id` an empty cache row (length 0). Re-allocating a live sequence resets it."""
@@ -128,34 +154,43 @@ class KVCache:
         while capacity < needed:
             capacity *= 2
         capacity = min(capacity, self.max_model_len)
-        for layer in range(self.num_layers):
-            self.keys[layer] = _grown(self.keys[layer], capacity)
-            self.values[layer] = _grown(self.values[layer], capacity)
+        self.keys = [_grown(k, capacity) for k in self.keys]
+        self.values = [_grown(v, capacity) for v in self.values]
         self.capacity = capacity
 
     def write(
-        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None = None,
     ):
-        """slots, positions: [T] int64; k: [T, kv_heads, k_dim]; v: [T, kv_heads, v_dim]."""
+        """slots, positions: [T] int64; k: [T, kv_heads, k_dim]; v: [T, kv_heads, v_dim], None
+        for values_in_keys."""
         self.keys[layer][slots, :, positions] = k
-        self.values[layer][slots, :, positions] = v
+        if v is not None:
+            self.values[layer][slots, :, positions] = v
 
     def gather(self, layer: int, slots: list[int], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [B, kv_heads, max_len, k_dim] and values [B, kv_heads, max_len, v_dim] of rows `slots`.
 
-        Consecutive slots (the usual case: rows are handed out lowest first) are a view, not a copy.
+        Consecutive slots (the usual case: rows are handed out lowest first) are a view, not a
+        copy; values_in_keys values are a view of the keys.
         """
-        keys, values = self.keys[layer], self.values[layer]
         first = slots[0]
         if slots == list(range(first, first + len(slots))):
-            rows = slice(first, first + len(slots))
-            return keys[rows, :, :max_len], values[rows, :, :max_len]
-        index = torch.tensor(slots, dtype=torch.int64)
-        return keys[index, :, :max_len], values[index, :, :max_len]
+            rows: slice | torch.Tensor = slice(first, first + len(slots))
+        else:
+            rows = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        keys = self.keys[layer][rows, :, :max_len]
+        if self.shape.values_in_keys:
+            return keys, keys[..., : self.shape.v_dim]
+        return keys, self.values[layer][rows, :, :max_len]
 
 
 def _grown(cache: torch.Tensor, capacity: int) -> torch.Tensor:
     """cache [seqs, heads, n, dim] copied into a zeroed [seqs, heads, capacity, dim]."""
-    out = huge_zeros(*cache.shape[:2], capacity, cache.shape[3])
+    out = huge_zeros(*cache.shape[:2], capacity, cache.shape[3], dtype=cache.dtype, device=cache.device)
     out[:, :, : cache.shape[2]] = cache
     return out

@@ -11,9 +11,10 @@ from .config import RopeConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., D], weight: [D] -> [..., D]."""
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    """x: [..., D], weight: [D] -> [..., D] in x's dtype; normalized in float32 (as transformers)."""
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
 SMALL_BATCH_ROWS = 8
@@ -48,18 +49,16 @@ class Rotary:
     """Rotary position embedding, default or YaRN-scaled, as Hugging Face computes it.
 
     `interleave` selects DeepSeek's layout (rotated pairs are (x0, x1), (x2, x3), ...) instead of
-    the half-split layout (x_i, x_{i + d/2}).
+    the half-split layout (x_i, x_{i + d/2}). The frequencies are computed on the CPU, as
+    transformers computes them, then kept on `device`.
     """
 
-    def __init__(self, rope: RopeConfig):
+    def __init__(self, rope: RopeConfig, device: torch.device | str = "cpu"):
         self.interleave = rope.interleave
-        dim = rope.dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        pos_freqs = rope.theta**exponents
+        self.inv_freq = self._inv_freq(rope).to(device)
         self.attention_factor = 1.0
         self.softmax_scale_factor = 1.0
         if rope.rope_type == "default":
-            self.inv_freq = 1.0 / pos_freqs
             return
         factor = rope.factor
         if rope.attention_factor is not None:
@@ -73,12 +72,23 @@ class Rotary:
         if rope.mscale_all_dim:
             # Only DeepSeek's MLA applies this to its softmax scale (as transformers does).
             self.softmax_scale_factor = _yarn_mscale(factor, rope.mscale_all_dim) ** 2
-        low, high = self._correction_range(rope)
+
+    @classmethod
+    def _inv_freq(cls, rope: RopeConfig) -> torch.Tensor:
+        """[d/2] float32 inverse frequencies, on the CPU."""
+        dim = rope.dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        pos_freqs = rope.theta**exponents
+        if rope.rope_type == "default":
+            return 1.0 / pos_freqs
+        low, high = cls._correction_range(rope)
         if low == high:
             high += 0.001
-        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        ramp = torch.clamp(
+            (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
+        )
         extrapolation_weight = 1 - ramp
-        self.inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (
+        return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation_weight) + (
             1.0 / pos_freqs
         ) * extrapolation_weight
 
@@ -94,12 +104,12 @@ class Rotary:
             low, high = math.floor(low), math.ceil(high)
         return max(low, 0), min(high, rope.dim - 1)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64 -> cos, sin: [T, 1, d/2] (broadcast over heads)."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 -> cos, sin: [T, 1, d/2] in `dtype` (broadcast over heads),
+        computed in float32."""
         freqs = positions[:, None].float() * self.inv_freq
-        return (freqs.cos() * self.attention_factor)[:, None, :], (freqs.sin() * self.attention_factor)[
-            :, None, :
-        ]
+        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, d] -> rotated [T, heads, d] (half-split output layout, as Hugging Face)."""

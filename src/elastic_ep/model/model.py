@@ -5,6 +5,10 @@
 which the single-process engine fills with `moe.local_moe_fn` and the EP runtime with its
 dispatch / combine. The model calls `moe_fn` for every MoE layer in layer order even when
 the batch is empty, so an EP rank with no requests still joins every collective.
+
+Weights, KV cache and every intermediate tensor live on the model's `device` in its `dtype`
+(float32, bfloat16 or float16; transformers' choices where it computes in float32: RMSNorm,
+rotary factors, DeepSeek's router, the softmax of routing). Logits come back as float32.
 """
 
 from __future__ import annotations
@@ -16,13 +20,37 @@ import torch.nn.functional as F
 
 from elastic_ep.errors import ElasticEPError
 
-from .attention import AttentionBatch, GQAttention, MLAttention
-from .checkpoint import require_tensor
+from .attention import GQAttention, MLAttention, StepBatch
+from .checkpoint import DenseWeights
 from .config import MoEConfig
 from .kv_cache import KVCache
 from .layers import Rotary, gated_mlp, rms_norm
 from .moe import MoEFn
 from .router import grouped_sigmoid_topk, softmax_topk
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The torch device named `name` ("cpu", "cuda", "cuda:1", ...); None: cuda when present, else cpu.
+
+    Raises ElasticEPError when it names an accelerator that this process cannot see.
+    """
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ElasticEPError(f"--device {name!r} is not a torch device ({e}); use cpu, cuda or cuda:N") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ElasticEPError(f"--device {name}: elastic-ep runs on cpu or cuda")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        index = device.index or 0
+        if index >= count:
+            raise ElasticEPError(
+                f"--device {name}: this process sees {count} CUDA device(s); "
+                "use --device cpu or a visible GPU"
+            )
+    return device
 
 
 @dataclass(frozen=True)
@@ -37,20 +65,17 @@ class SeqChunk:
     start_pos: int
 
 
-def _gate_up(
-    state: dict[str, torch.Tensor], prefix: str, hidden: int, inter: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _gate_up(w: DenseWeights, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A gated MLP's weights: gate_up [2I, H] (gate rows then up rows), down [H, I]."""
-    gate = require_tensor(state, f"{prefix}gate_proj.weight", (inter, hidden))
-    up = require_tensor(state, f"{prefix}up_proj.weight", (inter, hidden))
-    return torch.cat([gate, up]), require_tensor(state, f"{prefix}down_proj.weight", (hidden, inter))
+    gate, up = w.get("gate_proj.weight", (inter, hidden)), w.get("up_proj.weight", (inter, hidden))
+    return torch.cat([gate, up]), w.get("down_proj.weight", (hidden, inter))
 
 
 class _DenseMLP:
     """The MLP of a layer without routed experts (DeepSeek's first layers, Qwen3's mlp_only_layers)."""
 
-    def __init__(self, cfg: MoEConfig, state: dict[str, torch.Tensor], prefix: str):
-        self.gate_up, self.down = _gate_up(state, prefix, cfg.hidden_size, cfg.intermediate_size)
+    def __init__(self, cfg: MoEConfig, w: DenseWeights):
+        self.gate_up, self.down = _gate_up(w, cfg.hidden_size, cfg.intermediate_size)
 
     def __call__(self, layer: int, x: torch.Tensor, moe_fn: MoEFn) -> torch.Tensor:
         return gated_mlp(x, self.gate_up, self.down)
@@ -67,29 +92,33 @@ class _DecoderLayer:
 class _MoEBlock:
     """Router, shared experts and scaling of one MoE layer; routed experts go through moe_fn."""
 
-    def __init__(self, cfg: MoEConfig, state: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, cfg: MoEConfig, w: DenseWeights):
         hidden, e = cfg.hidden_size, cfg.num_experts
         self.cfg = cfg
-        self.router = require_tensor(state, f"{prefix}gate.weight", (e, hidden))
+        self.router = w.get("gate.weight", (e, hidden))
         self.shared: tuple[torch.Tensor, torch.Tensor] | None = None
         self.bias: torch.Tensor | None = None
         if cfg.arch == "deepseek_v3":
-            self.bias = require_tensor(state, f"{prefix}gate.e_score_correction_bias", (e,))
+            self.bias = w.get("gate.e_score_correction_bias", (e,))
             self.num_groups = int(cfg.hf["n_group"] or 1)
             self.topk_groups = int(cfg.hf["topk_group"] or 1)
             shared = int(cfg.hf["n_shared_experts"] or 0)
             if shared:
-                self.shared = _gate_up(
-                    state, f"{prefix}shared_experts.", hidden, cfg.moe_intermediate_size * shared
-                )
+                self.shared = _gate_up(w.scope("shared_experts."), hidden, cfg.moe_intermediate_size * shared)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, H] -> topk_ids [T, k], topk_weights [T, k]."""
-        cfg, logits = self.cfg, F.linear(x, self.router)
+        """x: [T, H] -> topk_ids [T, k], topk_weights [T, k] float32."""
+        cfg = self.cfg
         if self.bias is None:
-            return softmax_topk(logits, cfg.top_k, cfg.norm_topk_prob)
+            return softmax_topk(F.linear(x, self.router), cfg.top_k, cfg.norm_topk_prob)
+        # DeepSeek's router is float32 (see checkpoint.held_dtype), its input too.
         return grouped_sigmoid_topk(
-            logits, self.bias, cfg.top_k, self.num_groups, self.topk_groups, cfg.norm_topk_prob
+            F.linear(x.float(), self.router),
+            self.bias,
+            cfg.top_k,
+            self.num_groups,
+            self.topk_groups,
+            cfg.norm_topk_prob,
         )
 
     def __call__(self, layer: int, x: torch.Tensor, moe_fn: MoEFn) -> torch.Tensor:
@@ -105,42 +134,58 @@ class _MoEBlock:
 class MoEForCausalLM:
     """Holds the dense weights (embeddings, attention, norms, dense and shared MLPs, head).
 
-    dense_state: checkpoint name -> float32 tensor, as `CheckpointReader.dense_state()` gives.
+    dense_state: checkpoint name -> tensor, as `CheckpointReader.dense_state()` gives (any dtype,
+    any device: each tensor is placed on `device` in `dtype`). dtype: float32, bfloat16 or
+    float16, for weights, KV cache and compute. mla_cache: DeepSeek-V3's KV cache, "latent" or
+    "per_head" (see `attention`); Qwen3-MoE always caches per head.
     Raises CheckpointError naming any tensor that is missing or of the wrong shape.
     """
 
-    def __init__(self, config: MoEConfig, dense_state: dict[str, torch.Tensor]):
+    def __init__(
+        self,
+        config: MoEConfig,
+        dense_state: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        mla_cache: str = "latent",
+    ):
         self.config = config
+        self.dtype, self.device = dtype, torch.device(device)
         cfg, hidden = config, config.hidden_size
-        self.embed = require_tensor(dense_state, "model.embed_tokens.weight", (cfg.vocab_size, hidden))
-        self.norm = require_tensor(dense_state, "model.norm.weight", (hidden,))
-        if "lm_head.weight" in dense_state or not cfg.tie_word_embeddings:
-            self.lm_head = require_tensor(dense_state, "lm_head.weight", (cfg.vocab_size, hidden))
+        w = DenseWeights(cfg, dense_state, dtype, self.device)
+        self.embed = w.get("model.embed_tokens.weight", (cfg.vocab_size, hidden))
+        self.norm = w.get("model.norm.weight", (hidden,))
+        if "lm_head.weight" in w or not cfg.tie_word_embeddings:
+            self.lm_head = w.get("lm_head.weight", (cfg.vocab_size, hidden))
         else:
             self.lm_head = self.embed
-        self.rotary = rotary = Rotary(cfg.rope)
-        attention_cls = MLAttention if cfg.arch == "deepseek_v3" else GQAttention
-        self.kv_shape = attention_cls.kv_shape(cfg)
+        self.rotary = rotary = Rotary(cfg.rope, self.device)
         moe_layers = set(cfg.moe_layers)
         self.layers: list[_DecoderLayer] = []
         for layer in range(cfg.num_layers):
-            prefix = f"model.layers.{layer}."
+            lw = w.scope(f"model.layers.{layer}.")
+            attention = (
+                MLAttention(cfg, lw.scope("self_attn."), rotary, mla_cache)
+                if cfg.arch == "deepseek_v3"
+                else GQAttention(cfg, lw.scope("self_attn."), rotary)
+            )
             mlp_cls = _MoEBlock if layer in moe_layers else _DenseMLP
             self.layers.append(
                 _DecoderLayer(
-                    input_norm=require_tensor(dense_state, f"{prefix}input_layernorm.weight", (hidden,)),
-                    attention=attention_cls(cfg, dense_state, f"{prefix}self_attn.", rotary),
-                    post_attention_norm=require_tensor(
-                        dense_state, f"{prefix}post_attention_layernorm.weight", (hidden,)
-                    ),
-                    mlp=mlp_cls(cfg, dense_state, f"{prefix}mlp."),
+                    input_norm=lw.get("input_layernorm.weight", (hidden,)),
+                    attention=attention,
+                    post_attention_norm=lw.get("post_attention_layernorm.weight", (hidden,)),
+                    mlp=mlp_cls(cfg, lw.scope("mlp.")),
                 )
             )
+        self.kv_shape = self.layers[0].attention.kv_shape
 
     def new_kv_cache(
         self, max_seqs: int, max_model_len: int | None = None, initial_capacity: int = 256
     ) -> KVCache:
-        """A cache for this model; max_model_len defaults to max_position_embeddings.
+        """A cache for this model, in its dtype on its device; max_model_len defaults to
+        max_position_embeddings.
 
         initial_capacity: positions allocated per sequence up front (the cache doubles as needed).
         """
@@ -150,6 +195,8 @@ class MoEForCausalLM:
             max_seqs,
             max_model_len or self.config.max_position_embeddings,
             initial_capacity,
+            dtype=self.dtype,
+            device=self.device,
         )
 
     @torch.inference_mode()
@@ -161,16 +208,19 @@ class MoEForCausalLM:
         """
         cfg = self.config
         batch = self._prepare(chunks, kv)
-        token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        token_ids = torch.tensor(
+            [t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device
+        )
         x = self.embed[token_ids]
         for i, layer in enumerate(self.layers):
             if batch is not None:
                 x = x + layer.attention(rms_norm(x, layer.input_norm, cfg.rms_norm_eps), batch, kv, i)
             x = x + layer.mlp(i, rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps), moe_fn)
-        last = torch.cumsum(torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64), 0) - 1
-        return F.linear(rms_norm(x[last], self.norm, cfg.rms_norm_eps), self.lm_head)
+        ends = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64, device=self.device)
+        last = torch.cumsum(ends, 0) - 1
+        return F.linear(rms_norm(x[last], self.norm, cfg.rms_norm_eps), self.lm_head).float()
 
-    def _prepare(self, chunks: list[SeqChunk], kv: KVCache) -> AttentionBatch | None:
+    def _prepare(self, chunks: list[SeqChunk], kv: KVCache) -> StepBatch | None:
         if not chunks:
             return None
         seen: set[int] = set()
@@ -188,9 +238,12 @@ class MoEForCausalLM:
                 )
         for c in chunks:
             kv.begin_chunk(c.seq_id, c.start_pos, len(c.token_ids))
-        return AttentionBatch.build(
+        return StepBatch.build(
             [kv.slot(c.seq_id) for c in chunks],
             [c.start_pos for c in chunks],
             [len(c.token_ids) for c in chunks],
             self.rotary,
+            self.dtype,
+            self.device,
+            split_decode=self.layers[0].attention.split_decode,
         )

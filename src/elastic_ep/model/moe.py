@@ -3,7 +3,8 @@
 A `moe_fn(layer, hidden [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]` returns
 sum_k weight * expert_k(hidden) over the routed experts. The EP runtime provides its own
 (dispatch, `grouped_expert_forward` on its slots, combine); `local_moe_fn` computes every
-expert in this process.
+expert in this process. Every function computes on the device and in the dtype of its inputs
+(the expert weights and the hidden states agree; routing weights may be float32).
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 `make_tiny` writes config.json (loadable by transformers), safetensors shards with the
 standard per-expert tensor names plus an index, and a byte-level BPE tokenizer.json trained on
-an embedded text. Weights are random, deterministic for a seed, and scaled so that hidden
-states keep their size through the layers and greedy decoding gives varied tokens.
+an embedded text; `write_checkpoint` does the same for a config.json given whole (the test
+vectors of hand-written configs). Weights are random, deterministic for a seed, stored in the
+dtype config.json declares, and scaled so that hidden states keep their size through the
+layers and greedy decoding gives varied tokens.
 `resolve_model("tiny-deepseek-v3")` builds such a checkpoint once into the cache directory.
 """
 
@@ -22,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from elastic_ep.errors import CheckpointError
 
-from .checkpoint import INDEX_FILE, expert_key
+from .checkpoint import DTYPES, INDEX_FILE, expert_key
 from .config import MoEConfig
 
 TINY_MODELS: dict[str, str] = {"tiny-deepseek-v3": "deepseek_v3", "tiny-qwen3-moe": "qwen3_moe"}
@@ -60,10 +62,14 @@ def default_config(
     intermediate: int | None = None,
     vocab: int = 384,
     max_position_embeddings: int = 2048,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """The config.json dict of a tiny checkpoint of `arch` with the given sizes."""
+    """The config.json dict of a tiny checkpoint of `arch` with the given sizes, weights in
+    `dtype` (float32, bfloat16 or float16)."""
     if arch not in ARCHS:
         raise CheckpointError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     if top_k > experts:
         raise CheckpointError(f"top-k {top_k} exceeds the number of experts {experts}; lower --top-k")
     moe_intermediate = moe_intermediate or max(hidden // 2, 8)
@@ -87,7 +93,7 @@ def default_config(
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
     if arch == "deepseek_v3":
         n_group = 4 if experts % 4 == 0 and experts >= 8 else 1
@@ -131,9 +137,8 @@ def default_config(
     }
 
 
-def _tensor_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the checkpoint and its shape, in a fixed order."""
-    cfg = MoEConfig.from_dict(hf)
     hf = cfg.hf
     h, inter, moe_i = cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
@@ -245,26 +250,35 @@ def make_tiny(
     seed: int = 0,
     num_shards: int = 2,
     config_overrides: dict[str, Any] | None = None,
-    **sizes: int,
+    **sizes: Any,
 ) -> Path:
     """Write a random checkpoint of `arch` into `out_dir` and return its path.
 
-    sizes: keyword arguments of `default_config` (layers, hidden, experts, top_k, heads, ...).
+    sizes: keyword arguments of `default_config` (layers, hidden, experts, top_k, heads, dtype, ...).
     config_overrides: fields replaced in config.json after the defaults (e.g. q_lora_rank None,
     rope_scaling) before the tensors are shaped. num_shards 1 writes a single model.safetensors
     without an index. The same arguments always give the same bytes.
     """
     hf = default_config(arch, **sizes)
     hf.update(config_overrides or {})
-    tokenizer = _train_tokenizer(hf["vocab_size"])
-    if tokenizer.get_vocab_size() > hf["vocab_size"]:
-        raise CheckpointError(f"vocab {hf['vocab_size']} is smaller than the tokenizer's; raise --vocab")
+    return write_checkpoint(hf, out_dir, seed=seed, num_shards=num_shards)
+
+
+def write_checkpoint(hf: dict[str, Any], out_dir: str | Path, *, seed: int = 0, num_shards: int = 2) -> Path:
+    """Write config.json exactly as `hf`, random weights of the shapes it implies (in the dtype it
+    declares, float32 if none) and the tokenizer into `out_dir`; return its path."""
+    config = MoEConfig.from_dict(hf)
+    dtype = DTYPES[config.declared_dtype or "float32"]
+    tokenizer = _train_tokenizer(config.vocab_size)
+    if tokenizer.get_vocab_size() > config.vocab_size:
+        raise CheckpointError(f"vocab {config.vocab_size} is smaller than the tokenizer's; raise --vocab")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    quiet_ids = _quiet_token_ids(tokenizer, hf["vocab_size"])
+    quiet_ids = _quiet_token_ids(tokenizer, config.vocab_size)
     tensors = {
-        name: _random_tensor(name, shape, gen, quiet_ids) for name, shape in _tensor_shapes(hf).items()
+        name: _random_tensor(name, shape, gen, quiet_ids).to(dtype)
+        for name, shape in tensor_shapes(config).items()
     }
     _write_shards(tensors, out, num_shards)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
@@ -275,7 +289,7 @@ def make_tiny(
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "bos_token": SPECIAL_TOKENS[BOS_ID],
                 "eos_token": SPECIAL_TOKENS[EOS_ID],
-                "model_max_length": hf["max_position_embeddings"],
+                "model_max_length": config.max_position_embeddings,
             },
             indent=2,
         )

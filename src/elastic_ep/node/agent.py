@@ -5,15 +5,21 @@ It reports a worker's exit the moment it begins (a thread polls the workers' /pr
 `exit_poll_s`, see `exits.py`; one thread blocked in `wait()` per worker reaps it and reports an
 exit the poll missed), kills a rank on the controller's `FenceWorker` and confirms once the
 process can no longer run, sends signals for fault injection, and answers `BackupFetch` and
-`DenseFetch` from workers of other nodes on its own ROUTER socket. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
+`DenseFetch` from workers of other nodes on its own ROUTER socket. It holds a lease on the
+controller (node/lease.py): cut off for `lease_s`, it kills its workers itself and registers
+again in recover mode. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
 one alone. With `auto_recover` it starts a rank that died again itself (join_mode recover),
 after a backoff that doubles with every death in a row, up to `backoff_max_s`.
 On shutdown it terminates its workers (SIGTERM, then SIGKILL after `stop_grace_s`) and removes
-its backup file.
+its backup file. The file is also removed when the controller's connection closes (the
+controller stopped or died: a new controller assigns a new backup), by a guard process when the
+agent's own process dies however it ends, and, for owners gone without either, by the next
+agent that starts on the node (`backup_file.reap_stale_backups`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -24,9 +30,11 @@ from dataclasses import dataclass
 
 import psutil
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.wire import (
+    AgentAlive,
     AgentBye,
     AgentHello,
     AgentShutdown,
@@ -39,6 +47,8 @@ from elastic_ep.wire import (
     DenseFetch,
     DenseTensors,
     FenceWorker,
+    LeaseRenew,
+    SessionEnded,
     SignalWorker,
     StartWorker,
     WorkerArgs,
@@ -50,8 +60,11 @@ from elastic_ep.wire import (
     encode,
 )
 
-from .backup_file import BackupWriter, read_backup, read_dense
+from .backup_file import BackupWriter, guard_backup, read_backup, read_dense, reap_stale_backups
 from .exits import exit_code, open_stat
+from .lease import Lease
+
+logger = logging.getLogger(__name__)
 
 # Experts per announcement of the backup being written: small enough that a fault soon after
 # start finds most of the single-copy experts already in host memory.
@@ -71,8 +84,10 @@ class _Child:
 
 class NodeAgent:
     """controller_addr: the controller's health socket (tcp://host:port); node: this failure
-    domain's name; advertise_host: the address other nodes reach this agent's backup at;
-    num_ranks: how many ranks this node offers (the controller assigns their rank_ids);
+    domain's name; advertise_host: this host's address: other nodes reach this agent's backup
+    there, and its workers bind their data plane to it; lease_s: how long its ranks run without
+    word from the controller; num_ranks: how many ranks this node offers (the controller
+    assigns their rank_ids);
     join_mode: "recover" for a replacement node that takes over ranks that are down;
     auto_recover: restart dead ranks here, `backoff_s` after the first death, doubling up to
     `backoff_max_s`; a rank that ran `backoff_reset_s` before dying starts the count again;
@@ -90,9 +105,12 @@ class NodeAgent:
         backoff_s: float = 1.0,
         backoff_max_s: float = 30.0,
         backoff_reset_s: float = 60.0,
+        lease_s: float = 5.0,
         exit_poll_s: float = 0.005,
     ):
         self.node = node
+        self.host = advertise_host
+        self.lease = Lease(lease_s)
         self.stop_grace_s = stop_grace_s
         self.num_ranks = num_ranks
         self.join_mode = join_mode
@@ -105,6 +123,10 @@ class NodeAgent:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"a{node}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        # notice a connection that died silently (a cut link) and connect again once it heals
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 250)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)
+        self.controller_link = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(controller_addr)
         self.fetch = self.ctx.socket(zmq.ROUTER)
         self.fetch.setsockopt(zmq.LINGER, 0)
@@ -116,23 +138,26 @@ class NodeAgent:
         self.children: dict[int, _Child] = {}
         self.launch: WorkerLaunch | None = None
         self.backup_path: str | None = None
+        self._backup_guard: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve until AgentShutdown or `stop` is set; then stop every worker."""
         stop = stop or threading.Event()
-        self.sock.send(
-            encode(AgentHello(self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available,
-                              self.num_ranks, self.join_mode, self.auto_recover))
-        )
+        for path in reap_stale_backups():
+            logger.warning("node %s: removed %s, the backup file of an owner that is gone", self.node, path)
         poller = zmq.Poller()
-        for s in (self.sock, self.fetch, self.events):
+        for s in (self.sock, self.fetch, self.events, self.controller_link):
             poller.register(s, zmq.POLLIN)
         threading.Thread(target=self._watch_exits, name="exit-watch", daemon=True).start()
         try:
             while not stop.is_set():
-                ready = dict(poller.poll(50))
+                self._keep_lease(time.monotonic())
+                ready = dict(poller.poll(20))
+                if self.controller_link in ready and recv_monitor_message(self.controller_link)["event"] \
+                        == zmq.EVENT_DISCONNECTED:
+                    self.drop_backup("the controller closed its connection (it stopped or died)", warn=True)
                 if self.events in ready:
                     self.sock.send(self.events.recv())
                 if self.fetch in ready:
@@ -143,10 +168,50 @@ class NodeAgent:
         finally:
             self.shutdown()
 
+    def _keep_lease(self, now: float) -> None:
+        """Register until welcomed, say alive while welcomed, fence this node when the lease ran out."""
+        if self.lease.expired(now):
+            self._fence_node(f"no word from the controller for {self.lease.lease_s:g}s (--lease-s)")
+        if self.lease.hello_due(now):
+            self.sock.send(encode(AgentHello(
+                self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available, self.num_ranks,
+                self.join_mode, self.auto_recover, self.lease.session, self.host)))
+        if self.lease.alive_due(now):
+            self.sock.send(encode(AgentAlive(self.node, self.lease.session)))
+
+    def _fence_node(self, why: str) -> None:
+        """Kill every worker of this node (no restart) and register again, in recover mode."""
+        with self._lock:
+            children = list(self.children.values())
+            for child in children:
+                child.fencing, child.final = True, True
+            self.restart_at.clear()
+        for child in children:
+            self._signal(child.proc.pid, signal.SIGKILL)
+        logger.warning("node %s: fenced its %d ranks: %s; registering again", self.node, len(children), why)
+        # the controller plans no transfer from this node's backup any more
+        self.drop_backup("this node fenced itself", warn=False)
+        self.join_mode = "recover"
+        self.lease.restart()
+
     def _handle(self, msg) -> bool:
+        now = time.monotonic()
         if isinstance(msg, AgentWelcome):
-            self.launch = msg.launch
-        elif isinstance(msg, BackupAssign):
+            if self.lease.welcome(msg.session, now):
+                self.launch = msg.launch
+            return True
+        if isinstance(msg, LeaseRenew):
+            self.lease.renew(msg.session, now)
+            return True
+        if isinstance(msg, SessionEnded):
+            if msg.session == self.lease.session:
+                self._fence_node(f"the controller ended this session: {msg.reason}")
+            return True
+        if isinstance(msg, AgentShutdown):
+            return False
+        if not self.lease.welcomed:  # an order to a session that ended
+            return True
+        if isinstance(msg, BackupAssign):
             threading.Thread(target=self._build_backup, args=(msg.items,), daemon=True).start()
         elif isinstance(msg, StartWorker):
             with self._lock:
@@ -156,8 +221,6 @@ class NodeAgent:
             self._fence(msg)
         elif isinstance(msg, SignalWorker):
             self._signal(msg.pid, msg.signal)
-        elif isinstance(msg, AgentShutdown):
-            return False
         return True
 
     def _notify(self, message) -> None:
@@ -171,7 +234,7 @@ class NodeAgent:
     def _start(self, rank_id: int, join_mode: str, dense_site: BackupSite | None = None) -> None:
         assert self.launch is not None, "StartWorker before AgentWelcome"
         local = dense_site is not None and dense_site.node == self.node
-        args = WorkerArgs(self.launch, rank_id, self.node, join_mode,
+        args = WorkerArgs(self.launch, rank_id, self.node, self.host, join_mode,
                           dense_path=dense_site.path if dense_site is not None and local else "",
                           dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -180,6 +243,7 @@ class NodeAgent:
             self.children[proc.pid] = _Child(rank_id, proc, time.monotonic(), open_stat(proc.pid))
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
         self.sock.send(encode(WorkerStarted(self.node, rank_id, proc.pid)))
+        logger.info("node %s: started rank %d (pid %d, %s)", self.node, rank_id, proc.pid, join_mode)
 
     def _watch_exits(self) -> None:
         while not self._stopped.wait(self.exit_poll_s):
@@ -214,6 +278,9 @@ class NodeAgent:
                 self.deaths[child.rank_id] = deaths + 1
                 delay_s = min(self.backoff_s * 2**deaths, self.backoff_max_s)
                 self.restart_at[child.rank_id] = time.monotonic() + delay_s
+        logger.log(logging.INFO if child.fencing or returncode == 0 else logging.WARNING,
+                   "node %s: rank %d (pid %d) %s with code %d", self.node, child.rank_id, pid,
+                   "fenced" if child.fencing else "exited", returncode)
 
     def _fence(self, msg: FenceWorker) -> None:
         with self._lock:
@@ -227,6 +294,8 @@ class NodeAgent:
 
     def _restart_due(self) -> None:
         """Start the ranks whose backoff has run out (auto_recover), dense weights from this node's backup."""
+        if not self.lease.welcomed:
+            return
         now = time.monotonic()
         with self._lock:
             due = [r for r, t in self.restart_at.items() if t <= now]
@@ -249,6 +318,7 @@ class NodeAgent:
         assert self.launch is not None
         reader = CheckpointReader(self.launch.model_dir)
         writer = BackupWriter(reader, items, self.node, dense=True)
+        self._backup_guard = guard_backup(writer.path)
         site = BackupSite(self.node, writer.path, self.fetch_addr)
         try:
             writer.write_dense()
@@ -256,12 +326,16 @@ class NodeAgent:
             step = max(1, BACKUP_PIECE_BYTES // reader.expert_nbytes)
             for i in range(0, max(len(items), 1), step):
                 if self._stopped.is_set():
-                    os.unlink(writer.path)
+                    self.drop_backup("the agent stopped while it was written")
+                    return
+                if self.backup_path != writer.path:  # dropped meanwhile (the lease ran out)
                     return
                 writer.write_experts(items[i : i + step])
                 self._notify(BackupReady(self.node, site, items[i : i + step], writer.nbytes, len(items)))
         finally:
             writer.close()
+        logger.info("node %s: backup of %d experts and the dense weights in %s (%d bytes)", self.node, len(items),
+                    writer.path, writer.nbytes)
 
     def _answer_fetch(self) -> None:
         sender, _, frame = self.fetch.recv_multipart()
@@ -278,9 +352,20 @@ class NodeAgent:
             try:
                 w13, w2 = read_backup(self.backup_path, msg.items)
                 reply = BackupTensors(w13, w2)
-            except KeyError as e:
+            except (OSError, KeyError) as e:
                 reply = BackupTensors(None, None, str(e))
         self.fetch.send_multipart([sender, b"", encode(reply)])
+
+    def drop_backup(self, why: str, warn: bool = False) -> None:
+        """Remove the backup file now and serve no more fetches from it."""
+        path, guard, self.backup_path, self._backup_guard = self.backup_path, self._backup_guard, None, None
+        if path and os.path.exists(path):
+            os.unlink(path)
+            logger.log(logging.WARNING if warn else logging.INFO, "node %s: removed its backup file %s: %s",
+                       self.node, path, why)
+        if guard is not None:
+            guard.stdin.close()
+            guard.wait()
 
     def shutdown(self) -> None:
         """Stop every worker (SIGTERM, SIGKILL after stop_grace_s) and remove the backup file."""
@@ -298,8 +383,8 @@ class NodeAgent:
             except subprocess.TimeoutExpired:
                 self._signal(p.pid, signal.SIGKILL)
                 p.wait()
-        if self.backup_path and os.path.exists(self.backup_path):
-            os.unlink(self.backup_path)
+        self.drop_backup("the agent stopped")
         self.sock.send(encode(AgentBye(self.node)))
-        for s in (self.sock, self.fetch, self.events):
+        self.sock.disable_monitor()
+        for s in (self.sock, self.fetch, self.events, self.controller_link):
             s.close()

@@ -8,17 +8,29 @@ file piece by piece and announces each piece as it lands: a fault soon after sta
 from what is already written instead of from disk. A reader reads an expert straight into its
 destination with positioned reads (no mapping, no intermediate copy), checksumming each chunk as
 it lands; other nodes ask the agent, which reads it the same way.
+
+Nothing is left behind (at DeepSeek-V3 size the file is ~160 GB of RAM per node): its name
+carries the owner process (`pid<PID>-<start time>`, the start time tells a reused pid), a
+guard process removes it the moment its owner is gone, however it ended (`guard_backup`; SIGKILL
+included), and an agent that starts removes the files of owners that are gone
+(`reap_stale_backups`) in case the guard was killed too. Files without an owner tag (written by
+older versions) are left alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
+import subprocess
+import sys
 import tempfile
 import zlib
+from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 from safetensors import safe_open
 
@@ -28,6 +40,57 @@ SHM_DIR = "/dev/shm"
 DENSE_PREFIX = "dense."
 _F32 = 4
 READ_CHUNK_BYTES = 2**20  # read, then checksummed while still in cache
+FILE_PREFIX = "elastic-ep-backup-"
+OWNED_NAME = re.compile(rf"^{FILE_PREFIX}.+-pid(\d+)-(\d+)-[^-]+\.safetensors$")
+# Waits until its stdin closes (its owner is gone: only the owner holds the pipe), then removes the file.
+_GUARD = "import os, sys\nsys.stdin.buffer.read()\ntry:\n    os.unlink(sys.argv[1])\nexcept OSError:\n    pass\n"
+
+
+def _start_cs(pid: int) -> int:
+    """The process's start time in centiseconds since the epoch (pid plus this names one process)."""
+    return int(psutil.Process(pid).create_time() * 100)
+
+
+def owner_tag(pid: int) -> str:
+    return f"pid{pid}-{_start_cs(pid)}"
+
+
+def owner_alive(path: str) -> bool | None:
+    """Whether the process named in a backup file's name still runs (None: the name has no owner tag)."""
+    match = OWNED_NAME.match(os.path.basename(path))
+    if match is None:
+        return None
+    pid, start_cs = int(match[1]), int(match[2])
+    try:
+        return abs(_start_cs(pid) - start_cs) <= 1
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def backup_dir(directory: str = SHM_DIR) -> str:
+    """Where backup files go: `directory` (RAM-backed /dev/shm by default), else the temp dir."""
+    return directory if os.path.isdir(directory) else tempfile.gettempdir()
+
+
+def reap_stale_backups(directory: str = SHM_DIR) -> list[str]:
+    """Remove the backup files in backup_dir(directory) whose owner process is gone; returns their paths."""
+    removed = []
+    for path in sorted(Path(backup_dir(directory)).glob(f"{FILE_PREFIX}*.safetensors")):
+        if owner_alive(str(path)) is False:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(str(path))
+    return removed
+
+
+def guard_backup(path: str) -> subprocess.Popen:
+    """A small process that removes `path` once this process is gone, whether it exits, crashes or
+    is SIGKILLed: it reads a pipe only this process holds open. Close its stdin to let it go (it
+    then removes the file, if still there, and exits)."""
+    return subprocess.Popen([sys.executable, "-I", "-c", _GUARD, path], stdin=subprocess.PIPE,
+                            start_new_session=True)
 
 
 def backup_key(layer: int, expert: int, part: str) -> str:
@@ -51,12 +114,11 @@ class BackupWriter:
             shapes[backup_key(layer, expert, "w13")] = [2 * cfg.moe_intermediate_size, cfg.hidden_size]
             shapes[backup_key(layer, expert, "w2")] = [cfg.hidden_size, cfg.moe_intermediate_size]
         header, self.offsets, data_bytes = _layout(shapes)
-        base = directory if os.path.isdir(directory) else tempfile.gettempdir()
-        fd, self.path = tempfile.mkstemp(prefix=f"elastic-ep-backup-{node}-", suffix=".safetensors", dir=base)
-        self._fd = fd
+        prefix = f"{FILE_PREFIX}{node}-{owner_tag(os.getpid())}-"  # named for this process, its owner
+        self._fd, self.path = tempfile.mkstemp(prefix=prefix, suffix=".safetensors", dir=backup_dir(directory))
         self.nbytes = len(header) + data_bytes
-        os.ftruncate(fd, self.nbytes)
-        os.pwrite(fd, header, 0)
+        os.ftruncate(self._fd, self.nbytes)
+        os.pwrite(self._fd, header, 0)
 
     def write_dense(self) -> None:
         for name, t in self.dense.items():

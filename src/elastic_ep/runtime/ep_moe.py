@@ -7,13 +7,15 @@ when the controller sees that every rank runs few tokens (decode).
 
 Replica choice is deterministic: a replica on this rank if there is one (no network), else
 replica `token_index % replica_count`, which spreads a hot expert's tokens over its replicas.
-Every rank runs the three collectives of every layer even with zero tokens, which is what
-keeps the group in step.
+Every rank runs the collectives of every layer even with zero tokens, which is what keeps the
+group in step; after an error in its own computation a rank finishes the step's remaining
+collectives with nothing to send (`finish_collectives`), so its peers never wait on it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,13 +88,35 @@ class ExpertParallelMoE:
         for i, r in enumerate(group.members):
             index_of_rank[r] = i
         self.index_of_rank = index_of_rank
+        self.moe_layers = list(moe_layers)
         self.counters = StepCounters()
         self.dispatch_rows = 0
+        self.layers_done = 0
+        self._open: Callable[[], None] | None = None  # combines the dispatched layer with zeros
+        self.fail_in_experts = False  # fault injection: raise between this step's first dispatch and combine
 
     def start_step(self, dispatch_rows: int = 0) -> None:
         """dispatch_rows: rows per peer of the padded dispatch this step, 0 = exchange split sizes."""
         self.dispatch_rows = dispatch_rows
+        self.layers_done = 0
+        self._open = None
+        self.fail_in_experts = False
         self.counters = StepCounters(expert_load=np.zeros((len(self.layer_index), self.num_experts), dtype=np.int64))
+
+    @property
+    def in_experts(self) -> bool:
+        """A layer is dispatched and not yet combined: an error now would send peers zeros."""
+        return self._open is not None
+
+    def finish_collectives(self, hidden_size: int) -> None:
+        """After an error in this rank's own computation: combine the layer in flight with zeros,
+        then run every remaining MoE layer of the step with no tokens, so the peers complete
+        the step. Raises CollectiveError when a collective fails."""
+        if self._open is not None:
+            self._open()
+        empty = torch.empty(0, hidden_size)
+        for layer in self.moe_layers[self.layers_done:]:
+            self._forward(layer, empty, torch.empty(0, 1, dtype=torch.int64), torch.empty(0, 1))
 
     def moe_fn(self) -> MoEFn:
         return self._forward
@@ -122,7 +146,12 @@ class ExpertParallelMoE:
             received, back_to_rows = self._dispatch_counted(payload, dest)
         self.counters.dispatch_wait_s += time.perf_counter() - t0
         self.progress.enter("compute", layer)
+        self._open = lambda: self._combine(layer, back_to_rows,
+                                           torch.zeros(received.shape[0], hidden_size, dtype=hidden.dtype))
 
+        if self.fail_in_experts:
+            self.fail_in_experts = False
+            raise RuntimeError(f"injected fault: expert computation of layer {layer} failed")
         w13, w2 = self.slots.layer(li)
         slot_ids = received[:, hidden_size].long()
         valid = slot_ids >= 0
@@ -130,15 +159,22 @@ class ExpertParallelMoE:
         computed[valid] = grouped_expert_forward(received[valid, :hidden_size].to(hidden.dtype), slot_ids[valid], w13, w2)
         self.counters.slot_tokens += int(valid.sum())
 
+        back = self._combine(layer, back_to_rows, computed)
+
+        expert_out = torch.empty_like(back)
+        expert_out[order] = back
+        return combine_weighted(expert_out, topk_weights)
+
+    def _combine(self, layer: int, back_to_rows, computed: torch.Tensor) -> torch.Tensor:
+        """The combine all-to-all of a dispatched layer; the layer is done afterwards."""
+        self._open = None
         self.progress.enter("combine", layer)
         t0 = time.perf_counter()
         back = back_to_rows(computed)
         self.counters.combine_wait_s += time.perf_counter() - t0
         self.progress.enter("compute", layer)
-
-        expert_out = torch.empty_like(back)
-        expert_out[order] = back
-        return combine_weighted(expert_out, topk_weights)
+        self.layers_done += 1
+        return back
 
     def _dispatch_counted(self, payload: torch.Tensor, dest: torch.Tensor):
         """Exchange split sizes, then the rows. payload: [N, H+1] sorted by destination."""

@@ -7,18 +7,26 @@ superseded (a second fault during recovery) is abandoned at once instead of wait
 timeout.
 
 What happens when a peer dies: gloo raises on the next read or write to that peer's socket
-(milliseconds after the process exits). A hung peer blocks the collective until it is killed
-(fenced) or `collective_timeout_s` passes. After any error the group is destroyed, which closes
-this rank's sockets, so ranks waiting on it fail fast too instead of hanging.
+(milliseconds after the process exits), which surfaces here as `CollectiveError`. A peer that
+is hung or cut off (no reset ever comes) blocks the collective until the controller aborts the
+epoch (`abort`, called from the worker's heartbeat thread on the controller's `AbortEpoch`:
+the waiting collective gives up within `ABORT_POLL_S`) or `collective_timeout_s` passes. After
+a collective error the group is destroyed, which closes this rank's sockets, so ranks waiting
+on it fail fast too instead of hanging. An error in this rank's own computation is not a
+collective error: the rank finishes the step's collectives and the group stays whole.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -27,6 +35,36 @@ from elastic_ep.wire import Progress
 
 class EpochSuperseded(Exception):
     """A newer epoch was announced while this one was still forming."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the epoch's group failed (a peer died, the group was destroyed)."""
+
+
+class AddressNotLocal(ValueError):
+    """The address a node advertises is not on any of its interfaces."""
+
+
+def interface_of(address: str, interfaces: Mapping[str, list] | None = None) -> str:
+    """The name of the network interface that holds `address` (IPv4 or IPv6).
+    Raises AddressNotLocal naming the address and the flag to fix when none does."""
+    interfaces = psutil.net_if_addrs() if interfaces is None else interfaces
+    for name, addrs in interfaces.items():
+        if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address for a in addrs):
+            return name
+    held = sorted(a.address for addrs in interfaces.values() for a in addrs if a.family == socket.AF_INET)
+    raise AddressNotLocal(f"no interface of this host holds {address}; pass this host's own address with "
+                     f"--advertise-host (its IPv4 addresses: {', '.join(held)})")
+
+
+def bind_data_plane(host: str) -> str:
+    """Make this process's gloo (and NCCL bootstrap) sockets use the interface of `host`, the
+    address its node advertises, instead of whatever the host name resolves to (often
+    127.0.0.1, which peers on other hosts cannot reach). Returns the interface name."""
+    name = interface_of(host)
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ["NCCL_SOCKET_IFNAME"] = name
+    return name
 
 
 class ProgressBoard:
@@ -54,11 +92,24 @@ class ProgressBoard:
         self.current = replace(self.current, phase="idle", layer=-1, since=time.time())
 
 
+ABORT_POLL_S = 0.05  # how often a waiting collective looks whether its epoch was aborted
+_ABANDONED: list = []  # process groups of broken epochs, kept so nothing waits on their teardown
+
+
+def new_backend(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta):
+    """A process group of its own for one epoch (not torch.distributed's global default group,
+    so a broken epoch's group can be left behind while the next one forms)."""
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
 class EpochGroup:
     """This rank's membership in one epoch's process group.
 
     members: rank_ids of the epoch; a rank's index in it is its torch.distributed rank.
     device: where collective buffers live ("cpu" for gloo, "cuda:<i>" for nccl).
+    timeout_s: the longest any collective may wait (set when the group forms).
     """
 
     def __init__(self, epoch: int, members: list[int], rank_id: int, backend: str, device: torch.device):
@@ -70,6 +121,35 @@ class EpochGroup:
         self.backend = backend
         self.device = device
         self.alive = False
+        self.timeout_s = 60.0
+        self.pg = None  # this epoch's own process group (no global torch.distributed state)
+        self.broken = False
+        self._aborted = threading.Event()
+
+    def abort(self) -> None:
+        """Make every collective of this group in flight or to come raise CollectiveError (any
+        thread): the controller gave up on this epoch."""
+        self._aborted.set()
+
+    def _wait(self, work, what: str) -> None:
+        """Wait for an async collective, giving up when the epoch is aborted or timeout_s passes.
+        A collective given up on stays posted in the backend; the group is destroyed next."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                work.wait(timedelta(seconds=ABORT_POLL_S))
+                return
+            except RuntimeError as e:
+                if work.is_completed():  # it ended with an error: a peer died or the group broke
+                    raise self._broke(f"{what} in epoch {self.epoch}: {e}") from e
+            if self._aborted.is_set():
+                raise self._broke(f"{what} in epoch {self.epoch}: the controller aborted the epoch")
+            if time.monotonic() > deadline:
+                raise self._broke(f"{what} in epoch {self.epoch}: no answer within {self.timeout_s:g}s")
+
+    def _broke(self, message: str) -> CollectiveError:
+        self.broken = True
+        return CollectiveError(message)
 
     def form(
         self,
@@ -94,47 +174,77 @@ class EpochGroup:
                 missing = [r for r in self.members if not prefix.check([f"arrived/{r}"])]
                 raise TimeoutError(f"epoch {self.epoch}: ranks {missing} did not arrive within {timeout_s:.1f}s")
             time.sleep(poll_s)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        kwargs = {"device_id": self.device} if self.backend == "nccl" else {}
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore("pg/", prefix),
-            rank=self.index,
-            world_size=self.size,
-            timeout=timedelta(seconds=timeout_s),
-            **kwargs,
-        )
+        self.pg = self._connect(dist.PrefixStore("pg/", prefix), timedelta(seconds=timeout_s), superseded)
         self.alive = True
+        self.timeout_s = timeout_s
         return time.perf_counter() - start
 
+    def _connect(self, store: dist.Store, timeout: timedelta, superseded: Callable[[], bool]):
+        """Build this epoch's process group on a helper thread, so that a member dying or cut off
+        while the others connect to it (gloo retries a refused connection until the timeout)
+        cannot hold this rank: it leaves when the epoch is superseded or aborted."""
+        built: dict = {}
+
+        def connect() -> None:
+            try:
+                built["pg"] = new_backend(self.backend, store, self.index, self.size, timeout)
+            except RuntimeError as e:
+                built["error"] = e
+
+        thread = threading.Thread(target=connect, name=f"connect-epoch-{self.epoch}", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(ABORT_POLL_S)
+            if thread.is_alive() and superseded():
+                raise EpochSuperseded(f"epoch {self.epoch} was superseded while its group connected")
+            if thread.is_alive() and self._aborted.is_set():
+                raise CollectiveError(f"epoch {self.epoch} was aborted while its group connected")
+        if "error" in built:
+            interface = os.environ.get("GLOO_SOCKET_IFNAME", "the host name's address")
+            raise CollectiveError(
+                f"rank {self.rank_id} (bound to {interface}) could not connect to the other members of epoch "
+                f"{self.epoch} {self.members}: {built['error']}; every node must reach every other node's "
+                "--advertise-host address on any TCP port") from built["error"]
+        return built["pg"]
+
     def destroy(self) -> None:
-        """Leave the group, closing this rank's connections (peers blocked on us then fail)."""
-        if self.alive and dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the group. A group whose collectives failed or were given up on is kept, never
+        torn down: a collective may still wait inside it on a peer that will not answer (cut
+        off), and tearing it down would wait with it."""
+        if self.pg is not None and self.broken:
+            _ABANDONED.append(self.pg)
+        self.pg = None
         self.alive = False
 
     def all_to_all(self, output: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None) -> None:
-        """all_to_all_single over this epoch's group, on the group's device."""
-        if self.device.type == "cpu":
-            dist.all_to_all_single(output, inp, out_splits, in_splits)
-            return
-        out_dev = torch.empty(output.shape, dtype=output.dtype, device=self.device)
-        dist.all_to_all_single(out_dev, inp.to(self.device), out_splits, in_splits)
-        output.copy_(out_dev.cpu())
+        """all_to_all_single over this epoch's group, on the group's device. Raises
+        CollectiveError when it fails."""
+        on_device = self.device.type != "cpu"
+        out_dev = torch.empty(output.shape, dtype=output.dtype, device=self.device) if on_device else output
+        try:
+            work = self.pg.alltoall_base(out_dev, inp.to(self.device), out_splits or [], in_splits or [],
+                                         dist.AllToAllOptions())
+        except RuntimeError as e:
+            raise self._broke(f"all_to_all in epoch {self.epoch}: {e}") from e
+        self._wait(work, "all_to_all")
+        if on_device:
+            output.copy_(out_dev.cpu())
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
         """Point-to-point: send sends[i] to member index i and receive recvs[j] from member j,
         all posted at once so no pair order can deadlock. Buffers are 1-D and on the CPU."""
         works = []
         staged = {}
-        for peer, buf in recvs.items():
-            staged[peer] = buf if self.device.type == "cpu" else torch.empty_like(buf, device=self.device)
-            works.append(dist.irecv(staged[peer], src=peer))
-        for peer, buf in sends.items():
-            works.append(dist.isend(buf.to(self.device), dst=peer))
+        try:
+            for peer, buf in recvs.items():
+                staged[peer] = buf if self.device.type == "cpu" else torch.empty_like(buf, device=self.device)
+                works.append(self.pg.recv([staged[peer]], peer, 0))
+            for peer, buf in sends.items():
+                works.append(self.pg.send([buf.to(self.device)], peer, 0))
+        except RuntimeError as e:
+            raise self._broke(f"expert exchange in epoch {self.epoch}: {e}") from e
         for w in works:
-            w.wait()
+            self._wait(w, "expert exchange")
         for peer, buf in recvs.items():
             if staged[peer] is not buf:
                 buf.copy_(staged[peer].cpu())

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,9 +32,10 @@ import zmq
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.model import MoEForCausalLM, SeqChunk
-from elastic_ep.model.sampling import SamplingParams, sample_tokens
+from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
+    AbortEpoch,
     CorruptSlot,
     EpochFailed,
     EpochReady,
@@ -41,6 +43,7 @@ from elastic_ep.wire import (
     Heartbeat,
     Shutdown,
     SlotChecksums,
+    StepErrorKind,
     StepFailed,
     StepPlan,
     StepResult,
@@ -54,7 +57,14 @@ from elastic_ep.wire import (
 from .dense import load_dense
 from .ep_moe import ExpertParallelMoE
 from .experts import BackupUnreachable, ExpertSlots
-from .group import EpochGroup, EpochSuperseded, ProgressBoard
+from .group import (
+    AddressNotLocal,
+    CollectiveError,
+    EpochGroup,
+    EpochSuperseded,
+    ProgressBoard,
+    bind_data_plane,
+)
 
 
 def _die_with_parent() -> None:
@@ -82,10 +92,12 @@ class Worker:
         )
         self.model = MoEForCausalLM(self.config, dense)
         self.kv = self.model.new_kv_cache(launch.max_num_seqs, launch.max_model_len)
+        # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
+        self.tokens: dict[int, list[int]] = {}
         self.slots: ExpertSlots | None = None
         self.group: EpochGroup | None = None
         self.moe: ExpertParallelMoE | None = None
-        self.store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False, wait_for_workers=False)
+        self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
         if launch.backend == "nccl":
             self.device = torch.device("cuda", args.rank_id % max(torch.cuda.device_count(), 1))
         else:
@@ -146,21 +158,21 @@ class Worker:
     def _start_epoch(self, msg: EpochStart) -> None:
         args = self.args
         kept = self.group if msg.reuse_group and self.group is not None and self.group.alive \
-            and self.group.members == msg.members else None
+            and not self.group.broken and self.group.members == msg.members else None
         if self.group is not None and kept is None:
-            self.group.destroy()  # closes its sockets: peers that kept theirs fail fast, not at a timeout
+            self.group.destroy()  # peers that kept theirs fail when it goes, or the controller aborts the epoch
         if msg.reuse_group and kept is None:
             self.send(EpochFailed(msg.epoch, args.rank_id, "asked to keep the epoch's group, which this rank "
                                   "no longer has"))
             return
         self.progress.new_epoch(msg.epoch)
-        group = kept or EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.device)
+        # the group is this rank's from now on, forming or not: an AbortEpoch for it reaches it
+        group = self.group = kept or EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.device)
         try:
             if kept is None:
                 rendezvous_s = group.form(self.store, msg.collective_timeout_s, self._newer_epoch_arrived)
             else:
                 group.epoch, rendezvous_s = msg.epoch, 0.0
-            self.group = group
             location = ExpertLocation.from_phy2log(msg.phy2log, msg.slots_per_rank, self.config.num_experts)
             if self.slots is None:
                 self.slots = ExpertSlots(
@@ -205,56 +217,111 @@ class Worker:
             self.send(EpochFailed(msg.epoch, args.rank_id, f"{type(e).__name__}: {e}"))
 
     def _step(self, plan: StepPlan) -> None:
+        """Run one step and answer `StepResult`, or `StepFailed`: COLLECTIVE when the group broke
+        (this rank leaves it, so peers fail fast too), LOCAL when this rank's own computation
+        raised (it finishes the step's collectives first, so the group stays whole)."""
         group, moe = self.group, self.moe
         assert group is not None and moe is not None
         start = time.perf_counter()
         self.progress.enter("compute", step=plan.step)
+        moe.start_step(plan.dispatch_rows)
         try:
-            for seq_id in plan.free:
-                self.kv.free(seq_id)
-            for c in plan.chunks:
-                if c.start_pos == 0 or c.seq_id not in self.kv:
-                    self.kv.allocate(c.seq_id)
+            self._prepare(plan)
             if plan.delay_s > 0:
                 time.sleep(plan.delay_s)
-            moe.start_step(plan.dispatch_rows)
-            chunks = [SeqChunk(c.seq_id, c.token_ids, c.start_pos) for c in plan.chunks]
-            logits = self.model.forward(chunks, self.kv, moe.moe_fn())
-            sampled = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
-            tokens: dict[int, int] = {}
-            if sampled:
-                rows = torch.tensor([i for i, _ in sampled], dtype=torch.int64)
-                params = [SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k) for _, c in sampled]
-                picked = sample_tokens(
-                    logits[rows],
-                    params,
-                    [c.seed for _, c in sampled],
-                    [c.start_pos + len(c.token_ids) for _, c in sampled],
-                )
-                tokens = {c.seq_id: t for (_, c), t in zip(sampled, picked, strict=True)}
-        except Exception as e:
-            group.destroy()
-            self.progress.idle()
-            detail = "" if isinstance(e, RuntimeError) else traceback.format_exc(limit=3)
-            self.send(StepFailed(plan.epoch, plan.step, self.args.rank_id, f"{type(e).__name__}: {e}{detail}"))
+            logits = self.model.forward([SeqChunk(c.seq_id, c.token_ids, c.start_pos) for c in plan.chunks], self.kv,
+                                        self._moe_fn(plan, moe))
+        except CollectiveError as e:
+            self._fail(plan, StepErrorKind.COLLECTIVE, e)
             return
+        except Exception as e:
+            in_experts = moe.in_experts
+            try:
+                moe.finish_collectives(self.config.hidden_size)
+            except CollectiveError as broken:
+                self._fail(plan, StepErrorKind.COLLECTIVE, broken)
+                return
+            self._fail(plan, StepErrorKind.LOCAL, e, in_experts)
+            return
+        tokens, logprobs, errors = self._sample(plan, logits)
         self.progress.idle()
         c = moe.counters
         step_s = time.perf_counter() - start
-        self.send(
-            StepResult(
-                plan.epoch,
-                plan.step,
-                self.args.rank_id,
-                tokens,
-                step_s,
-                step_s - c.dispatch_wait_s - c.combine_wait_s,
-                c.dispatch_wait_s,
-                c.combine_wait_s,
-                c.expert_load,
-                c.slot_tokens,
-            )
-        )
+        self.send(StepResult(
+            plan.epoch, plan.step, self.args.rank_id, tokens, step_s, step_s - c.dispatch_wait_s - c.combine_wait_s,
+            c.dispatch_wait_s, c.combine_wait_s, c.expert_load, c.slot_tokens, logprobs, errors,
+        ))
+
+    def _prepare(self, plan: StepPlan) -> None:
+        """Free finished sequences, give new ones a cache row, track every sequence's tokens."""
+        for seq_id in plan.free:
+            self.kv.free(seq_id)
+            self.tokens.pop(seq_id, None)
+        for c in plan.chunks:
+            if c.start_pos == 0 or c.seq_id not in self.kv:
+                self.kv.allocate(c.seq_id)
+                self.tokens[c.seq_id] = []
+            held = self.tokens[c.seq_id]
+            if len(held) < c.start_pos:
+                raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")
+            # A re-run step overwrites, as the KV cache does.
+            held[c.start_pos :] = c.token_ids
+
+    def _moe_fn(self, plan: StepPlan, moe: ExpertParallelMoE):
+        """The step's moe_fn; fault injection (`fail_at`) raises in this rank's local computation
+        of the second MoE layer, or in its experts of the first."""
+        faults = {c.fail_at for c in plan.chunks} | {plan.fail_at}
+        moe.fail_in_experts = "experts" in faults
+        if "local" not in faults:
+            return moe.moe_fn()
+        second = self.config.moe_layers[min(1, len(self.config.moe_layers) - 1)]
+
+        def moe_fn(layer, hidden, topk_ids, topk_weights):
+            if layer == second:
+                raise RuntimeError(f"injected fault: local computation of layer {layer} failed")
+            return moe.moe_fn()(layer, hidden, topk_ids, topk_weights)
+
+        return moe_fn
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor):
+        """(tokens, logprobs, errors) by seq_id for the chunks that sample. When sampling the
+        batch raises, each row is sampled alone, so only the sequence at fault gets an error."""
+        rows = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
+        try:
+            return (*self._sample_rows(rows, logits), {})
+        except Exception:
+            tokens, logprobs, errors = {}, {}, {}
+            for row in rows:
+                try:
+                    t, lp = self._sample_rows([row], logits)
+                except Exception as e:
+                    errors[row[1].seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+                    continue
+                tokens.update(t)
+                logprobs.update(lp)
+            return tokens, logprobs, errors
+
+    def _sample_rows(self, rows: list, logits: torch.Tensor):
+        """rows: (row of logits [N, V], its ChunkPlan); -> (seq_id -> token, seq_id -> logprobs)."""
+        if not rows:
+            return {}, {}
+        if any(c.fail_at == "sampling" for _, c in rows):
+            raise RuntimeError("injected fault: sampling failed")
+        histories = [TokenHistory(held[: c.prompt_len], held[c.prompt_len :])
+                     for _, c in rows for held in (self.tokens[c.seq_id],)]
+        out = sample_tokens(logits[torch.tensor([i for i, _ in rows])], [c.params for _, c in rows],
+                            [c.seed for _, c in rows], histories, self.config.eos_token_ids)
+        tokens = {c.seq_id: t for (_, c), t in zip(rows, out.tokens, strict=True)}
+        logprobs = {c.seq_id: lp for (_, c), lp in zip(rows, out.logprobs, strict=True) if lp is not None}
+        return tokens, logprobs
+
+    def _fail(self, plan: StepPlan, kind: StepErrorKind, e: Exception, in_experts: bool = False) -> None:
+        if kind == StepErrorKind.COLLECTIVE:
+            self.group.destroy()  # this epoch is over for this rank; the controller aborts it for the others
+        self.progress.idle()
+        detail = "" if isinstance(e, RuntimeError) else traceback.format_exc(limit=3)
+        self.send(StepFailed(plan.epoch, plan.step, self.args.rank_id, f"{type(e).__name__}: {e}{detail}", kind,
+                             in_experts))
 
     def _slot_request(self, msg: SweepSlots | CorruptSlot) -> None:
         assert self.slots is not None
@@ -264,14 +331,37 @@ class Worker:
         self.send(SlotChecksums(msg.epoch, self.args.rank_id, self.slots.checksums(msg.slots)))
 
     def _heartbeats(self) -> None:
+        """Say where the main thread is every heartbeat_interval_s, and abort the epoch the
+        controller gave up on (its collectives may wait on a peer that will never answer)."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.args.launch.health_addr)
         pid = os.getpid()
-        while not self._stop.wait(self.args.launch.heartbeat_interval_s):
+        interval_s = self.args.launch.heartbeat_interval_s
+        next_beat = time.monotonic()
+        while not self._stop.is_set():
+            if sock.poll(max(int((next_beat - time.monotonic()) * 1000), 0)):
+                msg = decode(sock.recv())
+                group = self.group
+                if isinstance(msg, AbortEpoch) and group is not None and group.epoch == msg.epoch:
+                    group.abort()
+                continue
             sock.send(encode(Heartbeat(self.args.rank_id, pid, self.progress.current)))
+            next_beat = time.monotonic() + interval_s
         sock.close()
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The controller's TCPStore (every epoch's rendezvous). Raises ConnectionError naming the
+    address and the flag behind it when it cannot be reached within timeout_s."""
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:
+        raise ConnectionError(
+            f"cannot reach the controller's store at {host}:{port} within {timeout_s:g}s ({e}); this host must "
+            "reach the address `elastic-ep serve` binds (--host / --advertise-host)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     args = WorkerArgs.from_json(argv[0])
-    Worker(args).run()
+    try:
+        bind_data_plane(args.host)
+        worker = Worker(args)
+    except (AddressNotLocal, ConnectionError) as e:
+        print(f"elastic-ep rank {args.rank_id} on {args.node}: {e}", file=sys.stderr, flush=True)
+        return 2
+    worker.run()
     return 0
 
 

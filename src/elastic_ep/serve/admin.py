@@ -9,77 +9,101 @@ them from its own state without waiting on ranks.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from elastic_ep.control.api import CHAOS_ACTIONS, ChaosOrder, Engine
-from elastic_ep.serve.errors import APIError, bad_request
-from elastic_ep.serve.protocol import ChaosRequest, ScaleRequest, parse_body
+from elastic_ep.serve.errors import APIError
+from elastic_ep.serve.openapi import error_responses
+from elastic_ep.serve.protocol import (
+    ChaosRequest,
+    HealthResponse,
+    ReadyResponse,
+    RecorderResponse,
+    ScaleRequest,
+    ScaleResponse,
+)
 
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 
 
 def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(responses=error_responses(500))
 
-    @router.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    @router.get(
+        "/health",
+        response_model=HealthResponse,
+        responses={503: {"model": HealthResponse, "description": "The engine stopped; restart the server"}},
+    )
+    async def health() -> JSONResponse:
+        """200 while the engine runs ("ok", or "degraded" with the reason: a restart would not help),
+        503 once it stopped ("dead"). Readiness to take traffic is GET /ready."""
+        h = engine.health()
+        body = HealthResponse(status=h.status, reason=h.reason)
+        return JSONResponse(body.model_dump(), status_code=503 if h.status == "dead" else 200)
 
-    @router.get("/ready")
+    @router.get(
+        "/ready",
+        response_model=ReadyResponse,
+        responses={503: {"model": ReadyResponse, "description": "Not ready; `reason` says why"}},
+    )
     async def ready() -> JSONResponse:
         readiness = engine.readiness()
-        body = {"ready": readiness.ready, "reason": readiness.reason}
-        return JSONResponse(body, status_code=200 if readiness.ready else 503)
+        body = ReadyResponse(ready=readiness.ready, reason=readiness.reason)
+        return JSONResponse(body.model_dump(), status_code=200 if readiness.ready else 503)
 
-    @router.get("/metrics")
+    @router.get(
+        "/metrics", response_class=Response, responses=_text_response("text/plain", "Prometheus text")
+    )
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/cluster")
+    @router.get("/cluster", response_model=dict[str, Any])
     async def cluster(
         events: int = Query(50, ge=0, description="the last N events (0: all kept, up to 1000)"),
         since: int | None = Query(None, ge=0, description="only events with an id above this"),
-    ) -> dict:
+    ) -> dict[str, Any]:
+        """The cluster view; its fields are documented on `Engine.cluster` (control/api.py)."""
         return engine.cluster(since, events or None)
 
     @router.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:
         return RedirectResponse("/dashboard")
 
-    @router.get("/dashboard")
+    @router.get("/dashboard", response_class=Response, responses=_text_response("text/html", "The dashboard"))
     async def dashboard() -> FileResponse:
         return FileResponse(DASHBOARD_HTML, media_type="text/html")
 
-    @router.post("/scale_elastic_ep")
-    async def scale(request: Request) -> dict:
-        body = parse_body(await request.body(), ScaleRequest)
-        if body.new_ep_size < 1:
-            raise bad_request(f"new_ep_size must be >= 1, got {body.new_ep_size}", "new_ep_size")
+    @router.post("/scale_elastic_ep", response_model=ScaleResponse, responses=error_responses(400, 409))
+    async def scale(body: ScaleRequest) -> dict[str, Any]:
         return await engine.scale(body.new_ep_size)
 
-    @router.get("/is_scaling_elastic_ep")
-    async def is_scaling() -> dict:
+    @router.get("/is_scaling_elastic_ep", response_model=dict[str, Any])
+    async def is_scaling() -> dict[str, Any]:
         return engine.scale_status()
 
-    @router.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
-    async def start_record() -> dict:
+    @router.get("/start_expert_distribution_record", response_model=RecorderResponse)
+    @router.post("/start_expert_distribution_record", response_model=RecorderResponse)
+    async def start_record() -> RecorderResponse:
         engine.start_expert_distribution_record()
-        return {"status": "recording"}
+        return RecorderResponse(status="recording")
 
-    @router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
-    async def stop_record() -> dict:
+    @router.get("/stop_expert_distribution_record", response_model=RecorderResponse)
+    @router.post("/stop_expert_distribution_record", response_model=RecorderResponse)
+    async def stop_record() -> RecorderResponse:
         engine.stop_expert_distribution_record()
-        return {"status": "stopped"}
+        return RecorderResponse(status="stopped")
 
-    @router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
-    async def dump_record() -> dict:
+    @router.get("/dump_expert_distribution_record", response_model=dict[str, Any])
+    @router.post("/dump_expert_distribution_record", response_model=dict[str, Any])
+    async def dump_record() -> dict[str, Any]:
         return engine.dump_expert_distribution_record()
 
-    @router.post("/chaos/{action}")
-    async def chaos(action: str, request: Request) -> dict:
+    @router.post("/chaos/{action}", response_model=dict[str, Any], responses=error_responses(400, 404))
+    async def chaos(action: str, body: ChaosRequest) -> dict[str, Any]:
         if not enable_chaos:
             raise APIError(
                 404,
@@ -88,9 +112,16 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
             )
         if action not in CHAOS_ACTIONS:
             raise APIError(404, f"unknown chaos action {action!r}; use one of {', '.join(CHAOS_ACTIONS)}")
-        body = parse_body(await request.body(), ChaosRequest)
-        if not body.delay_s >= 0:
-            raise bad_request(f"delay_s must be >= 0, got {body.delay_s}", "delay_s")
-        return engine.chaos(ChaosOrder(action, body.rank_id, body.delay_s, body.layer, body.slot, body.at_next_epoch))
+        if action == "poison" and not body.request_id and body.rank_id is None:
+            raise APIError(400, "poison needs request_id (the id of a running request: its chunks' `id`) or "
+                           "rank_id (every step of that rank raises)", param="request_id")
+        if action != "poison" and body.rank_id is None:
+            raise APIError(400, f"{action} needs rank_id: a rank listed by GET /cluster", param="rank_id")
+        return engine.chaos(ChaosOrder(action, body.rank_id if body.rank_id is not None else -1, body.delay_s,
+                                       body.layer, body.slot, body.at_next_epoch, body.request_id, body.phase))
 
     return router
+
+
+def _text_response(media_type: str, description: str) -> dict[int | str, dict[str, Any]]:
+    return {200: {"description": description, "content": {media_type: {"schema": {"type": "string"}}}}}

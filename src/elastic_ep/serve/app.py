@@ -1,6 +1,8 @@
 """The HTTP server of elastic-ep: `create_app(engine, tokenizer, registry=...)`.
 
-Every error leaves as an OpenAI error body: bad input is a 4xx naming the field,
+/openapi.json (and its page /docs) describes every route from the models the handlers
+validate with (serve/openapi.py). Every error leaves as an OpenAI error body: bad input is a
+4xx naming the field (a body that fails validation is a 400, not FastAPI's 422),
 `ServiceUnavailable` a 503 with Retry-After, `ScaleRejected` its own status, any other
 `ElasticEPError` a 400, and anything unexpected a 500 after which the server keeps serving.
 """
@@ -10,18 +12,21 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Tokenizer
 
+from elastic_ep import __version__
 from elastic_ep.control.api import Engine, ScaleRejected, ServiceUnavailable
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.serve.admin import admin_router
-from elastic_ep.serve.errors import APIError, error_body, error_response
+from elastic_ep.serve.errors import APIError, error_body, error_response, invalid_body
 from elastic_ep.serve.metrics import HttpMetrics, RequestCountMiddleware
 from elastic_ep.serve.openai_api import openai_router
+from elastic_ep.serve.openapi import openapi_schema
 
 logger = logging.getLogger(__name__)
 
@@ -31,17 +36,30 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app over `engine`. HTTP metrics are registered on `registry`, which
     GET /metrics exports whole (so the engine's own metrics belong there too)."""
-    app = FastAPI(title="elastic-ep", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="elastic-ep",
+        version=__version__,
+        description="OpenAI-compatible serving of Mixture-of-Experts models that survives rank faults",
+        redoc_url=None,
+        # A path that matches no route is a documented 404, not an undocumented 307 to the path
+        # without its trailing slash (found by the schema fuzz test: POST /chaos/0%2F).
+        redirect_slashes=False,
+    )
     metrics = HttpMetrics(registry)
     app.include_router(openai_router(engine, tokenizer, metrics))
     app.include_router(admin_router(engine, registry, enable_chaos))
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
     _add_error_handlers(app)
+    app.openapi = lambda: openapi_schema(app)
     return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(invalid_body(e.errors()))
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return error_response(e)

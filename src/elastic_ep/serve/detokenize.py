@@ -47,10 +47,9 @@ class TextStream:
         self._decode(final=True)
         return self._release(final=True)
 
-    @property
-    def text(self) -> str:
-        """All text sent so far, stop string excluded."""
-        return self._text[: self._sent]
+    def token_text(self, token_id: int) -> str:
+        """The text of one token alone, special tokens shown (for logprobs)."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _decode(self, final: bool) -> None:
         if self._read_offset == len(self._ids):

@@ -1,14 +1,21 @@
-"""One generation request in flight: the engine's token events turned into text deltas,
-and the guarantee that the engine's iterator is closed (the engine then aborts the request
-and frees its KV cache) however the HTTP exchange ends: finished, stop string, client gone,
-or an error.
+"""Generation requests in flight: the engine's token events turned into text deltas (with
+their tokens' logprobs), and the guarantee that every engine iterator is closed (the engine
+then aborts the request and frees its KV cache) however the HTTP exchange ends: finished,
+stop string, client gone, or an error.
+
+A request with several choices (n, or a list of prompts) is several engine requests:
+`admit_all` starts them together and `merge` interleaves their deltas for a stream. A failure
+in one request's own text handling (a token the tokenizer cannot decode, a stop string that
+breaks) ends that HTTP request with a `detokenization_error` and aborts its engine requests;
+the server and every other request go on.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import TypeVar
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -21,12 +28,27 @@ from elastic_ep.serve.metrics import RequestTimer
 
 T = TypeVar("T")
 
+MIN_LOGPROB = -9999.0
+"""A logprob of -inf is sent as this (JSON has no infinity; OpenAI and vLLM do the same)."""
+
+
+@dataclass(frozen=True)
+class TextLogprob:
+    """One generated token's logprob and its top alternatives, as text."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
 
 @dataclass(frozen=True)
 class Delta:
     text: str
     finish_reason: str | None = None
     """None while running; "stop", "length" or "abort" on the last delta."""
+    logprobs: list[TextLogprob] = field(default_factory=list)
+    """The tokens behind this delta (and any whose text was held back before), when the
+    request asked for logprobs."""
 
 
 class Generation:
@@ -61,22 +83,58 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas, the last one with its finish_reason. Raises APIError(500) when
-        the engine reports an error for this request."""
+        the engine reports an error for this request or its text cannot be made."""
         event = self._first
+        held: list[TextLogprob] = []
         while event is not None:
             self.timer.tokens(len(event.new_token_ids))
-            text = self._text.add(event.new_token_ids)
+            held += self._logprobs(event)
+            text = self._guarded(lambda e=event: self._text.add(e.new_token_ids))
             if self._text.stopped:
-                yield Delta(text, "stop")
+                yield Delta(text, "stop", held)
                 return
             if event.finished:
                 if event.finish_reason == "error":
                     raise APIError(500, f"the engine failed this request: {event.error}", code="engine_error")
-                yield Delta(text + self._text.finish(), event.finish_reason or "stop")
+                yield Delta(text + self._guarded(self._text.finish), event.finish_reason or "stop", held)
                 return
             if text:
-                yield Delta(text)
+                yield Delta(text, None, held)
+                held = []
             event = await self._next()
+
+    def _logprobs(self, event: RequestOutput) -> list[TextLogprob]:
+        if self.request.params.logprobs is None or not event.new_token_ids:
+            return []
+        if event.logprobs is None or len(event.logprobs) != len(event.new_token_ids):
+            raise APIError(
+                500,
+                f"the engine sent {len(event.logprobs or [])} logprobs for {len(event.new_token_ids)} tokens "
+                f"of request {self.request.request_id}, which asked for logprobs",
+                code="engine_error",
+            )
+        text = self._text.token_text
+        return self._guarded(
+            lambda: [
+                TextLogprob(
+                    text(token),
+                    max(lp.logprob, MIN_LOGPROB),
+                    [(text(t), max(v, MIN_LOGPROB)) for t, v in lp.top],
+                )
+                for token, lp in zip(event.new_token_ids, event.logprobs, strict=True)
+            ]
+        )
+
+    def _guarded(self, step: Callable[[], T]) -> T:
+        try:
+            return step()
+        except Exception as e:
+            raise APIError(
+                500,
+                f"turning the tokens of request {self.request.request_id} into text failed "
+                f"({type(e).__name__}: {e}); this request was ended, the server goes on",
+                code="detokenization_error",
+            ) from e
 
     async def _next(self) -> RequestOutput:
         try:
@@ -98,6 +156,79 @@ class Generation:
                 await aclose()
             if self.timer is not None:
                 self.timer.finish()
+
+
+async def admit_all(
+    engine: Engine, requests: list[GenerationRequest], texts: list[TextStream], timers: list[RequestTimer]
+) -> list[Generation]:
+    """Admit every request at once; if one is refused (or the wait is cancelled), the ones
+    already admitted are closed and the error is raised."""
+    admitted: list[Generation] = []
+
+    async def admit(request: GenerationRequest, text: TextStream, timer: RequestTimer) -> Generation:
+        generation = await Generation.admit(engine, request, text, timer)
+        admitted.append(generation)
+        return generation
+
+    try:
+        return await run_all([admit(*args) for args in zip(requests, texts, timers, strict=True)])
+    except BaseException:
+        await close_all(admitted)
+        raise
+
+
+async def close_all(generations: list[Generation]) -> None:
+    with anyio.CancelScope(shield=True):
+        for generation in generations:
+            await generation.close()
+
+
+async def collect(generations: list[Generation]) -> list[list[Delta]]:
+    """Every delta of every generation, in the order of `generations`."""
+
+    async def one(generation: Generation) -> list[Delta]:
+        return [delta async for delta in generation.deltas()]
+
+    return await run_all([one(g) for g in generations])
+
+
+async def run_all(coroutines: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run concurrently. When one raises, or this is cancelled, the others are cancelled and
+    waited for before the error propagates (an engine iterator must not be closed while a
+    task still reads it)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait(tasks)
+        raise
+
+
+async def merge(generations: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
+    """(index in `generations`, delta) as each delta arrives. Closing this iterator cancels
+    the pending reads."""
+    streams = [g.deltas() for g in generations]
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    delta = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, delta
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait(pending)
 
 
 async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:

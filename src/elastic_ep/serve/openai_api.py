@@ -1,6 +1,7 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (streaming or not)
-and /v1/models. Tokenization, the chat template, detokenization and stop strings happen
-here; the engine only sees token ids.
+"""The OpenAI-compatible routes: /v1/completions and /v1/chat/completions (streaming or not,
+n choices, lists of prompts, logprobs, echo), /v1/models, and vLLM's /tokenize and
+/detokenize. Tokenization, the chat template, detokenization and stop strings happen here;
+the engine only sees token ids, one engine request per choice.
 """
 
 from __future__ import annotations
@@ -10,30 +11,66 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
+from pydantic import BaseModel
 from tokenizers import Tokenizer
 
 from elastic_ep.control.api import Engine
 from elastic_ep.serve.detokenize import TextStream
 from elastic_ep.serve.errors import APIError, error_body
-from elastic_ep.serve.generation import Delta, EventStreamResponse, Generation, until_disconnect
+from elastic_ep.serve.generation import (
+    Delta,
+    EventStreamResponse,
+    Generation,
+    TextLogprob,
+    admit_all,
+    close_all,
+    collect,
+    merge,
+    until_disconnect,
+)
 from elastic_ep.serve.metrics import HttpMetrics, RequestTimer
+from elastic_ep.serve.openapi import error_responses, event_stream_response
 from elastic_ep.serve.prompts import (
+    Prompt,
+    chat_prompt,
     check_model,
-    completion_prompt_ids,
+    check_token_ids,
+    completion_prompts,
+    decode_ids,
     encode_text,
-    generation_request,
+    generation_requests,
     render_chat,
     stop_strings,
 )
 from elastic_ep.serve.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
-    parse_body,
-    refuse_unsupported,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
+    Usage,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,123 +85,236 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
     vocab_size = int(info.extra.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True))
     created_s = int(time.time())
 
-    @router.get("/v1/models")
-    async def models() -> dict:
-        card = {
-            "id": info.model_name,
-            "object": "model",
-            "created": created_s,
-            "owned_by": "elastic-ep",
-            "max_model_len": info.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+    @router.get("/v1/models", response_model=ModelList, responses=error_responses(500))
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=info.model_name,
+            created=created_s,
+            owned_by="elastic-ep",
+            root=info.model_name,
+            max_model_len=info.max_model_len,
+        )
+        return ModelList(data=[card])
 
-    @router.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _respond(request, _COMPLETION)
-
-    @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _respond(request, _CHAT)
-
-    async def _respond(request: Request, kind: _Kind) -> Response:
-        timer = RequestTimer(metrics)
-        body = parse_body(await request.body(), ChatCompletionRequest if kind.chat else CompletionRequest)
+    @router.post(
+        "/v1/completions", response_model=CompletionResponse, responses=_answers(CompletionStreamResponse)
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model, info)
-        refuse_unsupported(body)
-        if isinstance(body, ChatCompletionRequest):
-            prompt_ids = encode_text(render_chat(body.messages), tokenizer, "messages")
+        prompts = completion_prompts(body, tokenizer, vocab_size)
+        return await _respond(request, body, prompts, _COMPLETION)
+
+    @router.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses=_answers(ChatCompletionStreamResponse),
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model, info)
+        return await _respond(request, body, [chat_prompt(body, tokenizer)], _CHAT)
+
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(400, 404, 500))
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(body.model, info)
+        if isinstance(body, TokenizeChatRequest):
+            text = render_chat(body.messages) if body.add_generation_prompt else _chat_text(body)
+            ids = encode_text(text, tokenizer, "messages")
         else:
-            prompt_ids = completion_prompt_ids(body, tokenizer, vocab_size)
+            ids = encode_text(body.prompt, tokenizer, "prompt", body.add_special_tokens)
+        strs = [tokenizer.id_to_token(t) or "" for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids, token_strs=strs)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=error_responses(400, 404, 500))
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model, info)
+        check_token_ids(body.tokens, vocab_size, "tokens")
+        return DetokenizeResponse(prompt=decode_ids(body.tokens, tokenizer, "tokens"))
+
+    async def _respond(
+        request: Request, body: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], kind: _Kind
+    ) -> Response:
+        # vLLM's behaviour: the client may name the request (X-Request-Id), else a fresh id
+        response_id = f"{kind.id_prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+        gen_requests = generation_requests(response_id, prompts, body, info, vocab_size)
         stops = stop_strings(body.stop)
-        gen_request = generation_request(f"{kind.id_prefix}-{uuid.uuid4().hex}", prompt_ids, body, info)
-        text = TextStream(tokenizer, stops, hidden_token_ids=info.eos_token_ids)
+        hidden = (*info.eos_token_ids, *(body.stop_token_ids or []))
+        texts = [TextStream(tokenizer, stops, hidden_token_ids=hidden) for _ in gen_requests]
+        timers = [RequestTimer(metrics) for _ in gen_requests]
         # A client may leave while the engine is still admitting (a cluster that recovers):
-        # the wait is cancelled, which aborts the request in the engine.
-        admitted, generation = await until_disconnect(
-            request.receive, lambda: Generation.admit(engine, gen_request, text, timer)
+        # the wait is cancelled, which aborts the requests in the engine.
+        admitted, generations = await until_disconnect(
+            request.receive, lambda: admit_all(engine, gen_requests, texts, timers)
         )
         if not admitted:
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        head = {"id": gen_request.request_id, "created": int(time.time()), "model": info.model_name}
+        echoes = [p.text if getattr(body, "echo", False) else "" for p in prompts for _ in range(body.n)]
+        choices = [_Choice(i, echo, g) for i, (echo, g) in enumerate(zip(echoes, generations, strict=True))]
+        usage = _Usage(sum(len(p.token_ids) for p in prompts), generations)
+        head = {"id": response_id, "created": int(time.time()), "model": info.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _sse_events(generation, kind, head, include_usage)
-            return EventStreamResponse(events, on_close=generation.close)
+            events = _sse_events(choices, kind, head, usage if include_usage else None)
+            return EventStreamResponse(events, on_close=lambda: close_all(generations))
         try:
-            finished, deltas = await until_disconnect(request.receive, lambda: _collect(generation))
+            finished, deltas = await until_disconnect(request.receive, lambda: collect(generations))
         finally:
-            await generation.close()
+            await close_all(generations)
         if not finished:
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        text_out = "".join(d.text for d in deltas)
-        choice = kind.final_choice(text_out, deltas[-1].finish_reason)
-        usage = _usage(generation)
-        return JSONResponse({**head, "object": kind.object, "choices": [choice], "usage": usage})
+        with_logprobs = gen_requests[0].params.logprobs is not None
+        final = [kind.final_choice(c, ds, with_logprobs) for c, ds in zip(choices, deltas, strict=True)]
+        response = kind.response(**head, choices=final, usage=usage.model())
+        return Response(response.model_dump_json(), media_type="application/json")
 
     return router
 
 
-async def _collect(generation: Generation) -> list[Delta]:
-    return [delta async for delta in generation.deltas()]
+def _answers(event: type[BaseModel]) -> dict[int | str, dict]:
+    """The documented answers of a completions route besides its JSON 200."""
+    return {200: event_stream_response(event), **error_responses(400, 404, 500, 503)}
+
+
+def _chat_text(body: TokenizeChatRequest) -> str:
+    """The chat template without the trailing generation prompt."""
+    return render_chat(body.messages).removesuffix("assistant:")
+
+
+@dataclass
+class _Choice:
+    """One choice of a response: its index, the echoed prompt still to send, and the offset
+    of its next token in its text (completions logprobs)."""
+
+    index: int
+    echo: str
+    generation: Generation
+    text_offset: int = 0
+
+    def take_echo(self) -> str:
+        echo, self.echo = self.echo, ""
+        return echo
+
+
+@dataclass(frozen=True)
+class _Usage:
+    prompt_tokens: int
+    generations: list[Generation]
+
+    def model(self) -> Usage:
+        completion = sum(g.completion_tokens for g in self.generations)
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
+        )
 
 
 async def _sse_events(
-    generation: Generation, kind: _Kind, head: dict, include_usage: bool
+    choices: list[_Choice], kind: _Kind, head: dict, usage: _Usage | None
 ) -> AsyncIterator[str]:
-    chunk_head = {**head, "object": kind.chunk_object}
-    extra = {"usage": None} if include_usage else {}
     try:
         if kind.chat:
-            yield _sse({**chunk_head, "choices": [kind.chunk_choice("", None, role=True)], **extra})
-        async for delta in generation.deltas():
-            yield _sse(
-                {**chunk_head, "choices": [kind.chunk_choice(delta.text, delta.finish_reason)], **extra}
-            )
-        if include_usage:
-            yield _sse({**chunk_head, "choices": [], "usage": _usage(generation)})
+            for c in choices:
+                first = ChatStreamChoice(
+                    index=c.index,
+                    delta=ChatDelta(role="assistant", content=""),
+                    logprobs=None,
+                    finish_reason=None,
+                )
+                yield _sse(kind.chunk(**head, choices=[first]))
+        with_logprobs = choices[0].generation.request.params.logprobs is not None
+        async with aclosing(merge([c.generation for c in choices])) as deltas:
+            async for i, delta in deltas:
+                yield _sse(kind.chunk(**head, choices=[kind.chunk_choice(choices[i], delta, with_logprobs)]))
+        if usage is not None:
+            yield _sse(kind.chunk(**head, choices=[], usage=usage.model()))
     except APIError as e:
-        yield _sse(error_body(e.status, e.message, e.param, e.code))
+        yield _sse_error(error_body(e.status, e.message, e.param, e.code))
     except Exception as e:
         # Headers are gone already: the error can only travel as an event.
-        logger.exception("stream of %s failed", generation.request.request_id)
-        yield _sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+        logger.exception("stream %s failed", head["id"])
+        yield _sse_error(error_body(500, f"internal error: {type(e).__name__}: {e}"))
     yield "data: [DONE]\n\n"
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
 
 
-def _usage(generation: Generation) -> dict:
-    prompt = len(generation.request.prompt_token_ids)
-    completion = generation.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _sse_error(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _completion_logprobs(choice: _Choice, entries: list[TextLogprob]) -> CompletionLogprobs:
+    """OpenAI's completions shape; top_logprobs holds the top N and the token itself, as vLLM."""
+    offsets = []
+    for entry in entries:
+        offsets.append(choice.text_offset)
+        choice.text_offset += len(entry.token)
+    return CompletionLogprobs(
+        tokens=[e.token for e in entries],
+        token_logprobs=[e.logprob for e in entries],
+        top_logprobs=[dict([*e.top, (e.token, e.logprob)]) for e in entries],
+        text_offset=offsets,
+    )
+
+
+def _chat_logprobs(entries: list[TextLogprob]) -> ChatChoiceLogprobs:
+    def top(token: str, logprob: float) -> TopLogprob:
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8", errors="replace")))
+
+    content = [
+        ChatTokenLogprob(**top(e.token, e.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in e.top])
+        for e in entries
+    ]
+    return ChatChoiceLogprobs(content=content)
 
 
 @dataclass(frozen=True)
 class _Kind:
-    """What differs between completions and chat: ids, object names and choice shapes."""
+    """What differs between completions and chat: ids, response models and choice shapes."""
 
     id_prefix: str
-    object: str
-    chunk_object: str
     chat: bool
+    response: type[CompletionResponse] | type[ChatCompletionResponse]
+    chunk: type[CompletionStreamResponse] | type[ChatCompletionStreamResponse]
 
-    def final_choice(self, text: str, finish_reason: str | None) -> dict:
+    def final_choice(
+        self, choice: _Choice, deltas: list[Delta], with_logprobs: bool
+    ) -> CompletionChoice | ChatChoice:
+        entries = [e for d in deltas for e in d.logprobs]
+        text = "".join(d.text for d in deltas)
+        reason = deltas[-1].finish_reason
         if self.chat:
-            message = {"role": "assistant", "content": text}
-            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            logprobs = _chat_logprobs(entries) if with_logprobs else None
+            return ChatChoice(
+                index=choice.index,
+                message=ChatResponseMessage(content=text),
+                logprobs=logprobs,
+                finish_reason=reason,
+            )
+        echo = choice.take_echo()
+        choice.text_offset = len(echo)
+        logprobs = _completion_logprobs(choice, entries) if with_logprobs else None
+        return CompletionChoice(index=choice.index, text=echo + text, logprobs=logprobs, finish_reason=reason)
 
-    def chunk_choice(self, text: str, finish_reason: str | None, role: bool = False) -> dict:
-        if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        delta = {"content": text} if text or finish_reason is None else {}
-        if role:
-            delta = {"role": "assistant", **delta}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def chunk_choice(
+        self, choice: _Choice, delta: Delta, with_logprobs: bool
+    ) -> CompletionChoice | ChatStreamChoice:
+        if self.chat:
+            content = (
+                ChatDelta(content=delta.text) if delta.text or delta.finish_reason is None else ChatDelta()
+            )
+            logprobs = _chat_logprobs(delta.logprobs) if with_logprobs else None
+            return ChatStreamChoice(
+                index=choice.index, delta=content, logprobs=logprobs, finish_reason=delta.finish_reason
+            )
+        echo = choice.take_echo()
+        choice.text_offset += len(echo)
+        logprobs = _completion_logprobs(choice, delta.logprobs) if with_logprobs else None
+        return CompletionChoice(
+            index=choice.index, text=echo + delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+        )
 
 
-_COMPLETION = _Kind("cmpl", "text_completion", "text_completion", chat=False)
-_CHAT = _Kind("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+_COMPLETION = _Kind("cmpl", False, CompletionResponse, CompletionStreamResponse)
+_CHAT = _Kind("chatcmpl", True, ChatCompletionResponse, ChatCompletionStreamResponse)

@@ -1,56 +1,93 @@
-"""Request bodies of the OpenAI API as pydantic models, and the parsing that turns a raw
-body into one (malformed JSON and wrong types become a 400 naming the field).
+"""Request and response bodies of every route as pydantic models. The handlers validate with
+them and /openapi.json is generated from them, so the two cannot disagree.
 
-Only what the engine can honour is accepted: `n` > 1, `logprobs`, `echo`, `best_of`,
-penalties, `logit_bias` and tools are refused with a message rather than silently ignored.
-Unknown fields are ignored, as most OpenAI-compatible servers do.
+Requests are strict: "5" is not an int, true is not a number, NaN and ±Infinity (which
+Python's JSON parser accepts) are not numbers, every range is in the schema, and a field the
+server does not implement (tools, response_format, suffix, ...) is refused by name rather
+than silently ignored (`extra="forbid"`). Ranges follow vLLM's checks; the limits shared with
+the sampler live in `model.sampling`.
 """
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from elastic_ep.serve.errors import bad_request
+from elastic_ep.model.sampling import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    SEED_MAX,
+    SEED_MIN,
+)
+
+MAX_CHOICES = 128
+"""Most choices one request may ask for: n, and n times the number of prompts."""
+
+MAX_TOP_K = 2**31 - 1
+"""top_k fits a signed 32-bit integer, so an engine may put it in a tensor."""
+
+FinishReason = Literal["stop", "length", "abort"]
 
 
 class _Body(BaseModel):
-    # strict: "5" is not an int and true is not a number; a client bug should be a 400.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
+TokenId = Annotated[int, Field(ge=0)]
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
+"""Bounds on `stop`, which is searched after every token on the server's event loop."""
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Penalty = Annotated[float, Field(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)]
+
+
 class _SamplingBody(_Body):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's
+    extensions: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=1, description="at most max_model_len minus the prompt")
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(
+        None, ge=-1, le=MAX_TOP_K, description="0 or -1 = off; above the vocabulary = all"
+    )
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]] | None = (
+        Field(None, description="token id (as a string) -> bias added to its logit")
+    )
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="the text ends before the first of these strings"
+    )
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: int = Field(
+        0, ge=0, description="EOS and stop_token_ids are not drawn before this many tokens"
+    )
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # Extension (as in vLLM): keep generating past EOS, for benchmarks.
-    ignore_eos: bool = False
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description="one prompt (text or token ids) or a list of prompts; choices are indexed "
+        "prompt-major: prompt i, choice j has index i * n + j"
+    )
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top logprobs per token")
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
 
 
 class ContentPart(_Body):
@@ -65,69 +102,218 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, description="takes precedence over max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
+
+
+class TokenizeCompletionRequest(_Body):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(
+        False, description="the completions routes add none, so the default shows what they run"
+    )
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "chat" if isinstance(body, dict) and "messages" in body else "completion"
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("completion")] | Annotated[TokenizeChatRequest, Tag("chat")],
+    Discriminator(_tokenize_kind),
+]
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 class ScaleRequest(_Body):
-    new_ep_size: int
+    new_ep_size: int = Field(ge=1)
 
 
 class ChaosRequest(_Body):
-    rank_id: int
-    delay_s: float = 0.0
-    layer: int | None = None  # corrupt: the MoE layer index of the slot
-    slot: int | None = None  # corrupt: the slot within the rank
-    at_next_epoch: bool = False  # kill / hang: right after the next epoch is announced
+    rank_id: int | None = Field(None, ge=0, description="the rank (every action but poison)")
+    delay_s: float = Field(0.0, ge=0, le=3600)
+    layer: int | None = Field(None, description="corrupt: the MoE layer index of the slot")
+    slot: int | None = Field(None, description="corrupt: the slot within the rank")
+    at_next_epoch: bool = Field(False, description="kill / hang: right after the next epoch is announced")
+    request_id: str | None = Field(None, max_length=256, description="poison: the id of a running request")
+    phase: Literal["local", "experts", "sampling"] = Field(
+        "local", description="poison: where the request's steps raise on its rank")
 
 
-Body = TypeVar("Body", bound=_Body)
+# ---- responses ----------------------------------------------------------------------------
 
 
-def parse_body(raw: bytes, model: type[Body]) -> Body:
-    """Validate a JSON body; any problem is a 400 that names the field and what was wrong."""
-    try:
-        return model.model_validate_json(raw or b"")
-    except ValidationError as e:
-        first = e.errors()[0]
-        if first["type"] == "json_invalid":
-            raise bad_request(f"malformed JSON body: {first['msg']}") from None
-        param = ".".join(str(part) for part in first["loc"] if not _is_union_branch(part))
-        where = f"field {param!r}" if param else "request body"
-        raise bad_request(
-            f"invalid {where}: {first['msg']} (got {first.get('input')!r:.80})", param or None
-        ) from None
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
 
 
-def _is_union_branch(part: object) -> bool:
-    """pydantic names the union member it tried (`prompt.str`, `stop.list[str]`) in the
-    location; the user only needs the field."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx, as OpenAI sends it; `param` names the offending field."""
+
+    error: ErrorDetail
 
 
-def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """400 for options the engine cannot honour, so the client does not get a silently
-    different answer than it asked for."""
-    if body.n is not None and body.n != 1:
-        raise bad_request(f"n={body.n} is not supported: elastic-ep returns exactly one choice (n=1)", "n")
-    if body.presence_penalty or body.frequency_penalty:
-        param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
-        raise bad_request(f"{param} is not supported; leave it unset or 0", param)
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    if isinstance(body, CompletionRequest):
-        if body.logprobs is not None:
-            raise bad_request("logprobs is not supported by elastic-ep; leave it unset", "logprobs")
-        if body.echo:
-            raise bad_request("echo is not supported", "echo")
-        if body.best_of is not None and body.best_of != 1:
-            raise bad_request("best_of > 1 is not supported", "best_of")
-        if body.suffix:
-            raise bad_request("suffix is not supported", "suffix")
-    else:
-        if body.logprobs or body.top_logprobs:
-            raise bad_request("logprobs is not supported by elastic-ep; leave it unset", "logprobs")
-        if body.tools:
-            raise bad_request("tools (function calling) are not supported", "tools")
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """Per generated token: its text, logprob, the top logprobs by text (the top N plus the
+    token itself), and the offset of the token in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class _Answer(BaseModel):
+    """What every completion answer and stream event starts with."""
+
+    id: str
+    created: int
+    model: str
+
+
+class CompletionResponse(_Answer):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+_ABSENT_IF_NONE = {"default": None, "exclude_if": lambda value: value is None}
+
+
+class CompletionStreamResponse(_Answer):
+    """One server-sent event of a streamed completion; `usage` only in the last event, and
+    only with stream_options.include_usage."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(**_ABSENT_IF_NONE)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionResponse(_Answer):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """The first event of each choice carries the role, the last one may carry no content."""
+
+    role: Literal["assistant"] | None = Field(**_ABSENT_IF_NONE)
+    content: str | None = Field(**_ABSENT_IF_NONE)
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionStreamResponse(_Answer):
+    """One server-sent event of a streamed chat completion (see CompletionStreamResponse)."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = Field(**_ABSENT_IF_NONE)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    """ok; degraded (serving or about to, not at full strength: `reason` says why); dead (503)."""
+
+    status: Literal["ok", "degraded", "dead"] = "ok"
+    reason: str = ""
+
+
+class ReadyResponse(BaseModel):
+    ready: bool
+    reason: str
+
+
+class ScaleResponse(BaseModel):
+    old_ep_size: int
+    new_ep_size: int
+
+
+class RecorderResponse(BaseModel):
+    status: Literal["recording", "stopped"]

@@ -8,7 +8,7 @@ Transport: ZeroMQ. The controller binds two ROUTER sockets:
   `EpochStart`, `StepPlan`, `SweepSlots`, `CorruptSlot`, `Shutdown` and answers `WorkerHello`,
   `EpochReady`, `EpochFailed`, `StepResult`, `StepFailed`, `SlotChecksums`;
 - the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
-  `Heartbeat`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
+  `Heartbeat` and receives `AbortEpoch`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
   `WorkerStarted`, `WorkerExited`, `WorkerFenced` and receives `AgentWelcome`, `BackupAssign`,
   `StartWorker`, `FenceWorker`, `SignalWorker`, `AgentShutdown`, and says `AgentBye` when it stops.
 An agent also binds a ROUTER for `BackupFetch` -> `BackupTensors` and `DenseFetch` ->
@@ -33,6 +33,8 @@ from .fetch import (
     DenseTensors,
 )
 from .health import (
+    AbortEpoch,
+    AgentAlive,
     AgentBye,
     AgentHello,
     AgentShutdown,
@@ -41,7 +43,9 @@ from .health import (
     BackupReady,
     FenceWorker,
     Heartbeat,
+    LeaseRenew,
     Progress,
+    SessionEnded,
     SignalWorker,
     StartWorker,
     WorkerExited,
@@ -57,6 +61,7 @@ from .worker import (
     Shutdown,
     SlotChecksums,
     SlotSource,
+    StepErrorKind,
     StepFailed,
     StepPlan,
     StepResult,
@@ -68,6 +73,8 @@ from .worker import (
 )
 
 __all__ = [
+    "AbortEpoch",
+    "AgentAlive",
     "AgentBye",
     "AgentHello",
     "AgentShutdown",
@@ -86,12 +93,15 @@ __all__ = [
     "EpochStart",
     "FenceWorker",
     "Heartbeat",
+    "LeaseRenew",
     "Progress",
     "Shutdown",
+    "SessionEnded",
     "SignalWorker",
     "SlotChecksums",
     "SlotSource",
     "StartWorker",
+    "StepErrorKind",
     "StepFailed",
     "StepPlan",
     "StepResult",

@@ -30,11 +30,23 @@ class Heartbeat:
     progress: Progress
 
 
+@dataclass(frozen=True)
+class AbortEpoch:
+    """Controller -> a worker's heartbeat thread: the controller gave up on `epoch`; any
+    collective of it that waits (on a peer that is hung or cut off) gives up now."""
+
+    epoch: int
+
+
 # ---- agent <-> controller, health socket ---------------------------------------------------
 
 
 @dataclass(frozen=True)
 class AgentHello:
+    """An agent (re)registers; `session` names this registration: every lease renewal and the
+    welcome carry it, so nothing from an earlier session (an agent the controller gave up on)
+    is mistaken for the current one."""
+
     node: str
     pid: int
     fetch_addr: str
@@ -42,13 +54,42 @@ class AgentHello:
     num_ranks: int
     join_mode: str = "initial"  # "recover": a replacement node, it takes over ranks that are down
     auto_recover: bool = False  # the agent restarts its own dead ranks (the controller does not)
+    session: str = ""
+    host: str = ""  # the address the agent and its workers advertise (--advertise-host)
 
 
 @dataclass(frozen=True)
 class AgentWelcome:
-    """What the agent needs to start workers (each gets it inside its `WorkerArgs`)."""
+    """What the agent needs to start workers (each gets it inside its `WorkerArgs`); the first
+    lease of `session` starts now."""
 
     launch: WorkerLaunch
+    session: str = ""
+
+
+@dataclass(frozen=True)
+class AgentAlive:
+    """Every lease_s / 4 an agent says it is alive; the controller answers `LeaseRenew`."""
+
+    node: str
+    session: str
+
+
+@dataclass(frozen=True)
+class LeaseRenew:
+    """The controller heard the agent of `session`: its lease runs for another `lease_s`."""
+
+    session: str
+    lease_s: float
+
+
+@dataclass(frozen=True)
+class SessionEnded:
+    """The controller gave up on this agent session (it was unreachable): the agent kills its
+    workers, as an expired lease would, and registers again in recover mode."""
+
+    session: str
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 
 import numpy as np
+
+from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 
 from .fetch import BackupSite
 
@@ -25,17 +28,20 @@ class WorkerLaunch:
     max_model_len: int
     heartbeat_interval_s: float
     dense_fetch_timeout_s: float = 10.0
+    connect_timeout_s: float = 30.0  # reaching the controller's store at start
 
 
 @dataclass(frozen=True)
 class WorkerArgs:
     """One worker's command-line argument (JSON): the cluster's `WorkerLaunch` plus what its
-    agent decides: its rank, node, join mode and where its dense weights come from
-    (`dense_path`: this node's backup file; `dense_addr`: another node's agent; neither: disk)."""
+    agent decides: its rank, node, the address of its host (`host`: the data plane binds it),
+    join mode and where its dense weights come from (`dense_path`: this node's backup file;
+    `dense_addr`: another node's agent; neither: disk)."""
 
     launch: WorkerLaunch
     rank_id: int
     node: str
+    host: str = "127.0.0.1"
     join_mode: str = "initial"
     dense_path: str = ""
     dense_addr: str = ""
@@ -151,16 +157,18 @@ class EpochFailed:
 @dataclass(frozen=True)
 class ChunkPlan:
     """One sequence's tokens in a step. `sample` is set when this chunk ends at the
-    sequence's last known token, so the step produces the sequence's next token."""
+    sequence's last known token, so the step produces the sequence's next token. The first
+    `prompt_len` tokens of the sequence are its prompt, the rest its output so far (the
+    sampler's penalties and min_tokens tell them apart)."""
 
     seq_id: int
     token_ids: list[int]
     start_pos: int
     sample: bool
-    temperature: float
-    top_p: float
-    top_k: int
+    params: SamplingParams
     seed: int
+    prompt_len: int
+    fail_at: str = ""  # fault injection (chaos poison): "local", "experts" or "sampling" raise there
 
 
 @dataclass(frozen=True)
@@ -168,7 +176,7 @@ class StepPlan:
     """Run one step of `epoch`. `free`: sequences whose KV cache to drop first.
     `delay_s`: injected slowness (chaos), slept before the first collective.
     `dispatch_rows`: rows per peer of the padded dispatch (same on every rank), 0 = exchange
-    split sizes."""
+    split sizes. `fail_at`: fault injection (chaos poison of the rank), as in ChunkPlan."""
 
     epoch: int
     step: int
@@ -176,12 +184,14 @@ class StepPlan:
     free: list[int]
     delay_s: float = 0.0
     dispatch_rows: int = 0
+    fail_at: str = ""
 
 
 @dataclass(frozen=True)
 class StepResult:
     """tokens: seq_id -> sampled token; expert_load: [L, E] tokens this rank routed to each
-    logical expert; slot_tokens: tokens its own slots computed (all layers)."""
+    logical expert; slot_tokens: tokens its own slots computed (all layers); logprobs:
+    seq_id -> the sampled token's logprobs, for sequences whose params ask for them."""
 
     epoch: int
     step: int
@@ -193,14 +203,30 @@ class StepResult:
     combine_wait_s: float
     expert_load: np.ndarray
     slot_tokens: int
+    logprobs: dict[int, TokenLogprobs]
+    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why its token could not be sampled
+
+
+class StepErrorKind(str, Enum):
+    """COLLECTIVE: a collective raised (a peer died or the group broke); the rank left the
+    group. LOCAL: the rank's own computation raised (its requests, its experts); it still ran
+    every collective of the step, so the group is intact and the step can be re-run."""
+
+    COLLECTIVE = "collective"
+    LOCAL = "local"
 
 
 @dataclass(frozen=True)
 class StepFailed:
+    """`in_experts`: a LOCAL error raised while the rank computed experts for dispatched tokens,
+    so the expert outputs it sent back to every rank were zeros."""
+
     epoch: int
     step: int
     rank_id: int
     error: str
+    kind: StepErrorKind = StepErrorKind.COLLECTIVE
+    in_experts: bool = False
 
 
 @dataclass(frozen=True)

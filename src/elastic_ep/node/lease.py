@@ -1,0 +1,67 @@
+"""The agent's lease on the controller: how a node that is cut off stops by itself.
+
+A node the controller cannot reach cannot be fenced from outside, so it fences itself: its
+agent holds a lease that every answer of the controller renews (`LeaseRenew` to its
+`AgentAlive`); when `lease_s` passes without one, or the controller says it gave up on this
+session (`SessionEnded`), the agent kills its workers and registers again, in recover mode,
+under a new session, until a welcome comes back. The survivors never wait for this: the
+controller drops an agent it has not heard for --agent-timeout-s, and the new epoch leaves its
+ranks out. Pure state, driven by the agent with its monotonic clock.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+
+def new_session() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class Lease:
+    """lease_s: how long the agent's ranks may run without word from the controller;
+    alive_interval_s: how often it says it is alive; hello_interval_s: how often it asks to be
+    welcomed while it is not."""
+
+    lease_s: float
+    alive_interval_s: float = 0.1
+    hello_interval_s: float = 1.0
+    session: str = field(default_factory=new_session)
+    welcomed: bool = False
+    renewed_at: float = 0.0
+    _hello_at: float = float("-inf")
+    _alive_at: float = float("-inf")
+
+    def welcome(self, session: str, now: float) -> bool:
+        """The controller welcomed `session`; False for another (older) session's welcome."""
+        if session != self.session:
+            return False
+        self.welcomed, self.renewed_at = True, now
+        return True
+
+    def renew(self, session: str, now: float) -> None:
+        if self.welcomed and session == self.session:
+            self.renewed_at = now
+
+    def expired(self, now: float) -> bool:
+        """A welcomed session whose lease ran out: time to fence this node's ranks."""
+        return self.welcomed and now - self.renewed_at > self.lease_s
+
+    def restart(self) -> None:
+        """A new session: unwelcomed until the controller answers its hello."""
+        self.session, self.welcomed = new_session(), False
+        self._hello_at = float("-inf")
+
+    def hello_due(self, now: float) -> bool:
+        if self.welcomed or now - self._hello_at < self.hello_interval_s:
+            return False
+        self._hello_at = now
+        return True
+
+    def alive_due(self, now: float) -> bool:
+        if not self.welcomed or now - self._alive_at < self.alive_interval_s:
+            return False
+        self._alive_at = now
+        return True

@@ -1,0 +1,269 @@
+"""The straggler verdict: which rank is slow, from each rank's own time per step. One definition,
+used by the controller (`/cluster`, the dashboard's radar, later its eviction policy) and by the
+doctor, so they never disagree about the rule.
+
+A rank's own time is its step time less the time it waited in the all-to-alls: the attention,
+expert and sampling work it did itself. Every rank of a collective step lasts as long as the
+slowest one, so step times look alike; own time tells the rank the others wait for.
+
+Built so that it does not accuse a healthy rank:
+- normalised by tokens: a rank is compared only with ranks that ran at least as many tokens
+  per step (DP attention: more tokens is more work). A rank that ran more tokens than the
+  others is a DP imbalance (`DP_HEAVY`: same card, more work; fix the scheduling), never a
+  straggler (`STRAGGLER`: same or less work, more time; suspect the card or its link).
+- relative and absolute excess: own time at least `ratio` x the peers' median AND at least
+  `min_excess_ms` above it (1.5 x 2 ms is noise, not a card to replace).
+- persistence over fresh samples: samples are summed per interval (the controller's, or the
+  doctor's scrapes); a verdict needs `min_steps` steps in at least `min_intervals` of the
+  intervals that ended within the last `window_s`, and a straggler is over the line in at least
+  `persistence` of them (a rank that was slow for a moment, e.g. its first steps, is not). Older
+  intervals do not count: an idle cluster has no verdict (`UNKNOWN`), not a stale one.
+- the reference is the others' median, so a slowdown of the whole group accuses nobody.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from elastic_ep.errors import ElasticEPError
+
+INTERVALS_PER_WINDOW = 10  # the controller's interval is window_s / 10: persistence counts tenths
+
+
+@dataclass(frozen=True)
+class StragglerRule:
+    """ratio, min_excess_ms: own time per step over the peers' median that counts as slow, both
+    must hold. window_s: only intervals that ended this recently count. min_steps,
+    min_intervals: the fewest steps, and intervals with steps, in them for any verdict.
+    persistence: fraction of the fresh intervals a straggler (or a DP-heavy rank) must be over
+    the line in. token_tolerance, min_extra_tokens: rank a runs more
+    tokens per step than b when a - b >= max(token_tolerance x b, min_extra_tokens)."""
+
+    ratio: float = 1.5
+    min_excess_ms: float = 2.0
+    window_s: float = 5.0
+    min_steps: int = 10
+    persistence: float = 0.8
+    min_intervals: int = 4
+    token_tolerance: float = 0.1
+    min_extra_tokens: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.ratio > 1:
+            raise ElasticEPError(f"--straggler-ratio must be > 1 (a multiple of the peers' median), got {self.ratio}")
+        if not self.min_excess_ms >= 0:
+            raise ElasticEPError(f"--straggler-min-excess-ms must be >= 0, got {self.min_excess_ms}")
+        if not self.window_s > 0:
+            raise ElasticEPError(f"--straggler-window-s must be > 0, got {self.window_s}")
+        if self.min_steps < 1:
+            raise ElasticEPError(f"--straggler-min-steps must be at least 1, got {self.min_steps}")
+        if self.min_intervals < 1:
+            raise ElasticEPError(f"straggler min_intervals must be at least 1, got {self.min_intervals}")
+        if not 0 < self.persistence <= 1:
+            raise ElasticEPError(f"--straggler-persistence must be in (0, 1], got {self.persistence}")
+
+    def more_tokens(self, a: float, b: float) -> bool:
+        """Whether a rank that ran `a` tokens per step ran notably more than one that ran `b`."""
+        return a - b >= max(self.token_tolerance * b, self.min_extra_tokens)
+
+    def slow(self, own_ms: float, reference_ms: float) -> bool:
+        return own_ms >= self.ratio * reference_ms and own_ms - reference_ms >= self.min_excess_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass
+class RankInterval:
+    """One rank's steps in an interval: how many, its own time summed (s), tokens summed."""
+
+    steps: int = 0
+    own_s: float = 0.0
+    tokens: int = 0
+
+    @property
+    def own_ms_per_step(self) -> float:
+        return 1000 * self.own_s / self.steps
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Samples of every rank between start_s and end_s (one clock for all intervals and `now_s`)."""
+
+    start_s: float
+    end_s: float
+    ranks: Mapping[int, RankInterval]
+
+
+class IntervalRecorder:
+    """Sums each rank's steps into intervals of window_s / INTERVALS_PER_WINDOW and keeps those
+    of the last window. Times are passed in (seconds, any monotonic clock), nothing is read."""
+
+    def __init__(self, window_s: float):
+        self.interval_s = window_s / INTERVALS_PER_WINDOW
+        self.closed: deque[Interval] = deque(maxlen=INTERVALS_PER_WINDOW + 1)
+        self._start_s: float | None = None
+        self._open: dict[int, RankInterval] = {}
+
+    def add(self, now_s: float, rank_id: int, tokens: int, own_s: float) -> None:
+        """One step of one rank: the tokens it ran and its own time (s)."""
+        self._roll(now_s)
+        if self._start_s is None:
+            self._start_s = now_s
+        r = self._open.setdefault(rank_id, RankInterval())
+        r.steps += 1
+        r.own_s += own_s
+        r.tokens += tokens
+
+    def intervals(self, now_s: float) -> list[Interval]:
+        """The closed intervals, oldest first (the open one is closed once its time is up)."""
+        self._roll(now_s)
+        return list(self.closed)
+
+    def _roll(self, now_s: float) -> None:
+        if self._start_s is None or now_s - self._start_s < self.interval_s:
+            return
+        end_s = self._start_s + self.interval_s  # an interval left open while idle ends on time
+        self.closed.append(Interval(self._start_s, end_s, self._open))
+        self._start_s, self._open = None, {}
+
+
+class VerdictKind(str, Enum):
+    OK = "ok"  # judged on fresh samples, not slow
+    STRAGGLER = "straggler"  # same or fewer tokens than its peers, persistently more own time
+    DP_HEAVY = "dp-imbalance"  # persistently more tokens per step than the others: DP imbalance
+    UNKNOWN = "unknown"  # too few fresh steps for a verdict
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One rank's verdict and the evidence it rests on, over the fresh intervals: `intervals`
+    with the rank in them, `over` of those where it was slow against its peers (ranks with at
+    least as many tokens; `judged`: intervals where it had any), `heavy` where it ran more
+    tokens than the others' median; per step: its own time and tokens, its peers' median own
+    time, the others' median own time and tokens. `window_s`: span of the fresh intervals;
+    `age_s`: since the newest ended."""
+
+    rank_id: int
+    kind: VerdictKind
+    steps: int = 0
+    intervals: int = 0
+    judged: int = 0
+    over: int = 0
+    heavy: int = 0
+    own_ms: float | None = None
+    peer_own_ms: float | None = None
+    others_own_ms: float | None = None
+    tokens_per_step: float | None = None
+    others_tokens_per_step: float | None = None
+    window_s: float = 0.0
+    age_s: float | None = None
+    rule: StragglerRule = field(default_factory=StragglerRule)
+
+    @property
+    def evidence(self) -> str:
+        """The verdict's grounds in one line, for people."""
+        seen = (f"{self.steps} steps in {self.intervals} intervals spanning {self.window_s:.1f}s, newest "
+                f"{self.age_s:.1f}s old" if self.age_s is not None else f"no step in the last {self.rule.window_s:g}s")
+        if self.kind == VerdictKind.UNKNOWN:
+            return f"no verdict: {seen} (needs {self.rule.min_steps} steps in {self.rule.min_intervals} intervals)"
+        if self.kind == VerdictKind.DP_HEAVY:
+            return (f"runs {self.tokens_per_step:.2f} tokens/step against {self.others_tokens_per_step:.2f} on the "
+                    f"others (median) in {self.heavy} of {self.intervals} intervals; own time "
+                    f"{self.own_ms:.1f} ms/step against {self.others_own_ms:.1f} ms: more work, not a slower card; "
+                    f"{seen}")
+        against = (f"against {self.peer_own_ms:.1f} ms on ranks with at least as many tokens "
+                   f"({self.own_ms / max(self.peer_own_ms, 1e-9):.2f}x)" if self.peer_own_ms is not None
+                   else "(no rank ran as many tokens to compare with)")
+        return (f"own time {self.own_ms:.1f} ms/step {against}, slow in {self.over} of {self.intervals} "
+                f"intervals (needs {self.rule.ratio:g}x and +{self.rule.min_excess_ms:g} ms in "
+                f"{self.rule.persistence:.0%}); {seen}")
+
+    def to_json(self) -> dict[str, Any]:
+        r3 = (lambda v: None if v is None else round(v, 3))  # noqa: E731
+        return {"kind": self.kind.value, "evidence": self.evidence, "steps": self.steps,
+                "intervals": self.intervals, "judged": self.judged, "over": self.over, "heavy": self.heavy,
+                "own_ms": r3(self.own_ms), "peer_own_ms": r3(self.peer_own_ms),
+                "others_own_ms": r3(self.others_own_ms), "tokens_per_step": r3(self.tokens_per_step),
+                "others_tokens_per_step": r3(self.others_tokens_per_step), "window_s": r3(self.window_s),
+                "age_s": r3(self.age_s)}
+
+
+@dataclass
+class _Tally:
+    """A rank's counts over the fresh intervals, as `judge` builds them."""
+
+    steps: int = 0
+    own_s: float = 0.0
+    tokens: int = 0
+    intervals: int = 0
+    judged: int = 0
+    over: int = 0
+    heavy: int = 0
+    peer_ms: list[float] = field(default_factory=list)
+    others_ms: list[float] = field(default_factory=list)
+    others_tokens: list[float] = field(default_factory=list)
+
+
+def _tally_interval(interval: Interval, rule: StragglerRule, tallies: dict[int, _Tally]) -> None:
+    ranks = {r: x for r, x in interval.ranks.items() if x.steps > 0}
+    for r, x in ranks.items():
+        t = tallies.setdefault(r, _Tally())
+        t.steps += x.steps
+        t.own_s += x.own_s
+        t.tokens += x.tokens
+        t.intervals += 1
+        others = [y for p, y in ranks.items() if p != r]
+        if not others:
+            continue
+        own, tokens = x.own_ms_per_step, x.tokens_per_step
+        t.others_ms.append(statistics.median(y.own_ms_per_step for y in others))
+        t.others_tokens.append(statistics.median(y.tokens_per_step for y in others))
+        t.heavy += rule.more_tokens(tokens, t.others_tokens[-1])
+        peers = [y.own_ms_per_step for y in others if not rule.more_tokens(tokens, y.tokens_per_step)]
+        if peers:
+            t.judged += 1
+            t.peer_ms.append(statistics.median(peers))
+            t.over += rule.slow(own, t.peer_ms[-1])
+
+
+def judge(intervals: Sequence[Interval], rule: StragglerRule, now_s: float,
+          rank_ids: Iterable[int] = ()) -> dict[int, Verdict]:
+    """A verdict for every rank in the fresh intervals (ended within rule.window_s of now_s) and
+    for every one of `rank_ids` (UNKNOWN when it has no fresh step)."""
+    fresh = [i for i in intervals if now_s - i.end_s <= rule.window_s]
+    tallies: dict[int, _Tally] = {}
+    for interval in fresh:
+        _tally_interval(interval, rule, tallies)
+    span_s = (max(i.end_s for i in fresh) - min(i.start_s for i in fresh)) if fresh else 0.0
+    age_s = now_s - max(i.end_s for i in fresh) if fresh else None
+    verdicts = {r: Verdict(r, VerdictKind.UNKNOWN, rule=rule) for r in rank_ids}
+    for r, t in tallies.items():
+        needed = rule.persistence * t.intervals - 1e-9
+        if t.steps < rule.min_steps or t.intervals < rule.min_intervals:
+            kind = VerdictKind.UNKNOWN
+        elif t.over >= needed:
+            kind = VerdictKind.STRAGGLER
+        elif t.heavy >= needed:
+            kind = VerdictKind.DP_HEAVY
+        else:
+            kind = VerdictKind.OK
+        verdicts[r] = Verdict(
+            r, kind, t.steps, t.intervals, t.judged, t.over, t.heavy, 1000 * t.own_s / t.steps,
+            _mean(t.peer_ms), _mean(t.others_ms), t.tokens / t.steps, _mean(t.others_tokens), span_s, age_s, rule,
+        )
+    return verdicts
+
+
+def _mean(values: list[float]) -> float | None:
+    return math.fsum(values) / len(values) if values else None
