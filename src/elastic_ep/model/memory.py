@@ -26,7 +26,7 @@ def huge_zeros(*shape: int, dtype: torch.dtype = torch.float32, device: torch.de
     pages before it is first touched."""
     if torch.device(device).type != "cpu":
         return torch.zeros(*shape, dtype=dtype, device=device)
-    t = torch.empty(*shape, dtype=dtype)
+    t = torch.empty(*shape, dtype=dtype, device="cpu")
     start = (t.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
     end = (t.data_ptr() + t.numel() * t.element_size()) & ~(HUGE_PAGE - 1)
     if end > start:
