@@ -174,7 +174,13 @@ class EpochGroup:
                 missing = [r for r in self.members if not prefix.check([f"arrived/{r}"])]
                 raise TimeoutError(f"epoch {self.epoch}: ranks {missing} did not arrive within {timeout_s:.1f}s")
             time.sleep(poll_s)
-        self.pg = self._connect(dist.PrefixStore("pg/", prefix), timedelta(seconds=timeout_s), superseded)
+        # The group connects through a store client of its own: a connect left behind (the epoch
+        # was superseded while a member was dead) blocks in the store until its timeout, and must
+        # not hold the client the next epoch's barrier uses meanwhile.
+        own = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=timeout_s))
+        pg_store = dist.PrefixStore("pg/", dist.PrefixStore(f"epoch/{self.epoch}/", own))
+        self.pg = self._connect(pg_store, timedelta(seconds=timeout_s), superseded)
         self.alive = True
         self.timeout_s = timeout_s
         return time.perf_counter() - start
