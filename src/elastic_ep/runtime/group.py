@@ -139,9 +139,15 @@ class EpochGroup:
             try:
                 work.wait(timedelta(seconds=ABORT_POLL_S))
                 return
-            except RuntimeError as e:
-                if work.is_completed():  # it ended with an error: a peer died or the group broke
-                    raise self._broke(f"{what} in epoch {self.epoch}: {e}") from e
+            except RuntimeError:
+                # Ended meanwhile: with an error (a peer died, the group broke), or fine just as this
+                # wait gave up ("Operation timed out!"): a wait on a completed work tells which.
+                if work.is_completed():
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as e:
+                        raise self._broke(f"{what} in epoch {self.epoch}: {e}") from e
             if self._aborted.is_set():
                 raise self._broke(f"{what} in epoch {self.epoch}: the controller aborted the epoch")
             if time.monotonic() > deadline:
