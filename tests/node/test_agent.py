@@ -102,7 +102,7 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
         assert (hello.node, hello.num_ranks, hello.fetch_addr) == ("nodeT", 2, agent.fetch_addr)
         launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
                               ctl.store_port, "gloo", 4, 64, 0.0)
-        ctl.to_agent(AgentWelcome(launch))
+        ctl.to_agent(AgentWelcome(launch, hello.session))  # orders of another session are ignored
         for rank in (0, 1):
             ctl.to_agent(StartWorker(rank, "initial"))
         started = {m.rank_id: m.pid for m in (ctl.expect(ctl.health, WorkerStarted) for _ in range(2))}
@@ -150,10 +150,10 @@ def test_agent_removes_its_backup_when_the_controller_goes_away():
     thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
     thread.start()
     try:
-        ctl.expect(ctl.health, AgentHello)
+        hello = ctl.expect(ctl.health, AgentHello)
         launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
                               ctl.store_port, "gloo", 4, 64, 0.0)
-        ctl.to_agent(AgentWelcome(launch))
+        ctl.to_agent(AgentWelcome(launch, hello.session))
         ctl.to_agent(BackupAssign([(0, 1)]))
         path = ctl.expect(ctl.health, BackupReady, timeout_s=60).site.path
         assert os.path.exists(path)
