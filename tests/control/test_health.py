@@ -15,8 +15,8 @@ from elastic_ep.control.ranks import Liveness
 from elastic_ep.wire import Progress
 
 
-def at(seq: int, epoch: int = 3) -> Progress:
-    return Progress(epoch=epoch, step=10, layer=1, phase="dispatch", seq=seq)
+def at(seq: int, epoch: int = 3, phase: str = "dispatch") -> Progress:
+    return Progress(epoch=epoch, step=10, layer=1, phase=phase, seq=seq)
 
 
 def test_deadline_is_a_multiple_of_recent_steps_with_a_floor():
@@ -30,14 +30,21 @@ def test_silent_rank_is_lost():
 
 
 def test_rank_that_has_not_entered_the_collective_the_others_wait_in_is_named_after_the_deadline():
-    progress = {0: at(12), 1: at(11), 2: at(12), 3: at(12)}
+    progress = {0: at(12), 1: at(11, phase="compute"), 2: at(12), 3: at(12)}
     first_seen = {12: 100.0}
     assert hung_ranks(progress, 3, first_seen, now=100.5, deadline_s=1.0) == []
     assert hung_ranks(progress, 3, first_seen, now=101.5, deadline_s=1.0) == [1]
 
 
+def test_a_rank_still_waiting_inside_the_previous_collective_is_its_victim_not_hung():
+    # rank 2 died or was cut off mid-collective 11: rank 0 got its part and moved on to 12, rank 1
+    # still waits for it in 11; the silent rank is for the heartbeats to name
+    progress = {0: at(12), 1: at(11, phase="combine"), 2: at(11, phase="compute")}
+    assert hung_ranks(progress, 3, {12: 100.0}, now=102.0, deadline_s=1.0) == [2]
+
+
 def test_rank_still_in_an_older_epoch_counts_as_behind():
-    progress = {0: at(4), 1: at(9, epoch=2)}
+    progress = {0: at(4), 1: at(9, epoch=2, phase="compute")}
     assert hung_ranks(progress, 3, {4: 0.0}, now=5.0, deadline_s=1.0) == [1]
 
 

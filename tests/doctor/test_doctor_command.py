@@ -145,7 +145,8 @@ def test_stopped_rank_is_named_as_the_one_the_others_wait_for(server, capsys):
     else:
         dump = out.split("--- py-spy dump of rank 1 ---")[1]
         assert "worker.py" in dump.split("--- py-spy dump")[0]
-    assert server.cluster()["epoch"] == 0
+    cluster = server.cluster()
+    assert cluster["epoch"] == 0, [e["message"] for e in cluster["events"][-12:]]
 
 
 @pytest.mark.timeout(60)

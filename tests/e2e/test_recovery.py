@@ -16,10 +16,12 @@ import sys
 import time
 
 import openai
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ep.harness.load import streams_with_fault as harness_streams_with_fault
+from elastic_ep.node.netcut import cut_unavailable
 
 from .conftest import PROMPTS, Server, concurrently, reference
 
@@ -285,3 +287,34 @@ def test_events_older_than_the_last_50_are_reachable(server):
     assert server.cluster()["events"] == everything[-50:]
     since = server.http.get("/cluster", params={"since": ids[-60], "events": 0}).json()["events"]
     assert [e["id"] for e in since] == ids[-59:]
+
+
+CUT_UNAVAILABLE = cut_unavailable()
+
+
+@pytest.mark.skipif(bool(CUT_UNAVAILABLE), reason=f"links cannot be cut here: {CUT_UNAVAILABLE}")
+def test_a_cut_rank_is_named_by_its_silence_fenced_and_replaced(server):
+    before = full_group(server)
+    pid = server.pids()[2]
+    cut = lambda: server.http.post("/chaos/cut", json={"rank_id": 2, "duration_s": 60}).raise_for_status()  # noqa: E731
+    texts, _ = streams_with_fault(server, cut)
+    # a cut rank is alive but silent: named by its heartbeats or the watchdog, never by an exit
+    cluster = check_recovered(server, before, texts, {2}, ("heartbeat", "hung"))
+    fenced = [e for e in cluster["events"] if e["kind"] == "fencing" and e["id"] > before["events"][-1]["id"]]
+    assert fenced and not psutil.pid_exists(pid)  # its agent, still reachable, killed it
+
+
+@pytest.mark.skipif(bool(CUT_UNAVAILABLE), reason=f"links cannot be cut here: {CUT_UNAVAILABLE}")
+def test_a_short_cut_healed_in_time_is_no_fault(server):
+    before = full_group(server)
+    chaos = lambda action: server.http.post(f"/chaos/{action}", json={"rank_id": 3}).raise_for_status()  # noqa: E731
+    chaos("cut")
+    time.sleep(0.3)
+    chaos("heal")
+    texts = concurrently(lambda p: server.complete(p, 8, temperature=0), PROMPTS[:3])
+    assert texts == list(reference(MODEL, tuple(PROMPTS[:3]), 8))
+    after = server.cluster()
+    assert after["epoch"] == before["epoch"]
+    assert not [e for e in after["events"] if e["kind"] == "fault" and e["id"] > before["events"][-1]["id"]]
+    assert [e["message"] for e in after["events"] if e["kind"] == "chaos" and e["id"] > before["events"][-1]["id"]] \
+        == ["cut the links of rank 3", "heal the links of rank 3"]

@@ -24,6 +24,7 @@ from elastic_ep.node.agent import NodeAgent
 from elastic_ep.node.exits import exit_code, open_stat
 from elastic_ep.runtime.experts import fetch_backup
 from elastic_ep.wire import (
+    AgentAlive,
     AgentBye,
     AgentHello,
     AgentShutdown,
@@ -31,6 +32,7 @@ from elastic_ep.wire import (
     BackupAssign,
     BackupReady,
     FenceWorker,
+    LeaseRenew,
     SignalWorker,
     StartWorker,
     WorkerExited,
@@ -55,19 +57,30 @@ class StandInController:
         self.store = dist.TCPStore("127.0.0.1", self.store_port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=30))
         self.agent_identity = b""
+        self.session = ""
+        self.renewing = True
 
     def expect(self, sock, kind, timeout_s: float = 60.0):
-        """The next message of type `kind` on `sock` (others are skipped)."""
+        """The next message of type `kind` on `sock` (others are skipped). Meanwhile the agent's
+        lease is renewed, unless `renewing` is off."""
         deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        for s in {sock, self.health}:
+            poller.register(s, zmq.POLLIN)
         while time.monotonic() < deadline:
-            if sock.poll(100):
-                identity, frame = sock.recv_multipart()
+            for ready in dict(poller.poll(100)):
+                identity, frame = ready.recv_multipart()
                 msg = decode(frame)
-                if isinstance(msg, kind):
+                if isinstance(msg, AgentAlive) and self.renewing:
+                    self.health.send_multipart([identity, encode(LeaseRenew(msg.session, 5.0))])
+                if ready is sock and isinstance(msg, kind):
                     if isinstance(msg, AgentHello):
-                        self.agent_identity = identity
+                        self.agent_identity, self.session = identity, msg.session
                     return msg
         raise TimeoutError(f"no {kind.__name__} within {timeout_s}s")
+
+    def welcome(self, launch) -> None:
+        self.to_agent(AgentWelcome(launch, self.session))
 
     def to_agent(self, msg) -> None:
         self.health.send_multipart([self.agent_identity, encode(msg)])
@@ -102,7 +115,7 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
         assert (hello.node, hello.num_ranks, hello.fetch_addr) == ("nodeT", 2, agent.fetch_addr)
         launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
                               ctl.store_port, "gloo", 4, 64, 0.0)
-        ctl.to_agent(AgentWelcome(launch, hello.session))  # orders of another session are ignored
+        ctl.welcome(launch)
         for rank in (0, 1):
             ctl.to_agent(StartWorker(rank, "initial"))
         started = {m.rank_id: m.pid for m in (ctl.expect(ctl.health, WorkerStarted) for _ in range(2))}
@@ -150,10 +163,10 @@ def test_agent_removes_its_backup_when_the_controller_goes_away():
     thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
     thread.start()
     try:
-        hello = ctl.expect(ctl.health, AgentHello)
+        ctl.expect(ctl.health, AgentHello)
         launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
                               ctl.store_port, "gloo", 4, 64, 0.0)
-        ctl.to_agent(AgentWelcome(launch, hello.session))
+        ctl.welcome(launch)
         ctl.to_agent(BackupAssign([(0, 1)]))
         path = ctl.expect(ctl.health, BackupReady, timeout_s=60).site.path
         assert os.path.exists(path)
@@ -165,3 +178,34 @@ def test_agent_removes_its_backup_when_the_controller_goes_away():
     finally:
         stop.set()
         thread.join(10)
+
+
+@pytest.mark.e2e
+def test_an_agent_that_stops_hearing_the_controller_fences_its_ranks_and_registers_again():
+    """The lease: with no answer for lease_s the agent kills its workers itself (the controller
+    could not reach it to do so) and asks to be welcomed again, in recover mode, under a new session."""
+    ctl = StandInController()
+    agent = NodeAgent(ctl.health_addr, "nodeL", num_ranks=1, lease_s=1.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    pid = None
+    try:
+        first = ctl.expect(ctl.health, AgentHello)
+        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
+                              ctl.store_port, "gloo", 4, 64, 0.0)
+        ctl.welcome(launch)
+        ctl.to_agent(StartWorker(0, "initial"))
+        pid = ctl.expect(ctl.health, WorkerStarted).pid
+        ctl.expect(ctl.step, WorkerHello)
+        ctl.renewing = False  # the controller goes silent, as behind a cut link
+        fenced = ctl.expect(ctl.health, WorkerFenced, timeout_s=10)
+        assert fenced.pid == pid and not psutil.pid_exists(pid)
+        again = ctl.expect(ctl.health, AgentHello, timeout_s=10)
+        assert again.join_mode == "recover" and again.session != first.session
+    finally:
+        stop.set()
+        thread.join(10)
+        if pid is not None and psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGKILL)
+        ctl.close()

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     host = args.advertise_host or address_towards(controller)
     agent = NodeAgent(controller, args.node, host, args.ranks, args.stop_grace_s, args.join_mode,
                       args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
-                      exit_poll_s=args.exit_poll_interval_s)
+                      exit_poll_s=args.exit_poll_interval_s, standalone=True)
     print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=CHAOS_ACTIONS,
         help="kill (SIGKILL), hang (SIGSTOP), resume (SIGCONT), slow (add delay_s per step), corrupt (overwrite "
              "one of its expert slots: --layer, --slot, default its first), poison (with --request-id: that "
-             "request's steps raise on its rank; with RANK: every step of the rank raises)",
+             "request's steps raise on its rank; with RANK: every step of the rank raises), cut (drop every packet "
+             "of the rank's process, or with --node of a whole node; --duration-s to heal by itself), heal",
     )
     parser.add_argument("rank", type=int, nargs="?", help="rank_id, as listed by GET /cluster")
     parser.add_argument("--delay-s", type=float, default=None,
@@ -30,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--at-next-epoch", action="store_true",
                         help="for kill / hang: act right after the next epoch is announced (a fault during recovery)")
     parser.add_argument("--request-id", default=None, help="for poison: the id of a running request")
+    parser.add_argument("--node", default=None, help="for cut / heal: a whole node (one run by `elastic-ep agent`)")
+    parser.add_argument("--duration-s", type=float, default=0.0,
+                        help="for cut: heal by itself after this long (needed for a node: it cannot hear `heal`)")
     parser.add_argument("--phase", choices=["local", "experts", "sampling"], default="local",
                         help="for poison: where the steps raise")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout (default 10)")
@@ -41,13 +45,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         response = httpx.post(
             url, json={"rank_id": args.rank, "delay_s": args.delay_s or 0.0, "layer": args.layer, "slot": args.slot,
-                       "at_next_epoch": args.at_next_epoch, "request_id": args.request_id, "phase": args.phase},
+                       "at_next_epoch": args.at_next_epoch, "request_id": args.request_id, "phase": args.phase,
+                       "node": args.node, "duration_s": args.duration_s},
             timeout=args.timeout_s
         )
     except httpx.HTTPError as e:
         raise unreachable(args.url, e) from None
     if response.status_code != 200:
-        target = f"request {args.request_id}" if args.rank is None else f"rank {args.rank}"
+        target = f"rank {args.rank}" if args.rank is not None else f"node {args.node}" if args.node else \
+            f"request {args.request_id}"
         raise ElasticEPError(
             f"{args.action} {target} refused (HTTP {response.status_code}): {_message(response)}"
         )
@@ -56,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if args.rank is None and not (args.action == "poison" and args.request_id):
+    if args.rank is None and not (args.action == "poison" and args.request_id) and not (
+            args.action in ("cut", "heal") and args.node):
         raise ElasticEPError(f"{args.action} needs RANK, a rank_id listed by GET {args.url}/cluster"
                              + (" (or --request-id for one request)" if args.action == "poison" else ""))
     if args.rank is not None and args.rank < 0:

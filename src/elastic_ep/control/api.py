@@ -98,7 +98,8 @@ class ChaosOrder:
     default its first occupied slot), poison (every step of the requests whose id starts with
     `request_id`, running or yet to come, raises on its rank, in `phase`: its local computation,
     its experts, or its sampling; without `request_id` every step of rank `rank_id` raises: a
-    broken rank). `at_next_epoch`: for kill and hang, act
+    broken rank), cut (drop every packet of the rank's process, or with `node` of a whole
+    `elastic-ep agent` node, healing by itself after `duration_s`), heal (undo a cut). `at_next_epoch`: for kill and hang, act
     right after the next epoch is announced, so the fault lands while that epoch forms."""
 
     action: str
@@ -109,9 +110,11 @@ class ChaosOrder:
     at_next_epoch: bool = False
     request_id: str | None = None
     phase: str = "local"
+    node: str | None = None
+    duration_s: float = 0.0
 
 
-CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt", "poison")
+CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt", "poison", "cut", "heal")
 
 
 @dataclass

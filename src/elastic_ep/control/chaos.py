@@ -2,7 +2,8 @@
 and tests. A signal goes to the rank's process through its agent (kill, hang, resume), now or
 right after the next epoch is announced (a fault that lands during a recovery); slowness is a
 sleep in every step of the rank; corruption overwrites an expert slot in place; a poisoned
-request makes each step it runs in raise on its rank, as a request that breaks a step would.
+request makes each step it runs in raise on its rank, as a request that breaks a step would; a
+cut drops every packet of a rank's process, or of a whole node, in the kernel (node/netcut.py).
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING
 
-from elastic_ep.wire import CorruptSlot
+from elastic_ep.wire import CorruptSlot, CutLinks, HealLinks
 
-from .commands import CorruptExpertSlot, PoisonRank, PoisonRequest, SignalRank, SlowRank
+from .commands import CorruptExpertSlot, CutNetwork, PoisonRank, PoisonRequest, SignalRank, SlowRank
 from .events import EventKind
 from .scheduler import Sequence
 
@@ -32,9 +33,15 @@ class ChaosInjector:
             if seq.request.request_id.startswith(poison.request_id):
                 seq.fail_at = poison.phase
 
-    def run(self, cmd: SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest | PoisonRank) -> None:
+    def run(self, cmd: SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest | PoisonRank | CutNetwork) -> None:
         c = self.cluster
-        if isinstance(cmd, SignalRank):
+        if isinstance(cmd, CutNetwork):
+            what = f"rank {cmd.rank_id}" if cmd.rank_id is not None else f"node {cmd.node}"
+            self.ctl.nodes.send(cmd.node, HealLinks(cmd.rank_id) if cmd.heal else CutLinks(cmd.rank_id, cmd.duration_s))
+            c.events.add(EventKind.CHAOS, f"{'heal' if cmd.heal else 'cut'} the links of {what}"
+                         + (f" for {cmd.duration_s:g}s" if cmd.duration_s and not cmd.heal else ""), cmd.rank_id,
+                         node=cmd.node)
+        elif isinstance(cmd, SignalRank):
             self._signal(cmd)
         elif isinstance(cmd, SlowRank):
             c.delay_s[cmd.rank_id] = cmd.delay_s

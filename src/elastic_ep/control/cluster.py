@@ -116,6 +116,8 @@ class ClusterState:
             "controller": controller_addr, "slots_per_rank": self.slots_per_rank, "ranks": ranks,
             "ready": readiness.ready, "reason": readiness.reason, "deadlines": deadlines,
             "step": self.step, "scale": scale, **extra,
+            "agents": [{"node": a.node, "host": a.host, "ranks": a.num_ranks, "standalone": a.standalone,
+                        "backup": a.backup is not None} for a in self.agents.values()],
             "placement": json.loads(self.location.to_json()) if self.location is not None else None,
             "events": self.events.all(),
         }

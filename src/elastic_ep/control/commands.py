@@ -77,5 +77,15 @@ class PoisonRank:
     phase: str
 
 
+@dataclass(frozen=True)
+class CutNetwork:
+    """Chaos: cut (or, with `heal`, heal) the links of rank `rank_id` (None: of node `node`)."""
+
+    node: str
+    rank_id: int | None
+    duration_s: float = 0.0
+    heal: bool = False
+
+
 Command = (AddRequest | AbortRequest | StartScale | SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest
-           | PoisonRank)
+           | PoisonRank | CutNetwork)

@@ -38,6 +38,7 @@ from elastic_ep.wire import (
     AgentBye,
     AgentHello,
     BackupReady,
+    ChaosFailed,
     EpochFailed,
     EpochReady,
     Heartbeat,
@@ -228,6 +229,9 @@ class Controller:
             nodes.on_agent_bye(msg)
         elif isinstance(msg, BackupReady):
             nodes.on_backup_ready(msg)
+        elif isinstance(msg, ChaosFailed):
+            self.cluster.events.add(EventKind.CHAOS, f"node {msg.node} could not inject the fault: {msg.reason}",
+                                    node=msg.node)
 
     def _run_commands(self) -> None:
         while True:

@@ -35,6 +35,7 @@ from .commands import (
     AddRequest,
     Command,
     CorruptExpertSlot,
+    CutNetwork,
     PoisonRank,
     PoisonRequest,
     SignalRank,
@@ -139,6 +140,8 @@ class EngineFacade:
             self.send(PoisonRequest(order.request_id, order.phase))
             return {"action": "poison", "request_id": order.request_id, "phase": order.phase}
         snapshot = self.published.snapshot
+        if order.action in ("cut", "heal") and order.node is not None:
+            return self._cut_node(order, snapshot)
         ranks = {r["rank_id"]: r for r in snapshot.get("ranks", [])}
         rank = ranks.get(order.rank_id)
         if rank is None or rank["pid"] is None:
@@ -155,11 +158,27 @@ class EngineFacade:
         if order.action == "poison":
             self.send(PoisonRank(order.rank_id, order.phase))
             return {**done, "phase": order.phase}
+        if order.action in ("cut", "heal"):
+            self.send(CutNetwork(rank["node"], order.rank_id, order.duration_s, order.action == "heal"))
+            return {**done, "node": rank["node"], "duration_s": order.duration_s}
         if order.action == "corrupt":
             layer, slot = self._slot_to_corrupt(rank, order)
             self.send(CorruptExpertSlot(order.rank_id, layer, slot))
             return {**done, "layer": layer, "slot": slot, "expert": rank["slots"]["experts"][layer][slot]}
         raise ElasticEPError(f"unknown chaos action {order.action!r}; use one of {', '.join(CHAOS_ACTIONS)}")
+
+    def _cut_node(self, order: ChaosOrder, snapshot: dict[str, Any]) -> dict[str, Any]:
+        agents = {a["node"]: a for a in snapshot.get("agents", [])}
+        agent = agents.get(order.node)
+        if agent is None:
+            raise ElasticEPError(f"no node {order.node!r}; nodes are {sorted(agents)}")
+        if order.action == "cut" and not agent["standalone"]:
+            raise ElasticEPError(f"node {order.node} runs inside `elastic-ep serve` with the controller: cutting it "
+                                 "would cut the controller; cut its ranks, or run the node as `elastic-ep agent`")
+        if order.action == "cut" and order.duration_s <= 0:
+            raise ElasticEPError("a node that is cut cannot hear `heal`: give duration_s, after which it heals itself")
+        self.send(CutNetwork(order.node, None, order.duration_s, order.action == "heal"))
+        return {"action": order.action, "node": order.node, "duration_s": order.duration_s}
 
     @staticmethod
     def _slot_to_corrupt(rank: dict[str, Any], order: ChaosOrder) -> tuple[int, int]:

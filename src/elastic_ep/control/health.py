@@ -37,6 +37,9 @@ def lost_heartbeats(last_seen: Mapping[int, float], now: float, timeout_s: float
     return sorted(r for r, t in last_seen.items() if now - t > timeout_s)
 
 
+COLLECTIVE_PHASES = ("dispatch", "combine")
+
+
 def hung_ranks(
     progress: Mapping[int, Progress],
     epoch: int,
@@ -46,14 +49,17 @@ def hung_ranks(
 ) -> list[int]:
     """Members that have not entered the furthest collective of `epoch` although another
     member entered it more than deadline_s ago (first_seen: seq -> controller time it was first
-    reported)."""
+    reported), and are not themselves waiting inside a collective: a member blocked in
+    collective k waits on a peer (one that died, stopped or was cut off mid-collective, so some
+    members got its part and moved on to k + 1 while others still wait for it) and is its victim,
+    not the culprit. A peer that is silent is named by its heartbeats."""
     seqs = {r: (p.seq if p.epoch == epoch else 0) for r, p in progress.items()}
     if not seqs:
         return []
     furthest = max(seqs.values())
     if furthest == 0 or now - first_seen.get(furthest, now) <= deadline_s:
         return []
-    return sorted(r for r, s in seqs.items() if s < furthest)
+    return sorted(r for r, s in seqs.items() if s < furthest and progress[r].phase not in COLLECTIVE_PHASES)
 
 
 def rank_liveness(heartbeat_age_s: float, step_age_s: float | None, in_step: bool, phase: str,

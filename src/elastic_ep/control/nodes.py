@@ -66,7 +66,7 @@ class Nodes:
             self.ctl.plane.to_identity(identity, AgentWelcome(self.launch(), msg.session))
             return
         agent = AgentInfo(msg.node, identity, msg.fetch_addr, msg.num_ranks, msg.auto_recover, msg.session, msg.host,
-                          time.monotonic())
+                          time.monotonic(), msg.standalone)
         self.cluster.agents[msg.node] = agent
         self.cluster.events.add(EventKind.AGENT, f"node {msg.node} registered ({msg.join_mode}) at {msg.host or '?'}",
                                 node=msg.node, join_mode=msg.join_mode)
@@ -91,7 +91,9 @@ class Nodes:
             self.drop_backup(agent.node, "its node is lost")
             self.cluster.agents.pop(agent.node)
             for r in self.cluster.ranks.values():
-                if r.node == agent.node and not r.status.down and r.status != RankStatus.RETIRING:
+                if r.node == agent.node and r.status == RankStatus.FENCING:  # no one left to confirm it
+                    r.status = RankStatus.DEAD
+                elif r.node == agent.node and not r.status.down and r.status != RankStatus.RETIRING:
                     self.ctl.fault(Fault(r.rank_id, FaultCause.NODE_LOST,
                                          f"node {agent.node} unreachable (no agent heartbeat for {timeout_s:g}s)"))
 

@@ -164,5 +164,6 @@ class AgentInfo:
     session: str = ""
     host: str = ""
     last_alive: float = 0.0
+    standalone: bool = True
     backup: BackupSite | None = None
     backup_experts: list[tuple[int, int]] = field(default_factory=list)

@@ -44,9 +44,12 @@ from elastic_ep.wire import (
     BackupReady,
     BackupSite,
     BackupTensors,
+    ChaosFailed,
+    CutLinks,
     DenseFetch,
     DenseTensors,
     FenceWorker,
+    HealLinks,
     LeaseRenew,
     SessionEnded,
     SignalWorker,
@@ -63,6 +66,7 @@ from elastic_ep.wire import (
 from .backup_file import BackupWriter, guard_backup, read_backup, read_dense, reap_stale_backups
 from .exits import exit_code, open_stat
 from .lease import Lease
+from .netcut import NetCut, NetCutUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +111,14 @@ class NodeAgent:
         backoff_reset_s: float = 60.0,
         lease_s: float = 5.0,
         exit_poll_s: float = 0.005,
+        standalone: bool = False,
     ):
         self.node = node
+        self.standalone = standalone
+        self.netcut = NetCut(str(os.getpid()))
+        self.heal_at: dict[int | None, float] = {}  # cut rank (None: node) -> when it heals
+        if standalone:  # before any socket: a node cut then covers the agent too
+            self.netcut.place("agent", os.getpid())
         self.host = advertise_host
         self.lease = Lease(lease_s)
         self.stop_grace_s = stop_grace_s
@@ -154,6 +164,7 @@ class NodeAgent:
         try:
             while not stop.is_set():
                 self._keep_lease(time.monotonic())
+                self._heal_due(time.monotonic())
                 ready = dict(poller.poll(20))
                 if self.controller_link in ready and recv_monitor_message(self.controller_link)["event"] \
                         == zmq.EVENT_DISCONNECTED:
@@ -175,7 +186,7 @@ class NodeAgent:
         if self.lease.hello_due(now):
             self.sock.send(encode(AgentHello(
                 self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available, self.num_ranks,
-                self.join_mode, self.auto_recover, self.lease.session, self.host)))
+                self.join_mode, self.auto_recover, self.lease.session, self.host, self.standalone)))
         if self.lease.alive_due(now):
             self.sock.send(encode(AgentAlive(self.node, self.lease.session)))
 
@@ -221,7 +232,35 @@ class NodeAgent:
             self._fence(msg)
         elif isinstance(msg, SignalWorker):
             self._signal(msg.pid, msg.signal)
+        elif isinstance(msg, CutLinks | HealLinks):
+            self._cut(msg)
         return True
+
+    def _cut(self, msg: CutLinks | HealLinks) -> None:
+        """Fault injection: cut (or heal) a rank's links, or the whole node's."""
+        name = None if msg.rank_id is None else f"rank{msg.rank_id}"
+        try:
+            if isinstance(msg, HealLinks):
+                self.netcut.heal(name)
+                self.heal_at.pop(msg.rank_id, None)
+                return
+            if name is None and not self.standalone:
+                raise NetCutUnavailable(f"node {self.node} runs inside `elastic-ep serve` with the controller; cut "
+                                        "its ranks, or run the node as `elastic-ep agent`")
+            self.netcut.cut(name)
+        except NetCutUnavailable as e:
+            self.sock.send(encode(ChaosFailed(self.node, str(e))))
+            return
+        logger.warning("node %s: cut the links of %s for %ss", self.node, name or "the node", msg.duration_s or "ever")
+        if msg.duration_s > 0:
+            self.heal_at[msg.rank_id] = time.monotonic() + msg.duration_s
+
+    def _heal_due(self, now: float) -> None:
+        for rank_id in [r for r, t in self.heal_at.items() if t <= now]:
+            del self.heal_at[rank_id]
+            self.netcut.heal(None if rank_id is None else f"rank{rank_id}")
+            logger.warning("node %s: healed the links of %s", self.node, "the node" if rank_id is None else
+                           f"rank {rank_id}")
 
     def _notify(self, message) -> None:
         """Queue a report to the controller from any thread (each gets its own PUSH socket)."""
@@ -239,6 +278,8 @@ class NodeAgent:
                           dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env)
+        # in its own cgroup long before it opens a socket (it imports torch first), so it can be cut
+        self.netcut.place(f"rank{rank_id}", proc.pid)
         with self._lock:
             self.children[proc.pid] = _Child(rank_id, proc, time.monotonic(), open_stat(proc.pid))
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
@@ -270,6 +311,7 @@ class NodeAgent:
         returncode = child.proc.wait()
         self._report_exit(child, returncode)
         os.close(child.stat_fd)
+        self.netcut.remove(f"rank{child.rank_id}")
         with self._lock:
             self.children.pop(pid, None)
             if self.auto_recover and returncode != 0 and not child.final and not self._stopped.is_set():
@@ -384,6 +426,7 @@ class NodeAgent:
                 self._signal(p.pid, signal.SIGKILL)
                 p.wait()
         self.drop_backup("the agent stopped")
+        self.netcut.close()
         self.sock.send(encode(AgentBye(self.node)))
         self.sock.disable_monitor()
         for s in (self.sock, self.fetch, self.events, self.controller_link):

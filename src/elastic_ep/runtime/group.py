@@ -140,9 +140,7 @@ class EpochGroup:
                 work.wait(timedelta(seconds=ABORT_POLL_S))
                 return
             except RuntimeError:
-                # Ended meanwhile: with an error (a peer died, the group broke), or fine just as this
-                # wait gave up ("Operation timed out!"): a wait on a completed work tells which.
-                if work.is_completed():
+                if work.is_completed():  # done meanwhile: fine, or it ended with the error of a peer that died
                     try:
                         work.wait()
                         return

@@ -115,10 +115,13 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         if action == "poison" and not body.request_id and body.rank_id is None:
             raise APIError(400, "poison needs request_id (the id of a running request: its chunks' `id`) or "
                            "rank_id (every step of that rank raises)", param="request_id")
-        if action != "poison" and body.rank_id is None:
+        if action in ("cut", "heal") and (body.rank_id is None) == (body.node is None):
+            raise APIError(400, f"{action} needs rank_id (a rank) or node (a whole node), not both", param="rank_id")
+        if action not in ("poison", "cut", "heal") and body.rank_id is None:
             raise APIError(400, f"{action} needs rank_id: a rank listed by GET /cluster", param="rank_id")
         return engine.chaos(ChaosOrder(action, body.rank_id if body.rank_id is not None else -1, body.delay_s,
-                                       body.layer, body.slot, body.at_next_epoch, body.request_id, body.phase))
+                                       body.layer, body.slot, body.at_next_epoch, body.request_id, body.phase,
+                                       body.node, body.duration_s))
 
     return router
 

@@ -143,7 +143,9 @@ class ScaleRequest(_Body):
 
 
 class ChaosRequest(_Body):
-    rank_id: int | None = Field(None, ge=0, description="the rank (every action but poison)")
+    rank_id: int | None = Field(None, ge=0, description="the rank (every action but poison, and cut / heal of a node)")
+    node: str | None = Field(None, max_length=256, description="cut / heal: a whole node (an `elastic-ep agent`)")
+    duration_s: float = Field(0.0, ge=0, le=3600, description="cut: heal by itself after this long (0: only on heal)")
     delay_s: float = Field(0.0, ge=0, le=3600)
     layer: int | None = Field(None, description="corrupt: the MoE layer index of the slot")
     slot: int | None = Field(None, description="corrupt: the slot within the rank")

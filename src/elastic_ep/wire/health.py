@@ -56,6 +56,7 @@ class AgentHello:
     auto_recover: bool = False  # the agent restarts its own dead ranks (the controller does not)
     session: str = ""
     host: str = ""  # the address the agent and its workers advertise (--advertise-host)
+    standalone: bool = True  # its own process (`elastic-ep agent`), not a thread of `serve`
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,28 @@ class SignalWorker:
     rank_id: int
     pid: int
     signal: int
+
+
+@dataclass(frozen=True)
+class CutLinks:
+    """Fault injection: drop every packet of rank `rank_id`'s process (None: of the whole node,
+    its agent included), healing by itself after `duration_s` (0: only on HealLinks)."""
+
+    rank_id: int | None
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class HealLinks:
+    rank_id: int | None
+
+
+@dataclass(frozen=True)
+class ChaosFailed:
+    """An agent could not inject a fault: `reason` says why."""
+
+    node: str
+    reason: str
 
 
 @dataclass(frozen=True)
