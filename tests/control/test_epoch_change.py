@@ -1,7 +1,8 @@
 """The epoch change against stand-in ranks (replies injected while it waits): a recovery fills
 only the slots of the lost experts and checks only those; a filled slot with the wrong checksum
-fails the epoch; an epoch that does not form leaves every slot it was to fill suspect, and the
-next epoch fills those again instead of trusting them."""
+fails the epoch, and the slot it was copied from is suspect too; an epoch that does not form
+leaves every slot it was to fill suspect, and the next epoch fills those again instead of
+trusting them."""
 
 from __future__ import annotations
 
@@ -72,6 +73,15 @@ def test_a_filled_slot_with_the_wrong_weights_fails_the_epoch():
     ranks = StandInRanks(wrong={2})
     outcome = changer_with(ranks).change([0, 2], np.ones((1, 4)), restore=True)
     assert isinstance(outcome, VerifyFailed) and {r for r, _, _ in outcome.bad} == {2}
+
+
+def test_a_wrong_copy_makes_its_source_slot_suspect_too():
+    ranks = StandInRanks(wrong={2})
+    changer = changer_with(ranks)
+    # rank 2's first slot takes expert 2 from rank 1's first slot
+    outcome = changer.change([0, 1, 2], np.ones((1, 4)), new=ExpertLocation.from_phy2log([[0, 1, 2, 3, 2, 1]], 2, 4))
+    assert isinstance(outcome, VerifyFailed) and outcome.bad == {(2, 0, 0)}
+    assert changer.suspect_slots == {(2, 0, 0), (1, 0, 0)}
 
 
 def test_slots_of_an_epoch_that_did_not_form_are_filled_again_by_the_next():

@@ -200,7 +200,7 @@ def test_an_agent_that_stops_hearing_the_controller_fences_its_ranks_and_registe
         ctl.expect(ctl.step, WorkerHello)
         ctl.renewing = False  # the controller goes silent, as behind a cut link
         fenced = ctl.expect(ctl.health, WorkerFenced, timeout_s=10)
-        assert fenced.pid == pid and not psutil.pid_exists(pid)
+        assert fenced.pid == pid and can_no_longer_run(pid)
         again = ctl.expect(ctl.health, AgentHello, timeout_s=10)
         assert again.join_mode == "recover" and again.session != first.session
     finally:

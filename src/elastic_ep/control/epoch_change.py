@@ -101,6 +101,17 @@ class Interrupted:
 EpochOutcome = Formed | NoPlacement | NotFormed | VerifyFailed | Interrupted
 
 
+def copied_from(slots: set[Slot], sources: dict[int, list[SlotSource]]) -> set[Slot]:
+    """The slots that `slots` (rank, layer, slot) were copied from, where they were copied from a
+    slot (a peer's or the rank's own)."""
+    out = set()
+    for rank, filled in sources.items():
+        for src in filled:
+            if (rank, src.layer, src.slot) in slots and src.kind in ("peer", "local"):
+                out.add((src.src_rank if src.kind == "peer" else rank, src.layer, src.src_slot))
+    return out
+
+
 class EpochChanger:
     """`pump(timeout_s)` handles input while the change waits (replies arrive through `on_reply`);
     `faulted(rank_ids)` tells whether any of them has a pending fault."""
@@ -168,8 +179,12 @@ class EpochChanger:
             failure = VerifyFailed(bad)
         if failure is not None:
             # A slot this epoch was to fill may now hold the old expert, the new one or parts of
-            # both: suspect until an epoch fills it again (held_placement leaves it out).
+            # both: suspect until an epoch fills it again (held_placement leaves it out). A copy
+            # that came out wrong may have a corrupted source: that slot is suspect too, or every
+            # retry would copy it again.
             self.suspect_slots |= {(r, src.layer, src.slot) for r, filled in sources.items() for src in filled}
+            if isinstance(failure, VerifyFailed):
+                self.suspect_slots |= copied_from(failure.bad, sources)
             return failure
         c.location = new
         self.suspect_slots.clear()

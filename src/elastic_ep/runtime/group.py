@@ -18,6 +18,7 @@ collective error: the rank finishes the step's collectives and the group stays w
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -241,20 +242,19 @@ class EpochGroup:
             output.copy_(out_dev.cpu())
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
-        """Point-to-point: send sends[i] to member index i and receive recvs[j] from member j,
-        all posted at once so no pair order can deadlock. Buffers are 1-D and on the CPU."""
-        works = []
-        staged = {}
-        try:
-            for peer, buf in recvs.items():
-                staged[peer] = buf if self.device.type == "cpu" else torch.empty_like(buf, device=self.device)
-                works.append(self.pg.recv([staged[peer]], peer, 0))
-            for peer, buf in sends.items():
-                works.append(self.pg.send([buf.to(self.device)], peer, 0))
-        except RuntimeError as e:
-            raise self._broke(f"expert exchange in epoch {self.epoch}: {e}") from e
-        for w in works:
-            self._wait(w, "expert exchange")
-        for peer, buf in recvs.items():
-            if staged[peer] is not buf:
-                buf.copy_(staged[peer].cpu())
+        """Send sends[i] to member index i and receive recvs[j] from member j (1-D float32 buffers
+        on the CPU) as one all-to-all of the group: every member calls it, with empty dicts when it
+        moves nothing. Not gloo's point-to-point operations: a wait on one of those that times out
+        closes every pair of the group ("Application timeout caused pair closure"), so they cannot
+        be waited on in short polls that an abort can interrupt; a collective can. Raises
+        CollectiveError when it fails."""
+        if self.size == 1:
+            return
+        out_splits = [recvs[p].numel() if p in recvs else 0 for p in range(self.size)]
+        in_splits = [sends[p].numel() if p in sends else 0 for p in range(self.size)]
+        inp = torch.cat([sends[p].reshape(-1) for p in sorted(sends)]) if sends else torch.empty(0)
+        out = torch.empty(sum(out_splits))
+        self.all_to_all(out, inp, out_splits, in_splits)
+        for peer, at in zip(range(self.size), itertools.accumulate([0, *out_splits]), strict=False):
+            if peer in recvs:
+                recvs[peer].copy_(out[at : at + out_splits[peer]])
