@@ -2,7 +2,7 @@
 
 Per MoE layer (index 0..L-1, not the model's layer id) the rank holds w13 [S, 2I, H] and
 w2 [S, H, I] for its S slots. A new epoch rebuilds them from the old contents (keep, local
-moves), peers (point-to-point in the new group), the host-memory backup (same node: read from
+moves), peers (one all-to-all in the epoch's group), the host-memory backup (same node: read from
 the agent's file straight into the slots; other node: the agent over ZeroMQ) or the checkpoint
 (only the tensors needed). Every filled slot is then summarised by `expert_checksum`, which the controller
 compares with the checksum of that expert's weights as first read from the checkpoint (the

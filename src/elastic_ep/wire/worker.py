@@ -79,7 +79,7 @@ class SlotSource:
     """Where one slot of the receiving rank gets its expert in a new epoch.
 
     kind: "keep" (already there), "local" (slot `src_slot` of the same rank, old contents),
-    "peer" (slot `src_slot` of rank `src_rank`, sent point-to-point in the new group),
+    "peer" (slot `src_slot` of rank `src_rank`, sent in the epoch group's exchange),
     "backup" (the host-memory backup of node `src_node`), "disk" (the checkpoint).
     `slot` and `src_slot` are indices within a rank (0..slots_per_rank-1); `layer` indexes the
     MoE layers (0..L-1), not the model's layer ids.
