@@ -360,9 +360,8 @@ class Controller:
             return
         joiners = self.joiners()
         if joiners and c.can_serve(c.members + joiners):
-            self.rebalancer.cancel()
+            self.rebalancer.request("rejoin")  # first: no snapshot may show the new epoch settled
             self.form_epoch(sorted(c.members + joiners), "rejoin", restore=True)
-            self.rebalancer.request("rejoin")
             return
         if not c.readiness.ready:
             self.recovery.end_requests_if_degraded_too_long()

@@ -109,8 +109,9 @@ class Recovery:
         if not c.can_serve(holding):
             self.degrade(holding)
             return
-        if ctl.form_epoch(live, "recovery", holding=holding, restore=True) is not None:
-            ctl.rebalancer.request("recovery")
+        ctl.rebalancer.request("recovery")  # first: no snapshot may show the new epoch settled
+        if ctl.form_epoch(live, "recovery", holding=holding, restore=True) is None:
+            ctl.rebalancer.cancel()
 
     def fence_and_drain(self) -> None:
         """Fence every culprit and wait until every other member has left the failed step; a
