@@ -20,8 +20,7 @@ timed part by part. Medians over the repeats.
 
 Sizes: the embedded tiny model and checkpoints of issue 16's DeepSeek-V3 shape (`make-tiny
 --arch deepseek_v3 --layers 8 --hidden 1024 --experts 64 --top-k 6 --heads 8`, 7 MoE layers),
-the expert width setting the size (written once to --cache-dir; --remove-checkpoints deletes
-them after). EP 4 with the redundant experts `elastic-ep demo` chooses (3 ranks hold every
+the expert width setting the size (written once to --cache-dir). EP 4 with the redundant experts `elastic-ep demo` chooses (3 ranks hold every
 expert), --max-num-seqs 8; a backup run starts once the `backup` event says it is complete.
 Per repeat: --streams greedy streams of --max-tokens (EOS ignored), SIGKILL of one rank
 (rotating) once every stream has --kill-after tokens. "kept" is the pause over the streams that
@@ -257,7 +256,8 @@ def sized_kill(server: ServerProcess, victim: int, args, expected: list[str], re
 
 
 def sized_runs(model: str, backup: bool, args, expected: list[str], log: Path, src: str | None,
-               extra: list[str]) -> list[dict]:
+               extra: list[str]) -> tuple[list[dict], str]:
+    """The kills of one configuration, and what failed (a request or a recovery), "" if nothing."""
     env = {"PYTHONPATH": src} if src else None
     server = ServerProcess(sized_serve_args(model, backup, extra), log, ready_timeout_s=900, env=env)
     try:
@@ -269,23 +269,30 @@ def sized_runs(model: str, backup: bool, args, expected: list[str], log: Path, s
             written_s = next(e for e in c["events"] if e["kind"] == "backup")["time_s"] - start["time_s"]
         runs = []
         for i in range(args.repeats):
-            run = {**sized_kill(server, (i + 1) % EP_SIZE, args, expected, rebalances=src is None),
-                   "backup_written_s": written_s}
+            try:
+                run = {**sized_kill(server, (i + 1) % EP_SIZE, args, expected, rebalances=src is None),
+                       "backup_written_s": written_s}
+            except Exception as e:  # a failed request or a recovery that never came: the row says so
+                print(json.dumps({"model": model, "backup": backup, "code": src or "this", "error": str(e)[:300]}),
+                      flush=True)
+                return runs, f"kill {i + 1} of {args.repeats}: {type(e).__name__}: {str(e)[:200]}"
             print(json.dumps({"model": model, "backup": backup, "code": src or "this", **run}), flush=True)
             runs.append(run)
-        return runs
+        return runs, ""
     finally:
         server.stop()
 
 
-def sized_row(size: str, backup: bool, code: str, runs: list[dict]) -> dict:
+def sized_row(size: str, backup: bool, code: str, runs: list[dict], failure: str) -> dict:
+    if not runs:
+        return {"size": size, "backup": backup, "code": code, "failure": failure}
     keys = ("pause_s", "pause_kept_s", "normal_gap_s", *PARTS, "rebalance_s", "rebalance_mib", "move_max_s",
             "rebalance_pause_s", "balancedness", "scratch_balancedness", "backup_written_s")
     mib: dict[str, float] = {}
     for r in runs:
         for k, v in r["mib"].items():
             mib[k] = mib.get(k, 0.0) + v / len(runs)
-    return {"size": size, "backup": backup, "code": code, "exact": all(r["exact"] for r in runs),
+    return {"size": size, "backup": backup, "code": code, "failure": failure, "exact": all(r["exact"] for r in runs),
             **{k: round(statistics.median(r[k] for r in runs), 4) for k in keys},
             "pause_range_s": [round(min(r["pause_s"] for r in runs), 3), round(max(r["pause_s"] for r in runs), 3)],
             "mib": {k: round(v, 1) for k, v in mib.items()},
@@ -297,11 +304,15 @@ def sized_table(rows: list[dict]) -> str:
             "verify", "recompute", "MiB moved", "rebalance s", "move max s", "rebalance pause s", "exact")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
+        if "mib" not in r:
+            lines.append(f"| {r['size']} | {'on' if r['backup'] else 'off'} | {r['code']} | failed: {r['failure']} |")
+            continue
         mib = ", ".join(f"{k} {v:g}" for k, v in r["mib"].items())
         cells = [r["size"], "on" if r["backup"] else "off", r["code"],
                  f"{r['pause_s']:.3f} ({r['pause_range_s'][0]}-{r['pause_range_s'][1]})",
                  *(f"{r[k]:.3f}" for k in ("pause_kept_s", *PARTS[:-1])), mib, f"{r['rebalance_s']:.2f}",
-                 f"{r['move_max_s']:.3f}", f"{r['rebalance_pause_s']:.3f}", "yes" if r["exact"] else "NO"]
+                 f"{r['move_max_s']:.3f}", f"{r['rebalance_pause_s']:.3f}",
+                 ("yes" if r["exact"] else "NO") + (f"; then failed: {r['failure']}" if r["failure"] else "")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -319,16 +330,10 @@ def run_sizes(args) -> None:
                 variants.append((args.baseline_src, []))
             for i, (src, extra) in enumerate(variants):
                 log = cache / f"serve-{size}-{'backup' if backup else 'disk'}-{i}.log"
-                runs = sized_runs(model, backup, args, expected, log, src, extra)
-                rows.append(sized_row(size, backup, "baseline" if src else " ".join(["this", *extra]), runs))
-        if args.remove_checkpoints and SIZES[size]:
-            subprocess.run(["rm", "-rf", model], check=True)
+                runs, failure = sized_runs(model, backup, args, expected, log, src, extra)
+                rows.append(sized_row(size, backup, "baseline" if src else " ".join(["this", *extra]), runs, failure))
     print(json.dumps(rows, indent=2))
     print(sized_table(rows))
-
-
-def median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
 
 
 def main() -> None:
@@ -342,7 +347,6 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=16, help="size sweep: tokens per stream before the kill")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "elastic-ep" / "bench"),
                         help="size sweep: where the checkpoints are written")
-    parser.add_argument("--remove-checkpoints", action="store_true", help="size sweep: delete them afterwards")
     parser.add_argument("--baseline-src", default="", help="size sweep: also run each configuration with this "
                         "source tree (its src/ directory), e.g. main's")
     parser.add_argument("--baseline-sizes", default="", help="size sweep: the sizes to run the baseline for "
@@ -376,6 +380,9 @@ def main() -> None:
                 quiet.stop()
         finally:
             server.stop()
+    def median(runs: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
     kill_pause, hang_pause = median(kills, "pause_s"), median(hangs, "pause_s")
     restart_s = statistics.median(restarts)
     cost = statistics.median(a / b for a, b in zip(on, off, strict=True)) - 1
