@@ -1,7 +1,11 @@
 """Recovery: the pause in token flow after `kill -9` and after SIGSTOP of one rank, a full
-restart for comparison, the recovery broken down, and the steady-state cost of detection.
+restart for comparison, the recovery broken down, and the steady-state cost of detection; with
+--sizes, the pause after `kill -9` and its breakdown against model size, with and without the
+host-memory backup.
 
     .venv/bin/python benchmarks/recovery.py [--repeats 5] [--model tiny-deepseek-v3]
+    .venv/bin/python benchmarks/recovery.py --sizes tiny,0.7GB,2.9GB,4.2GB [--repeats 3]
+        [--baseline-src ../main/src]
 
 One EP 4 server (8 redundant experts, so 3 ranks hold every expert; a dead rank is restarted
 after 8 s, once the streams are done, and rejoins between repeats). Each repeat streams `--streams` greedy completions
@@ -13,6 +17,19 @@ source, group rebuild, recompute (the first step of the new epoch). Steady-state
 decode step wall time (controller side) with heartbeats and watchdog on, over the same with
 --no-health-checks, runs interleaved (`--cost-pairs`), and the work detection adds per step
 timed part by part. Medians over the repeats.
+
+Sizes: the embedded tiny model and checkpoints of issue 16's DeepSeek-V3 shape (`make-tiny
+--arch deepseek_v3 --layers 8 --hidden 1024 --experts 64 --top-k 6 --heads 8`, 7 MoE layers),
+the expert width setting the size (written once to --cache-dir). EP 4 with the redundant experts `elastic-ep demo` chooses (3 ranks hold every
+expert), --max-num-seqs 8; a backup run starts once the `backup` event says it is complete.
+Per repeat: --streams greedy streams of --max-tokens (EOS ignored), SIGKILL of one rank
+(rotating) once every stream has --kill-after tokens. "kept" is the pause over the streams that
+kept their rank (all but the --streams / 4 with the largest gaps: the scheduler gives each rank
+an equal share). Texts are compared with `elastic-ep generate --ignore-eos`. The background
+rebalance: its time, its moves' longest epoch change, and the largest gap (less the median) that
+ended between the `recovered` and `rebalanced` events. --baseline-src runs every configuration
+again with that source tree's code (e.g. main), in the same run; --serve-extra "A;B" runs this
+code once per set of extra `serve` flags.
 """
 
 from __future__ import annotations
@@ -22,6 +39,8 @@ import json
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import timeit
@@ -34,11 +53,20 @@ from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.health import adaptive_deadline_s, hung_ranks, lost_heartbeats
 from elastic_ep.harness.load import client_for, streams_with_fault
 from elastic_ep.harness.server_process import ServerProcess
+from elastic_ep.model.checkpoint import CheckpointReader
+from elastic_ep.model.tiny import resolve_model
+from elastic_ep.node.exits import exit_code, open_stat
+from elastic_ep.placement import choose_redundant_experts
 from elastic_ep.runtime.group import ProgressBoard
 from elastic_ep.wire import Heartbeat, Progress, decode, encode
 
 EP_SIZE = 4
 RESTART_DELAY_S = 8.0
+# The size sweep's killed rank restarts once the streams are over at every size (48 tokens take
+# ~17 s on the 4.2 GB model here), so its rejoin stays out of the pause measured.
+SIZED_RESTART_DELAY_S = 30.0
+SIZES = {"tiny": 0, "0.7GB": 128, "2.9GB": 512, "4.2GB": 768}  # expert width (moe_intermediate_size)
+PARTS = ("detect_s", "fence_s", "rebuild_s", "transfer_s", "verify_s", "recompute_s", "total_s")
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "1 2 3 4 5",
            "elastic expert parallel", "hello world", "MoE layers route tokens", "a b c d e f"]
 
@@ -133,7 +161,8 @@ def mean_step_s(server: ServerProcess, streams: int, max_tokens: int) -> float:
 def detection_work_s(step_s: float, ranks: int = EP_SIZE, moe_layers: int = 3) -> float:
     """The CPU work detection adds to one step of `step_s`, from its parts timed alone: the
     controller's checks (every health_check_period_s) and heartbeat handling (one per rank every
-    heartbeat_interval_s), and a worker's progress updates (5 per MoE layer)."""
+    heartbeat_interval_s), the agent's exit poll (one /proc read per rank every
+    exit_poll_interval_s), and a worker's progress updates (5 per MoE layer)."""
     cfg = ServeConfig(model_dir="", model_name="", ep_size=ranks)
     now = time.monotonic()
     progress = {r: Progress(0, 5, 2, "dispatch", 40, time.time()) for r in range(ranks)}
@@ -150,12 +179,165 @@ def detection_work_s(step_s: float, ranks: int = EP_SIZE, moe_layers: int = 3) -
     check_s = timeit.timeit(check, number=n) / n
     beat_s = timeit.timeit(lambda: decode(frame), number=n) / n
     enter_s = timeit.timeit(lambda: board.enter("dispatch", 1), number=n) / n
+    stat_fd = open_stat(os.getpid())
+    poll_s = timeit.timeit(lambda: exit_code(stat_fd), number=n) / n
+    os.close(stat_fd)
     return (check_s * step_s / cfg.health_check_period_s + beat_s * ranks * step_s / cfg.heartbeat_interval_s
-            + enter_s * 5 * moe_layers)
+            + poll_s * ranks * step_s / cfg.exit_poll_interval_s + enter_s * 5 * moe_layers)
 
 
-def median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
+# ---- recovery against model size ------------------------------------------------------------
+
+
+def checkpoint(size: str, cache_dir: Path) -> str:
+    """The model of `size`: the embedded tiny one, or a make-tiny checkpoint written once."""
+    if not SIZES[size]:
+        return "tiny-deepseek-v3"
+    out = cache_dir / f"deepseek-v3-{size}"
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "elastic_ep.cli", "make-tiny", "--arch", "deepseek_v3", "--layers", "8",
+                        "--hidden", "1024", "--experts", "64", "--top-k", "6", "--heads", "8",
+                        "--moe-intermediate", str(SIZES[size]), "--out", str(out)], check=True)
+    return str(out)
+
+
+def reference(model: str, prompts: list[str], max_tokens: int) -> list[str]:
+    cmd = [sys.executable, "-m", "elastic_ep.cli", "generate", "--json", "--ignore-eos", "--model", model,
+           "--max-tokens", str(max_tokens)]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return [json.loads(line)["text"] for line in out.splitlines() if line.strip()]
+
+
+def sized_serve_args(model: str, backup: bool, extra: list[str]) -> list[str]:
+    reader = CheckpointReader(resolve_model(model))
+    choice = choose_redundant_experts(reader.config.num_experts, EP_SIZE, len(reader.config.moe_layers),
+                                      reader.expert_nbytes)
+    return ["--model", model, "--ep-size", str(EP_SIZE), "--redundant-experts", str(choice.redundant_experts),
+            "--max-num-seqs", "8", "--restart-delay-s", str(SIZED_RESTART_DELAY_S),
+            *([] if backup else ["--no-expert-backup"]),
+            *extra]
+
+
+def sized_kill(server: ServerProcess, victim: int, args, expected: list[str], rebalances: bool) -> dict:
+    before = server.wait_full_group(EP_SIZE, timeout_s=300)
+    pid = next(r["pid"] for r in before["ranks"] if r["rank_id"] == victim)
+    sent: dict[str, float] = {}
+
+    def kill() -> None:
+        sent["time_s"] = time.time()
+        os.kill(pid, signal.SIGKILL)
+
+    clock = time.time() - time.monotonic()
+    results = streams_with_fault(server.url, kill, PROMPTS[: args.streams], args.max_tokens,
+                                 after_chunks=args.kill_after, temperature=0, extra_body={"ignore_eos": True})
+    last = "rebalanced" if rebalances else "recovered"
+    cluster = server.wait_for(lambda c: any(e["kind"] == last and e["time_s"] > sent["time_s"] for e in c["events"]),
+                              timeout_s=120, what=f"the {last} event")
+    events = [e for e in server.http.get("/cluster", params={"events": 0}).json()["events"]
+              if e["time_s"] >= sent["time_s"] - 0.5] or cluster["events"]
+    fault = next(e for e in events if e["kind"] == "fault")
+    rec = next(e for e in events if e["kind"] == "recovered")
+    bal = next((e for e in events if e["kind"] == "rebalanced"), {"time_s": rec["time_s"]})
+    moves = [e["epoch_change_s"] for e in events if str(e.get("reason", "")).startswith("recovery: move")]
+    normal = statistics.median(g for r in results for g in r.gaps)
+    largest = sorted(r.largest_gap for r in results)
+    during = [g for r in results for t, g in zip(r.times[1:], r.gaps, strict=True)  # gaps that began after recovery
+              if rec["time_s"] < t - g + clock and t + clock <= bal["time_s"]]
+    return {
+        "victim": victim, "exact": [r.text for r in results] == expected, "normal_gap_s": normal,
+        "pause_s": largest[-1] - normal, "pause_kept_s": largest[-1 - args.streams // EP_SIZE] - normal,
+        "detect_s": fault["time_s"] - sent["time_s"], "fence_s": rec["detect_to_fence_s"],
+        "rebuild_s": rec["rendezvous_s"], "transfer_s": rec["transfer_s"], "verify_s": rec.get("verify_s", 0.0),
+        "recompute_s": rec["recompute_s"], "total_s": rec["total_s"],
+        "mib": {k: round(v["bytes"] / 2**20, 1) for k, v in rec["transfers"].items() if v["bytes"]},
+        "disk_reason": rec.get("disk_reason", ""), "rebalance_s": bal.get("seconds", 0.0),
+        "rebalance_mib": round(bal.get("bytes", 0) / 2**20, 1), "move_max_s": max(moves, default=0.0),
+        "rebalance_pause_s": max(during, default=normal) - normal,
+        "balancedness": bal.get("balancedness", 0.0), "scratch_balancedness": bal.get("scratch_balancedness", 0.0),
+    }
+
+
+def sized_runs(model: str, backup: bool, args, expected: list[str], log: Path, src: str | None,
+               extra: list[str]) -> tuple[list[dict], str]:
+    """The kills of one configuration, and what failed (a request or a recovery), "" if nothing."""
+    env = {"PYTHONPATH": src} if src else None
+    server = ServerProcess(sized_serve_args(model, backup, extra), log, ready_timeout_s=900, env=env)
+    try:
+        written_s = 0.0
+        if backup:  # from the first epoch (when the backup is assigned) to the whole file written
+            c = server.wait_for(lambda c: any(e["kind"] == "backup" and "holds" in e["message"] for e in c["events"]),
+                                timeout_s=600, what="the complete backup")
+            start = next(e for e in c["events"] if e["kind"] == "epoch")
+            written_s = next(e for e in c["events"] if e["kind"] == "backup")["time_s"] - start["time_s"]
+        runs = []
+        for i in range(args.repeats):
+            try:
+                run = {**sized_kill(server, (i + 1) % EP_SIZE, args, expected, rebalances=src is None),
+                       "backup_written_s": written_s}
+            except Exception as e:  # a failed request or a recovery that never came: the row says so
+                print(json.dumps({"model": model, "backup": backup, "code": src or "this", "error": str(e)[:300]}),
+                      flush=True)
+                return runs, f"kill {i + 1} of {args.repeats}: {type(e).__name__}: {str(e)[:200]}"
+            print(json.dumps({"model": model, "backup": backup, "code": src or "this", **run}), flush=True)
+            runs.append(run)
+        return runs, ""
+    finally:
+        server.stop()
+
+
+def sized_row(size: str, backup: bool, code: str, runs: list[dict], failure: str) -> dict:
+    if not runs:
+        return {"size": size, "backup": backup, "code": code, "failure": failure}
+    keys = ("pause_s", "pause_kept_s", "normal_gap_s", *PARTS, "rebalance_s", "rebalance_mib", "move_max_s",
+            "rebalance_pause_s", "balancedness", "scratch_balancedness", "backup_written_s")
+    mib: dict[str, float] = {}
+    for r in runs:
+        for k, v in r["mib"].items():
+            mib[k] = mib.get(k, 0.0) + v / len(runs)
+    return {"size": size, "backup": backup, "code": code, "failure": failure, "exact": all(r["exact"] for r in runs),
+            **{k: round(statistics.median(r[k] for r in runs), 4) for k in keys},
+            "pause_range_s": [round(min(r["pause_s"] for r in runs), 3), round(max(r["pause_s"] for r in runs), 3)],
+            "mib": {k: round(v, 1) for k, v in mib.items()},
+            "disk_reasons": sorted({r["disk_reason"] for r in runs if r["disk_reason"]})}
+
+
+def sized_table(rows: list[dict]) -> str:
+    cols = ("model", "backup", "code", "pause s (min-max)", "kept s", "detect", "fence", "rebuild", "transfer",
+            "verify", "recompute", "MiB moved", "rebalance s", "move max s", "rebalance pause s", "exact")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        if "mib" not in r:
+            lines.append(f"| {r['size']} | {'on' if r['backup'] else 'off'} | {r['code']} | failed: {r['failure']} |")
+            continue
+        mib = ", ".join(f"{k} {v:g}" for k, v in r["mib"].items())
+        cells = [r["size"], "on" if r["backup"] else "off", r["code"],
+                 f"{r['pause_s']:.3f} ({r['pause_range_s'][0]}-{r['pause_range_s'][1]})",
+                 *(f"{r[k]:.3f}" for k in ("pause_kept_s", *PARTS[:-1])), mib, f"{r['rebalance_s']:.2f}",
+                 f"{r['move_max_s']:.3f}", f"{r['rebalance_pause_s']:.3f}",
+                 ("yes" if r["exact"] else "NO") + (f"; then failed: {r['failure']}" if r["failure"] else "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_sizes(args) -> None:
+    cache = Path(args.cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for size in args.sizes.split(","):
+        model = checkpoint(size, cache)
+        expected = reference(model, PROMPTS[: args.streams], args.max_tokens)
+        for backup in {"both": (True, False), "on": (True,), "off": (False,)}[args.backup]:
+            variants = [(None, v.split()) for v in args.serve_extra.split(";")]
+            if args.baseline_src and size in (args.baseline_sizes or args.sizes).split(","):
+                variants.append((args.baseline_src, []))
+            for i, (src, extra) in enumerate(variants):
+                log = cache / f"serve-{size}-{'backup' if backup else 'disk'}-{i}.log"
+                runs, failure = sized_runs(model, backup, args, expected, log, src, extra)
+                rows.append(sized_row(size, backup, "baseline" if src else " ".join(["this", *extra]), runs, failure))
+    print(json.dumps(rows, indent=2))
+    print(sized_table(rows))
 
 
 def main() -> None:
@@ -165,7 +347,21 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--cost-pairs", type=int, default=12, help="interleaved on/off runs for the steady-state cost")
+    parser.add_argument("--sizes", default="", help=f"comma-separated, of {', '.join(SIZES)}: the size sweep only")
+    parser.add_argument("--kill-after", type=int, default=16, help="size sweep: tokens per stream before the kill")
+    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "elastic-ep" / "bench"),
+                        help="size sweep: where the checkpoints are written")
+    parser.add_argument("--baseline-src", default="", help="size sweep: also run each configuration with this "
+                        "source tree (its src/ directory), e.g. main's")
+    parser.add_argument("--baseline-sizes", default="", help="size sweep: the sizes to run the baseline for "
+                        "(default all)")
+    parser.add_argument("--serve-extra", default="", help="size sweep: more `serve` flags for this code's servers; "
+                        "';' separates variants, each run as a configuration of its own")
+    parser.add_argument("--backup", choices=["both", "on", "off"], default="both", help="size sweep: backup runs")
     args = parser.parse_args()
+    if args.sizes:
+        run_sizes(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         server = ServerProcess(serve_args(args.model), logs / "serve.log")
@@ -188,6 +384,9 @@ def main() -> None:
                 quiet.stop()
         finally:
             server.stop()
+    def median(runs: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
     kill_pause, hang_pause = median(kills, "pause_s"), median(hangs, "pause_s")
     restart_s = statistics.median(restarts)
     cost = statistics.median(a / b for a, b in zip(on, off, strict=True)) - 1

@@ -89,3 +89,22 @@ def test_abort_frees_a_running_sequence():
     s.abort(1)
     batch = s.schedule()
     assert batch.free[0] == [1] and batch.empty and not s.has_work
+
+
+def test_a_lost_ranks_requests_are_re_prefilled_a_budget_per_step_while_the_others_decode():
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=256, reprefill_tokens_per_step=8)
+    s.set_ranks([0, 1, 2])
+    for i in range(6):
+        s.add(seq(i, 10, max_tokens=40))
+    for _ in range(4):  # prefill, then three decode steps
+        run_step(s)
+    moved = s.evict_rank(2)
+    s.set_ranks([0, 1])
+    assert len(moved) == 2 and all(q.pending == 14 for q in moved)  # 10 prompt + 4 generated
+    moved_ids = {q.seq_id for q in moved}
+    for _ in range(4):
+        batch, _ = run_step(s)
+        per_seq = {c.seq_id: len(c.token_ids) for cs in batch.chunks.values() for c in cs}
+        assert [n for i, n in per_seq.items() if i not in moved_ids] == [1, 1, 1, 1]  # the others decode on
+        assert sum(n for i, n in per_seq.items() if i in moved_ids and n > 1) <= 8
+    assert all(q.pending == 1 and len(q.output) > 4 for q in moved)  # 28 tokens re-run, 8 a step: caught up

@@ -240,8 +240,9 @@ def _pair_holding_only_replicas(placement: dict) -> tuple[int, int]:
 
 def test_two_nodes_keep_each_others_backup_and_survive_a_kill(tmp_path):
     """Node0 runs ranks 0-2, node1 rank 3. The backup of an expert lives on the node after its
-    first replica's node, so the experts only rank 0 held are backed up on node1 and the node0
-    ranks that take them over fetch them through node1's agent."""
+    first replica's node, so the experts only rank 0 held are backed up on node1, and the restore
+    puts them on node1's rank 3, which reads them from its own node's backup: nothing crosses
+    nodes and nothing comes from disk."""
     server = Server(["--model", MODEL, "--ep-size", "4", "--local-ranks", "3", "--redundant-experts", "8",
                      "--restart-delay-s", "-1"], tmp_path / "serve.log", ready_timeout_s=None)
     agent = subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", server.controller_addr(),
@@ -253,8 +254,8 @@ def test_two_nodes_keep_each_others_backup_and_survive_a_kill(tmp_path):
         pid = server.pids()[0]
         texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGKILL))
         cluster = check_recovered(server, before, texts, {0}, "exited")
-        moved = recovery_events(cluster, before["epoch"])[0]["transfers"]
-        assert moved["backup_remote"]["bytes"] > 0
+        moved = {k: v["bytes"] for k, v in recovery_events(cluster, before["epoch"])[0]["transfers"].items()}
+        assert moved["backup"] > 0 and moved.get("backup_remote", 0) == 0 and moved.get("disk", 0) == 0, moved
         server.stop()
         assert agent.wait(20) == 0  # the controller's shutdown stops the other node's agent too
     finally:

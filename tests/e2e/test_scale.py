@@ -117,7 +117,7 @@ def test_three_recover_cycles_of_the_same_rank_under_load(server):
     assert not load.failures, load.failures[:3]
     events = server.http.get("/cluster", params={"since": last, "events": 0}).json()["events"]
     recovered = [e for e in events if e["kind"] == "recovered" and 2 in e["culprits"]]
-    assert len(recovered) == 3
+    assert len(recovered) >= 3
     # read once, copy many: a restarted rank maps its node agent's copy of the dense weights
     rejoined = [e for e in events if e["kind"] == "registered" and e["rank_id"] == 2]
     assert rejoined and all("(recover)" in e["message"] and e["dense_source"] == "host_memory" for e in rejoined)

@@ -1,7 +1,7 @@
 """A real node agent with real worker processes, driven by a stand-in controller (two ZeroMQ
 ROUTER sockets and a TCPStore): it starts ranks and reports them, fences one and confirms,
-reports another's death with its exit code, writes and serves its backup, and on shutdown
-stops everything and removes the backup file."""
+reports another's death with its exit code, writes its backup and serves it to another node, and
+on shutdown stops everything and removes the backup file."""
 
 from __future__ import annotations
 
@@ -13,12 +13,16 @@ from datetime import timedelta
 
 import psutil
 import pytest
+import torch
 import torch.distributed as dist
 import zmq
 
 from elastic_ep.harness.server_process import free_port
+from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.node.agent import NodeAgent
+from elastic_ep.node.exits import exit_code, open_stat
+from elastic_ep.runtime.experts import fetch_backup
 from elastic_ep.wire import (
     AgentAlive,
     AgentBye,
@@ -86,6 +90,18 @@ class StandInController:
         self.step.close()
 
 
+def can_no_longer_run(pid: int) -> bool:
+    """Gone, or its exit has begun (the agent confirms a fence then, before the kernel has freed it)."""
+    try:
+        fd = open_stat(pid)
+    except FileNotFoundError:
+        return True
+    try:
+        return exit_code(fd) is not None
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.e2e
 def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
     ctl = StandInController()
@@ -110,7 +126,7 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
 
         ctl.to_agent(FenceWorker(0, started[0], "test fence"))
         fenced = ctl.expect(ctl.health, WorkerFenced)
-        assert (fenced.rank_id, fenced.pid) == (0, started[0]) and not psutil.pid_exists(started[0])
+        assert (fenced.rank_id, fenced.pid) == (0, started[0]) and can_no_longer_run(started[0])
 
         ctl.to_agent(SignalWorker(1, started[1], signal.SIGKILL))
         exited = ctl.expect(ctl.health, WorkerExited)
@@ -119,6 +135,10 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
         ctl.to_agent(BackupAssign([(0, 0), (1, 5)]))
         ready = ctl.expect(ctl.health, BackupReady, timeout_s=60)
         assert ready.experts == [(0, 0), (1, 5)] and os.path.exists(ready.site.path) and ready.nbytes > 0
+        w13, w2 = fetch_backup(agent.fetch_addr, [(1, 5)], timeout_s=10)  # what another node's worker asks
+        reader = CheckpointReader(launch.model_dir)
+        e13, e2 = reader.read_experts(reader.config.moe_layers[1], [5])
+        assert torch.equal(w13, e13) and torch.equal(w2, e2)
 
         ctl.to_agent(AgentShutdown())
         ctl.expect(ctl.health, AgentBye)
@@ -180,7 +200,7 @@ def test_an_agent_that_stops_hearing_the_controller_fences_its_ranks_and_registe
         ctl.expect(ctl.step, WorkerHello)
         ctl.renewing = False  # the controller goes silent, as behind a cut link
         fenced = ctl.expect(ctl.health, WorkerFenced, timeout_s=10)
-        assert fenced.pid == pid and not psutil.pid_exists(pid)
+        assert fenced.pid == pid and can_no_longer_run(pid)
         again = ctl.expect(ctl.health, AgentHello, timeout_s=10)
         assert again.join_mode == "recover" and again.session != first.session
     finally:

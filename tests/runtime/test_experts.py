@@ -1,6 +1,7 @@
 """Expert slots filled from the checkpoint, then swapped between two real ranks at once
 (point-to-point in both directions, plus a local move): every slot ends with the weights of the
-checkpoint, and the checksums the controller compares are those of the source."""
+checkpoint, and the checksums the controller compares are those of the source. Slots restored
+from the node's backup are checksummed as they land, to the same values."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 from elastic_ep.control.epoch_plan import held_placement, split_by_rank
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.tiny import resolve_model
+from elastic_ep.node import backup_file
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.transfer import plan_transfers
 from elastic_ep.runtime.experts import ExpertSlots, expert_checksum
 from elastic_ep.runtime.group import EpochGroup
+from elastic_ep.wire import BackupSite, SlotSource
 
 from .ranks import run_ranks
 
@@ -34,10 +37,9 @@ def fill(slots, location, held, epoch, rank, store, reader):
     sources, sends = split_by_rank(plan, S)
     group = EpochGroup(epoch, [0, 1], rank, "gloo", torch.device("cpu"))
     group.form(store, 30, lambda: False)
-    stats, source_checksums = slots.apply(location.experts_of_rank(rank), sources[rank], sends[rank], group, reader,
-                                          {}, f"n{rank}", 5.0)
+    filled = slots.apply(location.experts_of_rank(rank), sources[rank], sends[rank], group, reader, {}, f"n{rank}", 5.0)
     group.destroy()
-    return {s.source: s.bytes_moved for s in stats if s.bytes_moved}, source_checksums
+    return {s.source: s.bytes_moved for s in filled.stats if s.bytes_moved}, filled.source_checksums
 
 
 def slots_rank(rank: int, world: int, store, model_dir: str):
@@ -66,3 +68,21 @@ def test_two_ranks_swap_every_expert_at_once_and_end_with_the_checkpoint_weights
         assert set(res["moved1"]) == {"disk"} and res["disk_sources"] == S * layers
         assert res["disk_sources_match"] and res["slots_match"]
         assert res["moved2"]["peer"] > 0 and res["moved2"]["local"] > 0
+
+
+def test_slots_restored_from_the_nodes_backup_are_checksummed_as_they_land(tmp_path, monkeypatch):
+    monkeypatch.setattr(backup_file, "READ_CHUNK_BYTES", 4096)  # several chunks per tensor
+    reader = CheckpointReader(resolve_model("tiny-deepseek-v3"))
+    cfg = reader.config
+    path, _ = backup_file.write_backup(reader, [(0, 3), (1, 7), (2, 9)], "n0", directory=str(tmp_path), dense=False)
+    slots = ExpertSlots(cfg.moe_layers, 2, cfg.moe_intermediate_size, cfg.hidden_size)
+    new = np.full((len(cfg.moe_layers), 2), -1)
+    new[0, 1], new[1, 0] = 3, 7
+    sources = [SlotSource(0, 1, 3, "backup", src_node="n0"), SlotSource(1, 0, 7, "backup", src_node="n0")]
+    filled = slots.apply(new, sources, [], EpochGroup(1, [0], 0, "gloo", torch.device("cpu")), reader,
+                         {"n0": BackupSite("n0", path, "")}, "n0", 1.0)
+    assert filled.checked == slots.checksums([(0, 1), (1, 0)])  # what a second pass would have found
+    for (layer, slot), expert in (((0, 1), 3), ((1, 0), 7)):
+        w13, w2 = reader.read_experts(cfg.moe_layers[layer], [expert])
+        assert filled.checked[(layer, slot)] == expert_checksum(w13[0], w2[0])
+    assert {s.source: s.bytes_moved for s in filled.stats}["backup"] == 2 * reader.expert_nbytes

@@ -1,6 +1,6 @@
 """An epoch's process group on real processes: it forms, a newer epoch abandons a forming one,
-a member that never arrives is named, and a peer that dies makes the collective raise instead of
-hanging."""
+a member that never arrives is named, a peer that dies makes the collective raise instead of
+hanging, and an expert exchange with a peer that comes late (many abort polls later) completes."""
 
 from __future__ import annotations
 
@@ -42,6 +42,20 @@ def never_arrives(rank: int, world: int, store):
     except EpochSuperseded as e:
         return str(e)
     return "formed"
+
+
+def late_exchange(rank: int, world: int, store):
+    """Every member sends each other one buffer of its own length; rank 1 comes 0.4 s late."""
+    group = EpochGroup(8, list(range(world)), rank, "gloo", torch.device("cpu"))
+    group.form(store, 30, lambda: False)
+    group.exchange({}, {})  # a member that moves nothing still takes part
+    if rank == 1:
+        time.sleep(0.4)
+    others = [p for p in range(world) if p != rank]
+    recvs = {p: torch.empty(5 + rank) for p in others}
+    group.exchange({p: torch.full((5 + p,), float(rank)) for p in others}, recvs)
+    group.destroy()
+    return {p: r.tolist() for p, r in recvs.items()}
 
 
 def peer_dies(rank: int, world: int, store):
@@ -113,3 +127,11 @@ def test_an_aborted_epoch_frees_a_collective_waiting_on_a_stopped_peer():
     (survivor,) = run_ranks(aborted_while_waiting, 2, answering=[0])
     assert survivor["raised"] and "aborted the epoch" in survivor["raised"]
     assert survivor["next_epoch"] == [7.0]  # the broken group is left behind, the next one forms
+
+
+@pytest.mark.e2e
+def test_an_exchange_waits_out_a_late_peer():
+    # gloo closes every pair when a point-to-point wait times out; the exchange's polls must not
+    results = run_ranks(late_exchange, 3)
+    for rank, got in enumerate(results):
+        assert got == {p: [float(p)] * (5 + rank) for p in range(3) if p != rank}

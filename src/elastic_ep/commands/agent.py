@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --auto-recover: wait before the first restart, doubled per death in a row (default 1)")
     parser.add_argument("--restart-backoff-max-s", type=float, default=30.0,
                         help="with --auto-recover: longest wait between restarts (default 30)")
+    parser.add_argument("--exit-poll-interval-s", type=float, default=0.005,
+                        help="how often the workers' /proc stat is read, so a worker's death is reported when "
+                             "it begins, not once its memory is freed (default 0.005)")
     parser.add_argument("--advertise-host", default=None,
                         help="this host's address: other nodes reach its agent (backup, dense weights) and its ranks' "
                              "data plane there (default: the address of the interface that reaches the controller)")
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     host = args.advertise_host or address_towards(controller)
     agent = NodeAgent(controller, args.node, host, args.ranks, args.stop_grace_s, args.join_mode,
                       args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
-                      standalone=True, hardware_interval_s=args.hardware_interval_s)
+                      exit_poll_s=args.exit_poll_interval_s, standalone=True,
+                      hardware_interval_s=args.hardware_interval_s)
     print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -43,7 +43,7 @@ PROMPTS = [
     "2 4 6 8 10",
     "Once the group recovers",
 ]
-SHOWN_EVENTS = ("fault", "fencing", "epoch", "recovered", "degraded", "epoch-failed", "request-error")
+SHOWN_EVENTS = ("fault", "fencing", "epoch", "recovered", "rebalanced", "degraded", "epoch-failed", "request-error")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -230,7 +230,7 @@ def event_lines(events: list[dict], kill_time_s: float, seen: set[tuple]) -> lis
         seen.add(key)
         after = f"+{fmt_ms(e['time_s'] - kill_time_s)}"
         if e["kind"] == "epoch":
-            lines.append(f"    {after:>10}  new epoch {e['epoch']} with ranks {e['members']} "
+            lines.append(f"    {after:>10}  new epoch {e['epoch']} ({e.get('reason', '')}) with ranks {e['members']} "
                          f"(formed in {fmt_ms(e['epoch_change_s'])})")
         else:
             lines.append(f"    {after:>10}  {e['kind']}: {e['message']}")
@@ -291,11 +291,13 @@ def breakdown_rows(recovery: dict) -> list[list[str]]:
     return [
         ["detect", fmt_ms(recovery["detect_s"]), f"kill to the controller's verdict: {recovery['fault_cause']}"],
         ["fence", fmt_ms(recovery["detect_to_fence_s"]), "agent confirms the rank is gone; survivors leave the step"],
-        ["placement", fmt_ms(recovery["placement_s"]), f"new expert placement over ranks {recovery['members']}"],
+        ["placement", fmt_ms(recovery["placement_s"]), f"experts without a live copy placed on ranks {recovery['members']}"],
         ["group rebuild", fmt_ms(recovery["rendezvous_s"]), "new process group over the survivors"],
-        ["transfers", fmt_ms(recovery["transfer_s"]), f"experts moved by source: {moved or 'none'}"],
-        ["verify", fmt_ms(recovery["verify_s"]), "checksums of every expert slot"],
-        ["recompute", fmt_ms(recovery["recompute_s"]), "first step of the new epoch, re-prefilling the lost rank's requests"],
+        ["transfers", fmt_ms(recovery["transfer_s"]), f"experts restored by source: {moved or 'none'}"
+         + (f" (disk: {recovery['disk_reason']})" if recovery.get("disk_reason") else "")],
+        ["verify", fmt_ms(recovery["verify_s"]), f"checksums of the {recovery.get('verified_slots', 0)} slots filled"],
+        ["recompute", fmt_ms(recovery["recompute_s"]), "first step of the new epoch (re-prefill of the lost rank's "
+         "requests starts)"],
         # A step already past the dead rank's collectives may still deliver tokens after the
         # kill, so the largest gap a client sees can be shorter than this.
         ["total", fmt_ms(recovery["detect_s"] + recovery["total_s"]), "kill to serving again"],

@@ -62,6 +62,8 @@ HELP = {
     "max_num_seqs": "sequences in flight per rank",
     "max_model_len": "longest prompt plus output, tokens",
     "max_num_batched_tokens": "tokens per rank per step (chunked prefill)",
+    "reprefill_tokens_per_step": "tokens per step, over all ranks, of re-prefilling the requests of a lost rank, so "
+                                 "the others keep decoding at their pace (0: no limit)",
     "padded_dispatch_max_tokens": "steps whose busiest rank runs at most this many tokens dispatch fixed-size "
                                   "blocks, one all-to-all fewer per layer (0: never)",
     "enable_dbo": "two micro-batches per step (vLLM's dual batch overlap): one's dispatch and combine are in "
@@ -104,8 +106,14 @@ HELP = {
                              "then move to the others",
     "health_checks": "heartbeat and watchdog detection (off only to measure their cost)",
     "health_check_period_s": "how often the controller runs the heartbeat and watchdog checks",
+    "exit_poll_interval_s": "how often this node's agent reads its workers' /proc stat, so a worker's death is "
+                            "reported when it begins, not once the kernel has freed its memory",
     "expert_sweep_interval_s": "background check of expert slots: how often each rank checksums a few slots",
     "expert_sweep_slots": "slots each rank checksums per background check (0: no background check)",
+    "rebalance_move_bytes": "after a recovery or rejoin (which restore only the experts that lost every copy) and "
+                            "for EPLB, experts move towards balance in the background: at most this many bytes "
+                            "per move, one move between steps",
+    "rebalance_every_steps": "steps served between two moves of the background rebalance",
     "isolation_max_steps": "a step that fails with every rank alive is re-run without suspect requests to find the "
                            "one at fault; after this many steps the remaining suspects end with an error",
     "agent_timeout_s": "a node whose agent is silent this long is lost (host down or cut off): its ranks are "
@@ -180,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     agent_thread = threading.Thread(name="agent", daemon=True)
     if local_ranks:
         agent = NodeAgent(controller.health_addr, args.node, cfg.control_host, local_ranks, lease_s=cfg.lease_s,
-                          hardware_interval_s=cfg.hardware_interval_s)
+                          hardware_interval_s=cfg.hardware_interval_s,
+                          exit_poll_s=cfg.exit_poll_interval_s)
         agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
         agent_thread.start()
     # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.

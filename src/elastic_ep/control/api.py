@@ -175,6 +175,7 @@ class Engine(Protocol):
            "data_plane": {"all2all_backend", "enable_dbo", "dbo_min_tokens", "padded_dispatch_max_tokens",
                           "dp_align", "dp_align_min_chunk", "dp_migrate", "dp_migrate_patience",
                           "nodes": {node: [member rank_ids]}},   # the host groups of this epoch
+           "rebalance": {"active": bool, "reason": str | None, "moves": int, "slots": int},  # background
            "events": [{"id": int, "time_s": unix seconds, "kind": str, "rank_id": int | None,
                        "message": str, ...details}, ...]}
         Rank states are `control.ranks.RankStatus` values: starting, standby, serving, draining,

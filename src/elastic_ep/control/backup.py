@@ -11,7 +11,9 @@ from elastic_ep.placement.location import ExpertLocation
 
 def backup_shares(location: ExpertLocation, rank_nodes: dict[int, str], nodes: list[str]) -> dict[str, list[tuple[int, int]]]:
     """node -> [(layer, expert)] it backs up: each (layer, expert) once, on the next node after
-    the node of its first replica (round robin over `nodes`), the same node when there is one."""
+    the node of its first replica (round robin over `nodes`), the same node when there is one.
+    Each node's list is in the order to write it: fewest replicas first, since a rank's loss can
+    only take every copy of an expert with few copies."""
     shares: dict[str, list[tuple[int, int]]] = {n: [] for n in nodes}
     for layer in range(location.num_layers):
         for expert in range(location.num_experts):
@@ -19,4 +21,4 @@ def backup_shares(location: ExpertLocation, rank_nodes: dict[int, str], nodes: l
             home = rank_nodes.get(location.rank_of_slot(first), nodes[0]) if first >= 0 else nodes[0]
             i = nodes.index(home) if home in nodes else 0
             shares[nodes[(i + 1) % len(nodes)]].append((layer, expert))
-    return shares
+    return {n: sorted(items, key=lambda item: (int(location.logcnt[item]), item)) for n, items in shares.items()}

@@ -40,6 +40,10 @@ class ClusterState:
         self.delay_s: dict[int, float] = {}  # chaos: added seconds per step, by rank
         self.broken: dict[int, str] = {}  # chaos: rank -> where every step of it raises
         self.restart_at: dict[int, float] = {}  # rank -> monotonic time its restart is due
+        # The host-memory backup, for saying why an expert came from disk (`why_disk`):
+        self.backup_off = "the backup is written once the first epoch serves"  # "" when on
+        self.backup_progress: dict[str, tuple[int, int]] = {}  # node -> (experts written, share) while writing
+        self.backup_lost: dict[str, str] = {}  # node -> why its backup can no longer be used
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -81,6 +85,16 @@ class ClusterState:
     def backup_map(self) -> dict[tuple[int, int], str]:
         """(layer, expert) -> the node whose backup holds it."""
         return {tuple(item): a.node for a in self.agents.values() if a.backup is not None for item in a.backup_experts}
+
+    def why_disk(self) -> str:
+        """Why a transfer plan reads experts from disk: the backup is off, still being written,
+        or gone with its node; else no backup holds them."""
+        if self.backup_off:
+            return self.backup_off
+        why = [f"node {n}'s backup is still being written ({done} of {share} experts)"
+               for n, (done, share) in self.backup_progress.items()]
+        why += [f"node {n}'s backup is gone: {reason}" for n, reason in self.backup_lost.items()]
+        return "; ".join(why) or "no node's backup holds these experts"
 
     def dense_site(self, node: str) -> BackupSite | None:
         """An agent with the dense weights in host memory: the rank's own node first."""

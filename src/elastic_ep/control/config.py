@@ -32,6 +32,7 @@ class ServeConfig:
     max_num_seqs: int = 32
     max_model_len: int = 1024
     max_num_batched_tokens: int = 256
+    reprefill_tokens_per_step: int = 64
     padded_dispatch_max_tokens: int = 16
     enable_dbo: bool = False
     dbo_min_tokens: int = 2
@@ -65,8 +66,11 @@ class ServeConfig:
     scale_drain_timeout_s: float = 5.0
     health_checks: bool = True
     health_check_period_s: float = 0.02
+    exit_poll_interval_s: float = 0.005
     expert_sweep_interval_s: float = 0.5
     expert_sweep_slots: int = 4
+    rebalance_move_bytes: int = 32 * 2**20
+    rebalance_every_steps: int = 1
     isolation_max_steps: int = 24
     heartbeat_suspect_s: float = 0.5
     stall_floor_s: float = 1.0
@@ -174,7 +178,8 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
     if cfg.ep_size < 1:
         raise ElasticEPError(f"--ep-size must be at least 1, got {cfg.ep_size}")
     redundancy = resolve_redundancy(cfg, config, expert_nbytes)
-    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval"):
+    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval", "rebalance_move_bytes",
+                 "rebalance_every_steps"):
         if getattr(cfg, name) < 1:
             raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.max_model_len > config.max_position_embeddings:

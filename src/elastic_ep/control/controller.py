@@ -4,16 +4,18 @@ It owns every socket (`ControlPlane`) and all cluster state (`ClusterState`), an
 between the step loop and handling what arrives. At each step boundary it decides, in order:
 recover (pending faults), move a scale on, admit registered ranks (rejoin) up to the target size
 (the rest stand by), keep the standby ranks, refill slots that failed their check, act on
-stragglers, rebalance experts (EPLB), check a few slots in the background, run a step.
+stragglers, move experts towards balance (after a recovery or rejoin, or for EPLB), check a few
+slots in the background, run a step.
 Every wait anywhere (a step, a fence, an epoch forming) goes through `pump`, which keeps
 heartbeats, agent reports and HTTP commands flowing and runs the detector; a fault found while
 waiting ends the wait with `RecoveryNeeded`, and the loop recovers.
 
 The roles and where they live (docs/ARCHITECTURE.md has the full table):
 detection `detector.py` (rules in `health.py`), one step `step_loop.py`, fence / drain /
-degrade `recovery.py`, placement + transfers + verification `epoch_change.py`, EPLB
-`rebalance.py`, scaling `scale_driver.py` (rules in `scaling.py`), agents and rank processes
-`nodes.py`, warm standby ranks `standby.py`, the straggler policy `straggler_control.py` (rules in
+degrade `recovery.py`, placement + transfers + verification `epoch_change.py`, the background
+rebalance and EPLB `background_rebalance.py` (decisions in `rebalance.py`), scaling
+`scale_driver.py` (rules in `scaling.py`), agents and rank processes `nodes.py`, warm standby
+ranks `standby.py`, the straggler policy `straggler_control.py` (rules in
 `policy/straggler_policy.py`), hardware signals `hardware.py`, the HTTP side `engine.py`
 (commands in `commands.py`).
 """
@@ -55,6 +57,7 @@ from elastic_ep.wire import (
 )
 
 from .api import EngineInfo, RequestOutput, ScaleRejected
+from .background_rebalance import BackgroundRebalance
 from .chaos import ChaosInjector
 from .cluster import ClusterState
 from .commands import (
@@ -75,7 +78,7 @@ from .metrics import ClusterMetrics
 from .nodes import Nodes
 from .publisher import Publisher
 from .ranks import RankStatus
-from .rebalance import eplb_due, load_estimate, plan_rebalance
+from .rebalance import load_estimate
 from .recorder import ExpertRecorder
 from .recovery import Recovery
 from .scale_driver import ScaleDriver
@@ -112,7 +115,8 @@ class Controller:
         num_layers = len(self.config.moe_layers)
         registry = registry or CollectorRegistry()
         self.metrics = ClusterMetrics(registry)
-        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.align_rule())
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.align_rule(),
+                                   cfg.reprefill_tokens_per_step)
         self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.streams = Streams(self.scheduler)
@@ -134,6 +138,7 @@ class Controller:
         self.hardware = HardwareSignals(registry, self.cluster.events)
         self.stragglers = StragglerControl(self)
         self.sweeper = SlotSweeper(self.cluster, cfg, self.plane, self.changer)
+        self.rebalancer = BackgroundRebalance(self)
         self.chaos = ChaosInjector(self)
         self.published = Published()
         self._commands: queue.Queue[Command] = queue.Queue()
@@ -142,7 +147,6 @@ class Controller:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_fatal = None  # called from the control thread when the loop dies
-        self._last_eplb_step = -1
         self.publisher = Publisher(self)
         self.publish()
 
@@ -298,13 +302,14 @@ class Controller:
                                 cause=fault.detail, signal=fault.cause.value)
 
     def form_epoch(self, live: list[int], reason: str, new: ExpertLocation | None = None,
-                   holding: list[int] | None = None) -> EpochReport | None:
+                   holding: list[int] | None = None, restore: bool = False,
+                   reuse_group: bool = False) -> EpochReport | None:
         """A new epoch over `live` (see EpochChanger.change). Returns its report, or None when no
         placement exists (the cluster degrades). Raises RecoveryNeeded when it did not form."""
         c = self.cluster
         first = c.location is None
         self.detector.new_epoch()
-        outcome = self.changer.change(live, self.load(), new, holding)
+        outcome = self.changer.change(live, self.load(), new, holding, restore, reuse_group)
         if isinstance(outcome, NoPlacement):
             self.recovery.degrade(live, outcome.reason)
             return None
@@ -331,7 +336,8 @@ class Controller:
         c.set_readiness(True)
         c.events.add(EventKind.EPOCH, f"epoch {c.epoch} ({reason}) with ranks {live}", reason=reason,
                      **report.fields())
-        self.recovery.epoch_formed(report)
+        if not reuse_group:  # a background move or refill is not the recovery's epoch
+            self.recovery.epoch_formed(report)
         if first:
             self.nodes.start_backup()
         self.publish()
@@ -381,7 +387,8 @@ class Controller:
             return
         joiners = self.joiners()
         if joiners and c.can_serve(c.members + joiners):
-            self.form_epoch(sorted(c.members + joiners), "rejoin")
+            self.rebalancer.request("rejoin")  # first: no snapshot may show the new epoch settled
+            self.form_epoch(sorted(c.members + joiners), "rejoin", restore=True)
             return
         self.standby.park()
         if not self.scaling.active:
@@ -392,13 +399,14 @@ class Controller:
             return
         if self.changer.suspect_slots:
             bad = sorted(self.changer.suspect_slots)
-            self.form_epoch(list(c.members), f"refill slots (rank, layer, slot) {bad[:5]}", new=c.location)
+            self.form_epoch(list(c.members), f"refill slots (rank, layer, slot) {bad[:5]}", new=c.location,
+                            reuse_group=True)
             return
         if not self.scaling.active and self.stragglers.review(time.monotonic()):
             return
-        if self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, len(self.steps.load_window),
-                                             self._last_eplb_step):
-            self._rebalance()
+        self.rebalancer.check_eplb()
+        if self.rebalancer.due():
+            self.rebalancer.advance()
             return
         self.sweeper.sweep()
         if not self.scheduler.has_work:
@@ -407,17 +415,6 @@ class Controller:
         wall_s = self.steps.run()
         if wall_s is not None:
             self.recovery.step_completed(wall_s)
-
-    def _rebalance(self) -> None:
-        c = self.cluster
-        self._last_eplb_step = c.step
-        assert c.location is not None
-        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self.stragglers.placement_speeds(),
-                              self.cfg.eplb_threshold)
-        if plan is None:
-            return
-        self.metrics.eplb_rebalances.inc()
-        self.form_epoch(c.members, f"eplb: imbalance {plan.before:.2f} -> {plan.after:.2f}", new=plan.placement)
 
     # ---- snapshot ----------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ class EventKind(str, Enum):
     EPOCH_FAILED = "epoch-failed"  # an epoch did not form
     VERIFY_FAILED = "verify-failed"  # slots hold weights other than their expert's
     RECOVERED = "recovered"  # the first step after a fault completed (the recovery record)
+    REBALANCED = "rebalanced"  # the background rebalance reached its target (moves, time, balance)
     DEGRADED = "degraded"  # too few ranks (or no placement): not ready
     REQUEST_ERROR = "request-error"  # requests ended with an error
     BACKUP = "backup"  # a node's host-memory backup was written (or is off)

@@ -85,13 +85,11 @@ class Nodes:
         """Drop every agent silent for --agent-timeout-s; its node's ranks are faults."""
         timeout_s = self.ctl.cfg.agent_timeout_s
         for agent in [a for a in self.cluster.agents.values() if now - a.last_alive > timeout_s]:
-            self.cluster.agents.pop(agent.node)
             self.cluster.events.add(EventKind.NODE_LOST, f"node {agent.node} lost: no word from its agent for "
                                     f"{timeout_s:g}s (host down or cut off); its ranks fence themselves within "
                                     "their lease", node=agent.node)
-            if agent.backup is not None:
-                self.cluster.events.add(EventKind.BACKUP_LOST, f"node {agent.node}'s backup is gone: its node is "
-                                        "lost", node=agent.node)
+            self.drop_backup(agent.node, "its node is lost")
+            self.cluster.agents.pop(agent.node)
             for r in self.cluster.ranks.values():
                 if r.node == agent.node and r.status == RankStatus.FENCING:  # no one left to confirm it
                     r.status = RankStatus.DEAD
@@ -243,29 +241,42 @@ class Nodes:
     def start_backup(self) -> None:
         """Give every agent its share of the expert backup, if memory allows."""
         c, cfg = self.cluster, self.ctl.cfg
-        if not cfg.expert_backup:
-            c.events.add(EventKind.BACKUP, "expert backup disabled (--no-expert-backup)")
-            return
         total = self.ctl.reader.expert_nbytes * c.num_layers * c.num_experts
         room = psutil.virtual_memory().available
-        if total > room // 2:
-            c.events.add(EventKind.BACKUP, f"expert backup off: {total} bytes exceed half the free memory ({room})")
+        if not cfg.expert_backup:
+            c.backup_off = "the expert backup is off (--no-expert-backup)"
+        elif total > room // 2:
+            c.backup_off = f"the expert backup is off: {total} bytes exceed half the free memory ({room})"
+        else:
+            c.backup_off = ""
+        if c.backup_off:
+            c.events.add(EventKind.BACKUP, c.backup_off)
             return
         assert c.location is not None
         for node, items in backup_shares(c.location, c.rank_nodes(), sorted(c.agents)).items():
+            c.backup_progress[node] = (0, len(items))
             self.ctl.plane.to_identity(c.agents[node].identity, BackupAssign(items))
 
     def on_backup_ready(self, msg: BackupReady) -> None:
-        agent = self.cluster.agents.get(msg.node)
-        if agent is not None:
-            agent.backup, agent.backup_experts = msg.site, msg.experts
-            self.cluster.events.add(
-                EventKind.BACKUP, f"node {msg.node} holds {len(msg.experts)} experts in host memory "
-                f"({msg.nbytes} bytes)", nbytes=msg.nbytes, path=msg.site.path)
+        """A piece of a node's backup is written: plan transfers from it at once."""
+        c = self.cluster
+        agent = c.agents.get(msg.node)
+        if agent is None or msg.node in c.backup_lost:
+            return
+        agent.backup = msg.site
+        agent.backup_experts = agent.backup_experts + list(msg.experts)
+        if len(agent.backup_experts) < msg.share:
+            c.backup_progress[msg.node] = (len(agent.backup_experts), msg.share)
+            return
+        c.backup_progress.pop(msg.node, None)
+        c.events.add(EventKind.BACKUP, f"node {msg.node} holds {len(agent.backup_experts)} experts in host memory "
+                     f"({msg.nbytes} bytes)", nbytes=msg.nbytes, path=msg.site.path)
 
     def drop_backup(self, node: str, why: str) -> None:
         """Stop planning transfers from a node's backup (and dense weights from it)."""
         agent = self.cluster.agents.get(node)
         if agent is not None and agent.backup is not None:
             agent.backup, agent.backup_experts = None, []
+            self.cluster.backup_progress.pop(node, None)
+            self.cluster.backup_lost[node] = why
             self.cluster.events.add(EventKind.BACKUP_LOST, f"node {node}'s backup is gone: {why}", node=node)

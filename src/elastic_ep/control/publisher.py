@@ -92,7 +92,7 @@ class Publisher:
             health=vars(health), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view(),
             straggler_policy=ctl.stragglers.view(now), hardware=ctl.hardware.view(),
             standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()},
-            data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()})
+            data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status())
         self._set_gauges(now, readiness, liveness)
 
     def _note_stall(self, now: float, stalled: str | None) -> None:

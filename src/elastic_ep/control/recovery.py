@@ -73,6 +73,7 @@ class Recovery:
         """Fence, drain, then a new epoch over the live ranks (or degrade)."""
         ctl, c = self.ctl, self.cluster
         t0 = time.monotonic()
+        ctl.rebalancer.cancel()
         self.fence_and_drain()
         fence_s = time.monotonic() - t0
         culprits, errors, detected_at = ctl.detector.take()
@@ -110,7 +111,9 @@ class Recovery:
         if not c.can_serve(holding):
             self.degrade(holding)
             return
-        ctl.form_epoch(live, "recovery", holding=holding)
+        ctl.rebalancer.request("recovery")  # first: no snapshot may show the new epoch settled
+        if ctl.form_epoch(live, "recovery", holding=holding, restore=True) is None:
+            ctl.rebalancer.cancel()
 
     def fence_and_drain(self) -> None:
         """Fence every culprit and wait until every other member has left the failed step; a

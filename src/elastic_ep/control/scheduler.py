@@ -9,7 +9,9 @@ prefills placed again, a decoding sequence moved off a rank that stays the busie
 `max_num_seqs` sequences per rank, `max_num_batched_tokens` tokens per rank per step.
 
 The scheduler holds every sequence's prompt and generated tokens, so a sequence whose rank
-died is simply re-prefilled elsewhere (`evict_rank`): prompt plus tokens so far.
+died is simply re-prefilled elsewhere (`evict_rank`): prompt plus tokens so far, at most
+`reprefill_tokens_per_step` tokens of such sequences per step over all ranks, so the survivors'
+decode is not held up by one long step (every rank waits for the slowest in each MoE layer).
 Nothing here does I/O; the controller calls `schedule`, runs the step, then `commit`.
 """
 
@@ -88,11 +90,17 @@ class StepBatch:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, align: AlignRule | None = None):
+    """align: the per-step DP alignment rule (off by default); reprefill_tokens_per_step: how many
+    tokens of re-prefill (a lost rank's requests run again elsewhere) one step may hold, 0 for no
+    limit, so that the other requests decode on while a recovery's work is caught up."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, align: AlignRule | None = None,
+                 reprefill_tokens_per_step: int = 0):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.align = align or AlignRule(enabled=False, migrate="off")
         self.balance = DecodeBalance(self.align.patience)
+        self.reprefill_tokens_per_step = reprefill_tokens_per_step
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, list[Sequence]] = {}
         self.to_free: dict[int, list[int]] = {}
@@ -161,6 +169,7 @@ class Scheduler:
         """Plan the next step over the ranks given to `set_ranks`."""
         budget, align = self.max_num_batched_tokens, self.align
         unstarted = self._take_unstarted() if align.enabled else []
+        reprefill_left = self.reprefill_tokens_per_step or budget * max(len(self.running), 1)
         room = sum(max(self.max_num_seqs - len(seqs), 0) for r, seqs in self.running.items() if r not in self.draining)
         admitted = unstarted + [self.waiting.popleft() for _ in range(min(room - len(unstarted), len(self.waiting)))]
         # Longest first onto the least loaded rank: the classic greedy for even sums.
@@ -183,7 +192,13 @@ class Scheduler:
         for rank, seqs in active.items():
             used = 0
             for seq in sorted(seqs, key=lambda q: not q.decoding) if align.enabled else seqs:
-                used += self._plan(seq, chunks[rank], caps[rank] - used)
+                room = caps[rank] - used
+                if seq.output and seq.pending > 1:  # a re-prefill: its rank was lost, or it moved
+                    n = self._plan(seq, chunks[rank], min(room, reprefill_left))
+                    reprefill_left -= n
+                else:
+                    n = self._plan(seq, chunks[rank], room)
+                used += n
         free = {r: self.to_free[r] for r in self.running}
         self.to_free = {r: [] for r in self.running}
         moves = [moved] if isinstance(moved, KVMove) else []

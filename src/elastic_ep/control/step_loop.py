@@ -91,7 +91,7 @@ class StepLoop:
             self.plane.to_worker(rank_id, StepPlan(
                 c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
                 c.delay_s.get(rank_id, 0.0), dispatch_rows, c.broken.get(rank_id, ""), micro_batches,
-                [m for m in batch.moves if rank_id in (m.src_rank, m.dst_rank)],
+                batch.moves,
             ))
         while len(self.replies) < len(c.members):
             self.pump(0.002)

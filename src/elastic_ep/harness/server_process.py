@@ -30,15 +30,18 @@ class ServerProcess:
     ready_timeout_s: how long to wait for GET /ready to answer 200 (default 120 s); None: do not
     wait (call `wait_ready` later, e.g. after starting agents on other nodes). `popen` starts
     the process (e.g. a test bed host's, to run it in a network namespace; then give `port`).
+    env: variables set for the server on top of this process's (e.g. PYTHONPATH of another
+    source tree).
     """
 
     def __init__(self, args: list[str], log_path: str | Path, ready_timeout_s: float | None = 120.0,
-                 host: str = "127.0.0.1", port: int | None = None, popen=subprocess.Popen):
+                 host: str = "127.0.0.1", port: int | None = None, popen=subprocess.Popen,
+                 env: dict[str, str] | None = None):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = popen(
             [sys.executable, "-m", "elastic_ep.cli", "serve", "--host", host, "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
@@ -82,9 +85,11 @@ class ServerProcess:
         raise TimeoutError(f"{what} not reached within {timeout_s}s: {json.dumps(self.cluster())[:3000]}")
 
     def wait_full_group(self, ep_size: int, timeout_s: float = 60.0) -> dict:
-        """Wait until `ep_size` ranks serve and the server is ready."""
+        """Wait until `ep_size` ranks serve, the server is ready and no background rebalance is
+        under way (a fault injected next lands in a quiet group)."""
         return self.wait_for(
-            lambda c: c["ready"] and len(c["members"]) == ep_size and all(r["state"] == "serving" for r in c["ranks"]),
+            lambda c: c["ready"] and len(c["members"]) == ep_size and all(r["state"] == "serving" for r in c["ranks"])
+            and not c.get("rebalance", {}).get("active"),
             timeout_s, f"all {ep_size} ranks serving",
         )
 

@@ -146,19 +146,25 @@ class CheckpointReader:
         Returns w13: [n, 2I, H] (gate rows then up rows) and w2: [n, H, I], n = len(expert_ids),
         in `self.dtype` on `device`.
         """
-        cfg = self.config
-        if layer not in cfg.moe_layers:
-            raise CheckpointError(f"layer {layer} has no routed experts; MoE layers are {cfg.moe_layers}")
-        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        hidden, inter = self.config.hidden_size, self.config.moe_intermediate_size
         w13 = torch.empty(len(expert_ids), 2 * inter, hidden, dtype=self.dtype, device=device)
         w2 = torch.empty(len(expert_ids), hidden, inter, dtype=self.dtype, device=device)
         for i, expert in enumerate(expert_ids):
-            if not 0 <= expert < cfg.num_experts:
-                raise CheckpointError(f"expert {expert} is out of range; layer {layer} has {cfg.num_experts}")
-            w13[i, :inter] = self._expert_tensor(layer, expert, "gate_proj", (inter, hidden))
-            w13[i, inter:] = self._expert_tensor(layer, expert, "up_proj", (inter, hidden))
-            w2[i] = self._expert_tensor(layer, expert, "down_proj", (hidden, inter))
+            w13[i, :inter], w13[i, inter:], w2[i] = self.expert_projections(layer, expert)
         return w13, w2
+
+    def expert_projections(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate [I, H], up [I, H] and down [H, I] of one routed expert, in `self.dtype` on the CPU
+        (views of the mapped file where it holds that dtype: copy them to keep them)."""
+        cfg = self.config
+        if layer not in cfg.moe_layers:
+            raise CheckpointError(f"layer {layer} has no routed experts; MoE layers are {cfg.moe_layers}")
+        if not 0 <= expert < cfg.num_experts:
+            raise CheckpointError(f"expert {expert} is out of range; layer {layer} has {cfg.num_experts}")
+        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        return (self._expert_tensor(layer, expert, "gate_proj", (inter, hidden)),
+                self._expert_tensor(layer, expert, "up_proj", (inter, hidden)),
+                self._expert_tensor(layer, expert, "down_proj", (hidden, inter)))
 
     def _expert_tensor(self, layer: int, expert: int, proj: str, shape: tuple[int, int]) -> torch.Tensor:
         name = expert_key(layer, expert, proj)

@@ -21,6 +21,8 @@ import torch
 
 from elastic_ep.errors import ElasticEPError
 
+from .memory import huge_zeros
+
 
 class CacheCapacityError(ElasticEPError):
     """A sequence does not fit: too many sequences at once, or longer than max_model_len."""
@@ -75,9 +77,7 @@ class KVCache:
         self._free_slots = list(range(max_seqs - 1, -1, -1))  # pop() hands out the lowest row first
 
     def _zeros(self, dim: int, device: torch.device | str) -> torch.Tensor:
-        return torch.zeros(
-            self.max_seqs, self.shape.kv_heads, self.capacity, dim, dtype=self.dtype, device=device
-        )
+        return huge_zeros(self.max_seqs, self.shape.kv_heads, self.capacity, dim, dtype=self.dtype, device=device)
 
     @property
     def bytes_per_token(self) -> int:
@@ -154,13 +154,8 @@ class KVCache:
         while capacity < needed:
             capacity *= 2
         capacity = min(capacity, self.max_model_len)
-        pad = capacity - self.capacity
-
-        def grown(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t.new_zeros(*t.shape[:2], pad, t.shape[3])], dim=2)
-
-        self.keys = [grown(k) for k in self.keys]
-        self.values = [grown(v) for v in self.values]
+        self.keys = [_grown(k, capacity) for k in self.keys]
+        self.values = [_grown(v, capacity) for v in self.values]
         self.capacity = capacity
 
     def read(self, seq_id: int, num_tokens: int) -> torch.Tensor:
@@ -215,3 +210,10 @@ class KVCache:
         if self.shape.values_in_keys:
             return keys, keys[..., : self.shape.v_dim]
         return keys, self.values[layer][rows, :, :max_len]
+
+
+def _grown(cache: torch.Tensor, capacity: int) -> torch.Tensor:
+    """cache [seqs, heads, n, dim] copied into a zeroed [seqs, heads, capacity, dim]."""
+    out = huge_zeros(*cache.shape[:2], capacity, cache.shape[3], dtype=cache.dtype, device=cache.device)
+    out[:, :, : cache.shape[2]] = cache
+    return out

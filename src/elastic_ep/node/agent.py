@@ -1,11 +1,13 @@
 """The node agent: starts and supervises the node's workers, fences them on order, and keeps
 the node's share of the expert backup in shared memory.
 
-It reports a worker's exit the moment it happens (one thread blocked in `wait()` per worker),
-kills a rank on the controller's `FenceWorker` and confirms once the process is gone, sends
-signals for fault injection, and answers `BackupFetch` and `DenseFetch` from workers of other
-nodes on its own ROUTER socket. It holds a lease on the controller (node/lease.py): cut off
-for `lease_s`, it kills its workers itself and registers again in recover mode. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
+It reports a worker's exit the moment it begins (a thread polls the workers' /proc stat every
+`exit_poll_s`, see `exits.py`; one thread blocked in `wait()` per worker reaps it and reports an
+exit the poll missed), kills a rank on the controller's `FenceWorker` and confirms once the
+process can no longer run, sends signals for fault injection, and answers `BackupFetch` and
+`DenseFetch` from workers of other nodes on its own ROUTER socket. It holds a lease on the
+controller (node/lease.py): cut off for `lease_s`, it kills its workers itself and registers
+again in recover mode. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
 one alone. With `auto_recover` it starts a rank that died again itself (join_mode recover),
 after a backoff that doubles with every death in a row, up to `backoff_max_s`.
 On shutdown it terminates its workers (SIGTERM, then SIGKILL after `stop_grace_s`) and removes
@@ -61,12 +63,17 @@ from elastic_ep.wire import (
     encode,
 )
 
-from .backup_file import guard_backup, read_backup, read_dense, reap_stale_backups, write_backup
+from .backup_file import BackupWriter, guard_backup, read_backup, read_dense, reap_stale_backups
+from .exits import exit_code, open_stat
 from .hardware import HardwareReader
 from .lease import Lease
 from .netcut import NetCut, NetCutUnavailable
 
 logger = logging.getLogger(__name__)
+
+# Experts per announcement of the backup being written: small enough that a fault soon after
+# start finds most of the single-copy experts already in host memory.
+BACKUP_PIECE_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -74,8 +81,10 @@ class _Child:
     rank_id: int
     proc: subprocess.Popen
     started_at: float
+    stat_fd: int
     fencing: bool = False
     final: bool = False
+    reported: bool = False
 
 
 class NodeAgent:
@@ -86,7 +95,8 @@ class NodeAgent:
     assigns their rank_ids);
     join_mode: "recover" for a replacement node that takes over ranks that are down;
     auto_recover: restart dead ranks here, `backoff_s` after the first death, doubling up to
-    `backoff_max_s`; a rank that ran `backoff_reset_s` before dying starts the count again."""
+    `backoff_max_s`; a rank that ran `backoff_reset_s` before dying starts the count again;
+    exit_poll_s: how often the workers' /proc stat is read for an exit that has begun."""
 
     def __init__(
         self,
@@ -101,6 +111,7 @@ class NodeAgent:
         backoff_max_s: float = 30.0,
         backoff_reset_s: float = 60.0,
         lease_s: float = 5.0,
+        exit_poll_s: float = 0.005,
         standalone: bool = False,
         hardware_interval_s: float = 1.0,
     ):
@@ -117,6 +128,7 @@ class NodeAgent:
         self.join_mode = join_mode
         self.auto_recover = auto_recover
         self.backoff_s, self.backoff_max_s, self.backoff_reset_s = backoff_s, backoff_max_s, backoff_reset_s
+        self.exit_poll_s = exit_poll_s
         self.deaths: dict[int, int] = {}
         self.restart_at: dict[int, float] = {}
         self.ctx = zmq.Context.instance()
@@ -155,6 +167,7 @@ class NodeAgent:
         for s in (self.sock, self.fetch, self.events, self.controller_link):
             poller.register(s, zmq.POLLIN)
         self.hardware = HardwareReader()
+        threading.Thread(target=self._watch_exits, name="exit-watch", daemon=True).start()
         try:
             while not stop.is_set():
                 self._keep_lease(time.monotonic())
@@ -283,7 +296,7 @@ class NodeAgent:
         # in its own cgroup long before it opens a socket (it imports torch first), so it can be cut
         self.netcut.place(f"rank{rank_id}", proc.pid)
         with self._lock:
-            self.children[proc.pid] = _Child(rank_id, proc, time.monotonic())
+            self.children[proc.pid] = _Child(rank_id, proc, time.monotonic(), open_stat(proc.pid))
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
         self.sock.send(encode(WorkerStarted(self.node, rank_id, proc.pid)))
         logger.info("node %s: started rank %d (pid %d, %s)", self.node, rank_id, proc.pid, join_mode)
@@ -299,9 +312,31 @@ class NodeAgent:
             self.local_index[rank_id] = index
         return index
 
+    def _watch_exits(self) -> None:
+        while not self._stopped.wait(self.exit_poll_s):
+            with self._lock:
+                running = [c for c in self.children.values() if not c.reported]
+            for child in running:
+                code = exit_code(child.stat_fd)
+                if code is not None:
+                    self._report_exit(child, code)
+
+    def _report_exit(self, child: _Child, returncode: int) -> None:
+        """Report a worker's exit once: to the controller as fenced when it was fenced."""
+        with self._lock:
+            if child.reported:
+                return
+            child.reported = True
+        if child.fencing:
+            self._notify(WorkerFenced(self.node, child.rank_id, child.proc.pid))
+        else:
+            self._notify(WorkerExited(self.node, child.rank_id, child.proc.pid, returncode))
+
     def _wait(self, pid: int) -> None:
         child = self.children[pid]
         returncode = child.proc.wait()
+        self._report_exit(child, returncode)
+        os.close(child.stat_fd)
         self.netcut.remove(f"rank{child.rank_id}")
         with self._lock:
             self.children.pop(pid, None)
@@ -314,10 +349,6 @@ class NodeAgent:
         logger.log(logging.INFO if child.fencing or returncode == 0 else logging.WARNING,
                    "node %s: rank %d (pid %d) %s with code %d", self.node, child.rank_id, pid,
                    "fenced" if child.fencing else "exited", returncode)
-        if child.fencing:
-            self._notify(WorkerFenced(self.node, child.rank_id, pid))
-        else:
-            self._notify(WorkerExited(self.node, child.rank_id, pid, returncode))
 
     def _fence(self, msg: FenceWorker) -> None:
         with self._lock:
@@ -350,16 +381,29 @@ class NodeAgent:
             pass
 
     def _build_backup(self, items: list[tuple[int, int]]) -> None:
+        """Write the dense weights, then the experts in the order given (the controller puts the
+        ones with the fewest copies first), announcing every piece as soon as it is written."""
         assert self.launch is not None
         reader = CheckpointReader(self.launch.model_dir, dtype=self.launch.dtype)
-        path, nbytes = write_backup(reader, items, self.node, dense=True)
-        self.backup_path, self._backup_guard = path, guard_backup(path)
-        if self._stopped.is_set():
-            self.drop_backup("the agent stopped while it was written")
-            return
+        writer = BackupWriter(reader, items, self.node, dense=True)
+        self._backup_guard = guard_backup(writer.path)
+        site = BackupSite(self.node, writer.path, self.fetch_addr)
+        try:
+            writer.write_dense()
+            self.backup_path = writer.path  # from here on restarts may take the dense weights from it
+            step = max(1, BACKUP_PIECE_BYTES // reader.expert_nbytes)
+            for i in range(0, max(len(items), 1), step):
+                if self._stopped.is_set():
+                    self.drop_backup("the agent stopped while it was written")
+                    return
+                if self.backup_path != writer.path:  # dropped meanwhile (the lease ran out)
+                    return
+                writer.write_experts(items[i : i + step])
+                self._notify(BackupReady(self.node, site, items[i : i + step], writer.nbytes, len(items)))
+        finally:
+            writer.close()
         logger.info("node %s: backup of %d experts and the dense weights in %s (%d bytes)", self.node, len(items),
-                    path, nbytes)
-        self._notify(BackupReady(self.node, BackupSite(self.node, path, self.fetch_addr), items, nbytes))
+                    writer.path, writer.nbytes)
 
     def _answer_fetch(self) -> None:
         sender, _, frame = self.fetch.recv_multipart()

@@ -1,9 +1,13 @@
 """The node's host-memory backup file: its format, how the agent writes it and how workers read it.
 
 One safetensors file per node under /dev/shm, owned by the node agent so it outlives any worker
-crash: the routed experts of the node's share (`layer<L>.expert<E>.w13|w2`, L = MoE layer index)
-and the dense weights (`dense.<name>`) for ranks that restart. Same-node workers read it with
-`safe_open` (mmap); other nodes ask the agent, which reads it the same way.
+crash: the dense weights (`dense.<name>`, for ranks that restart) and the routed experts of the
+node's share (`layer<L>.expert<E>.w13|w2`, L = MoE layer index), in the served dtype. The whole layout (the
+header and every tensor's offset) is fixed before any weight is written, so the agent writes the
+file piece by piece and announces each piece as it lands: a fault soon after start restores
+from what is already written instead of from disk. A reader reads an expert straight into its
+destination with positioned reads (no mapping, no intermediate copy), checksumming each chunk as
+it lands; other nodes ask the agent, which reads it the same way.
 
 Nothing is left behind (at DeepSeek-V3 size the file is ~160 GB of RAM per node): its name
 carries the owner process (`pid<PID>-<start time>`, the start time tells a reused pid), a
@@ -15,22 +19,28 @@ older versions) are left alone.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from elastic_ep.model.checkpoint import CheckpointReader
 
 SHM_DIR = "/dev/shm"
 DENSE_PREFIX = "dense."
+# safetensors' names of the dtypes a backup holds (the served dtype: --dtype)
+ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+READ_CHUNK_BYTES = 2**20  # read, then checksummed while still in cache
 FILE_PREFIX = "elastic-ep-backup-"
 OWNED_NAME = re.compile(rf"^{FILE_PREFIX}.+-pid(\d+)-(\d+)-[^-]+\.safetensors$")
 # Waits until its stdin closes (its owner is gone: only the owner holds the pipe), then removes the file.
@@ -89,42 +99,146 @@ def backup_key(layer: int, expert: int, part: str) -> str:
     return f"layer{layer}.expert{expert}.{part}"
 
 
+class BackupWriter:
+    """A backup file of `items` (MoE layer index, expert) of `reader`'s checkpoint in `directory`
+    (RAM-backed /dev/shm by default), plus the dense weights when `dense`. The file exists at its
+    full size from the start; `write_dense` and `write_experts` fill it in, and what they wrote
+    can be read at once (by this process or another)."""
+
+    def __init__(self, reader: CheckpointReader, items: list[tuple[int, int]], node: str,
+                 directory: str = SHM_DIR, dense: bool = True):
+        self.reader = reader
+        cfg = reader.config
+        self.dense = {DENSE_PREFIX + name: t.contiguous() for name, t in reader.dense_state().items()} if dense else {}
+        specs = {name: (list(t.shape), t.dtype) for name, t in self.dense.items()}
+        for layer, expert in items:
+            specs[backup_key(layer, expert, "w13")] = ([2 * cfg.moe_intermediate_size, cfg.hidden_size], reader.dtype)
+            specs[backup_key(layer, expert, "w2")] = ([cfg.hidden_size, cfg.moe_intermediate_size], reader.dtype)
+        header, self.offsets, data_bytes = _layout(specs)
+        prefix = f"{FILE_PREFIX}{node}-{owner_tag(os.getpid())}-"  # named for this process, its owner
+        self._fd, self.path = tempfile.mkstemp(prefix=prefix, suffix=".safetensors", dir=backup_dir(directory))
+        self.nbytes = len(header) + data_bytes
+        os.ftruncate(self._fd, self.nbytes)
+        os.pwrite(self._fd, header, 0)
+
+    def write_dense(self) -> None:
+        for name, t in self.dense.items():
+            self._write(name, [t])
+
+    def write_experts(self, items: list[tuple[int, int]]) -> None:
+        """Copy these experts from the checkpoint into their places in the file."""
+        moe_layers = self.reader.config.moe_layers
+        for layer, expert in items:
+            gate, up, down = self.reader.expert_projections(moe_layers[layer], expert)
+            self._write(backup_key(layer, expert, "w13"), [gate, up])
+            self._write(backup_key(layer, expert, "w2"), [down])
+
+    def _write(self, name: str, parts: list[torch.Tensor]) -> None:
+        offset = self.offsets[name]
+        buffers = [memoryview(as_bytes(p)) for p in parts]
+        if os.pwritev(self._fd, buffers, offset) != sum(b.nbytes for b in buffers):
+            raise OSError(f"short write of {name} to {self.path}")
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a CPU tensor of any dtype as a uint8 array (a view when it is contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _layout(specs: dict[str, tuple[list[int], torch.dtype]]) -> tuple[bytes, dict[str, int], int]:
+    """The safetensors header for tensors of `specs` (name -> shape, dtype) laid out in order,
+    each tensor's absolute file offset, and the bytes of data after the header."""
+    entries, data_offsets, at = {}, {}, 0
+    for name, (shape, dtype) in specs.items():
+        n = int(np.prod(shape)) * dtype.itemsize
+        entries[name] = {"dtype": ST_DTYPES[dtype], "shape": shape, "data_offsets": [at, at + n]}
+        data_offsets[name] = at
+        at += n
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    start = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, {k: start + v for k, v in data_offsets.items()}, at
+
+
 def write_backup(
     reader: CheckpointReader, items: list[tuple[int, int]], node: str, directory: str = SHM_DIR,
     dense: bool = True,
 ) -> tuple[str, int]:
-    """Read `items` (MoE layer index, expert) from the checkpoint into a safetensors file in
-    `directory` (RAM-backed /dev/shm by default), plus the dense weights when `dense`, for ranks
-    that restart; returns (path, bytes). The file is named for this process, its owner."""
-    moe_layers = reader.config.moe_layers
-    tensors: dict[str, torch.Tensor] = {}
-    if dense:
-        tensors.update({DENSE_PREFIX + name: t.contiguous() for name, t in reader.dense_state().items()})
-    by_layer: dict[int, list[int]] = {}
+    """The whole backup file at once (see BackupWriter); returns (path, bytes)."""
+    writer = BackupWriter(reader, items, node, directory, dense)
+    try:
+        writer.write_dense()
+        writer.write_experts(items)
+    finally:
+        writer.close()
+    return writer.path, writer.nbytes
+
+
+def _header(path: str) -> tuple[int, dict]:
+    """(bytes before the data, the header's tensor entries) of a safetensors file."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
+def _tensors(path: str) -> dict[str, tuple[int, list[int]]]:
+    """name -> (absolute offset, shape) of every tensor of a safetensors file."""
+    start, header = _header(path)
+    return {name: (start + e["data_offsets"][0], e["shape"]) for name, e in header.items()}
+
+
+def backup_dtype(path: str) -> torch.dtype:
+    """The dtype the experts of a backup file are stored in (float32 when it holds none)."""
+    names = {v: k for k, v in ST_DTYPES.items()}
+    _, header = _header(path)
+    return next((names[e["dtype"]] for name, e in header.items() if not name.startswith(DENSE_PREFIX)), torch.float32)
+
+
+def expert_offsets(path: str, items: list[tuple[int, int]]) -> list[tuple[tuple[int, list[int]], tuple[int, list[int]]]]:
+    """Per (layer, expert) of `items`: (offset, shape) of its w13 and of its w2 in a backup file,
+    for reading it straight into place. Raises KeyError for a missing item."""
+    tensors = _tensors(path)
+    out = []
     for layer, expert in items:
-        by_layer.setdefault(layer, []).append(expert)
-    for layer, experts in by_layer.items():
-        w13, w2 = reader.read_experts(moe_layers[layer], experts)
-        for i, expert in enumerate(experts):
-            tensors[backup_key(layer, expert, "w13")] = w13[i].contiguous()
-            tensors[backup_key(layer, expert, "w2")] = w2[i].contiguous()
-    base = backup_dir(directory)
-    fd, path = tempfile.mkstemp(prefix=f"{FILE_PREFIX}{node}-{owner_tag(os.getpid())}-", suffix=".safetensors",
-                                dir=base)
-    os.close(fd)
-    save_file(tensors, path)
-    return path, Path(path).stat().st_size
+        if backup_key(layer, expert, "w13") not in tensors:
+            raise KeyError(f"layer {layer} expert {expert} is not in this node's backup")
+        out.append((tensors[backup_key(layer, expert, "w13")], tensors[backup_key(layer, expert, "w2")]))
+    return out
+
+
+def read_checked(fd: int, offset: int, dst: torch.Tensor, crc: int = 0) -> int:
+    """Fill `dst` (contiguous, on the CPU, e.g. an expert slot) from file `fd` at `offset`, a chunk at
+    a time, and return `crc` continued (zlib CRC32) over its bytes, each chunk checksummed right
+    after it landed, while in cache: a restored slot is verified without a second pass over memory."""
+    if not dst.is_contiguous():
+        raise ValueError("read_checked fills a contiguous tensor in place")
+    buf = memoryview(as_bytes(dst))
+    for at in range(0, buf.nbytes, READ_CHUNK_BYTES):
+        chunk = buf[at : at + READ_CHUNK_BYTES]
+        if os.preadv(fd, [chunk], offset + at) != chunk.nbytes:
+            raise OSError(f"short read of {chunk.nbytes} bytes at {offset + at}")
+        crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def read_backup(path: str, items: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """w13 [n, 2I, H], w2 [n, H, I] of `items` from a backup file. Raises KeyError for a missing item."""
-    with safe_open(path, framework="pt") as f:
-        names = set(f.keys())
-        for layer, expert in items:
-            if backup_key(layer, expert, "w13") not in names:
-                raise KeyError(f"layer {layer} expert {expert} is not in this node's backup")
-        w13 = torch.stack([f.get_tensor(backup_key(layer, e, "w13")) for layer, e in items])
-        w2 = torch.stack([f.get_tensor(backup_key(layer, e, "w2")) for layer, e in items])
+    entries = expert_offsets(path, items)
+    dtype = backup_dtype(path)
+    (_, s13), (_, s2) = entries[0] if entries else ((0, [0, 0]), (0, [0, 0]))
+    w13, w2 = torch.empty(len(items), *s13, dtype=dtype), torch.empty(len(items), *s2, dtype=dtype)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for i, ((o13, _), (o2, _)) in enumerate(entries):
+            read_checked(fd, o13, w13[i])
+            read_checked(fd, o2, w2[i])
+    finally:
+        os.close(fd)
     return w13, w2
 
 

@@ -2,35 +2,42 @@
 
 Per MoE layer (index 0..L-1, not the model's layer id) the rank holds w13 [S, 2I, H] and
 w2 [S, H, I] for its S slots. A new epoch rebuilds them from the old contents (keep, local
-moves), peers (point-to-point in the new group), the host-memory backup (same node: mmap of
-the agent's safetensors file; other node: the agent over ZeroMQ) or the checkpoint (only the
-tensors needed). Every slot is then summarised by `expert_checksum`, which the controller
+moves), peers (one all-to-all in the epoch's group), the host-memory backup (same node: read from
+the agent's file straight into the slots; other node: the agent over ZeroMQ) or the checkpoint
+(only the tensors needed). Every filled slot is then summarised by `expert_checksum`, which the controller
 compares with the checksum of that expert's weights as first read from the checkpoint (the
 source, reported in `EpochReady.source_checksums`), never with another slot's copy.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import zlib
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import zmq
-from safetensors import safe_open
 
 from elastic_ep.model.checkpoint import CheckpointReader
-from elastic_ep.node.backup_file import backup_key
+from elastic_ep.model.memory import huge_zeros
+from elastic_ep.node.backup_file import as_bytes, backup_dtype, expert_offsets, read_checked
 from elastic_ep.wire import BackupFetch, BackupSite, SlotSource, TransferStat, decode, encode
 
 from .group import EpochGroup
 
 
 def expert_checksum(w13: torch.Tensor, w2: torch.Tensor) -> int:
-    """A checksum of the bytes of one expert (w13 [2I, H], w2 [H, I]), computed on the device the
-    weights live on (nothing is copied to the host): the sum of its 32-bit words, each times its
-    position, mod 2^64. The same weights give the same number on any device; a change of any one
-    word always changes it."""
+    """A checksum of the bytes of one expert (w13 [2I, H], w2 [H, I]), equal iff the same weights
+    in the same dtype. On the CPU: CRC32 over the bytes in place (no copy), the same one
+    `read_checked` takes as a slot is filled from a backup file. On an accelerator: taken on the
+    device (nothing is copied to the host), the sum of its 32-bit words, each times its position,
+    mod 2^64; a change of any one word always changes it. Every rank of a group runs on one device
+    kind, so checksums compared within a group are of one kind."""
+    if w13.device.type == "cpu":
+        return zlib.crc32(as_bytes(w2), zlib.crc32(as_bytes(w13)))
     total = 0
     for t in (w13, w2):
         flat = t.contiguous().reshape(-1)
@@ -38,6 +45,18 @@ def expert_checksum(w13: torch.Tensor, w2: torch.Tensor) -> int:
         position = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
         total = (total * 1_000_003 + int((words.to(torch.int64) * position).sum())) % 2**64
     return total
+
+
+@dataclass(frozen=True)
+class Filled:
+    """What filling the slots did: bytes and seconds per source kind; (layer, expert) -> checksum
+    of every expert read from disk, taken on the weights as read (the reference for that expert);
+    (layer, slot) -> checksum of the slots already checksummed as they were filled (the rest are
+    checksummed afterwards)."""
+
+    stats: list[TransferStat]
+    source_checksums: dict[tuple[int, int], int]
+    checked: dict[tuple[int, int], int]
 
 
 class ExpertSlots:
@@ -50,8 +69,8 @@ class ExpertSlots:
         self.slots_per_rank = slots_per_rank
         self.device = torch.device(device)
         num_layers = len(moe_layers)
-        self.w13 = [torch.zeros(slots_per_rank, 2 * inter, hidden, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.w2 = [torch.zeros(slots_per_rank, hidden, inter, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.w13 = [huge_zeros(slots_per_rank, 2 * inter, hidden, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.w2 = [huge_zeros(slots_per_rank, hidden, inter, dtype=dtype, device=device) for _ in range(num_layers)]
         self.experts = np.full((num_layers, slots_per_rank), -1, dtype=np.int64)
 
     def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,15 +96,13 @@ class ExpertSlots:
         backups: dict[str, BackupSite],
         node: str,
         fetch_timeout_s: float,
-    ) -> tuple[list[TransferStat], dict[tuple[int, int], int]]:
+    ) -> Filled:
         """Fill every slot for the new epoch.
 
         new_experts: [L, S] the logical expert each slot must hold afterwards.
         sources: where each changed slot comes from; sends: (dst_rank_id, layer, src_slot)
         this rank sends, in the order the receiver lists its peer sources.
         fetch_timeout_s: how long another node's agent may take to answer a backup fetch.
-        Returns bytes and seconds per source kind, and (layer, expert) -> checksum of every
-        expert read from disk, taken on the weights as read.
         """
         # Sources refer to the old contents: copy out every slot read before any is overwritten.
         read = {(src.layer, src.src_slot) for src in sources if src.kind == "local"}
@@ -107,10 +124,11 @@ class ExpertSlots:
 
         # Reported apart: "backup" is this node's shared memory, "backup_remote" another node's agent.
         backup = by_kind["backup"]
+        checked: dict[tuple[int, int], int] = {}
         for kind, items in (("backup", [b for b in backup if b.src_node == node]),
                             ("backup_remote", [b for b in backup if b.src_node != node])):
             t0 = time.perf_counter()
-            self._from_backup(items, backups, node, fetch_timeout_s, stats[kind])
+            self._from_backup(items, backups, node, fetch_timeout_s, stats[kind], checked)
             stats[kind][1] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -127,7 +145,7 @@ class ExpertSlots:
 
         self.experts = np.array(new_experts, dtype=np.int64)
         stat_list = [TransferStat(kind, int(b), s) for kind, (b, s) in stats.items() if b or kind in by_kind]
-        return stat_list, source_checksums
+        return Filled(stat_list, source_checksums, checked)
 
     def _put(self, src: SlotSource, w13: torch.Tensor, w2: torch.Tensor, stat: list[float]) -> None:
         self.w13[src.layer][src.slot].copy_(w13)
@@ -154,11 +172,36 @@ class ExpertSlots:
             recv_from[group.members.index(src.src_rank)].append(src)
         recvs = {peer: torch.empty(len(items) * per_expert, dtype=self.w13[0].dtype, device=self.device)
                  for peer, items in recv_from.items()}
-        group.exchange({peer: torch.cat(parts) for peer, parts in send_parts.items()}, recvs)
+        group.exchange({peer: torch.cat(parts) for peer, parts in send_parts.items()}, recvs, self.w13[0].dtype)
         for peer, items in recv_from.items():
             for i, src in enumerate(items):
                 flat = recvs[peer][i * per_expert : (i + 1) * per_expert]
                 self._put(src, flat[:n13].view(w13_shape), flat[n13:].view(w2_shape), stat)
+
+    def _read_local(self, path: str, wanted: list[SlotSource], stat: list[float],
+                    checked: dict[tuple[int, int], int]) -> None:
+        """Same-node backup: on the CPU straight from the file into the slots, checksummed as they
+        land; on an accelerator (or in another dtype) through one host buffer per expert,
+        checksummed afterwards."""
+        stored = backup_dtype(path)
+        direct = self.device.type == "cpu" and self.w13[0].dtype == stored
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for src, ((o13, _), (o2, _)) in zip(wanted, expert_offsets(path, [(s.layer, s.expert) for s in wanted]),
+                                                strict=True):
+                w13, w2 = self.w13[src.layer][src.slot], self.w2[src.layer][src.slot]
+                if direct:
+                    checked[(src.layer, src.slot)] = read_checked(fd, o2, w2, read_checked(fd, o13, w13))
+                else:
+                    h13 = torch.empty(w13.shape, dtype=stored)
+                    h2 = torch.empty(w2.shape, dtype=stored)
+                    read_checked(fd, o13, h13)
+                    read_checked(fd, o2, h2)
+                    w13.copy_(h13)
+                    w2.copy_(h2)
+                stat[0] += w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
+        finally:
+            os.close(fd)
 
     def _from_backup(
         self,
@@ -167,6 +210,7 @@ class ExpertSlots:
         node: str,
         timeout_s: float,
         stat: list[float],
+        checked: dict[tuple[int, int], int],
     ) -> None:
         by_node: dict[str, list[SlotSource]] = defaultdict(list)
         for src in items:
@@ -174,14 +218,7 @@ class ExpertSlots:
         for site_node, wanted in by_node.items():
             site = backups[site_node]
             if site_node == node:
-                with safe_open(site.path, framework="pt") as f:
-                    for src in wanted:
-                        self._put(
-                            src,
-                            f.get_tensor(backup_key(src.layer, src.expert, "w13")),
-                            f.get_tensor(backup_key(src.layer, src.expert, "w2")),
-                            stat,
-                        )
+                self._read_local(site.path, wanted, stat, checked)
                 continue
             try:
                 w13, w2 = fetch_backup(site.fetch_addr, [(s.layer, s.expert) for s in wanted], timeout_s)

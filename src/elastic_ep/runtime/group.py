@@ -18,6 +18,7 @@ collective error: the rank finishes the step's collectives and the group stays w
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -218,7 +219,13 @@ class EpochGroup:
                 missing = [r for r in self.members if not prefix.check([f"arrived/{r}"])]
                 raise TimeoutError(f"epoch {self.epoch}: ranks {missing} did not arrive within {timeout_s:.1f}s")
             time.sleep(poll_s)
-        self.pg = self._connect(dist.PrefixStore("pg/", prefix), timedelta(seconds=timeout_s), superseded)
+        # The group connects through a store client of its own: a connect left behind (the epoch
+        # was superseded while a member was dead) blocks in the store until its timeout, and must
+        # not hold the client the next epoch's barrier uses meanwhile.
+        own = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=timeout_s))
+        pg_store = dist.PrefixStore("pg/", dist.PrefixStore(f"epoch/{self.epoch}/", own))
+        self.pg = self._connect(pg_store, timedelta(seconds=timeout_s), superseded)
         self.alive = True
         self.timeout_s = timeout_s
         return time.perf_counter() - start
@@ -295,22 +302,23 @@ class EpochGroup:
             raise self._broke(f"all_to_all in epoch {self.epoch}: {e}") from e
         return Posted(self, work, output, out_dev if staged else None, sent)
 
-    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
-        """Point-to-point: send sends[i] to member index i and receive recvs[j] from member j,
-        all posted at once so no pair order can deadlock (batched send/recv: two ranks swapping
-        experts cannot wait on each other). Buffers are 1-D, on any device."""
-        works = []
-        staged = {}
-        try:
-            for peer, buf in recvs.items():
-                staged[peer] = buf if buf.device == self.device else torch.empty_like(buf, device=self.device)
-                works.append(self.pg.recv([staged[peer]], peer, 0))
-            for peer, buf in sends.items():
-                works.append(self.pg.send([buf.to(self.device)], peer, 0))
-        except RuntimeError as e:
-            raise self._broke(f"expert exchange in epoch {self.epoch}: {e}") from e
-        for w in works:
-            self._wait(w, "expert exchange")
-        for peer, buf in recvs.items():
-            if staged[peer] is not buf:
-                buf.copy_(staged[peer])
+    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
+                 dtype: torch.dtype = torch.float32) -> None:
+        """Send sends[i] to member index i and receive recvs[j] from member j (1-D buffers of one
+        dtype, on any device) as one all-to-all of the group: every member calls it, with empty
+        dicts when it moves nothing, and the same `dtype`. Not gloo's point-to-point operations: a
+        wait on one of those that times out closes every pair of the group ("Application timeout
+        caused pair closure"), so they cannot be waited on in short polls that an abort can
+        interrupt; a collective can. Raises CollectiveError when it fails."""
+        if self.size == 1:
+            return
+        device = next(iter([*recvs.values(), *sends.values()]), torch.empty(0, device=self.device)).device
+        out_splits = [recvs[p].numel() if p in recvs else 0 for p in range(self.size)]
+        in_splits = [sends[p].numel() if p in sends else 0 for p in range(self.size)]
+        inp = torch.cat([sends[p].reshape(-1) for p in sorted(sends)]) if sends else \
+            torch.empty(0, dtype=dtype, device=device)
+        out = torch.empty(sum(out_splits), dtype=dtype, device=device)
+        self.all_to_all(out, inp, out_splits, in_splits)
+        for peer, at in zip(range(self.size), itertools.accumulate([0, *out_splits]), strict=False):
+            if peer in recvs:
+                recvs[peer].copy_(out[at : at + out_splits[peer]])

@@ -3,8 +3,8 @@ the source sends the cached rows of every layer, the destination loads them into
 own, and the sequence decodes there from this step on without recomputing anything.
 
 Both sides know every size from the plan (the tokens of each move), so one buffer per pair of
-ranks goes point-to-point in the epoch's group, every send and receive posted before any wait
-(two ranks swapping sequences cannot wait on each other). The source keeps its copy until the
+ranks goes in one all-to-all of the epoch's group (`EpochGroup.exchange`): every member gets the
+step's whole list of moves and takes part, most with nothing to send. The source keeps its copy until the
 controller frees it after the step commits: if the step fails, the sequence is still whole on
 its old rank. A peer that dies raises CollectiveError, as any collective does.
 """
@@ -23,7 +23,7 @@ from .group import EpochGroup
 
 @torch.inference_mode()  # the cache's tensors were made (grown) in a forward: inference tensors
 def move_kv(kv: KVCache, group: EpochGroup, moves: list[KVMove], tokens: dict[int, list[int]]) -> float:
-    """This rank's side of `moves` (in plan order; the peer lists them in the same order):
+    """This rank's side of `moves` (the step's every move, the same list on every member):
     send the sequences it holds, load those it receives and set their held `tokens`. Returns
     seconds spent. Raises CollectiveError when the exchange fails, ValueError when a sequence
     to send is not cached here as the plan says (after the exchange, so the peer is not left

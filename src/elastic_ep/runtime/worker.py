@@ -2,9 +2,10 @@
 
 Threads:
 - main: registers, then runs what the controller sends on the step socket: `EpochStart`
-  (form the group, fill the expert slots, checksum them, report), `StepPlan` (attention on its
-  own sequences, EP MoE with the epoch's group, sampling), `SweepSlots` (checksum a few slots
-  between steps) and `CorruptSlot` (fault injection). It blocks inside collectives.
+  (form the group or keep it, fill the expert slots, checksum the ones it filled, report),
+  `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling),
+  `SweepSlots` (checksum a few slots between steps) and `CorruptSlot` (fault injection). It
+  blocks inside collectives.
 - heartbeat: its own ZeroMQ socket; sends `Heartbeat` with the main thread's progress every
   `heartbeat_interval_s`, so the controller sees which collective the rank waits in even
   while the main thread is blocked, and sees nothing once the process is stopped.
@@ -157,14 +158,26 @@ class Worker:
 
     def _start_epoch(self, msg: EpochStart) -> None:
         args = self.args
-        if self.group is not None:
-            self.group.destroy()
+        kept = self.group if msg.reuse_group and self.group is not None and self.group.alive \
+            and not self.group.broken and self.group.members == msg.members else None
+        if self.group is not None and kept is None:
+            self.group.destroy()  # peers that kept theirs fail when it goes, or the controller aborts the epoch
+        if msg.reuse_group and kept is None:
+            self.send(EpochFailed(msg.epoch, args.rank_id, "asked to keep the epoch's group, which this rank "
+                                  "no longer has"))
+            return
         self.progress.new_epoch(msg.epoch)
         # the group is this rank's from now on, forming or not: an AbortEpoch for it reaches it
-        group = self.group = EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend, self.comm_device)
+        group = self.group = kept or EpochGroup(msg.epoch, msg.members, args.rank_id, args.launch.backend,
+                                                self.comm_device)
         try:
-            rendezvous_s = group.form(self.store, msg.collective_timeout_s, self._newer_epoch_arrived)
-            links = Links.form(group, msg.nodes, msg.all2all_backend, self._newer_epoch_arrived)
+            if kept is None:
+                rendezvous_s = group.form(self.store, msg.collective_timeout_s, self._newer_epoch_arrived)
+                links = Links.form(group, msg.nodes, msg.all2all_backend, self._newer_epoch_arrived)
+            else:  # same members, same hosts: the group and its host subgroups stay as they are
+                group.epoch, rendezvous_s = msg.epoch, 0.0
+                links = self.moe.links if self.moe is not None else \
+                    Links.form(group, msg.nodes, msg.all2all_backend, self._newer_epoch_arrived)
             location = ExpertLocation.from_phy2log(msg.phy2log, msg.slots_per_rank, self.config.num_experts)
             if self.slots is None:
                 self.slots = ExpertSlots(
@@ -173,7 +186,7 @@ class Worker:
                 )
             self.progress.enter("transfer")
             t0 = time.perf_counter()
-            stats, source_checksums = self.slots.apply(
+            filled = self.slots.apply(
                 location.experts_of_rank(args.rank_id),
                 msg.sources,
                 msg.sends,
@@ -185,13 +198,14 @@ class Worker:
             )
             transfer_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            checksums = self.slots.checksums()
+            unchecked = [(src.layer, src.slot) for src in msg.sources if (src.layer, src.slot) not in filled.checked]
+            checksums = {**filled.checked, **self.slots.checksums(unchecked)}
             verify_s = time.perf_counter() - t0
             self.moe = ExpertParallelMoE(self.slots, location.log2phy, location.logcnt, links, self.progress,
                                          self.config.moe_layers, location.num_ranks, self.config.top_k)
             self.progress.idle()
-            self.send(EpochReady(msg.epoch, args.rank_id, checksums, source_checksums, stats, rendezvous_s, transfer_s,
-                                 verify_s))
+            self.send(EpochReady(msg.epoch, args.rank_id, checksums, filled.source_checksums, filled.stats,
+                                 rendezvous_s, transfer_s, verify_s))
         except EpochSuperseded:
             group.destroy()
         except BackupUnreachable as e:

@@ -175,10 +175,15 @@ class ChaosFailed:
 
 @dataclass(frozen=True)
 class BackupReady:
+    """A piece of the node's backup is written: `experts` can be read from `site` from now on.
+    Sent once per piece; `share`: experts of the whole share (complete once all were announced);
+    `nbytes`: the file's size."""
+
     node: str
     site: BackupSite
     experts: list[tuple[int, int]]
     nbytes: int
+    share: int = 0
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ class SlotSource:
     """Where one slot of the receiving rank gets its expert in a new epoch.
 
     kind: "keep" (already there), "local" (slot `src_slot` of the same rank, old contents),
-    "peer" (slot `src_slot` of rank `src_rank`, sent point-to-point in the new group),
+    "peer" (slot `src_slot` of rank `src_rank`, sent in the epoch group's exchange),
     "backup" (the host-memory backup of node `src_node`), "disk" (the checkpoint).
     `slot` and `src_slot` are indices within a rank (0..slots_per_rank-1); `layer` indexes the
     MoE layers (0..L-1), not the model's layer ids.
@@ -106,6 +106,8 @@ class EpochStart:
     `sends`: (dst_rank, layer, src_slot) this rank must send to peers, in the order the peer
     expects them. `nodes`: the node (host) of each member, in member order (empty: one host);
     `all2all_backend`: "flat" or "hierarchical" (two-stage over those hosts, runtime/hierarchical.py).
+    `reuse_group`: same members as the current epoch, whose group is healthy: keep
+    it (no rendezvous); a rank that no longer has it answers `EpochFailed`.
     """
 
     epoch: int
@@ -119,6 +121,7 @@ class EpochStart:
     backup_fetch_timeout_s: float
     nodes: list[str] = field(default_factory=list)
     all2all_backend: str = "flat"
+    reuse_group: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,8 @@ class TransferStat:
 class EpochReady:
     """The rank is in the group of `epoch`, holds its slots and has checked them.
 
-    checksums: (layer, slot) -> checksum of the expert now in that slot (see runtime.experts).
+    checksums: (layer, slot) -> checksum of the expert now in each slot this epoch filled (the
+    slots kept as they were are left to the background check; see runtime.experts).
     source_checksums: (layer, expert) -> checksum of the weights as read from the checkpoint,
     for every expert this rank read from disk: the controller's reference for that expert.
     """
@@ -194,7 +198,8 @@ class StepPlan:
     `dispatch_rows`: rows per peer of the padded dispatch (same on every rank), 0 = exchange
     split sizes. `fail_at`: fault injection (chaos poison of the rank), as in ChunkPlan.
     `micro_batches`: forwards interleaved in this step (2 with --enable-dbo; same on every rank).
-    `kv_moves`: the moves this rank sends or receives, in the same order on both sides."""
+    `kv_moves`: every KV move of the step, the same list to every member (the moves are one
+    all-to-all of the group, each member takes its side)."""
 
     epoch: int
     step: int

@@ -1,0 +1,138 @@
+"""Recovery in two placements: the one an epoch serves with right after a loss, and the steps from
+it to a balanced one, taken later in the background.
+
+`restore_placement` keeps every expert where it is and gives each expert that lost every replica
+one slot: an empty slot, else a slot whose expert keeps another replica. Only those slots are
+filled before the group serves again, so the pause after a loss costs the lost experts' bytes,
+not a re-balance. `step_towards` then walks from the placement in use to a balanced target a few
+slots at a time, every intermediate placement serving every expert, so a background rebalance
+moves experts between steps without a long pause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from elastic_ep.errors import PlacementError
+from elastic_ep.placement.location import EMPTY, ExpertLocation
+
+
+def restore_placement(
+    held: ExpertLocation,
+    load,
+    holding_ranks: Iterable[int],
+    rank_nodes: Mapping[int, object],
+    backup_nodes: Mapping[tuple[int, int], object] | None = None,
+) -> ExpertLocation:
+    """The placement to serve with at once: `held` plus one replica of every expert it lacks.
+
+    held: what the ranks hold now (the placement in use on the surviving ranks, empty slots on
+        new or restarted ranks and on slots that failed verification).
+    load: [L, E] tokens per logical expert.
+    holding_ranks: the ranks that hold experts in the new epoch; every other rank's slots end empty.
+    rank_nodes: rank -> node (failure domain) of every holding rank.
+    backup_nodes: (layer, expert) -> node whose host-memory backup holds that expert.
+    Each lost expert (heaviest first) takes the slot that, in order: sits on its backup's node
+    (a local read), is on the rank with the fewest restores so far (ranks restore in parallel),
+    is empty, or else holds the copy whose loss leaves the least load per remaining copy, on the
+    least loaded rank. Every other slot is as in `held`.
+    Returns an ExpertLocation of held's shape. Raises PlacementError when the holding ranks have
+    fewer slots than there are experts.
+    """
+    w = np.asarray(load, dtype=np.float64)
+    num_layers, num_experts, s = held.num_layers, held.num_experts, held.slots_per_rank
+    if w.shape != (num_layers, num_experts):
+        raise PlacementError(f"load must be [L={num_layers}, E={num_experts}], got {list(w.shape)}")
+    holding = sorted({int(r) for r in holding_ranks if 0 <= int(r) < held.num_ranks})
+    if len(holding) * s < num_experts:
+        raise PlacementError(f"{len(holding)} ranks x {s} slots cannot hold {num_experts} experts")
+    backup_nodes = backup_nodes or {}
+    grid = held.by_rank().copy()
+    outside = np.ones(held.num_ranks, dtype=bool)
+    outside[holding] = False
+    grid[:, outside] = EMPTY
+    restores = dict.fromkeys(holding, 0)
+    for layer in range(num_layers):
+        row = grid[layer]
+        count = np.bincount(row[row >= 0], minlength=num_experts)
+        for expert in sorted(np.nonzero(count == 0)[0].tolist(), key=lambda e: -w[layer, e]):
+            per_copy = np.where(count > 0, w[layer] / np.maximum(count, 1), 0.0)
+            rank_load = {r: float(per_copy[row[r][row[r] >= 0]].sum()) for r in holding}
+            home = backup_nodes.get((layer, expert))
+            options = []
+            for r in holding:
+                for j in range(s):
+                    x = int(row[r, j])
+                    if x >= 0 and count[x] < 2:
+                        continue
+                    donor = 0.0 if x < 0 else w[layer, x] / (count[x] - 1)
+                    away = home is not None and rank_nodes.get(r) != home
+                    options.append((away, restores[r], x >= 0, donor, rank_load[r], r, j))
+            *_, r, j = min(options)
+            if row[r, j] >= 0:
+                count[row[r, j]] -= 1
+            row[r, j] = expert
+            count[expert] += 1
+            restores[r] += 1
+    return ExpertLocation.from_phy2log(grid.reshape(num_layers, -1), s, num_experts)
+
+
+def step_towards(current: ExpertLocation, target: ExpertLocation, max_slots: int, load) -> ExpertLocation:
+    """The next placement on the way from `current` to `target`: at most `max_slots` slots set to
+    their target expert (more only where moves depend on each other), every expert still held by
+    some slot and none twice on a rank. Slots that give the hottest expert (load per copy in
+    `current`) a new copy go first. Returns `target` when at most `max_slots` slots differ.
+
+    current, target: placements of the same shape, both serving every expert.
+    load: [L, E] tokens per logical expert.
+    """
+    if current.phy2log.shape != target.phy2log.shape or current.slots_per_rank != target.slots_per_rank:
+        raise PlacementError(f"cannot step from a {list(current.phy2log.shape)} placement to a "
+                             f"{list(target.phy2log.shape)} one")
+    w = np.asarray(load, dtype=np.float64)
+    diff = [tuple(d) for d in np.argwhere(current.phy2log != target.phy2log).tolist()]
+    if len(diff) <= max(max_slots, 1):
+        return target
+    per_copy = w / np.maximum(current.logcnt, 1)
+    diff.sort(key=lambda d: -per_copy[d[0], target.phy2log[d]] if target.phy2log[d] >= 0 else 0.0)
+    batch: set[tuple[int, int]] = set()
+    for d in diff:
+        if len(batch) >= max(max_slots, 1):
+            break
+        if d not in batch:
+            batch = _closed(batch | {d}, current, target)
+    return _applied(current, target, batch)
+
+
+def _applied(current: ExpertLocation, target: ExpertLocation, batch: set[tuple[int, int]]) -> ExpertLocation:
+    phy2log = current.phy2log.copy()
+    for d in batch:
+        phy2log[d] = target.phy2log[d]
+    return ExpertLocation.from_phy2log(phy2log, current.slots_per_rank, current.num_experts)
+
+
+def _closed(batch: set[tuple[int, int]], current: ExpertLocation, target: ExpertLocation) -> set[tuple[int, int]]:
+    """`batch` plus the moves it cannot go without: a slot of the target for every expert the
+    batch leaves with no copy, and the old slot of an expert the batch moves within a rank."""
+    s = current.slots_per_rank
+    batch = set(batch)
+    while True:
+        phy2log = _applied(current, target, batch).phy2log
+        extra = set()
+        for layer in {d[0] for d in batch}:
+            row = phy2log[layer]
+            present = np.zeros(current.num_experts, dtype=bool)
+            present[row[row >= 0]] = True
+            for expert in np.nonzero(~present)[0].tolist():
+                slot = next(int(x) for x in np.nonzero(target.phy2log[layer] == expert)[0] if (layer, int(x)) not in batch)
+                extra.add((layer, slot))
+        for layer, slot in batch:
+            expert, rank = target.phy2log[layer, slot], slot // s
+            for other in range(rank * s, (rank + 1) * s):
+                if other != slot and expert >= 0 and phy2log[layer, other] == expert and (layer, other) not in batch:
+                    extra.add((layer, other))
+        if not extra:
+            return batch
+        batch |= extra

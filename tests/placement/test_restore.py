@@ -1,0 +1,95 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastic_ep.errors import PlacementError
+from elastic_ep.placement import ExpertLocation, balancedness, fault_aware_placement, plan_transfers
+from elastic_ep.placement.restore import restore_placement, step_towards
+
+
+@st.composite
+def losses(draw):
+    """A balanced placement with redundancy, a load, and a set of dead ranks the rest survive."""
+    num_layers = draw(st.integers(1, 3))
+    slots = draw(st.integers(2, 5))
+    num_ranks = draw(st.integers(2, 6))
+    num_experts = draw(st.integers(1, slots * (num_ranks - 1)))
+    nodes = {r: f"n{r % draw(st.integers(1, 2))}" for r in range(num_ranks)}
+    load = np.array(draw(st.lists(st.integers(1, 1000), min_size=num_layers * num_experts,
+                                  max_size=num_layers * num_experts)), dtype=float).reshape(num_layers, num_experts)
+    placement = fault_aware_placement(load, range(num_ranks), nodes, None, slots, num_ranks)
+    min_live = -(-num_experts // slots)
+    live = sorted(draw(st.lists(st.sampled_from(range(num_ranks)), min_size=min_live, max_size=num_ranks - 1,
+                                unique=True)))
+    return placement, load, live, nodes
+
+
+@settings(max_examples=150, deadline=None)
+@given(losses())
+def test_restore_serves_every_expert_and_moves_only_the_lost_ones(case):
+    placement, load, live, nodes = case
+    held = placement.restricted_to(live)
+    lost = int((held.logcnt == 0).sum())
+    backup = {(layer, e): nodes[live[0]] for layer in range(held.num_layers) for e in range(held.num_experts)}
+    restored = restore_placement(held, load, live, nodes, backup)
+    restored.validate(live)
+    changed = np.argwhere(restored.phy2log != held.phy2log)
+    assert len(changed) == lost
+    for layer, slot in changed:  # a slot is taken only from an expert that keeps a copy
+        old = held.phy2log[layer, slot]
+        assert old < 0 or restored.logcnt[layer, old] >= 1
+    plan = plan_transfers(held, restored, live, nodes, backup, expert_nbytes=1)
+    assert plan.bytes_by_source["peer"] == 0 and plan.bytes_by_source["disk"] == 0
+    assert plan.bytes_by_source["backup"] == lost
+
+
+def test_restores_spread_over_ranks_and_go_to_the_backups_node():
+    # 4 ranks x 4 slots, experts 0-7 twice, rank 3 held the only copies of 8..11: lost with it
+    phy2log = [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11] + [4, 5, 6, 7]]
+    placement = ExpertLocation.from_phy2log(phy2log, 4, 12)
+    held = placement.restricted_to([0, 1, 2, 4])
+    nodes = {0: "a", 1: "a", 2: "a", 4: "b"}
+    load = np.ones((1, 12))
+    restored = restore_placement(held, load, [0, 1, 2, 4], nodes, {(0, e): "a" for e in range(12)})
+    per_rank = [(restored.experts_of_rank(r) != held.experts_of_rank(r)).sum() for r in (0, 1, 2, 4)]
+    assert per_rank[:3] in ([1, 1, 2], [1, 2, 1], [2, 1, 1]) and per_rank[3] == 0  # node a only, spread
+    no_backup = restore_placement(held, load, [0, 1, 2, 4], nodes)
+    assert sorted((no_backup.experts_of_rank(r) != held.experts_of_rank(r)).sum() for r in (0, 1, 2, 4)) == [1] * 4
+
+
+def test_empty_slots_of_a_restarted_rank_are_used_before_taking_a_copy_away():
+    # ranks 1 and 3 restarted empty; experts 2 and 3 were only on rank 1
+    held = ExpertLocation.from_phy2log([[0, 1, -1, -1, 0, 1, -1, -1]], 2, 4)
+    restored = restore_placement(held, np.ones((1, 4)), [0, 1, 2, 3], dict.fromkeys(range(4), "n"))
+    assert restored.phy2log[0].tolist() == [0, 1, 2, -1, 0, 1, 3, -1]
+
+
+def test_too_few_slots_is_an_error():
+    held = ExpertLocation.from_phy2log([[0, 1, 2, 3]], 2, 4).restricted_to([0])
+    with pytest.raises(PlacementError, match="cannot hold 4 experts"):
+        restore_placement(held, np.ones((1, 4)), [0], {0: "n"})
+
+
+@settings(max_examples=150, deadline=None)
+@given(losses(), st.integers(1, 6))
+def test_stepping_reaches_the_target_through_placements_that_serve(case, max_slots):
+    placement, load, live, nodes = case
+    current = restore_placement(placement.restricted_to(live), load, live, nodes)
+    target = fault_aware_placement(load, live, nodes, None, placement.slots_per_rank, placement.num_ranks,
+                                   current=current, movement_tolerance=0.0)
+    total = int((current.phy2log != target.phy2log).sum())
+    steps = 0
+    while current != target:
+        nxt = step_towards(current, target, max_slots, load)
+        nxt.validate(live)
+        assert 0 < (nxt.phy2log != current.phy2log).sum()
+        current, steps = nxt, steps + 1
+        assert steps <= total
+    assert balancedness(current, load, live).min() == pytest.approx(balancedness(target, load, live).min())
+
+
+def test_a_swap_of_two_single_copies_moves_together():
+    current = ExpertLocation.from_phy2log([[0, 1, 2, 3]], 2, 4)
+    target = ExpertLocation.from_phy2log([[0, 2, 1, 3]], 2, 4)
+    assert step_towards(current, target, 1, np.ones((1, 4))) == target
