@@ -174,7 +174,7 @@ def test_agent_removes_its_backup_when_the_controller_goes_away():
         deadline = time.monotonic() + 30
         while os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not os.path.exists(path) and agent.backup_path is None
+        assert not os.path.exists(path) and agent.backup.path is None
     finally:
         stop.set()
         thread.join(10)

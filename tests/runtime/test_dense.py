@@ -24,7 +24,7 @@ def reader():
 def agent_with_backup(reader, tmp_path):
     """A real node agent (its controller address leads nowhere) holding a backup file."""
     agent = NodeAgent(f"tcp://127.0.0.1:{free_port()}", "nodeX")
-    agent.backup_path, _ = write_backup(reader, [(0, 0)], "nodeX", directory=str(tmp_path))
+    agent.backup.path, _ = write_backup(reader, [(0, 0)], "nodeX", directory=str(tmp_path))
     stop = threading.Event()
     thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
     thread.start()
@@ -39,7 +39,7 @@ def same_as_disk(state, reader) -> bool:
 
 
 def test_dense_weights_come_from_this_nodes_file_first(reader, agent_with_backup):
-    state, source, _ = load_dense(reader, agent_with_backup.backup_path, agent_with_backup.fetch_addr, 5.0)
+    state, source, _ = load_dense(reader, agent_with_backup.backup.path, agent_with_backup.fetch_addr, 5.0)
     assert source == "host_memory" and same_as_disk(state, reader)
 
 

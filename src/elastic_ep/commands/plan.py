@@ -7,7 +7,7 @@ import argparse
 
 import numpy as np
 
-from elastic_ep.commands.sim import (
+from elastic_ep.commands.sim_options import (
     add_dataclass_options,
     add_output_arguments,
     add_rate_option,

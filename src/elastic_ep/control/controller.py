@@ -33,7 +33,6 @@ import numpy as np
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
-from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.placement.location import ExpertLocation
@@ -179,7 +178,9 @@ class Controller:
     def _run(self) -> None:
         try:
             try:
-                self._start_cluster()
+                self.nodes.wait_for_ranks(self._stopping)
+                self.detector.clear()
+                self.form_epoch(sorted(self.cluster.ranks), "start")
             except RecoveryNeeded:
                 pass
             while not self._stopping.is_set():
@@ -354,28 +355,6 @@ class Controller:
         return self.standby.joiners(self.cluster.members if live is None else live)
 
     # ---- the loop ----------------------------------------------------------------------------
-
-    def _start_cluster(self) -> None:
-        """Wait for --ep-size ranks to register, then form the first epoch."""
-        c, cfg = self.cluster, self.cfg
-        deadline = time.monotonic() + cfg.startup_timeout_s
-        while not self._stopping.is_set():
-            hello = [r for r in c.ranks.values() if r.hello is not None]
-            c.set_readiness(False, f"starting: {len(hello)}/{cfg.ep_size} ranks registered")
-            self.publish()
-            if len(hello) >= cfg.ep_size:
-                break
-            dead = [r for r in c.ranks.values() if r.status == RankStatus.DEAD]
-            if dead:
-                raise ElasticEPError(f"rank {dead[0].rank_id} exited during startup; see its log above")
-            if time.monotonic() > deadline:
-                raise ElasticEPError(
-                    f"only {len(hello)} of {cfg.ep_size} ranks registered within --startup-timeout-s "
-                    f"{cfg.startup_timeout_s}; check the worker logs"
-                )
-            self.pump(0.05)
-        self.detector.clear()
-        self.form_epoch(sorted(c.ranks), "start")
 
     def _iterate(self) -> None:
         """One decision at a step boundary."""

@@ -17,11 +17,13 @@ with `SessionEnded`.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
 import psutil
 
+from elastic_ep.errors import ElasticEPError
 from elastic_ep.wire import (
     AgentAlive,
     AgentBye,
@@ -271,6 +273,27 @@ class Nodes:
         c.backup_progress.pop(msg.node, None)
         c.events.add(EventKind.BACKUP, f"node {msg.node} holds {len(agent.backup_experts)} experts in host memory "
                      f"({msg.nbytes} bytes)", nbytes=msg.nbytes, path=msg.site.path)
+
+    def wait_for_ranks(self, stopping: threading.Event) -> None:
+        """Until --ep-size ranks have registered (the first epoch forms over them). Raises
+        ElasticEPError when a rank exits first or --startup-timeout-s runs out."""
+        c, cfg, ctl = self.ctl.cluster, self.ctl.cfg, self.ctl
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while not stopping.is_set():
+            hello = [r for r in c.ranks.values() if r.hello is not None]
+            c.set_readiness(False, f"starting: {len(hello)}/{cfg.ep_size} ranks registered")
+            ctl.publish()
+            if len(hello) >= cfg.ep_size:
+                return
+            dead = [r for r in c.ranks.values() if r.status == RankStatus.DEAD]
+            if dead:
+                raise ElasticEPError(f"rank {dead[0].rank_id} exited during startup; see its log above")
+            if time.monotonic() > deadline:
+                raise ElasticEPError(
+                    f"only {len(hello)} of {cfg.ep_size} ranks registered within --startup-timeout-s "
+                    f"{cfg.startup_timeout_s}; check the worker logs"
+                )
+            ctl.pump(0.05)
 
     def drop_backup(self, node: str, why: str) -> None:
         """Stop planning transfers from a node's backup (and dense weights from it)."""

@@ -5,16 +5,14 @@ It reports a worker's exit the moment it begins (a thread polls the workers' /pr
 `exit_poll_s`, see `exits.py`; one thread blocked in `wait()` per worker reaps it and reports an
 exit the poll missed), kills a rank on the controller's `FenceWorker` and confirms once the
 process can no longer run, sends signals for fault injection, and answers `BackupFetch` and
-`DenseFetch` from workers of other nodes on its own ROUTER socket. It holds a lease on the
+`DenseFetch` from workers of other nodes on its own ROUTER socket (the backup: host_backup.py). It holds a lease on the
 controller (node/lease.py): cut off for `lease_s`, it kills its workers itself and registers
 again in recover mode. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
 one alone. With `auto_recover` it starts a rank that died again itself (join_mode recover),
 after a backoff that doubles with every death in a row, up to `backoff_max_s`.
 On shutdown it terminates its workers (SIGTERM, then SIGKILL after `stop_grace_s`) and removes
-its backup file. The file is also removed when the controller's connection closes (the
-controller stopped or died: a new controller assigns a new backup), by a guard process when the
-agent's own process dies however it ends, and, for owners gone without either, by the next
-agent that starts on the node (`backup_file.reap_stale_backups`).
+its backup file; for owners gone without doing so, the next agent that starts on the node
+removes theirs (`backup_file.reap_stale_backups`).
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.wire import (
     AgentAlive,
     AgentBye,
@@ -41,13 +38,11 @@ from elastic_ep.wire import (
     AgentWelcome,
     BackupAssign,
     BackupFetch,
-    BackupReady,
     BackupSite,
     BackupTensors,
     ChaosFailed,
     CutLinks,
     DenseFetch,
-    DenseTensors,
     FenceWorker,
     HealLinks,
     LeaseRenew,
@@ -63,18 +58,14 @@ from elastic_ep.wire import (
     encode,
 )
 
-from .backup_file import BackupWriter, guard_backup, read_backup, read_dense, reap_stale_backups
+from .backup_file import reap_stale_backups
 from .exits import exit_code, open_stat
 from .hardware import HardwareReader
+from .host_backup import HostBackup
 from .lease import Lease
 from .netcut import NetCut, NetCutUnavailable
 
 logger = logging.getLogger(__name__)
-
-# Experts per announcement of the backup being written: small enough that a fault soon after
-# start finds most of the single-copy experts already in host memory.
-BACKUP_PIECE_BYTES = 64 * 2**20
-
 
 @dataclass
 class _Child:
@@ -150,8 +141,7 @@ class NodeAgent:
         self.children: dict[int, _Child] = {}
         self.local_index: dict[int, int] = {}  # rank -> its place among this node's ranks
         self.launch: WorkerLaunch | None = None
-        self.backup_path: str | None = None
-        self._backup_guard: subprocess.Popen | None = None
+        self.backup = HostBackup(node, self.fetch_addr)
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self.hardware_interval_s = hardware_interval_s
@@ -176,7 +166,7 @@ class NodeAgent:
                 ready = dict(poller.poll(20))
                 if self.controller_link in ready and recv_monitor_message(self.controller_link)["event"] \
                         == zmq.EVENT_DISCONNECTED:
-                    self.drop_backup("the controller closed its connection (it stopped or died)", warn=True)
+                    self.backup.drop("the controller closed its connection (it stopped or died)", warn=True)
                 if self.events in ready:
                     self.sock.send(self.events.recv())
                 if self.fetch in ready:
@@ -216,7 +206,7 @@ class NodeAgent:
             self._signal(child.proc.pid, signal.SIGKILL)
         logger.warning("node %s: fenced its %d ranks: %s; registering again", self.node, len(children), why)
         # the controller plans no transfer from this node's backup any more
-        self.drop_backup("this node fenced itself", warn=False)
+        self.backup.drop("this node fenced itself")
         self.join_mode = "recover"
         self.lease.restart()
 
@@ -238,7 +228,9 @@ class NodeAgent:
         if not self.lease.welcomed:  # an order to a session that ended
             return True
         if isinstance(msg, BackupAssign):
-            threading.Thread(target=self._build_backup, args=(msg.items,), daemon=True).start()
+            assert self.launch is not None
+            threading.Thread(target=self.backup.build, args=(self.launch, msg.items, self._notify, self._stopped),
+                             daemon=True).start()
         elif isinstance(msg, StartWorker):
             with self._lock:
                 self.restart_at.pop(msg.rank_id, None)
@@ -369,7 +361,7 @@ class NodeAgent:
             due = [r for r, t in self.restart_at.items() if t <= now]
             for r in due:
                 del self.restart_at[r]
-        site = BackupSite(self.node, self.backup_path, self.fetch_addr) if self.backup_path else None
+        site = self.backup.site()
         for rank_id in due:
             self._start(rank_id, "recover", site)
 
@@ -380,60 +372,12 @@ class NodeAgent:
         except ProcessLookupError:
             pass
 
-    def _build_backup(self, items: list[tuple[int, int]]) -> None:
-        """Write the dense weights, then the experts in the order given (the controller puts the
-        ones with the fewest copies first), announcing every piece as soon as it is written."""
-        assert self.launch is not None
-        reader = CheckpointReader(self.launch.model_dir, dtype=self.launch.dtype)
-        writer = BackupWriter(reader, items, self.node, dense=True)
-        self._backup_guard = guard_backup(writer.path)
-        site = BackupSite(self.node, writer.path, self.fetch_addr)
-        try:
-            writer.write_dense()
-            self.backup_path = writer.path  # from here on restarts may take the dense weights from it
-            step = max(1, BACKUP_PIECE_BYTES // reader.expert_nbytes)
-            for i in range(0, max(len(items), 1), step):
-                if self._stopped.is_set():
-                    self.drop_backup("the agent stopped while it was written")
-                    return
-                if self.backup_path != writer.path:  # dropped meanwhile (the lease ran out)
-                    return
-                writer.write_experts(items[i : i + step])
-                self._notify(BackupReady(self.node, site, items[i : i + step], writer.nbytes, len(items)))
-        finally:
-            writer.close()
-        logger.info("node %s: backup of %d experts and the dense weights in %s (%d bytes)", self.node, len(items),
-                    writer.path, writer.nbytes)
-
     def _answer_fetch(self) -> None:
         sender, _, frame = self.fetch.recv_multipart()
         msg = decode(frame)
-        reply = BackupTensors(None, None, "this node holds no expert backup")
-        if isinstance(msg, DenseFetch):
-            reply = DenseTensors({}, "this node holds no dense weights in host memory")
-            if self.backup_path:
-                try:
-                    reply = DenseTensors(read_dense(self.backup_path))
-                except (OSError, KeyError) as e:
-                    reply = DenseTensors({}, str(e))
-        elif isinstance(msg, BackupFetch) and self.backup_path:
-            try:
-                w13, w2 = read_backup(self.backup_path, msg.items)
-                reply = BackupTensors(w13, w2)
-            except (OSError, KeyError) as e:
-                reply = BackupTensors(None, None, str(e))
+        reply = self.backup.answer(msg) if isinstance(msg, BackupFetch | DenseFetch) else \
+            BackupTensors(None, None, f"not a fetch: {type(msg).__name__}")
         self.fetch.send_multipart([sender, b"", encode(reply)])
-
-    def drop_backup(self, why: str, warn: bool = False) -> None:
-        """Remove the backup file now and serve no more fetches from it."""
-        path, guard, self.backup_path, self._backup_guard = self.backup_path, self._backup_guard, None, None
-        if path and os.path.exists(path):
-            os.unlink(path)
-            logger.log(logging.WARNING if warn else logging.INFO, "node %s: removed its backup file %s: %s",
-                       self.node, path, why)
-        if guard is not None:
-            guard.stdin.close()
-            guard.wait()
 
     def shutdown(self) -> None:
         """Stop every worker (SIGTERM, SIGKILL after stop_grace_s) and remove the backup file."""
@@ -453,7 +397,7 @@ class NodeAgent:
             except subprocess.TimeoutExpired:
                 self._signal(p.pid, signal.SIGKILL)
                 p.wait()
-        self.drop_backup("the agent stopped")
+        self.backup.drop("the agent stopped")
         self.netcut.close()
         self.sock.send(encode(AgentBye(self.node)))
         self.sock.disable_monitor()
