@@ -29,7 +29,9 @@ def reader():
     return CheckpointReader(resolve_model("tiny-deepseek-v3"))
 
 
-def test_backup_round_trips_experts_and_dense_weights(reader, tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backup_round_trips_experts_and_dense_weights(tmp_path, dtype):
+    reader = CheckpointReader(resolve_model("tiny-deepseek-v3"), dtype=dtype)  # the backup keeps the served dtype
     items = [(0, 3), (1, 0), (0, 15)]
     path, nbytes = write_backup(reader, items, "nodeA", directory=str(tmp_path))
     assert path.startswith(str(tmp_path)) and "nodeA" in path and nbytes > 0
@@ -37,7 +39,7 @@ def test_backup_round_trips_experts_and_dense_weights(reader, tmp_path):
     w13, w2 = read_backup(path, items)
     for i, (layer, expert) in enumerate(items):
         e13, e2 = reader.read_experts(reader.config.moe_layers[layer], [expert])
-        assert torch.equal(w13[i], e13[0]) and torch.equal(w2[i], e2[0])
+        assert w13.dtype == dtype and torch.equal(w13[i], e13[0]) and torch.equal(w2[i], e2[0])
     dense = read_dense(path)
     expected = reader.dense_state()
     assert dense.keys() == expected.keys()

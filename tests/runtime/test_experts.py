@@ -70,12 +70,13 @@ def test_two_ranks_swap_every_expert_at_once_and_end_with_the_checkpoint_weights
         assert res["moved2"]["peer"] > 0 and res["moved2"]["local"] > 0
 
 
-def test_slots_restored_from_the_nodes_backup_are_checksummed_as_they_land(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_restored_from_the_nodes_backup_are_checksummed_as_they_land(tmp_path, monkeypatch, dtype):
     monkeypatch.setattr(backup_file, "READ_CHUNK_BYTES", 4096)  # several chunks per tensor
-    reader = CheckpointReader(resolve_model("tiny-deepseek-v3"))
+    reader = CheckpointReader(resolve_model("tiny-deepseek-v3"), dtype=dtype)
     cfg = reader.config
     path, _ = backup_file.write_backup(reader, [(0, 3), (1, 7), (2, 9)], "n0", directory=str(tmp_path), dense=False)
-    slots = ExpertSlots(cfg.moe_layers, 2, cfg.moe_intermediate_size, cfg.hidden_size)
+    slots = ExpertSlots(cfg.moe_layers, 2, cfg.moe_intermediate_size, cfg.hidden_size, dtype)
     new = np.full((len(cfg.moe_layers), 2), -1)
     new[0, 1], new[1, 0] = 3, 7
     sources = [SlotSource(0, 1, 3, "backup", src_node="n0"), SlotSource(1, 0, 7, "backup", src_node="n0")]
