@@ -27,9 +27,11 @@ from .conftest import PROMPTS, Server, concurrently, reference
 
 MAX_TOKENS = 48
 MODEL = "tiny-deepseek-v3"
-# 16 experts, 16 redundant: 8 slots per rank, so two ranks can hold every expert.
+# 16 experts, 16 redundant: 8 slots per rank, so two ranks can hold every expert. The straggler
+# policy stays off: these tests slow ranks to show that slowness is not a fault, and a derate
+# epoch (tests/e2e/test_straggler.py) would change the epoch they check is unchanged.
 SERVE_ARGS = ("--model", MODEL, "--ep-size", "4", "--redundant-experts", "16", "--enable-chaos",
-              "--restart-delay-s", "1.0", "--admission-timeout-s", "2")
+              "--restart-delay-s", "1.0", "--admission-timeout-s", "2", "--straggler-policy", "off")
 
 
 @pytest.fixture(scope="module")
