@@ -48,12 +48,13 @@ def late_exchange(rank: int, world: int, store):
     """Every member sends each other one buffer of its own length; rank 1 comes 0.4 s late."""
     group = EpochGroup(8, list(range(world)), rank, "gloo", torch.device("cpu"))
     group.form(store, 30, lambda: False)
-    group.exchange({}, {})  # a member that moves nothing still takes part
+    cpu = torch.device("cpu")
+    group.exchange({}, {}, torch.float32, cpu)  # a member that moves nothing still takes part
     if rank == 1:
         time.sleep(0.4)
     others = [p for p in range(world) if p != rank]
     recvs = {p: torch.empty(5 + rank) for p in others}
-    group.exchange({p: torch.full((5 + p,), float(rank)) for p in others}, recvs)
+    group.exchange({p: torch.full((5 + p,), float(rank)) for p in others}, recvs, torch.float32, cpu)
     group.destroy()
     return {p: r.tolist() for p, r in recvs.items()}
 

@@ -1,6 +1,6 @@
 """A decoding sequence moves to another rank with its KV cache (real gloo, the tiny models):
 the next token's logits on the new rank equal those on the old one, for MLA's latent cache and
-for per-head keys and values."""
+for per-head keys and values, in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from .ranks import run_ranks
 PROMPT = list(range(3, 20))
 
 
-def move_then_decode(rank: int, world: int, store, model_name: str):
-    engine = OfflineEngine.from_pretrained(resolve_model(model_name))
+def move_then_decode(rank: int, world: int, store, model_name: str, dtype: str):
+    engine = OfflineEngine.from_pretrained(resolve_model(model_name), dtype=dtype)
     model, moe_fn = engine.model, engine.moe_fn
     kv = model.new_kv_cache(max_seqs=4, max_model_len=64, initial_capacity=4)  # grows inside the forwards
     group = EpochGroup(0, [0, 1], rank, "gloo", torch.device("cpu"))
@@ -37,12 +37,13 @@ def move_then_decode(rank: int, world: int, store, model_name: str):
     if rank == 1:
         logits = model.forward([SeqChunk(7, [42], len(PROMPT))], kv, moe_fn)
     group.destroy()
-    return {"logits": logits.tolist(), "tokens": tokens.get(7)}
+    return {"logits": logits.float().tolist(), "tokens": tokens.get(7)}
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model_name", ["tiny-deepseek-v3", "tiny-qwen3-moe"])
-def test_the_moved_sequence_decodes_the_same_on_its_new_rank(model_name):
-    source, destination = run_ranks(move_then_decode, 2, model_name)
+@pytest.mark.parametrize(("model_name", "dtype"), [("tiny-deepseek-v3", "float32"), ("tiny-qwen3-moe", "float32"),
+                                                   ("tiny-deepseek-v3", "bfloat16")])
+def test_the_moved_sequence_decodes_the_same_on_its_new_rank(model_name, dtype):
+    source, destination = run_ranks(move_then_decode, 2, model_name, dtype)
     assert destination["tokens"] == PROMPT and source["tokens"] is None
     assert torch.equal(torch.tensor(destination["logits"]), torch.tensor(source["logits"]))

@@ -302,17 +302,16 @@ class EpochGroup:
             raise self._broke(f"all_to_all in epoch {self.epoch}: {e}") from e
         return Posted(self, work, output, out_dev if staged else None, sent)
 
-    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
-                 dtype: torch.dtype = torch.float32) -> None:
-        """Send sends[i] to member index i and receive recvs[j] from member j (1-D buffers of one
-        dtype, on any device) as one all-to-all of the group: every member calls it, with empty
+    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """Send sends[i] to member index i and receive recvs[j] from member j (1-D buffers of
+        `dtype` on `device`) as one all-to-all of the group: every member calls it, with empty
         dicts when it moves nothing, and the same `dtype`. Not gloo's point-to-point operations: a
         wait on one of those that times out closes every pair of the group ("Application timeout
         caused pair closure"), so they cannot be waited on in short polls that an abort can
         interrupt; a collective can. Raises CollectiveError when it fails."""
         if self.size == 1:
             return
-        device = next(iter([*recvs.values(), *sends.values()]), torch.empty(0, device=self.device)).device
         out_splits = [recvs[p].numel() if p in recvs else 0 for p in range(self.size)]
         in_splits = [sends[p].numel() if p in sends else 0 for p in range(self.size)]
         inp = torch.cat([sends[p].reshape(-1) for p in sorted(sends)]) if sends else \

@@ -47,7 +47,7 @@ def move_kv(kv: KVCache, group: EpochGroup, moves: list[KVMove], tokens: dict[in
             expected.setdefault(group.members.index(move.src_rank), []).append(move)
     recvs = {peer: torch.empty(sum(_rows_shape(kv, len(m.token_ids)).numel() for m in ms), dtype=kv.dtype,
                                device=kv.device) for peer, ms in expected.items()}
-    group.exchange({peer: torch.cat(parts) for peer, parts in sends.items()}, recvs)
+    group.exchange({peer: torch.cat(parts) for peer, parts in sends.items()}, recvs, kv.dtype, kv.device)
     if problem is not None:
         raise ValueError(f"KV move: {problem}")
     for peer, ms in expected.items():
