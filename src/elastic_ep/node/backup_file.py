@@ -186,29 +186,22 @@ def _header(path: str) -> tuple[int, dict]:
     return 8 + size, header
 
 
-def _tensors(path: str) -> dict[str, tuple[int, list[int]]]:
-    """name -> (absolute offset, shape) of every tensor of a safetensors file."""
+def expert_offsets(path: str, items: list[tuple[int, int]]
+                   ) -> tuple[torch.dtype, list[tuple[tuple[int, list[int]], tuple[int, list[int]]]]]:
+    """The dtype the experts of a backup file are stored in (float32 when it holds none) and, per
+    (layer, expert) of `items`, (offset, shape) of its w13 and of its w2, for reading it straight
+    into place; one read of the header. Raises KeyError for a missing item."""
     start, header = _header(path)
-    return {name: (start + e["data_offsets"][0], e["shape"]) for name, e in header.items()}
-
-
-def backup_dtype(path: str) -> torch.dtype:
-    """The dtype the experts of a backup file are stored in (float32 when it holds none)."""
     names = {v: k for k, v in ST_DTYPES.items()}
-    _, header = _header(path)
-    return next((names[e["dtype"]] for name, e in header.items() if not name.startswith(DENSE_PREFIX)), torch.float32)
-
-
-def expert_offsets(path: str, items: list[tuple[int, int]]) -> list[tuple[tuple[int, list[int]], tuple[int, list[int]]]]:
-    """Per (layer, expert) of `items`: (offset, shape) of its w13 and of its w2 in a backup file,
-    for reading it straight into place. Raises KeyError for a missing item."""
-    tensors = _tensors(path)
+    dtype = next((names[e["dtype"]] for name, e in header.items() if not name.startswith(DENSE_PREFIX)),
+                 torch.float32)
     out = []
     for layer, expert in items:
-        if backup_key(layer, expert, "w13") not in tensors:
+        w13, w2 = header.get(backup_key(layer, expert, "w13")), header.get(backup_key(layer, expert, "w2"))
+        if w13 is None or w2 is None:
             raise KeyError(f"layer {layer} expert {expert} is not in this node's backup")
-        out.append((tensors[backup_key(layer, expert, "w13")], tensors[backup_key(layer, expert, "w2")]))
-    return out
+        out.append(((start + w13["data_offsets"][0], w13["shape"]), (start + w2["data_offsets"][0], w2["shape"])))
+    return dtype, out
 
 
 def read_checked(fd: int, offset: int, dst: torch.Tensor, crc: int = 0) -> int:
@@ -228,8 +221,7 @@ def read_checked(fd: int, offset: int, dst: torch.Tensor, crc: int = 0) -> int:
 
 def read_backup(path: str, items: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """w13 [n, 2I, H], w2 [n, H, I] of `items` from a backup file. Raises KeyError for a missing item."""
-    entries = expert_offsets(path, items)
-    dtype = backup_dtype(path)
+    dtype, entries = expert_offsets(path, items)
     (_, s13), (_, s2) = entries[0] if entries else ((0, [0, 0]), (0, [0, 0]))
     w13, w2 = torch.empty(len(items), *s13, dtype=dtype), torch.empty(len(items), *s2, dtype=dtype)
     fd = os.open(path, os.O_RDONLY)

@@ -23,7 +23,7 @@ import zmq
 
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.memory import huge_zeros
-from elastic_ep.node.backup_file import as_bytes, backup_dtype, expert_offsets, read_checked
+from elastic_ep.node.backup_file import as_bytes, expert_offsets, read_checked
 from elastic_ep.wire import BackupFetch, BackupSite, SlotSource, TransferStat, decode, encode
 
 from .group import EpochGroup
@@ -172,7 +172,8 @@ class ExpertSlots:
             recv_from[group.members.index(src.src_rank)].append(src)
         recvs = {peer: torch.empty(len(items) * per_expert, dtype=self.w13[0].dtype, device=self.device)
                  for peer, items in recv_from.items()}
-        group.exchange({peer: torch.cat(parts) for peer, parts in send_parts.items()}, recvs, self.w13[0].dtype)
+        group.exchange({peer: torch.cat(parts) for peer, parts in send_parts.items()}, recvs, self.w13[0].dtype,
+                       self.device)
         for peer, items in recv_from.items():
             for i, src in enumerate(items):
                 flat = recvs[peer][i * per_expert : (i + 1) * per_expert]
@@ -183,12 +184,11 @@ class ExpertSlots:
         """Same-node backup: on the CPU straight from the file into the slots, checksummed as they
         land; on an accelerator (or in another dtype) through one host buffer per expert,
         checksummed afterwards."""
-        stored = backup_dtype(path)
+        stored, offsets = expert_offsets(path, [(s.layer, s.expert) for s in wanted])
         direct = self.device.type == "cpu" and self.w13[0].dtype == stored
         fd = os.open(path, os.O_RDONLY)
         try:
-            for src, ((o13, _), (o2, _)) in zip(wanted, expert_offsets(path, [(s.layer, s.expert) for s in wanted]),
-                                                strict=True):
+            for src, ((o13, _), (o2, _)) in zip(wanted, offsets, strict=True):
                 w13, w2 = self.w13[src.layer][src.slot], self.w2[src.layer][src.slot]
                 if direct:
                     checked[(src.layer, src.slot)] = read_checked(fd, o2, w2, read_checked(fd, o13, w13))

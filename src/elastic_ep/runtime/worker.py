@@ -175,9 +175,8 @@ class Worker:
                 rendezvous_s = group.form(self.store, msg.collective_timeout_s, self._newer_epoch_arrived)
                 links = Links.form(group, msg.nodes, msg.all2all_backend, self._newer_epoch_arrived)
             else:  # same members, same hosts: the group and its host subgroups stay as they are
-                group.epoch, rendezvous_s = msg.epoch, 0.0
-                links = self.moe.links if self.moe is not None else \
-                    Links.form(group, msg.nodes, msg.all2all_backend, self._newer_epoch_arrived)
+                assert self.moe is not None  # a kept group formed an epoch: its moe was built then
+                group.epoch, rendezvous_s, links = msg.epoch, 0.0, self.moe.links
             location = ExpertLocation.from_phy2log(msg.phy2log, msg.slots_per_rank, self.config.num_experts)
             if self.slots is None:
                 self.slots = ExpertSlots(
