@@ -3,15 +3,17 @@
 1. parity on the device: greedy tokens of `elastic-ep generate --device cuda` equal to
    `--device cpu` (float32), and the tiny model's logits on the GPU within 1e-3 of the CPU's;
 2. `serve --device cuda --backend gloo` with 2 ranks sharing one GPU (collectives staged through
-   the host) survives `kill -9` of a rank with outputs equal to the fault-free run;
-3. where there are two or more GPUs, the same with `--backend nccl` (one GPU per rank; the
-   survivors' NCCL communicator is aborted on the controller's order);
+   the host) survives `kill -9` and SIGSTOP of a rank with outputs equal to the fault-free run;
+3. where there are two or more GPUs: an epoch's NCCL group with a dead peer and with a stopped
+   one (the survivor's collective raises, or is freed by the abort, and how long after the abort),
+   then the `serve` checks with `--backend nccl` (one GPU per rank; the survivors' communicator is
+   aborted on the controller's order);
 4. decode tokens/s of the offline engine on the GPU against the CPU, batch 16.
 
 Without a CUDA device it prints why and exits 0 (nothing is claimed). Results go to stdout as
 JSON lines and, with --out, to a file.
 
-    .venv/bin/python scripts/gpu_check.py [--out gpu_check.json]
+    .venv/bin/python scripts/gpu_check.py [--out gpu_check.json] [--device cpu: a dry run of the script]
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from pathlib import Path
 
 import torch
 
+from elastic_ep.harness.group_faults import aborted_while_waiting, peer_dies
 from elastic_ep.harness.load import PROMPTS, streams_with_fault
+from elastic_ep.harness.ranks import run_ranks
 from elastic_ep.harness.server_process import ServerProcess
 from elastic_ep.model.engine import OfflineEngine, greedy
 from elastic_ep.model.model import SeqChunk
@@ -54,63 +58,83 @@ def prefill_logits(device: str, ids: list[int]) -> torch.Tensor:
     return engine.model.forward([SeqChunk(0, ids, 0)], cache, engine.moe_fn).cpu()
 
 
-def parity() -> dict:
-    on_gpu, on_cpu = generate("cuda"), generate("cpu")
+def parity(device: str) -> dict:
+    on_gpu, on_cpu = generate(device), generate("cpu")
     ids = encode(load_tokenizer(resolve_model(MODEL)), PROMPTS[0])
-    diff = float((prefill_logits("cuda", ids) - prefill_logits("cpu", ids)).abs().max())
+    diff = float((prefill_logits(device, ids) - prefill_logits("cpu", ids)).abs().max())
     return {"check": "parity", "tokens_equal": on_gpu == on_cpu, "max_logit_diff": diff, "ok": on_gpu == on_cpu
             and diff < 1e-3}
 
 
-def serve_survives_kill(backend: str) -> dict:
+def serve_survives(device: str, backend: str, fault: signal.Signals) -> dict:
+    """`serve` with 2 ranks on the GPU(s); `fault` (SIGKILL: dead, SIGSTOP: stopped) lands on rank
+    1 mid-stream; every stream must finish with the fault-free run's text."""
     log = Path(tempfile.mkdtemp()) / "serve.log"
-    server = ServerProcess(["--model", MODEL, "--ep-size", "2", "--device", "cuda", "--backend", backend,
+    server = ServerProcess(["--model", MODEL, "--ep-size", "2", "--device", device, "--backend", backend,
                             "--restart-delay-s", "-1"], log)
     try:
         server.wait_full_group(2)
-        expected = generate("cuda", 32)
+        expected = generate(device, 32)
         pid = server.pids()[1]
-        results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGKILL), PROMPTS, 32, temperature=0)
+        results = streams_with_fault(server.url, lambda: os.kill(pid, fault), PROMPTS, 32, temperature=0)
         texts = [r.text for r in results]
         state = server.wait_for(lambda c: any(e["kind"] == "recovered" for e in c["events"]), 60, "the recovery")
         recovered = next(e for e in state["events"] if e["kind"] == "recovered")
-        return {"check": f"serve kill -9 ({backend})", "outputs_equal": texts == expected,
+        return {"check": f"serve {fault.name} of a rank ({backend})", "outputs_equal": texts == expected,
                 "pause_s": round(max(r.largest_gap for r in results), 3), "recovery_s": recovered["total_s"],
                 "ok": texts == expected}
     finally:
         server.stop()
 
 
-def decode_speed(batch: int = 16, tokens: int = 64) -> dict:
+def nccl_group_faults() -> dict:
+    """An epoch's NCCL group on two GPUs (harness/group_faults.py, as the CPU suite runs them with
+    gloo): a dead peer makes the survivor's all-to-all raise (NCCL's error, or the deadline), and
+    an abort frees an all-to-all waiting on a stopped peer, measured from the abort."""
+    (dead,) = run_ranks(peer_dies, 2, "nccl", answering=[0])
+    (stopped,) = run_ranks(aborted_while_waiting, 2, "nccl", answering=[0])
+    return {"check": "nccl group faults", "dead_peer": dead, "stopped_peer": stopped,
+            "ok": dead["raised"] is not None and stopped["raised"] is not None and stopped["next_epoch"] == [7.0]}
+
+
+def decode_speed(device: str, batch: int = 16, tokens: int = 64) -> dict:
     rates = {}
     tokenizer = load_tokenizer(resolve_model(MODEL))
     prompts = [encode(tokenizer, p) for p in (PROMPTS * batch)[:batch]]
-    for device in ("cuda", "cpu"):
-        engine = OfflineEngine.from_pretrained(resolve_model(MODEL), device=device)
+    for where in (device, "cpu"):
+        engine = OfflineEngine.from_pretrained(resolve_model(MODEL), device=where)
         engine.generate(prompts, greedy(4, ignore_eos=True))
         t0 = time.perf_counter()
         engine.generate(prompts, greedy(tokens, ignore_eos=True))
-        rates[device] = round(batch * tokens / (time.perf_counter() - t0), 1)
+        rates[where] = round(batch * tokens / (time.perf_counter() - t0), 1)
     return {"check": "decode tokens/s", **rates, "ok": True}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="also write the results here (JSON lines)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: a dry run of this script on a machine without a GPU (checks nothing GPU-side)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
         print("gpu-check: no CUDA device on this machine; nothing was checked (the CPU suite runs the same code "
               "with --device cpu)")
         return 0
-    checks = [parity, lambda: serve_survives_kill("gloo"), decode_speed]
-    if torch.cuda.device_count() >= 2:
-        checks.insert(2, lambda: serve_survives_kill("nccl"))
+    checks = [("parity", lambda: parity(device)),
+              ("serve kill -9 (gloo)", lambda: serve_survives(device, "gloo", signal.SIGKILL)),
+              ("serve SIGSTOP (gloo)", lambda: serve_survives(device, "gloo", signal.SIGSTOP))]
+    if device == "cuda" and torch.cuda.device_count() >= 2:
+        checks += [("nccl group faults", nccl_group_faults),
+                   ("serve kill -9 (nccl)", lambda: serve_survives(device, "nccl", signal.SIGKILL)),
+                   ("serve SIGSTOP (nccl)", lambda: serve_survives(device, "nccl", signal.SIGSTOP))]
+    checks.append(("decode tokens/s", lambda: decode_speed(device)))
     results = []
-    for check in checks:
+    for name, check in checks:
         try:
             result = check()
         except Exception as e:  # a check that cannot run is reported, the others still run
-            result = {"check": getattr(check, "__name__", "check"), "ok": False, "error": f"{type(e).__name__}: {e}"}
+            result = {"check": name, "ok": False, "error": f"{type(e).__name__}: {e}"}
         results.append(result)
         print(json.dumps(result), flush=True)
     if args.out:

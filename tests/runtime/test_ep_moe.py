@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from elastic_ep.harness.ranks import run_ranks
 from elastic_ep.model.model import MoECall
 from elastic_ep.model.moe import local_moe_fn
 from elastic_ep.placement.location import ExpertLocation
@@ -15,8 +16,6 @@ from elastic_ep.runtime.ep_moe import ExpertParallelMoE, LocalFailure, route_to_
 from elastic_ep.runtime.exchange import Links
 from elastic_ep.runtime.experts import ExpertSlots
 from elastic_ep.runtime.group import EpochGroup, ProgressBoard
-
-from .ranks import run_ranks
 
 E, S, H, INTER, K = 6, 4, 8, 4, 2
 # two ranks, 4 slots each: experts 0 and 3 have a replica on both ranks

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from elastic_ep.control.epoch_plan import held_placement, split_by_rank
+from elastic_ep.harness.ranks import run_ranks
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.node import backup_file
@@ -18,8 +19,6 @@ from elastic_ep.placement.transfer import plan_transfers
 from elastic_ep.runtime.experts import ExpertSlots, expert_checksum
 from elastic_ep.runtime.group import EpochGroup
 from elastic_ep.wire import BackupSite, SlotSource
-
-from .ranks import run_ranks
 
 S = 8  # 16 experts on two ranks
 

@@ -1,20 +1,18 @@
 """An epoch's process group on real processes: it forms, a newer epoch abandons a forming one,
 a member that never arrives is named, a peer that dies makes the collective raise instead of
-hanging, and an expert exchange with a peer that comes late (many abort polls later) completes."""
+hanging, an abort frees a collective waiting on a stopped peer (both on NCCL too where two GPUs
+are), and an expert exchange with a peer that comes late (many abort polls later) completes."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import pytest
 import torch
 
-from elastic_ep.runtime.group import CollectiveError, EpochGroup, EpochSuperseded
-
-from .ranks import run_ranks
+from elastic_ep.harness.group_faults import aborted_while_waiting, peer_dies
+from elastic_ep.harness.ranks import run_ranks
+from elastic_ep.runtime.group import EpochGroup, EpochSuperseded
 
 
 def form_and_exchange(rank: int, world: int, store):
@@ -59,23 +57,6 @@ def late_exchange(rank: int, world: int, store):
     return {p: r.tolist() for p, r in recvs.items()}
 
 
-def peer_dies(rank: int, world: int, store):
-    group = EpochGroup(7, [0, 1], rank, "gloo", torch.device("cpu"))
-    group.form(store, 30, lambda: False)
-    if rank == 1:
-        store.set("rank1/exiting", "1")
-        os._exit(0)
-    store.wait(["rank1/exiting"])
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    try:
-        out = torch.empty(2)
-        group.all_to_all(out, torch.ones(2))
-    except RuntimeError as e:
-        return {"raised": type(e).__name__, "after_s": time.monotonic() - t0}
-    return {"raised": None}
-
-
 @pytest.mark.e2e
 def test_members_form_the_group_exchange_and_leave_it():
     results = run_ranks(form_and_exchange, 3)
@@ -90,42 +71,21 @@ def test_a_missing_member_is_named_and_a_superseded_epoch_is_abandoned():
     assert "epoch 6 was superseded" in superseded
 
 
+BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs (none here)"))]
+
+
 @pytest.mark.e2e
-def test_a_dead_peer_makes_the_collective_raise():
-    (survivor,) = run_ranks(peer_dies, 2, answering=[0])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dead_peer_makes_the_collective_raise(backend):
+    (survivor,) = run_ranks(peer_dies, 2, backend, answering=[0])
     assert survivor["raised"] == "CollectiveError"
 
 
-def aborted_while_waiting(rank: int, world: int, store):
-    """Rank 1 stops (SIGSTOP: no reset ever reaches its peers); rank 0 waits in an all_to_all with
-    it until another thread of rank 0 aborts the epoch, as the heartbeat thread does on the
-    controller's AbortEpoch; then rank 0 forms the next epoch's group alone."""
-    group = EpochGroup(8, [0, 1], rank, "gloo", torch.device("cpu"))
-    group.form(store, 30, lambda: False)
-    if rank == 1:
-        store.set("rank1/stopping", "1")
-        os.kill(os.getpid(), signal.SIGSTOP)
-        return None
-    store.wait(["rank1/stopping"])
-    threading.Timer(1.0, group.abort).start()
-    t0 = time.monotonic()
-    try:
-        group.all_to_all(torch.empty(2), torch.ones(2))
-        raised = None
-    except CollectiveError as e:
-        raised = str(e)
-    waited_s = time.monotonic() - t0
-    group.destroy()
-    alone = EpochGroup(9, [0], 0, "gloo", torch.device("cpu"))
-    alone.form(store, 30, lambda: False)
-    out = torch.empty(1)
-    alone.all_to_all(out, torch.full((1,), 7.0))
-    return {"raised": raised, "waited_s": waited_s, "next_epoch": out.tolist()}
-
-
 @pytest.mark.e2e
-def test_an_aborted_epoch_frees_a_collective_waiting_on_a_stopped_peer():
-    (survivor,) = run_ranks(aborted_while_waiting, 2, answering=[0])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_aborted_epoch_frees_a_collective_waiting_on_a_stopped_peer(backend):
+    (survivor,) = run_ranks(aborted_while_waiting, 2, backend, answering=[0])
     assert survivor["raised"] and "aborted the epoch" in survivor["raised"]
     assert survivor["next_epoch"] == [7.0]  # the broken group is left behind, the next one forms
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elastic_ep.harness.ranks import run_ranks
 from elastic_ep.model.engine import OfflineEngine
 from elastic_ep.model.model import SeqChunk
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.runtime.group import EpochGroup
 from elastic_ep.runtime.kv_move import move_kv
 from elastic_ep.wire import KVMove
-
-from .ranks import run_ranks
 
 PROMPT = list(range(3, 20))
 

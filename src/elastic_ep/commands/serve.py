@@ -21,6 +21,7 @@ from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
 from elastic_ep.node.agent import NodeAgent
+from elastic_ep.runtime.devices import check_node_devices
 
 
 def redundant_count(text: str) -> int | str:
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     local_ranks = args.ep_size if args.local_ranks is None else args.local_ranks
     if local_ranks < 0:
         raise ElasticEPError(f"--local-ranks must be >= 0, got {local_ranks}")
+    check_node_devices(args.device, args.backend, local_ranks)
     cfg = ServeConfig(
         model_dir=str(model_dir),
         model_name=args.served_model_name or args.model,

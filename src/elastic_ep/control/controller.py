@@ -33,6 +33,7 @@ import numpy as np
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
+from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.placement.location import ExpertLocation
@@ -199,7 +200,8 @@ class Controller:
             self.publish()
             if self.on_fatal is not None:
                 self.on_fatal()
-            raise
+            if not isinstance(e, ElasticEPError):  # a bug: its traceback too; a stated reason is enough otherwise
+                raise
         finally:
             self.nodes.shutdown()
             for seq_id, stream in self.streams:

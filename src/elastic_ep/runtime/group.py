@@ -10,10 +10,12 @@ What happens when a peer dies: gloo raises on the next read or write to that pee
 (milliseconds after the process exits), which surfaces here as `CollectiveError`. A peer that
 is hung or cut off (no reset ever comes) blocks the collective until the controller aborts the
 epoch (`abort`, called from the worker's heartbeat thread on the controller's `AbortEpoch`:
-the waiting collective gives up within `ABORT_POLL_S`) or `collective_timeout_s` passes. After
-a collective error the group is destroyed, which closes this rank's sockets, so ranks waiting
-on it fail fast too instead of hanging. An error in this rank's own computation is not a
-collective error: the rank finishes the step's collectives and the group stays whole.
+the waiting collective gives up within `ABORT_POLL_S`) or `collective_timeout_s` passes. NCCL
+(not run here: no GPU was lent) raises only where it notices a peer's error; otherwise the same
+abort applies, and aborts the communicator (`ncclCommAbort`) under the waiting collective. A
+broken epoch's group is left behind, never torn down in the step loop: teardown could wait on
+the failed peer. An error in this rank's own computation is not a collective error: the rank
+finishes the step's collectives and the group stays whole.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -95,15 +98,48 @@ class ProgressBoard:
 
 
 ABORT_POLL_S = 0.05  # how often a waiting collective looks whether its epoch was aborted
+NCCL_POLL_S = 0.0002  # how often an NCCL collective's completion is queried (a cheap CUDA event query)
 _ABANDONED: list = []  # process groups of broken epochs, kept so nothing waits on their teardown
 
 
-def new_backend(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta):
+# ProcessGroupNCCL's own error handling, left to itself, takes the whole process down: its
+# watchdog rethrows a peer's error (TORCH_NCCL_ASYNC_ERROR_HANDLING's default, 3) and its heartbeat
+# monitor kills the process a while after any rank reported one. Here a survivor must live on and
+# leave the broken epoch on the controller's order, so errors only reach this module's polls.
+# Set before the first communicator, unless the operator set them (read once per process).
+NCCL_FAIL_SOFT = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",  # the watchdog neither aborts nor tears down on an error
+    "TORCH_NCCL_ENABLE_MONITORING": "0",  # no heartbeat monitor that kills the process
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",  # no debug dump (and its sleeps) on an error
+}
+NCCL_ABORT_WAIT_S = 5.0  # ncclCommAbort should return at once; past this the process is wedged
+WEDGED = threading.Event()  # an NCCL abort never returned: this process's GPU collectives are not to be trusted
+
+
+def new_backend(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta,
+                device: torch.device):
     """A process group of its own for one epoch (not torch.distributed's global default group,
-    so a broken epoch's group can be left behind while the next one forms)."""
+    so a broken epoch's group can be left behind while the next one forms), connected before it
+    returns: NCCL's communicator is made here, on the calling thread, not lazily inside the
+    first collective (where a member dead before it joined would hold the step loop forever)."""
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+        for name, value in NCCL_FAIL_SOFT.items():
+            os.environ.setdefault(name, value)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        pg.eager_connect_single_device(device)
+        return pg
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def abort_communicator(pg, wait_s: float = NCCL_ABORT_WAIT_S) -> bool:
+    """ncclCommAbort of `pg` on a thread of its own, waited for at most `wait_s` (NCCL has had
+    aborts that hang on a stopped peer of the same node). Returns whether it returned in time."""
+    thread = threading.Thread(target=pg.abort, name="nccl-abort", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return not thread.is_alive()
 
 
 @dataclass
@@ -178,19 +214,24 @@ class EpochGroup:
                 raise self._broke(f"{what} in epoch {self.epoch}: no answer within {self.timeout_s:g}s")
 
     def _wait_nccl(self, work, what: str, deadline: float) -> None:
-        """NCCL runs the collective on a CUDA stream: poll it, and on an abort or past the
-        deadline abort the communicator itself (ncclCommAbort), which frees the stream a dead or
-        stopped peer would hold forever (NCCL is fail-stop otherwise). Not run here: no GPU."""
+        """NCCL runs the collective on a CUDA stream: poll it. A peer's error (NCCL reports it
+        when a remote peer's connection breaks) is read from the work, never waited on; on the
+        controller's abort or past the deadline the communicator itself is aborted (ncclCommAbort),
+        which frees the stream a dead or stopped peer would hold forever (NCCL is fail-stop
+        otherwise). When that abort does not return, `WEDGED` is set. Not run here: no GPU."""
         while not work.is_completed():
             if self._aborted.is_set() or time.monotonic() > deadline:
-                self.pg.abort()
+                if not abort_communicator(self.pg, NCCL_ABORT_WAIT_S):
+                    WEDGED.set()
                 raise self._broke(f"{what} in epoch {self.epoch}: aborted (the controller gave up on the epoch, "
                                   f"or no answer within {self.timeout_s:g}s)")
-            time.sleep(0.0002)
-        try:
-            work.wait()
-        except RuntimeError as e:
-            raise self._broke(f"{what} in epoch {self.epoch}: {e}") from e
+            time.sleep(NCCL_POLL_S)
+        with warnings.catch_warnings():  # Work.exception() warns that it is deprecated; it is the only probe
+            warnings.simplefilter("ignore")
+            error = work.exception()
+        if error is not None:
+            raise self._broke(f"{what} in epoch {self.epoch}: {error}")
+        work.wait()  # done: only orders the current CUDA stream after the collective's
 
     def _broke(self, message: str) -> CollectiveError:
         self.broken = True
@@ -251,7 +292,7 @@ class EpochGroup:
 
         def connect() -> None:
             try:
-                built["pg"] = new_backend(self.backend, store, self.index, self.size, timeout)
+                built["pg"] = new_backend(self.backend, store, self.index, self.size, timeout, self.device)
             except RuntimeError as e:
                 built["error"] = e
 
@@ -272,13 +313,17 @@ class EpochGroup:
         return built["pg"]
 
     def destroy(self) -> None:
-        """Leave the group and its subgroups. A group whose collectives (or a subgroup's) failed
-        or were given up on is kept, never torn down: a collective may still wait inside it on a
-        peer that will not answer (cut off), and tearing it down would wait with it."""
+        """Leave the group and its subgroups, never waiting on a peer. A gloo group whose
+        collectives (or a subgroup's) failed or were given up on is kept, never torn down: a
+        collective may still wait inside it on a peer that will not answer (cut off), and tearing
+        it down would wait with it. An NCCL communicator is aborted on a thread of its own, which
+        drops it afterwards (its teardown joins threads that may wait on a failed peer)."""
         family = [self, *self._subgroups]
         broken = any(g.broken for g in family)
         for g in family:
-            if g.pg is not None and broken:
+            if g.pg is not None and self.backend == "nccl":
+                threading.Thread(target=g.pg.abort, name="nccl-release", daemon=True).start()
+            elif g.pg is not None and broken:
                 _ABANDONED.append(g.pg)
             g.pg = None
             g.alive = False

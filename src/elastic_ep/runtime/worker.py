@@ -32,7 +32,7 @@ import zmq
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
-from elastic_ep.model.model import MoEForCausalLM, SeqChunk, resolve_device
+from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
@@ -56,10 +56,12 @@ from elastic_ep.wire import (
 )
 
 from .dense import load_dense
+from .devices import rank_devices
 from .ep_moe import ExpertParallelMoE, LocalFailure
 from .exchange import Links
 from .experts import BackupUnreachable, ExpertSlots
 from .group import (
+    WEDGED,
     AddressNotLocal,
     CollectiveError,
     EpochGroup,
@@ -90,6 +92,8 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(launch.step_addr)
         self.device, self.comm_device = rank_devices(launch.device, launch.backend, args.local_index)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this rank's GPU is the current one for all it does
         self.config = MoEConfig.from_pretrained(launch.model_dir)
         self.reader = CheckpointReader(launch.model_dir, self.config, dtype=launch.dtype)
         dense, self.dense_source, self.load_s = load_dense(
@@ -144,6 +148,10 @@ class Worker:
             elif isinstance(msg, SweepSlots | CorruptSlot):
                 if self.slots is not None and self.group is not None and msg.epoch == self.group.epoch:
                     self._slot_request(msg)
+            if WEDGED.is_set():  # restarted afresh, as a rank that died, rather than serve on a wedged GPU
+                print(f"elastic-ep rank {self.args.rank_id}: an NCCL communicator's abort did not return; exiting "
+                      "to be restarted", file=sys.stderr, flush=True)
+                os._exit(3)
         self._stop.set()
         if self.group is not None:
             self.group.destroy()
@@ -351,24 +359,6 @@ class Worker:
             sock.send(encode(Heartbeat(self.args.rank_id, pid, self.progress.current)))
             next_beat = time.monotonic() + interval_s
         sock.close()
-
-
-def rank_devices(spec: str, backend: str, local_index: int) -> tuple[torch.device, torch.device]:
-    """(compute device, collective device) of a rank: `spec` cpu, cuda or auto (cuda when present);
-    on cuda each rank takes the GPU of its local index on its node. nccl needs a GPU per rank
-    and runs its collectives there; gloo stages them through the host, so ranks may share a GPU.
-    Raises ElasticEPError when nccl is asked for more ranks than this node has GPUs."""
-    device = resolve_device(None if spec == "auto" else spec)
-    if device.type == "cuda" and device.index is None:
-        count = torch.cuda.device_count()
-        if backend == "nccl" and local_index >= count:
-            raise ElasticEPError(f"--backend nccl runs one rank per GPU, but this rank is number {local_index + 1} on "
-                                 f"a node with {count} GPU(s): start fewer ranks here (--ranks / --local-ranks) or "
-                                 "use --backend gloo")
-        device = torch.device("cuda", local_index % count)
-    if backend == "nccl" and device.type != "cuda":
-        raise ElasticEPError("--backend nccl needs --device cuda (the GPUs of this node)")
-    return device, device if backend == "nccl" else torch.device("cpu")
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:

@@ -1,5 +1,5 @@
-"""Run a function on N real ranks (spawned processes) that share one TCPStore, for tests of the
-data plane without a controller. Every process is joined or killed before returning."""
+"""Run a function on N real ranks (spawned processes) that share one TCPStore, for tests (and the
+GPU checks) of the data plane without a controller. Every process is joined or killed before returning."""
 
 from __future__ import annotations
 
