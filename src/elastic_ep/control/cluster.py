@@ -44,6 +44,10 @@ class ClusterState:
         self.backup_off = "the backup is written once the first epoch serves"  # "" when on
         self.backup_progress: dict[str, tuple[int, int]] = {}  # node -> (experts written, share) while writing
         self.backup_lost: dict[str, str] = {}  # node -> why its backup can no longer be used
+        # What every rank computes on, "cpu" or "cuda": the first rank to register decides (under
+        # --device auto a node whose GPUs are gone would otherwise serve on its CPU, far behind the
+        # others, with checksums of another kind).
+        self.device_kind: str | None = None
 
     # ---- queries ---------------------------------------------------------------------------
 

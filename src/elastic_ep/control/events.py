@@ -36,6 +36,7 @@ class EventKind(str, Enum):
     AGENT = "agent"  # a node's agent registered (or registered again)
     NODE_LOST = "node-lost"  # a node's agent went silent: its ranks are faults
     RETIRED = "retired"  # a rank left the cluster
+    REFUSED = "refused"  # a rank registered on another device kind than the group's: stopped for good
     SCALE = "scale"  # a scale started or finished
     SCALE_FAILED = "scale-failed"
     DRAINED = "drained"  # leaving ranks drained on scale-down
@@ -51,7 +52,7 @@ class EventKind(str, Enum):
 WARNING_KINDS = frozenset({
     EventKind.FAULT, EventKind.FENCING, EventKind.FENCE_TIMEOUT, EventKind.EPOCH_FAILED, EventKind.VERIFY_FAILED,
     EventKind.DEGRADED, EventKind.REQUEST_ERROR, EventKind.BACKUP_LOST, EventKind.SCALE_FAILED, EventKind.CHAOS,
-    EventKind.STALLED, EventKind.STRAGGLER, EventKind.HARDWARE,
+    EventKind.STALLED, EventKind.STRAGGLER, EventKind.HARDWARE, EventKind.REFUSED,
 })
 logger = logging.getLogger("elastic_ep.events")
 

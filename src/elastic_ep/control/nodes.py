@@ -55,6 +55,21 @@ if TYPE_CHECKING:
     from .controller import Controller
 
 
+def device_kind(device: str) -> str:
+    """"cuda:1" -> "cuda"."""
+    return device.split(":")[0]
+
+
+def wrong_device(group_kind: str, hello: WorkerHello) -> str:
+    """Why a registering rank cannot join a group that computes on `group_kind` ("" when it can):
+    every rank of a group computes on one device kind."""
+    kind = device_kind(hello.device)
+    if kind == group_kind:
+        return ""
+    return (f"rank {hello.rank_id} on {hello.node} came up on {kind}, but the group runs on {group_kind} "
+            f"(--device auto found no GPU there?): fix that node, or pass --device {group_kind}")
+
+
 class Nodes:
     def __init__(self, ctl: Controller):
         self.ctl = ctl
@@ -147,8 +162,20 @@ class Nodes:
                                 msg.rank_id)
 
     def on_worker_hello(self, msg: WorkerHello) -> None:
-        r = self.cluster.ranks.setdefault(msg.rank_id, RankInfo(msg.rank_id, msg.node))
+        """A rank registered: it may join an epoch from now on. One that computes on another device
+        kind than the group is refused: at startup the whole server stops with the reason
+        (ElasticEPError), later that rank is stopped for good."""
+        c = self.cluster
+        r = c.ranks.setdefault(msg.rank_id, RankInfo(msg.rank_id, msg.node))
         if r.pid != msg.pid:
+            return
+        c.device_kind = c.device_kind or device_kind(msg.device)
+        reason = wrong_device(c.device_kind, msg)
+        if reason:
+            if c.epoch < 0:
+                raise ElasticEPError(reason)
+            c.events.add(EventKind.REFUSED, f"{reason}; the rank is stopped", msg.rank_id)
+            self.stop_rank(msg.rank_id)
             return
         r.hello, r.last_heartbeat = msg, time.monotonic()
         self.cluster.events.add(

@@ -182,6 +182,7 @@ class ExpertParallelMoE:
                 if pending[i] is None:
                     continue
                 posted, phase = pending[i]
+                finish_queued_work(self.slots.device)
                 t0 = time.perf_counter()
                 posted.wait()
                 waited = time.perf_counter() - t0
@@ -281,6 +282,15 @@ class ExpertParallelMoE:
         computed[valid] = grouped_expert_forward(received[valid, :h].to(dtype), slot_ids[valid], w13, w2)
         self.counters.slot_tokens += int(valid.sum())
         return computed
+
+
+def finish_queued_work(device: torch.device) -> None:
+    """Wait for this rank's computation still queued on `device` (a GPU runs it after the launch
+    returns), so that the time spent next in a collective is waiting on peers only: the straggler
+    policy reads a rank's compute time as its step minus these waits, and a slow GPU's kernels
+    must count as its compute. Nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _tagged(stages, phase: str):

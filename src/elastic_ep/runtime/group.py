@@ -292,6 +292,8 @@ class EpochGroup:
 
         def connect() -> None:
             try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)  # a thread's current GPU is its own
                 built["pg"] = new_backend(self.backend, store, self.index, self.size, timeout, self.device)
             except RuntimeError as e:
                 built["error"] = e

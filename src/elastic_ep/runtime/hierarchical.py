@@ -96,8 +96,10 @@ class TwoStageExchange:
             assert int(per_dest.max()) <= self.cap, f"{int(per_dest.max())} rows for one host exceed {self.cap}"
             block = outgoing.new_zeros(leaders.size * self.cap, outgoing.shape[1])
             block[:, hs:] = -1
-            at = torch.arange(len(outgoing)) - torch.repeat_interleave(torch.cumsum(per_dest, 0) - per_dest, per_dest)
-            block[torch.repeat_interleave(torch.arange(leaders.size), per_dest) * self.cap + at] = outgoing
+            device = per_dest.device
+            at = torch.arange(len(outgoing), device=device) - torch.repeat_interleave(
+                torch.cumsum(per_dest, 0) - per_dest, per_dest)
+            block[torch.repeat_interleave(torch.arange(leaders.size, device=device), per_dest) * self.cap + at] = outgoing
             crossed = torch.empty_like(block)
             yield links.post(leaders, crossed, block)
             recv_rows = [self.cap] * leaders.size

@@ -134,7 +134,7 @@ class Worker:
         if self.args.launch.heartbeat_interval_s > 0:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
-                              self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4)))
+                              self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device)))
         while True:
             msg = self._pending.pop(0) if self._pending else decode(self.sock.recv())
             if isinstance(msg, Shutdown):

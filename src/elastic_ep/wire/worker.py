@@ -75,6 +75,7 @@ class WorkerHello:
     dense_source: str = "disk"  # "host_memory" | "peer" | "disk" (runtime/dense.py)
     load_s: float = 0.0
     warmup_s: float = 0.0  # the dummy forward it ran before registering (runtime/worker.py)
+    device: str = "cpu"  # where it computes: "cpu", "cuda:0", ...
 
 
 @dataclass(frozen=True)
