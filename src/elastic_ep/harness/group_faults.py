@@ -20,19 +20,20 @@ import torch
 from elastic_ep.runtime.group import CollectiveError, EpochGroup
 
 
-def scenario_device(backend: str, rank: int) -> torch.device:
-    """Where a scenario's buffers live: NCCL's own GPU per rank, gloo the CPU."""
-    if backend != "nccl":
-        return torch.device("cpu")
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    return device
+def formed_pair(epoch: int, rank: int, store, backend: str) -> tuple[torch.device, EpochGroup]:
+    """This rank's group of ranks 0 and 1, formed, and where its buffers live: NCCL's own GPU per
+    rank, gloo the CPU."""
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    group = EpochGroup(epoch, [0, 1], rank, backend, device)
+    group.form(store, 30, lambda: False)
+    return device, group
 
 
 def peer_dies(rank: int, world: int, store, backend: str = "gloo") -> dict | None:
-    device = scenario_device(backend, rank)
-    group = EpochGroup(7, [0, 1], rank, backend, device)
-    group.form(store, 30, lambda: False)
+    device, group = formed_pair(7, rank, store, backend)
     if rank == 1:
         store.set("rank1/exiting", "1")
         os._exit(0)
@@ -48,9 +49,7 @@ def peer_dies(rank: int, world: int, store, backend: str = "gloo") -> dict | Non
 
 
 def aborted_while_waiting(rank: int, world: int, store, backend: str = "gloo") -> dict | None:
-    device = scenario_device(backend, rank)
-    group = EpochGroup(8, [0, 1], rank, backend, device)
-    group.form(store, 30, lambda: False)
+    device, group = formed_pair(8, rank, store, backend)
     if rank == 1:
         store.set("rank1/stopping", "1")
         os.kill(os.getpid(), signal.SIGSTOP)
