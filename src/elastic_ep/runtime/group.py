@@ -133,7 +133,7 @@ def new_backend(backend: str, store: dist.Store, rank: int, size: int, timeout: 
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def abort_communicator(pg, wait_s: float = NCCL_ABORT_WAIT_S) -> bool:
+def abort_communicator(pg, wait_s: float) -> bool:
     """ncclCommAbort of `pg` on a thread of its own, waited for at most `wait_s` (NCCL has had
     aborts that hang on a stopped peer of the same node). Returns whether it returned in time."""
     thread = threading.Thread(target=pg.abort, name="nccl-abort", daemon=True)
