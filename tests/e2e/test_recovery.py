@@ -97,6 +97,32 @@ def test_hung_rank_is_named_fenced_and_replaced(server):
     check_recovered(server, before, texts, {2}, ("heartbeat", "hung"))
 
 
+def test_a_stall_of_the_serve_process_itself_fences_no_one(server):
+    """The controller and this host's agent thread share the serve process: stopped together for
+    longer than --agent-timeout-s and --heartbeat-timeout-s (1 s each), they must not read their
+    own stall as the agent's and the ranks' silence (a false node loss would fence every rank)."""
+    before = full_group(server)
+    serve = psutil.Process(server.proc.pid)
+    stopped = []
+
+    def stall():
+        serve.suspend()
+        deadline = time.monotonic() + 1.0
+        while serve.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:  # SIGSTOP lands async
+            time.sleep(0.01)
+        stopped.append(serve.status())
+        time.sleep(1.5)
+        serve.resume()
+
+    texts, _ = streams_with_fault(server, stall)
+    assert stopped == [psutil.STATUS_STOPPED]  # the stall landed on the serve process
+    assert texts == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    cluster = server.cluster()
+    since = [e for e in cluster["events"] if e["id"] > before["events"][-1]["id"]]
+    assert not [e for e in since if e["kind"] in ("fault", "node-lost", "fencing")], since
+    assert cluster["epoch"] == before["epoch"] and cluster["members"] == before["members"]
+
+
 def test_rank_zero_lost_via_chaos_endpoint_with_seeded_sampling(server):
     before = full_group(server)
     kill = lambda: server.http.post("/chaos/kill", json={"rank_id": 0}).raise_for_status()  # noqa: E731

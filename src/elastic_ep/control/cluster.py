@@ -114,14 +114,14 @@ class ClusterState:
     # ---- /cluster ----------------------------------------------------------------------------
 
     def snapshot(self, requests_of: Callable[[int], int], controller_addr: str, deadlines: dict[str, float],
-                 scale: dict[str, Any], readiness: Readiness, liveness: Mapping[int, RankLiveness],
+                 scale: dict[str, Any], readiness: Readiness, liveness: Mapping[int, RankLiveness], heard: float,
                  verdicts: Mapping[int, dict[str, Any]], **extra: Any) -> dict[str, Any]:
         """The JSON of GET /cluster (see control/api.py `Engine.cluster` for the fields); `readiness`
         as published (it adds the stall check to `self.readiness`), liveness of running ranks,
-        straggler verdicts of members, `extra` top-level fields."""
-        now = time.monotonic()
+        the heard clock (ages of heartbeats and progress), straggler verdicts of members, `extra`
+        top-level fields."""
         total_slots = self.slots_per_rank * self.num_layers
-        ranks = [r.view(self.location, total_slots, requests_of(r.rank_id), self.delay_s.get(r.rank_id, 0.0), now,
+        ranks = [r.view(self.location, total_slots, requests_of(r.rank_id), self.delay_s.get(r.rank_id, 0.0), heard,
                         liveness.get(r.rank_id), verdicts.get(r.rank_id))
                  for r in sorted(self.ranks.values(), key=lambda r: r.rank_id)]
         return {

@@ -5,12 +5,17 @@ what on each): the step socket (worker main threads) and the health socket (work
 threads and node agents), plus a wake-up pipe other threads write to so a waiting control thread
 returns at once. Sending to a peer that is gone drops the message (no ROUTER_MANDATORY): a dead
 rank's silence is for the fault detector to notice, never an exception here.
+
+A peer's silence is measured on `heard_clock`, which stops while this process could not listen:
+a stall of the whole serve process (a thread holding the GIL while the OS runs others) freezes
+this host's agent thread and delays every message, and must not read as the peers' silence.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -24,6 +29,28 @@ class Inbound:
 
     identity: bytes
     message: Any
+
+
+LISTEN_SLACK_S = 0.1  # a receive this much later than it asked for means the process could not listen
+
+
+@dataclass
+class ListeningClock:
+    """Monotonic seconds less the stretches in which the controller could not listen: a receive
+    that returned more than `slack_s` after the wait it asked for, and the time since the last
+    drain beyond `slack_s`. Never goes back. Times are time.monotonic() values."""
+
+    slack_s: float = LISTEN_SLACK_S
+    deaf_s: float = 0.0  # total time it could not listen, up to the last drain
+    drained_at: float = field(default_factory=time.monotonic)
+
+    def drained(self, asked_s: float, now: float) -> None:
+        """A receive that asked to wait up to `asked_s` returned at `now`."""
+        self.deaf_s += max(0.0, now - self.drained_at - asked_s - self.slack_s)
+        self.drained_at = now
+
+    def read(self, now: float) -> float:
+        return now - self.deaf_s - max(0.0, now - self.drained_at - self.slack_s)
 
 
 class ControlPlane:
@@ -46,6 +73,11 @@ class ControlPlane:
         self.poller = zmq.Poller()
         for s in (self.step_sock, self.health_sock, self._wake_r):
             self.poller.register(s, zmq.POLLIN)
+        self.listening = ListeningClock()
+
+    def heard_clock(self) -> float:
+        """Now, on the clock that peers' silence is measured on (see the module's docstring)."""
+        return self.listening.read(time.monotonic())
 
     def wake(self) -> None:
         """Make a waiting `receive` return now (any thread)."""
@@ -57,6 +89,7 @@ class ControlPlane:
     def receive(self, timeout_s: float) -> list[Inbound]:
         """Wait up to timeout_s for input (or a wake-up); everything that arrived, health socket first."""
         ready = dict(self.poller.poll(int(timeout_s * 1000)))
+        self.listening.drained(timeout_s, time.monotonic())
         if self._wake_r in ready:
             try:
                 while os.read(self._wake_r, 4096):

@@ -215,12 +215,12 @@ class Controller:
         for inbound in self.plane.receive(timeout_s):
             self._dispatch(inbound)
         self._run_commands()
-        now = time.monotonic()
+        heard = self.plane.heard_clock()
         c = self.cluster
-        for fault in self.detector.check(now, c.ranks, c.members, bool(self.steps.in_step), c.epoch):
+        for fault in self.detector.check(heard, c.ranks, c.members, bool(self.steps.in_step), c.epoch):
             self.fault(fault)
-        self.nodes.check_agents(now)
-        self.nodes.restart_due(now)
+        self.nodes.check_agents(heard)
+        self.nodes.restart_due(time.monotonic())
         self.publish(throttle_s=0.25)
 
     def _dispatch(self, inbound: Inbound) -> None:
@@ -228,7 +228,7 @@ class Controller:
         if isinstance(msg, Heartbeat):
             r = self.cluster.ranks.get(msg.rank_id)
             if r is not None and r.pid == msg.pid:
-                self.detector.heartbeat(r, msg, self.cluster.epoch, time.monotonic())
+                self.detector.heartbeat(r, msg, self.cluster.epoch, self.plane.heard_clock())
         elif isinstance(msg, AgentAlive):
             nodes.on_agent_alive(inbound.identity, msg)
         elif isinstance(msg, StepResult | StepFailed):

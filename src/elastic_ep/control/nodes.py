@@ -83,7 +83,7 @@ class Nodes:
             self.ctl.plane.to_identity(identity, AgentWelcome(self.launch(), msg.session))
             return
         agent = AgentInfo(msg.node, identity, msg.fetch_addr, msg.num_ranks, msg.auto_recover, msg.session, msg.host,
-                          time.monotonic(), msg.standalone)
+                          self.ctl.plane.heard_clock(), msg.standalone)
         self.cluster.agents[msg.node] = agent
         self.cluster.events.add(EventKind.AGENT, f"node {msg.node} registered ({msg.join_mode}) at {msg.host or '?'}",
                                 node=msg.node, join_mode=msg.join_mode)
@@ -95,7 +95,7 @@ class Nodes:
             self.ctl.plane.to_identity(identity, SessionEnded(msg.session, "the controller gave up on this session "
                                                                            "(unreachable for --agent-timeout-s)"))
             return
-        agent.last_alive = time.monotonic()
+        agent.last_alive = self.ctl.plane.heard_clock()
         self.ctl.plane.to_identity(identity, LeaseRenew(msg.session, self.ctl.cfg.lease_s))
 
     def check_agents(self, now: float) -> None:
@@ -156,8 +156,9 @@ class Nodes:
         if r is None or r.status == RankStatus.RETIRING:  # it left the cluster (its scale ended) before it started
             self.ctl.plane.to_identity(identity, FenceWorker(msg.rank_id, msg.pid, "it left the cluster", final=True))
             return
-        r.node, r.pid, r.status, r.last_heartbeat = msg.node, msg.pid, RankStatus.STARTING, time.monotonic()
-        r.progress, r.progress_at, r.hello = Progress(), time.monotonic(), None
+        heard = self.ctl.plane.heard_clock()
+        r.node, r.pid, r.status, r.last_heartbeat = msg.node, msg.pid, RankStatus.STARTING, heard
+        r.progress, r.progress_at, r.hello = Progress(), heard, None
         self.cluster.events.add(EventKind.STARTED, f"rank {msg.rank_id} started on {msg.node} (pid {msg.pid})",
                                 msg.rank_id)
 
@@ -177,7 +178,7 @@ class Nodes:
             c.events.add(EventKind.REFUSED, f"{reason}; the rank is stopped", msg.rank_id)
             self.stop_rank(msg.rank_id)
             return
-        r.hello, r.last_heartbeat = msg, time.monotonic()
+        r.hello, r.last_heartbeat = msg, self.ctl.plane.heard_clock()
         self.cluster.events.add(
             EventKind.REGISTERED, f"rank {msg.rank_id} registered ({msg.join_mode}); dense weights from "
             f"{msg.dense_source} in {msg.load_s:.2f}s, warmed up in {msg.warmup_s:.3f}s", msg.rank_id,

@@ -44,13 +44,14 @@ class Publisher:
         cfg = self.ctl.cfg
         return adaptive_deadline_s(self.ctl.detector.recent_step_s, cfg.stall_multiple, cfg.stall_floor_s)
 
-    def liveness(self, now: float) -> dict[int, RankLiveness]:
-        """Liveness of every rank whose process should be running (`RankInfo.watched`)."""
+    def liveness(self, now: float, heard: float) -> dict[int, RankLiveness]:
+        """Liveness of every rank whose process should be running (`RankInfo.watched`); `now` is
+        monotonic, `heard` the control plane's heard clock (heartbeat ages)."""
         ctl, steps = self.ctl, self.ctl.steps
         step_age_s = now - steps.started_at if steps.in_step else None
         stall_s, suspect_s = self.stall_deadline_s(), ctl.cfg.heartbeat_suspect_s
         beating = ctl.cfg.health_checks  # without health checks workers send no heartbeats
-        return {r.rank_id: rank_liveness(now - r.last_heartbeat if beating else 0.0, step_age_s,
+        return {r.rank_id: rank_liveness(heard - r.last_heartbeat if beating else 0.0, step_age_s,
                                          r.rank_id in steps.in_step and r.rank_id not in steps.replies,
                                          r.progress.phase, suspect_s, stall_s)
                 for r in ctl.cluster.ranks.values() if r.watched}
@@ -70,8 +71,8 @@ class Publisher:
     def publish(self, throttle_s: float = 0.0) -> None:
         """Readiness and health at once; the /cluster snapshot and gauges at most every `throttle_s`."""
         ctl, c = self.ctl, self.ctl.cluster
-        now = time.monotonic()
-        liveness = self.liveness(now)
+        now, heard = time.monotonic(), ctl.plane.heard_clock()
+        liveness = self.liveness(now, heard)
         step_age_s = now - ctl.steps.started_at if ctl.steps.in_step else None
         members = {r: lv for r, lv in liveness.items() if r in c.members}
         stalled = stall_reason(step_age_s, self.stall_deadline_s(), members) if c.readiness.ready else None
@@ -88,12 +89,13 @@ class Publisher:
                      "stall_deadline_s": round(self.stall_deadline_s(), 3), "stall_multiple": ctl.cfg.stall_multiple}
         ctl.published.snapshot = c.snapshot(
             ctl.scheduler.num_requests, ctl.plane.health_addr, deadlines, ctl.scaling.status(), readiness, liveness,
+            heard,
             {r: v.to_json() for r, v in verdicts.items() if r in c.members},
             health=vars(health), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view(),
             straggler_policy=ctl.stragglers.view(now), hardware=ctl.hardware.view(),
             standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()},
             data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status())
-        self._set_gauges(now, readiness, liveness)
+        self._set_gauges(heard, readiness, liveness)
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
         """One event when the group stalls and one when it moves again (not one per publish)."""
@@ -106,7 +108,7 @@ class Publisher:
                        "in flight is past the stall deadline and no member is silent")
             self._stalled_since = None
 
-    def _set_gauges(self, now: float, readiness: Readiness, liveness: dict[int, RankLiveness]) -> None:
+    def _set_gauges(self, heard: float, readiness: Readiness, liveness: dict[int, RankLiveness]) -> None:
         ctl, m = self.ctl, self.ctl.metrics
         unix_now = time.time()
         for r in ctl.cluster.ranks.values():
@@ -115,9 +117,9 @@ class Publisher:
             m.rank_up.labels(label).set(int(serving and lv is not None and lv.state != Liveness.STALLED))
             m.rank_stalled_seconds.labels(label).set(lv.stalled_s or 0.0 if lv is not None else 0.0)
             if r.last_heartbeat:
-                m.rank_heartbeat_age_seconds.labels(label).set(now - r.last_heartbeat)
+                m.rank_heartbeat_age_seconds.labels(label).set(heard - r.last_heartbeat)
             if r.progress_at:
-                m.rank_last_progress_seconds.labels(label).set(unix_now - (now - r.progress_at))
+                m.rank_last_progress_seconds.labels(label).set(unix_now - (heard - r.progress_at))
         m.requests_running.set(sum(len(seqs) for seqs in ctl.scheduler.running.values()))
         m.requests_waiting.set(len(ctl.scheduler.waiting))
         m.ready.set(int(readiness.ready))
