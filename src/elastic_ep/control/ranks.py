@@ -108,9 +108,9 @@ class RankInfo:
     node: str
     pid: int | None = None
     status: RankStatus = RankStatus.STARTING
-    last_heartbeat: float = 0.0
+    last_heartbeat: float = 0.0  # on the heard clock (ControlPlane.heard_clock), as progress_at
     progress: Progress = field(default_factory=Progress)
-    progress_at: float = 0.0  # controller monotonic time `progress` last changed
+    progress_at: float = 0.0  # when `progress` last changed
     step_s: deque = field(default_factory=lambda: deque(maxlen=256))
     wait_s: deque = field(default_factory=lambda: deque(maxlen=256))
     own_s: deque = field(default_factory=lambda: deque(maxlen=256))
@@ -169,7 +169,7 @@ class AgentInfo:
     auto_recover: bool = False
     session: str = ""
     host: str = ""
-    last_alive: float = 0.0
+    last_alive: float = 0.0  # its last AgentAlive, on the heard clock (ControlPlane.heard_clock)
     standalone: bool = True
     backup: BackupSite | None = None
     backup_experts: list[tuple[int, int]] = field(default_factory=list)
