@@ -133,11 +133,17 @@ def new_backend(backend: str, store: dist.Store, rank: int, size: int, timeout: 
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def abort_communicator(pg, wait_s: float) -> bool:
-    """ncclCommAbort of `pg` on a thread of its own, waited for at most `wait_s` (NCCL has had
-    aborts that hang on a stopped peer of the same node). Returns whether it returned in time."""
+def start_abort(pg) -> threading.Thread:
+    """ncclCommAbort of `pg` on a thread of its own (NCCL has had aborts that hang on a stopped
+    peer of the same node); the thread holds `pg` until the abort returns, then drops it there."""
     thread = threading.Thread(target=pg.abort, name="nccl-abort", daemon=True)
     thread.start()
+    return thread
+
+
+def abort_communicator(pg, wait_s: float) -> bool:
+    """`start_abort`, waited for at most `wait_s`. Returns whether the abort returned in time."""
+    thread = start_abort(pg)
     thread.join(wait_s)
     return not thread.is_alive()
 
@@ -324,7 +330,7 @@ class EpochGroup:
         broken = any(g.broken for g in family)
         for g in family:
             if g.pg is not None and self.backend == "nccl":
-                threading.Thread(target=g.pg.abort, name="nccl-release", daemon=True).start()
+                start_abort(g.pg)
             elif g.pg is not None and broken:
                 _ABANDONED.append(g.pg)
             g.pg = None
