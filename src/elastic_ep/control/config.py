@@ -12,8 +12,6 @@ from elastic_ep.placement.redundancy import Survival, choose_redundant_experts, 
 from elastic_ep.policy.straggler import StragglerRule
 from elastic_ep.policy.straggler_policy import StragglerPolicy, from_flags
 
-from .alignment import AlignRule
-
 
 @dataclass
 class ServeConfig:
@@ -111,10 +109,6 @@ class ServeConfig:
         """What is done about a straggler (policy/straggler_policy.py), from the --straggler-policy,
         --straggler-evict-after-s, ... flags."""
         return from_flags(vars(self))[1]
-
-    def align_rule(self) -> AlignRule:
-        """Per-step DP alignment (control/alignment.py) from the --dp-* flags."""
-        return AlignRule(self.dp_align, self.dp_align_min_chunk, self.dp_migrate, self.dp_migrate_patience)
 
     def data_plane(self) -> dict[str, Any]:
         """The knobs of the long tail at the all-to-all, as /cluster shows them."""

@@ -56,6 +56,7 @@ from elastic_ep.wire import (
     WorkerStarted,
 )
 
+from .alignment import AlignRule
 from .api import EngineInfo, RequestOutput, ScaleRejected
 from .background_rebalance import BackgroundRebalance
 from .chaos import ChaosInjector
@@ -115,7 +116,7 @@ class Controller:
         num_layers = len(self.config.moe_layers)
         registry = registry or CollectorRegistry()
         self.metrics = ClusterMetrics(registry)
-        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.align_rule(),
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, AlignRule(cfg.dp_align, cfg.dp_align_min_chunk, cfg.dp_migrate, cfg.dp_migrate_patience),
                                    cfg.reprefill_tokens_per_step)
         self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
