@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from elastic_ep.policy.straggler import StragglerRule
 from elastic_ep.policy.straggler_policy import FLAG_FIELDS, StragglerAction, StragglerPolicy, from_flags
+from elastic_ep.policy.straggler_verdict import StragglerRule
 
 STRAGGLER_HELP = {
     "straggler_ratio": "a straggler's own time per step is at least this multiple of its peers' median",

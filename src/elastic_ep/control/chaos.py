@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from elastic_ep.wire import CorruptSlot, CutLinks, HealLinks
 
-from .commands import CorruptExpertSlot, CutNetwork, PoisonRank, PoisonRequest, SignalRank, SlowRank
 from .events import EventKind
-from .scheduler import Sequence
+from .facade.to_loop import CorruptExpertSlot, CutNetwork, PoisonRank, PoisonRequest, SignalRank, SlowRank
+from .serving.scheduler import Sequence
 
 if TYPE_CHECKING:
     from .controller import Controller

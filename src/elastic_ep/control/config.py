@@ -9,8 +9,8 @@ from typing import Any
 from elastic_ep.errors import ElasticEPError, PlacementError
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.placement.redundancy import Survival, choose_redundant_experts, losses_survived
-from elastic_ep.policy.straggler import StragglerRule
 from elastic_ep.policy.straggler_policy import StragglerPolicy, from_flags
+from elastic_ep.policy.straggler_verdict import StragglerRule
 
 
 @dataclass

@@ -56,39 +56,47 @@ from elastic_ep.wire import (
     WorkerStarted,
 )
 
-from .alignment import AlignRule
 from .api import EngineInfo, RequestOutput, ScaleRejected
-from .background_rebalance import BackgroundRebalance
 from .chaos import ChaosInjector
 from .cluster import ClusterState
-from .commands import (
+from .config import ServeConfig, check_config
+from .control_plane import ControlPlane, Inbound
+from .epochs.background_rebalance import BackgroundRebalance
+from .epochs.epoch_change import (
+    EpochChanger,
+    EpochReport,
+    Formed,
+    Interrupted,
+    NoPlacement,
+    NotFormed,
+    VerifyFailed,
+)
+from .epochs.rebalance_rules import load_estimate
+from .epochs.slot_check import SlotSweeper
+from .events import EventKind
+from .facade.engine import EngineFacade, Published
+from .facade.publisher import Publisher
+from .facade.to_loop import (
     AbortRequest,
     AddRequest,
     Command,
     StartScale,
 )
-from .config import ServeConfig, check_config
-from .control_plane import ControlPlane, Inbound
-from .detector import Fault, FaultDetector, RecoveryNeeded
-from .engine import EngineFacade, Published
-from .epoch_change import EpochChanger, EpochReport, Formed, Interrupted, NoPlacement, NotFormed, VerifyFailed
-from .events import EventKind
-from .hardware import HardwareSignals
-from .isolation import Isolation
+from .faults.detector import Fault, FaultDetector, RecoveryNeeded
+from .faults.recovery import Recovery
+from .faults.straggler_control import StragglerControl
+from .membership.hardware import HardwareSignals
+from .membership.nodes import Nodes
+from .membership.scale_driver import ScaleDriver
+from .membership.standbys import Standbys
 from .metrics import ClusterMetrics
-from .nodes import Nodes
-from .publisher import Publisher
 from .ranks import RankStatus
-from .rebalance import load_estimate
-from .recorder import ExpertRecorder
-from .recovery import Recovery
-from .scale_driver import ScaleDriver
-from .scheduler import Scheduler
-from .slot_check import SlotSweeper
-from .standby import Standbys
-from .step_loop import StepLoop
-from .straggler_control import StragglerControl
-from .streams import Streams
+from .serving.alignment import AlignRule
+from .serving.isolation import Isolation
+from .serving.recorder import ExpertRecorder
+from .serving.scheduler import Scheduler
+from .serving.step_loop import StepLoop
+from .serving.streams import Streams
 
 logger = logging.getLogger(__name__)
 

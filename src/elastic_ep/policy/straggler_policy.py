@@ -32,7 +32,7 @@ from typing import Any
 
 from elastic_ep.errors import ElasticEPError
 
-from .straggler import StragglerRule, Verdict, VerdictKind
+from .straggler_verdict import StragglerRule, Verdict, VerdictKind
 
 GROUP_SLOWDOWN_FRACTION = 0.5  # more members than this fraction named at once: a group slowdown, act on none
 MIN_SPEED = 0.05  # a derate weight below this would leave a rank no expert work at all
