@@ -11,6 +11,7 @@ import numpy as np
 from elastic_ep.control.cluster import ClusterState
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.epochs.epoch_change import EpochChanger, Formed, NotFormed, VerifyFailed
+from elastic_ep.control.epochs.requests import Recover, Reweight
 from elastic_ep.control.ranks import RankInfo, RankStatus
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import EpochFailed, EpochReady, EpochStart
@@ -62,7 +63,7 @@ def filled(ranks: StandInRanks) -> set[tuple[int, int, int]]:
 def test_a_recovery_fills_and_checks_only_the_lost_experts_slots():
     ranks = StandInRanks()
     changer = changer_with(ranks)
-    outcome = changer.change([0, 2], np.ones((1, 4)), restore=True)  # rank 1 died with experts 2 and 3
+    outcome = changer.change(Recover([0, 2], [0, 2]), np.ones((1, 4)))  # rank 1 died with experts 2 and 3
     assert isinstance(outcome, Formed) and outcome.report.verified_slots == 2
     assert sorted(s.expert for start in ranks.starts.values() for s in start.sources) == [2, 3]
     assert sorted(changer.cluster.location.phy2log[0, :2].tolist() + changer.cluster.location.phy2log[0, 4:].tolist()) \
@@ -71,7 +72,7 @@ def test_a_recovery_fills_and_checks_only_the_lost_experts_slots():
 
 def test_a_filled_slot_with_the_wrong_weights_fails_the_epoch():
     ranks = StandInRanks(wrong={2})
-    outcome = changer_with(ranks).change([0, 2], np.ones((1, 4)), restore=True)
+    outcome = changer_with(ranks).change(Recover([0, 2], [0, 2]), np.ones((1, 4)))
     assert isinstance(outcome, VerifyFailed) and {r for r, _, _ in outcome.bad} == {2}
 
 
@@ -79,7 +80,7 @@ def test_a_wrong_copy_makes_its_source_slot_suspect_too():
     ranks = StandInRanks(wrong={2})
     changer = changer_with(ranks)
     # rank 2's first slot takes expert 2 from rank 1's first slot
-    outcome = changer.change([0, 1, 2], np.ones((1, 4)), new=ExpertLocation.from_phy2log([[0, 1, 2, 3, 2, 1]], 2, 4))
+    outcome = changer.change(Reweight(ExpertLocation.from_phy2log([[0, 1, 2, 3, 2, 1]], 2, 4)), np.ones((1, 4)))
     assert isinstance(outcome, VerifyFailed) and outcome.bad == {(2, 0, 0)}
     assert changer.suspect_slots == {(2, 0, 0), (1, 0, 0)}
 
@@ -87,11 +88,11 @@ def test_a_wrong_copy_makes_its_source_slot_suspect_too():
 def test_slots_of_an_epoch_that_did_not_form_are_filled_again_by_the_next():
     ranks = StandInRanks(failing={2})
     changer = changer_with(ranks)
-    outcome = changer.change([0, 2], np.ones((1, 4)), restore=True)
+    outcome = changer.change(Recover([0, 2], [0, 2]), np.ones((1, 4)))
     assert isinstance(outcome, NotFormed)
     unknown = filled(ranks)
     assert changer.suspect_slots == unknown and changer.cluster.location.phy2log[0].tolist() == [0, 1, 2, 3, 0, 1]
 
     ranks.failing, ranks.starts = set(), {}
-    outcome = changer.change([0, 2], np.ones((1, 4)), restore=True)
+    outcome = changer.change(Recover([0, 2], [0, 2]), np.ones((1, 4)))
     assert isinstance(outcome, Formed) and unknown <= filled(ranks) and not changer.suspect_slots

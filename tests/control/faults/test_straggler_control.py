@@ -1,15 +1,14 @@
-"""The server's straggler role (control/straggler_control.py, driven here by a stand-in controller
-with real cluster state, recorder and placement) and the simulator's replay
+"""The server's straggler role (control/faults/straggler_control.py, built here with stand-ins for
+what it asks of the loop, and real cluster state, recorder and placement) and the simulator's replay
 (sim/straggler_episode.py) apply the same policy to the same per-rank timings: the same
 decisions, for the same ranks, within one review interval of each other."""
-
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from elastic_ep.control.cluster import ClusterState
 from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.epochs.requests import Reweight
 from elastic_ep.control.faults.straggler_control import StragglerControl
 from elastic_ep.control.ranks import RankInfo
 from elastic_ep.placement.fault_aware import fault_aware_placement
@@ -22,7 +21,7 @@ LAYERS, EXPERTS, SLOTS = 2, 8, 3
 
 
 class StandIn:
-    """What StragglerControl asks of the controller; a fault leaves the group as recovery would."""
+    """What StragglerControl is built with; a fault leaves the group as recovery would."""
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
@@ -32,10 +31,7 @@ class StandIn:
         self.cluster.members, self.cluster.epoch = list(RANKS), 0
         self.cluster.location = fault_aware_placement(np.ones((LAYERS, EXPERTS)), RANKS, self.cluster.rank_nodes(),
                                                       None, SLOTS, len(RANKS))
-        self.steps = SimpleNamespace(own_time=IntervalRecorder(cfg.straggler_window_s))
-        self.standby = SimpleNamespace(ready=lambda: [], replace_later=lambda r: None)
-        self.detector = SimpleNamespace(pending=False)
-        self.hardware = SimpleNamespace(evidence=lambda node: f"node {node}: no hardware report yet")
+        self.own_time = IntervalRecorder(cfg.straggler_window_s)
         self.epochs: list[str] = []
 
     def fault(self, fault) -> None:
@@ -44,22 +40,28 @@ class StandIn:
     def load(self):
         return np.ones((LAYERS, EXPERTS))
 
-    def form_epoch(self, live, reason, new=None):
+    def form(self, request: Reweight, reason: str):
         self.cluster.epoch += 1
-        self.cluster.location = new
+        self.cluster.location = request.target
         self.epochs.append(reason)
+
+    def role(self) -> StragglerControl:
+        return StragglerControl(self.cluster, self.cfg, self.own_time, standbys=lambda: 0, fault=self.fault,
+                                replace_later=lambda r: None, pending=lambda: False,
+                                evidence=lambda node: f"node {node}: no hardware report yet", load=self.load,
+                                form=self.form)
 
 
 def server_decisions(cfg: ServeConfig, own_ms, duration_s: float):
     """Steps of every member every STEP_S, the role reviewing after each; -> (time, kind, rank) of
     its straggler events (timed by the step they came at) and the stand-in."""
     ctl = StandIn(cfg)
-    control = StragglerControl(ctl)
+    control = ctl.role()
     out, t = [], 0.0
     while t < duration_s:
         t += STEP_S
         for r in list(ctl.cluster.members):
-            ctl.steps.own_time.add(t, r, STEP_TOKENS, own_ms(r, t) / 1000)
+            ctl.own_time.add(t, r, STEP_TOKENS, own_ms(r, t) / 1000)
         seen = len(ctl.cluster.events.all())
         control.review(t)
         out += [(t, DecisionKind(e["decision"]), e["rank_id"]) for e in ctl.cluster.events.all()[seen:]

@@ -19,25 +19,48 @@ placement computed from scratch over the same ranks and load.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.measures import balancedness
 from elastic_ep.placement.restore import step_towards
 
+from ..cluster import ClusterState
+from ..config import ServeConfig
 from ..events import EventKind
+from ..metrics import ClusterMetrics
+from .epoch_change import EpochReport, NoPlacement
 from .rebalance_rules import eplb_due, plan_rebalance
-
-if TYPE_CHECKING:
-    from ..controller import Controller
+from .requests import EpochRequest, Move
 
 
 class BackgroundRebalance:
-    def __init__(self, ctl: Controller):
-        self.ctl = ctl
-        self.cluster = ctl.cluster
-        self.cfg = ctl.cfg
+    """Built with the cluster state, an expert's bytes, the metrics, and the callables `load()`
+    (the recent expert load [L, E]), `load_steps()` (steps in that window), `speeds()` (placement
+    speed weights, or None), `form(EpochRequest, reason)` (the loop's epoch change),
+    `scaling()` (a scale is in flight), `has_work()` (requests in flight) and `recovering()` (a
+    recovery has not yet completed its first step)."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, expert_nbytes: int, metrics: ClusterMetrics, *,
+                 load: Callable[[], np.ndarray], load_steps: Callable[[], int],
+                 speeds: Callable[[], dict[int, float] | None],
+                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement], scaling: Callable[[], bool],
+                 has_work: Callable[[], bool], recovering: Callable[[], bool]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.expert_nbytes = expert_nbytes
+        self.metrics = metrics
+        self.load = load
+        self.load_steps = load_steps
+        self._speeds = speeds
+        self.form = form
+        self.scaling = scaling
+        self.has_work = has_work
+        self.recovering = recovering
         self.reason: str | None = None  # why a walk is wanted; None: none
         self.target: ExpertLocation | None = None
         self.members: list[int] = []  # the members the target was computed for
@@ -62,46 +85,44 @@ class BackgroundRebalance:
 
     def check_eplb(self) -> None:
         """Every --eplb-interval steps: when the load is uneven enough, walk to EPLB's placement."""
-        c, ctl = self.cluster, self.ctl
-        if not (self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, len(ctl.steps.load_window),
+        c = self.cluster
+        if not (self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, self.load_steps(),
                                                   self.last_eplb_step)):
             return
         self.last_eplb_step = c.step
         assert c.location is not None
-        plan = plan_rebalance(c.location, ctl.load(), c.members, c.rank_nodes(), self._speeds(), self.cfg.eplb_threshold)
+        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self._speeds(), self.cfg.eplb_threshold)
         if plan is not None:
-            ctl.metrics.eplb_rebalances.inc()
+            self.metrics.eplb_rebalances.inc()
             self._start(f"eplb: imbalance {plan.before:.2f} -> {plan.after:.2f}", plan.placement)
 
     def due(self) -> bool:
         """A move is wanted and may run now: never during a scale; with requests in flight, not
         before a recovery's first step and only --rebalance-every-steps steps after the last
         move; with none, at once."""
-        ctl = self.ctl
-        if self.reason is None or ctl.scaling.active:
+        if self.reason is None or self.scaling():
             return False
-        if not ctl.scheduler.has_work:
+        if not self.has_work():
             return True
-        return ctl.recovery.record is None and self.cluster.step - self.last_move_step >= self.cfg.rebalance_every_steps
+        return not self.recovering() and self.cluster.step - self.last_move_step >= self.cfg.rebalance_every_steps
 
     def advance(self) -> None:
         """One move towards the target (computing the target first when there is none)."""
-        c, ctl = self.cluster, self.ctl
+        c = self.cluster
         assert c.location is not None and self.reason is not None
         if self.target is None or self.members != c.members:
-            self.target = fault_aware_placement(ctl.load(), c.members, c.rank_nodes(), self._speeds(),
+            self.target = fault_aware_placement(self.load(), c.members, c.rank_nodes(), self._speeds(),
                                                 c.slots_per_rank, c.location.num_ranks, current=c.location)
             self.members = list(c.members)
         if c.location != self.target:
-            max_slots = max(1, self.cfg.rebalance_move_bytes // ctl.reader.expert_nbytes)
-            step = step_towards(c.location, self.target, max_slots, ctl.load())
+            max_slots = max(1, self.cfg.rebalance_move_bytes // self.expert_nbytes)
+            step = step_towards(c.location, self.target, max_slots, self.load())
             slots = int((step.phy2log != c.location.phy2log).sum())
             self.last_move_step = c.step
-            ctl.form_epoch(c.members, f"{self.reason}: move {self.moves + 1}, {slots} slots", new=step,
-                           reuse_group=True)
+            self.form(Move(step), f"{self.reason}: move {self.moves + 1}, {slots} slots")
             self.moves += 1
             self.slots_moved += slots
-            self.bytes_moved += slots * ctl.reader.expert_nbytes
+            self.bytes_moved += slots * self.expert_nbytes
         if c.location == self.target:
             self._finish()
 
@@ -111,9 +132,9 @@ class BackgroundRebalance:
         self.moves = self.slots_moved = self.bytes_moved = 0
 
     def _finish(self) -> None:
-        c, ctl = self.cluster, self.ctl
+        c = self.cluster
         assert c.location is not None
-        load, speeds = ctl.load(), self._speeds()
+        load, speeds = self.load(), self._speeds()
         scratch = fault_aware_placement(load, c.members, c.rank_nodes(), speeds, c.slots_per_rank,
                                         c.location.num_ranks)
         c.events.add(EventKind.REBALANCED, f"rebalanced ({self.reason}) in {self.moves} moves, "
@@ -123,7 +144,3 @@ class BackgroundRebalance:
                      balancedness=round(float(balancedness(c.location, load, c.members, speeds).mean()), 4),
                      scratch_balancedness=round(float(balancedness(scratch, load, c.members, speeds).mean()), 4))
         self.cancel()
-
-    def _speeds(self) -> dict[int, float] | None:
-        """Measured speeds with --eplb-speed-aware and the straggler policy's derate weights."""
-        return self.ctl.stragglers.placement_speeds()

@@ -1,9 +1,10 @@
 """The epoch change: a new membership with a placement, the transfer plan that fills its slots,
 and the verification of the slots that changed, ending in a typed outcome.
 
-Every placement change goes through `EpochChanger.change`: start, recovery, rejoin, the moves of
-a background rebalance (EPLB included), scale-up and -down, and the refill of slots that failed
-a check. Recovery and rejoin use the restore placement (`placement/restore.py`): every expert
+Every placement change goes through `EpochChanger.change`, asked by a typed request
+(epochs/requests.py): start, recovery, rejoin, the moves of a background rebalance (EPLB
+included), a straggler's reweighting, scale-up and -down, and the refill of slots that failed a
+check. Recovery and rejoin use the restore placement (`placement/restore.py`): every expert
 stays where it is and only the experts no live rank holds are filled, so the group serves again
 after moving only those; other changes compute a balanced placement over the live ranks that
 keeps experts where balance allows, or take the one given. It plans each changed slot's source
@@ -44,8 +45,7 @@ from ..config import ServeConfig
 from ..control_plane import ControlPlane
 from ..ranks import RankStatus
 from .epoch_plan import held_placement, split_by_rank
-
-Slot = tuple[int, int, int]  # (rank_id, layer, slot within the rank)
+from .requests import EpochRequest, Refill, Slot, keeps_group, restores, same_members
 
 
 @dataclass(frozen=True)
@@ -134,18 +134,37 @@ class EpochChanger:
         if msg.epoch == self.cluster.epoch:
             self.replies[msg.rank_id] = msg
 
-    def change(self, live: list[int], load: np.ndarray, new: ExpertLocation | None = None,
-               holding: list[int] | None = None, restore: bool = False, reuse_group: bool = False) -> EpochOutcome:
-        """Form a new epoch over `live` with a placement for `load` [L, E] (or `new`), move the
-        experts, verify the slots that changed. `holding`: the members that hold experts and get
-        requests (default all); the others only send what they hold (scale-down). `restore`: keep
-        every expert where it is and fill only the experts no live rank holds (recovery, rejoin;
-        a background rebalance balances later). `reuse_group`: the members are the current
-        epoch's and its group is healthy, so they keep it (no rendezvous)."""
+    def change(self, request: EpochRequest, load: np.ndarray) -> EpochOutcome:
+        """Form the epoch `request` asks for (epochs/requests.py) with a placement for `load`
+        [L, E] where it computes one, move the experts, verify the slots that changed. Returns
+        the outcome; on any outcome but `Formed` the slots it was to fill are suspect."""
+        c = self.cluster
+        live = list(c.members) if same_members(request) else list(request.live)
+        holding = getattr(request, "holding", None)
+        return self._change(live, load, self._given(request), list(live) if holding is None else holding,
+                            restores(request), keeps_group(request))
+
+    def _given(self, request: EpochRequest) -> ExpertLocation | None:
+        """The placement the request names (None: computed here)."""
+        if isinstance(request, Refill):
+            return self.cluster.location
+        return getattr(request, "target", None)
+
+    def leave(self, live: list[int]) -> None:
+        """Members not in `live` leave the group without a new epoch (the cluster degraded: it
+        serves again once an epoch forms over enough ranks)."""
+        c = self.cluster
+        c.members = [r for r in c.members if r in live]
+
+    def _change(self, live: list[int], load: np.ndarray, new: ExpertLocation | None, holding: list[int],
+                restore: bool, reuse_group: bool) -> EpochOutcome:
+        """`holding`: the members that hold experts and get requests; the others only send what
+        they hold (scale-down). `restore`: keep every expert where it is and fill only the experts
+        no live rank holds (a background rebalance balances later). `reuse_group`: the members
+        are the current epoch's and its group is healthy, so they keep it (no rendezvous)."""
         c = self.cluster
         t0 = time.monotonic()
         rank_nodes = c.rank_nodes()
-        holding = list(live) if holding is None else holding
         num_ranks = max(self.cfg.ep_size, max(live) + 1)
         s = c.slots_per_rank
         serving = [r for r in live if c.ranks[r].status in (RankStatus.SERVING, RankStatus.DRAINING)]

@@ -18,88 +18,128 @@ fences and replaces by itself; "dead" (HTTP 503) only once the control loop has 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-from elastic_ep.policy.straggler_verdict import judge
+from elastic_ep.policy.straggler_verdict import IntervalRecorder, judge
 
 from ..api import Health, Readiness
+from ..cluster import ClusterState
+from ..config import ServeConfig
 from ..events import EventKind
+from ..faults.detector import FaultDetector
 from ..faults.health_rules import adaptive_deadline_s, rank_liveness, stall_reason
+from ..metrics import ClusterMetrics
 from ..ranks import Liveness, RankLiveness, RankStatus
+from ..serving.scheduler import Sequence
+from .engine import Published
 from .stats_log import StatsLog
 
-if TYPE_CHECKING:
-    from ..controller import Controller
+
+class StepView(Protocol):
+    """The step loop, read: the step in flight and what the steps measured."""
+
+    in_step: set[int]
+    replies: Mapping[int, object]
+    started_at: float
+    own_time: IntervalRecorder
+    tokens_run: int
+    tokens_sampled: int
+
+
+class QueueView(Protocol):
+    """The scheduler, read."""
+
+    running: Mapping[int, list[Sequence]]
+    waiting: Any
+
+    def num_requests(self, rank_id: int) -> int: ...
 
 
 class Publisher:
-    def __init__(self, ctl: Controller):
-        self.ctl = ctl
-        self.rule = ctl.cfg.straggler_rule()
-        self.stats = StatsLog(ctl.cfg.log_stats_interval_s, time.monotonic())
+    """Built with what it reads (the cluster state, the detector's step times, the step loop, the
+    scheduler), what it writes (`published`, the metrics), the control plane's `heard()` clock and
+    address, and `views(now)`: the other roles' top-level /cluster fields (scale, straggler
+    policy, standbys, hardware, rebalance, ...) and `slow_delays()` (chaos, by rank)."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, detector: FaultDetector, steps: StepView,
+                 scheduler: QueueView, published: Published, metrics: ClusterMetrics, *, heard: Callable[[], float],
+                 controller_addr: str, views: Callable[[float], dict[str, Any]],
+                 slow_delays: Callable[[], Mapping[int, float]]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.detector = detector
+        self.steps = steps
+        self.scheduler = scheduler
+        self.published = published
+        self.metrics = metrics
+        self.heard = heard
+        self.controller_addr = controller_addr
+        self.views = views
+        self.slow_delays = slow_delays
+        self.rule = cfg.straggler_rule()
+        self.stats = StatsLog(cfg.log_stats_interval_s, time.monotonic())
         self._published_at = 0.0
         self._stalled_since: float | None = None
 
     def stall_deadline_s(self) -> float:
-        cfg = self.ctl.cfg
-        return adaptive_deadline_s(self.ctl.detector.recent_step_s, cfg.stall_multiple, cfg.stall_floor_s)
+        cfg = self.cfg
+        return adaptive_deadline_s(self.detector.recent_step_s, cfg.stall_multiple, cfg.stall_floor_s)
 
     def liveness(self, now: float, heard: float) -> dict[int, RankLiveness]:
         """Liveness of every rank whose process should be running (`RankInfo.watched`); `now` is
         monotonic, `heard` the control plane's heard clock (heartbeat ages)."""
-        ctl, steps = self.ctl, self.ctl.steps
+        steps = self.steps
         step_age_s = now - steps.started_at if steps.in_step else None
-        stall_s, suspect_s = self.stall_deadline_s(), ctl.cfg.heartbeat_suspect_s
-        beating = ctl.cfg.health_checks  # without health checks workers send no heartbeats
+        stall_s, suspect_s = self.stall_deadline_s(), self.cfg.heartbeat_suspect_s
+        beating = self.cfg.health_checks  # without health checks workers send no heartbeats
         return {r.rank_id: rank_liveness(heard - r.last_heartbeat if beating else 0.0, step_age_s,
                                          r.rank_id in steps.in_step and r.rank_id not in steps.replies,
                                          r.progress.phase, suspect_s, stall_s)
-                for r in ctl.cluster.ranks.values() if r.watched}
+                for r in self.cluster.ranks.values() if r.watched}
 
     def health(self, readiness: Readiness, liveness: dict[int, RankLiveness]) -> Health:
-        ctl = self.ctl
-        if ctl.published.fatal:
-            return Health("dead", f"the control loop stopped: {ctl.published.fatal}")
+        fatal = self.published.fatal
+        if fatal:
+            return Health("dead", f"the control loop stopped: {fatal}")
         # not ready already names the stalled ranks; else name the suspect and stalled ones
         problems = [f"not ready: {readiness.reason}"] if not readiness.ready else [
             f"rank {r} {lv.state.value}: {lv.reason}" for r, lv in sorted(liveness.items())
             if lv.state in (Liveness.SUSPECT, Liveness.STALLED)]
-        problems += [f"rank {r.rank_id} {r.status.value}" for r in ctl.cluster.ranks.values()
+        problems += [f"rank {r.rank_id} {r.status.value}" for r in self.cluster.ranks.values()
                      if r.status.down or r.status == RankStatus.FENCING]
         return Health("degraded", "; ".join(problems)) if problems else Health("ok")
 
     def publish(self, throttle_s: float = 0.0) -> None:
         """Readiness and health at once; the /cluster snapshot and gauges at most every `throttle_s`."""
-        ctl, c = self.ctl, self.ctl.cluster
-        now, heard = time.monotonic(), ctl.plane.heard_clock()
+        c, steps, sched = self.cluster, self.steps, self.scheduler
+        now, heard = time.monotonic(), self.heard()
         liveness = self.liveness(now, heard)
-        step_age_s = now - ctl.steps.started_at if ctl.steps.in_step else None
+        step_age_s = now - steps.started_at if steps.in_step else None
         members = {r: lv for r, lv in liveness.items() if r in c.members}
         stalled = stall_reason(step_age_s, self.stall_deadline_s(), members) if c.readiness.ready else None
         readiness = Readiness(False, stalled) if stalled else c.readiness
         self._note_stall(now, stalled)
         health = self.health(readiness, liveness)
-        ctl.published.readiness, ctl.published.health = readiness, health
-        self.stats.maybe_log(now, ctl, readiness)
+        self.published.readiness, self.published.health = readiness, health
+        self.stats.maybe_log(now, c, (c.step, steps.tokens_run, steps.tokens_sampled),
+                             sum(len(seqs) for seqs in sched.running.values()), len(sched.waiting), readiness)
         if throttle_s and now - self._published_at < throttle_s:
             return
         self._published_at = now
-        verdicts = judge(ctl.steps.own_time.intervals(now), self.rule, now, c.members)
-        deadlines = {**ctl.cfg.deadlines(), "watchdog_deadline_s": round(ctl.detector.watchdog_deadline_s(), 3),
-                     "stall_deadline_s": round(self.stall_deadline_s(), 3), "stall_multiple": ctl.cfg.stall_multiple}
-        ctl.published.snapshot = c.snapshot(
-            ctl.scheduler.num_requests, ctl.plane.health_addr, deadlines, ctl.scaling.status(), readiness, liveness,
-            heard,
+        verdicts = judge(steps.own_time.intervals(now), self.rule, now, c.members)
+        deadlines = {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.detector.watchdog_deadline_s(), 3),
+                     "stall_deadline_s": round(self.stall_deadline_s(), 3), "stall_multiple": self.cfg.stall_multiple}
+        self.published.snapshot = c.snapshot(
+            sched.num_requests, self.slow_delays(), self.controller_addr, deadlines, readiness, liveness, heard,
             {r: v.to_json() for r, v in verdicts.items() if r in c.members},
-            health=vars(health), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view(),
-            straggler_policy=ctl.stragglers.view(now), hardware=ctl.hardware.view(),
-            standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()},
-            data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status())
+            health=vars(health), straggler_rule=self.rule.to_json(), **self.views(now),
+            data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()})
         self._set_gauges(heard, readiness, liveness)
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
         """One event when the group stalls and one when it moves again (not one per publish)."""
-        events = self.ctl.cluster.events
+        events = self.cluster.events
         if stalled and self._stalled_since is None:
             self._stalled_since = now
             events.add(EventKind.STALLED, stalled)
@@ -109,17 +149,17 @@ class Publisher:
             self._stalled_since = None
 
     def _set_gauges(self, heard: float, readiness: Readiness, liveness: dict[int, RankLiveness]) -> None:
-        ctl, m = self.ctl, self.ctl.metrics
+        c, m = self.cluster, self.metrics
         unix_now = time.time()
-        for r in ctl.cluster.ranks.values():
+        for r in c.ranks.values():
             label, lv = str(r.rank_id), liveness.get(r.rank_id)
-            serving = r.rank_id in ctl.cluster.members and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
+            serving = r.rank_id in c.members and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
             m.rank_up.labels(label).set(int(serving and lv is not None and lv.state != Liveness.STALLED))
             m.rank_stalled_seconds.labels(label).set(lv.stalled_s or 0.0 if lv is not None else 0.0)
             if r.last_heartbeat:
                 m.rank_heartbeat_age_seconds.labels(label).set(heard - r.last_heartbeat)
             if r.progress_at:
                 m.rank_last_progress_seconds.labels(label).set(unix_now - (heard - r.progress_at))
-        m.requests_running.set(sum(len(seqs) for seqs in ctl.scheduler.running.values()))
-        m.requests_waiting.set(len(ctl.scheduler.waiting))
+        m.requests_running.set(sum(len(seqs) for seqs in self.scheduler.running.values()))
+        m.requests_waiting.set(len(self.scheduler.waiting))
         m.ready.set(int(readiness.ready))

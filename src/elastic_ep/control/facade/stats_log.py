@@ -6,13 +6,10 @@ logger (INFO). An idle cluster logs one idle line, then nothing until something 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from ..api import Readiness
+from ..cluster import ClusterState
 from ..ranks import RankStatus
-
-if TYPE_CHECKING:
-    from ..controller import Controller
 
 logger = logging.getLogger("elastic_ep.stats")
 
@@ -26,16 +23,14 @@ class StatsLog:
         self._counts = (0, 0, 0)  # steps, tokens run, tokens sampled at the last line
         self._last: tuple | None = None  # (idle, epoch, serving, members, readiness) of the last line
 
-    def maybe_log(self, now: float, ctl: Controller, readiness: Readiness) -> None:
+    def maybe_log(self, now: float, c: ClusterState, counts: tuple[int, int, int], running: int, waiting: int,
+                  readiness: Readiness) -> None:
+        """counts: steps, tokens run and tokens sampled so far; running, waiting: requests now."""
         if self.interval_s <= 0 or now - self._at < self.interval_s:
             return
-        c, steps = ctl.cluster, ctl.steps
-        counts = (c.step, steps.tokens_run, steps.tokens_sampled)
         d_steps, d_run, d_sampled = (b - a for a, b in zip(self._counts, counts, strict=True))
         elapsed_s = now - self._at
         self._at, self._counts = now, counts
-        running = sum(len(seqs) for seqs in ctl.scheduler.running.values())
-        waiting = len(ctl.scheduler.waiting)
         serving = sum(1 for r in c.members if c.ranks[r].status == RankStatus.SERVING)
         idle = d_steps == 0 and running == 0 and waiting == 0
         state = (idle, c.epoch, serving, len(c.members), readiness)

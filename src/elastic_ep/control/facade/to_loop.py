@@ -87,5 +87,5 @@ class CutNetwork:
     heal: bool = False
 
 
-Command = (AddRequest | AbortRequest | StartScale | SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest
-           | PoisonRank | CutNetwork)
+ChaosCommand = SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest | PoisonRank | CutNetwork
+Command = AddRequest | AbortRequest | StartScale | ChaosCommand

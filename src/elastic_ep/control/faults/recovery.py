@@ -1,15 +1,18 @@
 """Recovery: from pending faults to a new epoch over the live ranks, or to a degraded cluster.
 
+A fault runs one way: the detector names it, `Recovery.run` takes it, fences the culprits and
+drains the failed step, asks the epoch change for `Recover(live, holding)` and handles the
+outcome itself (formed: the record notes the epoch; no placement: degrade). An epoch that does
+not form leaves its faults with the detector again and raises `RecoveryNeeded`, so the next
+`run` starts over with them.
+
 When a rank dies or hangs: fence it (its agent SIGKILLs it and confirms; a hung process must
 not come back into an old epoch), wait until every other member has left the failed step (one
 that does not answer within --drain-timeout-s is named too), move the culprits' requests back
 to the queue (re-prefilled elsewhere: prompt plus tokens so far), schedule their restart, and
-form a new epoch over the live ranks; the step loop then re-runs the interrupted step. If the
-live ranks cannot hold every expert the cluster degrades: not ready, with the reason, until
-ranks return; streams wait up to --degraded-timeout-s. A slow rank never gets here.
-
-A step that fails with every rank alive is retried in a re-formed group; after
-`MAX_FAILURES_WITHOUT_CULPRIT` such failures in a row the step's requests end with the error.
+form a new epoch over the live ranks; the step loop's next step recomputes the interrupted one.
+If the live ranks cannot hold every expert the cluster degrades: not ready, with the reason,
+until ranks return; streams wait up to --degraded-timeout-s. A slow rank never gets here.
 
 The `RecoveryRecord` follows one recovery from the first detection to the first step that
 completes afterwards; a second fault before then extends it.
@@ -18,21 +21,18 @@ completes afterwards; a second fault before then extends it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from elastic_ep.wire import AbortEpoch
-
-from ..epochs.epoch_change import EpochReport
+from ..cluster import ClusterState
+from ..config import ServeConfig
+from ..epochs.epoch_change import EpochReport, NoPlacement
+from ..epochs.requests import EpochRequest, Recover
 from ..events import EventKind
+from ..metrics import ClusterMetrics
 from ..ranks import RankStatus
-from ..serving.scheduler import StepBatch
-from .detector import Fault, FaultCause
-
-if TYPE_CHECKING:
-    from ..controller import Controller
-
-MAX_FAILURES_WITHOUT_CULPRIT = 3
+from .detector import Fault, FaultCause, FaultDetector
 
 
 @dataclass
@@ -62,135 +62,199 @@ def describe(faults: dict[int, Fault], errors: list[str]) -> str:
         "error without a dead rank: " + "; ".join(errors[:4]))
 
 
+class InFlight(Protocol):
+    """The step loop, as recovery sees the step a fault interrupted."""
+
+    def unanswered(self, excluded: dict[int, Fault]) -> list[int]: ...
+    def abandon(self) -> None: ...
+    def after_fault(self, culprit_found: bool, error: str) -> None: ...
+
+
+class Requests(Protocol):
+    """The scheduler: the sequences in flight (`by_id`), and a lost rank's sequences requeued."""
+
+    by_id: Mapping[int, object]
+
+    def evict_rank(self, rank_id: int) -> None: ...
+
+
+class Streams(Protocol):
+    def end_with_error(self, seq_id: int, error: str) -> None: ...
+
+
+class Scale(Protocol):
+    """The scale in flight (membership/scale_driver.py)."""
+
+    def joiner(self, rank_id: int) -> bool: ...
+    def leaves(self, rank_id: int) -> bool: ...
+    def fail(self, error: str) -> None: ...
+
+
+class Processes(Protocol):
+    """The rank processes (membership/nodes.py)."""
+
+    def fence(self, rank_id: int, reason: str) -> None: ...
+    def confirm_lost(self, rank_id: int) -> None: ...
+    def forget_rank(self, rank_id: int, message: str) -> None: ...
+    def schedule_restart(self, rank_id: int) -> None: ...
+    def stop_rank(self, rank_id: int) -> None: ...
+    def abort_epoch(self, rank_id: int, epoch: int) -> None: ...
+
+
+class Rebalance(Protocol):
+    def request(self, reason: str) -> None: ...
+    def cancel(self) -> None: ...
+
+
 class Recovery:
-    def __init__(self, ctl: Controller):
-        self.ctl = ctl
-        self.cluster = ctl.cluster
+    """Built with what it uses: the cluster state it reads, the detector it takes faults from,
+    the step in flight, the requests and their streams, the scale, the rank processes, the rebalance, and the
+    callables `pump(timeout_s)`, `fault(Fault)`, `joiners(live)`, `form(EpochRequest, reason)`
+    (the loop's epoch change: a report, `NoPlacement`, or RecoveryNeeded raised),
+    `leave(live)` (members that drop out when degrading), `reset_isolation()` and `publish()`."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, detector: FaultDetector, metrics: ClusterMetrics,
+                 steps: InFlight, requests: Requests, streams: Streams, scale: Scale, processes: Processes,
+                 rebalance: Rebalance, *,
+                 pump: Callable[[float], None], fault: Callable[[Fault], None],
+                 joiners: Callable[[list[int]], list[int]],
+                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement],
+                 leave: Callable[[list[int]], None], reset_isolation: Callable[[], None],
+                 publish: Callable[[], None]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.detector = detector
+        self.metrics = metrics
+        self.steps = steps
+        self.requests = requests
+        self.streams = streams
+        self.scale = scale
+        self.processes = processes
+        self.rebalance = rebalance
+        self.pump = pump
+        self.fault = fault
+        self.joiners = joiners
+        self.form = form
+        self.leave = leave
+        self.reset_isolation = reset_isolation
+        self.publish = publish
         self.record: RecoveryRecord | None = None
-        self.failures_without_culprit = 0
+
+    @property
+    def open(self) -> bool:
+        """A recovery has not yet seen its first completed step."""
+        return self.record is not None
 
     def run(self) -> None:
-        """Fence, drain, then a new epoch over the live ranks (or degrade)."""
-        ctl, c = self.ctl, self.cluster
+        """Fence, drain, then a new epoch over the live ranks (or degrade). Raises RecoveryNeeded
+        when the epoch did not form (its faults are pending again)."""
+        c = self.cluster
         t0 = time.monotonic()
-        ctl.rebalancer.cancel()
+        self.rebalance.cancel()
         self.fence_and_drain()
         fence_s = time.monotonic() - t0
-        culprits, errors, detected_at = ctl.detector.take()
-        ctl.isolation.reset()
+        culprits, errors, detected_at = self.detector.take()
+        self.reset_isolation()
         live = [r for r in c.members if r not in culprits and not c.ranks[r].status.down]
         for r in culprits:
-            ctl.scheduler.evict_rank(r)
-            ctl.metrics.forget_rank(r)
-            c.delay_s.pop(r, None)
-            c.broken.pop(r, None)
-            if ctl.scaling.joiner(r):
-                ctl.scaling.fail(f"joining rank {r} failed: {culprits[r].detail}")
-            if ctl.scaling.leaves(r):
-                ctl.nodes.forget_rank(r, f"rank {r} left with its scale")
+            self.requests.evict_rank(r)
+            self.metrics.forget_rank(r)
+            if self.scale.joiner(r):
+                self.scale.fail(f"joining rank {r} failed: {culprits[r].detail}")
+            if self.scale.leaves(r):
+                self.processes.forget_rank(r, f"rank {r} left with its scale")
             elif culprits[r].cause == FaultCause.EVICTED:  # its card is suspect: replaced, never restarted there
-                ctl.nodes.forget_rank(r, f"rank {r} evicted: {culprits[r].detail}")
+                self.processes.forget_rank(r, f"rank {r} evicted: {culprits[r].detail}")
             else:
-                ctl.nodes.schedule_restart(r)
-        for r in [r for r in live if ctl.scaling.leaves(r) and c.ranks[r].status != RankStatus.DRAINING]:
+                self.processes.schedule_restart(r)
+        for r in [r for r in live if self.scale.leaves(r) and c.ranks[r].status != RankStatus.DRAINING]:
             live.remove(r)
-            ctl.nodes.stop_rank(r)
+            self.processes.stop_rank(r)
         cause = describe(culprits, errors)
         for label in {f.cause.value for f in culprits.values()} or {"collective"}:
-            ctl.metrics.recoveries.labels(label).inc()
-        if not culprits:
-            self.failures_without_culprit += 1
-            failed = ctl.steps.failed_batch
-            if self.failures_without_culprit >= MAX_FAILURES_WITHOUT_CULPRIT and failed is not None:
-                self._fail_batch(failed, cause)
+            self.metrics.recoveries.labels(label).inc()
+        self.steps.after_fault(bool(culprits), cause)
         record = RecoveryRecord(detected_at, sorted(culprits), cause, fence_s)
         self.record = self.record.then(record) if self.record is not None else record
         c.events.add(EventKind.FENCING, f"fenced {sorted(culprits)}: {cause}", min(culprits) if culprits else None)
-        live = sorted(set(live) | set(ctl.joiners(live)))
-        holding = [r for r in live if not ctl.scaling.leaves(r)]
+        live = sorted(set(live) | set(self.joiners(live)))
+        holding = [r for r in live if not self.scale.leaves(r)]
         if not c.can_serve(holding):
             self.degrade(holding)
             return
-        ctl.rebalancer.request("recovery")  # first: no snapshot may show the new epoch settled
-        if ctl.form_epoch(live, "recovery", holding=holding, restore=True) is None:
-            ctl.rebalancer.cancel()
+        self.rebalance.request("recovery")  # first: no snapshot may show the new epoch settled
+        outcome = self.form(Recover(live, holding), "recovery")
+        if isinstance(outcome, NoPlacement):
+            self.rebalance.cancel()
+            self.degrade(live, outcome.reason)
+        else:
+            self.note_epoch(outcome)
 
     def fence_and_drain(self) -> None:
         """Fence every culprit and wait until every other member has left the failed step; a
         member that does not answer within --drain-timeout-s becomes a culprit too, and a fence
         not confirmed within --fence-timeout-s counts the rank as dead."""
-        ctl, c, cfg = self.ctl, self.cluster, self.ctl.cfg
-        faults = ctl.detector.faults
-        steps = ctl.steps
+        c, cfg = self.cluster, self.cfg
+        faults = self.detector.faults
         # the failed epoch is over: members waiting on a peer that will never answer (hung, cut
         # off) give up their collectives now instead of at the collective timeout
         for rank_id in c.members:
-            ctl.plane.to_heartbeat(rank_id, AbortEpoch(c.epoch))
+            self.processes.abort_epoch(rank_id, c.epoch)
         deadline = time.monotonic() + cfg.drain_timeout_s
         while True:
             for rank_id in list(faults):
                 r = c.ranks[rank_id]
                 if not r.status.down and r.status != RankStatus.FENCING and r.pid is not None:
-                    ctl.nodes.fence(rank_id, faults[rank_id].detail)
-            waiting = [r for r in steps.in_step if r not in steps.replies and r not in faults]
+                    self.processes.fence(rank_id, faults[rank_id].detail)
+            waiting = self.steps.unanswered(faults)
             fencing = [r.rank_id for r in c.ranks.values() if r.status == RankStatus.FENCING]
             if not waiting and not fencing:
-                steps.in_step = set()
+                self.steps.abandon()
                 return
             if time.monotonic() > deadline:
                 for r in waiting:
-                    ctl.fault(ctl.detector.no_answer(r))
+                    self.fault(self.detector.no_answer(r))
                 for r in fencing:
                     c.events.add(EventKind.FENCE_TIMEOUT, f"agent did not confirm fencing rank {r}", r)
-                    c.ranks[r].status = RankStatus.DEAD
+                    self.processes.confirm_lost(r)
                 deadline = time.monotonic() + cfg.fence_timeout_s
-            ctl.pump(0.002)
+            self.pump(0.002)
 
-    def degrade(self, live: list[int], reason: str = "") -> None:
+    def degrade(self, live: Iterable[int], reason: str = "") -> None:
         """Not ready until enough ranks return; `live` stay members."""
-        c = self.cluster
+        c, live = self.cluster, list(live)
         reason = reason or (f"too few ranks: {len(live)} live ranks x {c.slots_per_rank} slots cannot hold "
                             f"{c.num_experts} experts (need {c.min_ranks} ranks); waiting for ranks to return")
         c.set_readiness(False, reason)
-        c.members = [r for r in c.members if r in live]
+        self.leave(live)
         c.degraded_since = c.degraded_since or time.monotonic()
         c.events.add(EventKind.DEGRADED, reason)
-        self.ctl.publish()
+        self.publish()
 
     def end_requests_if_degraded_too_long(self) -> None:
         """Requests already streaming wait while the cluster cannot serve, but not forever:
         after --degraded-timeout-s they end with an error that says why."""
-        c, cfg = self.cluster, self.ctl.cfg
+        c, cfg = self.cluster, self.cfg
         if c.degraded_since is None or time.monotonic() - c.degraded_since < cfg.degraded_timeout_s:
             return
         error = f"not served for {cfg.degraded_timeout_s:.0f}s: {c.readiness.reason}"
-        for seq_id in list(self.ctl.scheduler.by_id):
-            self.ctl.streams.end_with_error(seq_id, error)
+        for seq_id in list(self.requests.by_id):
+            self.streams.end_with_error(seq_id, error)
         c.events.add(EventKind.REQUEST_ERROR, f"ended the waiting requests: {error}")
         c.degraded_since = time.monotonic()
 
-    def _fail_batch(self, batch: StepBatch, error: str) -> None:
-        """End the requests of a step that keeps failing with no rank to blame (a deterministic
-        error, not a fault): they finish with an error, the server goes on serving."""
-        for chunks in batch.chunks.values():
-            for chunk in chunks:
-                self.ctl.streams.end_with_error(chunk.seq_id, error)
-        self.cluster.events.add(EventKind.REQUEST_ERROR, f"failed the requests of a step that failed "
-                                f"{self.failures_without_culprit} times: {error}")
-        self.failures_without_culprit = 0
-        self.ctl.steps.failed_batch = None
-
-    def epoch_formed(self, report: EpochReport) -> None:
+    def note_epoch(self, report: EpochReport) -> None:
+        """An epoch that serves again after this recovery (its own, or the rejoin that ends a
+        degraded wait): the `recovered` event reports it."""
         if self.record is not None:
             self.record.epoch = report
 
     def step_completed(self, wall_s: float) -> None:
         """The first step after a recovery closes its record with the `recovered` event."""
-        self.failures_without_culprit = 0
         record, self.record = self.record, None
         if record is None:
             return
         total_s = time.monotonic() - record.detected_at
-        self.ctl.metrics.recovery_seconds.observe(round(total_s, 4))
+        self.metrics.recovery_seconds.observe(round(total_s, 4))
         self.cluster.events.add(EventKind.RECOVERED, f"epoch {self.cluster.epoch} serving again after {total_s:.3f}s",
                                 **record.event_fields(wall_s, total_s))

@@ -18,25 +18,47 @@ flight, and only on a ready cluster.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 from elastic_ep.policy.straggler_policy import Decision, DecisionKind, PolicyState, StragglerAction, decide
-from elastic_ep.policy.straggler_verdict import INTERVALS_PER_WINDOW, judge
+from elastic_ep.policy.straggler_verdict import INTERVALS_PER_WINDOW, IntervalRecorder, judge
 
+from ..cluster import ClusterState
+from ..config import ServeConfig
+from ..epochs.epoch_change import EpochReport, NoPlacement
 from ..epochs.rebalance_rules import plan_rebalance
+from ..epochs.requests import EpochRequest, Reweight
 from ..events import EventKind
 from .detector import Fault, FaultCause
 from .health_rules import relative_speeds
 
-if TYPE_CHECKING:
-    from ..controller import Controller
-
 
 class StragglerControl:
-    def __init__(self, ctl: Controller):
-        self.ctl = ctl
-        self.rule = ctl.cfg.straggler_rule()
-        self.policy = ctl.cfg.straggler_policy_params()
+    """Built with the cluster state, the per-rank own-time recorder the step loop fills, and the
+    callables `standbys()` (how many stand by), `fault(Fault)`, `replace_later(rank_id)` (a
+    replacement process after the fence), `pending()` (a fault waits for recovery),
+    `evidence(node)` (the node's hardware signals), `load()` ([L, E]) and `form(EpochRequest,
+    reason)` (the loop's epoch change)."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, own_time: IntervalRecorder, *,
+                 standbys: Callable[[], int], fault: Callable[[Fault], None], replace_later: Callable[[int], None],
+                 pending: Callable[[], bool], evidence: Callable[[str], Any], load: Callable[[], np.ndarray],
+                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.own_time = own_time
+        self.standbys = standbys
+        self.fault = fault
+        self.replace_later = replace_later
+        self.pending = pending
+        self.evidence = evidence
+        self.load = load
+        self.form = form
+        self.rule = cfg.straggler_rule()
+        self.policy = cfg.straggler_policy_params()
         self.state = PolicyState()
         self.interval_s = self.rule.window_s / INTERVALS_PER_WINDOW
         self._reviewed_at = float("-inf")
@@ -45,38 +67,38 @@ class StragglerControl:
     def placement_speeds(self) -> dict[int, float] | None:
         """Speed weights for any placement over the members: each rank's measured speed with
         --eplb-speed-aware, each derated rank at most its derate weight; None when there is neither."""
-        c, derated = self.ctl.cluster, self.derated()
-        if not self.ctl.cfg.eplb_speed_aware:
+        c, derated = self.cluster, self.derated()
+        if not self.cfg.eplb_speed_aware:
             return derated or None
         measured = relative_speeds({r: c.ranks[r].own_s for r in c.members})
         return {**measured, **{r: min(measured.get(r, 1.0), s) for r, s in derated.items()}}
 
     def derated(self) -> dict[int, float]:
-        members = self.ctl.cluster.members
+        members = self.cluster.members
         return {r: s for r, s in self.state.speeds().items() if r in members}
 
     def review(self, now: float) -> bool:
         """Judge and act; True when it changed the epoch or left a fault for recovery."""
-        ctl, c = self.ctl, self.ctl.cluster
+        c = self.cluster
         if self.policy.action == StragglerAction.OFF or now - self._reviewed_at < self.interval_s:
             return False
         self._reviewed_at = now
-        verdicts = judge(ctl.steps.own_time.intervals(now), self.rule, now, c.members)
+        verdicts = judge(self.own_time.intervals(now), self.rule, now, c.members)
         self.state, decisions = decide(self.state, self.policy, verdicts, now, c.members, c.min_ranks,
-                                       len(ctl.standby.ready()))
+                                       self.standbys())
         for d in decisions:
             self._announce(d)
             if d.kind == DecisionKind.EVICT:
                 assert d.rank_id is not None
-                ctl.fault(Fault(d.rank_id, FaultCause.EVICTED, d.reason))
-                ctl.standby.replace_later(d.rank_id)
-        if ctl.detector.pending:
+                self.fault(Fault(d.rank_id, FaultCause.EVICTED, d.reason))
+                self.replace_later(d.rank_id)
+        if self.pending():
             return True
         return self._place(decisions)
 
     def _place(self, decisions: list[Decision]) -> bool:
         """A placement with the current weights when they changed, or an epoch formed without them."""
-        ctl, c = self.ctl, self.ctl.cluster
+        c = self.cluster
         weights = self.derated()
         placed_epoch, placed = self._placed
         # an epoch made elsewhere (recovery, rejoin, scale) placed without weights
@@ -87,20 +109,20 @@ class StragglerControl:
         if not due:
             return False
         assert c.location is not None
-        plan = plan_rebalance(c.location, ctl.load(), c.members, c.rank_nodes(), self.placement_speeds(), 1.0)
+        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self.placement_speeds(), 1.0)
         changed = [f"{d.kind.value} rank {d.rank_id}" for d in decisions if d.kind in
                    (DecisionKind.DERATE, DecisionKind.RESTORE)] or ["weights again after an epoch change"]
         if plan is None:
             self._placed = (c.epoch, weights)
             return False
-        ctl.form_epoch(c.members, f"straggler: {', '.join(changed)}; imbalance in time {plan.before:.2f} -> "
-                       f"{plan.after:.2f}", new=plan.placement)
+        self.form(Reweight(plan.placement), f"straggler: {', '.join(changed)}; imbalance in time "
+                  f"{plan.before:.2f} -> {plan.after:.2f}")
         self._placed = (c.epoch, weights)
         return True
 
     def _announce(self, d: Decision) -> None:
-        c = self.ctl.cluster
-        hardware = self.ctl.hardware.evidence(c.ranks[d.rank_id].node) if d.rank_id in c.ranks else None
+        c = self.cluster
+        hardware = self.evidence(c.ranks[d.rank_id].node) if d.rank_id in c.ranks else None
         c.events.add(EventKind.STRAGGLER, d.reason, d.rank_id, decision=d.kind.value, speed=round(d.speed, 3),
                      evidence=d.evidence, hardware=hardware)
 

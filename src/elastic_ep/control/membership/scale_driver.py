@@ -4,8 +4,9 @@ Scale-up takes standby ranks first (registered and warm, `--standby-ranks`), sta
 through the agents, waits for all of them to register while the old group serves, then admits
 them together in one epoch. Scale-down drains the leaving ranks,
 moves the experts only they hold in an epoch where they still send, then drops and stops them.
-Every change of members is an epoch through the same path as recovery. A joiner that dies or
-stops before it is a member fails the scale, not the service; a fault of a member during a
+Every change of members is a `ScaleStep` epoch through the same epoch change as recovery. A
+joiner that dies or stops before it is a member fails the scale, not the service, and so does a
+step with no placement over its ranks (the old epoch serves on); a fault of a member during a
 scale is recovered as anywhere else and the scale resumes; a slow joiner only makes the scale
 slower, up to --elastic-ep-scale-timeout.
 """
@@ -13,14 +14,17 @@ slower, up to --elastic-ep-scale-timeout.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
-
-from elastic_ep.wire import StartWorker
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ..api import ScaleRejected
+from ..cluster import ClusterState
+from ..config import ServeConfig
+from ..epochs.epoch_change import EpochReport, NoPlacement
 from ..epochs.epoch_plan import trimmed
+from ..epochs.requests import EpochRequest, ScaleStep
 from ..events import EventKind
-from ..ranks import RankInfo, RankStatus
+from ..ranks import RankStatus
 from .scale_rules import (
     ScaleOp,
     agent_for_new_rank,
@@ -31,22 +35,48 @@ from .scale_rules import (
     status_view,
 )
 
-if TYPE_CHECKING:
-    from ..controller import Controller
+
+class Processes(Protocol):
+    """The rank processes (membership/nodes.py)."""
+
+    def start_new_rank(self, rank_id: int, node: str, spare: bool = False) -> None: ...
+    def forget_rank(self, rank_id: int, message: str) -> None: ...
+    def stop_rank(self, rank_id: int) -> None: ...
+
+
+class Drains(Protocol):
+    """The scheduler, as a scale-down drains ranks."""
+
+    def drain(self, ranks: list[int]) -> None: ...
+    def undrain(self, ranks: list[int]) -> None: ...
+    def num_requests(self, rank_id: int) -> int: ...
 
 
 class ScaleDriver:
-    def __init__(self, ctl: Controller):
-        self.ctl = ctl
-        self.cluster = ctl.cluster
+    """Built with the cluster state, the rank processes, the scheduler's drains, and the callables
+    `take_standbys(count)`, `joiners()` (ranks from outside that an epoch over the members would
+    admit), `form(EpochRequest, reason)` (the loop's epoch change: a report, `NoPlacement`, or
+    RecoveryNeeded raised) and `publish()`."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, processes: Processes, drains: Drains, *,
+                 take_standbys: Callable[[int], list[int]], joiners: Callable[[], list[int]],
+                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement], publish: Callable[[], None]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.processes = processes
+        self.drains = drains
+        self.take_standbys = take_standbys
+        self.joiners = joiners
+        self.form = form
+        self.publish = publish
         self.op: ScaleOp | None = None
-        self.target_ep_size = ctl.cfg.ep_size  # what the last finished scale asked for: new agents fill up to it
+        self.target_ep_size = cfg.ep_size  # what the last finished scale asked for: new agents fill up to it
 
     def request(self, new_ep_size: int) -> dict[str, Any]:
         """Start a scale (control thread). Raises ScaleRejected."""
         c = self.cluster
         old = len(c.members)
-        check_target(new_ep_size, old, scale_limits(c.num_experts, c.slots_per_rank, self.ctl.cfg.max_ranks), self.op)
+        check_target(new_ep_size, old, scale_limits(c.num_experts, c.slots_per_rank, self.cfg.max_ranks), self.op)
         if c.epoch < 0:
             raise ScaleRejected("the cluster is still starting; retry once GET /ready answers 200", 409)
         self.op = ScaleOp(old, new_ep_size)
@@ -71,24 +101,24 @@ class ScaleDriver:
     def fail(self, error: str) -> None:
         op = self.op
         assert op is not None
-        c, nodes = self.cluster, self.ctl.nodes
+        c = self.cluster
         op.finish("failed", error)
         c.events.add(EventKind.SCALE_FAILED, f"scale {op.old_ep_size} -> {op.new_ep_size} failed: {error}")
         for r in op.new_ranks:
             if r in c.ranks and r not in c.members and c.ranks[r].status != RankStatus.RETIRING:
-                nodes.stop_rank(r)
-        self.ctl.scheduler.draining -= set(op.retiring)
+                self.processes.stop_rank(r)
+        self.drains.undrain(op.retiring)
         for r in op.retiring:
             if r in c.ranks and c.ranks[r].status == RankStatus.DRAINING:
                 c.ranks[r].status = RankStatus.SERVING
         op.retiring = []
-        self.ctl.publish()
+        self.publish()
 
     def advance(self) -> bool:
         """Move the scale on at a step boundary; True when it changed the epoch."""
         op = self.op
         assert op is not None
-        cfg = self.ctl.cfg
+        cfg = self.cfg
         if time.monotonic() - op.started_at > cfg.elastic_ep_scale_timeout_s:
             self.fail(f"not serving at {op.new_ep_size} ranks within --elastic-ep-scale-timeout "
                       f"{cfg.elastic_ep_scale_timeout_s:g}s; check the new ranks' logs")
@@ -104,13 +134,12 @@ class ScaleDriver:
         if op.up:
             rank_nodes = c.rank_nodes()
             count = max(op.new_ep_size - len(intended), 0)
-            standbys = self.ctl.standby.take(count)  # registered and warm: they join without a process start
+            standbys = self.take_standbys(count)  # registered and warm: they join without a process start
             op.new_ranks = standbys + new_rank_ids(c.ranks, count - len(standbys))
             for rank_id in op.new_ranks[len(standbys):]:
                 node = agent_for_new_rank(c.agents, rank_nodes)
                 rank_nodes[rank_id] = node
-                c.ranks[rank_id] = RankInfo(rank_id, node)
-                self.ctl.nodes.send(node, StartWorker(rank_id, "initial", c.dense_site(node)))
+                self.processes.start_new_rank(rank_id, node)
             op.phase = "joining"
             c.events.add(EventKind.SCALE, f"scale-up {op.old_ep_size} -> {op.new_ep_size}: standby ranks {standbys}, "
                          f"starting ranks {op.new_ranks[len(standbys):]}", standbys=standbys)
@@ -118,15 +147,15 @@ class ScaleDriver:
             op.retiring = ranks_to_retire(intended, len(intended) - op.new_ep_size)
             for rank_id in op.retiring:
                 if rank_id not in c.members:  # down and waiting for a restart: nothing to drain
-                    self.ctl.nodes.forget_rank(rank_id, f"rank {rank_id} retired while down")
+                    self.processes.forget_rank(rank_id, f"rank {rank_id} retired while down")
             op.retiring = [r for r in op.retiring if r in c.members]
             for rank_id in op.retiring:
                 c.ranks[rank_id].status = RankStatus.DRAINING
-            self.ctl.scheduler.draining |= set(op.retiring)
-            op.drain_deadline = time.monotonic() + self.ctl.cfg.scale_drain_timeout_s
+            self.drains.drain(op.retiring)
+            op.drain_deadline = time.monotonic() + self.cfg.scale_drain_timeout_s
             op.phase = "draining"
             c.events.add(EventKind.SCALE, f"scale-down {op.old_ep_size} -> {op.new_ep_size}: draining ranks {op.retiring}")
-        self.ctl.publish()
+        self.publish()
 
     def _advance_up(self, op: ScaleOp) -> bool:
         c = self.cluster
@@ -135,17 +164,18 @@ class ScaleDriver:
             op.phase = "waiting_for_cohort" if registered else "joining"
             return False
         op.phase = "configuring_data_plane"
-        self.ctl.publish()
-        live = sorted(set(c.members) | set(op.new_ranks) | set(self.ctl.joiners()))
-        self.ctl.form_epoch(live, f"scale-up to {len(live)} ranks")
+        self.publish()
+        live = sorted(set(c.members) | set(op.new_ranks) | set(self.joiners()))
+        if not self._step(ScaleStep(live), f"scale-up to {len(live)} ranks"):
+            return False
         if all(c.ranks[r].status == RankStatus.SERVING for r in op.new_ranks):
             op.phase = "syncing_new_world"
             self._finish(op, "serving_expanded")
         return True
 
     def _advance_down(self, op: ScaleOp) -> bool:
-        c, cfg = self.cluster, self.ctl.cfg
-        busy = [r for r in op.retiring if self.ctl.scheduler.num_requests(r)]
+        c, cfg = self.cluster, self.cfg
+        busy = [r for r in op.retiring if self.drains.num_requests(r)]
         if op.phase == "draining" and busy and time.monotonic() < op.drain_deadline:
             return False
         if op.phase == "draining":
@@ -153,16 +183,27 @@ class ScaleDriver:
             c.events.add(EventKind.DRAINED, f"ranks {op.retiring} drained in {drained_s:.2f}s; {len(busy)} of them "
                          f"still ran requests, which move to the staying ranks", moved_from=busy)
         op.phase = "retiring"
-        self.ctl.publish()
+        self.publish()
         keep = [r for r in c.members if r not in op.retiring]
         if op.retiring:
             # The leaving ranks stay in this epoch only to send the experts no one else holds.
-            self.ctl.form_epoch(list(c.members), f"scale-down: moving experts off ranks {op.retiring}", holding=keep)
-            self.ctl.form_epoch(keep, f"scale-down to {len(keep)} ranks",
-                                new=trimmed(c.location, max(cfg.ep_size, max(keep) + 1)))
+            moved = self._step(ScaleStep(list(c.members), holding=keep),
+                               f"scale-down: moving experts off ranks {op.retiring}")
+            if not (moved and self._step(ScaleStep(keep, target=trimmed(c.location, max(cfg.ep_size, max(keep) + 1))),
+                                         f"scale-down to {len(keep)} ranks")):
+                return moved
         for r in op.retiring:
-            self.ctl.nodes.stop_rank(r)
+            self.processes.stop_rank(r)
         self._finish(op, "serving_shrunk")
+        return True
+
+    def _step(self, request: ScaleStep, reason: str) -> bool:
+        """One epoch of the scale; False when no placement exists over its ranks, which fails the
+        scale (the old epoch serves on). Raises RecoveryNeeded when the epoch did not form."""
+        outcome = self.form(request, reason)
+        if isinstance(outcome, NoPlacement):
+            self.fail(outcome.reason)
+            return False
         return True
 
     def _finish(self, op: ScaleOp, phase: str) -> None:
@@ -170,4 +211,4 @@ class ScaleDriver:
         self.target_ep_size = op.new_ep_size
         self.cluster.events.add(EventKind.SCALE, f"serving at {len(self.cluster.members)} ranks "
                                 f"{op.finished_s:.2f}s after the request")
-        self.ctl.publish()
+        self.publish()

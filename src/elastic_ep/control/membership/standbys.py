@@ -18,18 +18,14 @@ The decisions are the pure `admission` below; this role applies them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from elastic_ep.wire import FenceWorker, StartWorker
-
+from ..cluster import ClusterState
 from ..events import EventKind
 from ..ranks import RankInfo, RankStatus
 from .scale_rules import agent_for_new_rank, new_rank_ids
-
-if TYPE_CHECKING:
-    from ..controller import Controller
 
 
 @dataclass(frozen=True)
@@ -55,18 +51,34 @@ def processes_to_start(wanted: int, shortfall: int, coming: int) -> int:
     return max(wanted + max(shortfall, 0) - coming, 0) if wanted > 0 else 0
 
 
+class Processes(Protocol):
+    """The rank processes (membership/nodes.py)."""
+
+    def start_new_rank(self, rank_id: int, node: str, spare: bool = False) -> None: ...
+    def retire(self, rank_id: int, reason: str) -> None: ...
+    def restarting(self, rank_id: int) -> bool: ...
+
+
 class Standbys:
-    def __init__(self, ctl: Controller):
-        self.ctl = ctl
-        self.cluster = ctl.cluster
-        self.wanted = ctl.cfg.standby_ranks
+    """Built with the cluster state, `wanted` (--standby-ranks), the rank processes, and the
+    callables `target_size()` (the group's target), `joiner(rank_id)` (started by the scale in
+    flight) and `faulted(rank_id)` (a fault is pending)."""
+
+    def __init__(self, cluster: ClusterState, wanted: int, processes: Processes, *, target_size: Callable[[], int],
+                 joiner: Callable[[int], bool], faulted: Callable[[int], bool]):
+        self.cluster = cluster
+        self.wanted = wanted
+        self.processes = processes
+        self.target_size = target_size
+        self.joiner = joiner
+        self.faulted = faulted
         self.owed: list[int] = []  # evicted ranks whose replacement is still to start
 
     def ready(self) -> list[int]:
         return sorted(r.rank_id for r in self.cluster.ranks.values() if r.status == RankStatus.STANDBY)
 
     def shortfall(self, live: Sequence[int]) -> int:
-        return self.ctl.scaling.target_ep_size - len(live)
+        return self.target_size() - len(live)
 
     def joiners(self, live: Sequence[int]) -> list[int]:
         """The ranks from outside the next epoch over `live` takes (not a scale's own joiners)."""
@@ -99,8 +111,8 @@ class Standbys:
         """Start the replacements owed, and spare processes until standbys and ranks on their way
         cover the shortfall plus K."""
         c = self.cluster
-        coming = [r for r in c.ranks.values() if r.rank_id not in c.members and not self.ctl.scaling.joiner(r.rank_id)
-                  and (r.status in (RankStatus.STANDBY, RankStatus.STARTING) or r.rank_id in c.restart_at)]
+        coming = [r for r in c.ranks.values() if r.rank_id not in c.members and not self.joiner(r.rank_id)
+                  and (r.status in (RankStatus.STANDBY, RankStatus.STARTING) or self.processes.restarting(r.rank_id))]
         spares = processes_to_start(self.wanted, self.shortfall(c.members), len(coming))
         why = (f"to replace evicted rank(s) {self.owed}" if self.owed else f"to keep {self.wanted} standby rank(s)")
         for _ in range(max(spares, len(self.owed))):
@@ -116,18 +128,14 @@ class Standbys:
         rank_nodes = c.rank_nodes()
         node = agent_for_new_rank(c.agents, rank_nodes)
         rank_id = new_rank_ids(c.ranks, 1)[0]
-        c.ranks[rank_id] = RankInfo(rank_id, node, spare=True)
-        self.ctl.nodes.send(node, StartWorker(rank_id, "initial", c.dense_site(node)))
+        self.processes.start_new_rank(rank_id, node, spare=True)
         c.events.add(EventKind.STANDBY, f"starting rank {rank_id} on node {node} {why}", rank_id, node=node)
         return rank_id
 
     def lost(self, rank_id: int, detail: str) -> None:
         """A standby died or went silent: stop it for good (its exit report removes it); the
         upkeep starts another."""
-        r = self.cluster.ranks[rank_id]
-        r.status = RankStatus.RETIRING
-        if r.pid is not None:
-            self.ctl.nodes.send(r.node, FenceWorker(rank_id, r.pid, f"standby lost: {detail}", final=True))
+        self.processes.retire(rank_id, f"standby lost: {detail}")
         self.cluster.events.add(EventKind.STANDBY, f"standby rank {rank_id} lost: {detail}", rank_id)
 
     def _registered_outside(self) -> list[RankInfo]:
@@ -136,5 +144,4 @@ class Standbys:
 
     def _free(self, ranks: list[int]) -> list[int]:
         """Not a pending fault, not a joiner of the scale in flight."""
-        ctl = self.ctl
-        return [r for r in ranks if r not in ctl.detector.faults and not ctl.scaling.joiner(r)]
+        return [r for r in ranks if not self.faulted(r) and not self.joiner(r)]

@@ -38,7 +38,6 @@ class Sequence:
     rank: int | None = None
     num_cached: int = 0
     finish_reason: str | None = None
-    fail_at: str = ""  # fault injection (chaos poison): where its steps raise, see wire.ChunkPlan
 
     @property
     def tokens(self) -> list[int]:
@@ -109,6 +108,14 @@ class Scheduler:
         self.draining: set[int] = set()
         # sequences left out of the next step (suspects of a failed step, control/isolation.py)
         self.held: set[int] = set()
+
+    def drain(self, ranks: list[int]) -> None:
+        """`ranks` (leaving with a scale-down) finish what they run but take nothing new."""
+        self.draining |= set(ranks)
+
+    def undrain(self, ranks: list[int]) -> None:
+        """`ranks` take new sequences again (their scale failed, or they left the cluster)."""
+        self.draining -= set(ranks)
 
     def set_ranks(self, ranks: list[int]) -> None:
         """Serve on `ranks` from now on; sequences of ranks no longer listed go back to the
@@ -263,7 +270,6 @@ class Scheduler:
                 seq.request.params,
                 seq.request.seed,
                 len(seq.request.prompt_token_ids),
-                seq.fail_at,
             )
         )
         return n

@@ -3,12 +3,15 @@
 Every member runs every step, an empty plan included, because every MoE layer's all-to-all
 needs all of them. When a rank dies or hangs mid-step the wait ends as soon as the detector
 holds a fault (or a rank reports that its collective raised): the step's frees are asked for
-again, the batch is kept for a possible retry, and `RecoveryNeeded` hands over to recovery,
-which re-runs the step in the next epoch (tokens are a pure function of the sequence, so the
-re-run samples the same ones). When a rank's own computation fails with every rank alive, the
-step is dropped and isolation (control/isolation.py) finds the request at fault, in the same
-epoch. A slow rank only makes the step slower; its time shows in the per-rank metrics and the
-radar.
+again, the batch stays uncommitted, and `RecoveryNeeded` hands over to recovery. The first step
+of the next epoch is the recompute: the scheduler committed nothing of the interrupted batch, so
+planning again runs the same tokens (the lost rank's sequences re-prefilled on other ranks), and
+a token is a pure function of the sequence, so the same ones are sampled. A step that keeps
+failing with every rank alive is recomputed `MAX_RETRIES_WITHOUT_CULPRIT` times, then its
+requests end with the error (`after_fault`). When a rank's own computation fails with every rank
+alive, the step is dropped and isolation (serving/isolation.py) finds the request at fault, in
+the same epoch. A slow rank only makes the step slower; its time shows in the per-rank metrics
+and the radar.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -27,6 +31,7 @@ from ..api import RequestOutput
 from ..cluster import ClusterState
 from ..config import ServeConfig
 from ..control_plane import ControlPlane
+from ..events import EventKind
 from ..faults.detector import FaultDetector, RecoveryNeeded
 from ..metrics import ClusterMetrics
 from .alignment import imbalance
@@ -35,13 +40,25 @@ from .recorder import ExpertRecorder
 from .scheduler import Scheduler, StepBatch
 from .streams import Streams
 
+# A step failing with every rank alive (a collective error no fault explains) is recomputed in a
+# re-formed group this many times before its requests end: a deterministic error would otherwise
+# loop forever, a transient one passes on the first retry.
+MAX_RETRIES_WITHOUT_CULPRIT = 3
+
+
+class ChaosHook(Protocol):
+    """Fault injection, present only with --enable-chaos (control/chaos.py)."""
+
+    def before_step(self, epoch: int, step: int, batch: StepBatch, members: list[int]) -> None: ...
+
 
 class StepLoop:
-    """`pump(timeout_s)` handles input while a step waits (results arrive through `on_reply`)."""
+    """`pump(timeout_s)` handles input while a step waits (results arrive through `on_reply`);
+    `chaos`, when given, is called before each step's plans are sent."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, scheduler: Scheduler,
                  detector: FaultDetector, metrics: ClusterMetrics, recorder: ExpertRecorder, streams: Streams,
-                 isolation: Isolation, top_k: int, pump: Callable[[float], None]):
+                 isolation: Isolation, top_k: int, pump: Callable[[float], None], chaos: ChaosHook | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.plane = plane
@@ -53,13 +70,15 @@ class StepLoop:
         self.isolation = isolation
         self.top_k = top_k
         self.pump = pump
+        self.chaos = chaos
         self.replies: dict[int, StepResult | StepFailed] = {}
         self.in_step: set[int] = set()  # members of the step in flight
         self.started_at = 0.0  # monotonic time the step in flight was sent
         self.own_time = IntervalRecorder(cfg.straggler_window_s)  # per rank: tokens and own time per step
         self.tokens_run = 0  # tokens (prefill and decode) run, all steps and ranks
         self.tokens_sampled = 0
-        self.failed_batch: StepBatch | None = None  # the batch of the step recovery re-runs
+        self.uncommitted: StepBatch | None = None  # the batch of an interrupted step, until a step commits
+        self.retries_without_culprit = 0  # recomputes of a step that failed with every rank alive
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
         self._sent_at = 0.0
 
@@ -77,8 +96,7 @@ class StepLoop:
         failed (the step is dropped; isolation decides what runs next). Raises RecoveryNeeded
         on a fault."""
         c = self.cluster
-        self.scheduler.held = self.isolation.held
-        batch = self.scheduler.schedule()
+        batch = self._plan()
         c.step += 1
         self.replies = {}
         self.in_step = set(c.members)
@@ -87,17 +105,18 @@ class StepLoop:
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
         micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
+        if self.chaos is not None:
+            self.chaos.before_step(c.epoch, c.step, batch, c.members)
         for rank_id in c.members:
             self.plane.to_worker(rank_id, StepPlan(
-                c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
-                c.delay_s.get(rank_id, 0.0), dispatch_rows, c.broken.get(rank_id, ""), micro_batches,
-                batch.moves,
+                c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []), dispatch_rows,
+                micro_batches, batch.moves,
             ))
         while len(self.replies) < len(c.members):
             self.pump(0.002)
             if self.detector.pending:
                 self._requeue_frees(batch)
-                self.failed_batch = batch
+                self.uncommitted = batch
                 raise RecoveryNeeded()
         self.in_step = set()
         wall_s = time.perf_counter() - start
@@ -110,6 +129,40 @@ class StepLoop:
         self._finish(batch, wall_s)
         self.isolation.step_passed(batch)
         return wall_s
+
+    def _plan(self) -> StepBatch:
+        """The next step's batch, without the sequences isolation holds back. After an interrupted
+        step this is its recompute: nothing of that batch was committed, so the same tokens are
+        planned again (a lost rank's sequences now on other ranks)."""
+        self.scheduler.held = self.isolation.held
+        return self.scheduler.schedule()
+
+    def unanswered(self, excluded: set[int] | dict[int, object]) -> list[int]:
+        """Members of the step in flight that have not answered it, less `excluded`."""
+        return [r for r in self.in_step if r not in self.replies and r not in excluded]
+
+    def abandon(self) -> None:
+        """Recovery has every member out of the interrupted step: no step is in flight."""
+        self.in_step = set()
+
+    def after_fault(self, culprit_found: bool, error: str) -> None:
+        """Recovery took a fault that interrupted the step. With no culprit the step failed with
+        every rank alive: it is recomputed, and after `MAX_RETRIES_WITHOUT_CULPRIT` such failures
+        in a row its requests end with `error` (a deterministic error, not a fault) and the server
+        goes on serving."""
+        if culprit_found:
+            return
+        self.retries_without_culprit += 1
+        batch = self.uncommitted
+        if self.retries_without_culprit < MAX_RETRIES_WITHOUT_CULPRIT or batch is None:
+            return
+        for chunks in batch.chunks.values():
+            for chunk in chunks:
+                self.streams.end_with_error(chunk.seq_id, error)
+        self.cluster.events.add(EventKind.REQUEST_ERROR, f"failed the requests of a step that failed "
+                                f"{self.retries_without_culprit} times: {error}")
+        self.retries_without_culprit = 0
+        self.uncommitted = None
 
     def _requeue_frees(self, batch: StepBatch) -> None:
         """A failed step's frees may not have run: ask again in the next step. A KV move may have
@@ -142,7 +195,8 @@ class StepLoop:
             m.collective_wait_seconds.labels(label).observe(res.dispatch_wait_s + res.combine_wait_s)
             load += res.expert_load
         self.detector.step_done(wall_s)
-        self.failed_batch = None
+        self.uncommitted = None
+        self.retries_without_culprit = 0
         m.step_wall_seconds.observe(wall_s)
         m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
         tokens = batch.tokens_per_rank()
