@@ -1,5 +1,5 @@
 """The straggler flags, one definition for `serve` and `sim fleet`: the verdict's rule
-(`policy/straggler.py` StragglerRule) and the policy (`policy/straggler_policy.py`
+(`policy/straggler_verdict.py` StragglerRule) and the policy (`policy/straggler_policy.py`
 StragglerPolicy). Names, help and defaults are the same in both commands (defaults are the
 dataclasses' own), so a simulated fleet runs the policy a server would run with the same flags."""
 

@@ -102,7 +102,7 @@ class ServeConfig:
         return self.max_ep_size or 2 * self.ep_size
 
     def straggler_rule(self) -> StragglerRule:
-        """The straggler verdict's rule (policy/straggler.py) from the --straggler-* flags."""
+        """The straggler verdict's rule (policy/straggler_verdict.py) from the --straggler-* flags."""
         return from_flags(vars(self))[0]
 
     def straggler_policy_params(self) -> StragglerPolicy:

@@ -71,7 +71,7 @@ from .epochs.epoch_change import (
     VerifyFailed,
 )
 from .epochs.rebalance_rules import load_estimate
-from .epochs.requests import EpochRequest, Refill, Rejoin, Start
+from .epochs.requests import EpochRequest, Refill, Rejoin, Start, holding_of
 from .epochs.slot_check import SlotSweeper
 from .events import EventKind
 from .facade.engine import EngineFacade, Published
@@ -353,8 +353,7 @@ class Controller:
         assert isinstance(outcome, Formed)
         report = outcome.report
         live = list(c.members)
-        holding = getattr(request, "holding", None)
-        self.scheduler.set_ranks(live if holding is None else holding)
+        self.scheduler.set_ranks(holding_of(request, live))
         self.standby.admitted(live)
         self.metrics.epoch.set(c.epoch)
         self.metrics.live_ranks.set(len(live))
@@ -399,7 +398,7 @@ class Controller:
 
     def joiners(self, live: list[int] | None = None) -> list[int]:
         """Ranks from outside that recovery or a rejoin admits into an epoch over `live` (default the
-        members): registered ranks and standbys up to the target size (control/standby.py); not
+        members): registered ranks and standbys up to the target size (control/membership/standbys.py); not
         the joiners of a scale in flight, which join together."""
         return self.standby.joiners(self.cluster.members if live is None else live)
 

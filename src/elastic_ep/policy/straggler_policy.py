@@ -1,5 +1,5 @@
-"""The straggler policy: what is done about a rank the straggler verdict (`policy/straggler.py`)
-names. One definition, applied by the controller (`control/straggler_control.py`) to the verdicts
+"""The straggler policy: what is done about a rank the straggler verdict (`policy/straggler_verdict.py`)
+names. One definition, applied by the controller (`control/faults/straggler_control.py`) to the verdicts
 of the live cluster and by `sim fleet` to the verdicts of the per-rank timings it models, so the
 simulator credits the server with what the server does.
 

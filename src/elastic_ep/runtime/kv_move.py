@@ -1,4 +1,4 @@
-"""A decoding sequence moves to another rank with its KV cache (DP alignment, control/alignment.py):
+"""A decoding sequence moves to another rank with its KV cache (DP alignment, control/serving/alignment.py):
 the source sends the cached rows of every layer, the destination loads them into a row of its
 own, and the sequence decodes there from this step on without recomputing anything.
 

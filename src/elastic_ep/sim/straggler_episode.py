@@ -1,6 +1,6 @@
 """A straggler episode as the server sees it: per-rank own times per step through the server's own
-verdict (`policy/straggler.py`) and policy (`policy/straggler_policy.py`), reviewed once per
-verdict interval as the controller does (`control/straggler_control.py`). `sim fleet` takes the
+verdict (`policy/straggler_verdict.py`) and policy (`policy/straggler_policy.py`), reviewed once per
+verdict interval as the controller does (`control/faults/straggler_control.py`). `sim fleet` takes the
 time to derate and to evict from here, so the fleet runs the policy `serve` runs, with the same
 flags, instead of a rule of its own.
 

@@ -1,4 +1,4 @@
-"""Which node backs up which expert (control/backup.py)."""
+"""Which node backs up which expert (control/membership/backup_shares.py)."""
 
 import numpy as np
 

@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from elastic_ep.errors import PlacementError
 from elastic_ep.placement.fault_aware import fault_aware_placement
-from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.restore import restore_placement
 from elastic_ep.placement.transfer import plan_transfers
 from elastic_ep.wire import EpochFailed, EpochReady, EpochStart, SlotSource
@@ -45,7 +44,7 @@ from ..config import ServeConfig
 from ..control_plane import ControlPlane
 from ..ranks import RankStatus
 from .epoch_plan import held_placement, split_by_rank
-from .requests import EpochRequest, Refill, Slot, keeps_group, restores, same_members
+from .requests import EpochRequest, Refill, Slot, holding_of, keeps_group, restores, same_members
 
 
 @dataclass(frozen=True)
@@ -134,35 +133,21 @@ class EpochChanger:
         if msg.epoch == self.cluster.epoch:
             self.replies[msg.rank_id] = msg
 
-    def change(self, request: EpochRequest, load: np.ndarray) -> EpochOutcome:
-        """Form the epoch `request` asks for (epochs/requests.py) with a placement for `load`
-        [L, E] where it computes one, move the experts, verify the slots that changed. Returns
-        the outcome; on any outcome but `Formed` the slots it was to fill are suspect."""
-        c = self.cluster
-        live = list(c.members) if same_members(request) else list(request.live)
-        holding = getattr(request, "holding", None)
-        return self._change(live, load, self._given(request), list(live) if holding is None else holding,
-                            restores(request), keeps_group(request))
-
-    def _given(self, request: EpochRequest) -> ExpertLocation | None:
-        """The placement the request names (None: computed here)."""
-        if isinstance(request, Refill):
-            return self.cluster.location
-        return getattr(request, "target", None)
-
     def leave(self, live: list[int]) -> None:
         """Members not in `live` leave the group without a new epoch (the cluster degraded: it
         serves again once an epoch forms over enough ranks)."""
         c = self.cluster
         c.members = [r for r in c.members if r in live]
 
-    def _change(self, live: list[int], load: np.ndarray, new: ExpertLocation | None, holding: list[int],
-                restore: bool, reuse_group: bool) -> EpochOutcome:
-        """`holding`: the members that hold experts and get requests; the others only send what
-        they hold (scale-down). `restore`: keep every expert where it is and fill only the experts
-        no live rank holds (a background rebalance balances later). `reuse_group`: the members
-        are the current epoch's and its group is healthy, so they keep it (no rendezvous)."""
+    def change(self, request: EpochRequest, load: np.ndarray) -> EpochOutcome:
+        """Form the epoch `request` asks for (epochs/requests.py) with a placement for `load`
+        [L, E] where it computes one, move the experts, verify the slots that changed. Members
+        not in the request's `holding` only send what they hold (scale-down). Returns the
+        outcome; on any outcome but `Formed` the slots it was to fill are suspect."""
         c = self.cluster
+        live = list(c.members) if same_members(request) else list(request.live)
+        holding = holding_of(request, live)
+        new = c.location if isinstance(request, Refill) else getattr(request, "target", None)
         t0 = time.monotonic()
         rank_nodes = c.rank_nodes()
         num_ranks = max(self.cfg.ep_size, max(live) + 1)
@@ -171,7 +156,7 @@ class EpochChanger:
         old = held_placement(c.location, c.num_layers, c.num_experts, s, num_ranks, serving, self.suspect_slots)
         backup = c.backup_map()
         try:
-            if restore:
+            if restores(request):
                 new = restore_placement(old, load, holding, rank_nodes, backup)
             elif new is None:
                 new = fault_aware_placement(load, holding, rank_nodes, None, s, num_ranks, current=c.location)
@@ -189,7 +174,7 @@ class EpochChanger:
             self.plane.to_worker(rank_id, EpochStart(
                 c.epoch, live, np.asarray(new.phy2log), s, sources[rank_id], sends[rank_id], backups,
                 self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s, [rank_nodes[r] for r in live],
-                self.cfg.all2all_backend, reuse_group,
+                self.cfg.all2all_backend, keeps_group(request),
             ))
         while self.after_start:
             self.after_start.pop()()

@@ -82,6 +82,12 @@ class ScaleStep:
 EpochRequest = Start | Recover | Rejoin | Refill | Move | Reweight | ScaleStep
 
 
+def holding_of(request: EpochRequest, live: list[int]) -> list[int]:
+    """The ranks of the epoch over `live` that hold experts and get requests (default all)."""
+    holding = getattr(request, "holding", None)
+    return list(live) if holding is None else list(holding)
+
+
 def same_members(request: EpochRequest) -> bool:
     """The request keeps the current epoch's members."""
     return isinstance(request, Refill | Move | Reweight)

@@ -3,12 +3,12 @@
 Signals, fastest first: the agent reports a worker's exit (crash, OOM kill, `kill -9`); a worker
 reports that a collective raised (gloo fails in milliseconds when a peer's socket closes, with
 no rank to blame: an error, not a fault; an error in a rank's own computation is not even that,
-see control/isolation.py); a rank's heartbeats stop for --heartbeat-timeout-s (a
+see control/serving/isolation.py); a rank's heartbeats stop for --heartbeat-timeout-s (a
 stopped process or a cut link; heartbeats come from their own thread, so a rank blocked in a
 collective or merely slow keeps beating); the progress watchdog names a rank that has not
 entered the collective the others wait in for the adaptive deadline (a hang). A slow rank is
 never a fault here: it enters each collective late but within a deadline that grows with the
-step times it causes. The rules themselves are the pure functions of `control/health.py`.
+step times it causes. The rules themselves are the pure functions of `control/faults/health_rules.py`.
 
 What is found stays pending until recovery takes it (`take`); the control loop checks
 `pending` after every wait and turns it into `RecoveryNeeded`.
@@ -41,7 +41,7 @@ class FaultCause(str, Enum):
     HUNG = "hung"  # the progress watchdog
     NO_ANSWER = "no_answer"  # did not leave a failed step within --drain-timeout-s
     NOT_JOINED = "did_not_join"  # did not join a new epoch within --epoch-timeout-s
-    STEP_ERRORS = "step_errors"  # its computation fails with no request to blame (control/isolation.py)
+    STEP_ERRORS = "step_errors"  # its computation fails with no request to blame (control/serving/isolation.py)
     NODE_LOST = "node_lost"  # its node's agent went silent for --agent-timeout-s (host lost or cut off)
     EVICTED = "evicted"  # the straggler policy evicts it (slow, not bad): fenced and replaced, not restarted
 

@@ -1,4 +1,4 @@
-"""The scale driver: moves a `ScaleOp` (control/scaling.py, the rules) on at step boundaries.
+"""The scale driver: moves a `ScaleOp` (control/membership/scale_rules.py, the rules) on at step boundaries.
 
 Scale-up takes standby ranks first (registered and warm, `--standby-ranks`), starts the rest
 through the agents, waits for all of them to register while the old group serves, then admits

@@ -4,7 +4,7 @@ Continuous batching with chunked prefill, per rank (DP attention: a sequence liv
 rank, whose KV cache holds it). A new sequence goes to the rank with the fewest tokens of work
 ahead (planned this step plus prefill still pending), so token counts per rank stay even and
 no rank arrives late at the all-to-all (seed 000, section 3); with an `AlignRule` the step is
-evened again every step (control/alignment.py: prefill cut to the step's level, unstarted
+evened again every step (control/serving/alignment.py: prefill cut to the step's level, unstarted
 prefills placed again, a decoding sequence moved off a rank that stays the busiest). Limits:
 `max_num_seqs` sequences per rank, `max_num_batched_tokens` tokens per rank per step.
 
@@ -106,7 +106,7 @@ class Scheduler:
         self.by_id: dict[int, Sequence] = {}
         # ranks leaving on scale-down: they finish what they run but take nothing new
         self.draining: set[int] = set()
-        # sequences left out of the next step (suspects of a failed step, control/isolation.py)
+        # sequences left out of the next step (suspects of a failed step, control/serving/isolation.py)
         self.held: set[int] = set()
 
     def drain(self, ranks: list[int]) -> None:
@@ -225,7 +225,7 @@ class Scheduler:
         return taken
 
     def _migrate(self, active: dict[int, list[Sequence]]) -> KVMove | Sequence | None:
-        """Move one decoding sequence off a rank that stays the busiest (control/alignment.py).
+        """Move one decoding sequence off a rank that stays the busiest (control/serving/alignment.py).
         A KV move is planned and returned (its chunk goes to the new rank, `commit` re-homes it);
         a re-prefill moves the sequence now, to run from its first token on the new rank, and
         returns it."""
