@@ -1,4 +1,4 @@
-"""Per-step DP alignment (seed 000 section 3): even the tokens each rank brings to a step's
+"""Per-step DP alignment: even the tokens each rank brings to a step's
 all-to-all, since the step lasts as long as its busiest rank and the others wait at the
 collective. Pure rules; the scheduler applies them every step.
 

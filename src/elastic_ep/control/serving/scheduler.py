@@ -3,7 +3,7 @@
 Continuous batching with chunked prefill, per rank (DP attention: a sequence lives on one
 rank, whose KV cache holds it). A new sequence goes to the rank with the fewest tokens of work
 ahead (planned this step plus prefill still pending), so token counts per rank stay even and
-no rank arrives late at the all-to-all (seed 000, section 3); with an `AlignRule` the step is
+no rank arrives late at the all-to-all; with an `AlignRule` the step is
 evened again every step (control/serving/alignment.py: prefill cut to the step's level, unstarted
 prefills placed again, a decoding sequence moved off a rank that stays the busiest). Limits:
 `max_num_seqs` sequences per rank, `max_num_batched_tokens` tokens per rank per step.
