@@ -36,7 +36,7 @@ def rig():
     plane, agents, hooks = Plane(), Agents(), []
     sequences = {10: SimpleNamespace(request=SimpleNamespace(request_id="bad-1")),
                  11: SimpleNamespace(request=SimpleNamespace(request_id="good-1"))}
-    return cluster, plane, agents, hooks, ChaosInjector(cluster, plane, agents, hooks, sequences)
+    return cluster, plane, agents, hooks, ChaosInjector(cluster, plane, agents, hooks.append, sequences)
 
 
 def test_only_ranks_with_something_injected_get_a_chaos_step():

@@ -43,15 +43,16 @@ class Agents(Protocol):
 
 
 class ChaosInjector:
-    """Built with the cluster state, the control plane, the node role, the epoch change's
-    one-shot `after_start` hooks, and the sequences in flight (seq_id -> Sequence)."""
+    """Built with the cluster state, the control plane, the node role, `after_next_start(hook)`
+    (the epoch change runs the hook once the next epoch is announced), and the sequences in flight
+    (seq_id -> Sequence)."""
 
     def __init__(self, cluster: ClusterState, plane: ControlPlane, agents: Agents,
-                 after_start: list[Callable[[], None]], sequences: Mapping[int, Sequence]):
+                 after_next_start: Callable[[Callable[[], None]], None], sequences: Mapping[int, Sequence]):
         self.cluster = cluster
         self.plane = plane
         self.agents = agents
-        self.after_start = after_start
+        self.after_next_start = after_next_start
         self.sequences = sequences
         self.poisons: list[PoisonRequest] = []  # also for requests that arrive later
         self._slow: dict[int, tuple[int | None, float]] = {}  # rank -> (pid it was set on, seconds per step)
@@ -125,7 +126,7 @@ class ChaosInjector:
                                     f"epoch {self.cluster.epoch}", cmd.rank_id)
 
         if cmd.at_next_epoch:
-            self.after_start.append(send)
+            self.after_next_start(send)
             self.cluster.events.add(EventKind.CHAOS, f"armed: {name} to rank {cmd.rank_id} once epoch "
                                     f"{self.cluster.epoch + 1} is announced", cmd.rank_id)
         else:

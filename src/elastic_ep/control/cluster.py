@@ -30,6 +30,9 @@ class ClusterState:
       (serving, draining, as the new epoch holds it), the scale driver (draining before a
       scale-down, serving again when it fails) and the standbys (standby, `spare`).
     - `epoch`, `members`, `location`: the epoch change (epochs/epoch_change.py) alone.
+    - a rank's heartbeat and progress (`last_heartbeat`, `progress`, `progress_at`): the
+      detector as heartbeats arrive (the node role stamps them when a process starts and
+      registers); its timings (`step_s`, `wait_s`, `own_s`, `slot_tokens`, `link_s`): the step loop.
     - `step`: the step loop (serving/step_loop.py) alone.
     - `readiness`, `degraded_since`: the loop (ready once an epoch forms, the fatal reason),
       recovery (degraded) and the node role while ranks register.

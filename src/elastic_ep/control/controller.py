@@ -137,15 +137,16 @@ class Controller:
         self.nodes = Nodes(c, cfg, self.plane, self.store_port, nbytes, fault=self.fault,
                            target_size=lambda: self.scaling.target_ep_size, undrain=self.scheduler.undrain,
                            forget_measures=self._forget_measures, pump=self.pump, publish=self.publish)
-        self.chaos = (ChaosInjector(c, self.plane, self.nodes, self.changer.after_start, self.scheduler.by_id)
+        self.chaos = (ChaosInjector(c, self.plane, self.nodes, self.changer.after_next_start, self.scheduler.by_id)
                       if cfg.enable_chaos else None)
         self.isolation = Isolation(self.streams, c.events, self.fault, cfg.isolation_max_steps)
         self.steps = StepLoop(c, cfg, self.plane, self.scheduler, self.detector, self.metrics, self.recorder,
                               self.streams, self.isolation, self.config.top_k, self.pump, self.chaos)
         self.standby = Standbys(c, cfg.standby_ranks, self.nodes, target_size=lambda: self.scaling.target_ep_size,
                                 joiner=lambda r: self.scaling.joiner(r), faulted=lambda r: r in self.detector.faults)
-        self.scaling = ScaleDriver(c, cfg, self.nodes, self.scheduler, take_standbys=lambda n: self.standby.ready()[:n],
-                                   joiners=self.joiners, form=self.form, publish=self.publish)
+        self.scaling = ScaleDriver(c, cfg, self.nodes, self.scheduler,
+                                   take_standbys=lambda n: self.standby.ready()[:n], joiners=self.joiners,
+                                   form=self.form, publish=self.publish)
         self.hardware = HardwareSignals(registry, c.events)
         self.stragglers = StragglerControl(
             c, cfg, self.steps.own_time, standbys=lambda: len(self.standby.ready()), fault=self.fault,
@@ -397,9 +398,9 @@ class Controller:
         return load_estimate(self.steps.load_window, c.num_layers, c.num_experts)
 
     def joiners(self, live: list[int] | None = None) -> list[int]:
-        """Ranks from outside that recovery or a rejoin admits into an epoch over `live` (default the
-        members): registered ranks and standbys up to the target size (control/membership/standbys.py); not
-        the joiners of a scale in flight, which join together."""
+        """Ranks from outside that recovery or a rejoin admits into an epoch over `live` (default
+        the members): registered ranks and standbys up to the target size
+        (membership/standbys.py); not the joiners of a scale in flight, which join together."""
         return self.standby.joiners(self.cluster.members if live is None else live)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -444,5 +445,6 @@ class Controller:
     # ---- snapshot ----------------------------------------------------------------------------
 
     def publish(self, throttle_s: float = 0.0) -> None:
-        """Readiness and health at once; the /cluster snapshot at most every `throttle_s` (publisher.py)."""
+        """Readiness and health at once; the /cluster snapshot at most every `throttle_s`
+        (facade/publisher.py)."""
         self.publisher.publish(throttle_s)

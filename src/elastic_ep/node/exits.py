@@ -2,8 +2,9 @@
 
 A killed process is marked exiting (PF_EXITING, with its exit code) within microseconds of the
 signal, but its parent's wait() returns only after the kernel has freed all its memory, a time
-that grows with the memory it held, so a rank holding gigabytes of experts would be reported dead
-hundreds of milliseconds late. Both flags and exit code are in /proc/<pid>/stat from the start of the exit; an agent polls them.
+that grows with the memory it held, so a rank holding gigabytes of experts would be reported
+dead hundreds of milliseconds late. Both flags and exit code are in /proc/<pid>/stat from the
+start of the exit; an agent polls them.
 """
 
 from __future__ import annotations

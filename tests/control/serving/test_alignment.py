@@ -74,7 +74,7 @@ def test_an_unstarted_prefill_leaves_a_draining_rank():
     batch, _ = run_step(s)
     first = s.by_id[2].rank
     assert 2 not in {c.seq_id for c in batch.chunks[first]}
-    s.draining = {first}
+    s.drain([first])
     batch = s.schedule()
     assert s.by_id[2].rank == 1 - first and 2 in batch.free[first]  # its old rank drops any row a failed step gave
 

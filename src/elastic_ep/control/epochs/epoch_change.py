@@ -127,11 +127,23 @@ class EpochChanger:
         self.replies: dict[int, EpochReady | EpochFailed] = {}
         self.reference_checksums: dict[tuple[int, int], int] = {}  # (layer, expert) -> as read from disk
         self.suspect_slots: set[Slot] = set()
-        self.after_start: list[Callable[[], None]] = []  # one-shot hooks (chaos: a fault mid-change)
+        self._after_start: list[Callable[[], None]] = []  # one-shot hooks (chaos: a fault mid-change)
 
     def on_reply(self, msg: EpochReady | EpochFailed) -> None:
         if msg.epoch == self.cluster.epoch:
             self.replies[msg.rank_id] = msg
+
+    def mark_suspect(self, slots: set[Slot]) -> bool:
+        """Slots (rank, layer, slot) a check found wrong: the next epoch fills them again.
+        False when every one of them was suspect already."""
+        new = slots - self.suspect_slots
+        self.suspect_slots |= new
+        return bool(new)
+
+    def after_next_start(self, hook: Callable[[], None]) -> None:
+        """Run `hook` once, right after the next epoch is announced (fault injection: a fault that
+        lands while that epoch forms)."""
+        self._after_start.append(hook)
 
     def leave(self, live: list[int]) -> None:
         """Members not in `live` leave the group without a new epoch (the cluster degraded: it
@@ -176,8 +188,8 @@ class EpochChanger:
                 self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s, [rank_nodes[r] for r in live],
                 self.cfg.all2all_backend, keeps_group(request),
             ))
-        while self.after_start:
-            self.after_start.pop()()
+        while self._after_start:
+            self._after_start.pop()()
         failure = self._wait(live)
         replies: dict[int, EpochReady] = self.replies  # type: ignore[assignment]
         if failure is None and (bad := self._verify(sources, replies)):

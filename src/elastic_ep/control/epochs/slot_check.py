@@ -56,8 +56,7 @@ class SlotSweeper:
         experts = c.location.experts_of_rank(msg.rank_id)
         bad = {(msg.rank_id, li, j) for (li, j), checksum in msg.checksums.items()
                if not self.changer.matches(li, int(experts[li, j]), checksum)}
-        if bad - self.changer.suspect_slots:
-            self.changer.suspect_slots |= bad
+        if self.changer.mark_suspect(bad):
             c.events.add(EventKind.VERIFY_FAILED, f"background check: slots (rank, layer, slot) {sorted(bad)} hold "
                          "the wrong weights; refilling them from a clean copy", msg.rank_id,
                          slots=[list(b) for b in sorted(bad)])

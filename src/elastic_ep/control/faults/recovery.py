@@ -108,10 +108,11 @@ class Rebalance(Protocol):
 
 class Recovery:
     """Built with what it uses: the cluster state it reads, the detector it takes faults from,
-    the step in flight, the requests and their streams, the scale, the rank processes, the rebalance, and the
-    callables `pump(timeout_s)`, `fault(Fault)`, `joiners(live)`, `form(EpochRequest, reason)`
-    (the loop's epoch change: a report, `NoPlacement`, or RecoveryNeeded raised),
-    `leave(live)` (members that drop out when degrading), `reset_isolation()` and `publish()`."""
+    the step in flight, the requests and their streams, the scale, the rank processes, the
+    rebalance, and the callables `pump(timeout_s)`, `fault(Fault)`, `joiners(live)`,
+    `form(EpochRequest, reason)` (the loop's epoch change: a report, `NoPlacement`, or
+    RecoveryNeeded raised), `leave(live)` (members that drop out when degrading),
+    `reset_isolation()` and `publish()`."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, detector: FaultDetector, metrics: ClusterMetrics,
                  steps: InFlight, requests: Requests, streams: Streams, scale: Scale, processes: Processes,

@@ -117,6 +117,11 @@ class Scheduler:
         """`ranks` take new sequences again (their scale failed, or they left the cluster)."""
         self.draining -= set(ranks)
 
+    def hold(self, seq_ids: set[int]) -> None:
+        """Leave `seq_ids` out of the steps planned from now on (the suspects of a failed step,
+        serving/isolation.py); an empty set holds nothing."""
+        self.held = set(seq_ids)
+
     def set_ranks(self, ranks: list[int]) -> None:
         """Serve on `ranks` from now on; sequences of ranks no longer listed go back to the
         front of the queue, to be re-prefilled (prompt plus tokens so far) on another rank."""

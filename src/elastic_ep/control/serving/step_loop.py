@@ -134,7 +134,7 @@ class StepLoop:
         """The next step's batch, without the sequences isolation holds back. After an interrupted
         step this is its recompute: nothing of that batch was committed, so the same tokens are
         planned again (a lost rank's sequences now on other ranks)."""
-        self.scheduler.held = self.isolation.held
+        self.scheduler.hold(self.isolation.held)
         return self.scheduler.schedule()
 
     def unanswered(self, excluded: set[int] | dict[int, object]) -> list[int]:
