@@ -18,6 +18,7 @@ from elastic_ep.control.serving.scheduler import Scheduler, Sequence
 from elastic_ep.control.serving.step_loop import MAX_RETRIES_WITHOUT_CULPRIT, StepLoop
 from elastic_ep.control.serving.streams import Streams
 from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.wire import StepPlan
 
 
 def loop_with_one_request():
@@ -69,3 +70,9 @@ def test_a_fault_with_a_culprit_does_not_count_as_a_retry():
         steps.after_fault(culprit_found=True, error="rank 1: exited")
         detector.clear()
     assert 5 in scheduler.by_id and steps.retries_without_culprit == 0
+
+
+def test_without_chaos_a_step_sends_its_plans_and_nothing_else():
+    steps, _, detector = loop_with_one_request()
+    interrupt(steps, detector)
+    assert [type(m) for _, m in steps.plane.to_workers] == [StepPlan, StepPlan]
