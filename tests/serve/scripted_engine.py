@@ -74,6 +74,7 @@ class ScriptedEngine:
         self.healthy = Health("ok")
         self.ep_size = 4
         self.scaling_to: int | None = None
+        self.cordoned: str | None = None
         self.chaos_calls: list[tuple[str, int, float]] = []
         self.recording = False
 
@@ -168,7 +169,7 @@ class ScriptedEngine:
     def dump_expert_distribution_record(self) -> dict:
         return {"path": "/tmp/expert_load.pt", "layers": 2, "experts": 8, "tokens": 123}
 
-    async def scale(self, new_ep_size: int) -> dict:
+    async def scale(self, new_ep_size: int, ranks: list[int] | None = None) -> dict:
         if new_ep_size > 8:
             raise ScaleRejected(f"new_ep_size {new_ep_size} exceeds --max-ep-size 8", 400)
         if self.scaling_to is not None:
@@ -177,6 +178,24 @@ class ScriptedEngine:
             )
         self.scaling_to = new_ep_size
         return {"old_ep_size": self.ep_size, "new_ep_size": new_ep_size}
+
+    async def drain(self, ranks: list[int] | None = None, node: str | None = None) -> dict:
+        if (ranks is None) == (node is None):
+            raise ScaleRejected('give "ranks" or "node", not both', 400, "ranks")
+        if node is not None and node != "n0":
+            raise ScaleRejected(f"no node {node!r}; nodes are ['n0']", 400, "node")
+        leaving = list(range(self.ep_size)) if node is not None else sorted(ranks or [])
+        unknown = [r for r in leaving if r >= self.ep_size]
+        if unknown:
+            raise ScaleRejected(f"ranks {unknown} are not in the group", 400, "ranks")
+        self.cordoned = node
+        return {"ranks": leaving, "node": node, "old_ep_size": self.ep_size, "new_ep_size": self.ep_size - len(leaving)}
+
+    async def uncordon(self, node: str) -> dict:
+        if node != self.cordoned:
+            raise ScaleRejected(f"node {node!r} is not cordoned", 400, "node")
+        self.cordoned = None
+        return {"node": node, "cordoned": False}
 
     def scale_status(self) -> dict:
         return {"is_scaling": self.scaling_to is not None, "state": "pending" if self.scaling_to else "idle"}

@@ -197,3 +197,22 @@ def test_chaos_rejects_bad_input(served_chaos):
 def test_chaos_cli_names_an_unreachable_server(capsys):
     assert main(["chaos", "http://127.0.0.1:9", "kill", "0", "--timeout-s", "2"]) == 2
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_drain_and_uncordon_map_engine_answers_to_status_codes(served):
+    try:
+        drained = httpx.post(f"{served.url}/drain", json={"ranks": [1]})
+        assert drained.status_code == 200
+        assert drained.json() == {"ranks": [1], "node": None, "old_ep_size": 4, "new_ep_size": 3}
+        both = httpx.post(f"{served.url}/drain", json={"ranks": [1], "node": "n0"})
+        assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
+        unknown = httpx.post(f"{served.url}/drain", json={"node": "n9"})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "node"
+        assert httpx.post(f"{served.url}/drain", json={"ranks": [-1]}).status_code == 400
+        assert httpx.post(f"{served.url}/drain", json={"node": "n0"}).json()["new_ep_size"] == 0
+        not_cordoned = httpx.post(f"{served.url}/uncordon", json={"node": "n1"})
+        assert not_cordoned.status_code == 400 and "not cordoned" in not_cordoned.json()["error"]["message"]
+        assert httpx.post(f"{served.url}/uncordon", json={"node": "n0"}).json() == {"node": "n0", "cordoned": False}
+        assert httpx.post(f"{served.url}/uncordon", json={}).json()["error"]["param"] == "node"
+    finally:
+        served.engine.cordoned = None

@@ -7,12 +7,20 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from elastic_ep.serve.protocol import ChatCompletionRequest, CompletionRequest, ScaleRequest
+from elastic_ep.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DrainRequest,
+    ScaleRequest,
+    UncordonRequest,
+)
 
 BODIES = {
     ("post", "/v1/completions"): CompletionRequest,
     ("post", "/v1/chat/completions"): ChatCompletionRequest,
     ("post", "/scale_elastic_ep"): ScaleRequest,
+    ("post", "/drain"): DrainRequest,
+    ("post", "/uncordon"): UncordonRequest,
 }
 
 

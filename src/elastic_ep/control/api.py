@@ -84,11 +84,13 @@ class ServiceUnavailable(ElasticEPError):
 
 
 class ScaleRejected(ElasticEPError):
-    """A scale request the engine will not start: status 400 (invalid) or 409 (busy)."""
+    """A scale, drain or uncordon the engine will not start: status 400 (invalid) or 409 (busy);
+    `param` names the request field at fault."""
 
-    def __init__(self, message: str, status: int):
+    def __init__(self, message: str, status: int, param: str = "new_ep_size"):
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ class Engine(Protocol):
                       "verdict": {"kind": "ok" | "straggler" | "dp-imbalance" | "unknown", "evidence": str,
                                   ...numbers} | None,   # members only; policy/straggler_verdict.py
                       "ready": bool,  # ready: serves in a verified epoch
+                      "safe_to_terminate": bool,  # not a member and no request: killing it costs nothing
                       "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
            "ready": bool, "reason": str,   # as GET /ready
            "health": {"status": "ok" | "degraded" | "dead", "reason": str},   # as GET /health
@@ -168,6 +171,9 @@ class Engine(Protocol):
                                 "derated": {rank: {"speed", "slow_for_s", "ok_for_s"}},   # its state
                                 "evictions_s_ago": [float], "group_slowdown": bool},
            "standby": {"wanted": int, "ready": [rank_id]},   # --standby-ranks, ranks standing by
+           "agents": [{"node", "host", "ranks", "standalone", "backup", "cordoned": bool,
+                       "safe_to_terminate": bool}],   # no member and no request on the node
+           "cordoned": [node],   # drained nodes no rank starts on until POST /uncordon
            "hardware": {node: {"cpu_steal_ratio", "cpu_freq_mhz", "gpus": [{"index", "ecc_corrected",
                         "ecc_uncorrected", "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "throttle_reasons",
                         "xid_errors", "absent"}], "absent": {signal: why}, "age_s"}},   # node/hardware.py
@@ -192,9 +198,22 @@ class Engine(Protocol):
         returns {"path": ..., "layers": L, "experts": E, "tokens": n}."""
         ...
 
-    async def scale(self, new_ep_size: int) -> dict[str, Any]:
-        """Start a scale to `new_ep_size` in the background; returns
-        {"old_ep_size", "new_ep_size"}. Raises ScaleRejected."""
+    async def scale(self, new_ep_size: int, ranks: list[int] | None = None) -> dict[str, Any]:
+        """Start a scale to `new_ep_size` in the background (a scale-down retires `ranks` when
+        given, else the highest ids); returns {"old_ep_size", "new_ep_size"}. Raises ScaleRejected."""
+        ...
+
+    async def drain(self, ranks: list[int] | None = None, node: str | None = None) -> dict[str, Any]:
+        """Retire the `ranks` named, or every rank of `node` and cordon it, in the background (a
+        scale-down: their experts move off, their requests finish or move, then they stop; a
+        drained `elastic-ep agent` exits 0 once its ranks are gone); returns {"ranks", "node",
+        "old_ep_size", "new_ep_size"}. Raises ScaleRejected (400 unknown rank or node, too few
+        ranks left; 409 a scale in flight)."""
+        ...
+
+    async def uncordon(self, node: str) -> dict[str, Any]:
+        """Let new ranks start on a drained `node` again; returns {"node", "cordoned": False}.
+        Raises ScaleRejected (400 not cordoned)."""
         ...
 
     def scale_status(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from elastic_ep.wire import BackupSite
 
 from .api import Readiness
 from .events import EventLog
-from .ranks import AgentInfo, RankInfo, RankLiveness, RankStatus
+from .ranks import AgentInfo, RankInfo, RankLiveness, RankStatus, safe_to_terminate
 
 
 class ClusterState:
@@ -36,6 +36,8 @@ class ClusterState:
     - `step`: the step loop (serving/step_loop.py) alone.
     - `readiness`, `degraded_since`: the loop (ready once an epoch forms, the fatal reason),
       recovery (degraded) and the node role while ranks register.
+    - `cordoned`: the scale driver (a node drain cordons, `POST /uncordon` lifts it); the node
+      role starts no rank on a cordoned node and stops its agent once it has no rank left.
     - `events`: every role appends; nothing edits an event.
     """
 
@@ -60,6 +62,7 @@ class ClusterState:
         # --device auto a node whose GPUs are gone would otherwise serve on its CPU, far behind the
         # others, with checksums of another kind).
         self.device_kind: str | None = None
+        self.cordoned: set[str] = set()  # nodes drained: no new rank starts on them
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -80,6 +83,10 @@ class ClusterState:
         for r in self.members:
             nodes.setdefault(self.ranks[r].node, []).append(r)
         return nodes
+
+    def schedulable_agents(self) -> list[str]:
+        """Nodes a new rank may start on: every agent's but the cordoned ones."""
+        return [node for node in self.agents if node not in self.cordoned]
 
     def registered_outside(self) -> list[int]:
         """Ranks that registered and wait outside the group (restarted or new)."""
@@ -133,16 +140,20 @@ class ClusterState:
         `self.readiness`), liveness of running ranks, the heard clock (ages of heartbeats and
         progress), straggler verdicts of members, `extra` top-level fields (`scale` among them)."""
         total_slots = self.slots_per_rank * self.num_layers
-        ranks = [r.view(self.location, total_slots, requests_of(r.rank_id), slow_delays.get(r.rank_id, 0.0), heard,
-                        liveness.get(r.rank_id), verdicts.get(r.rank_id))
+        ranks = [{**r.view(self.location, total_slots, requests_of(r.rank_id), slow_delays.get(r.rank_id, 0.0), heard,
+                           liveness.get(r.rank_id), verdicts.get(r.rank_id)),
+                  "safe_to_terminate": safe_to_terminate(r.rank_id in self.members, requests_of(r.rank_id))}
                  for r in sorted(self.ranks.values(), key=lambda r: r.rank_id)]
+        node_busy = {r.node for r in self.ranks.values() if r.rank_id in self.members or requests_of(r.rank_id)}
         return {
             "time_s": time.time(), "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),
             "controller": controller_addr, "slots_per_rank": self.slots_per_rank, "ranks": ranks,
             "ready": readiness.ready, "reason": readiness.reason, "deadlines": deadlines,
             "step": self.step, **extra,
             "agents": [{"node": a.node, "host": a.host, "ranks": a.num_ranks, "standalone": a.standalone,
-                        "backup": a.backup is not None} for a in self.agents.values()],
+                        "backup": a.backup is not None, "cordoned": a.node in self.cordoned,
+                        "safe_to_terminate": a.node not in node_busy} for a in self.agents.values()],
+            "cordoned": sorted(self.cordoned),
             "placement": json.loads(self.location.to_json()) if self.location is not None else None,
             "events": self.events.all(),
         }

@@ -76,7 +76,7 @@ from .epochs.slot_check import SlotSweeper
 from .events import EventKind
 from .facade.engine import EngineFacade, Published
 from .facade.publisher import Publisher
-from .facade.to_loop import AbortRequest, AddRequest, Command, StartScale
+from .facade.to_loop import AbortRequest, AddRequest, Command, StartDrain, StartScale, Uncordon
 from .faults.detector import Fault, FaultDetector, RecoveryNeeded
 from .faults.recovery import Recovery
 from .faults.straggler_control import StragglerControl
@@ -297,9 +297,14 @@ class Controller:
         elif isinstance(cmd, AbortRequest):
             self.scheduler.abort(cmd.seq_id)
             self.streams.drop(cmd.seq_id)
-        elif isinstance(cmd, StartScale):
+        elif isinstance(cmd, StartScale | StartDrain | Uncordon):
             try:
-                answer = self.scaling.request(cmd.new_ep_size)
+                if isinstance(cmd, StartScale):
+                    answer = self.scaling.request(cmd.new_ep_size, cmd.ranks)
+                elif isinstance(cmd, StartDrain):
+                    answer = self.scaling.drain(cmd.ranks, cmd.node)
+                else:
+                    answer = self.scaling.uncordon(cmd.node)
             except ScaleRejected as e:
                 cmd.reply.set_exception(e)
                 return

@@ -99,6 +99,14 @@ def percentiles_ms(values) -> dict[str, float] | None:
             "max": round(float(a.max()), 3)}
 
 
+def safe_to_terminate(member: bool, requests: int) -> bool:
+    """Whether killing a rank's process costs the service nothing: no epoch waits on it (it is
+    not a member: a standby, a rank that left the group, one down or not yet admitted) and it
+    runs no request. A member is never safe, even one whose experts others also hold: its loss
+    is a fault, and the group pauses until recovery forms a new epoch."""
+    return not member and requests == 0
+
+
 @dataclass
 class RankInfo:
     """One rank (worker process): where it runs, its state, its last heartbeat and progress, and

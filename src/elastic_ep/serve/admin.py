@@ -1,5 +1,5 @@
 """Operator routes: liveness and readiness, Prometheus metrics, the cluster view and its
-dashboard, online scaling, the expert distribution recorder (SGLang's paths) and fault
+dashboard, online scaling, drain and uncordon, the expert distribution recorder (SGLang's paths) and fault
 injection (only when served with --enable-chaos).
 
 Engine calls here are synchronous and run on the server's event loop: the engine answers
@@ -20,11 +20,15 @@ from elastic_ep.serve.errors import APIError
 from elastic_ep.serve.openapi import error_responses
 from elastic_ep.serve.protocol import (
     ChaosRequest,
+    DrainRequest,
+    DrainResponse,
     HealthResponse,
     ReadyResponse,
     RecorderResponse,
     ScaleRequest,
     ScaleResponse,
+    UncordonRequest,
+    UncordonResponse,
 )
 
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
@@ -79,7 +83,19 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
 
     @router.post("/scale_elastic_ep", response_model=ScaleResponse, responses=error_responses(400, 409))
     async def scale(body: ScaleRequest) -> dict[str, Any]:
-        return await engine.scale(body.new_ep_size)
+        return await engine.scale(body.new_ep_size, body.ranks)
+
+    @router.post("/drain", response_model=DrainResponse, responses=error_responses(400, 409))
+    async def drain(body: DrainRequest) -> dict[str, Any]:
+        """Retire `ranks`, or cordon `node` and retire its ranks, in the background: experts only they
+        hold move off, their requests finish or move, then they stop. Progress in
+        GET /is_scaling_elastic_ep; each rank's `safe_to_terminate` in GET /cluster."""
+        return await engine.drain(body.ranks, body.node)
+
+    @router.post("/uncordon", response_model=UncordonResponse, responses=error_responses(400, 409))
+    async def uncordon(body: UncordonRequest) -> dict[str, Any]:
+        """New ranks (a scale-up, a standby, a registering agent) may start on `node` again."""
+        return await engine.uncordon(body.node)
 
     @router.get("/is_scaling_elastic_ep", response_model=dict[str, Any])
     async def is_scaling() -> dict[str, Any]:

@@ -71,7 +71,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ScaleRejected)
     async def scale_rejected(_: Request, e: ScaleRejected) -> JSONResponse:
-        return error_response(APIError(e.status, str(e), param="new_ep_size", code="scale_rejected"))
+        return error_response(APIError(e.status, str(e), param=e.param, code="scale_rejected"))
 
     @app.exception_handler(ElasticEPError)
     async def user_error(_: Request, e: ElasticEPError) -> JSONResponse:

@@ -138,8 +138,22 @@ class DetokenizeRequest(_Body):
     tokens: list[TokenId]
 
 
+RankId = Annotated[int, Field(ge=0, le=1_000_000)]
+
+
 class ScaleRequest(_Body):
     new_ep_size: int = Field(ge=1)
+    ranks: list[RankId] | None = Field(
+        None, max_length=4096, description="a scale-down: the ranks that leave (default: the highest ids)")
+
+
+class DrainRequest(_Body):
+    ranks: list[RankId] | None = Field(None, max_length=4096, description="the ranks to drain (ids in GET /cluster)")
+    node: str | None = Field(None, max_length=256, description="a node to cordon and drain of every rank")
+
+
+class UncordonRequest(_Body):
+    node: str = Field(max_length=256, description="a node drained with POST /drain")
 
 
 class ChaosRequest(_Body):
@@ -315,6 +329,18 @@ class ReadyResponse(BaseModel):
 class ScaleResponse(BaseModel):
     old_ep_size: int
     new_ep_size: int
+
+
+class DrainResponse(BaseModel):
+    ranks: list[int]
+    node: str | None
+    old_ep_size: int
+    new_ep_size: int
+
+
+class UncordonResponse(BaseModel):
+    node: str
+    cordoned: bool
 
 
 class RecorderResponse(BaseModel):

@@ -6,7 +6,8 @@ The node role (control/membership/nodes.py) built with stand-ins: it gives a new
 ids up to the target size, turns a worker's exit into a fault (not for a rank that was leaving),
 drops a silent agent and makes every rank of its node a fault, counts a rank on an unreachable
 node as down at once, and restarts a down rank after --restart-delay-s or hands it to a
-recover-mode agent."""
+recover-mode agent. A cordoned node is given no rank, and its standalone agent is told to stop
+once its last rank is gone (the one inside `elastic-ep serve` stays)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from elastic_ep.control.membership.nodes import Nodes, device_kind, wrong_device
 from elastic_ep.control.ranks import RankStatus
 from elastic_ep.wire import (
     AgentHello,
+    AgentShutdown,
     AgentWelcome,
     FenceWorker,
     StartWorker,
@@ -130,3 +132,30 @@ def test_no_restart_without_a_delay_or_when_the_agent_restarts_its_own_ranks():
     rig.cluster.agents["n0"].auto_recover = True
     rig.nodes.schedule_restart(0)
     assert not rig.nodes.restarting(0)
+
+
+def test_a_cordoned_node_gets_no_rank_and_its_agent_stops_once_its_last_rank_is_gone():
+    rig = Rig({0: "n0", 1: "n1", 2: "n1"})
+    rig.cluster.cordoned.add("n1")
+    rig.nodes.on_agent_hello(b"an2", AgentHello("n2", 43, "tcp://f", 0, num_ranks=4, session="s2"))
+    assert [m.rank_id for m in rig.plane.sent(StartWorker)] == [3]  # n2 is not cordoned
+    rig.cluster.cordoned.add("n2")
+    rig.nodes.on_agent_hello(b"an3", AgentHello("n2", 44, "tcp://f", 0, num_ranks=4, session="s3"))
+    assert [m.rank_id for m in rig.plane.sent(StartWorker)] == [3]
+    for r in (1, 2):
+        rig.cluster.ranks[r].status = RankStatus.RETIRING
+    rig.nodes.on_worker_exited(WorkerExited("n1", 1, 1001, 0))
+    assert rig.plane.sent(AgentShutdown) == []  # rank 2 still runs there
+    rig.nodes.on_worker_exited(WorkerExited("n1", 2, 1002, 0))
+    assert len(rig.plane.sent(AgentShutdown)) == 1 and rig.faults == []
+
+
+def test_the_agent_inside_serve_is_never_told_to_stop():
+    rig = Rig({0: "n0", 1: "n0"})
+    rig.cluster.agents["n0"].standalone = False
+    rig.cluster.cordoned.add("n0")
+    rig.cluster.ranks[1].status = RankStatus.RETIRING
+    rig.nodes.on_worker_exited(WorkerExited("n0", 1, 1001, 0))
+    rig.cluster.ranks[0].status = RankStatus.RETIRING
+    rig.nodes.on_worker_exited(WorkerExited("n0", 0, 1000, 0))
+    assert rig.plane.sent(AgentShutdown) == [] and rig.cluster.ranks == {}

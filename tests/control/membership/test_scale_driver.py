@@ -1,9 +1,12 @@
 """The scale driver (control/membership/scale_driver.py) built with stand-ins: a scale-up takes
 the standbys first, starts the rest and admits them together once all registered; a scale-down
 drains the leaving ranks, moves their experts off in an epoch where they still send, then drops
-and stops them; a scale fails, the service does not (timeout, no placement, a refused request)."""
+and stops them; a scale fails, the service does not (timeout, no placement, a refused request). A drain is a
+scale-down of the ranks named, or of a node's ranks, which cordons it."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from control_standins import cluster_of, config
@@ -33,6 +36,13 @@ class Processes:
     def stop_rank(self, rank_id):
         self.cluster.ranks[rank_id].status = RankStatus.RETIRING
         self.stopped.append(rank_id)
+
+    def retire(self, rank_id, reason):
+        self.cluster.ranks[rank_id].status = RankStatus.RETIRING
+        self.stopped.append(rank_id)
+
+    def release_if_drained(self, node):
+        self.released = getattr(self, "released", []) + [node]
 
 
 class Drains:
@@ -143,3 +153,62 @@ def test_a_scale_is_refused_before_the_first_epoch_and_beyond_the_limits():
     rig.cluster.epoch = 0
     with pytest.raises(ScaleRejected):
         rig.driver.request(1)  # 4 slots cannot hold 8 experts on one rank
+
+
+def test_a_scale_down_given_its_ranks_retires_those_not_the_highest():
+    rig = Rig(scale_drain_timeout_s=0.0)
+    assert rig.driver.request(3, [1]) == {"old_ep_size": 4, "new_ep_size": 3}
+    rig.driver.advance()
+    assert rig.driver.op.retiring == [1] and rig.drains.draining == {1}
+    assert rig.driver.advance() is True
+    (first, _), (second, _) = rig.formed
+    assert first == ScaleStep([0, 1, 2, 3], holding=[0, 2, 3]) and second.live == [0, 2, 3]
+    assert rig.processes.stopped == [1] and rig.driver.status()["scale_phase"] == "serving_shrunk"
+    assert rig.driver.target_ep_size == 3
+
+
+def test_a_drain_of_a_node_cordons_it_retires_its_ranks_and_its_standby():
+    rig = Rig(scale_drain_timeout_s=0.0)
+    answer = rig.driver.drain(None, "n1")
+    assert answer == {"ranks": [2, 3], "node": "n1", "old_ep_size": 4, "new_ep_size": 2}
+    assert rig.cluster.cordoned == {"n1"} and rig.processes.stopped == [4]  # the standby on n1
+    rig.driver.advance()
+    assert rig.driver.advance() is True
+    assert rig.cluster.members == [0, 1] and rig.processes.stopped == [4, 2, 3]
+    assert rig.driver.status()["drained_node"] == "n1"
+    rig.driver.request(4)
+    rig.driver.advance()
+    assert {node for _, node in rig.processes.started} == {"n0"}  # a cordoned node gets no new rank
+    rig.driver.op.finish("failed")
+    assert rig.driver.uncordon("n1") == {"node": "n1", "cordoned": False} and rig.cluster.cordoned == set()
+
+
+@pytest.mark.parametrize("ranks,node,status,needle", [
+    ([9], None, 400, "ranks [9] are not in the group"),
+    ([1, 1], None, 400, "twice"),
+    ([], None, 400, "no ranks"),
+    ([0, 1, 2], None, 400, "fewer than the 2 that hold every expert"),
+    (None, "n7", 400, "no node 'n7'"),
+    ([1], "n0", 400, "not both"),
+])
+def test_impossible_drains_are_refused_naming_the_problem(ranks, node, status, needle):
+    rig = Rig()
+    with pytest.raises(ScaleRejected, match=re.escape(needle)) as e:
+        rig.driver.drain(ranks, node)
+    assert e.value.status == status and rig.cluster.cordoned == set() and rig.driver.op is None
+
+
+def test_a_drain_while_a_scale_is_in_flight_is_409_and_leaves_the_node_uncordoned():
+    rig = Rig()
+    rig.driver.request(6)
+    with pytest.raises(ScaleRejected, match="in flight") as e:
+        rig.driver.drain(None, "n1")
+    assert e.value.status == 409 and rig.cluster.cordoned == set()
+    with pytest.raises(ScaleRejected, match="not cordoned"):
+        rig.driver.uncordon("n1")
+
+
+def test_a_scale_given_ranks_that_do_not_match_its_size_is_400():
+    with pytest.raises(ScaleRejected, match="leaves 3 ranks, not new_ep_size 2") as e:
+        Rig().driver.request(2, [1])
+    assert e.value.param == "ranks"

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from elastic_ep.control.api import ScaleRejected
@@ -5,12 +7,14 @@ from elastic_ep.control.epochs.epoch_plan import trimmed
 from elastic_ep.control.membership.scale_rules import (
     ScaleOp,
     agent_for_new_rank,
+    check_retiring,
     check_target,
     new_rank_ids,
     ranks_to_retire,
     scale_limits,
     status_view,
 )
+from elastic_ep.control.ranks import safe_to_terminate
 from elastic_ep.placement.location import ExpertLocation
 
 
@@ -62,3 +66,19 @@ def test_trimmed_drops_empty_trailing_ranks_only():
     assert trimmed(loc, 2).num_ranks == 2
     full = ExpertLocation.from_phy2log([[0, 1, 2, 3, 0, 1]], 2, 4)
     assert trimmed(full, 2) is full
+
+
+def test_retiring_chosen_ranks_leaves_the_rest_or_is_400_naming_the_problem():
+    assert check_retiring([1], [0, 1, 2, 3], None, 2) == 3
+    assert check_retiring([1, 3], [0, 1, 2, 3], 2, 2) == 2
+    for chosen, size, needle in [([5], None, "ranks [5] are not in the group"), ([1], 2, "not new_ep_size 2"),
+                                 ([0, 1, 2], None, "fewer than the 2")]:
+        with pytest.raises(ScaleRejected, match=re.escape(needle)) as e:
+            check_retiring(chosen, [0, 1, 2, 3], size, 2)
+        assert e.value.status == 400
+
+
+def test_only_a_rank_outside_the_group_with_no_request_is_safe_to_terminate():
+    assert safe_to_terminate(member=False, requests=0)
+    assert not safe_to_terminate(member=True, requests=0)  # its loss is a fault the group waits on
+    assert not safe_to_terminate(member=False, requests=1)

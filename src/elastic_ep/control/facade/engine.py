@@ -45,7 +45,9 @@ from .to_loop import (
     PoisonRequest,
     SignalRank,
     SlowRank,
+    StartDrain,
     StartScale,
+    Uncordon,
 )
 
 SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "resume": signal.SIGCONT}
@@ -119,11 +121,23 @@ class EngineFacade:
     def dump_expert_distribution_record(self) -> dict[str, Any]:
         return self.recorder.dump(self.cfg.record_dir)
 
-    async def scale(self, new_ep_size: int) -> dict[str, Any]:
+    async def scale(self, new_ep_size: int, ranks: list[int] | None = None) -> dict[str, Any]:
+        return await self._ask(lambda reply: StartScale(new_ep_size, reply, ranks))
+
+    async def drain(self, ranks: list[int] | None = None, node: str | None = None) -> dict[str, Any]:
+        return await self._ask(lambda reply: StartDrain(ranks, node, reply))
+
+    async def uncordon(self, node: str) -> dict[str, Any]:
+        return await self._ask(lambda reply: Uncordon(node, reply))
+
+    async def _ask(self, command: Callable[[Future], Command]) -> dict[str, Any]:
+        """Send the command built around a reply future and wait for the control loop's answer.
+        Raises ScaleRejected: the loop's refusal, 409 once it stopped or when it did not answer
+        within `answer_timeout_s`."""
         if self.published.fatal:
             raise ScaleRejected(f"the cluster stopped: {self.published.fatal}", 409)
         reply: Future = Future()
-        self.send(StartScale(new_ep_size, reply))
+        self.send(command(reply))
         try:
             return await asyncio.wait_for(asyncio.wrap_future(reply), self.answer_timeout_s)
         except asyncio.TimeoutError:

@@ -27,9 +27,29 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class StartScale:
-    """Answered with {"old_ep_size", "new_ep_size"} or a ScaleRejected exception."""
+    """To `new_ep_size`, retiring `ranks` when given; answered with {"old_ep_size",
+    "new_ep_size"} or a ScaleRejected exception."""
 
     new_ep_size: int
+    reply: Future
+    ranks: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class StartDrain:
+    """Retire `ranks`, or every rank of `node` (cordoned); answered with {"ranks", "node",
+    "old_ep_size", "new_ep_size"} or a ScaleRejected exception."""
+
+    ranks: list[int] | None
+    node: str | None
+    reply: Future
+
+
+@dataclass(frozen=True)
+class Uncordon:
+    """New ranks may start on `node` again; answered with {"node", "cordoned"} or ScaleRejected."""
+
+    node: str
     reply: Future
 
 
@@ -88,4 +108,4 @@ class CutNetwork:
 
 
 ChaosCommand = SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest | PoisonRank | CutNetwork
-Command = AddRequest | AbortRequest | StartScale | ChaosCommand
+Command = AddRequest | AbortRequest | StartScale | StartDrain | Uncordon | ChaosCommand

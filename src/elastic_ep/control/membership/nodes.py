@@ -140,6 +140,10 @@ class Nodes:
         back, or a replacement) ranks that are down, its own first, which it starts again."""
         c = self.cluster
         self.plane.to_identity(agent.identity, AgentWelcome(self.launch(), agent.session))
+        if agent.node in c.cordoned:
+            c.events.add(EventKind.AGENT, f"node {agent.node} is cordoned: no rank starts there until "
+                         "POST /uncordon", node=agent.node)
+            return
         if join_mode == "recover":
             down = sorted(c.down_ranks(), key=lambda r: (c.ranks[r].node != agent.node, r))
             for rank_id in down[: agent.num_ranks]:
@@ -282,11 +286,25 @@ class Nodes:
 
     def forget_rank(self, rank_id: int, message: str) -> None:
         c = self.cluster
-        c.ranks.pop(rank_id, None)
+        gone = c.ranks.pop(rank_id, None)
         self.restart_at.pop(rank_id, None)
         self.undrain([rank_id])
         self.forget_measures(rank_id)
         c.events.add(EventKind.RETIRED, message, rank_id)
+        if gone is not None:
+            self.release_if_drained(gone.node)
+
+    def release_if_drained(self, node: str) -> None:
+        """A cordoned node with no rank left: its agent, when it runs as `elastic-ep agent`, is told
+        to stop (it exits 0). The agent inside `elastic-ep serve` stays: it is the controller's."""
+        c = self.cluster
+        agent = c.agents.get(node)
+        if node not in c.cordoned or agent is None or not agent.standalone:
+            return
+        if any(r.node == node for r in c.ranks.values()):
+            return
+        c.events.add(EventKind.AGENT, f"node {node} is drained: no rank left; its agent stops", node=node)
+        self.plane.to_identity(agent.identity, AgentShutdown())
 
     def restart_due(self, now: float) -> None:
         """Ask agents to start the down ranks whose --restart-delay-s has passed."""

@@ -1,9 +1,13 @@
 """The scale driver: moves a `ScaleOp` (control/membership/scale_rules.py, the rules) on at step boundaries.
 
 Scale-up takes standby ranks first (registered and warm, `--standby-ranks`), starts the rest
-through the agents, waits for all of them to register while the old group serves, then admits
-them together in one epoch. Scale-down drains the leaving ranks,
-moves the experts only they hold in an epoch where they still send, then drops and stops them.
+through the agents on nodes that are not cordoned, waits for all of them to register while the
+old group serves, then admits them together in one epoch. Scale-down drains the leaving ranks
+(the highest ids, or the ones the caller names), moves the experts only they hold in an epoch
+where they still send, then drops and stops them. A drain (`POST /drain`) is a scale-down
+that names its ranks, or a node: that node is cordoned (no rank is started on it until
+`POST /uncordon`), its standbys are stopped, and once its last rank is gone its agent, if it
+runs as `elastic-ep agent`, is told to stop (it exits 0: what a preStop hook waits for).
 Every change of members is a `ScaleStep` epoch through the same epoch change as recovery. A
 joiner that dies or stops before it is a member fails the scale, not the service, and so does a
 step with no placement over its ranks (the old epoch serves on); a fault of a member during a
@@ -28,9 +32,11 @@ from ..ranks import RankStatus
 from .scale_rules import (
     ScaleOp,
     agent_for_new_rank,
+    check_idle,
+    check_retiring,
     check_target,
     new_rank_ids,
-    ranks_to_retire,
+    ranks_leaving,
     scale_limits,
     status_view,
 )
@@ -42,6 +48,8 @@ class Processes(Protocol):
     def start_new_rank(self, rank_id: int, node: str, spare: bool = False) -> None: ...
     def forget_rank(self, rank_id: int, message: str) -> None: ...
     def stop_rank(self, rank_id: int) -> None: ...
+    def retire(self, rank_id: int, reason: str) -> None: ...
+    def release_if_drained(self, node: str) -> None: ...
 
 
 class Drains(Protocol):
@@ -72,15 +80,59 @@ class ScaleDriver:
         self.op: ScaleOp | None = None
         self.target_ep_size = cfg.ep_size  # what the last finished scale asked for: new agents fill up to it
 
-    def request(self, new_ep_size: int) -> dict[str, Any]:
-        """Start a scale (control thread). Raises ScaleRejected."""
+    def request(self, new_ep_size: int | None, ranks: list[int] | None = None, node: str | None = None,
+                param: str = "ranks") -> dict[str, Any]:
+        """Start a scale (control thread): to `new_ep_size`, or retiring the `ranks` named (a
+        scale-down that keeps the others), or both when they agree. `node` marks a drain of that
+        node. Raises ScaleRejected: 409 while another scale is in flight or before the first
+        epoch, 400 for a size outside the limits or ranks not in the group."""
         c = self.cluster
         old = len(c.members)
-        check_target(new_ep_size, old, scale_limits(c.num_experts, c.slots_per_rank, self.cfg.max_ranks), self.op)
+        limits = scale_limits(c.num_experts, c.slots_per_rank, self.cfg.max_ranks)
+        check_idle(self.op)
         if c.epoch < 0:
             raise ScaleRejected("the cluster is still starting; retry once GET /ready answers 200", 409)
-        self.op = ScaleOp(old, new_ep_size)
+        if ranks is not None:
+            new_ep_size = check_retiring(ranks, c.intended_ranks(), new_ep_size, limits[0], param)
+        assert new_ep_size is not None
+        check_target(new_ep_size, old, limits, self.op)
+        self.op = ScaleOp(old, new_ep_size, chosen=None if ranks is None else list(ranks), node=node)
         return {"old_ep_size": old, "new_ep_size": new_ep_size}
+
+    def drain(self, ranks: list[int] | None, node: str | None) -> dict[str, Any]:
+        """Retire the `ranks` named, or every rank of `node` (which is cordoned first); returns
+        {"ranks", "node", "old_ep_size", "new_ep_size"}. A node with no rank in the group is only
+        cordoned (its standbys stopped, its agent told to stop). Raises ScaleRejected as
+        `request`, and 400 for a node no agent registered."""
+        c = self.cluster
+        if (ranks is None) == (node is None):
+            raise ScaleRejected('give "ranks" (rank ids listed by GET /cluster) or "node" (a node name), not both',
+                                400, "ranks")
+        if node is None:
+            return {"ranks": sorted(ranks or []), "node": None, **self.request(None, ranks)}
+        if node not in c.agents and node not in c.cordoned:
+            raise ScaleRejected(f"no node {node!r}; nodes are {sorted(c.agents)}", 400, "node")
+        on_node = [r for r in c.intended_ranks() if c.ranks[r].node == node]
+        answer = ({"old_ep_size": len(c.members), "new_ep_size": len(c.members)} if not on_node
+                  else self.request(None, on_node, node, param="node"))
+        c.cordoned.add(node)
+        for r in [r.rank_id for r in c.ranks.values() if r.node == node and r.rank_id not in on_node]:
+            self.processes.retire(r, f"its node {node} is drained")
+        c.events.add(EventKind.SCALE, f"node {node} cordoned; draining its ranks {on_node}", node=node)
+        self.processes.release_if_drained(node)
+        self.publish()
+        return {"ranks": on_node, "node": node, **answer}
+
+    def uncordon(self, node: str) -> dict[str, Any]:
+        """New ranks may start on `node` again (a scale-up, a standby, an agent that registers).
+        Raises ScaleRejected 400 when it is not cordoned."""
+        c = self.cluster
+        if node not in c.cordoned:
+            raise ScaleRejected(f"node {node!r} is not cordoned; cordoned nodes are {sorted(c.cordoned)}", 400, "node")
+        c.cordoned.discard(node)
+        c.events.add(EventKind.SCALE, f"node {node} uncordoned: new ranks may start there", node=node)
+        self.publish()
+        return {"node": node, "cordoned": False}
 
     def status(self) -> dict[str, Any]:
         return status_view(self.op, len(self.cluster.members))
@@ -135,16 +187,20 @@ class ScaleDriver:
             rank_nodes = c.rank_nodes()
             count = max(op.new_ep_size - len(intended), 0)
             standbys = self.take_standbys(count)  # registered and warm: they join without a process start
-            op.new_ranks = standbys + new_rank_ids(c.ranks, count - len(standbys))
-            for rank_id in op.new_ranks[len(standbys):]:
-                node = agent_for_new_rank(c.agents, rank_nodes)
+            fresh = new_rank_ids(c.ranks, count - len(standbys))
+            if fresh and not c.schedulable_agents():
+                self.fail(f"every node is cordoned ({sorted(c.cordoned)}); POST /uncordon one to start ranks on it")
+                return
+            op.new_ranks = standbys + fresh
+            for rank_id in fresh:
+                node = agent_for_new_rank(c.schedulable_agents(), rank_nodes)
                 rank_nodes[rank_id] = node
                 self.processes.start_new_rank(rank_id, node)
             op.phase = "joining"
             c.events.add(EventKind.SCALE, f"scale-up {op.old_ep_size} -> {op.new_ep_size}: standby ranks {standbys}, "
                          f"starting ranks {op.new_ranks[len(standbys):]}", standbys=standbys)
         else:
-            op.retiring = ranks_to_retire(intended, len(intended) - op.new_ep_size)
+            op.retiring = ranks_leaving(op, intended)
             for rank_id in op.retiring:
                 if rank_id not in c.members:  # down and waiting for a restart: nothing to drain
                     self.processes.forget_rank(rank_id, f"rank {rank_id} retired while down")

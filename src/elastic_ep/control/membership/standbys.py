@@ -120,13 +120,13 @@ class Standbys:
         self.owed = []
 
     def start_spare(self, why: str) -> int | None:
-        """Start one process on the agent running the fewest ranks; it stands by or joins once it
-        registers. None when no agent is there to start it."""
+        """Start one process on the agent running the fewest ranks (not a cordoned one); it stands
+        by or joins once it registers. None when no agent is there to start it."""
         c = self.cluster
-        if not c.agents:
+        nodes = c.schedulable_agents()
+        if not nodes:
             return None
-        rank_nodes = c.rank_nodes()
-        node = agent_for_new_rank(c.agents, rank_nodes)
+        node = agent_for_new_rank(nodes, c.rank_nodes())
         rank_id = new_rank_ids(c.ranks, 1)[0]
         self.processes.start_new_rank(rank_id, node, spare=True)
         c.events.add(EventKind.STANDBY, f"starting rank {rank_id} on node {node} {why}", rank_id, node=node)
