@@ -75,6 +75,7 @@ class ScriptedEngine:
         self.ep_size = 4
         self.scaling_to: int | None = None
         self.cordoned: str | None = None
+        self.sleep_level = 0
         self.chaos_calls: list[tuple[str, int, float]] = []
         self.recording = False
 
@@ -196,6 +197,19 @@ class ScriptedEngine:
             raise ScaleRejected(f"node {node!r} is not cordoned", 400, "node")
         self.cordoned = None
         return {"node": node, "cordoned": False}
+
+    async def sleep(self, level: int) -> dict:
+        if level not in (1, 2):
+            raise ScaleRejected(f"level {level} is not a sleep level", 400, "level")
+        self.sleep_level = level
+        return self.is_sleeping()
+
+    async def wake_up(self) -> dict:
+        self.sleep_level = 0
+        return self.is_sleeping()
+
+    def is_sleeping(self) -> dict:
+        return {"is_sleeping": self.sleep_level > 0, "level": self.sleep_level}
 
     def scale_status(self) -> dict:
         return {"is_scaling": self.scaling_to is not None, "state": "pending" if self.scaling_to else "idle"}

@@ -216,3 +216,13 @@ def test_drain_and_uncordon_map_engine_answers_to_status_codes(served):
         assert httpx.post(f"{served.url}/uncordon", json={}).json()["error"]["param"] == "node"
     finally:
         served.engine.cordoned = None
+
+
+def test_sleep_and_wake_use_vllms_paths(served):
+    try:
+        assert httpx.post(f"{served.url}/sleep", params={"level": 3}).status_code == 400
+        assert httpx.post(f"{served.url}/sleep", params={"level": 2}).json()["is_sleeping"] is True
+        assert httpx.get(f"{served.url}/is_sleeping").json() == {"is_sleeping": True, "level": 2}
+        assert httpx.post(f"{served.url}/wake_up").json()["is_sleeping"] is False
+    finally:
+        served.engine.sleep_level = 0

@@ -216,6 +216,20 @@ class Engine(Protocol):
         Raises ScaleRejected (400 not cordoned)."""
         ...
 
+    async def sleep(self, level: int) -> dict[str, Any]:
+        """Sleep at `level` (1: free the KV cache; 2: drop the weights too) once every rank did;
+        returns the sleep view (`is_sleeping`, `level`, per rank `rss_before_bytes`,
+        `rss_after_bytes`, `seconds`, `error`). Raises ScaleRejected (400 level, 409 busy)."""
+        ...
+
+    async def wake_up(self) -> dict[str, Any]:
+        """Build what the sleep freed on every rank; returns the sleep view."""
+        ...
+
+    def is_sleeping(self) -> dict[str, Any]:
+        """JSON for GET /is_sleeping: {"is_sleeping": bool, ...the sleep view}."""
+        ...
+
     def scale_status(self) -> dict[str, Any]:
         """JSON for GET /is_scaling_elastic_ep: is_scaling_elastic_ep, effective_ep_size,
         scale_phase, last_error, old_ep_size, new_ep_size, elapsed_s (see control/membership/scale_rules.py)."""

@@ -46,6 +46,7 @@ from elastic_ep.wire import (
     EpochReady,
     HardwareReport,
     Heartbeat,
+    SleepReply,
     SlotChecksums,
     StepFailed,
     StepResult,
@@ -76,7 +77,7 @@ from .epochs.slot_check import SlotSweeper
 from .events import EventKind
 from .facade.engine import EngineFacade, Published
 from .facade.publisher import Publisher
-from .facade.to_loop import AbortRequest, AddRequest, Command, StartDrain, StartScale, Uncordon
+from .facade.to_loop import AbortRequest, AddRequest, Command, Sleep, StartDrain, StartScale, Uncordon, WakeUp
 from .faults.detector import Fault, FaultDetector, RecoveryNeeded
 from .faults.recovery import Recovery
 from .faults.straggler_control import StragglerControl
@@ -90,6 +91,7 @@ from .serving.alignment import AlignRule
 from .serving.isolation import Isolation
 from .serving.recorder import ExpertRecorder
 from .serving.scheduler import Scheduler
+from .serving.sleep_mode import SleepMode
 from .serving.step_loop import StepLoop
 from .serving.streams import Streams
 
@@ -147,6 +149,8 @@ class Controller:
         self.scaling = ScaleDriver(c, cfg, self.nodes, self.scheduler,
                                    take_standbys=lambda n: self.standby.ready()[:n], joiners=self.joiners,
                                    form=self.form, publish=self.publish)
+        self.sleep = SleepMode(c, self.plane, self.metrics.engine_sleep_state, busy=self._sleep_blocker,
+                               publish=self.publish)
         self.hardware = HardwareSignals(registry, c.events)
         self.stragglers = StragglerControl(
             c, cfg, self.steps.own_time, standbys=lambda: len(self.standby.ready()), fault=self.fault,
@@ -262,6 +266,8 @@ class Controller:
                 nodes.drop_backup(msg.unreachable_node, "its agent does not answer")
         elif isinstance(msg, SlotChecksums):
             self.sweeper.on_checksums(msg)
+        elif isinstance(msg, SleepReply):
+            self.sleep.on_reply(msg)
         elif isinstance(msg, WorkerHello):
             nodes.on_worker_hello(msg)
         elif isinstance(msg, WorkerStarted):
@@ -297,8 +303,16 @@ class Controller:
         elif isinstance(cmd, AbortRequest):
             self.scheduler.abort(cmd.seq_id)
             self.streams.drop(cmd.seq_id)
-        elif isinstance(cmd, StartScale | StartDrain | Uncordon):
+        elif isinstance(cmd, StartScale | StartDrain | Uncordon | Sleep | WakeUp):
             try:
+                if isinstance(cmd, Sleep):
+                    self.sleep.sleep(cmd.level, cmd.reply)
+                    return  # answered once every rank did
+                if isinstance(cmd, WakeUp):
+                    self.sleep.wake(cmd.reply)
+                    return
+                if self.sleep.blocks_steps and not isinstance(cmd, Uncordon):
+                    raise ScaleRejected("the engine is asleep; POST /wake_up first", 409)
                 if isinstance(cmd, StartScale):
                     answer = self.scaling.request(cmd.new_ep_size, cmd.ranks)
                 elif isinstance(cmd, StartDrain):
@@ -328,6 +342,8 @@ class Controller:
             self.standby.lost(fault.rank_id, fault.detail)
             return
         self.detector.record(fault)
+        if self.sleep.blocks_steps:
+            self.sleep.abandon(f"rank {fault.rank_id} failed ({fault.detail})")
         self.cluster.events.add(EventKind.FAULT, f"rank {fault.rank_id}: {fault.detail}", fault.rank_id,
                                 cause=fault.detail, signal=fault.cause.value)
 
@@ -386,6 +402,17 @@ class Controller:
         else:
             self.recovery.note_epoch(outcome)
 
+    def _sleep_blocker(self) -> str:
+        """Why the group cannot fall asleep now ("" when it can)."""
+        c = self.cluster
+        if not c.readiness.ready:
+            return f"not ready ({c.readiness.reason})"
+        if self.scheduler.has_work or self.steps.in_step:
+            return "requests run or wait; let them finish (or abort them) and retry"
+        if self.scaling.active:
+            return "a scale or drain is in flight"
+        return ""
+
     def _forget_measures(self, rank_id: int) -> None:
         """A rank left the cluster: its series and timings go (a new process given its id starts clean)."""
         self.metrics.forget_rank(rank_id)
@@ -396,6 +423,7 @@ class Controller:
         return {"scale": self.scaling.status(), "redundancy": self.redundancy.view(),
                 "straggler_policy": self.stragglers.view(now), "hardware": self.hardware.view(),
                 "standby": {"wanted": self.cfg.standby_ranks, "ready": self.standby.ready()},
+                "sleep": self.sleep.view(),
                 "rebalance": self.rebalancer.status()}
 
     def load(self) -> np.ndarray:
@@ -415,6 +443,9 @@ class Controller:
         c = self.cluster
         self.pump(0.0)
         if self.detector.pending:
+            return
+        if self.sleep.blocks_steps:  # asleep or on the way: nothing runs, nothing moves
+            self.pump(0.05)
             return
         if self.scaling.active and self.scaling.advance():
             return
@@ -452,4 +483,5 @@ class Controller:
     def publish(self, throttle_s: float = 0.0) -> None:
         """Readiness and health at once; the /cluster snapshot at most every `throttle_s`
         (facade/publisher.py)."""
+        self.published.sleep_level = self.sleep.level or (self.sleep.moving.level if self.sleep.moving else 0)
         self.publisher.publish(throttle_s)

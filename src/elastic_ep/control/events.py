@@ -46,6 +46,7 @@ class EventKind(str, Enum):
     HARDWARE = "hardware"  # a node reported an Xid critical error
     STALLED = "stalled"  # no step progressed for the stall deadline: not ready (reason in the message)
     STALL_ENDED = "stall-ended"  # no step in flight past the stall deadline, no member silent
+    SLEEP = "sleep"  # the group fell asleep or woke (memory given back per rank)
     FATAL = "fatal"  # the control loop stopped
 
 

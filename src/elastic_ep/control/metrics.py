@@ -55,6 +55,10 @@ class ClusterMetrics:
             "elastic_ep_rank_stalled_seconds", "How long the rank has been stalled or waiting in a stalled step "
             "(0 when live)", ["rank"], registry=registry,
         )
+        self.engine_sleep_state = Gauge(
+            "elastic_ep_engine_sleep_state", "0 awake; 1 asleep at level 1 (KV cache freed); 2 asleep at level 2 "
+            "(weights dropped too); vLLM's vllm:engine_sleep_state", registry=registry,
+        )
         self.requests_running = Gauge(
             "elastic_ep_num_requests_running", "Requests placed on a rank (running or being prefilled)",
             registry=registry,

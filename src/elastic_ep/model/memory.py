@@ -31,3 +31,14 @@ def huge_zeros(*shape: int, dtype: torch.dtype = torch.float32, device: torch.de
     if end > start:
         _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
     return t.zero_()
+
+
+def return_freed_memory() -> None:
+    """Hand memory freed by dropped tensors back to the OS (collect cycles, then glibc's
+    malloc_trim), so the process's resident size shows the release."""
+    import gc
+
+    gc.collect()
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -68,10 +68,39 @@ class ExpertSlots:
         self.moe_layers = moe_layers
         self.slots_per_rank = slots_per_rank
         self.device = torch.device(device)
-        num_layers = len(moe_layers)
-        self.w13 = [huge_zeros(slots_per_rank, 2 * inter, hidden, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.w2 = [huge_zeros(slots_per_rank, hidden, inter, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.experts = np.full((num_layers, slots_per_rank), -1, dtype=np.int64)
+        self.inter, self.hidden, self.dtype = inter, hidden, dtype
+        self.w13: list[torch.Tensor] = []
+        self.w2: list[torch.Tensor] = []
+        self._allocate()
+        self.experts = np.full((len(moe_layers), slots_per_rank), -1, dtype=np.int64)
+
+    def _allocate(self) -> None:
+        shape13, shape2 = (self.slots_per_rank, 2 * self.inter, self.hidden), (self.slots_per_rank, self.hidden, self.inter)
+        self.w13 = [huge_zeros(*shape13, dtype=self.dtype, device=self.device) for _ in self.moe_layers]
+        self.w2 = [huge_zeros(*shape2, dtype=self.dtype, device=self.device) for _ in self.moe_layers]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.w13 + self.w2)
+
+    def release(self) -> int:
+        """Drop every slot's weights (sleep level 2); `experts` stays for `reload`. Returns the
+        bytes released."""
+        freed = self.nbytes
+        self.w13, self.w2 = [], []
+        return freed
+
+    def reload(self, reader: CheckpointReader) -> None:
+        """Read the experts `experts` names back into fresh slots, from the checkpoint."""
+        self._allocate()
+        for li, layer in enumerate(self.moe_layers):
+            held = [(j, int(e)) for j, e in enumerate(self.experts[li]) if e >= 0]
+            if not held:
+                continue
+            w13, w2 = reader.read_experts(layer, [e for _, e in held], self.device)
+            for i, (j, _) in enumerate(held):
+                self.w13[li][j].copy_(w13[i])
+                self.w2[li][j].copy_(w2[i])
 
     def layer(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.w13[li], self.w2[li]

@@ -4,9 +4,10 @@ Threads:
 - main: registers, then runs what the controller sends on the step socket: `EpochStart`
   (form the group or keep it, fill the expert slots, checksum the ones it filled, report),
   `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling),
-  `SweepSlots` (checksum a few slots between steps), and from a server with --enable-chaos
-  `ChaosStep` (the next step's injected delay and failures) and `CorruptSlot`. It blocks
-  inside collectives.
+  `SweepSlots` (checksum a few slots between steps), `SleepRank` / `WakeRank` (free the KV
+  cache, and at level 2 the weights, then build them again), and from a server with
+  --enable-chaos `ChaosStep` (the next step's injected delay and failures) and `CorruptSlot`.
+  It blocks inside collectives.
 - heartbeat: its own ZeroMQ socket; sends `Heartbeat` with the main thread's progress every
   `heartbeat_interval_s`, so the controller sees which collective the rank waits in even
   while the main thread is blocked, and sees nothing once the process is stopped.
@@ -26,6 +27,7 @@ import time
 import traceback
 from datetime import timedelta
 
+import psutil
 import torch
 import torch.distributed as dist
 import zmq
@@ -33,6 +35,7 @@ import zmq
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
+from elastic_ep.model.memory import return_freed_memory
 from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
@@ -45,12 +48,15 @@ from elastic_ep.wire import (
     EpochStart,
     Heartbeat,
     Shutdown,
+    SleepRank,
+    SleepReply,
     SlotChecksums,
     StepErrorKind,
     StepFailed,
     StepPlan,
     StepResult,
     SweepSlots,
+    WakeRank,
     WorkerArgs,
     WorkerHello,
     decode,
@@ -112,6 +118,8 @@ class Worker:
         self._pending: list = []
         self._chaos: ChaosStep | None = None  # fault injection for the next step (--enable-chaos)
         self._stop = threading.Event()
+        self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights dropped too
+        self._slept_checksums: dict[tuple[int, int], int] = {}
         self.warmup_s = self._warm_up()
 
     def _warm_up(self, num_tokens: int = 8) -> float:
@@ -142,6 +150,8 @@ class Worker:
             msg = self._pending.pop(0) if self._pending else decode(self.sock.recv())
             if isinstance(msg, Shutdown):
                 break
+            if isinstance(msg, EpochStart | StepPlan) and self.sleep_level:  # a recovery after a fault while asleep
+                self._wake()
             if isinstance(msg, EpochStart):
                 if self.group is None or msg.epoch > self.group.epoch:
                     self._start_epoch(msg)
@@ -150,6 +160,10 @@ class Worker:
             elif isinstance(msg, StepPlan):
                 if self.group is not None and msg.epoch == self.group.epoch and self.group.alive:
                     self._step(msg)
+            elif isinstance(msg, SleepRank):
+                self._sleep(msg.level)
+            elif isinstance(msg, WakeRank):
+                self._wake()
             elif isinstance(msg, SweepSlots | CorruptSlot):
                 if self.slots is not None and self.group is not None and msg.epoch == self.group.epoch:
                     self._slot_request(msg)
@@ -226,6 +240,53 @@ class Worker:
         except Exception as e:  # any failure to form: the controller decides what next
             group.destroy()
             self.send(EpochFailed(msg.epoch, args.rank_id, f"{type(e).__name__}: {e}"))
+
+    def _sleep(self, level: int) -> None:
+        """Free the KV cache (level 1; the weights stay in host memory: on the CPU they are
+        there already), and at level 2 the dense weights and expert slots too. The controller
+        sends this only with no sequence running. Answers `SleepReply` with the resident memory
+        before and after."""
+        t0, before = time.perf_counter(), _rss_bytes()
+        error = ""
+        try:
+            if self.sleep_level == 0:
+                self.kv, self.tokens = None, {}
+            if level >= 2 and self.sleep_level < 2:
+                if self.slots is not None:
+                    self._slept_checksums = self.slots.checksums()
+                    self.slots.release()
+                self.model = None
+            self.sleep_level = max(self.sleep_level, level)
+            return_freed_memory()
+        except Exception as e:  # the controller reports it; the rank wakes as usual
+            error = f"{type(e).__name__}: {e}"
+        self.send(SleepReply(self.args.rank_id, self.sleep_level, before, _rss_bytes(),
+                             round(time.perf_counter() - t0, 4), error))
+
+    def _wake(self) -> None:
+        """Build what `_sleep` freed: at level 2 the dense weights (the node's host backup this
+        rank was started with, else disk) and the expert slots (disk), checked against their
+        checksums from before the sleep; then an empty KV cache. A no-op when awake."""
+        t0, before = time.perf_counter(), _rss_bytes()
+        error = ""
+        try:
+            if self.sleep_level >= 2:
+                dense, _, _ = load_dense(self.reader, self.args.dense_path, self.args.dense_addr,
+                                         self.args.launch.dense_fetch_timeout_s)
+                self.model = MoEForCausalLM(self.config, dense, dtype=self.reader.dtype, device=self.device)
+                if self.slots is not None:
+                    self.slots.reload(self.reader)
+                    bad = sorted(k for k, v in self.slots.checksums().items() if self._slept_checksums.get(k) != v)
+                    if bad:
+                        raise RuntimeError(f"slots (layer, slot) {bad[:5]} do not hold what they held before the sleep")
+            if self.sleep_level >= 1:
+                assert self.model is not None
+                self.kv = self.model.new_kv_cache(self.args.launch.max_num_seqs, self.args.launch.max_model_len)
+            self.sleep_level = 0
+        except Exception as e:  # stays asleep: a second wake tries again
+            error = f"{type(e).__name__}: {e}"
+        self.send(SleepReply(self.args.rank_id, self.sleep_level, before, _rss_bytes(),
+                             round(time.perf_counter() - t0, 4), error))
 
     def _step(self, plan: StepPlan) -> None:
         """Run one step and answer `StepResult`, or `StepFailed`: COLLECTIVE when the group broke
@@ -373,6 +434,10 @@ class Worker:
             sock.send(encode(Heartbeat(self.args.rank_id, pid, self.progress.current)))
             next_beat = time.monotonic() + interval_s
         sock.close()
+
+
+def _rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:

@@ -1,5 +1,5 @@
 """Operator routes: liveness and readiness, Prometheus metrics, the cluster view and its
-dashboard, online scaling, drain and uncordon, the expert distribution recorder (SGLang's paths) and fault
+dashboard, online scaling, drain and uncordon, sleep and wake (vLLM's paths), the expert distribution recorder (SGLang's paths) and fault
 injection (only when served with --enable-chaos).
 
 Engine calls here are synchronous and run on the server's event loop: the engine answers
@@ -100,6 +100,20 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     @router.get("/is_scaling_elastic_ep", response_model=dict[str, Any])
     async def is_scaling() -> dict[str, Any]:
         return engine.scale_status()
+
+    @router.post("/sleep", response_model=dict[str, Any], responses=error_responses(400, 409))
+    async def sleep(level: int = Query(1, description="1: free the KV cache; 2: drop the weights too")) -> dict[str, Any]:
+        """Give memory back while idle (every rank); requests get 503 until POST /wake_up. The
+        answer has each rank's resident memory before and after."""
+        return await engine.sleep(level)
+
+    @router.post("/wake_up", response_model=dict[str, Any], responses=error_responses(409))
+    async def wake_up() -> dict[str, Any]:
+        return await engine.wake_up()
+
+    @router.get("/is_sleeping", response_model=dict[str, Any])
+    async def is_sleeping() -> dict[str, Any]:
+        return engine.is_sleeping()
 
     @router.get("/start_expert_distribution_record", response_model=RecorderResponse)
     @router.post("/start_expert_distribution_record", response_model=RecorderResponse)

@@ -5,8 +5,8 @@ a worker process (`worker.py`: launch and step socket; `health.py`: heartbeats a
 
 Transport: ZeroMQ. The controller binds two ROUTER sockets:
 - the step socket: each worker's main thread (DEALER, identity `w<rank_id>`) receives
-  `EpochStart`, `StepPlan`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `Shutdown` and answers `WorkerHello`,
-  `EpochReady`, `EpochFailed`, `StepResult`, `StepFailed`, `SlotChecksums`;
+  `EpochStart`, `StepPlan`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `SleepRank`, `WakeRank`, `Shutdown`
+  and answers `WorkerHello`, `EpochReady`, `EpochFailed`, `StepResult`, `StepFailed`, `SlotChecksums`, `SleepReply`;
 - the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
   `Heartbeat` and receives `AbortEpoch`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
   `WorkerStarted`, `WorkerExited`, `WorkerFenced`, `HardwareReport` and receives `AgentWelcome`, `BackupAssign`,
@@ -65,6 +65,8 @@ from .worker import (
     EpochStart,
     KVMove,
     Shutdown,
+    SleepRank,
+    SleepReply,
     SlotChecksums,
     SlotSource,
     StepErrorKind,
@@ -73,6 +75,7 @@ from .worker import (
     StepResult,
     SweepSlots,
     TransferStat,
+    WakeRank,
     WorkerArgs,
     WorkerHello,
     WorkerLaunch,
@@ -113,6 +116,8 @@ __all__ = [
     "Shutdown",
     "SessionEnded",
     "SignalWorker",
+    "SleepRank",
+    "SleepReply",
     "SlotChecksums",
     "SlotSource",
     "StartWorker",
@@ -122,6 +127,7 @@ __all__ = [
     "StepResult",
     "SweepSlots",
     "TransferStat",
+    "WakeRank",
     "WorkerArgs",
     "WorkerExited",
     "WorkerFenced",

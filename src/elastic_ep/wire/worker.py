@@ -294,5 +294,32 @@ class CorruptSlot:
 
 
 @dataclass(frozen=True)
+class SleepRank:
+    """Between steps, with no sequence running: level 1 frees the KV cache (weights stay, in host
+    memory); level 2 also drops the dense weights and the expert slots. Answered `SleepReply`."""
+
+    level: int
+
+
+@dataclass(frozen=True)
+class WakeRank:
+    """Rebuild what the last `SleepRank` freed (weights from the node's host backup, else disk);
+    answered `SleepReply` with level 0."""
+
+
+@dataclass(frozen=True)
+class SleepReply:
+    """A rank's answer to `SleepRank` (`level` it sleeps at) or `WakeRank` (level 0): its resident
+    memory before and after, the seconds it took, and the error when it could not."""
+
+    rank_id: int
+    level: int
+    rss_before_bytes: int
+    rss_after_bytes: int
+    seconds: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass

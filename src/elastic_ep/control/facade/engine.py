@@ -44,10 +44,12 @@ from .to_loop import (
     PoisonRank,
     PoisonRequest,
     SignalRank,
+    Sleep,
     SlowRank,
     StartDrain,
     StartScale,
     Uncordon,
+    WakeUp,
 )
 
 SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "resume": signal.SIGCONT}
@@ -61,19 +63,23 @@ class Published:
     health: Health = field(default_factory=lambda: Health("degraded", "starting"))
     snapshot: dict[str, Any] = field(default_factory=dict)
     fatal: str | None = None
+    sleep_level: int = 0  # 0 awake; else the level the group sleeps at, or is falling asleep to
 
 
 class EngineFacade:
-    """`send(command)` enqueues for the control thread and wakes it."""
+    """`send(command)` enqueues for the control thread and wakes it. `answer_timeout_s`: how long
+    a scale, drain or uncordon waits for the control loop's answer; `sleep_answer_timeout_s`: how
+    long a sleep or wake waits for every rank's (a wake at level 2 reads the weights again)."""
 
     def __init__(self, cfg: ServeConfig, info: EngineInfo, recorder: ExpertRecorder, published: Published,
-                 send: Callable[[Command], None], answer_timeout_s: float = 10.0):
+                 send: Callable[[Command], None], answer_timeout_s: float = 10.0, sleep_answer_timeout_s: float = 300.0):
         self.cfg = cfg
         self.info = info
         self.recorder = recorder
         self.published = published
         self.send = send
         self.answer_timeout_s = answer_timeout_s
+        self.sleep_answer_timeout_s = sleep_answer_timeout_s
         self._ids = itertools.count()
 
     def readiness(self) -> Readiness:
@@ -94,6 +100,9 @@ class EngineFacade:
                 f"prompt has {len(request.prompt_token_ids)} tokens but --max-model-len is "
                 f"{self.cfg.max_model_len} (prompt plus at least one generated token); shorten the prompt"
             )
+        if self.published.sleep_level:
+            raise ServiceUnavailable(f"the engine is asleep (level {self.published.sleep_level}); POST /wake_up",
+                                     retry_after_s=5)
         deadline = time.monotonic() + self.cfg.admission_timeout_s
         while not self.published.readiness.ready:
             if time.monotonic() > deadline or self.published.fatal:
@@ -130,18 +139,28 @@ class EngineFacade:
     async def uncordon(self, node: str) -> dict[str, Any]:
         return await self._ask(lambda reply: Uncordon(node, reply))
 
-    async def _ask(self, command: Callable[[Future], Command]) -> dict[str, Any]:
+    async def sleep(self, level: int) -> dict[str, Any]:
+        return await self._ask(lambda reply: Sleep(level, reply), self.sleep_answer_timeout_s)
+
+    async def wake_up(self) -> dict[str, Any]:
+        return await self._ask(lambda reply: WakeUp(reply), self.sleep_answer_timeout_s)
+
+    def is_sleeping(self) -> dict[str, Any]:
+        return self.published.snapshot.get("sleep", {"is_sleeping": False})
+
+    async def _ask(self, command: Callable[[Future], Command], timeout_s: float | None = None) -> dict[str, Any]:
         """Send the command built around a reply future and wait for the control loop's answer.
         Raises ScaleRejected: the loop's refusal, 409 once it stopped or when it did not answer
-        within `answer_timeout_s`."""
+        within `timeout_s` (default `answer_timeout_s`)."""
+        timeout_s = self.answer_timeout_s if timeout_s is None else timeout_s
         if self.published.fatal:
             raise ScaleRejected(f"the cluster stopped: {self.published.fatal}", 409)
         reply: Future = Future()
         self.send(command(reply))
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(reply), self.answer_timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(reply), timeout_s)
         except asyncio.TimeoutError:
-            raise ScaleRejected(f"the control loop did not answer within {self.answer_timeout_s:g}s; "
+            raise ScaleRejected(f"the control loop did not answer within {timeout_s:g}s; "
                                 "retry, and check /cluster", 409) from None
 
     def scale_status(self) -> dict[str, Any]:

@@ -54,6 +54,22 @@ class Uncordon:
 
 
 @dataclass(frozen=True)
+class Sleep:
+    """Sleep at `level` (1 or 2); answered with the sleep view once every rank answered, or a
+    ScaleRejected exception."""
+
+    level: int
+    reply: Future
+
+
+@dataclass(frozen=True)
+class WakeUp:
+    """Wake from a sleep; answered with the sleep view once every rank answered."""
+
+    reply: Future
+
+
+@dataclass(frozen=True)
 class SignalRank:
     """Chaos: send `signal` to the rank's process, now or right after the next epoch is announced
     (a fault that lands while that epoch forms)."""
@@ -108,4 +124,4 @@ class CutNetwork:
 
 
 ChaosCommand = SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest | PoisonRank | CutNetwork
-Command = AddRequest | AbortRequest | StartScale | StartDrain | Uncordon | ChaosCommand
+Command = AddRequest | AbortRequest | StartScale | StartDrain | Uncordon | Sleep | WakeUp | ChaosCommand
