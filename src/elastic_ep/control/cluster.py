@@ -35,7 +35,8 @@ class ClusterState:
       registers); its timings (`step_s`, `wait_s`, `own_s`, `slot_tokens`, `link_s`): the step loop.
     - `step`: the step loop (serving/step_loop.py) alone.
     - `readiness`, `degraded_since`: the loop (ready once an epoch forms, the fatal reason),
-      recovery (degraded) and the node role while ranks register.
+      recovery (degraded), the node role while ranks register and the sleep mode (not ready
+      while asleep).
     - `cordoned`: the scale driver (a node drain cordons, `POST /uncordon` lifts it); the node
       role starts no rank on a cordoned node and stops its agent once it has no rank left.
     - `events`: every role appends; nothing edits an event.
