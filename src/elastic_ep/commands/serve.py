@@ -89,6 +89,8 @@ HELP = {
     "record_dir": "where /dump_expert_distribution_record writes",
     "heartbeat_interval_s": "worker heartbeat period",
     "heartbeat_timeout_s": "a rank silent this long is declared lost",
+    "load_heartbeat_timeout_s": "the same for a rank whose last heartbeat said it fills its expert slots (its "
+                                "exit is still seen at once)",
     "watchdog_floor_s": "least time a rank may lag the others into a collective",
     "watchdog_multiple": "lag allowed as a multiple of the median recent step time",
     "fence_timeout_s": "wait for an agent to confirm a kill",

@@ -48,6 +48,7 @@ class ServeConfig:
     record_dir: str = "."
     heartbeat_interval_s: float = 0.1
     heartbeat_timeout_s: float = 1.0
+    load_heartbeat_timeout_s: float = 30.0
     watchdog_floor_s: float = 1.0
     watchdog_multiple: float = 10.0
     fence_timeout_s: float = 5.0

@@ -205,12 +205,12 @@ class Worker:
                 assert self.moe is not None  # a kept group formed an epoch: its moe was built then
                 group.epoch, rendezvous_s, links = msg.epoch, 0.0, self.moe.links
             location = ExpertLocation.from_phy2log(msg.phy2log, msg.slots_per_rank, self.config.num_experts)
+            self.progress.enter("transfer")  # from here heartbeats may come late: the controller allows for it
             if self.slots is None:
                 self.slots = ExpertSlots(
                     self.config.moe_layers, msg.slots_per_rank, self.config.moe_intermediate_size,
                     self.config.hidden_size, self.reader.dtype, self.device,
                 )
-            self.progress.enter("transfer")
             t0 = time.perf_counter()
             filled = self.slots.apply(
                 location.experts_of_rank(args.rank_id),

@@ -29,6 +29,27 @@ def test_silent_rank_is_lost():
     assert lost_heartbeats({0: 10.0, 1: 8.5, 2: 9.9}, now=10.0, timeout_s=1.0) == [1]
 
 
+def test_a_rank_filling_its_slots_is_judged_by_the_load_deadline():
+    seen = {0: 10.0, 1: 5.0, 2: 5.0}
+    assert lost_heartbeats(seen, now=12.0, timeout_s=1.0, loading={1, 2}, load_timeout_s=30.0) == [0]
+    assert lost_heartbeats(seen, now=36.0, timeout_s=1.0, loading={1}, load_timeout_s=30.0) == [0, 1, 2]
+
+
+def test_the_detector_spares_a_rank_whose_last_heartbeat_said_it_loads():
+    from control_standins import cluster_of, config
+
+    from elastic_ep.control.faults.detector import FaultDetector
+
+    c = cluster_of({0: "n0", 1: "n0"})
+    for r in c.ranks.values():
+        r.last_heartbeat = 100.0
+    c.ranks[1].progress = Progress(epoch=0, phase="transfer")
+    detector = FaultDetector(config(heartbeat_timeout_s=1.0, load_heartbeat_timeout_s=20.0))
+    assert [f.rank_id for f in detector.check(105.0, c.ranks, c.members, False, 0)] == [0]
+    late = detector.check(125.0, c.ranks, c.members, False, 0)
+    assert [f.rank_id for f in late] == [0, 1] and "--load-heartbeat-timeout-s" in late[1].detail
+
+
 def test_rank_that_has_not_entered_the_collective_the_others_wait_in_is_named_after_the_deadline():
     progress = {0: at(12), 1: at(11, phase="compute"), 2: at(12), 3: at(12)}
     first_seen = {12: 100.0}

@@ -26,7 +26,7 @@ from elastic_ep.wire import Heartbeat
 
 from ..config import ServeConfig
 from ..ranks import RankInfo
-from .health_rules import adaptive_deadline_s, hung_ranks, lost_heartbeats
+from .health_rules import LOADING_PHASES, adaptive_deadline_s, hung_ranks, lost_heartbeats
 
 
 class RecoveryNeeded(Exception):
@@ -124,9 +124,13 @@ class FaultDetector:
             return []
         self._checked_at = now
         watched = {r.rank_id: r.last_heartbeat for r in ranks.values() if r.watched}
-        timeout_s = self.cfg.heartbeat_timeout_s
-        found = [Fault(r, FaultCause.HEARTBEAT_LOST, f"no heartbeat for {timeout_s:.2f}s (stopped or cut off)")
-                 for r in lost_heartbeats(watched, now, timeout_s)]
+        loading = {r.rank_id for r in ranks.values() if r.watched and r.progress.phase in LOADING_PHASES}
+        timeout_s, load_timeout_s = self.cfg.heartbeat_timeout_s, self.cfg.load_heartbeat_timeout_s
+        found = [Fault(r, FaultCause.HEARTBEAT_LOST,
+                       f"no heartbeat for {max(timeout_s, load_timeout_s):.2f}s while filling its expert slots "
+                       "(--load-heartbeat-timeout-s)" if r in loading else
+                       f"no heartbeat for {timeout_s:.2f}s (stopped or cut off)")
+                 for r in lost_heartbeats(watched, now, timeout_s, loading, load_timeout_s)]
         if in_step:
             deadline = self.watchdog_deadline_s()
             progress = {r: ranks[r].progress for r in members if r not in self.faults}

@@ -2,7 +2,11 @@
 
 - heartbeats: a rank whose last heartbeat is older than `heartbeat_timeout_s` is lost (a
   stopped process, a cut link). Its heartbeat thread is independent of the main thread, so a
-  rank blocked in a collective or merely slow keeps beating.
+  rank blocked in a collective or merely slow keeps beating. While a rank fills its expert
+  slots (its last heartbeat said phase "transfer": allocating them, reading experts from disk
+  or a backup, receiving them from peers) its heartbeats may come late, the thread starved
+  of the interpreter, CPU or memory by the load, so it is judged by `load_heartbeat_timeout_s`
+  instead; a process that dies while loading is still reported at once by its agent.
 - progress watchdog: workers report the number of collectives they have entered in the epoch
   (`seq`). When some rank has entered collective k and another has not, for longer than the
   adaptive deadline (a multiple of recent step times, with a floor), the one that has not is
@@ -17,7 +21,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from elastic_ep.wire import Progress
 
@@ -32,9 +36,15 @@ def adaptive_deadline_s(recent_step_s: Iterable[float], multiple: float, floor_s
     return max(floor_s, multiple * statistics.median(times)) if times else floor_s
 
 
-def lost_heartbeats(last_seen: Mapping[int, float], now: float, timeout_s: float) -> list[int]:
-    """Ranks whose last heartbeat (controller clock) is older than timeout_s."""
-    return sorted(r for r, t in last_seen.items() if now - t > timeout_s)
+LOADING_PHASES = ("transfer",)
+
+
+def lost_heartbeats(last_seen: Mapping[int, float], now: float, timeout_s: float,
+                    loading: Collection[int] = (), load_timeout_s: float = 0.0) -> list[int]:
+    """Ranks whose last heartbeat (controller clock) is older than timeout_s, or, for the
+    `loading` ones (last heard filling their slots), older than load_timeout_s."""
+    return sorted(r for r, t in last_seen.items()
+                  if now - t > (max(timeout_s, load_timeout_s) if r in loading else timeout_s))
 
 
 COLLECTIVE_PHASES = ("dispatch", "combine")
