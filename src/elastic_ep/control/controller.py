@@ -43,6 +43,7 @@ from elastic_ep.wire import (
     AgentHello,
     BackupReady,
     ChaosFailed,
+    ClusterKey,
     EpochFailed,
     EpochReady,
     HardwareReport,
@@ -72,6 +73,7 @@ from .detector import Fault, FaultDetector, RecoveryNeeded
 from .engine import EngineFacade, Published
 from .epoch_change import EpochChanger, EpochReport, Formed, Interrupted, NoPlacement, NotFormed, VerifyFailed
 from .events import EventKind
+from .frames import RejectedFrames
 from .hardware import HardwareSignals
 from .isolation import Isolation
 from .metrics import ClusterMetrics
@@ -92,16 +94,25 @@ from .streams import Streams
 logger = logging.getLogger(__name__)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def store_on(host: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """The rendezvous store, listening on `host` only: TCPStore binds every interface when it
+    makes its own socket, and it cannot authenticate a client (docs/RUNBOOK.md: firewall it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(512)
+    port = listener.getsockname()[1]
+    # the store serves on this socket from now on: it owns the descriptor
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                         master_listen_fd=listener.detach())
 
 
 class Controller:
-    """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`."""
+    """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`. `key`: the
+    deployment's cluster key, which every agent and worker must hold."""
 
-    def __init__(self, cfg: ServeConfig, registry: CollectorRegistry | None = None):
+    def __init__(self, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry | None = None):
         self.cfg = cfg
         self.config = MoEConfig.from_pretrained(cfg.model_dir)
         self.reader = CheckpointReader(cfg.model_dir, self.config, dtype=cfg.dtype)
@@ -115,17 +126,16 @@ class Controller:
         num_layers = len(self.config.moe_layers)
         registry = registry or CollectorRegistry()
         self.metrics = ClusterMetrics(registry)
+        self.rejected_frames = RejectedFrames(registry)
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.align_rule(),
                                    cfg.reprefill_tokens_per_step)
         self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.streams = Streams(self.scheduler)
         self.detector = FaultDetector(cfg)
-        self.plane = ControlPlane(cfg.control_host)
-        self.store_port = _free_port(cfg.control_host)
-        self.store = dist.TCPStore(
-            cfg.control_host, self.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
+        self.plane = ControlPlane(cfg.control_host, key)
+        self.store = store_on(cfg.control_host)
+        self.store_port = self.store.port
         self.isolation = Isolation(self.streams, self.cluster.events, self.fault, cfg.isolation_max_steps)
         self.steps = StepLoop(self.cluster, cfg, self.plane, self.scheduler, self.detector, self.metrics,
                               self.recorder, self.streams, self.isolation, self.config.top_k, self.pump)

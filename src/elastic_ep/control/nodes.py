@@ -96,6 +96,8 @@ class Nodes:
                                                                            "(unreachable for --agent-timeout-s)"))
             return
         agent.last_alive = self.ctl.plane.heard_clock()
+        if agent.standalone:  # an agent in this process is counted by this process itself
+            self.ctl.rejected_frames.report(msg.node, msg.frames_rejected)
         self.ctl.plane.to_identity(identity, LeaseRenew(msg.session, self.ctl.cfg.lease_s))
 
     def check_agents(self, now: float) -> None:
