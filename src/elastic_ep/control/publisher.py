@@ -94,7 +94,9 @@ class Publisher:
             health=vars(health), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view(),
             straggler_policy=ctl.stragglers.view(now), hardware=ctl.hardware.view(),
             standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()},
-            data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status())
+            data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status(),
+            listening={"step": ctl.plane.step_addr, "health": ctl.plane.health_addr,
+                       "store": f"tcp://{ctl.cfg.control_host}:{ctl.store_port}"})
         self._set_gauges(heard, readiness, liveness)
 
     def _note_stall(self, now: float, stalled: str | None) -> None:

@@ -49,11 +49,12 @@ def create_app(
         redirect_slashes=False,
     )
     metrics = HttpMetrics(registry)
-    app.include_router(openai_router(engine, tokenizer, metrics))
-    app.include_router(admin_router(engine, registry, enable_chaos))
+    routers = [openai_router(engine, tokenizer, metrics), admin_router(engine, registry, enable_chaos)]
+    for router in routers:
+        app.include_router(router)
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
-    app.add_middleware(GuardMiddleware, guard=guard, operating=operating_paths(app.routes))
+    app.add_middleware(GuardMiddleware, guard=guard, operating=operating_paths([r for router in routers for r in router.routes]))
     _add_error_handlers(app)
     app.openapi = lambda: openapi_schema(app)
     return app

@@ -123,7 +123,7 @@ class GuardMiddleware:
 
 
 def operating_paths(routes) -> Callable[[str], bool]:
-    """A predicate for the paths of the routes tagged `operating` among `routes` (an app's)."""
+    """A predicate for the paths of the routes tagged `operating` among `routes` (the routers' APIRoutes)."""
     patterns: list[re.Pattern] = [r.path_regex for r in routes if OPERATING in (getattr(r, "tags", None) or [])]
     return lambda path: any(p.match(path) for p in patterns)
 
