@@ -117,23 +117,27 @@ def frames(kind: str, socket: str, key: ClusterKey, marker: str, rng: random.Ran
 
 
 def fuzz_socket(addr: str, socket: str, key: ClusterKey, marker: str, seed: int = 0,
-                kinds: tuple[str, ...] = KINDS, timeout_s: float = 10.0) -> Counter[str]:
-    """Send every kind of frame to the socket at `addr` (tcp://HOST:PORT) from a fresh DEALER,
-    as a REQ would for the fetch socket (an empty delimiter first). Returns messages sent per kind."""
+                kinds: tuple[str, ...] = KINDS, timeout_s: float = 30.0) -> Counter[str]:
+    """Send every kind of frame to the socket at `addr` (tcp://HOST:PORT), each kind from its own
+    DEALER (a peer of its own), as a REQ would for the fetch socket (an empty delimiter first).
+    A kind stops once the socket takes nothing for `timeout_s` (it disconnected the peer: a
+    frame over its size limit). Returns messages sent per kind, and `blocked` per kind stopped so."""
     rng = random.Random(seed)
     ctx = zmq.Context.instance()
     sent: Counter[str] = Counter()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-    sock.connect(addr)
-    try:
-        for kind in kinds:
+    for kind in kinds:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 5000)
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        sock.connect(addr)
+        try:
             for message in frames(kind, socket, key, marker, rng):
                 sock.send_multipart([b"", *message] if socket == "fetch" else message)
                 sent[kind] += 1
-    finally:
-        sock.close()
+        except zmq.Again:
+            sent["blocked"] += 1
+        finally:
+            sock.close()
     return sent
 
 
