@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry
 from scripted_engine import MODEL, ScriptedEngine, ServerThread, byte_tokenizer
 from starlette.testclient import TestClient
 
+from elastic_ep.cli import main
 from elastic_ep.serve.app import create_app
-from elastic_ep.serve.guard import HttpGuard, request_timeout_protocol
+from elastic_ep.serve.guard import ADMIN_API_KEY_ENV, HttpGuard, request_timeout_protocol
 
 API, ADMIN = "sk-api-test", "sk-admin-test"
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -130,3 +131,11 @@ def test_a_client_that_sends_nothing_or_trickles_is_cut_off():
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def test_the_chaos_cli_sends_the_admin_key(guarded, capsys, monkeypatch):
+    assert main(["chaos", guarded, "kill", "1"]) == 2
+    assert "HTTP 401" in capsys.readouterr().err
+    assert main(["chaos", guarded, "kill", "1", "--admin-api-key", ADMIN]) == 0
+    monkeypatch.setenv(ADMIN_API_KEY_ENV, ADMIN)
+    assert main(["chaos", guarded, "slow", "1", "--delay-s", "0"]) == 0
