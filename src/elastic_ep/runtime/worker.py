@@ -37,6 +37,7 @@ from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
+    CONTROLLER_TO_HEARTBEAT,
     CONTROLLER_TO_WORKER,
     AbortEpoch,
     ClusterKey,
@@ -360,7 +361,7 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.args.launch.health_addr)
-        inbox = Inbox("worker_heartbeat", AbortEpoch, self.key, self.args.node)
+        inbox = Inbox("worker_heartbeat", CONTROLLER_TO_HEARTBEAT, self.key, self.args.node)
         pid = os.getpid()
         interval_s = self.args.launch.heartbeat_interval_s
         next_beat = time.monotonic()

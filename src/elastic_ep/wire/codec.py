@@ -207,7 +207,7 @@ def peer_address(frame: Any) -> str:
     """The IP address of the peer that sent `frame` (a zmq.Frame), or "unknown"."""
     try:
         return frame.get("Peer-Address") or "unknown"
-    except (AttributeError, Exception):
+    except Exception:  # bytes, or a transport without the property (inproc)
         return "unknown"
 
 
@@ -215,7 +215,8 @@ _ANY: msgspec.msgpack.Decoder | None = None
 
 
 def _decodes_as_any(body: Any) -> str | None:
-    """The type name of `body` if it is a valid message of any socket."""
+    """The type name of `body` if it is a valid message of any socket (the unions live in the
+    package, which imports this module: looked up on first use)."""
     global _ANY
     if _ANY is None:
         from elastic_ep.wire import ALL_MESSAGES
