@@ -59,7 +59,11 @@ class ServerProcess:
         headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
         self.http = httpx.Client(base_url=self.url, timeout=60, headers=headers)
         if ready_timeout_s is not None:
-            self.wait_ready(ready_timeout_s)
+            try:
+                self.wait_ready(ready_timeout_s)
+            except BaseException:  # nobody holds this object yet to stop it
+                self.stop()
+                raise
 
     def controller_addr(self, timeout_s: float = 60.0) -> str:
         """The address agents of other nodes connect to (`elastic-ep agent --controller`)."""
