@@ -5,7 +5,7 @@ a worker process (`worker.py`: launch and step socket; `health.py`: heartbeats a
 
 Transport: ZeroMQ. The controller binds two ROUTER sockets:
 - the step socket: each worker's main thread (DEALER, identity `w<rank_id>`) receives
-  `EpochStart`, `StepPlan`, `SweepSlots`, `CorruptSlot`, `Shutdown` and answers `WorkerHello`,
+  `EpochStart`, `StepPlan`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `Shutdown` and answers `WorkerHello`,
   `EpochReady`, `EpochFailed`, `StepResult`, `StepFailed`, `SlotChecksums`;
 - the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
   `Heartbeat` and receives `AbortEpoch`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
@@ -67,6 +67,7 @@ from .health import (
     WorkerStarted,
 )
 from .worker import (
+    ChaosStep,
     ChunkPlan,
     CorruptSlot,
     EpochFailed,
@@ -100,6 +101,7 @@ __all__ = [
     "BackupSite",
     "BackupTensors",
     "ChaosFailed",
+    "ChaosStep",
     "ChunkPlan",
     "CorruptSlot",
     "CutLinks",
@@ -158,7 +160,7 @@ __all__ = [
 
 # What each receiving side accepts (its inbox's union).
 STEP_TO_CONTROLLER = WorkerHello | EpochReady | EpochFailed | StepResult | StepFailed | SlotChecksums
-CONTROLLER_TO_WORKER = EpochStart | StepPlan | SweepSlots | CorruptSlot | Shutdown
+CONTROLLER_TO_WORKER = EpochStart | StepPlan | ChaosStep | SweepSlots | CorruptSlot | Shutdown
 HEALTH_TO_CONTROLLER = (Heartbeat | AgentHello | AgentAlive | WorkerStarted | WorkerExited | WorkerFenced
                         | HardwareReport | ChaosFailed | BackupReady | AgentBye)
 CONTROLLER_TO_HEARTBEAT = AbortEpoch

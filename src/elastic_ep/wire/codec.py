@@ -211,19 +211,23 @@ def peer_address(frame: Any) -> str:
         return "unknown"
 
 
-_ANY: msgspec.msgpack.Decoder | None = None
+def _message_type(tag: str) -> type | None:
+    """The Message class whose tag is `tag`, among every one defined."""
+    todo, seen = [Message], {}
+    while todo:
+        for cls in todo.pop().__subclasses__():
+            seen[cls.__name__] = cls
+            todo.append(cls)
+    return seen.get(tag)
 
 
 def _decodes_as_any(body: Any) -> str | None:
-    """The type name of `body` if it is a valid message of any socket (the unions live in the
-    package, which imports this module: looked up on first use)."""
-    global _ANY
-    if _ANY is None:
-        from elastic_ep.wire import ALL_MESSAGES
-        _ANY = decoder(ALL_MESSAGES)
+    """The type name of `body` if it is a valid message of some socket (any error: None)."""
     try:
-        return type(_ANY.decode(body)).__name__
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, NotImplementedError):
+        raw = msgspec.msgpack.decode(body)
+        cls = _message_type(raw[0]) if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
+        return type(decoder(cls).decode(body)).__name__ if cls is not None else None
+    except Exception:  # noqa: BLE001 - whatever fails to decode is not a message
         return None
 
 
@@ -248,7 +252,7 @@ class Inbox:
             return None
         try:
             return self._decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, NotImplementedError) as e:
+        except Exception as e:  # noqa: BLE001 - a frame that fails to decode, however, is dropped
             other = _decodes_as_any(body)
             if other is not None:
                 self._reject(frames, "unexpected", f"{other} is not a message of this socket")
