@@ -75,8 +75,10 @@ def test_sequences_of_a_dead_rank_are_re_prefilled_with_their_tokens_so_far():
     run_step(s, token=8)
     victim = s.by_id[1].rank
     s.set_ranks([r for r in (0, 1) if r != victim])
+    first, _ = run_step(s)  # the survivors' first step after the loss: their decode alone
+    survivor = next(iter(first.chunks))
+    assert [(c.seq_id, len(c.token_ids)) for c in first.chunks[survivor]] == [(2, 1)]
     batch = s.schedule()
-    survivor = next(iter(batch.chunks))
     moved = next(c for c in batch.chunks[survivor] if c.seq_id == 1)
     assert moved.start_pos == 0 and moved.token_ids == [1, 2, 3, 9, 8] and moved.sample
 
@@ -102,7 +104,7 @@ def test_a_lost_ranks_requests_are_re_prefilled_a_budget_per_step_while_the_othe
     s.set_ranks([0, 1])
     assert len(moved) == 2 and all(q.pending == 14 for q in moved)  # 10 prompt + 4 generated
     moved_ids = {q.seq_id for q in moved}
-    for _ in range(4):
+    for _ in range(5):
         batch, _ = run_step(s)
         per_seq = {c.seq_id: len(c.token_ids) for cs in batch.chunks.values() for c in cs}
         assert [n for i, n in per_seq.items() if i not in moved_ids] == [1, 1, 1, 1]  # the others decode on

@@ -116,7 +116,8 @@ class Controller:
         registry = registry or CollectorRegistry()
         self.metrics = ClusterMetrics(registry)
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.align_rule(),
-                                   cfg.reprefill_tokens_per_step)
+                                   cfg.reprefill_tokens_per_step, block_size=cfg.block_size,
+                                   enable_prefix_caching=cfg.enable_prefix_caching)
         self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.streams = Streams(self.scheduler)

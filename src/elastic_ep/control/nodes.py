@@ -137,7 +137,11 @@ class Nodes:
         return WorkerLaunch(
             cfg.model_dir, plane.step_addr, plane.health_addr, cfg.control_host, self.ctl.store_port, cfg.backend,
             cfg.max_num_seqs, cfg.max_model_len, cfg.heartbeat_interval_s if cfg.health_checks else 0.0,
-            cfg.backup_fetch_timeout_s, dtype=cfg.dtype, device=cfg.device,
+            cfg.backup_fetch_timeout_s, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+            num_gpu_blocks_override=cfg.num_gpu_blocks_override, kv_cache_memory=cfg.kv_cache_memory,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            expert_slot_bytes=self.ctl.redundancy.slots_per_rank * self.ctl.reader.expert_nbytes
+            * len(self.ctl.config.moe_layers), max_num_batched_tokens=cfg.max_num_batched_tokens,
         )
 
     def on_agent_bye(self, msg: AgentBye) -> None:
@@ -179,10 +183,15 @@ class Nodes:
             self.stop_rank(msg.rank_id)
             return
         r.hello, r.last_heartbeat = msg, self.ctl.plane.heard_clock()
+        self.ctl.scheduler.set_pool_size(msg.rank_id, msg.kv_blocks)
+        cfg = self.ctl.cfg
         self.cluster.events.add(
             EventKind.REGISTERED, f"rank {msg.rank_id} registered ({msg.join_mode}); dense weights from "
-            f"{msg.dense_source} in {msg.load_s:.2f}s, warmed up in {msg.warmup_s:.3f}s", msg.rank_id,
-            dense_source=msg.dense_source, load_s=msg.load_s, warmup_s=msg.warmup_s)
+            f"{msg.dense_source} in {msg.load_s:.2f}s, warmed up in {msg.warmup_s:.3f}s; KV pool of {msg.kv_blocks} "
+            f"blocks of {cfg.block_size} tokens ({msg.kv_blocks * cfg.block_size} tokens, "
+            f"{msg.kv_blocks * cfg.block_size // cfg.max_model_len} requests of --max-model-len {cfg.max_model_len})",
+            msg.rank_id, dense_source=msg.dense_source, load_s=msg.load_s, warmup_s=msg.warmup_s,
+            kv_blocks=msg.kv_blocks)
 
     def on_worker_exited(self, msg: WorkerExited) -> None:
         r = self.cluster.ranks.get(msg.rank_id)

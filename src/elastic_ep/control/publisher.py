@@ -94,7 +94,8 @@ class Publisher:
             health=vars(health), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view(),
             straggler_policy=ctl.stragglers.view(now), hardware=ctl.hardware.view(),
             standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()},
-            data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status())
+            data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status(),
+            kv_cache=ctl.scheduler.pool_view(ctl.cfg.max_model_len))
         self._set_gauges(heard, readiness, liveness)
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
@@ -122,4 +123,7 @@ class Publisher:
                 m.rank_last_progress_seconds.labels(label).set(unix_now - (heard - r.progress_at))
         m.requests_running.set(sum(len(seqs) for seqs in ctl.scheduler.running.values()))
         m.requests_waiting.set(len(ctl.scheduler.waiting))
+        pools = ctl.scheduler.pools
+        m.kv_cache_usage.set({r: (p.num_blocks - p.num_free_blocks, p.num_blocks) for r, p in pools.items()})
+        m.prefix_cached_blocks.set(sum(p.num_cached_blocks for p in pools.values()))
         m.ready.set(int(readiness.ready))

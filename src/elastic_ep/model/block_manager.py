@@ -93,6 +93,10 @@ class BlockManager:
             parent = h
         return found, hashes
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of token_ids that `allocate` would find cached."""
+        return len(self._match(token_ids)[0]) * self.block_size
+
     def allocate(self, seq_id: int, token_ids: list[int], num_tokens: int) -> int | None:
         """Give `seq_id` (holding nothing) blocks for its first num_tokens positions, taking the
         cached blocks of its longest cached prefix of token_ids. Returns the number of leading

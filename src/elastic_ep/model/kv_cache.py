@@ -189,3 +189,22 @@ class KVCache:
         if self.shape.values_in_keys:
             return keys, keys[..., : self.shape.v_dim]
         return keys, self.values[layer][slots].transpose(-3, -2)
+
+
+def pool_num_blocks(bytes_per_block: int, *, override: int = 0, budget_bytes: int = 0,
+                    fallback_blocks: int = 0) -> int:
+    """Blocks of a rank's KV pool: `override` when given (--num-gpu-blocks-override), else as many
+    as `budget_bytes` holds (--kv-cache-memory, or what --gpu-memory-utilization leaves), else
+    fallback_blocks. Raises ElasticEPError when that is not one block, naming the sizes."""
+    if override > 0:
+        num_blocks = override
+    elif budget_bytes:
+        num_blocks = max(budget_bytes, 0) // bytes_per_block
+    else:
+        num_blocks = fallback_blocks
+    if num_blocks < 1:
+        raise ElasticEPError(
+            f"the KV cache budget of {budget_bytes} bytes holds no block of {bytes_per_block} bytes; give the "
+            "cache more memory (--kv-cache-memory, --gpu-memory-utilization) or a smaller model"
+        )
+    return num_blocks
