@@ -39,6 +39,9 @@ from elastic_ep.model.tiny import make_tiny
 from elastic_ep.model.tokenizer import encode, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
+# (c): prompts of ~600 tokens (38 blocks of 16) that grow by 4 blocks each; 120 blocks per rank admit
+# three and leave 6 free, fewer than their 12 of growth: decodes must preempt
+BURST_MAX_TOKENS = 64
 # Runs in a fresh interpreter with the given src/ first on the path: this tree's or the baseline's.
 CHILD = r"""
 import json, resource, sys, time
@@ -65,7 +68,7 @@ def text_of_tokens(tokenizer, tokens: int, salt: int) -> str:
     """A text that encodes to about `tokens` tokens."""
     n = tokens
     while len(encode(tokenizer, words(n, salt))) > tokens:
-        n = int(n * 0.9)
+        n -= 1 + n // 100
     return words(n, salt)
 
 
@@ -146,9 +149,9 @@ def burst(model: Path, requests: int, blocks: int, tmp: Path) -> dict:
 
         def one(prompt: str) -> str:
             try:
-                out = client.completions.create(model=name, prompt=prompt, max_tokens=32, temperature=0,
-                                                extra_body={"ignore_eos": True})
-                return "ok" if out.usage.completion_tokens == 32 else "short"
+                out = client.completions.create(model=name, prompt=prompt, max_tokens=BURST_MAX_TOKENS,
+                                                temperature=0, extra_body={"ignore_eos": True})
+                return "ok" if out.usage.completion_tokens == BURST_MAX_TOKENS else "short"
             except openai.APIError as e:
                 return f"failed: {e}"
 
@@ -157,7 +160,7 @@ def burst(model: Path, requests: int, blocks: int, tmp: Path) -> dict:
             outcomes = list(pool.map(one, prompts))
         wall_s = time.perf_counter() - t0
         return {"requests": requests, "pool_blocks_per_rank": blocks,
-                "blocks_wanted": requests * -(-(600 + 32) // 16), "finished": outcomes.count("ok"),
+                "blocks_wanted": requests * -(-(600 + BURST_MAX_TOKENS) // 16), "finished": outcomes.count("ok"),
                 "failed": [o for o in outcomes if o != "ok"], "preemptions": metric(server,
                                                                                     "elastic_ep_num_preemptions_total"),
                 "healthy_after": server.http.get("/health").status_code == 200, "wall_s": round(wall_s, 2)}
@@ -173,7 +176,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--burst", type=int, default=12)
-    parser.add_argument("--burst-blocks", type=int, default=128, help="(c): blocks of 16 tokens per rank")
+    parser.add_argument("--burst-blocks", type=int, default=120, help="(c): blocks of 16 tokens per rank")
     parser.add_argument("--parts", default="a,b,c")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
