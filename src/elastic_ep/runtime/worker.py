@@ -116,7 +116,8 @@ class Worker:
         its warm-up took. On a GPU without --kv-cache-memory or an override the budget is
         --gpu-memory-utilization of the device, less the weights, every expert slot (redundant
         ones included, so a re-placement never needs more) and the activation peak of a warm-up
-        forward at the largest batch; elsewhere the warm-up is a short one."""
+        forward at the largest batch (without the routed experts, which arrive with the epoch:
+        their activations are not in the peak); elsewhere the warm-up is a short one."""
         launch = self.args.launch
         block_size = launch.block_size
         bytes_per_block = self.model.new_kv_cache(1, block_size).bytes_per_token * block_size
