@@ -12,7 +12,8 @@ Threads:
   while the main thread is blocked, and sees nothing once the process is stopped.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
-Messages of an epoch other than the current one are dropped.
+Messages of an epoch other than the current one are dropped, and so is any frame without the
+cluster key (which its agent hands it in $ELASTIC_EP_CLUSTER_KEY) or not of its socket.
 """
 
 from __future__ import annotations
@@ -37,13 +38,18 @@ from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
+    CONTROLLER_TO_HEARTBEAT,
+    CONTROLLER_TO_WORKER,
     AbortEpoch,
     ChaosStep,
+    ClusterKey,
+    ClusterKeyError,
     CorruptSlot,
     EpochFailed,
     EpochReady,
     EpochStart,
     Heartbeat,
+    Inbox,
     Shutdown,
     SlotChecksums,
     StepErrorKind,
@@ -53,8 +59,7 @@ from elastic_ep.wire import (
     SweepSlots,
     WorkerArgs,
     WorkerHello,
-    decode,
-    encode,
+    key_from_env,
 )
 
 from .dense import load_dense
@@ -84,8 +89,10 @@ def _die_with_parent() -> None:
 
 
 class Worker:
-    def __init__(self, args: WorkerArgs):
+    def __init__(self, args: WorkerArgs, key: ClusterKey):
         self.args = args
+        self.key = key
+        self.inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key, args.node)
         launch = args.launch
         self.progress = ProgressBoard()
         self.ctx = zmq.Context.instance()
@@ -99,7 +106,7 @@ class Worker:
         self.config = MoEConfig.from_pretrained(launch.model_dir)
         self.reader = CheckpointReader(launch.model_dir, self.config, dtype=launch.dtype)
         dense, self.dense_source, self.load_s = load_dense(
-            self.reader, args.dense_path, args.dense_addr, launch.dense_fetch_timeout_s
+            self.reader, args.dense_path, args.dense_addr, launch.dense_fetch_timeout_s, key
         )
         self.model = MoEForCausalLM(self.config, dense, dtype=self.reader.dtype, device=self.device)
         self.kv = self.model.new_kv_cache(launch.max_num_seqs, launch.max_model_len)
@@ -131,7 +138,14 @@ class Worker:
         return time.perf_counter() - t0
 
     def send(self, message) -> None:
-        self.sock.send(encode(message))
+        self.sock.send_multipart(self.key.seal(message))
+
+    def _receive(self):
+        """The next message of the step socket; frames the inbox drops are skipped."""
+        while True:
+            msg = self.inbox.read(self.sock.recv_multipart(copy=False))
+            if msg is not None:
+                return msg
 
     def run(self) -> None:
         if self.args.launch.heartbeat_interval_s > 0:
@@ -139,7 +153,7 @@ class Worker:
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
                               self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device)))
         while True:
-            msg = self._pending.pop(0) if self._pending else decode(self.sock.recv())
+            msg = self._pending.pop(0) if self._pending else self._receive()
             if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, EpochStart):
@@ -163,7 +177,7 @@ class Worker:
 
     def _newer_epoch_arrived(self) -> bool:
         while self.sock.poll(0):
-            msg = decode(self.sock.recv())
+            msg = self.inbox.read(self.sock.recv_multipart(copy=False))
             if isinstance(msg, (EpochStart, Shutdown)):
                 self._pending = [msg]
                 return True
@@ -207,6 +221,7 @@ class Worker:
                 msg.backups,
                 args.node,
                 msg.backup_fetch_timeout_s,
+                key=self.key,
             )
             transfer_s = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -360,17 +375,18 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.args.launch.health_addr)
+        inbox = Inbox("worker_heartbeat", CONTROLLER_TO_HEARTBEAT, self.key, self.args.node)
         pid = os.getpid()
         interval_s = self.args.launch.heartbeat_interval_s
         next_beat = time.monotonic()
         while not self._stop.is_set():
             if sock.poll(max(int((next_beat - time.monotonic()) * 1000), 0)):
-                msg = decode(sock.recv())
+                msg = inbox.read(sock.recv_multipart(copy=False))
                 group = self.group
                 if isinstance(msg, AbortEpoch) and group is not None and group.epoch == msg.epoch:
                     group.abort()
                 continue
-            sock.send(encode(Heartbeat(self.args.rank_id, pid, self.progress.current)))
+            sock.send_multipart(self.key.seal(Heartbeat(self.args.rank_id, pid, self.progress.current)))
             next_beat = time.monotonic() + interval_s
         sock.close()
 
@@ -394,9 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     args = WorkerArgs.from_json(argv[0])
     try:
+        key = key_from_env()
         bind_data_plane(args.host)
-        worker = Worker(args)
-    except (AddressNotLocal, ConnectionError, ElasticEPError) as e:
+        worker = Worker(args, key)
+    except (AddressNotLocal, ConnectionError, ElasticEPError, ClusterKeyError) as e:
         print(f"elastic-ep rank {args.rank_id} on {args.node}: {e}", file=sys.stderr, flush=True)
         return 2
     worker.run()
