@@ -83,6 +83,13 @@ HELP = {
     "max_num_batched_tokens": "tokens per rank per step (chunked prefill)",
     "reprefill_tokens_per_step": "tokens per step, over all ranks, of re-prefilling the requests of a lost rank, so "
                                  "the others keep decoding at their pace (0: no limit)",
+    "block_size": "tokens per KV cache block",
+    "gpu_memory_utilization": "on a GPU, the fraction of its memory a rank uses: the KV pool gets what the weights, "
+                              "every expert slot and the activation peak of a warm-up forward leave",
+    "kv_cache_memory": "bytes of each rank's KV pool, on any device (0: --gpu-memory-utilization on a GPU, room "
+                       "for --max-num-seqs requests of --max-model-len on a CPU)",
+    "num_gpu_blocks_override": "blocks of each rank's KV pool, whatever the budget (0: from the budget; for tests)",
+    "enable_prefix_caching": "share the KV blocks of a common token prefix between requests",
     "padded_dispatch_max_tokens": "steps whose busiest rank runs at most this many tokens dispatch fixed-size "
                                   "blocks, one all-to-all fewer per layer (0: never)",
     "enable_dbo": "two micro-batches per step (vLLM's dual batch overlap): one's dispatch and combine are in "

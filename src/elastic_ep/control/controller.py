@@ -133,7 +133,8 @@ class Controller:
         self.rejected_frames = RejectedFrames(registry)
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    AlignRule(cfg.dp_align, cfg.dp_align_min_chunk, cfg.dp_migrate,
-                                             cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step)
+                                             cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step,
+                                   block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.cluster = c = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.streams = Streams(self.scheduler)
@@ -145,7 +146,8 @@ class Controller:
                                     lambda ranks: any(r in self.detector.faults for r in ranks))
         self.nodes = Nodes(c, cfg, self.plane, self.store_port, nbytes, fault=self.fault,
                            target_size=lambda: self.scaling.target_ep_size, undrain=self.scheduler.undrain,
-                           forget_measures=self._forget_measures, pump=self.pump, publish=self.publish)
+                           forget_measures=self._forget_measures, pump=self.pump, publish=self.publish,
+                           set_pool_size=self.scheduler.set_pool_size)
         self.chaos = (ChaosInjector(c, self.plane, self.nodes, self.changer.after_next_start, self.scheduler.by_id)
                       if cfg.enable_chaos else None)
         self.isolation = Isolation(self.streams, c.events, self.fault, cfg.isolation_max_steps)
