@@ -49,6 +49,8 @@ class Delta:
     logprobs: list[TextLogprob] = field(default_factory=list)
     """The tokens behind this delta (and any whose text was held back before), when the
     request asked for logprobs."""
+    token_ids: list[int] = field(default_factory=list)
+    """The ids of the tokens behind this delta (and any whose text was held back before)."""
 
 
 class Generation:
@@ -86,21 +88,23 @@ class Generation:
         the engine reports an error for this request or its text cannot be made."""
         event = self._first
         held: list[TextLogprob] = []
+        held_ids: list[int] = []
         while event is not None:
             self.timer.tokens(len(event.new_token_ids))
             held += self._logprobs(event)
+            held_ids += event.new_token_ids
             text = self._guarded(lambda e=event: self._text.add(e.new_token_ids))
             if self._text.stopped:
-                yield Delta(text, "stop", held)
+                yield Delta(text, "stop", held, held_ids)
                 return
             if event.finished:
                 if event.finish_reason == "error":
                     raise APIError(500, f"the engine failed this request: {event.error}", code="engine_error")
-                yield Delta(text + self._guarded(self._text.finish), event.finish_reason or "stop", held)
+                yield Delta(text + self._guarded(self._text.finish), event.finish_reason or "stop", held, held_ids)
                 return
             if text:
-                yield Delta(text, None, held)
-                held = []
+                yield Delta(text, None, held, held_ids)
+                held, held_ids = [], []
             event = await self._next()
 
     def _logprobs(self, event: RequestOutput) -> list[TextLogprob]:
