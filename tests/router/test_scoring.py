@@ -62,9 +62,11 @@ def test_the_first_backend_in_order_wins_until_its_load_passes_the_bound():
     order = URLS[:3]
     idle = {u: Load() for u in order}
     assert choose(order, idle, Limits()) == order[0]
+    # at low load the prefix's backend keeps it: the bound is at least load_floor (4)
+    assert choose(order, {**idle, order[0]: Load(running=3)}, Limits()) == order[0]
     # bound: ceil(1.5 x (8 + 1) / 3) = 5 requests; the first would hold 9
     assert choose(order, {**idle, order[0]: Load(running=8)}, Limits()) == order[1]
-    # ceil(1.5 x (4 + 1) / 3) = 3: 4 + 1 is over, but at 1.5 x more slack it is not
+    # max(4, ceil(1.5 x (4 + 1) / 3)) = 4: 4 + 1 is over, but at 1.5 x more slack it is not
     assert choose(order, {**idle, order[0]: Load(running=4)}, Limits()) == order[1]
     assert choose(order, {**idle, order[0]: Load(running=4)}, Limits(load_slack=2.0)) == order[0]
     # this router's own open requests count when the metrics lag behind them

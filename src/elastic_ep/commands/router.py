@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-slack", type=float, default=LIMITS.load_slack,
                         help="a backend takes a request while its load is under (1 + this) x the mean; past that "
                              "the next backend in the prefix's order does")
+    parser.add_argument("--load-floor", type=int, default=LIMITS.load_floor,
+                        help="requests a backend holds before load may send its prefix's requests elsewhere")
     parser.add_argument("--kv-high", type=float, default=LIMITS.kv_high,
                         help="a backend whose KV cache is this full (elastic_ep_kv_cache_usage_perc) is passed "
                              "over while another has room")
@@ -84,7 +86,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
     if args.block_bytes < 1 or args.affinity_blocks < 1:
         raise ElasticEPError("--block-bytes and --affinity-blocks must be >= 1")
     limits = Limits(max_open=args.max_open_per_backend, max_waiting=args.max_waiting_per_backend,
-                    load_slack=args.load_slack, kv_high=args.kv_high)
+                    load_slack=args.load_slack, load_floor=args.load_floor, kv_high=args.kv_high)
     return RouterConfig(
         backends=backends, backends_file=args.backends_file, api_key=args.api_key,
         backend_api_key=args.backend_api_key, migration_limit=args.migration_limit, limits=limits,

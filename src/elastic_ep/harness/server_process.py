@@ -31,12 +31,13 @@ class ServerProcess:
     wait (call `wait_ready` later, e.g. after starting agents on other nodes). `popen` starts
     the process (e.g. a test bed host's, to run it in a network namespace; then give `port`).
     env: variables set for the server on top of this process's (e.g. PYTHONPATH of another
-    source tree).
+    source tree). own_group: start it in a process group of its own, so that `kill_group` can
+    kill the server and its workers at once (an instance's death, for the router's tests).
     """
 
     def __init__(self, args: list[str], log_path: str | Path, ready_timeout_s: float | None = 120.0,
                  host: str = "127.0.0.1", port: int | None = None, popen=subprocess.Popen,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, own_group: bool = False):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
@@ -44,7 +45,7 @@ class ServerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = popen(
             [sys.executable, "-m", "elastic_ep.cli", "serve", "--host", host, "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, **({"start_new_session": True} if own_group else {}),
         )
         self.http = httpx.Client(base_url=self.url, timeout=60)
         if ready_timeout_s is not None:
@@ -103,6 +104,11 @@ class ServerProcess:
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text()
+
+    def kill_group(self) -> None:
+        """SIGKILL the server's whole process group (its workers too); needs own_group."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM, then SIGKILL after grace_s."""

@@ -11,8 +11,8 @@ with the same loads gets the same backend in every router, so routers need not t
 - A `user` is a key of its own (a session's turns share their history, and the backend that
   holds it).
 - Load is a bounded tie-breaker: the first backend in key order whose load is below
-  `(1 + load_slack) x` the mean load (plus the request) takes it (consistent hashing with
-  bounded loads), and a backend whose KV cache is at least `kv_high` full is passed over
+  `(1 + load_slack) x` the mean load (plus the request), and never below `load_floor`,
+  takes it (consistent hashing with bounded loads), and a backend whose KV cache is at least `kv_high` full is passed over
   while another is not. A saturated backend (see `Load.saturated`) takes nothing.
 """
 
@@ -57,6 +57,9 @@ class Limits:
     max_open: int = 64
     max_waiting: int = 0
     load_slack: float = 0.5
+    load_floor: int = 4
+    """Requests a backend holds before load may send its prefix elsewhere: at low load the
+    load bound would follow every stale poll (1 request against 0) and routers would part."""
     kv_high: float = 0.95
 
     def saturated(self, load: Load) -> bool:
@@ -141,7 +144,7 @@ def choose(order: Sequence[str], loads: dict[str, Load], limits: Limits) -> str 
         return None
     roomy = [u for u in open_ if loads[u].kv_usage < limits.kv_high] or open_
     total = sum(loads[u].requests for u in order)
-    bound = math.ceil((1 + limits.load_slack) * (total + 1) / len(order))
+    bound = max(limits.load_floor, math.ceil((1 + limits.load_slack) * (total + 1) / len(order)))
     for url in roomy:
         if loads[url].requests + 1 <= bound:
             return url
