@@ -144,6 +144,7 @@ def test_the_router_checks_its_key_and_sends_the_backends_theirs(instances, rout
                     headers={"Authorization": "Bearer sesame"}, timeout=30)
     assert ok.status_code == 200
     assert httpx.get(f"{router.url}/health").status_code == 200  # operator routes need no key
+    assert httpx.post(f"{router.url}/backends", json={"url": "http://10.9.9.9:1"}).status_code == 401
     assert router.core.backend_headers(_FakeRequest({"authorization": "Bearer sesame"}))["authorization"] == (
         "Bearer inner")
 

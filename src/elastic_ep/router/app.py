@@ -8,7 +8,8 @@ instances, plus its own operator routes.
   saturated router a 429, both with Retry-After.
 - /tokenize, /detokenize, /v1/models: any ready backend (they hold the same model).
 - /health (the router runs), /ready (some backend is ready), /metrics (the router's own),
-  /router (settings and backends), GET/POST/DELETE /backends.
+  /router (settings and backends), GET/POST/DELETE /backends. With `--api-key`, /v1/* and
+  changes to the backends need `Authorization: Bearer KEY`.
 
 The router sets each request's seed when the client gives none (so a moved stream draws what
 it would have drawn) and its X-Request-Id (so every instance names the response alike).
@@ -80,11 +81,12 @@ class Router:
                                    queue_timeout_s=cfg.queue_timeout_s, retry_after_s=cfg.retry_after_s)
         for url in cfg.backends:
             self.pool.add(url, "cli")
+        self.metrics.queued.set_function(lambda: self.admission.waiting)
+        self.metrics.ready.set_function(lambda: len(self.pool.ready()))
+        self.metrics.backends.set_function(lambda: len(self.pool.backends))
 
     def _changed(self) -> None:
         self.admission.notify()
-        self.metrics.ready.set(len(self.pool.ready()))
-        self.metrics.backends.set(len(self.pool.backends))
 
     async def start(self) -> None:
         await self.pool.poll_once()
@@ -117,11 +119,7 @@ class Router:
         return prefix_key(prompt_material(route, body), self.cfg.block_bytes, self.cfg.affinity_blocks), None
 
     async def acquire(self, key: bytes, user: str | None, exclude: set[str]) -> Backend:
-        self.metrics.queued.set(self.admission.waiting + 1)
-        try:
-            backend = await self.admission.acquire(key, user, exclude)
-        finally:
-            self.metrics.queued.set(self.admission.waiting)
+        backend = await self.admission.acquire(key, user, exclude)
         self.metrics.sent.labels(backend=backend.url).inc()
         return backend
 
@@ -287,7 +285,8 @@ def create_app(cfg: RouterConfig, registry: CollectorRegistry | None = None) -> 
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and not router.authorized(request):
+        guarded = request.url.path.startswith("/v1/") or (request.url.path == "/backends" and request.method != "GET")
+        if guarded and not router.authorized(request):
             return _error(401, "missing or wrong API key: send `Authorization: Bearer <key>`", "invalid_api_key")
         response = await call_next(request)
         if request.url.path.startswith("/v1/"):
