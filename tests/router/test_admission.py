@@ -93,3 +93,23 @@ def test_backends_file_adds_and_removes_only_its_own(tmp_path):
     os.utime(listed, ns=(1, 1))  # a change the mtime shows even within one clock tick
     pool.read_file()
     assert set(pool.backends) == {URLS[1], URLS[2]}
+
+
+def test_a_resumed_stream_waits_for_a_backend_to_become_ready():
+    async def scenario():
+        pool = pool_of(URLS[:1])
+        backend = pool.backends[URLS[0]]
+        backend.ready = False
+        admission = Admission(pool, Limits(), queue_size=0, queue_timeout_s=5.0)
+        waiter = asyncio.ensure_future(admission.acquire(user_key("k"), resuming=True))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        backend.ready = True
+        admission.notify()
+        assert (await asyncio.wait_for(waiter, 1.0)).url == URLS[0]
+        backend.ready = False
+        short = Admission(pool, Limits(), queue_timeout_s=0.1)
+        with pytest.raises(NoBackend, match="became ready"):
+            await short.acquire(user_key("k"), resuming=True)
+
+    asyncio.run(scenario())

@@ -5,10 +5,13 @@ the stream is carried on by another (tokens, text across the seam, ids, indices,
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import pytest
 
+from elastic_ep.control.api import Readiness
 from elastic_ep.router.config import RouterConfig
 
 
@@ -124,3 +127,27 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in {url}/metrics")
+
+
+def test_a_stream_silent_on_an_instance_that_is_no_longer_ready_moves(instances, routers):
+    a, b = instances(2)
+    router = routers(RouterConfig(backends=(a.url, b.url), poll_interval_s=0.05, stream_check_s=0.2))
+    body = {"prompt": "hang here", "max_tokens": 24, "stream": True, "return_token_ids": True}
+    reference = sse(b.url, "/v1/completions", body)
+    hung = a if first_backend(router, "completion", body).url == a.url else b
+    hung.engine.pause_after_events = 3
+    result: list = []
+    reader = threading.Thread(target=lambda: result.append(sse(router.url, "/v1/completions", body)))
+    started_s = time.monotonic()
+    reader.start()
+    while not hung.engine.requests:
+        assert time.monotonic() - started_s < 10
+        time.sleep(0.01)
+    time.sleep(0.3)  # it has sent its 3 events and hangs, still connected
+    hung.engine.ready = Readiness(False, "stalled: the step in flight has run 3.1s")
+    reader.join(20)
+    assert not reader.is_alive(), "the stream stayed on the hung instance"
+    got = by_choice(result[0], chat=False)[0]
+    want = by_choice(reference, chat=False)[0]
+    assert (got["text"], got["token_ids"]) == (want["text"], want["token_ids"])
+    assert time.monotonic() - started_s < 10  # it did not wait for the hung instance's 30 s

@@ -78,6 +78,8 @@ class ScriptedEngine:
         self.recording = False
         self.fail_after_events: int | None = None
         """Set: every stream ends with an error event after this many events (an instance going bad)."""
+        self.pause_after_events: int | None = None
+        """Set: every stream sends nothing more after this many events (an instance that hangs)."""
 
     async def generate(self, request: GenerationRequest):
         prompt = self.tokenizer.decode(request.prompt_token_ids)
@@ -100,6 +102,8 @@ class ScriptedEngine:
                     done = True
                     yield RequestOutput(request.request_id, [], True, "error", "this instance is failing")
                     return
+                if self.pause_after_events is not None and events >= self.pause_after_events:
+                    await asyncio.sleep(30)
                 events += 1
                 if output and "[error]" in prompt:
                     done = True

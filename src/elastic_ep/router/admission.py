@@ -77,13 +77,17 @@ class Admission:
         return by_url[url]
 
     async def acquire(self, key: bytes, user: str | None = None, exclude: Collection[str] = (),
-                      queue: bool = True) -> Backend:
+                      resuming: bool = False) -> Backend:
         """A backend with room, its `open_here` counted (give it back with `release`). Waits in
-        the queue while every ready backend is saturated; raises NoBackend or Saturated."""
-        backend = self._take(key, user, exclude)
+        the queue while every ready backend is saturated; raises NoBackend or Saturated.
+
+        resuming: for a stream already under way (its instance died): it waits, up to
+        queue_timeout_s, also for a backend to become ready and whatever the queue holds, since
+        refusing it breaks a stream the client has half received."""
+        backend = self._take(key, user, exclude, resuming)
         if backend is not None:
             return backend
-        if not queue or self.waiting >= self.queue_size:
+        if not resuming and self.waiting >= self.queue_size:
             raise Saturated(f"every backend is saturated and {self.waiting} requests wait already; retry later",
                             self.retry_after_s)
         deadline_s = time.monotonic() + self.queue_timeout_s
@@ -93,20 +97,23 @@ class Admission:
                 self._wakeup.clear()
                 remaining_s = deadline_s - time.monotonic()
                 if remaining_s <= 0:
+                    if not self.pool.ready():
+                        raise NoBackend(f"no backend became ready within {self.queue_timeout_s:g}s",
+                                        self.retry_after_s)
                     raise Saturated(f"no backend had room within {self.queue_timeout_s:g}s; retry later",
                                     self.retry_after_s)
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), remaining_s)
                 except asyncio.TimeoutError:
                     pass
-                backend = self._take(key, user, exclude)
+                backend = self._take(key, user, exclude, resuming)
                 if backend is not None:
                     return backend
         finally:
             self.waiting -= 1
 
-    def _take(self, key: bytes, user: str | None, exclude: Collection[str]) -> Backend | None:
-        if not self.pool.ready():
+    def _take(self, key: bytes, user: str | None, exclude: Collection[str], resuming: bool) -> Backend | None:
+        if not self.pool.ready() and not resuming:
             reasons = "; ".join(f"{b.url}: {b.reason}" for b in self.pool.backends.values()) or "none configured"
             raise NoBackend(f"no backend is ready ({reasons})", self.retry_after_s)
         backend = self.pick(key, user, exclude)

@@ -118,8 +118,8 @@ class Router:
             return user_key(user), user
         return prefix_key(prompt_material(route, body), self.cfg.block_bytes, self.cfg.affinity_blocks), None
 
-    async def acquire(self, key: bytes, user: str | None, exclude: set[str]) -> Backend:
-        backend = await self.admission.acquire(key, user, exclude)
+    async def acquire(self, key: bytes, user: str | None, exclude: set[str], resuming: bool = False) -> Backend:
+        backend = await self.admission.acquire(key, user, exclude, resuming)
         self.metrics.sent.labels(backend=backend.url).inc()
         return backend
 
@@ -192,7 +192,7 @@ class Router:
                 choice.moves += 1
                 self.metrics.moves.inc()
                 try:
-                    target = await self.acquire(key, user, choice.failed_on)
+                    target = await self.acquire(key, user, choice.failed_on, resuming=True)
                 except (NoBackend, Saturated) as e:
                     raise StreamFailed(error_body(503, f"the stream cannot go on: {e}", code="no_backend")) from e
                 try:
@@ -212,8 +212,8 @@ class Router:
         first = Attempt(backend, response, {c.index: c.index for c in choices}, {},
                         functools.partial(self.admission.release, backend))
         relay = StreamRelay(
-            route, first, Rewriter(route, choices, keep_token_ids=body.get("return_token_ids") is True),
-            include_usage, open_resume, on_move=lambda reason: None,
+            first, Rewriter(route, choices, keep_token_ids=body.get("return_token_ids") is True),
+            include_usage, open_resume,
             on_first_token=lambda: self.metrics.time_to_first_token_s.observe(time.monotonic() - arrived_s),
             check_s=self.cfg.stream_check_s,
         )

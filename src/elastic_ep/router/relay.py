@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,6 +158,8 @@ class Attempt:
     release: Callable[[], None]
     task: asyncio.Task | None = None
     closed: bool = False
+    heard_s: float = field(default_factory=time.monotonic)
+    """When its last chunk (or its opening) arrived."""
 
     async def close(self) -> None:
         """Close the stream (serve then aborts its requests) and give the backend's slot back."""
@@ -214,18 +217,15 @@ OpenResume = Callable[[ChoiceState], Awaitable[Attempt]]
 class StreamRelay:
     """The client's event stream over `first` and the resumed streams that follow it.
 
-    check_s: while waiting for a chunk, how often the backends of the open streams are checked
-    for readiness (a stream on an instance that is no longer ready moves at once).
+    check_s: a stream that has heard nothing for this long while its instance is not ready
+    moves (one that still brings chunks from an instance that is not ready stays).
     """
 
-    def __init__(self, route: str, first: Attempt, rewriter: Rewriter, include_usage: bool,
-                 open_resume: OpenResume, on_move: Callable[[str], None], on_first_token: Callable[[], None],
-                 check_s: float = 0.25):
-        self.route = route
+    def __init__(self, first: Attempt, rewriter: Rewriter, include_usage: bool, open_resume: OpenResume,
+                 on_first_token: Callable[[], None], check_s: float = 0.25):
         self.rewriter = rewriter
         self.include_usage = include_usage
         self.open_resume = open_resume
-        self.on_move = on_move
         self.on_first_token = on_first_token
         self.check_s = check_s
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -254,14 +254,14 @@ class StreamRelay:
     async def events(self) -> AsyncIterator[str]:
         try:
             while not all(c.finished for c in self.rewriter.choices):
+                await self._move_silent_on_unready()
                 try:
                     kind, attempt, item = await asyncio.wait_for(self.queue.get(), self.check_s)
                 except asyncio.TimeoutError:
-                    for attempt in [a for a in self.attempts if not a.closed and not a.backend.ready]:
-                        await self._move(attempt, f"instance not ready ({attempt.backend.reason})")
                     continue
                 if attempt.closed:
                     continue
+                attempt.heard_s = time.monotonic()
                 if kind == "chunk" and "error" in item:
                     if item["error"].get("type") not in SERVER_ERROR_TYPES:
                         yield _sse(item)
@@ -289,6 +289,12 @@ class StreamRelay:
             yield _sse(e.body)
         yield "data: [DONE]\n\n"
 
+    async def _move_silent_on_unready(self) -> None:
+        now_s = time.monotonic()
+        for attempt in [a for a in self.attempts if not a.closed and not a.backend.ready]:
+            if now_s - attempt.heard_s >= self.check_s:
+                await self._move(attempt, f"instance not ready ({attempt.backend.reason})")
+
     async def _move(self, attempt: Attempt, reason: str) -> None:
         """The instance of `attempt` failed: its unfinished choices go on elsewhere."""
         await attempt.close()
@@ -300,7 +306,6 @@ class StreamRelay:
             choice.failed_on.add(attempt.backend.url)
             logger.warning("choice %d of %s: %s on %s; resuming after %d tokens", index,
                            self.rewriter.head.get("id"), reason, attempt.backend.url, len(choice.token_ids))
-            self.on_move(reason)
             self._start(await self.open_resume(choice))
 
     async def close(self) -> None:
