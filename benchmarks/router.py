@@ -2,7 +2,7 @@
 shared system prompts (P prefixes x R requests, interleaved), streamed chat completions.
 
     .venv/bin/python benchmarks/router.py [--instances 2] [--prefixes 8] [--requests 64]
-        [--concurrency 8] [--max-tokens 8] [--json]
+        [--concurrency 8] [--max-tokens 8] [--patient] [--serve-args "..."] [--json]
 
 Each mode gets its own system prompts (same sizes), so neither finds the other's prefixes
 cached. Round robin: the client sends request k to instance k mod N. Router: every request to
@@ -20,6 +20,7 @@ import argparse
 import itertools
 import json
 import random
+import shlex
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -109,11 +110,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests per prefix")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--patient", action="store_true",
+                        help="serve with 10 s detection deadlines (heartbeat, agent, lease 20 s): on a machine "
+                             "so loaded that an instance's own agent misses its 1 s heartbeat while starting")
+    parser.add_argument("--serve-args", default="", help="more `serve` options, one string (e.g. a KV pool size)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench-router-"))
     serve_args = ["--model", args.model, "--ep-size", str(args.ep_size), "--max-model-len", "1024",
                   "--max-num-seqs", str(args.concurrency)]
+    serve_args += shlex.split(args.serve_args)
+    if args.patient:
+        serve_args += ["--heartbeat-timeout-s", "10", "--agent-timeout-s", "10", "--lease-s", "20"]
     servers = [ServerProcess(serve_args, logs / f"serve{i}.log", ready_timeout_s=None)
                for i in range(args.instances)]
     router = None
