@@ -62,6 +62,7 @@ def test_a_backend_added_at_run_time_takes_load_and_a_removed_one_takes_none(ins
     missing = httpx.request("DELETE", f"{router.url}/backends", json={"url": b.url})
     assert missing.status_code == 404
     assert httpx.post(f"{router.url}/backends", json={"url": "ftp://x"}).status_code == 400
+    assert httpx.post(f"{router.url}/backends", json={"address": "x"}).json()["error"]["param"] == "url"
 
 
 def test_two_routers_send_each_prefix_to_the_same_instance(instances, routers):
@@ -162,3 +163,13 @@ def test_tokenize_detokenize_and_models_pass_through(instances, routers):
 class _FakeRequest:
     def __init__(self, headers: dict[str, str]):
         self.headers = headers
+
+
+def test_the_router_starts_without_torch():
+    """It forwards requests only: loading torch would cost every start seconds of CPU."""
+    import subprocess
+    import sys
+
+    code = "import sys, elastic_ep.commands.router, elastic_ep.router.app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

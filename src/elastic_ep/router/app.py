@@ -30,9 +30,11 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elastic_ep import __version__
 from elastic_ep.router.admission import Admission, NoBackend, Saturated
@@ -53,7 +55,7 @@ from elastic_ep.router.relay import (
 )
 from elastic_ep.router.scoring import prefix_key, prompt_material, rendezvous_order, user_key
 from elastic_ep.serve.errors import error_body
-from elastic_ep.serve.generation import EventStreamResponse
+from elastic_ep.serve.streaming import EventStreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +285,14 @@ def create_app(cfg: RouterConfig, registry: CollectorRegistry | None = None) -> 
                   description="OpenAI-compatible gateway over elastic-ep serve instances")
     app.state.router = router
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, f"invalid body: {e.errors()[0]['msg']}", "url"), status_code=400)
+
     @app.middleware("http")
     async def check_key(request: Request, call_next):
         guarded = request.url.path.startswith("/v1/") or (request.url.path == "/backends" and request.method != "GET")
@@ -290,7 +300,9 @@ def create_app(cfg: RouterConfig, registry: CollectorRegistry | None = None) -> 
             return _error(401, "missing or wrong API key: send `Authorization: Bearer <key>`", "invalid_api_key")
         response = await call_next(request)
         if request.url.path.startswith("/v1/"):
-            router.metrics.requests.labels(route=request.url.path, status=str(response.status_code)).inc()
+            # by route template, so that a client cannot grow the label set with made-up paths
+            route = getattr(request.scope.get("route"), "path", "other")
+            router.metrics.requests.labels(route=route, status=str(response.status_code)).inc()
         return response
 
     @app.post("/v1/completions")

@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 
+from elastic_ep.model.seeds import choice_seed
 from elastic_ep.router.backends import Backend
-from elastic_ep.serve.prompts import choice_seed
 
 logger = logging.getLogger(__name__)
 

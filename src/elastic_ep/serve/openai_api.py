@@ -24,14 +24,12 @@ from elastic_ep.serve.detokenize import TextStream
 from elastic_ep.serve.errors import APIError, error_body
 from elastic_ep.serve.generation import (
     Delta,
-    EventStreamResponse,
     Generation,
     TextLogprob,
     admit_all,
     close_all,
     collect,
     merge,
-    until_disconnect,
 )
 from elastic_ep.serve.metrics import HttpMetrics, RequestTimer
 from elastic_ep.serve.openapi import error_responses, event_stream_response
@@ -72,6 +70,7 @@ from elastic_ep.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from elastic_ep.serve.streaming import EventStreamResponse, until_disconnect
 
 logger = logging.getLogger(__name__)
 

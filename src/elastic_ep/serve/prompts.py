@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from elastic_ep.control.api import EngineInfo, GenerationRequest
-from elastic_ep.model.sampling import SEED_MIN, InvalidSamplingParams, SamplingParams
+from elastic_ep.model.sampling import InvalidSamplingParams, SamplingParams
+from elastic_ep.model.seeds import choice_seed
 from elastic_ep.model.tokenizer import decode
 from elastic_ep.serve.errors import APIError, bad_request
 from elastic_ep.serve.protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -163,11 +164,6 @@ def _resumed_output(
             param,
         )
     return tuple(resumed)
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice `index`: seed + index, wrapped into the signed 64-bit range."""
-    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
 def _check_request_options(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:
