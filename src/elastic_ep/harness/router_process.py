@@ -18,7 +18,7 @@ class RouterProcess:
     """One `elastic-ep router ARGS` process (backends among ARGS) with its output in `log_path`;
     waits until it answers /health (start_timeout_s)."""
 
-    def __init__(self, args: list[str], log_path: str | Path, start_timeout_s: float = 60.0,
+    def __init__(self, args: list[str], log_path: str | Path, start_timeout_s: float = 120.0,
                  host: str = "127.0.0.1"):
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
