@@ -76,6 +76,10 @@ class ScriptedEngine:
         self.scaling_to: int | None = None
         self.chaos_calls: list[tuple[str, int, float]] = []
         self.recording = False
+        self.fail_after_events: int | None = None
+        """Set: every stream ends with an error event after this many events (an instance going bad)."""
+        self.pause_after_events: int | None = None
+        """Set: every stream sends nothing more after this many events (an instance that hangs)."""
 
     async def generate(self, request: GenerationRequest):
         prompt = self.tokenizer.decode(request.prompt_token_ids)
@@ -85,14 +89,22 @@ class ScriptedEngine:
             raise RuntimeError("scripted engine crash")
         self.requests[request.request_id] = request
         delay_s = 0.05 if "[slow]" in prompt else 0.0
-        params, output, stopped = request.params, [], False
+        params, output, stopped = request.params, list(request.resumed_output_token_ids), False
         stop_ids = params.stop_ids(self.info.eos_token_ids)
         done = False
+        events = 0
         try:
             if "[stall]" in prompt:
                 await asyncio.sleep(30)
             while True:
                 await asyncio.sleep(delay_s)
+                if self.fail_after_events is not None and events >= self.fail_after_events:
+                    done = True
+                    yield RequestOutput(request.request_id, [], True, "error", "this instance is failing")
+                    return
+                if self.pause_after_events is not None and events >= self.pause_after_events:
+                    await asyncio.sleep(30)
+                events += 1
                 if output and "[error]" in prompt:
                     done = True
                     yield RequestOutput(request.request_id, [], True, "error", "rank 2 lost its KV cache")

@@ -28,12 +28,18 @@ class GenerationRequest:
     It finishes the request with "stop" on a token in `params.stop_ids(eos_token_ids)`,
     "length" after `params.max_tokens` tokens or at max_model_len; the sampler already keeps
     stop tokens out before `params.min_tokens`.
+
+    `resumed_output_token_ids`: output this request already produced on another instance (a
+    stream the router moved): the sequence starts with them as its output, so penalties,
+    min_tokens, max_tokens and sampling positions are those of the uninterrupted request;
+    events carry only the tokens generated after them.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
+    resumed_output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,13 @@ class TextStream:
         self._decode(final=False)
         return self._release(final=False)
 
+    def resume(self, token_ids: list[int]) -> None:
+        """Take tokens whose text was already sent elsewhere (a resumed stream) without
+        returning it: one at a time, as the engine's events brought them, so the text held back
+        (an incomplete character, the start of a stop string) is the same as it was there."""
+        for token_id in token_ids:
+            self.add([token_id])
+
     def finish(self) -> str:
         """The request ended: release everything held back (incomplete bytes included)."""
         if self.stopped:
