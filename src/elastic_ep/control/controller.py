@@ -114,7 +114,7 @@ class Controller:
                            self.redundancy.redundant_experts)
         num_layers = len(self.config.moe_layers)
         registry = registry or CollectorRegistry()
-        self.metrics = ClusterMetrics(registry)
+        self.metrics = ClusterMetrics(registry, cfg.model_name, cfg.metrics_top_k)
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.align_rule(),
                                    cfg.reprefill_tokens_per_step)
         self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from elastic_ep.policy.straggler import judge
+from elastic_ep.policy.straggler import Verdict, VerdictKind, judge
 
 from .api import Health, Readiness
 from .events import EventKind
@@ -95,7 +95,7 @@ class Publisher:
             straggler_policy=ctl.stragglers.view(now), hardware=ctl.hardware.view(),
             standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()},
             data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status())
-        self._set_gauges(heard, readiness, liveness)
+        self._set_gauges(heard, readiness, health, liveness, {r: v for r, v in verdicts.items() if r in c.members})
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
         """One event when the group stalls and one when it moves again (not one per publish)."""
@@ -108,18 +108,40 @@ class Publisher:
                        "in flight is past the stall deadline and no member is silent")
             self._stalled_since = None
 
-    def _set_gauges(self, heard: float, readiness: Readiness, liveness: dict[int, RankLiveness]) -> None:
+    def _set_gauges(self, heard: float, readiness: Readiness, health: Health, liveness: dict[int, RankLiveness],
+                    verdicts: dict[int, Verdict]) -> None:
         ctl, m = self.ctl, self.ctl.metrics
         unix_now = time.time()
+        up, stalled, heartbeat_age, progress_at, flagged = {}, {}, {}, {}, {}
         for r in ctl.cluster.ranks.values():
-            label, lv = str(r.rank_id), liveness.get(r.rank_id)
-            serving = r.rank_id in ctl.cluster.members and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
-            m.rank_up.labels(label).set(int(serving and lv is not None and lv.state != Liveness.STALLED))
-            m.rank_stalled_seconds.labels(label).set(lv.stalled_s or 0.0 if lv is not None else 0.0)
+            rank_id, lv = r.rank_id, liveness.get(r.rank_id)
+            serving = rank_id in ctl.cluster.members and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
+            up[rank_id] = int(serving and lv is not None and lv.state != Liveness.STALLED)
+            stalled[rank_id] = lv.stalled_s or 0.0 if lv is not None else 0.0
             if r.last_heartbeat:
-                m.rank_heartbeat_age_seconds.labels(label).set(heard - r.last_heartbeat)
+                heartbeat_age[rank_id] = heard - r.last_heartbeat
             if r.progress_at:
-                m.rank_last_progress_seconds.labels(label).set(unix_now - (heard - r.progress_at))
+                progress_at[rank_id] = unix_now - (heard - r.progress_at)
+            if r.status.down or r.status == RankStatus.FENCING:
+                flagged[rank_id] = "down"
+            elif lv is not None and lv.state in (Liveness.STALLED, Liveness.SUSPECT):
+                flagged[rank_id] = lv.state.value
+        derated = ctl.stragglers.derated()
+        for rank_id in derated:
+            flagged.setdefault(rank_id, "derated")
+        for rank_id, v in verdicts.items():
+            if v.kind in (VerdictKind.STRAGGLER, VerdictKind.DP_HEAVY) and flagged.get(rank_id) in (None, "derated"):
+                flagged[rank_id] = v.kind.value
+        for name, values in (("elastic_ep_rank_up", up), ("elastic_ep_rank_stalled_seconds", stalled),
+                             ("elastic_ep_rank_heartbeat_age_seconds", heartbeat_age),
+                             ("elastic_ep_rank_last_progress_timestamp_seconds", progress_at)):
+            m.ranks.set_gauge(name, values)
+        m.ranks.select(flagged, ctl.cluster.ranks.keys())
+        m.ranks_up.set(sum(up.values()))
+        m.ranks_stalled.set(sum(lv.state == Liveness.STALLED for lv in liveness.values()))
+        m.straggler_ranks.set(sum(v.kind == VerdictKind.STRAGGLER for v in verdicts.values()))
+        m.derated_ranks.set(len(derated))
         m.requests_running.set(sum(len(seqs) for seqs in ctl.scheduler.running.values()))
         m.requests_waiting.set(len(ctl.scheduler.waiting))
         m.ready.set(int(readiness.ready))
+        m.degraded.set(int(health.status == "degraded"))

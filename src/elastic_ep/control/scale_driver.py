@@ -73,6 +73,7 @@ class ScaleDriver:
         assert op is not None
         c, nodes = self.cluster, self.ctl.nodes
         op.finish("failed", error)
+        self.ctl.metrics.scale_operations.labels("failed").inc()
         c.events.add(EventKind.SCALE_FAILED, f"scale {op.old_ep_size} -> {op.new_ep_size} failed: {error}")
         for r in op.new_ranks:
             if r in c.ranks and r not in c.members and c.ranks[r].status != RankStatus.RETIRING:
@@ -167,6 +168,7 @@ class ScaleDriver:
 
     def _finish(self, op: ScaleOp, phase: str) -> None:
         op.finish(phase)
+        self.ctl.metrics.scale_operations.labels("succeeded").inc()
         self.target_ep_size = op.new_ep_size
         self.cluster.events.add(EventKind.SCALE, f"serving at {len(self.cluster.members)} ranks "
                                 f"{op.finished_s:.2f}s after the request")

@@ -137,9 +137,6 @@ class StepLoop:
             r.wait_s.append(res.dispatch_wait_s + res.combine_wait_s)
             r.own_s.append(res.compute_s)
             r.slot_tokens.append(res.slot_tokens)
-            label = str(rank_id)
-            m.step_seconds.labels(label).observe(res.step_s)
-            m.collective_wait_seconds.labels(label).observe(res.dispatch_wait_s + res.combine_wait_s)
             load += res.expert_load
         self.detector.step_done(wall_s)
         self.failed_batch = None
@@ -149,9 +146,7 @@ class StepLoop:
         now = time.monotonic()
         for rank_id, res in results.items():
             self.own_time.add(now, rank_id, tokens.get(rank_id, 0), res.compute_s)
-        for rank_id, n in tokens.items():
-            m.rank_tokens.labels(str(rank_id)).set(n)
-            m.rank_tokens_total.labels(str(rank_id)).inc(n)
+        m.rank_step(results, tokens)
         self.tokens_run += sum(tokens.values())
         self.tokens_sampled += len(sampled)
         for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
@@ -162,12 +157,11 @@ class StepLoop:
             m.dp_busiest_tokens.labels(plan).observe(max(per_rank.values()))
             if plan == "aligned":
                 m.dp_token_imbalance.set(ratio)
-        m.data_plane_step(results, batch.moves, batch.reprefilled)
+        m.migrations(results, batch.moves, batch.reprefilled)
         slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
         mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
         if mean:
-            for r, v in slot_totals.items():
-                m.expert_load_imbalance.labels(str(r)).set(v / mean)
+            m.ranks.set_gauge("elastic_ep_expert_load_imbalance", {r: v / mean for r, v in slot_totals.items()})
         self.load_window.append(load)
         self.recorder.add(load)
         for seq, new_tokens in self.scheduler.commit(batch, sampled):

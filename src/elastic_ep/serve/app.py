@@ -14,7 +14,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Tokenizer
@@ -45,7 +45,8 @@ def create_app(
         # without its trailing slash (found by the schema fuzz test: POST /chaos/0%2F).
         redirect_slashes=False,
     )
-    metrics = HttpMetrics(registry)
+    disable_created_metrics()  # a `_created` series per counter and histogram: a fifth of all series, unused
+    metrics = HttpMetrics(registry, engine.info.model_name)
     app.include_router(openai_router(engine, tokenizer, metrics))
     app.include_router(admin_router(engine, registry, enable_chaos))
     app.add_middleware(InternalErrorMiddleware)
