@@ -88,6 +88,7 @@ from .standby import Standbys
 from .step_loop import StepLoop
 from .straggler_control import StragglerControl
 from .streams import Streams
+from .tracing import start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,9 @@ class Controller:
                                    cfg.reprefill_tokens_per_step)
         self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
-        self.streams = Streams(self.scheduler)
+        self.traces = (start_tracing(cfg.otlp_traces_endpoint, cfg.trace_sample_ratio, cfg.model_name)
+                       if cfg.otlp_traces_endpoint else None)
+        self.streams = Streams(self.scheduler, self.traces)
         self.detector = FaultDetector(cfg)
         self.plane = ControlPlane(cfg.control_host)
         self.store_port = _free_port(cfg.control_host)
@@ -128,7 +131,8 @@ class Controller:
         )
         self.isolation = Isolation(self.streams, self.cluster.events, self.fault, cfg.isolation_max_steps)
         self.steps = StepLoop(self.cluster, cfg, self.plane, self.scheduler, self.detector, self.metrics,
-                              self.recorder, self.streams, self.isolation, self.config.top_k, self.pump)
+                              self.recorder, self.streams, self.isolation, self.config.top_k, self.pump,
+                              traces=self.traces)
         self.changer = EpochChanger(self.cluster, cfg, self.plane, self.store, self.reader.expert_nbytes, self.pump,
                                     lambda ranks: any(r in self.detector.faults for r in ranks))
         self.recovery = Recovery(self)
@@ -204,6 +208,8 @@ class Controller:
                 raise
         finally:
             self.nodes.shutdown()
+            if self.traces is not None:
+                self.traces.sink.shutdown()  # flush what is sampled
             for seq_id, stream in self.streams:
                 self.streams.deliver(seq_id, RequestOutput(stream.request_id, [], True, "error", "server shutting down"))
             time.sleep(0.1)
@@ -272,9 +278,13 @@ class Controller:
             self.chaos.on_add(cmd.seq)
             self.streams.add(cmd.seq.seq_id, cmd.stream)
             self.scheduler.add(cmd.seq)
+            if self.traces is not None:
+                self.traces.arrived(cmd.seq.seq_id, cmd.seq.request.request_id, len(cmd.seq.request.prompt_token_ids))
         elif isinstance(cmd, AbortRequest):
             self.scheduler.abort(cmd.seq_id)
             self.streams.drop(cmd.seq_id)
+            if self.traces is not None:
+                self.traces.finished(cmd.seq_id, "abort")
         elif isinstance(cmd, StartScale):
             try:
                 answer = self.scaling.request(cmd.new_ep_size)
@@ -312,6 +322,7 @@ class Controller:
         c = self.cluster
         first = c.location is None
         self.detector.new_epoch()
+        started_s = time.monotonic()
         outcome = self.changer.change(live, self.load(), new, holding, restore, reuse_group)
         if isinstance(outcome, NoPlacement):
             self.recovery.degrade(live, outcome.reason)
@@ -341,6 +352,8 @@ class Controller:
                      **report.fields())
         if not reuse_group:  # a background move or refill is not the recovery's epoch
             self.recovery.epoch_formed(report)
+        if self.traces is not None:
+            self.traces.epoch_changed(c.epoch, reason, live, started_s, report.fields())
         if first:
             self.nodes.start_backup()
         self.publish()

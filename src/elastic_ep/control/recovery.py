@@ -78,9 +78,15 @@ class Recovery:
         fence_s = time.monotonic() - t0
         culprits, errors, detected_at = ctl.detector.take()
         ctl.isolation.reset()
+        if ctl.traces is not None:
+            ctl.traces.recovery_began(detected_at, describe(culprits, errors), culprits,
+                                      any(f.cause == FaultCause.EVICTED for f in culprits.values()))
         live = [r for r in c.members if r not in culprits and not c.ranks[r].status.down]
         for r in culprits:
-            ctl.scheduler.evict_rank(r)
+            moved = ctl.scheduler.evict_rank(r)
+            if ctl.traces is not None:
+                for seq in moved:
+                    ctl.traces.moved(seq.seq_id, "fault", r, None, time.time_ns())
             ctl.metrics.forget_rank(r)
             c.delay_s.pop(r, None)
             c.broken.pop(r, None)
@@ -192,5 +198,7 @@ class Recovery:
             return
         total_s = time.monotonic() - record.detected_at
         self.ctl.metrics.recovery_seconds.observe(round(total_s, 4))
+        if self.ctl.traces is not None:
+            self.ctl.traces.recovery_ended(self.cluster.epoch)
         self.cluster.events.add(EventKind.RECOVERED, f"epoch {self.cluster.epoch} serving again after {total_s:.3f}s",
                                 **record.event_fields(wall_s, total_s))

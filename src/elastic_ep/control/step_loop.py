@@ -34,6 +34,7 @@ from .metrics import ClusterMetrics
 from .recorder import ExpertRecorder
 from .scheduler import Scheduler, StepBatch
 from .streams import Streams
+from .tracing import RequestTraces
 
 
 class StepLoop:
@@ -41,7 +42,8 @@ class StepLoop:
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, scheduler: Scheduler,
                  detector: FaultDetector, metrics: ClusterMetrics, recorder: ExpertRecorder, streams: Streams,
-                 isolation: Isolation, top_k: int, pump: Callable[[float], None]):
+                 isolation: Isolation, top_k: int, pump: Callable[[float], None],
+                 traces: RequestTraces | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.plane = plane
@@ -53,6 +55,7 @@ class StepLoop:
         self.isolation = isolation
         self.top_k = top_k
         self.pump = pump
+        self.traces = traces
         self.replies: dict[int, StepResult | StepFailed] = {}
         self.in_step: set[int] = set()  # members of the step in flight
         self.started_at = 0.0  # monotonic time the step in flight was sent
@@ -62,6 +65,7 @@ class StepLoop:
         self.failed_batch: StepBatch | None = None  # the batch of the step recovery re-runs
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
         self._sent_at = 0.0
+        self._started_ns = 0  # wall-clock ns the step in flight was sent (request traces)
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
@@ -83,6 +87,7 @@ class StepLoop:
         self.replies = {}
         self.in_step = set(c.members)
         self.started_at = time.monotonic()
+        self._started_ns = time.time_ns()
         start = self._sent_at = time.perf_counter()
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
@@ -164,9 +169,21 @@ class StepLoop:
             m.ranks.set_gauge("elastic_ep_expert_load_imbalance", {r: v / mean for r, v in slot_totals.items()})
         self.load_window.append(load)
         self.recorder.add(load)
-        for seq, new_tokens in self.scheduler.commit(batch, sampled):
+        committed = self.scheduler.commit(batch, sampled)
+        if self.traces is not None:
+            self._trace(batch, results, committed)
+        for seq, new_tokens in committed:
             token_logprobs = [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None
             self.streams.deliver(seq.seq_id, RequestOutput(
                 seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
                 logprobs=token_logprobs,
             ))
+
+    def _trace(self, batch: StepBatch, results: dict[int, StepResult], committed: list) -> None:
+        """What the request traces record of a completed step (only with tracing on)."""
+        slowest = max(results, key=lambda r: results[r].compute_s, default=None)
+        moves = [(m.seq_id, "kv", m.src_rank, m.dst_rank) for m in batch.moves]
+        moves += [(seq_id, "reprefill", None, self.scheduler.by_id[seq_id].rank)
+                  for seq_id in batch.reprefilled if seq_id in self.scheduler.by_id]
+        self.traces.step(batch.chunks, self._started_ns, time.time_ns(), slowest,
+                         [(seq.seq_id, len(seq.output)) for seq, _ in committed], moves)
