@@ -7,63 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ep.harness.load import StreamingLoad
+from elastic_ep.harness.otlp import OtlpReceiver
+from elastic_ep.harness.otlp import attributes as attrs
 
 from .conftest import Server
-
-
-class OtlpReceiver:
-    """An OTLP/HTTP (protobuf) traces endpoint on loopback that keeps every span it is sent."""
-
-    def __init__(self):
-        self.requests: list[ExportTraceServiceRequest] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                msg = ExportTraceServiceRequest()
-                msg.ParseFromString(body)
-                receiver.requests.append(msg)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1/traces"
-        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
-        self.thread.start()
-
-    def spans(self) -> list[tuple[dict, object]]:
-        """(resource attributes, span) of every span received."""
-        out = []
-        for msg in list(self.requests):
-            for rs in msg.resource_spans:
-                resource = {a.key: a.value.string_value for a in rs.resource.attributes}
-                out += [(resource, span) for ss in rs.scope_spans for span in ss.spans]
-        return out
-
-    def close(self):
-        self.http.shutdown()
-        self.http.server_close()
-
-
-def attrs(span) -> dict:
-    def value(v):
-        kind = v.WhichOneof("value")
-        return [value(x) for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
-
-    return {a.key: value(a.value) for a in span.attributes}
 
 
 @pytest.fixture(scope="module")
