@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from elastic_ep.control.otel import OtelSink, traces_url
 from elastic_ep.control.tracing import P99_MIN_SAMPLES, RequestTraces
+from elastic_ep.errors import ElasticEPError
 from elastic_ep.wire import ChunkPlan
 
 
@@ -115,7 +116,7 @@ def test_an_epoch_change_is_a_span():
 
 
 def test_bad_ratio_is_refused():
-    with pytest.raises(ValueError, match="trace-sample-ratio"):
+    with pytest.raises(ElasticEPError, match="trace-sample-ratio"):
         RequestTraces(OtelSink(InMemorySpanExporter(), batch=False), 1.5)
 
 

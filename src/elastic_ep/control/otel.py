@@ -4,13 +4,19 @@ exports them over OTLP/HTTP (protobuf). The only module that imports the SDK; lo
 
 The standard variables apply: OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES (the resource),
 OTEL_EXPORTER_OTLP_TRACES_HEADERS / _TIMEOUT / _COMPRESSION / _CERTIFICATE (the exporter),
-OTEL_BSP_* (the batch processor: queue size, delay, batch size). Spans are exported by the batch
-processor's own thread; a collector that is down or slow costs dropped spans, never a step.
+OTEL_BSP_* (the batch processor: queue size, delay, batch size).
+
+The control thread only queues a finished record (`request`, `epoch`); a thread of this sink makes
+the spans (about a millisecond per request with the SDK) and the batch processor's thread exports
+them. A collector that is down or slow, or more sampled requests than the sink keeps up with,
+cost dropped traces (`dropped`, beyond `MAX_QUEUED` waiting), never a step.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from urllib.parse import urlparse
 
 from opentelemetry import trace
@@ -21,6 +27,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 
 from .tracing import EpochSpan, RequestTrace
 
+MAX_QUEUED = 10_000  # finished records waiting for their spans; more are dropped
+
 
 def traces_url(endpoint: str) -> str:
     """The OTLP/HTTP traces URL: `endpoint` as given, with /v1/traces when it names no path."""
@@ -28,8 +36,8 @@ def traces_url(endpoint: str) -> str:
 
 
 class OtelSink:
-    """exporter: where spans go; batch: export from a background thread (False: at each span's
-    end, for tests)."""
+    """exporter: where spans go; batch: make spans on this sink's thread and export them from the
+    batch processor's (False: both at once in the caller, for tests)."""
 
     def __init__(self, exporter: SpanExporter, service_name: str = "elastic-ep", model_name: str = "",
                  batch: bool = True):
@@ -39,12 +47,44 @@ class OtelSink:
         self.provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("elastic_ep")
         self.model_name = model_name
+        self.dropped = 0
+        self._queue: queue.Queue | None = queue.Queue(MAX_QUEUED) if batch else None
+        self._thread = threading.Thread(target=self._run, name="trace-spans", daemon=True) if batch else None
+        if self._thread is not None:
+            self._thread.start()
 
     @classmethod
     def to_endpoint(cls, endpoint: str, service_name: str = "elastic-ep", model_name: str = "") -> OtelSink:
         return cls(OTLPSpanExporter(endpoint=traces_url(endpoint)), service_name, model_name)
 
     def request(self, t: RequestTrace) -> None:
+        self._submit(self._request_spans, t)
+
+    def epoch(self, e: EpochSpan) -> None:
+        self._submit(self._epoch_span, e)
+
+    def shutdown(self) -> None:
+        """Make the spans still queued, export everything, stop."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(10)
+        self.provider.shutdown()
+
+    def _submit(self, make, record) -> None:
+        if self._queue is None:
+            make(record)
+            return
+        try:
+            self._queue.put_nowait((make, record))
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            make, record = item
+            make(record)
+
+    def _request_spans(self, t: RequestTrace) -> None:
         root = self.tracer.start_span("llm_request", start_time=t.arrival_ns, kind=trace.SpanKind.SERVER,
                                       attributes=t.attributes(self.model_name))
         context = trace.set_span_in_context(root)
@@ -76,11 +116,8 @@ class OtelSink:
                 "elastic_ep.dst_rank": -1 if m.dst_rank is None else m.dst_rank})
         root.end(end_time=end)
 
-    def epoch(self, e: EpochSpan) -> None:
+    def _epoch_span(self, e: EpochSpan) -> None:
         attributes = {"elastic_ep.epoch": e.epoch, "elastic_ep.reason": e.reason, "elastic_ep.members": e.members}
         attributes |= {f"elastic_ep.{k}": v for k, v in e.fields.items() if isinstance(v, int | float | str)}
         span = self.tracer.start_span("epoch_change", start_time=e.start_ns, attributes=attributes)
         span.end(end_time=e.end_ns)
-
-    def shutdown(self) -> None:
-        self.provider.shutdown()

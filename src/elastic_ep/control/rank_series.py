@@ -30,6 +30,8 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from elastic_ep.errors import ElasticEPError
+
 # Why a rank is exported, most urgent first; "slowest" fills the rest of the top-k.
 REASONS = ("down", "stalled", "suspect", "straggler", "derated", "dp-imbalance", "slowest")
 STICKINESS = 1.2  # an exported rank is replaced only by one with 1.2x its own time: no churn among equals
@@ -115,7 +117,7 @@ class RankSeries:
 
     def __init__(self, registry: CollectorRegistry, top_k: int, buckets: Sequence[float]):
         if top_k < 0:
-            raise ValueError(f"--metrics-top-k must be >= 0, got {top_k}")
+            raise ElasticEPError(f"--metrics-top-k must be >= 0 (ranks with a rank label in /metrics), got {top_k}")
         self.top_k = top_k
         self.bounds = np.asarray(buckets, dtype=np.float64)
         self._lock = threading.Lock()

@@ -128,7 +128,8 @@ class RequestTraces:
 
     def __init__(self, sink: TraceSink, sample_ratio: float, rng: random.Random | None = None):
         if not 0.0 <= sample_ratio <= 1.0:
-            raise ValueError(f"--trace-sample-ratio must be in [0, 1], got {sample_ratio}")
+            raise ElasticEPError(f"--trace-sample-ratio must be between 0 and 1 (the share of requests traced), "
+                                 f"got {sample_ratio}")
         self.sink = sink
         self.sample_ratio = sample_ratio
         self._rng = rng or random.Random()
