@@ -77,7 +77,7 @@ def after(ranks: int, top_k: int, steps: int) -> dict:
                  "elastic_ep_rank_last_progress_timestamp_seconds", "elastic_ep_expert_load_imbalance"):
         m.ranks.set_gauge(name, dict.fromkeys(range(ranks), 1.0))
     t0 = time.perf_counter()
-    m.ranks.select(flagged, range(ranks))
+    m.ranks.select(flagged, range(ranks), time.monotonic())
     select_ms = round((time.perf_counter() - t0) * 1000, 3)
     return {**scrape_figures(registry, generate_latest), "record_step_ms": step_ms, "select_ms": select_ms,
             "exported": dict(sorted(m.ranks.exported.items()))}

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ep.control.metrics import STEP_BUCKETS, ClusterMetrics
-from elastic_ep.control.rank_series import select_ranks
+from elastic_ep.control.rank_series import EVICTED_HOLD_S, select_ranks
 
 RANKS = 1024
 
@@ -52,7 +52,7 @@ def test_1024_ranks_export_at_most_top_k_per_rank_series():
         m = ClusterMetrics(registry, "tiny", top_k)
         run_steps(m, own)
         m.ranks.set_gauge("elastic_ep_rank_up", dict.fromkeys(range(RANKS), 1))
-        m.ranks.select({5: "stalled"}, range(RANKS))
+        m.ranks.select({5: "stalled"}, range(RANKS), 0.0)
     full, small = scrape(unbounded), scrape(bounded)
     assert len(labelled_ranks(full)) == RANKS
     exported = labelled_ranks(small)
@@ -73,15 +73,15 @@ def test_a_rank_that_leaves_the_set_has_no_series_and_its_counters_continue_when
     m = ClusterMetrics(registry, "tiny", top_k=2)
     own = {r: 0.010 for r in range(8)} | {3: 0.030, 4: 0.020}
     run_steps(m, own)
-    m.ranks.select({}, range(8))
+    m.ranks.select({}, range(8), 0.0)
     assert labelled_ranks(scrape(registry)) == {"3", "4"}
     tokens_before = scrape(registry)[("elastic_ep_rank_tokens_total", frozenset({("rank", "4")}))]
     run_steps(m, own | {4: 0.010, 6: 0.040}, steps=40)  # rank 4 recovers, rank 6 turns slow
-    m.ranks.select({}, range(8))
+    m.ranks.select({}, range(8), 0.0)
     samples = scrape(registry)
     assert labelled_ranks(samples) == {"3", "6"}, "rank 4's series must be gone, not left stale"
     run_steps(m, own | {4: 0.060}, steps=40)
-    m.ranks.select({}, range(8))
+    m.ranks.select({}, range(8), 0.0)
     samples = scrape(registry)
     assert "4" in labelled_ranks(samples)
     assert samples[("elastic_ep_rank_tokens_total", frozenset({("rank", "4")}))] == tokens_before + 80 * 4
@@ -93,7 +93,7 @@ def test_a_forgotten_rank_leaves_no_series():
     m = ClusterMetrics(registry, "tiny", top_k=4)
     run_steps(m, {0: 0.01, 1: 0.02})
     m.ranks.set_gauge("elastic_ep_rank_up", {0: 1, 1: 1})
-    m.ranks.select({}, [0, 1])
+    m.ranks.select({}, [0, 1], 0.0)
     m.forget_rank(1)
     assert labelled_ranks(scrape(registry)) == {"0"}
 
@@ -102,8 +102,27 @@ def test_histogram_buckets_follow_prometheus_le():
     registry = CollectorRegistry()
     m = ClusterMetrics(registry, "tiny", top_k=1)
     m.ranks.step([0], [STEP_BUCKETS[2]], [0.0], [0.0], [1], [0], [0])
-    m.ranks.select({}, [0])
+    m.ranks.select({}, [0], 0.0)
     samples = scrape(registry)
     le = {float(dict(k[1])["le"]): v for k, v in samples.items()
           if k[0] == "elastic_ep_rank_step_seconds_bucket"}
     assert le[STEP_BUCKETS[1]] == 0 and le[STEP_BUCKETS[2]] == 1 and le[np.inf] == 1
+
+
+def test_an_evicted_rank_keeps_its_series_marked_until_the_hold_ends_or_its_id_returns():
+    registry = CollectorRegistry()
+    m = ClusterMetrics(registry, "tiny", top_k=4)
+    run_steps(m, {0: 0.01, 1: 0.01, 2: 0.05})
+    m.ranks.select({}, [0, 1, 2], 0.0)
+    m.ranks.evicted(2, now=10.0)
+    m.forget_rank(2)  # the controller forgets the retired rank; its evidence stays
+    m.ranks.select({}, [0, 1], 20.0)
+    samples = scrape(registry)
+    assert samples[("elastic_ep_rank_exported", frozenset({("rank", "2"), ("reason", "evicted")}))] == 1
+    assert samples[("elastic_ep_rank_up", frozenset({("rank", "2")}))] == 0
+    assert samples[("elastic_ep_rank_step_seconds_count", frozenset({("rank", "2")}))] == 3
+    m.ranks.select({}, [0, 1], 10.0 + EVICTED_HOLD_S + 1)
+    assert labelled_ranks(scrape(registry)) == {"0", "1"}
+    m.ranks.evicted(1, now=0.0)
+    m.ranks.select({}, [0, 1], 1.0)  # a new process took id 1: it starts from zero
+    assert scrape(registry)[("elastic_ep_rank_step_seconds_count", frozenset({("rank", "1")}))] == 0

@@ -136,7 +136,7 @@ class Publisher:
                              ("elastic_ep_rank_heartbeat_age_seconds", heartbeat_age),
                              ("elastic_ep_rank_last_progress_timestamp_seconds", progress_at)):
             m.ranks.set_gauge(name, values)
-        m.ranks.select(flagged, ctl.cluster.ranks.keys())
+        m.ranks.select(flagged, ctl.cluster.ranks.keys(), time.monotonic())
         m.ranks_up.set(sum(up.values()))
         m.ranks_stalled.set(sum(lv.state == Liveness.STALLED for lv in liveness.values()))
         m.straggler_ranks.set(sum(v.kind == VerdictKind.STRAGGLER for v in verdicts.values()))

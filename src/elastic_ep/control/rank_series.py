@@ -5,8 +5,10 @@ Why: a 12-bucket histogram labelled per rank is 14 series per rank and metric; a
 per-rank series alone are hundreds of thousands, which is what breaks a Prometheus server. Means
 hide the one slow card, so the group histograms (`elastic_ep_group_*`: one observation per rank per
 step) keep the distribution, and the ranks an operator needs by name keep their own series: first
-those in trouble (down or being fenced, stalled, suspect, straggler, derated, DP-heavy), then the
-slowest by own time per step (step less collective wait). `elastic_ep_rank_exported{rank,reason}`
+those in trouble (down or being fenced, evicted, stalled, suspect, straggler, derated, DP-heavy),
+then the slowest by own time per step (step less collective wait). An evicted rank's process is
+gone, but its last series stay for `EVICTED_HOLD_S` (the evidence of why it went), unless a new
+process takes its id first. `elastic_ep_rank_exported{rank,reason}`
 says why each one is there.
 
 Every rank's counters and histograms are accumulated here whether it is exported or not, so a rank
@@ -33,7 +35,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from elastic_ep.errors import ElasticEPError
 
 # Why a rank is exported, most urgent first; "slowest" fills the rest of the top-k.
-REASONS = ("down", "stalled", "suspect", "straggler", "derated", "dp-imbalance", "slowest")
+REASONS = ("down", "evicted", "stalled", "suspect", "straggler", "derated", "dp-imbalance", "slowest")
+EVICTED_HOLD_S = 600.0  # an evicted rank's series stay (rank_up 0, last timings) this long, or until its id returns
 STICKINESS = 1.2  # an exported rank is replaced only by one with 1.2x its own time: no churn among equals
 OWN_TIME_SMOOTHING = 0.1  # weight of the newest step in a rank's moving own time (about 10 steps)
 
@@ -130,6 +133,7 @@ class RankSeries:
         self._counters = {name: np.zeros(0) for name in self.COUNTERS}
         self._gauges: dict[str, dict[int, float]] = {name: {} for name in self.GAUGES}
         self.exported: dict[int, str] = {}
+        self._evicted: dict[int, float] = {}  # rank -> monotonic time its series go
         registry.register(self)
 
     def _rows(self, rank_ids: Sequence[int]) -> np.ndarray:
@@ -180,8 +184,20 @@ class RankSeries:
         with self._lock:
             return {r: float(self._own_s[i]) for r, i in self._row.items() if not np.isnan(self._own_s[i])}
 
-    def select(self, flagged: Mapping[int, str], candidates: Collection[int]) -> dict[int, str]:
-        """Choose the exported ranks among `candidates` (ranks that exist now) with `select_ranks`."""
+    def evicted(self, rank_id: int, now: float) -> None:
+        """The rank was evicted: keep its series, marked, up to EVICTED_HOLD_S (`forget` waits)."""
+        self._evicted[rank_id] = now + EVICTED_HOLD_S
+        self.set_gauge("elastic_ep_rank_up", {rank_id: 0})
+
+    def select(self, flagged: Mapping[int, str], candidates: Collection[int], now: float) -> dict[int, str]:
+        """Choose the exported ranks among `candidates` (ranks that exist now) and the recently
+        evicted ones with `select_ranks`; `now` is monotonic."""
+        for r, until in list(self._evicted.items()):
+            if now > until or r in candidates:  # held long enough, or a new process has its id
+                del self._evicted[r]
+                self.forget(r)
+        flagged = {**flagged, **dict.fromkeys(self._evicted, "evicted")}
+        candidates = set(candidates) | set(self._evicted)
         own = {r: s for r, s in self.own_s().items() if r in candidates}
         own.update((r, 0.0) for r in candidates if r not in own)
         chosen = select_ranks(own, {r: why for r, why in flagged.items() if r in candidates}, self.top_k,
@@ -191,7 +207,10 @@ class RankSeries:
         return chosen
 
     def forget(self, rank_id: int) -> None:
-        """A rank left (its process is gone): drop its values; a new process of that id starts from zero."""
+        """A rank left (its process is gone): drop its values; a new process of that id starts from
+        zero. An evicted rank's values are kept until `select` lets them go."""
+        if rank_id in self._evicted:
+            return
         with self._lock:
             self.exported.pop(rank_id, None)
             for values in self._gauges.values():
@@ -227,7 +246,7 @@ class RankSeries:
     def _rank_families(self) -> Iterator[Metric]:
         ranks = sorted(self.exported)
         exported = GaugeMetricFamily("elastic_ep_rank_exported", "1 for each rank exported with a rank label, with "
-                                     "the reason (down, stalled, suspect, straggler, derated, dp-imbalance, slowest)",
+                                     "the reason (down, evicted, stalled, suspect, straggler, derated, dp-imbalance, slowest)",
                                      labels=["rank", "reason"])
         for r in ranks:
             exported.add_metric([str(r), self.exported[r]], 1)

@@ -87,7 +87,10 @@ class Recovery:
             if ctl.traces is not None:
                 for seq in moved:
                     ctl.traces.moved(seq.seq_id, "fault", r, None, time.time_ns())
-            ctl.metrics.forget_rank(r)
+            if culprits[r].cause == FaultCause.EVICTED:
+                ctl.metrics.ranks.evicted(r, time.monotonic())
+            else:
+                ctl.metrics.forget_rank(r)
             c.delay_s.pop(r, None)
             c.broken.pop(r, None)
             if ctl.scaling.joiner(r):
