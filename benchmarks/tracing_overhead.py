@@ -77,7 +77,7 @@ def in_process(seqs: int, requests: int) -> dict[str, float]:
     traces = RequestTraces(sink, 1.0)
     for seq_id in range(seqs):
         traces.arrived(seq_id, f"r{seq_id}", 8)
-    chunks = {r: [ChunkPlan(s, [1], 8, True, None, 0, 8, "") for s in range(r, seqs, 4)] for r in range(4)}
+    chunks = {r: [ChunkPlan(s, [1], 8, True, None, 0, 8) for s in range(r, seqs, 4)] for r in range(4)}
     outputs = [(s, 1) for s in range(seqs)]
     steps = 2000
     t0 = time.perf_counter()
@@ -89,7 +89,7 @@ def in_process(seqs: int, requests: int) -> dict[str, float]:
     for seq_id in range(requests):
         traces.arrived(10**6 + seq_id, "r", 8)
         now = time.time_ns()
-        traces.step({0: [ChunkPlan(10**6 + seq_id, [1], 8, True, None, 0, 8, "")]}, now, now, 0,
+        traces.step({0: [ChunkPlan(10**6 + seq_id, [1], 8, True, None, 0, 8)]}, now, now, 0,
                     [(10**6 + seq_id, 1)], [])
         traces.finished(10**6 + seq_id, "stop")
     control_us = (time.perf_counter() - t0) / requests * 1e6

@@ -18,7 +18,7 @@ from elastic_ep.wire import ChunkPlan
 
 
 def chunk(seq_id: int) -> ChunkPlan:
-    return ChunkPlan(seq_id, [1, 2], 0, True, None, 0, 2, "")
+    return ChunkPlan(seq_id, [1, 2], 0, True, None, 0, 2)
 
 
 def traces(ratio: float) -> tuple[RequestTraces, InMemorySpanExporter]:

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from elastic_ep.cli import command_parser
 from elastic_ep.control.events import EventLog
-from elastic_ep.control.hardware import HardwareSignals
+from elastic_ep.control.membership.hardware import HardwareSignals
 from elastic_ep.control.metrics import ClusterMetrics
 from elastic_ep.harness.server_process import free_port
 from elastic_ep.serve.metrics import HttpMetrics

@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from elastic_ep.wire import KVMove, StepResult
 
-from .detector import FaultCause
 from .rank_series import RankSeries
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -102,8 +101,7 @@ class ClusterMetrics:
             ["result"], registry=registry,
         )
         # every known label value has a sample from the start: increase() and absent() see the first event
-        for cause in [c.value for c in FaultCause] + ["collective"]:
-            self.recoveries.labels(cause)
+        # (the recoveries' causes: faults/recovery.py)
         for mode in ("kv", "reprefill"):
             self.dp_migrations.labels(mode)
         for plan in ("aligned", "unaligned"):

@@ -15,7 +15,7 @@ the rank with the longest own time in those steps), which is where a slow card s
 change is an `epoch_change` span of its own, always emitted.
 
 This module imports no OpenTelemetry: the controller has no `RequestTraces` at all without an
-endpoint, and control/otel.py (the only importer of the SDK) is loaded only with one.
+endpoint, and control/otel.py (the only importer of the SDK) is loaded only with one (`Controller`).
 Control thread only.
 """
 
@@ -215,11 +215,3 @@ class RequestTraces:
             self.p99_s = float(np.percentile(np.fromiter(self._latencies_s, float), 99))
             self._since_p99 = 0
 
-
-def start_tracing(endpoint: str, sample_ratio: float, model_name: str = "") -> RequestTraces:
-    """RequestTraces exporting to an OTLP/HTTP endpoint; imports OpenTelemetry here, and only here."""
-    try:
-        from .otel import OtelSink
-    except ImportError as e:
-        raise ElasticEPError(f"--otlp-traces-endpoint needs OpenTelemetry ({e}): pip install 'elastic-ep[tracing]'") from e
-    return RequestTraces(OtelSink.to_endpoint(endpoint, model_name=model_name), sample_ratio)
