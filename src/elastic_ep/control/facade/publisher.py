@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from elastic_ep.model.block_manager import BlockManager
 from elastic_ep.policy.straggler_verdict import IntervalRecorder, Verdict, VerdictKind, judge
 
 from ..api import Health, Readiness
@@ -52,8 +53,11 @@ class QueueView(Protocol):
 
     running: Mapping[int, list[Sequence]]
     waiting: Any
+    pools: Mapping[int, BlockManager]
 
     def num_requests(self, rank_id: int) -> int: ...
+
+    def pool_view(self, max_model_len: int) -> dict[str, Any]: ...
 
 
 class Publisher:
@@ -137,7 +141,8 @@ class Publisher:
             sched.num_requests, self.slow_delays(), self.controller_addr, deadlines, readiness, liveness, heard,
             {r: v.to_json() for r, v in verdicts.items() if r in c.members},
             health=vars(health), straggler_rule=self.rule.to_json(), **self.views(now),
-            data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()})
+            data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()},
+            kv_cache=sched.pool_view(self.cfg.max_model_len))
         self._set_gauges(heard, readiness, health, liveness, {r: v for r, v in verdicts.items() if r in c.members})
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
@@ -186,5 +191,8 @@ class Publisher:
         m.derated_ranks.set(len(derated))
         m.requests_running.set(sum(len(seqs) for seqs in self.scheduler.running.values()))
         m.requests_waiting.set(len(self.scheduler.waiting))
+        pools = self.scheduler.pools
+        m.kv_cache_usage.set({r: (p.num_blocks - p.num_free_blocks, p.num_blocks) for r, p in pools.items()})
+        m.prefix_cached_blocks.set(sum(p.num_cached_blocks for p in pools.values()))
         m.ready.set(int(readiness.ready))
         m.degraded.set(int(health.status == "degraded"))
