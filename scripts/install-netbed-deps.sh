@@ -3,6 +3,18 @@
 # nft (nftables) and iptables-legacy (iptables). Installs whichever is missing with apt-get;
 # does nothing when all are there. Without root the bed's tests skip, so this skips too.
 set -euo pipefail
+
+# promtool (Debian's prometheus package): tests/deploy checks deploy/prometheus/alerts.yml and runs
+# its unit tests, and fails without it.
+if ! command -v promtool >/dev/null; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "install-netbed-deps: not root, not installing prometheus (tests/deploy need promtool)" >&2
+    else
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    fi
+fi
+
 declare -A package=([ip]=iproute2 [tc]=iproute2 [nft]=nftables [iptables-legacy]=iptables)
 missing=()
 for tool in "${!package[@]}"; do

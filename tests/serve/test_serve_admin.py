@@ -9,11 +9,12 @@ import subprocess
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from scripted_engine import SLOW_RANK, sample_cluster
+from scripted_engine import MODEL, SLOW_RANK, sample_cluster
 
 from elastic_ep.cli import main
 from elastic_ep.control.api import Health, Readiness
 from elastic_ep.serve.admin import DASHBOARD_HTML
+from elastic_ep.serve.metrics import FINISHED_REASONS
 
 
 def metric_samples(served) -> dict:
@@ -51,12 +52,15 @@ def test_metrics_count_requests_tokens_and_latency(served):
     before = metric_samples(served)
     ok = ("elastic_ep_http_requests_total", frozenset({("endpoint", "/v1/completions"), ("status", "200")}))
     bad = ("elastic_ep_http_requests_total", frozenset({("endpoint", "/v1/completions"), ("status", "400")}))
+    model = frozenset({("model_name", MODEL)})
+    for reason in FINISHED_REASONS:  # a zero sample before the first event: increase() sees the first one
+        assert ("elastic_ep_request_success_total", model | {("finished_reason", reason)}) in before
     for _ in range(3):
         httpx.post(f"{served.url}/v1/completions", json={"prompt": "abcd", "max_tokens": 6})
     httpx.post(f"{served.url}/v1/completions", json={"prompt": "abcd", "max_tokens": 0})
     after = metric_samples(served)
 
-    def grew(name, labels=frozenset()):
+    def grew(name, labels=model):
         return after[(name, labels)] - before.get((name, labels), 0.0)
 
     assert grew(*ok) == 3
@@ -65,7 +69,11 @@ def test_metrics_count_requests_tokens_and_latency(served):
     assert grew("elastic_ep_generation_tokens_total") == 18
     assert grew("elastic_ep_time_to_first_token_seconds_count") == 3
     assert grew("elastic_ep_time_per_output_token_seconds_count") == 3
-    assert after[("elastic_ep_http_requests_running", frozenset())] == 0
+    assert grew("elastic_ep_e2e_request_latency_seconds_count") == 3
+    assert grew("elastic_ep_e2e_request_latency_seconds_sum") > 0
+    assert grew("elastic_ep_request_success_total", model | {("finished_reason", "length")}) == 3
+    assert after[("elastic_ep_http_requests_running", model)] == 0
+    assert not [name for name, _ in after if name.endswith("_created")]
 
 
 def test_cluster_and_dashboard(served):

@@ -158,6 +158,15 @@ HELP = {
     "hardware_interval_s": "how often each node agent reads its hardware signals (CPU steal and frequency; NVML "
                            "ECC, clocks, throttle reasons, Xid where present)",
     "log_stats_interval_s": "log a one-line stats summary this often (0: never)",
+    "metrics_top_k": "ranks with a rank label in /metrics: those down, stalled, suspect, straggling or derated "
+                     "first, then the slowest by own time per step; the whole group is in the elastic_ep_group_* "
+                     "histograms",
+    "otlp_traces_endpoint": "send OpenTelemetry traces (a span per request with its queue, prefill, decode, "
+                            "recovery pauses and migrations; one per epoch change) to this OTLP/HTTP endpoint, "
+                            "e.g. http://collector:4318/v1/traces (vLLM's flag; the OTEL_* variables apply; "
+                            "needs pip install 'elastic-ep[tracing]'); empty: no tracing, nothing imported",
+    "trace_sample_ratio": "with --otlp-traces-endpoint, the share of requests traced (head sampling); requests "
+                          "that crossed a fault, an eviction or the p99 latency are always traced",
 }
 
 

@@ -94,6 +94,10 @@ class ServeConfig:
     log_stats_interval_s: float = 10.0
     agent_timeout_s: float = 1.0
     lease_s: float = 5.0
+    # observability: per-rank series bound; OpenTelemetry traces (off without an endpoint)
+    metrics_top_k: int = 16
+    otlp_traces_endpoint: str = ""
+    trace_sample_ratio: float = 1.0
 
     @property
     def control_host(self) -> str:

@@ -93,11 +93,14 @@ class Generation:
             held_ids += event.new_token_ids
             text = self._guarded(lambda e=event: self._text.add(e.new_token_ids))
             if self._text.stopped:
+                self.timer.ended("stop")
                 yield Delta(text, "stop", held, held_ids)
                 return
             if event.finished:
                 if event.finish_reason == "error":
+                    self.timer.ended("error")
                     raise APIError(500, f"the engine failed this request: {event.error}", code="engine_error")
+                self.timer.ended(event.finish_reason or "stop")
                 yield Delta(text + self._guarded(self._text.finish), event.finish_reason or "stop", held, held_ids)
                 return
             if text:
@@ -131,6 +134,8 @@ class Generation:
         try:
             return step()
         except Exception as e:
+            if self.timer is not None:
+                self.timer.ended("error")
             raise APIError(
                 500,
                 f"turning the tokens of request {self.request.request_id} into text failed "

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from elastic_ep.model.block_manager import BlockManager
-from elastic_ep.policy.straggler_verdict import IntervalRecorder, judge
+from elastic_ep.policy.straggler_verdict import IntervalRecorder, Verdict, VerdictKind, judge
 
 from ..api import Health, Readiness
 from ..cluster import ClusterState
@@ -64,12 +64,14 @@ class Publisher:
     """Built with what it reads (the cluster state, the detector's step times, the step loop, the
     scheduler), what it writes (`published`, the metrics), the control plane's `heard()` clock and
     address, and `views(now)`: the other roles' top-level /cluster fields (scale, straggler
-    policy, standbys, hardware, rebalance, ...) and `slow_delays()` (chaos, by rank)."""
+    policy, standbys, hardware, rebalance, ...), `slow_delays()` (chaos, by rank) and `derated()`
+    (the straggler policy's derated ranks and weights)."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, detector: FaultDetector, steps: StepView,
                  scheduler: QueueView, published: Published, metrics: ClusterMetrics, *, heard: Callable[[], float],
                  controller_addr: str, views: Callable[[float], dict[str, Any]],
-                 slow_delays: Callable[[], Mapping[int, float]]):
+                 slow_delays: Callable[[], Mapping[int, float]],
+                 derated: Callable[[], Mapping[int, float]] = dict):
         self.cluster = cluster
         self.cfg = cfg
         self.detector = detector
@@ -81,6 +83,7 @@ class Publisher:
         self.controller_addr = controller_addr
         self.views = views
         self.slow_delays = slow_delays
+        self.derated = derated  # the straggler policy's derated ranks: exported first in /metrics
         self.rule = cfg.straggler_rule()
         self.stats = StatsLog(cfg.log_stats_interval_s, time.monotonic())
         self._published_at = 0.0
@@ -140,7 +143,7 @@ class Publisher:
             health=vars(health), straggler_rule=self.rule.to_json(), **self.views(now),
             data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()},
             kv_cache=sched.pool_view(self.cfg.max_model_len))
-        self._set_gauges(heard, readiness, liveness)
+        self._set_gauges(heard, readiness, health, liveness, {r: v for r, v in verdicts.items() if r in c.members})
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
         """One event when the group stalls and one when it moves again (not one per publish)."""
@@ -153,21 +156,43 @@ class Publisher:
                        "in flight is past the stall deadline and no member is silent")
             self._stalled_since = None
 
-    def _set_gauges(self, heard: float, readiness: Readiness, liveness: dict[int, RankLiveness]) -> None:
+    def _set_gauges(self, heard: float, readiness: Readiness, health: Health, liveness: dict[int, RankLiveness],
+                    verdicts: dict[int, Verdict]) -> None:
         c, m = self.cluster, self.metrics
         unix_now = time.time()
+        up, stalled, heartbeat_age, progress_at, flagged = {}, {}, {}, {}, {}
         for r in c.ranks.values():
-            label, lv = str(r.rank_id), liveness.get(r.rank_id)
-            serving = r.rank_id in c.members and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
-            m.rank_up.labels(label).set(int(serving and lv is not None and lv.state != Liveness.STALLED))
-            m.rank_stalled_seconds.labels(label).set(lv.stalled_s or 0.0 if lv is not None else 0.0)
+            rank_id, lv = r.rank_id, liveness.get(r.rank_id)
+            serving = rank_id in c.members and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
+            up[rank_id] = int(serving and lv is not None and lv.state != Liveness.STALLED)
+            stalled[rank_id] = lv.stalled_s or 0.0 if lv is not None else 0.0
             if r.last_heartbeat:
-                m.rank_heartbeat_age_seconds.labels(label).set(heard - r.last_heartbeat)
+                heartbeat_age[rank_id] = heard - r.last_heartbeat
             if r.progress_at:
-                m.rank_last_progress_seconds.labels(label).set(unix_now - (heard - r.progress_at))
+                progress_at[rank_id] = unix_now - (heard - r.progress_at)
+            if r.status.down or r.status == RankStatus.FENCING:
+                flagged[rank_id] = "down"
+            elif lv is not None and lv.state in (Liveness.STALLED, Liveness.SUSPECT):
+                flagged[rank_id] = lv.state.value
+        derated = self.derated()
+        for rank_id in derated:
+            flagged.setdefault(rank_id, "derated")
+        for rank_id, v in verdicts.items():
+            if v.kind in (VerdictKind.STRAGGLER, VerdictKind.DP_HEAVY) and flagged.get(rank_id) in (None, "derated"):
+                flagged[rank_id] = v.kind.value
+        for name, values in (("elastic_ep_rank_up", up), ("elastic_ep_rank_stalled_seconds", stalled),
+                             ("elastic_ep_rank_heartbeat_age_seconds", heartbeat_age),
+                             ("elastic_ep_rank_last_progress_timestamp_seconds", progress_at)):
+            m.ranks.set_gauge(name, values)
+        m.ranks.select(flagged, c.ranks.keys(), time.monotonic())
+        m.ranks_up.set(sum(up.values()))
+        m.ranks_stalled.set(sum(lv.state == Liveness.STALLED for lv in liveness.values()))
+        m.straggler_ranks.set(sum(v.kind == VerdictKind.STRAGGLER for v in verdicts.values()))
+        m.derated_ranks.set(len(derated))
         m.requests_running.set(sum(len(seqs) for seqs in self.scheduler.running.values()))
         m.requests_waiting.set(len(self.scheduler.waiting))
         pools = self.scheduler.pools
         m.kv_cache_usage.set({r: (p.num_blocks - p.num_free_blocks, p.num_blocks) for r, p in pools.items()})
         m.prefix_cached_blocks.set(sum(p.num_cached_blocks for p in pools.values()))
         m.ready.set(int(readiness.ready))
+        m.degraded.set(int(health.status == "degraded"))
