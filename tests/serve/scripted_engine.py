@@ -219,7 +219,7 @@ def sample_cluster(ep_size: int) -> dict:
             "time_s": time.time() - 30,
             "kind": "fault",
             "rank_id": ep_size,
-            "message": f"rank {ep_size}: process exited with code -9",
+            "message": f"rank {ep_size}: process killed by SIGKILL",
         },
         {
             "time_s": time.time() - 29,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import signal
+import socket
 import threading
 
 import uvicorn
@@ -165,6 +167,25 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP server's listening socket, bound before anything else starts, so that a port
+    in use is refused at once instead of after the workers came up. Raises ElasticEPError
+    naming the port and the fix."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may rebind at once
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ElasticEPError(f"--port {port}: {host}:{port} is already in use (another server?); stop that "
+                                 "process or pick a free port with --port") from None
+        raise ElasticEPError(f"cannot listen on {host}:{port} ({e.strerror}); check --host and --port") from None
+    sock.listen(2048)
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     model_dir = resolve_model(args.model)
@@ -172,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     if local_ranks < 0:
         raise ElasticEPError(f"--local-ranks must be >= 0, got {local_ranks}")
     check_node_devices(args.device, args.backend, local_ranks)
+    http_socket = bind_http(args.host, args.port)
     cfg = ServeConfig(
         model_dir=str(model_dir),
         model_name=args.served_model_name or args.model,
@@ -186,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
     from elastic_ep.serve.app import create_app
 
     app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
+    if cfg.enable_chaos:
+        logging.getLogger("elastic_ep.serve").warning(
+            "--enable-chaos: fault injection is open: anyone who reaches http://%s:%d can kill, stop, slow and "
+            "corrupt ranks through POST /chaos/*; never serve traffic like this", cfg.host, args.port)
     agent_stop = threading.Event()
     agent_thread = threading.Thread(name="agent", daemon=True)
     if local_ranks:
@@ -203,8 +229,8 @@ def run(args: argparse.Namespace) -> int:
     # start: make that an exception here too, so the cluster below is always stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        uvicorn.run(app, host=cfg.host, port=args.port, log_level="warning", log_config=None,
-                    timeout_graceful_shutdown=2)
+        config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=2)
+        uvicorn.Server(config).run(sockets=[http_socket])
     except KeyboardInterrupt:
         pass
     finally:

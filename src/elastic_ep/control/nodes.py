@@ -44,6 +44,7 @@ from elastic_ep.wire import (
     WorkerHello,
     WorkerLaunch,
     WorkerStarted,
+    exit_reason,
 )
 
 from .backup import backup_shares
@@ -191,7 +192,7 @@ class Nodes:
         if r.status != RankStatus.RETIRING:
             self.ctl.fault(self.ctl.detector.exited(msg.rank_id, msg.returncode))
         if r.status == RankStatus.RETIRING:  # also when the fault above failed a scale it was joining
-            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped (exit code {msg.returncode})")
+            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped ({exit_reason(msg.returncode)})")
             return
         r.status = RankStatus.DEAD
 
@@ -315,7 +316,10 @@ class Nodes:
                 return
             dead = [r for r in c.ranks.values() if r.status == RankStatus.DEAD]
             if dead:
-                raise ElasticEPError(f"rank {dead[0].rank_id} exited during startup; see its log above")
+                fault = ctl.detector.faults.get(dead[0].rank_id)
+                how = f" ({fault.detail})" if fault is not None else ""
+                raise ElasticEPError(f"rank {dead[0].rank_id} ended during startup{how}; its own lines in the log "
+                                     "above say why (a worker prints its error before it exits)")
             if time.monotonic() > deadline:
                 raise ElasticEPError(
                     f"only {len(hello)} of {cfg.ep_size} ranks registered within --startup-timeout-s "

@@ -55,6 +55,7 @@ from .health import (
     WorkerExited,
     WorkerFenced,
     WorkerStarted,
+    exit_reason,
 )
 from .worker import (
     ChunkPlan,
@@ -126,6 +127,7 @@ __all__ = [
     "WorkerHello",
     "WorkerLaunch",
     "WorkerStarted",
+    "exit_reason",
     "decode",
     "encode",
 ]
