@@ -187,11 +187,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+StopReason = Annotated[
+    str | int | None,
+    Field(description="vLLM's: the stop string or stop token id that ended the choice; null for EOS, a length "
+                      "limit, or while it runs"),
+]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 class _Answer(BaseModel):
@@ -244,6 +252,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(_Answer):
@@ -264,6 +273,7 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionStreamResponse(_Answer):
@@ -305,6 +315,10 @@ class HealthResponse(BaseModel):
 
     status: Literal["ok", "degraded", "dead"] = "ok"
     reason: str = ""
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ReadyResponse(BaseModel):
