@@ -10,8 +10,8 @@ true again once steps move; a load balancer stops sending here, and the watchdog
 alone whom to fence.
 
 `/health` answers whether this process is worth keeping (a Kubernetes liveness probe, vLLM's
-`/health`): "ok", or "degraded" with the reason (not ready; a rank stalled, suspect or down) while
-the control loop runs, since restarting the whole instance would not mend a rank that elastic EP
+`/health`): "ok", or "degraded" with the reason (not ready; a rank stalled, suspect or down; a
+rank the straggler verdict names) while the control loop runs, since restarting the whole instance would not mend a rank that elastic EP
 fences and replaces by itself; "dead" (HTTP 503) only once the control loop has stopped.
 """
 
@@ -20,13 +20,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from elastic_ep.policy.straggler import judge
+from elastic_ep.policy.straggler import Verdict, VerdictKind, judge
 
 from .api import Health, Readiness
 from .events import EventKind
 from .health import adaptive_deadline_s, rank_liveness, stall_reason
 from .ranks import Liveness, RankLiveness, RankStatus
-from .stats_log import StatsLog
+from .stats_log import StatsLog, Throughput
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -39,6 +39,8 @@ class Publisher:
         self.stats = StatsLog(ctl.cfg.log_stats_interval_s, time.monotonic())
         self._published_at = 0.0
         self._stalled_since: float | None = None
+        self._verdicts: dict[int, Verdict] = {}  # of the members, as the last snapshot judged them
+        self.throughput = Throughput()
 
     def stall_deadline_s(self) -> float:
         cfg = self.ctl.cfg
@@ -66,6 +68,8 @@ class Publisher:
             if lv.state in (Liveness.SUSPECT, Liveness.STALLED)]
         problems += [f"rank {r.rank_id} {r.status.value}" for r in ctl.cluster.ranks.values()
                      if r.status.down or r.status == RankStatus.FENCING]
+        problems += [f"rank {r} is a straggler: {v.ratio:.1f}x the own time per step of its peers"
+                     for r, v in sorted(self._verdicts.items()) if v.kind == VerdictKind.STRAGGLER]
         return Health("degraded", "; ".join(problems)) if problems else Health("ok")
 
     def publish(self, throttle_s: float = 0.0) -> None:
@@ -78,24 +82,34 @@ class Publisher:
         stalled = stall_reason(step_age_s, self.stall_deadline_s(), members) if c.readiness.ready else None
         readiness = Readiness(False, stalled) if stalled else c.readiness
         self._note_stall(now, stalled)
+        snapshot_due = not throttle_s or now - self._published_at >= throttle_s
+        if snapshot_due:  # before health, which names the stragglers
+            verdicts = judge(ctl.steps.own_time.intervals(now), self.rule, now, c.members)
+            self._verdicts = {r: v for r, v in verdicts.items() if r in c.members}
         health = self.health(readiness, liveness)
         ctl.published.readiness, ctl.published.health = readiness, health
         self.stats.maybe_log(now, ctl, readiness)
-        if throttle_s and now - self._published_at < throttle_s:
+        if not snapshot_due:
             return
         self._published_at = now
-        verdicts = judge(ctl.steps.own_time.intervals(now), self.rule, now, c.members)
+        self.throughput.add(now, (c.step, ctl.steps.tokens_run, ctl.steps.tokens_sampled))
         deadlines = {**ctl.cfg.deadlines(), "watchdog_deadline_s": round(ctl.detector.watchdog_deadline_s(), 3),
                      "stall_deadline_s": round(self.stall_deadline_s(), 3), "stall_multiple": ctl.cfg.stall_multiple}
         ctl.published.snapshot = c.snapshot(
             ctl.scheduler.num_requests, ctl.plane.health_addr, deadlines, ctl.scaling.status(), readiness, liveness,
             heard,
-            {r: v.to_json() for r, v in verdicts.items() if r in c.members},
-            health=vars(health), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view(),
+            {r: v.to_json() for r, v in self._verdicts.items()},
+            health=vars(health), load=self.load(), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view(),
             straggler_policy=ctl.stragglers.view(now), hardware=ctl.hardware.view(),
             standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()},
             data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status())
         self._set_gauges(heard, readiness, liveness)
+
+    def load(self) -> dict[str, float | int | None]:
+        """Requests running and waiting now, and the throughput of the last seconds (`/cluster` `load`)."""
+        scheduler = self.ctl.scheduler
+        return {"running": sum(len(seqs) for seqs in scheduler.running.values()),
+                "waiting": len(scheduler.waiting), **self.throughput.rates()}
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
         """One event when the group stalls and one when it moves again (not one per publish)."""
