@@ -46,6 +46,17 @@ def test_a_port_in_use_is_refused_before_any_worker_starts():
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    (["--port", "70000"], "--port 70000 is not a TCP port"),
+    (["--host", "10.254.254.1"], "--host must be an address of this host"),
+    (["--advertise-host", "10.254.254.1"], "--advertise-host 10.254.254.1 is not an address of this host"),
+])
+def test_an_address_this_host_cannot_bind_is_refused(args, said):
+    done = serve("--ep-size", "2", *args, timeout_s=60)
+    assert done.returncode == 2 and said in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "registered" not in done.stderr
+
+
 def tiny_config() -> tuple[MoEConfig, int]:
     model_dir = resolve_model("tiny-deepseek-v3")
     return MoEConfig.from_pretrained(model_dir), CheckpointReader(model_dir).expert_nbytes

@@ -171,8 +171,9 @@ def bind_http(host: str, port: int) -> socket.socket:
     """The HTTP server's listening socket, bound before anything else starts, so that a port
     in use is refused at once instead of after the workers came up. Raises ElasticEPError
     naming the port and the fix."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    if not 0 <= port <= 65535:
+        raise ElasticEPError(f"--port {port} is not a TCP port (0..65535)")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may rebind at once
     try:
         sock.bind((host, port))
@@ -181,9 +182,24 @@ def bind_http(host: str, port: int) -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise ElasticEPError(f"--port {port}: {host}:{port} is already in use (another server?); stop that "
                                  "process or pick a free port with --port") from None
-        raise ElasticEPError(f"cannot listen on {host}:{port} ({e.strerror}); check --host and --port") from None
+        raise ElasticEPError(f"cannot listen on {host}:{port} ({e.strerror or e}); --host must be an address of "
+                             "this host (or 0.0.0.0)") from None
     sock.listen(2048)
     return sock
+
+
+def check_control_host(cfg: ServeConfig) -> None:
+    """The control plane and the store bind --advertise-host (default --host): refuse one that is
+    not an address of this host before anything binds it (zmq would raise from deep inside)."""
+    if not cfg.advertise_host:
+        return  # --host: bind_http has bound it
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in cfg.advertise_host else socket.AF_INET) as probe:
+            probe.bind((cfg.advertise_host, 0))
+    except OSError as e:
+        raise ElasticEPError(f"--advertise-host {cfg.advertise_host} is not an address of this host "
+                             f"({e.strerror or e}): agents and workers reach the controller there; pass one of this "
+                             "host's addresses") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         ranks_per_node=local_ranks if 0 < local_ranks < args.ep_size else 0,
         **{name: getattr(args, name) for name in HELP},
     )
+    check_control_host(cfg)
     registry = CollectorRegistry()
     controller = Controller(cfg, registry)
     tokenizer = load_tokenizer(model_dir)
@@ -211,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.enable_chaos:
         logging.getLogger("elastic_ep.serve").warning(
             "--enable-chaos: fault injection is open: anyone who reaches http://%s:%d can kill, stop, slow and "
-            "corrupt ranks through POST /chaos/*; never serve traffic like this", cfg.host, args.port)
+            "corrupt ranks through POST /chaos/*; never serve traffic like this", cfg.host,
+            http_socket.getsockname()[1])
     agent_stop = threading.Event()
     agent_thread = threading.Thread(name="agent", daemon=True)
     if local_ranks:
@@ -224,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
     controller.start()
     logging.getLogger("elastic_ep.serve").info("controller at %s (agents connect here), HTTP on http://%s:%d",
-                                               controller.health_addr, cfg.host, args.port)
+                                               controller.health_addr, cfg.host, http_socket.getsockname()[1])
     # uvicorn shuts down on SIGINT/SIGTERM, then re-raises the signal under the handler found at
     # start: make that an exception here too, so the cluster below is always stopped.
     signal.signal(signal.SIGTERM, _interrupt)
