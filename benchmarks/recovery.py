@@ -50,7 +50,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ep.control.config import ServeConfig
-from elastic_ep.control.health import adaptive_deadline_s, hung_ranks, lost_heartbeats
+from elastic_ep.control.faults.health_rules import adaptive_deadline_s, hung_ranks, lost_heartbeats
 from elastic_ep.harness.load import client_for, streams_with_fault
 from elastic_ep.harness.server_process import ServerProcess
 from elastic_ep.model.checkpoint import CheckpointReader

@@ -1,5 +1,5 @@
-"""Start-up mistakes are refused before any worker starts, naming the problem and the fix; a rank
-that ends during start-up is reported with how it ended."""
+"""Start-up mistakes are refused before any worker starts, naming the problem and the fix; exits
+say the signal by name (a rank that ends during start-up: tests/control/membership/test_nodes.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from elastic_ep.cli import main
-from elastic_ep.control.cluster import ClusterState
 from elastic_ep.control.config import ServeConfig, check_config
-from elastic_ep.control.detector import FaultDetector
-from elastic_ep.control.nodes import Nodes
-from elastic_ep.control.ranks import RankInfo, RankStatus
+from elastic_ep.control.faults.detector import FaultDetector
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.harness.server_process import free_port
 from elastic_ep.model.checkpoint import CheckpointReader
@@ -116,13 +112,3 @@ def test_the_agent_refuses_the_http_url_for_the_controller(capsys):
 def test_exits_say_the_signal_by_name(returncode, said):
     assert exit_reason(returncode) == said
     assert FaultDetector.exited(1, returncode).detail == f"process {said}"
-
-
-def test_a_rank_that_ends_during_startup_is_reported_with_how_it_ended():
-    cluster = ClusterState(num_layers=2, num_experts=8, slots_per_rank=4)
-    cluster.ranks = {0: RankInfo(0, "node0"), 1: RankInfo(1, "node0", status=RankStatus.DEAD)}
-    ctl = SimpleNamespace(cluster=cluster, cfg=SimpleNamespace(ep_size=2, startup_timeout_s=10.0),
-                          detector=SimpleNamespace(faults={1: FaultDetector.exited(1, -signal.SIGKILL)}),
-                          publish=lambda: None, pump=lambda _s: None)
-    with pytest.raises(ElasticEPError, match=r"rank 1 ended during startup \(process killed by SIGKILL\)"):
-        Nodes(ctl).wait_for_ranks(threading.Event())

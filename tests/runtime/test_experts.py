@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_ep.control.epoch_plan import held_placement, split_by_rank
+from elastic_ep.control.epochs.epoch_plan import held_placement, split_by_rank
 from elastic_ep.harness.ranks import run_ranks
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.tiny import resolve_model

@@ -39,7 +39,7 @@ from elastic_ep.control.api import (
     ScaleRejected,
     ServiceUnavailable,
 )
-from elastic_ep.control.scaling import ScaleOp, status_view
+from elastic_ep.control.membership.scale_rules import ScaleOp, status_view
 from elastic_ep.model.sampling import TokenHistory, TokenLogprobs, sample_tokens
 
 MODEL = "tiny-test"

@@ -1,6 +1,6 @@
 """The contract between the HTTP server (`serve/`) and the engine that runs requests.
 
-The controller's facade (`control/engine.py`) implements `Engine`; the HTTP app only talks to
+The controller's facade (`control/facade/engine.py`) implements `Engine`; the HTTP app only talks to
 this protocol, so it can be exercised in tests with any engine that honours it.
 Token ids only cross this boundary: the HTTP layer tokenizes, detokenizes and applies stop
 strings; the engine schedules, runs steps on the ranks and survives their faults.
@@ -158,7 +158,7 @@ class Engine(Protocol):
                       "progress": {"epoch", "step", "layer", "phase", "seq"}, "last_collective": str,
                       "verdict": {"kind": "ok" | "straggler" | "dp-imbalance" | "unknown", "evidence": str,
                                   "own_ms": own time per step, "ratio": own_ms over the peers' median (the one
-                                  slowness figure), ...numbers} | None,   # members only; policy/straggler.py
+                                  slowness figure), ...numbers} | None,   # members only; policy/straggler_verdict.py
                       "ready": bool,  # ready: serves in a verified epoch
                       "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
            "ready": bool, "reason": str,   # as GET /ready
@@ -202,7 +202,7 @@ class Engine(Protocol):
 
     def scale_status(self) -> dict[str, Any]:
         """JSON for GET /is_scaling_elastic_ep: is_scaling_elastic_ep, effective_ep_size,
-        scale_phase, last_error, old_ep_size, new_ep_size, elapsed_s (see control/scaling.py)."""
+        scale_phase, last_error, old_ep_size, new_ep_size, elapsed_s (see control/membership/scale_rules.py)."""
         ...
 
     def chaos(self, order: ChaosOrder) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Cluster metrics, registered on the HTTP app's CollectorRegistry.
 
-Per-rank series (label `rank`), so one slow rank shows as itself and is not hidden in a mean
-(seed 000, sections 3 and 8): step time, collective wait, tokens, expert load relative to the
+Per-rank series (label `rank`), so one slow rank shows as itself and is not hidden in a mean:
+step time, collective wait, tokens, expert load relative to the
 mean, and liveness (up, heartbeat age, last progress), set each time the control thread publishes.
 """
 

@@ -31,7 +31,7 @@ class RankStatus(str, Enum):
       registers (`WorkerHello`), then waits outside the group until an epoch admits it
       (start, rejoin, scale-up). Heartbeats are watched once it has registered.
     - STANDBY: registered (loaded and warmed up) and kept outside the group as a warm spare
-      (`--standby-ranks`, control/standby.py): never admitted as a joiner by itself; a fault,
+      (`--standby-ranks`, control/membership/standbys.py): never admitted as a joiner by itself; a fault,
       an eviction or a scale-up takes it into the next epoch instead of starting a process.
       Watched like a member; one that dies or goes silent is stopped and replaced, never a fault.
     - SERVING: a member of the current verified epoch that holds experts and takes requests.
@@ -63,7 +63,7 @@ class RankStatus(str, Enum):
 
 
 class Liveness(str, Enum):
-    """What a rank's heartbeats and progress show now (`control/health.py` `rank_liveness` decides):
+    """What a rank's heartbeats and progress show now (`control/faults/health_rules.py` `rank_liveness` decides):
 
     - LIVE: heartbeats on time, and not holding up a step.
     - SUSPECT: its heartbeat is late (--heartbeat-suspect-s) but not yet for the stall deadline.
@@ -117,7 +117,7 @@ class RankInfo:
     slot_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
     link_s: deque = field(default_factory=lambda: deque(maxlen=256))  # controller <-> rank round trip less step
     hello: WorkerHello | None = None
-    spare: bool = False  # started as a standby (control/standby.py) until a membership takes it
+    spare: bool = False  # started as a standby (control/membership/standbys.py) until a membership takes it
 
     @property
     def watched(self) -> bool:

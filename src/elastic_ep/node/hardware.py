@@ -1,5 +1,5 @@
 """A node's hardware signals, read by its agent every --hardware-interval-s: the evidence behind
-"slow, not bad" (seed 000 section 5: ECC retries, thermal throttling, a noisy neighbour).
+"slow, not bad" (ECC retries, thermal throttling, a noisy neighbour).
 
 - any host, through psutil: the share of CPU time the hypervisor stole since the last read (a
   noisy neighbour on a VM) and the CPU frequency;

@@ -4,8 +4,9 @@ Threads:
 - main: registers, then runs what the controller sends on the step socket: `EpochStart`
   (form the group or keep it, fill the expert slots, checksum the ones it filled, report),
   `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling),
-  `SweepSlots` (checksum a few slots between steps) and `CorruptSlot` (fault injection). It
-  blocks inside collectives.
+  `SweepSlots` (checksum a few slots between steps), and from a server with --enable-chaos
+  `ChaosStep` (the next step's injected delay and failures) and `CorruptSlot`. It blocks
+  inside collectives.
 - heartbeat: its own ZeroMQ socket; sends `Heartbeat` with the main thread's progress every
   `heartbeat_interval_s`, so the controller sees which collective the rank waits in even
   while the main thread is blocked, and sees nothing once the process is stopped.
@@ -37,6 +38,7 @@ from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
     AbortEpoch,
+    ChaosStep,
     CorruptSlot,
     EpochFailed,
     EpochReady,
@@ -108,6 +110,7 @@ class Worker:
         self.moe: ExpertParallelMoE | None = None
         self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
         self._pending: list = []
+        self._chaos: ChaosStep | None = None  # fault injection for the next step (--enable-chaos)
         self._stop = threading.Event()
         self.warmup_s = self._warm_up()
 
@@ -142,6 +145,8 @@ class Worker:
             if isinstance(msg, EpochStart):
                 if self.group is None or msg.epoch > self.group.epoch:
                     self._start_epoch(msg)
+            elif isinstance(msg, ChaosStep):
+                self._chaos = msg
             elif isinstance(msg, StepPlan):
                 if self.group is not None and msg.epoch == self.group.epoch and self.group.alive:
                     self._step(msg)
@@ -231,12 +236,13 @@ class Worker:
         start = time.perf_counter()
         self.progress.enter("compute", step=plan.step)
         moe.start_step(plan.dispatch_rows, plan.micro_batches)
-        faults = {c.fail_at for c in plan.chunks} | {plan.fail_at}
+        chaos = self._chaos_for(plan)
+        faults = {chaos.poisoned.get(c.seq_id, "") for c in plan.chunks} | {chaos.fail_at}
         moe.fail_in_experts = "experts" in faults
         if "local" in faults:  # the second MoE layer's local computation raises
             moe.fail_local_at = self.config.moe_layers[min(1, len(self.config.moe_layers) - 1)]
         try:
-            kv_move_s = self._before_forward(plan, moe)
+            kv_move_s = self._before_forward(plan, moe, chaos.delay_s)
             logits = forward_micro_batches(self.model, self.kv, [SeqChunk(c.seq_id, c.token_ids, c.start_pos)
                                                                  for c in plan.chunks], moe, plan.micro_batches)
         except CollectiveError as e:
@@ -245,7 +251,7 @@ class Worker:
         except LocalFailure as failure:
             self._fail(plan, StepErrorKind.LOCAL, failure.error, failure.in_experts)
             return
-        tokens, logprobs, errors = self._sample(plan, logits)
+        tokens, logprobs, errors = self._sample(plan, logits, {s for s, at in chaos.poisoned.items() if at == "sampling"})
         self.progress.idle()
         c = moe.counters
         step_s = time.perf_counter() - start
@@ -255,7 +261,14 @@ class Worker:
             c.remote_messages, c.remote_bytes, round(kv_move_s, 6),
         ))
 
-    def _before_forward(self, plan: StepPlan, moe: ExpertParallelMoE) -> float:
+    def _chaos_for(self, plan: StepPlan) -> ChaosStep:
+        """What fault injection asked of this step (nothing unless a `ChaosStep` for it came first)."""
+        chaos = self._chaos
+        if chaos is not None and (chaos.epoch, chaos.step) == (plan.epoch, plan.step):
+            return chaos
+        return ChaosStep(plan.epoch, plan.step)
+
+    def _before_forward(self, plan: StepPlan, moe: ExpertParallelMoE, delay_s: float) -> float:
         """Frees, KV moves, cache rows, injected delay; returns the KV moves' seconds. An error
         here runs the step's collectives with no tokens and raises LocalFailure."""
         try:
@@ -265,8 +278,8 @@ class Worker:
             finally:  # the peers of a move wait on this rank whatever happened above
                 kv_move_s = move_kv(self.kv, self.group, plan.kv_moves, self.tokens)
             self._allocate(plan)
-            if plan.delay_s > 0:
-                time.sleep(plan.delay_s)
+            if delay_s > 0:
+                time.sleep(delay_s)
             return kv_move_s
         except CollectiveError:
             raise
@@ -292,17 +305,18 @@ class Worker:
             # A re-run step overwrites, as the KV cache does.
             held[c.start_pos :] = c.token_ids
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor):
-        """(tokens, logprobs, errors) by seq_id for the chunks that sample. When sampling the
-        batch raises, each row is sampled alone, so only the sequence at fault gets an error."""
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, poisoned: set[int]):
+        """(tokens, logprobs, errors) by seq_id for the chunks that sample (those in `poisoned`
+        raise, as fault injection asked). When sampling the batch raises, each row is sampled
+        alone, so only the sequence at fault gets an error."""
         rows = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
         try:
-            return (*self._sample_rows(rows, logits), {})
+            return (*self._sample_rows(rows, logits, poisoned), {})
         except Exception:
             tokens, logprobs, errors = {}, {}, {}
             for row in rows:
                 try:
-                    t, lp = self._sample_rows([row], logits)
+                    t, lp = self._sample_rows([row], logits, poisoned)
                 except Exception as e:
                     errors[row[1].seq_id] = f"sampling failed: {type(e).__name__}: {e}"
                     continue
@@ -310,11 +324,11 @@ class Worker:
                 logprobs.update(lp)
             return tokens, logprobs, errors
 
-    def _sample_rows(self, rows: list, logits: torch.Tensor):
+    def _sample_rows(self, rows: list, logits: torch.Tensor, poisoned: set[int]):
         """rows: (row of logits [N, V], its ChunkPlan); -> (seq_id -> token, seq_id -> logprobs)."""
         if not rows:
             return {}, {}
-        if any(c.fail_at == "sampling" for _, c in rows):
+        if any(c.seq_id in poisoned for _, c in rows):
             raise RuntimeError("injected fault: sampling failed")
         histories = [TokenHistory(held[: c.prompt_len], held[c.prompt_len :])
                      for _, c in rows for held in (self.tokens[c.seq_id],)]

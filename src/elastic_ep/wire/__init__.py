@@ -5,7 +5,7 @@ a worker process (`worker.py`: launch and step socket; `health.py`: heartbeats a
 
 Transport: ZeroMQ. The controller binds two ROUTER sockets:
 - the step socket: each worker's main thread (DEALER, identity `w<rank_id>`) receives
-  `EpochStart`, `StepPlan`, `SweepSlots`, `CorruptSlot`, `Shutdown` and answers `WorkerHello`,
+  `EpochStart`, `StepPlan`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `Shutdown` and answers `WorkerHello`,
   `EpochReady`, `EpochFailed`, `StepResult`, `StepFailed`, `SlotChecksums`;
 - the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
   `Heartbeat` and receives `AbortEpoch`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
@@ -58,6 +58,7 @@ from .health import (
     exit_reason,
 )
 from .worker import (
+    ChaosStep,
     ChunkPlan,
     CorruptSlot,
     EpochFailed,
@@ -91,6 +92,7 @@ __all__ = [
     "BackupSite",
     "BackupTensors",
     "ChaosFailed",
+    "ChaosStep",
     "ChunkPlan",
     "CorruptSlot",
     "CutLinks",

@@ -176,7 +176,6 @@ class ChunkPlan:
     params: SamplingParams
     seed: int
     prompt_len: int
-    fail_at: str = ""  # fault injection (chaos poison): "local", "experts" or "sampling" raise there
 
 
 @dataclass(frozen=True)
@@ -195,9 +194,8 @@ class KVMove:
 @dataclass(frozen=True)
 class StepPlan:
     """Run one step of `epoch`. `free`: sequences whose KV cache to drop first.
-    `delay_s`: injected slowness (chaos), slept before the first collective.
     `dispatch_rows`: rows per peer of the padded dispatch (same on every rank), 0 = exchange
-    split sizes. `fail_at`: fault injection (chaos poison of the rank), as in ChunkPlan.
+    split sizes.
     `micro_batches`: forwards interleaved in this step (2 with --enable-dbo; same on every rank).
     `kv_moves`: every KV move of the step, the same list to every member (the moves are one
     all-to-all of the group, each member takes its side)."""
@@ -206,9 +204,7 @@ class StepPlan:
     step: int
     chunks: list[ChunkPlan]
     free: list[int]
-    delay_s: float = 0.0
     dispatch_rows: int = 0
-    fail_at: str = ""
     micro_batches: int = 1
     kv_moves: list[KVMove] = field(default_factory=list)
 
@@ -272,6 +268,20 @@ class SlotChecksums:
     epoch: int
     rank_id: int
     checksums: dict[tuple[int, int], int]
+
+
+@dataclass(frozen=True)
+class ChaosStep:
+    """Fault injection (only from a server started with --enable-chaos), sent just before the
+    `StepPlan` of (epoch, step) and applied to that step only: `delay_s` slept before its first
+    collective; `fail_at` makes the whole step raise there ("local", "experts" or "sampling");
+    `poisoned`: seq_id -> where the steps of that sequence raise."""
+
+    epoch: int
+    step: int
+    delay_s: float = 0.0
+    fail_at: str = ""
+    poisoned: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
