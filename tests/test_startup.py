@@ -20,7 +20,7 @@ from elastic_ep.harness.server_process import free_port
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.tiny import resolve_model
-from elastic_ep.wire import exit_reason
+from elastic_ep.wire import ClusterKey, exit_reason
 
 
 def serve(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
@@ -72,10 +72,12 @@ def test_serve_refuses_an_ep_size_beyond_the_experts_without_starting_workers():
     assert "registered" not in done.stderr and "Traceback" not in done.stderr
 
 
-def test_an_unreachable_controller_is_named_by_the_agent(capsys):
+def test_an_unreachable_controller_is_named_by_the_agent(capsys, tmp_path):
     port = free_port()  # nothing listens there
+    ClusterKey.generate().write(tmp_path / "cluster.key")
     started = time.monotonic()
-    assert main(["agent", "--controller", f"127.0.0.1:{port}", "--node", "n1", "--connect-timeout-s", "1"]) == 2
+    assert main(["agent", "--controller", f"127.0.0.1:{port}", "--node", "n1", "--connect-timeout-s", "1",
+                 "--cluster-key-file", str(tmp_path / "cluster.key")]) == 2
     err = capsys.readouterr().err
     assert f"cannot reach the controller at tcp://127.0.0.1:{port}" in err and "--controller" in err
     assert time.monotonic() - started < 10
@@ -101,7 +103,7 @@ def test_the_agent_waits_for_a_controller_that_starts_late():
 
 
 def test_the_agent_refuses_the_http_url_for_the_controller(capsys):
-    assert main(["agent", "--controller", "http://127.0.0.1:8000", "--node", "n1"]) == 2
+    assert main(["agent", "--controller", "http://127.0.0.1:8000", "--node", "n1", "--cluster-key-file", "k"]) == 2
     err = capsys.readouterr().err
     assert "not the controller's agent address" in err and "controller at tcp://" in err
 

@@ -179,6 +179,8 @@ class Engine(Protocol):
                           "dp_align", "dp_align_min_chunk", "dp_migrate", "dp_migrate_patience",
                           "nodes": {node: [member rank_ids]}},   # the host groups of this epoch
            "rebalance": {"active": bool, "reason": str | None, "moves": int, "slots": int},  # background
+           "listening": {"step", "health", "store"},   # the controller's sockets, tcp://HOST:PORT
+           "agents": [{"node", "host", "ranks", "standalone", "backup", "fetch"}],  # fetch: the agent's socket
            "events": [{"id": int, "time_s": unix seconds, "kind": str, "rank_id": int | None,
                        "message": str, ...details}, ...]}
         Rank states are `control.ranks.RankStatus` values: starting, standby, serving, draining,

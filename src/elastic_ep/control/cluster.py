@@ -142,7 +142,7 @@ class ClusterState:
             "ready": readiness.ready, "reason": readiness.reason, "deadlines": deadlines,
             "step": self.step, **extra,
             "agents": [{"node": a.node, "host": a.host, "ranks": a.num_ranks, "standalone": a.standalone,
-                        "backup": a.backup is not None} for a in self.agents.values()],
+                        "backup": a.backup is not None, "fetch": a.fetch_addr} for a in self.agents.values()],
             "placement": json.loads(self.location.to_json()) if self.location is not None else None,
             "events": self.events.all(),
         }

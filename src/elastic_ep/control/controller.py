@@ -42,6 +42,7 @@ from elastic_ep.wire import (
     AgentHello,
     BackupReady,
     ChaosFailed,
+    ClusterKey,
     EpochFailed,
     EpochReady,
     HardwareReport,
@@ -84,7 +85,7 @@ from .membership.hardware import HardwareSignals
 from .membership.nodes import Nodes
 from .membership.scale_driver import ScaleDriver
 from .membership.standbys import Standbys
-from .metrics import ClusterMetrics
+from .metrics import ClusterMetrics, RejectedFrames
 from .ranks import RankStatus
 from .serving.alignment import AlignRule
 from .serving.isolation import Isolation
@@ -96,16 +97,25 @@ from .serving.streams import Streams
 logger = logging.getLogger(__name__)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def store_on(host: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """The rendezvous store, listening on `host` only: TCPStore binds every interface when it
+    makes its own socket, and it cannot authenticate a client (docs/RUNBOOK.md: firewall it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(512)
+    port = listener.getsockname()[1]
+    # the store serves on this socket from now on: it owns the descriptor
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                         master_listen_fd=listener.detach())
 
 
 class Controller:
-    """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`."""
+    """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`. `key`: the
+    deployment's cluster key, which every agent and worker must hold."""
 
-    def __init__(self, cfg: ServeConfig, registry: CollectorRegistry | None = None):
+    def __init__(self, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry | None = None):
         self.cfg = cfg
         self.config = MoEConfig.from_pretrained(cfg.model_dir)
         self.reader = CheckpointReader(cfg.model_dir, self.config, dtype=cfg.dtype)
@@ -120,23 +130,24 @@ class Controller:
         registry = registry or CollectorRegistry()
         nbytes = self.reader.expert_nbytes
         self.metrics = ClusterMetrics(registry)
+        self.rejected_frames = RejectedFrames(registry)
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    AlignRule(cfg.dp_align, cfg.dp_align_min_chunk, cfg.dp_migrate,
-                                             cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step)
+                                             cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step,
+                                   block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.cluster = c = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.streams = Streams(self.scheduler)
         self.detector = FaultDetector(cfg)
-        self.plane = ControlPlane(cfg.control_host)
-        self.store_port = _free_port(cfg.control_host)
-        self.store = dist.TCPStore(
-            cfg.control_host, self.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
+        self.plane = ControlPlane(cfg.control_host, key)
+        self.store = store_on(cfg.control_host)
+        self.store_port = self.store.port
         self.changer = EpochChanger(c, cfg, self.plane, self.store, nbytes, self.pump,
                                     lambda ranks: any(r in self.detector.faults for r in ranks))
         self.nodes = Nodes(c, cfg, self.plane, self.store_port, nbytes, fault=self.fault,
                            target_size=lambda: self.scaling.target_ep_size, undrain=self.scheduler.undrain,
-                           forget_measures=self._forget_measures, pump=self.pump, publish=self.publish)
+                           forget_measures=self._forget_measures, pump=self.pump, publish=self.publish,
+                           set_pool_size=self.scheduler.set_pool_size)
         self.chaos = (ChaosInjector(c, self.plane, self.nodes, self.changer.after_next_start, self.scheduler.by_id)
                       if cfg.enable_chaos else None)
         self.isolation = Isolation(self.streams, c.events, self.fault, cfg.isolation_max_steps)
@@ -254,6 +265,10 @@ class Controller:
                 self.detector.heartbeat(r, msg, self.cluster.epoch, self.plane.heard_clock())
         elif isinstance(msg, AgentAlive):
             nodes.on_agent_alive(inbound.identity, msg)
+            agent = self.cluster.agents.get(msg.node)
+            if agent is not None and agent.standalone and agent.session == msg.session:
+                # an agent of its own process; one in this process is counted by this process itself
+                self.rejected_frames.report(msg.node, msg.frames_rejected)
         elif isinstance(msg, StepResult | StepFailed):
             self.steps.on_reply(msg)
         elif isinstance(msg, EpochReady | EpochFailed):
@@ -391,7 +406,9 @@ class Controller:
         return {"scale": self.scaling.status(), "redundancy": self.redundancy.view(),
                 "straggler_policy": self.stragglers.view(now), "hardware": self.hardware.view(),
                 "standby": {"wanted": self.cfg.standby_ranks, "ready": self.standby.ready()},
-                "rebalance": self.rebalancer.status()}
+                "rebalance": self.rebalancer.status(),
+                "listening": {"step": self.plane.step_addr, "health": self.plane.health_addr,
+                              "store": f"tcp://{self.cfg.control_host}:{self.store_port}"}}
 
     def load(self) -> np.ndarray:
         c = self.cluster

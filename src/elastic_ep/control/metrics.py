@@ -10,13 +10,43 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from elastic_ep.wire import KVMove, StepResult
+from elastic_ep.wire import KVMove, StepResult, rejected_counts
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 IMBALANCE_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
 RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
+
+
+class KVCacheUsage:
+    """`elastic_ep_kv_cache_usage_perc`: the fraction (0..1) of KV blocks that requests hold,
+    vLLM's kv_cache_usage_perc; one sample without labels for the whole group (what a router
+    compares between instances), one per rank with `rank`. Cached blocks no request holds count
+    as free, as in vLLM."""
+
+    NAME = "elastic_ep_kv_cache_usage_perc"
+
+    def __init__(self) -> None:
+        self.group = 0.0
+        self.per_rank: dict[int, float] = {}
+
+    def set(self, per_rank: Mapping[int, tuple[int, int]]) -> None:
+        """per_rank: rank -> (blocks held, blocks in its pool)."""
+        self.per_rank = {r: held / total for r, (held, total) in per_rank.items()}
+        total = sum(t for _, t in per_rank.values())
+        self.group = sum(h for h, _ in per_rank.values()) / total if total else 0.0
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self.NAME, "Fraction of KV cache blocks in use (0..1)", labels=["rank"])]
+
+    def collect(self) -> list[Metric]:
+        family = GaugeMetricFamily(self.NAME, "Fraction of KV cache blocks in use (0..1)", labels=["rank"])
+        family.add_sample(self.NAME, {}, self.group)
+        for rank, usage in sorted(self.per_rank.items()):
+            family.add_metric([str(rank)], usage)
+        return [family]
 
 
 class ClusterMetrics:
@@ -56,12 +86,32 @@ class ClusterMetrics:
             "(0 when live)", ["rank"], registry=registry,
         )
         self.requests_running = Gauge(
-            "elastic_ep_num_requests_running", "Requests placed on a rank (running or being prefilled)",
+            "elastic_ep_num_requests_running", "Requests holding KV blocks on a rank, decoding or being prefilled "
+            "(vLLM's num_requests_running)",
             registry=registry,
         )
         self.requests_waiting = Gauge(
-            "elastic_ep_num_requests_waiting", "Requests admitted but not yet placed on a rank", registry=registry,
+            "elastic_ep_num_requests_waiting", "Requests queued for a rank and its KV blocks, preempted ones "
+            "included (vLLM's num_requests_waiting)", registry=registry,
         )
+        self.num_preemptions = Counter(
+            "elastic_ep_num_preemptions", "Requests preempted because their rank's KV pool had no free block "
+            "(recomputed later; vLLM's num_preemptions)", registry=registry,
+        )
+        self.prefix_cache_queries = Counter(
+            "elastic_ep_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission (vLLM's "
+            "prefix_cache_queries, in tokens)", registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "elastic_ep_prefix_cache_hits", "Prompt tokens found in cached KV blocks at admission (vLLM's "
+            "prefix_cache_hits, in tokens)", registry=registry,
+        )
+        self.prefix_cached_blocks = Gauge(
+            "elastic_ep_prefix_cache_blocks", "KV blocks keyed by their token prefix, all ranks (held or evictable)",
+            registry=registry,
+        )
+        self.kv_cache_usage = KVCacheUsage()
+        registry.register(self.kv_cache_usage)
         self.ready = Gauge("elastic_ep_ready", "1 while GET /ready is true", registry=registry)
         self.dp_token_imbalance = Gauge(
             "elastic_ep_dp_token_imbalance",
@@ -137,6 +187,12 @@ class ClusterMetrics:
         if reprefilled:
             self.dp_migrations.labels("reprefill").inc(len(reprefilled))
 
+    def kv_step(self, preempted: int, prefix_queried: int, prefix_hit: int) -> None:
+        """What one step's scheduling did to the KV pools."""
+        self.num_preemptions.inc(preempted)
+        self.prefix_cache_queries.inc(prefix_queried)
+        self.prefix_cache_hits.inc(prefix_hit)
+
     def forget_rank(self, rank: int) -> None:
         """Drop a rank's series when it leaves (its last values would read as current)."""
         for metric in (self.rank_tokens, self.expert_load_imbalance, self.rank_up, self.rank_heartbeat_age_seconds,
@@ -145,3 +201,36 @@ class ClusterMetrics:
                 metric.remove(str(rank))
             except KeyError:
                 pass
+
+
+class RejectedFrames:
+    """Frames the deployment's sockets dropped (wire/codec.py), as
+    `elastic_ep_control_frames_rejected_total{socket, node, reason}`: this process's sockets (the
+    controller's and its in-process agent's) counted here, a standalone agent's (`elastic-ep
+    agent`) from its `AgentAlive` through `report(node, counts)`. Registered on `registry`."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._remote: dict[str, list[tuple[str, str, int]]] = {}
+        registry.register(self)
+
+    def report(self, node: str, counts: list[tuple[str, str, int]]) -> None:
+        """The counts of node's agent process so far (they only grow while that process runs)."""
+        self._remote[node] = list(counts)
+
+    def totals(self) -> dict[tuple[str, str, str], int]:
+        """(socket, node, reason) -> frames dropped, this process and the agents that reported."""
+        totals = rejected_counts()
+        for node, counts in list(self._remote.items()):
+            for socket, reason, n in counts:
+                totals[socket, node, reason] = totals.get((socket, node, reason), 0) + n
+        return totals
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "elastic_ep_control_frames_rejected", "Frames a control-plane or fetch socket dropped: without the "
+            "cluster key (unauthenticated), not a message (undecodable), or not of that socket (unexpected)",
+            labels=["socket", "node", "reason"])
+        for (socket, node, reason), n in sorted(self.totals().items()):
+            family.add_metric([socket, node, reason], n)
+        yield family
+

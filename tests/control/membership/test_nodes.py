@@ -54,7 +54,8 @@ class Rig:
         self.faults, self.undrained, self.forgotten = [], [], []
         self.nodes = Nodes(self.cluster, config(**flags), self.plane, 29500, 1024, fault=self.faults.append,
                            target_size=lambda: 4, undrain=self.undrained.extend,
-                           forget_measures=self.forgotten.append, pump=lambda timeout_s: None, publish=lambda: None)
+                           forget_measures=self.forgotten.append, pump=lambda timeout_s: None, publish=lambda: None,
+                           set_pool_size=lambda rank_id, blocks: None)
 
 
 def test_a_new_agent_is_welcomed_and_given_the_free_rank_ids_up_to_the_target():

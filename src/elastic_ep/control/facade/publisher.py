@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from elastic_ep.model.block_manager import BlockManager
 from elastic_ep.policy.straggler_verdict import IntervalRecorder, Verdict, VerdictKind, judge
 
 from ..api import Health, Readiness
@@ -53,8 +54,11 @@ class QueueView(Protocol):
 
     running: Mapping[int, list[Sequence]]
     waiting: Any
+    pools: Mapping[int, BlockManager]
 
     def num_requests(self, rank_id: int) -> int: ...
+
+    def pool_view(self, max_model_len: int) -> dict[str, Any]: ...
 
 
 class Publisher:
@@ -143,7 +147,8 @@ class Publisher:
             sched.num_requests, self.slow_delays(), self.controller_addr, deadlines, readiness, liveness, heard,
             {r: v.to_json() for r, v in self._verdicts.items()},
             health=vars(health), load=self.load(), straggler_rule=self.rule.to_json(), **self.views(now),
-            data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()})
+            data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()},
+            kv_cache=sched.pool_view(self.cfg.max_model_len))
         self._set_gauges(heard, readiness, liveness)
 
     def load(self) -> dict[str, float | int | None]:
@@ -177,4 +182,7 @@ class Publisher:
                 m.rank_last_progress_seconds.labels(label).set(unix_now - (heard - r.progress_at))
         m.requests_running.set(sum(len(seqs) for seqs in self.scheduler.running.values()))
         m.requests_waiting.set(len(self.scheduler.waiting))
+        pools = self.scheduler.pools
+        m.kv_cache_usage.set({r: (p.num_blocks - p.num_free_blocks, p.num_blocks) for r, p in pools.items()})
+        m.prefix_cached_blocks.set(sum(p.num_cached_blocks for p in pools.values()))
         m.ready.set(int(readiness.ready))

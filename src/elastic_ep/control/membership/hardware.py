@@ -10,9 +10,9 @@ absent with the reason (`elastic_ep_hardware_signal_present` 0), never as a zero
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any
 
+from msgspec.structs import asdict
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from elastic_ep.wire import IDLE_REASONS, THROTTLE_REASONS, HardwareReport
@@ -85,4 +85,5 @@ class HardwareSignals:
     def view(self) -> dict[str, Any]:
         """node -> its last report, for /cluster."""
         now = time.monotonic()
-        return {node: {**asdict(r), "age_s": round(now - at, 2)} for node, (at, r) in sorted(self.reports.items())}
+        return {node: {**asdict(r), "gpus": [asdict(g) for g in r.gpus], "age_s": round(now - at, 2)}
+                for node, (at, r) in sorted(self.reports.items())}

@@ -97,6 +97,7 @@ class StepLoop:
         on a fault."""
         c = self.cluster
         batch = self._plan()
+        self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit)
         c.step += 1
         self.replies = {}
         self.in_step = set(c.members)
@@ -115,14 +116,14 @@ class StepLoop:
         while len(self.replies) < len(c.members):
             self.pump(0.002)
             if self.detector.pending:
-                self._requeue_frees(batch)
+                self.scheduler.step_failed(batch)
                 self.uncommitted = batch
                 raise RecoveryNeeded()
         self.in_step = set()
         wall_s = time.perf_counter() - start
         failures = {r: m for r, m in self.replies.items() if isinstance(m, StepFailed)}
         if failures:
-            self._requeue_frees(batch)
+            self.scheduler.step_failed(batch)
             self.metrics.failed_steps.inc()
             self.isolation.step_failed(c.step, batch, failures)
             return None
@@ -163,14 +164,6 @@ class StepLoop:
                                 f"{self.retries_without_culprit} times: {error}")
         self.retries_without_culprit = 0
         self.uncommitted = None
-
-    def _requeue_frees(self, batch: StepBatch) -> None:
-        """A failed step's frees may not have run: ask again in the next step. A KV move may have
-        left a copy on its destination: free it there (the sequence stays on its old rank)."""
-        frees = [(r, ids) for r, ids in batch.free.items()] + [(m.dst_rank, [m.seq_id]) for m in batch.moves]
-        for rank_id, ids in frees:
-            if rank_id in self.scheduler.to_free:
-                self.scheduler.to_free[rank_id].extend(ids)
 
     def _finish(self, batch: StepBatch, wall_s: float) -> None:
         c, m = self.cluster, self.metrics
