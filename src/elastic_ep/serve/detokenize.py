@@ -31,6 +31,8 @@ class TextStream:
         self._sent = 0
         self.stopped = False
         """True once a stop string was produced: the caller finishes with reason "stop"."""
+        self.stop_string: str | None = None
+        """The stop string that stopped it (vLLM's `stop_reason`)."""
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text that can be sent now (maybe "")."""
@@ -69,10 +71,11 @@ class TextStream:
             self._read_offset = len(self._ids)
 
     def _release(self, final: bool) -> str:
-        hits = [i for i in (self._text.find(s, self._sent) for s in self._stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self._text.find(s, self._sent), s) for s in self._stop) if i >= 0]
         if hits:
             self.stopped = True
-            return self._advance(min(hits))
+            at, self.stop_string = min(hits, key=lambda hit: hit[0])
+            return self._advance(at)
         if final:
             return self._advance(len(self._text))
         return self._advance(len(self._text) - _partial_stop_len(self._text, self._stop, self._sent))

@@ -49,11 +49,18 @@ class Delta:
     request asked for logprobs."""
     token_ids: list[int] = field(default_factory=list)
     """The ids of the tokens behind this delta (and any whose text was held back before)."""
+    stop_reason: str | int | None = None
+    """vLLM's meaning, on the last delta: the stop string or stop token id that ended it; None
+    for EOS, a length limit, or while running."""
 
 
 class Generation:
-    def __init__(self, request: GenerationRequest, outputs: AsyncIterator[RequestOutput], text: TextStream):
+    def __init__(self, request: GenerationRequest, outputs: AsyncIterator[RequestOutput], text: TextStream,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.request = request
+        params = request.params
+        # as vLLM: EOS (unless ignored) ends a request before stop_token_ids are looked at
+        self._stop_tokens = frozenset(params.stop_token_ids) - frozenset(() if params.ignore_eos else eos_token_ids)
         self._outputs = outputs
         self._text = text
         self._first: RequestOutput | None = None
@@ -67,7 +74,7 @@ class Generation:
         """Start the request and wait for its first event, so that ServiceUnavailable (an
         async generator raises it on the first `__anext__`) is still answered with a 503
         before any response header is sent."""
-        generation = cls(request, engine.generate(request), text)
+        generation = cls(request, engine.generate(request), text, engine.info.eos_token_ids)
         try:
             generation._first = await generation._next()
         except BaseException:
@@ -94,14 +101,17 @@ class Generation:
             text = self._guarded(lambda e=event: self._text.add(e.new_token_ids))
             if self._text.stopped:
                 self.timer.ended("stop")
-                yield Delta(text, "stop", held, held_ids)
+                yield Delta(text, "stop", held, held_ids, stop_reason=self._text.stop_string)
                 return
             if event.finished:
                 if event.finish_reason == "error":
                     self.timer.ended("error")
                     raise APIError(500, f"the engine failed this request: {event.error}", code="engine_error")
                 self.timer.ended(event.finish_reason or "stop")
-                yield Delta(text + self._guarded(self._text.finish), event.finish_reason or "stop", held, held_ids)
+                last = event.new_token_ids[-1] if event.new_token_ids else None
+                stop_token = last if event.finish_reason == "stop" and last in self._stop_tokens else None
+                yield Delta(text + self._guarded(self._text.finish), event.finish_reason or "stop", held, held_ids,
+                            stop_reason=stop_token)
                 return
             if text:
                 yield Delta(text, None, held, held_ids)

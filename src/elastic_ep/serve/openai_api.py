@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes: /v1/completions and /v1/chat/completions (streaming or not,
-n choices, lists of prompts, logprobs, echo), /v1/models, and vLLM's /tokenize and
-/detokenize. Tokenization, the chat template, detokenization and stop strings happen here;
+n choices, lists of prompts, logprobs, echo), /v1/models and /v1/models/{id}, and vLLM's
+/tokenize and /detokenize. Tokenization, the chat template, detokenization and stop strings happen here;
 the engine only sees token ids, one engine request per choice.
 """
 
@@ -84,16 +84,23 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
     vocab_size = int(info.extra.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True))
     created_s = int(time.time())
 
+    card = ModelCard(
+        id=info.model_name,
+        created=created_s,
+        owned_by="elastic-ep",
+        root=info.model_name,
+        max_model_len=info.max_model_len,
+    )
+
     @router.get("/v1/models", response_model=ModelList, responses=error_responses(500))
     async def models() -> ModelList:
-        card = ModelCard(
-            id=info.model_name,
-            created=created_s,
-            owned_by="elastic-ep",
-            root=info.model_name,
-            max_model_len=info.max_model_len,
-        )
         return ModelList(data=[card])
+
+    @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(404, 500))
+    async def model(model_id: str) -> ModelCard:
+        """The served model's card (OpenAI's `models.retrieve`); 404 for any other id."""
+        check_model(model_id, info)
+        return card
 
     @router.post(
         "/v1/completions", response_model=CompletionResponse, responses=_answers(CompletionStreamResponse)
@@ -316,6 +323,7 @@ class _Kind:
                 finish_reason=reason,
                 token_ids=choice.token_ids(deltas),
                 prompt_token_ids=choice.take_prompt_ids(),
+                stop_reason=deltas[-1].stop_reason,
             )
         echo = choice.take_echo()
         choice.text_offset = len(echo)
@@ -327,6 +335,7 @@ class _Kind:
             finish_reason=reason,
             token_ids=choice.token_ids(deltas),
             prompt_token_ids=choice.take_prompt_ids(),
+            stop_reason=deltas[-1].stop_reason,
         )
 
     def chunk_choice(
@@ -344,6 +353,7 @@ class _Kind:
                 finish_reason=delta.finish_reason,
                 token_ids=choice.token_ids([delta]),
                 prompt_token_ids=choice.take_prompt_ids(),
+                stop_reason=delta.stop_reason,
             )
         echo = choice.take_echo()
         choice.text_offset += len(echo)
@@ -355,6 +365,7 @@ class _Kind:
             finish_reason=delta.finish_reason,
             token_ids=choice.token_ids([delta]),
             prompt_token_ids=choice.take_prompt_ids(),
+            stop_reason=delta.stop_reason,
         )
 
 

@@ -203,6 +203,13 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+StopReason = Annotated[
+    str | int | None,
+    Field(description="vLLM's: the stop string or stop token id that ended the choice; null for EOS, a length "
+                      "limit, or while it runs"),
+]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -210,6 +217,7 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None
     token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
     prompt_token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
+    stop_reason: StopReason = None
 
 
 class _Answer(BaseModel):
@@ -261,6 +269,7 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason | None
     token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
     prompt_token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(_Answer):
@@ -283,6 +292,7 @@ class ChatStreamChoice(BaseModel):
     finish_reason: FinishReason | None
     token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
     prompt_token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
+    stop_reason: StopReason = None
 
 
 class ChatCompletionStreamResponse(_Answer):
@@ -324,6 +334,10 @@ class HealthResponse(BaseModel):
 
     status: Literal["ok", "degraded", "dead"] = "ok"
     reason: str = ""
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ReadyResponse(BaseModel):
