@@ -25,7 +25,7 @@ SERVE_ARGS = ["--model", MODEL, "--ep-size", "5", "--local-ranks", "3", "--redun
 def two_nodes(tmp_path_factory):
     server = Server(SERVE_ARGS, tmp_path_factory.mktemp("serve") / "serve.log", ready_timeout_s=None)
     agent = subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", server.controller_addr(),
-                              "--node", "node1", "--ranks", "2"])
+                              "--node", "node1", "--ranks", "2", "--cluster-key-file", str(server.key_file)])
     try:
         server.wait_ready(120)
         server.wait_full_group(5)

@@ -152,7 +152,7 @@ class ClusterState:
             "ready": readiness.ready, "reason": readiness.reason, "deadlines": deadlines,
             "step": self.step, **extra,
             "agents": [{"node": a.node, "host": a.host, "ranks": a.num_ranks, "standalone": a.standalone,
-                        "backup": a.backup is not None, "cordoned": a.node in self.cordoned,
+                        "backup": a.backup is not None, "fetch": a.fetch_addr, "cordoned": a.node in self.cordoned,
                         "safe_to_terminate": a.node not in node_busy} for a in self.agents.values()],
             "cordoned": sorted(self.cordoned),
             "placement": json.loads(self.location.to_json()) if self.location is not None else None,

@@ -4,7 +4,11 @@ Two ZeroMQ ROUTER sockets bound on the controller's host (see `elastic_ep.wire` 
 what on each): the step socket (worker main threads) and the health socket (worker heartbeat
 threads and node agents), plus a wake-up pipe other threads write to so a waiting control thread
 returns at once. Sending to a peer that is gone drops the message (no ROUTER_MANDATORY): a dead
-rank's silence is for the fault detector to notice, never an exception here.
+rank's silence is for the fault detector to notice, never an exception here. Every frame is
+sealed with the cluster key, and what arrives goes through each socket's `Inbox`: a frame
+without the key, not decodable or not of that socket is dropped and counted (wire/codec.py),
+so no peer can stop the control loop; at most `MAX_DRAIN` frames per socket are read per
+receive, so a flood cannot hold the loop either.
 
 A peer's silence is measured on `heard_clock`, which stops while this process could not listen:
 a stall of the whole serve process (a thread holding the GIL while the OS runs others) freezes
@@ -20,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from elastic_ep.wire import decode, encode
+from elastic_ep.wire import HEALTH_TO_CONTROLLER, STEP_TO_CONTROLLER, ClusterKey, Inbox
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,8 @@ class Inbound:
     message: Any
 
 
+MAX_DRAIN = 512  # frames read per socket per receive: the loop gets its turn whatever arrives
+MAX_FRAME_BYTES = 64 << 20  # a peer sending a bigger frame is disconnected by ZeroMQ before it is read
 LISTEN_SLACK_S = 0.1  # a receive this much later than it asked for means the process could not listen
 
 
@@ -54,15 +60,25 @@ class ListeningClock:
 
 
 class ControlPlane:
-    """Bind both sockets on `host`; `step_addr` and `health_addr` are what workers and agents connect to."""
+    """Bind both sockets on `host`; `step_addr` and `health_addr` are what workers and agents
+    connect to; `key`: the deployment's cluster key, which every frame in and out carries."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, key: ClusterKey):
+        self.key = key
+        self.step_inbox = Inbox("step", STEP_TO_CONTROLLER, key)
+        self.health_inbox = Inbox("health", HEALTH_TO_CONTROLLER, key)
         self.ctx = zmq.Context.instance()
         self.step_sock = self.ctx.socket(zmq.ROUTER)
         self.health_sock = self.ctx.socket(zmq.ROUTER)
         for s in (self.step_sock, self.health_sock):
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            # No receive high-water mark: with ZeroMQ heartbeats on, libzmq 4.3.5 aborts the process
+            # (`!_io_error`, stream_engine_base.cpp out_event) when a heartbeat fires on a connection
+            # whose input stopped at a full pipe, which a peer's flood brings about. Frames queue in
+            # memory instead until the loop drains them (MAX_DRAIN per receive, dropped cheaply).
+            s.setsockopt(zmq.RCVHWM, 0)
             # drop a connection whose peer went silent (a cut link) so its reconnection is clean
             s.setsockopt(zmq.HEARTBEAT_IVL, 250)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)
@@ -96,24 +112,26 @@ class ControlPlane:
                     pass
             except BlockingIOError:
                 pass
-        out = []
-        while self.health_sock.poll(0):
-            identity, frame = self.health_sock.recv_multipart()
-            out.append(Inbound(identity, decode(frame)))
-        while self.step_sock.poll(0):
-            identity, frame = self.step_sock.recv_multipart()
-            out.append(Inbound(identity, decode(frame)))
+        out: list[Inbound] = []
+        for sock, inbox in ((self.health_sock, self.health_inbox), (self.step_sock, self.step_inbox)):
+            for _ in range(MAX_DRAIN):
+                if not sock.poll(0):
+                    break
+                identity, *frames = sock.recv_multipart(copy=False)
+                message = inbox.read(frames)
+                if message is not None:
+                    out.append(Inbound(identity.bytes, message))
         return out
 
     def to_worker(self, rank_id: int, message) -> None:
         """To a worker's main thread (step socket)."""
-        self.step_sock.send_multipart([f"w{rank_id}".encode(), encode(message)])
+        self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message)])
 
     def to_heartbeat(self, rank_id: int, message) -> None:
         """To a worker's heartbeat thread (health socket), which answers even while the main
         thread waits in a collective."""
-        self.health_sock.send_multipart([f"h{rank_id}".encode(), encode(message)])
+        self.health_sock.send_multipart([f"h{rank_id}".encode(), *self.key.seal(message)])
 
     def to_identity(self, identity: bytes, message) -> None:
         """To a peer of the health socket (an agent) by its identity."""
-        self.health_sock.send_multipart([identity, encode(message)])
+        self.health_sock.send_multipart([identity, *self.key.seal(message)])

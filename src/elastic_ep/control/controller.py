@@ -42,6 +42,7 @@ from elastic_ep.wire import (
     AgentHello,
     BackupReady,
     ChaosFailed,
+    ClusterKey,
     EpochFailed,
     EpochReady,
     HardwareReport,
@@ -85,7 +86,7 @@ from .membership.hardware import HardwareSignals
 from .membership.nodes import Nodes
 from .membership.scale_driver import ScaleDriver
 from .membership.standbys import Standbys
-from .metrics import ClusterMetrics
+from .metrics import ClusterMetrics, RejectedFrames
 from .ranks import RankStatus
 from .serving.alignment import AlignRule
 from .serving.isolation import Isolation
@@ -94,20 +95,40 @@ from .serving.scheduler import Scheduler
 from .serving.sleep_mode import SleepMode
 from .serving.step_loop import StepLoop
 from .serving.streams import Streams
+from .tracing import RequestTraces
 
 logger = logging.getLogger(__name__)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _start_tracing(cfg: ServeConfig) -> RequestTraces:
+    """Request traces to --otlp-traces-endpoint: OpenTelemetry is imported here, only with the flag."""
+    try:
+        from .otel import OtelSink
+    except ImportError as e:
+        raise ElasticEPError(f"--otlp-traces-endpoint needs OpenTelemetry ({e}): pip install 'elastic-ep[tracing]'") from e
+    return RequestTraces(OtelSink.to_endpoint(cfg.otlp_traces_endpoint, model_name=cfg.model_name),
+                         cfg.trace_sample_ratio)
+
+
+def store_on(host: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """The rendezvous store, listening on `host` only: TCPStore binds every interface when it
+    makes its own socket, and it cannot authenticate a client (docs/RUNBOOK.md: firewall it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(512)
+    port = listener.getsockname()[1]
+    # the store serves on this socket from now on: it owns the descriptor
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                         master_listen_fd=listener.detach())
 
 
 class Controller:
-    """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`."""
+    """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`. `key`: the
+    deployment's cluster key, which every agent and worker must hold."""
 
-    def __init__(self, cfg: ServeConfig, registry: CollectorRegistry | None = None):
+    def __init__(self, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry | None = None):
         self.cfg = cfg
         self.config = MoEConfig.from_pretrained(cfg.model_dir)
         self.reader = CheckpointReader(cfg.model_dir, self.config, dtype=cfg.dtype)
@@ -121,34 +142,38 @@ class Controller:
         num_layers = len(self.config.moe_layers)
         registry = registry or CollectorRegistry()
         nbytes = self.reader.expert_nbytes
-        self.metrics = ClusterMetrics(registry)
+        self.metrics = ClusterMetrics(registry, cfg.model_name, cfg.metrics_top_k)
+        self.rejected_frames = RejectedFrames(registry)
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    AlignRule(cfg.dp_align, cfg.dp_align_min_chunk, cfg.dp_migrate,
-                                             cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step)
+                                             cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step,
+                                   block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.cluster = c = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
-        self.streams = Streams(self.scheduler)
+        self.traces = _start_tracing(cfg) if cfg.otlp_traces_endpoint else None
+        self.streams = Streams(self.scheduler, self.traces)
         self.detector = FaultDetector(cfg)
-        self.plane = ControlPlane(cfg.control_host)
-        self.store_port = _free_port(cfg.control_host)
-        self.store = dist.TCPStore(
-            cfg.control_host, self.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
+        self.plane = ControlPlane(cfg.control_host, key)
+        self.store = store_on(cfg.control_host)
+        self.store_port = self.store.port
         self.changer = EpochChanger(c, cfg, self.plane, self.store, nbytes, self.pump,
                                     lambda ranks: any(r in self.detector.faults for r in ranks))
         self.nodes = Nodes(c, cfg, self.plane, self.store_port, nbytes, fault=self.fault,
                            target_size=lambda: self.scaling.target_ep_size, undrain=self.scheduler.undrain,
-                           forget_measures=self._forget_measures, pump=self.pump, publish=self.publish)
+                           forget_measures=self._forget_measures, pump=self.pump, publish=self.publish,
+                           set_pool_size=self.scheduler.set_pool_size)
         self.chaos = (ChaosInjector(c, self.plane, self.nodes, self.changer.after_next_start, self.scheduler.by_id)
                       if cfg.enable_chaos else None)
         self.isolation = Isolation(self.streams, c.events, self.fault, cfg.isolation_max_steps)
         self.steps = StepLoop(c, cfg, self.plane, self.scheduler, self.detector, self.metrics, self.recorder,
-                              self.streams, self.isolation, self.config.top_k, self.pump, self.chaos)
+                              self.streams, self.isolation, self.config.top_k, self.pump, self.chaos,
+                              traces=self.traces)
         self.standby = Standbys(c, cfg.standby_ranks, self.nodes, target_size=lambda: self.scaling.target_ep_size,
                                 joiner=lambda r: self.scaling.joiner(r), faulted=lambda r: r in self.detector.faults)
         self.scaling = ScaleDriver(c, cfg, self.nodes, self.scheduler,
                                    take_standbys=lambda n: self.standby.ready()[:n], joiners=self.joiners,
-                                   form=self.form, publish=self.publish)
+                                   form=self.form, publish=self.publish,
+                                   ended=lambda result: self.metrics.scale_operations.labels(result).inc())
         self.sleep = SleepMode(c, self.plane, self.metrics.engine_sleep_state, busy=self._sleep_blocker,
                                publish=self.publish)
         self.hardware = HardwareSignals(registry, c.events)
@@ -164,7 +189,8 @@ class Controller:
         self.recovery = Recovery(
             c, cfg, self.detector, self.metrics, self.steps, self.scheduler, self.streams, self.scaling, self.nodes,
             self.rebalancer, pump=self.pump, fault=self.fault, joiners=self.joiners, form=self.form,
-            leave=self.changer.leave, reset_isolation=self.isolation.reset, publish=self.publish)
+            leave=self.changer.leave, reset_isolation=self.isolation.reset, publish=self.publish,
+            traces=self.traces)
         self.published = Published()
         self._commands: queue.Queue[Command] = queue.Queue()
         info = EngineInfo(cfg.model_name, cfg.max_model_len, tuple(self.config.eos_token_ids))
@@ -174,7 +200,8 @@ class Controller:
         self.on_fatal = None  # called from the control thread when the loop dies
         self.publisher = Publisher(c, cfg, self.detector, self.steps, self.scheduler, self.published, self.metrics,
                                    heard=self.plane.heard_clock, controller_addr=self.plane.health_addr,
-                                   views=self._views, slow_delays=self.chaos.slow_delays if self.chaos else dict)
+                                   views=self._views, slow_delays=self.chaos.slow_delays if self.chaos else dict,
+                                   derated=self.stragglers.derated)
         self.publish()
 
     @property
@@ -231,6 +258,8 @@ class Controller:
                 raise
         finally:
             self.nodes.shutdown()
+            if self.traces is not None:
+                self.traces.sink.shutdown()  # flush what is sampled
             for seq_id, stream in self.streams:
                 self.streams.deliver(seq_id, RequestOutput(stream.request_id, [], True, "error", "server shutting down"))
             time.sleep(0.1)
@@ -258,6 +287,10 @@ class Controller:
                 self.detector.heartbeat(r, msg, self.cluster.epoch, self.plane.heard_clock())
         elif isinstance(msg, AgentAlive):
             nodes.on_agent_alive(inbound.identity, msg)
+            agent = self.cluster.agents.get(msg.node)
+            if agent is not None and agent.standalone and agent.session == msg.session:
+                # an agent of its own process; one in this process is counted by this process itself
+                self.rejected_frames.report(msg.node, msg.frames_rejected)
         elif isinstance(msg, StepResult | StepFailed):
             self.steps.on_reply(msg)
         elif isinstance(msg, EpochReady | EpochFailed):
@@ -300,9 +333,13 @@ class Controller:
         if isinstance(cmd, AddRequest):
             self.streams.add(cmd.seq.seq_id, cmd.stream)
             self.scheduler.add(cmd.seq)
+            if self.traces is not None:
+                self.traces.arrived(cmd.seq.seq_id, cmd.seq.request.request_id, len(cmd.seq.request.prompt_token_ids))
         elif isinstance(cmd, AbortRequest):
             self.scheduler.abort(cmd.seq_id)
             self.streams.drop(cmd.seq_id)
+            if self.traces is not None:
+                self.traces.finished(cmd.seq_id, "abort")
         elif isinstance(cmd, StartScale | StartDrain | Uncordon | Sleep | WakeUp):
             try:
                 if isinstance(cmd, Sleep):
@@ -355,6 +392,7 @@ class Controller:
         c = self.cluster
         first = c.location is None
         self.detector.new_epoch()
+        started_s = time.monotonic()
         outcome = self.changer.change(request, self.load())
         if isinstance(outcome, NoPlacement):
             return outcome
@@ -382,6 +420,8 @@ class Controller:
         c.set_readiness(True)
         c.events.add(EventKind.EPOCH, f"epoch {c.epoch} ({reason}) with ranks {live}", reason=reason,
                      **report.fields())
+        if self.traces is not None:
+            self.traces.epoch_changed(c.epoch, reason, live, started_s, report.fields())
         if first:
             self.nodes.start_backup()
         self.publish()
@@ -424,7 +464,9 @@ class Controller:
                 "straggler_policy": self.stragglers.view(now), "hardware": self.hardware.view(),
                 "standby": {"wanted": self.cfg.standby_ranks, "ready": self.standby.ready()},
                 "sleep": self.sleep.view(),
-                "rebalance": self.rebalancer.status()}
+                "rebalance": self.rebalancer.status(),
+                "listening": {"step": self.plane.step_addr, "health": self.plane.health_addr,
+                              "store": f"tcp://{self.cfg.control_host}:{self.store_port}"}}
 
     def load(self) -> np.ndarray:
         c = self.cluster

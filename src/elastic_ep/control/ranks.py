@@ -19,6 +19,7 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
+from msgspec.structs import asdict
 
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import BackupSite, Progress, WorkerHello
@@ -149,7 +150,7 @@ class RankInfo:
             # a rank behind a slow link shows here (slow, not dead)
             "link_ms": percentiles_ms(self.link_s),
             "heartbeat_age_s": round(now - self.last_heartbeat, 3) if self.last_heartbeat else None,
-            "progress": vars(self.progress),
+            "progress": asdict(self.progress),
             "progress_age_s": round(now - self.progress_at, 3) if self.progress_at else None,
             "last_collective": (f"#{self.progress.seq} of epoch {self.progress.epoch}, now at step "
                                 f"{self.progress.step} layer {self.progress.layer} {self.progress.phase}"

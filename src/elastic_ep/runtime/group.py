@@ -27,13 +27,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import psutil
 import torch
 import torch.distributed as dist
+from msgspec.structs import replace
 
 from elastic_ep.wire import Progress
 

@@ -13,7 +13,8 @@ Threads:
   while the main thread is blocked, and sees nothing once the process is stopped.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
-Messages of an epoch other than the current one are dropped.
+Messages of an epoch other than the current one are dropped, and so is any frame without the
+cluster key (which its agent hands it in $ELASTIC_EP_CLUSTER_KEY) or not of its socket.
 """
 
 from __future__ import annotations
@@ -35,18 +36,24 @@ import zmq
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
+from elastic_ep.model.kv_cache import KVCache, pool_num_blocks
 from elastic_ep.model.memory import return_freed_memory
 from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
+    CONTROLLER_TO_HEARTBEAT,
+    CONTROLLER_TO_WORKER,
     AbortEpoch,
     ChaosStep,
+    ClusterKey,
+    ClusterKeyError,
     CorruptSlot,
     EpochFailed,
     EpochReady,
     EpochStart,
     Heartbeat,
+    Inbox,
     Shutdown,
     SleepRank,
     SleepReply,
@@ -59,8 +66,7 @@ from elastic_ep.wire import (
     WakeRank,
     WorkerArgs,
     WorkerHello,
-    decode,
-    encode,
+    key_from_env,
 )
 
 from .dense import load_dense
@@ -90,8 +96,10 @@ def _die_with_parent() -> None:
 
 
 class Worker:
-    def __init__(self, args: WorkerArgs):
+    def __init__(self, args: WorkerArgs, key: ClusterKey):
         self.args = args
+        self.key = key
+        self.inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key, args.node)
         launch = args.launch
         self.progress = ProgressBoard()
         self.ctx = zmq.Context.instance()
@@ -105,10 +113,10 @@ class Worker:
         self.config = MoEConfig.from_pretrained(launch.model_dir)
         self.reader = CheckpointReader(launch.model_dir, self.config, dtype=launch.dtype)
         dense, self.dense_source, self.load_s = load_dense(
-            self.reader, args.dense_path, args.dense_addr, launch.dense_fetch_timeout_s
+            self.reader, args.dense_path, args.dense_addr, launch.dense_fetch_timeout_s, key
         )
         self.model = MoEForCausalLM(self.config, dense, dtype=self.reader.dtype, device=self.device)
-        self.kv = self.model.new_kv_cache(launch.max_num_seqs, launch.max_model_len)
+        self.kv, self.warmup_s = self._kv_pool()
         # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
         self.tokens: dict[int, list[int]] = {}
         self.slots: ExpertSlots | None = None
@@ -120,34 +128,71 @@ class Worker:
         self._stop = threading.Event()
         self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights dropped too
         self._slept_checksums: dict[tuple[int, int], int] = {}
-        self.warmup_s = self._warm_up()
+        self._kv_blocks = (self.kv.num_blocks, self.kv.block_size)  # what a wake builds again
 
-    def _warm_up(self, num_tokens: int = 8) -> float:
+    def _kv_pool(self) -> tuple[KVCache, float]:
+        """The rank's KV pool, sized once (model/kv_cache.py: pool_num_blocks), and the seconds
+        its warm-up took. On a GPU without --kv-cache-memory or an override the budget is
+        --gpu-memory-utilization of the device, less the weights, every expert slot (redundant
+        ones included, so a re-placement never needs more) and the activation peak of a warm-up
+        forward at the largest batch (without the routed experts, which arrive with the epoch:
+        their activations are not in the peak); elsewhere the warm-up is a short one."""
+        launch = self.args.launch
+        block_size = launch.block_size
+        bytes_per_block = self.model.new_kv_cache(1, block_size).bytes_per_token * block_size
+        measure = self.device.type == "cuda" and not launch.num_gpu_blocks_override and not launch.kv_cache_memory
+        num_tokens = launch.max_num_batched_tokens if measure else 8
+        probe = self.model.new_kv_cache(-(-num_tokens // block_size), block_size)
+        if measure:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        warmup_s = self._warm_up(probe, num_tokens)
+        budget = launch.kv_cache_memory
+        if measure:
+            del probe
+            peak = torch.cuda.max_memory_allocated(self.device)
+            total = torch.cuda.mem_get_info(self.device)[1]
+            budget = int(total * launch.gpu_memory_utilization) - peak - launch.expert_slot_bytes
+        num_blocks = pool_num_blocks(
+            bytes_per_block, override=launch.num_gpu_blocks_override, budget_bytes=budget,
+            fallback_blocks=launch.max_num_seqs * -(-launch.max_model_len // block_size))
+        print(f"elastic-ep rank {self.args.rank_id}: KV pool of {num_blocks} blocks of {block_size} tokens "
+              f"({num_blocks * block_size} tokens, {num_blocks * bytes_per_block / 2**20:.1f} MiB), "
+              f"{num_blocks * block_size // launch.max_model_len} requests of {launch.max_model_len} tokens (a longer "
+              "one is refused)",
+              file=sys.stderr, flush=True)
+        return self.model.new_kv_cache(num_blocks, block_size), warmup_s
+
+    def _warm_up(self, cache: KVCache, num_tokens: int) -> float:
         """One forward of a dummy sequence before the rank registers, so the first real step it
         serves does not pay one-time costs (lazy kernel and allocator set-up). Experts are left
         out: they arrive with the epoch, and their all-to-all must run in step with the group.
-        The dummy sequence's cache row is freed, so no later request can read it. Returns seconds."""
+        Runs on a cache of its own, so no request can read it. Returns seconds."""
         t0 = time.perf_counter()
         warmup_seq = -1  # the controller numbers sequences from 0
-        self.kv.allocate(warmup_seq)
-        try:
-            tokens = list(range(min(num_tokens, self.config.vocab_size)))
-            self.model.forward([SeqChunk(warmup_seq, tokens, 0)], self.kv,
-                               lambda layer, x, topk_ids, topk_weights: torch.zeros_like(x))
-        finally:
-            self.kv.free(warmup_seq)
+        cache.set_blocks(warmup_seq, list(range(cache.num_blocks)))
+        tokens = [i % self.config.vocab_size for i in range(num_tokens)]
+        self.model.forward([SeqChunk(warmup_seq, tokens, 0)], cache,
+                           lambda layer, x, topk_ids, topk_weights: torch.zeros_like(x))
         return time.perf_counter() - t0
 
     def send(self, message) -> None:
-        self.sock.send(encode(message))
+        self.sock.send_multipart(self.key.seal(message))
+
+    def _receive(self):
+        """The next message of the step socket; frames the inbox drops are skipped."""
+        while True:
+            msg = self.inbox.read(self.sock.recv_multipart(copy=False))
+            if msg is not None:
+                return msg
 
     def run(self) -> None:
         if self.args.launch.heartbeat_interval_s > 0:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
-                              self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device)))
+                              self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device),
+                              self.kv.num_blocks))
         while True:
-            msg = self._pending.pop(0) if self._pending else decode(self.sock.recv())
+            msg = self._pending.pop(0) if self._pending else self._receive()
             if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, EpochStart | StepPlan) and self.sleep_level:  # a recovery after a fault while asleep
@@ -177,7 +222,7 @@ class Worker:
 
     def _newer_epoch_arrived(self) -> bool:
         while self.sock.poll(0):
-            msg = decode(self.sock.recv())
+            msg = self.inbox.read(self.sock.recv_multipart(copy=False))
             if isinstance(msg, (EpochStart, Shutdown)):
                 self._pending = [msg]
                 return True
@@ -221,6 +266,7 @@ class Worker:
                 msg.backups,
                 args.node,
                 msg.backup_fetch_timeout_s,
+                key=self.key,
             )
             transfer_s = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -272,7 +318,7 @@ class Worker:
         try:
             if self.sleep_level >= 2:
                 dense, _, _ = load_dense(self.reader, self.args.dense_path, self.args.dense_addr,
-                                         self.args.launch.dense_fetch_timeout_s)
+                                         self.args.launch.dense_fetch_timeout_s, self.key)
                 self.model = MoEForCausalLM(self.config, dense, dtype=self.reader.dtype, device=self.device)
                 if self.slots is not None:
                     self.slots.reload(self.reader)
@@ -281,7 +327,7 @@ class Worker:
                         raise RuntimeError(f"slots (layer, slot) {bad[:5]} do not hold what they held before the sleep")
             if self.sleep_level >= 1:
                 assert self.model is not None
-                self.kv = self.model.new_kv_cache(self.args.launch.max_num_seqs, self.args.launch.max_model_len)
+                self.kv = self.model.new_kv_cache(*self._kv_blocks)
             self.sleep_level = 0
         except Exception as e:  # stays asleep: a second wake tries again
             error = f"{type(e).__name__}: {e}"
@@ -355,11 +401,14 @@ class Worker:
             self.tokens.pop(seq_id, None)
 
     def _allocate(self, plan: StepPlan) -> None:
-        """Give new sequences a cache row, track every sequence's tokens."""
+        """Give every sequence its block table (a new one starts with the positions its shared
+        prefix blocks hold), track every sequence's tokens."""
         for c in plan.chunks:
             if c.start_pos == 0 or c.seq_id not in self.kv:
-                self.kv.allocate(c.seq_id)
-                self.tokens[c.seq_id] = []
+                self.kv.set_blocks(c.seq_id, c.block_ids, num_cached=len(c.cached_token_ids))
+                self.tokens[c.seq_id] = list(c.cached_token_ids)
+            else:
+                self.kv.set_blocks(c.seq_id, c.block_ids)
             held = self.tokens[c.seq_id]
             if len(held) < c.start_pos:
                 raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")
@@ -421,17 +470,18 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.args.launch.health_addr)
+        inbox = Inbox("worker_heartbeat", CONTROLLER_TO_HEARTBEAT, self.key, self.args.node)
         pid = os.getpid()
         interval_s = self.args.launch.heartbeat_interval_s
         next_beat = time.monotonic()
         while not self._stop.is_set():
             if sock.poll(max(int((next_beat - time.monotonic()) * 1000), 0)):
-                msg = decode(sock.recv())
+                msg = inbox.read(sock.recv_multipart(copy=False))
                 group = self.group
                 if isinstance(msg, AbortEpoch) and group is not None and group.epoch == msg.epoch:
                     group.abort()
                 continue
-            sock.send(encode(Heartbeat(self.args.rank_id, pid, self.progress.current)))
+            sock.send_multipart(self.key.seal(Heartbeat(self.args.rank_id, pid, self.progress.current)))
             next_beat = time.monotonic() + interval_s
         sock.close()
 
@@ -459,9 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     args = WorkerArgs.from_json(argv[0])
     try:
+        key = key_from_env()
         bind_data_plane(args.host)
-        worker = Worker(args)
-    except (AddressNotLocal, ConnectionError, ElasticEPError) as e:
+        worker = Worker(args, key)
+    except (AddressNotLocal, ConnectionError, ElasticEPError, ClusterKeyError) as e:
         print(f"elastic-ep rank {args.rank_id} on {args.node}: {e}", file=sys.stderr, flush=True)
         return 2
     worker.run()

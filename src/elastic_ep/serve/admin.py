@@ -1,6 +1,8 @@
-"""Operator routes: liveness and readiness, Prometheus metrics, the cluster view and its
-dashboard, online scaling, drain and uncordon, sleep and wake (vLLM's paths), the expert distribution recorder (SGLang's paths) and fault
-injection (only when served with --enable-chaos).
+"""Operator routes: liveness (/health, and /ping as vLLM names it) and readiness, /version,
+Prometheus metrics, the cluster view and its dashboard, online scaling, drain and uncordon, sleep
+and wake (vLLM's paths), the expert distribution recorder (SGLang's paths) and fault injection
+(only when served with --enable-chaos). The routes tagged `operating` are guarded by the admin
+key (serve/guard.py).
 
 Engine calls here are synchronous and run on the server's event loop: the engine answers
 them from its own state without waiting on ranks.
@@ -15,8 +17,10 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from elastic_ep import __version__
 from elastic_ep.control.api import CHAOS_ACTIONS, ChaosOrder, Engine
 from elastic_ep.serve.errors import APIError
+from elastic_ep.serve.guard import OPERATING
 from elastic_ep.serve.openapi import error_responses
 from elastic_ep.serve.protocol import (
     ChaosRequest,
@@ -29,9 +33,11 @@ from elastic_ep.serve.protocol import (
     ScaleResponse,
     UncordonRequest,
     UncordonResponse,
+    VersionResponse,
 )
 
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
+DEAD = {503: {"model": HealthResponse, "description": "The engine stopped; restart the server"}}
 
 
 def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool) -> APIRouter:
@@ -40,7 +46,7 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     @router.get(
         "/health",
         response_model=HealthResponse,
-        responses={503: {"model": HealthResponse, "description": "The engine stopped; restart the server"}},
+        responses=DEAD,
     )
     async def health() -> JSONResponse:
         """200 while the engine runs ("ok", or "degraded" with the reason: a restart would not help),
@@ -48,6 +54,17 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         h = engine.health()
         body = HealthResponse(status=h.status, reason=h.reason)
         return JSONResponse(body.model_dump(), status_code=503 if h.status == "dead" else 200)
+
+    @router.get("/ping", response_model=HealthResponse, responses=DEAD)
+    @router.post("/ping", response_model=HealthResponse, responses=DEAD)
+    async def ping() -> JSONResponse:
+        """vLLM's (and SageMaker's) name for GET /health, by GET or POST: the same answer."""
+        return await health()
+
+    @router.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        """This server's version, as vLLM's /version."""
+        return VersionResponse(version=__version__)
 
     @router.get(
         "/ready",
@@ -81,18 +98,20 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     async def dashboard() -> FileResponse:
         return FileResponse(DASHBOARD_HTML, media_type="text/html")
 
-    @router.post("/scale_elastic_ep", response_model=ScaleResponse, responses=error_responses(400, 409))
+    @router.post("/scale_elastic_ep", response_model=ScaleResponse, responses=error_responses(400, 409),
+                 tags=[OPERATING])
     async def scale(body: ScaleRequest) -> dict[str, Any]:
         return await engine.scale(body.new_ep_size, body.ranks)
 
-    @router.post("/drain", response_model=DrainResponse, responses=error_responses(400, 409))
+    @router.post("/drain", response_model=DrainResponse, responses=error_responses(400, 409), tags=[OPERATING])
     async def drain(body: DrainRequest) -> dict[str, Any]:
         """Retire `ranks`, or cordon `node` and retire its ranks, in the background: experts only they
         hold move off, their requests finish or move, then they stop. Progress in
         GET /is_scaling_elastic_ep; each rank's `safe_to_terminate` in GET /cluster."""
         return await engine.drain(body.ranks, body.node)
 
-    @router.post("/uncordon", response_model=UncordonResponse, responses=error_responses(400, 409))
+    @router.post("/uncordon", response_model=UncordonResponse, responses=error_responses(400, 409),
+                 tags=[OPERATING])
     async def uncordon(body: UncordonRequest) -> dict[str, Any]:
         """New ranks (a scale-up, a standby, a registering agent) may start on `node` again."""
         return await engine.uncordon(body.node)
@@ -101,13 +120,13 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     async def is_scaling() -> dict[str, Any]:
         return engine.scale_status()
 
-    @router.post("/sleep", response_model=dict[str, Any], responses=error_responses(400, 409))
+    @router.post("/sleep", response_model=dict[str, Any], responses=error_responses(400, 409), tags=[OPERATING])
     async def sleep(level: int = Query(1, description="1: free the KV cache; 2: drop the weights too")) -> dict[str, Any]:
         """Give memory back while idle (every rank); requests get 503 until POST /wake_up. The
         answer has each rank's resident memory before and after."""
         return await engine.sleep(level)
 
-    @router.post("/wake_up", response_model=dict[str, Any], responses=error_responses(409))
+    @router.post("/wake_up", response_model=dict[str, Any], responses=error_responses(409), tags=[OPERATING])
     async def wake_up() -> dict[str, Any]:
         return await engine.wake_up()
 
@@ -115,24 +134,25 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     async def is_sleeping() -> dict[str, Any]:
         return engine.is_sleeping()
 
-    @router.get("/start_expert_distribution_record", response_model=RecorderResponse)
-    @router.post("/start_expert_distribution_record", response_model=RecorderResponse)
+    @router.get("/start_expert_distribution_record", response_model=RecorderResponse, tags=[OPERATING])
+    @router.post("/start_expert_distribution_record", response_model=RecorderResponse, tags=[OPERATING])
     async def start_record() -> RecorderResponse:
         engine.start_expert_distribution_record()
         return RecorderResponse(status="recording")
 
-    @router.get("/stop_expert_distribution_record", response_model=RecorderResponse)
-    @router.post("/stop_expert_distribution_record", response_model=RecorderResponse)
+    @router.get("/stop_expert_distribution_record", response_model=RecorderResponse, tags=[OPERATING])
+    @router.post("/stop_expert_distribution_record", response_model=RecorderResponse, tags=[OPERATING])
     async def stop_record() -> RecorderResponse:
         engine.stop_expert_distribution_record()
         return RecorderResponse(status="stopped")
 
-    @router.get("/dump_expert_distribution_record", response_model=dict[str, Any])
-    @router.post("/dump_expert_distribution_record", response_model=dict[str, Any])
+    @router.get("/dump_expert_distribution_record", response_model=dict[str, Any], tags=[OPERATING])
+    @router.post("/dump_expert_distribution_record", response_model=dict[str, Any], tags=[OPERATING])
     async def dump_record() -> dict[str, Any]:
         return engine.dump_expert_distribution_record()
 
-    @router.post("/chaos/{action}", response_model=dict[str, Any], responses=error_responses(400, 404))
+    @router.post("/chaos/{action}", response_model=dict[str, Any], responses=error_responses(400, 404),
+                 tags=[OPERATING])
     async def chaos(action: str, body: ChaosRequest) -> dict[str, Any]:
         if not enable_chaos:
             raise APIError(

@@ -34,6 +34,7 @@ from ..control_plane import ControlPlane
 from ..events import EventKind
 from ..faults.detector import FaultDetector, RecoveryNeeded
 from ..metrics import ClusterMetrics
+from ..tracing import RequestTraces
 from .alignment import imbalance
 from .isolation import Isolation
 from .recorder import ExpertRecorder
@@ -58,7 +59,8 @@ class StepLoop:
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, scheduler: Scheduler,
                  detector: FaultDetector, metrics: ClusterMetrics, recorder: ExpertRecorder, streams: Streams,
-                 isolation: Isolation, top_k: int, pump: Callable[[float], None], chaos: ChaosHook | None = None):
+                 isolation: Isolation, top_k: int, pump: Callable[[float], None], chaos: ChaosHook | None = None,
+                 traces: RequestTraces | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.plane = plane
@@ -71,6 +73,7 @@ class StepLoop:
         self.top_k = top_k
         self.pump = pump
         self.chaos = chaos
+        self.traces = traces
         self.replies: dict[int, StepResult | StepFailed] = {}
         self.in_step: set[int] = set()  # members of the step in flight
         self.started_at = 0.0  # monotonic time the step in flight was sent
@@ -81,6 +84,7 @@ class StepLoop:
         self.retries_without_culprit = 0  # recomputes of a step that failed with every rank alive
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
         self._sent_at = 0.0
+        self._started_ns = 0  # wall-clock ns the step in flight was sent (request traces)
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
@@ -97,10 +101,12 @@ class StepLoop:
         on a fault."""
         c = self.cluster
         batch = self._plan()
+        self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit)
         c.step += 1
         self.replies = {}
         self.in_step = set(c.members)
         self.started_at = time.monotonic()
+        self._started_ns = time.time_ns()
         start = self._sent_at = time.perf_counter()
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
@@ -115,14 +121,14 @@ class StepLoop:
         while len(self.replies) < len(c.members):
             self.pump(0.002)
             if self.detector.pending:
-                self._requeue_frees(batch)
+                self.scheduler.step_failed(batch)
                 self.uncommitted = batch
                 raise RecoveryNeeded()
         self.in_step = set()
         wall_s = time.perf_counter() - start
         failures = {r: m for r, m in self.replies.items() if isinstance(m, StepFailed)}
         if failures:
-            self._requeue_frees(batch)
+            self.scheduler.step_failed(batch)
             self.metrics.failed_steps.inc()
             self.isolation.step_failed(c.step, batch, failures)
             return None
@@ -164,14 +170,6 @@ class StepLoop:
         self.retries_without_culprit = 0
         self.uncommitted = None
 
-    def _requeue_frees(self, batch: StepBatch) -> None:
-        """A failed step's frees may not have run: ask again in the next step. A KV move may have
-        left a copy on its destination: free it there (the sequence stays on its old rank)."""
-        frees = [(r, ids) for r, ids in batch.free.items()] + [(m.dst_rank, [m.seq_id]) for m in batch.moves]
-        for rank_id, ids in frees:
-            if rank_id in self.scheduler.to_free:
-                self.scheduler.to_free[rank_id].extend(ids)
-
     def _finish(self, batch: StepBatch, wall_s: float) -> None:
         c, m = self.cluster, self.metrics
         results: dict[int, StepResult] = self.replies  # type: ignore[assignment]
@@ -190,9 +188,6 @@ class StepLoop:
             r.wait_s.append(res.dispatch_wait_s + res.combine_wait_s)
             r.own_s.append(res.compute_s)
             r.slot_tokens.append(res.slot_tokens)
-            label = str(rank_id)
-            m.step_seconds.labels(label).observe(res.step_s)
-            m.collective_wait_seconds.labels(label).observe(res.dispatch_wait_s + res.combine_wait_s)
             load += res.expert_load
         self.detector.step_done(wall_s)
         self.uncommitted = None
@@ -203,9 +198,7 @@ class StepLoop:
         now = time.monotonic()
         for rank_id, res in results.items():
             self.own_time.add(now, rank_id, tokens.get(rank_id, 0), res.compute_s)
-        for rank_id, n in tokens.items():
-            m.rank_tokens.labels(str(rank_id)).set(n)
-            m.rank_tokens_total.labels(str(rank_id)).inc(n)
+        m.rank_step(results, tokens)
         self.tokens_run += sum(tokens.values())
         self.tokens_sampled += len(sampled)
         for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
@@ -216,17 +209,28 @@ class StepLoop:
             m.dp_busiest_tokens.labels(plan).observe(max(per_rank.values()))
             if plan == "aligned":
                 m.dp_token_imbalance.set(ratio)
-        m.data_plane_step(results, batch.moves, batch.reprefilled)
+        m.migrations(results, batch.moves, batch.reprefilled)
         slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
         mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
         if mean:
-            for r, v in slot_totals.items():
-                m.expert_load_imbalance.labels(str(r)).set(v / mean)
+            m.ranks.set_gauge("elastic_ep_expert_load_imbalance", {r: v / mean for r, v in slot_totals.items()})
         self.load_window.append(load)
         self.recorder.add(load)
-        for seq, new_tokens in self.scheduler.commit(batch, sampled):
+        committed = self.scheduler.commit(batch, sampled)
+        if self.traces is not None:
+            self._trace(batch, results, committed)
+        for seq, new_tokens in committed:
             token_logprobs = [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None
             self.streams.deliver(seq.seq_id, RequestOutput(
                 seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
                 logprobs=token_logprobs,
             ))
+
+    def _trace(self, batch: StepBatch, results: dict[int, StepResult], committed: list) -> None:
+        """What the request traces record of a completed step (only with tracing on)."""
+        slowest = max(results, key=lambda r: results[r].compute_s, default=None)
+        moves = [(m.seq_id, "kv", m.src_rank, m.dst_rank) for m in batch.moves]
+        moves += [(seq_id, "reprefill", None, self.scheduler.by_id[seq_id].rank)
+                  for seq_id in batch.reprefilled if seq_id in self.scheduler.by_id]
+        self.traces.step(batch.chunks, self._started_ns, time.time_ns(), slowest,
+                         [(seq.seq_id, len(seq.output)) for seq, _ in committed], moves)
