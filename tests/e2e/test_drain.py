@@ -83,7 +83,7 @@ def test_drain_a_middle_rank_then_a_whole_node_under_load(two_nodes):
         assert drain(server, {"ranks": [1]}) == {"ranks": [1], "node": None, "old_ep_size": 5, "new_ep_size": 4}
         cluster = wait_drained(server, [1])
         assert cluster["members"] == [0, 2, 3, 4] and gone(pids[1])
-        assert any("rank 1 stopped (exit code 0)" in e["message"] for e in cluster["events"])
+        assert any("rank 1 stopped (exited with code 0)" in e["message"] for e in cluster["events"])
         done = load.done
         load.wait_done(done + 3)
         assert drain(server, {"node": "node1"})["ranks"] == [3, 4]
