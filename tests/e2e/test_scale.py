@@ -98,7 +98,7 @@ def test_4_6_3_5_with_a_kill_between_steps_under_load(server):
         cluster = server.cluster()
         assert sorted(r["rank_id"] for r in cluster["ranks"]) == [0, 1, 2]
         for step in ("draining ranks [3, 4, 5]", "ranks [3, 4, 5] drained in", "moving experts off ranks [3, 4, 5]",
-                     "stopped (exit code 0)"):
+                     "stopped (exited with code 0)"):
             assert any(step in e["message"] for e in cluster["events"]), step
         kill_rank(server, 0, 3)
         scale(server, 5)
