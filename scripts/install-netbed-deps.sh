@@ -15,6 +15,17 @@ if ! command -v promtool >/dev/null; then
     fi
 fi
 
+# Debian's chromium for the dashboard's browser tests (tests/e2e/test_dashboard_browser.py,
+# tests/serve/test_serve_admin.py), which fail in CI (CI=true) without it.
+if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" -eq 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+    else
+        echo "install-netbed-deps: not root, not installing chromium (the dashboard's browser tests skip)" >&2
+    fi
+fi
+
 declare -A package=([ip]=iproute2 [tc]=iproute2 [nft]=nftables [iptables-legacy]=iptables)
 missing=()
 for tool in "${!package[@]}"; do

@@ -180,6 +180,11 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
             "controller: pass this host's address with --advertise-host")
     if cfg.ep_size < 1:
         raise ElasticEPError(f"--ep-size must be at least 1, got {cfg.ep_size}")
+    if cfg.ep_size > config.num_experts:
+        raise ElasticEPError(
+            f"--ep-size {cfg.ep_size} exceeds the model's {config.num_experts} routed experts per layer: beyond that "
+            f"a rank holds no expert of its own, only copies; use --ep-size {config.num_experts} or fewer "
+            "(--redundant-experts adds copies)")
     redundancy = resolve_redundancy(cfg, config, expert_nbytes)
     for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval", "rebalance_move_bytes",
                  "rebalance_every_steps", "block_size"):

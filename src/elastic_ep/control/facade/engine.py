@@ -88,9 +88,10 @@ class EngineFacade:
         return {**snapshot, "events": select_events(snapshot["events"], events_since, events_limit)}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        if len(request.prompt_token_ids) >= self.cfg.max_model_len:
+        held = len(request.prompt_token_ids) + len(request.resumed_output_token_ids)
+        if held >= self.cfg.max_model_len:
             raise ElasticEPError(
-                f"prompt has {len(request.prompt_token_ids)} tokens but --max-model-len is "
+                f"prompt (with resumed output) has {held} tokens but --max-model-len is "
                 f"{self.cfg.max_model_len} (prompt plus at least one generated token); shorten the prompt"
             )
         deadline = time.monotonic() + self.cfg.admission_timeout_s
@@ -99,7 +100,8 @@ class EngineFacade:
                 raise ServiceUnavailable(f"not ready: {self.published.readiness.reason}", retry_after_s=5)
             await asyncio.sleep(0.05)
         self._check_fits(request)
-        seq = Sequence(next(self._ids), request, self.cfg.max_model_len, self.info.eos_token_ids)
+        seq = Sequence(next(self._ids), request, self.cfg.max_model_len, self.info.eos_token_ids,
+                       output=list(request.resumed_output_token_ids))
         stream = Stream(request.request_id, asyncio.get_running_loop(), asyncio.Queue())
         self.send(AddRequest(seq, stream))
         finished = False

@@ -10,9 +10,10 @@ true again once steps move; a load balancer stops sending here, and the watchdog
 alone whom to fence.
 
 `/health` answers whether this process is worth keeping (a Kubernetes liveness probe, vLLM's
-`/health`): "ok", or "degraded" with the reason (not ready; a rank stalled, suspect or down) while
-the control loop runs, since restarting the whole instance would not mend a rank that elastic EP
-fences and replaces by itself; "dead" (HTTP 503) only once the control loop has stopped.
+`/health`): "ok", or "degraded" with the reason (not ready; a rank stalled, suspect or down; a
+rank the straggler verdict names) while the control loop runs, since restarting the whole
+instance would not mend a rank that elastic EP fences and replaces by itself; "dead" (HTTP 503)
+only once the control loop has stopped.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..metrics import ClusterMetrics
 from ..ranks import Liveness, RankLiveness, RankStatus
 from ..serving.scheduler import Sequence
 from .engine import Published
-from .stats_log import StatsLog
+from .stats_log import StatsLog, Throughput
 
 
 class StepView(Protocol):
@@ -88,6 +89,8 @@ class Publisher:
         self.stats = StatsLog(cfg.log_stats_interval_s, time.monotonic())
         self._published_at = 0.0
         self._stalled_since: float | None = None
+        self._verdicts: dict[int, Verdict] = {}  # of the members, as the last snapshot judged them
+        self.throughput = Throughput()
 
     def stall_deadline_s(self) -> float:
         cfg = self.cfg
@@ -115,6 +118,8 @@ class Publisher:
             if lv.state in (Liveness.SUSPECT, Liveness.STALLED)]
         problems += [f"rank {r.rank_id} {r.status.value}" for r in self.cluster.ranks.values()
                      if r.status.down or r.status == RankStatus.FENCING]
+        problems += [f"rank {r} is a straggler: {v.ratio:.1f}x the own time per step of its peers"
+                     for r, v in sorted(self._verdicts.items()) if v.kind == VerdictKind.STRAGGLER]
         return Health("degraded", "; ".join(problems)) if problems else Health("ok")
 
     def publish(self, throttle_s: float = 0.0) -> None:
@@ -127,23 +132,33 @@ class Publisher:
         stalled = stall_reason(step_age_s, self.stall_deadline_s(), members) if c.readiness.ready else None
         readiness = Readiness(False, stalled) if stalled else c.readiness
         self._note_stall(now, stalled)
+        snapshot_due = not throttle_s or now - self._published_at >= throttle_s
+        if snapshot_due:  # before health, which names the stragglers
+            verdicts = judge(steps.own_time.intervals(now), self.rule, now, c.members)
+            self._verdicts = {r: v for r, v in verdicts.items() if r in c.members}
         health = self.health(readiness, liveness)
         self.published.readiness, self.published.health = readiness, health
         self.stats.maybe_log(now, c, (c.step, steps.tokens_run, steps.tokens_sampled),
                              sum(len(seqs) for seqs in sched.running.values()), len(sched.waiting), readiness)
-        if throttle_s and now - self._published_at < throttle_s:
+        if not snapshot_due:
             return
         self._published_at = now
-        verdicts = judge(steps.own_time.intervals(now), self.rule, now, c.members)
+        self.throughput.add(now, (c.step, steps.tokens_run, steps.tokens_sampled))
         deadlines = {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.detector.watchdog_deadline_s(), 3),
                      "stall_deadline_s": round(self.stall_deadline_s(), 3), "stall_multiple": self.cfg.stall_multiple}
         self.published.snapshot = c.snapshot(
             sched.num_requests, self.slow_delays(), self.controller_addr, deadlines, readiness, liveness, heard,
-            {r: v.to_json() for r, v in verdicts.items() if r in c.members},
-            health=vars(health), straggler_rule=self.rule.to_json(), **self.views(now),
+            {r: v.to_json() for r, v in self._verdicts.items()},
+            health=vars(health), load=self.load(), straggler_rule=self.rule.to_json(), **self.views(now),
             data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()},
             kv_cache=sched.pool_view(self.cfg.max_model_len))
         self._set_gauges(heard, readiness, health, liveness, {r: v for r, v in verdicts.items() if r in c.members})
+
+    def load(self) -> dict[str, float | int | None]:
+        """Requests running and waiting now, and the throughput of the last seconds (`/cluster` `load`)."""
+        scheduler = self.scheduler
+        return {"running": sum(len(seqs) for seqs in scheduler.running.values()),
+                "waiting": len(scheduler.waiting), **self.throughput.rates()}
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
         """One event when the group stalls and one when it moves again (not one per publish)."""

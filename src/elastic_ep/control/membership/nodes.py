@@ -45,6 +45,7 @@ from elastic_ep.wire import (
     WorkerHello,
     WorkerLaunch,
     WorkerStarted,
+    exit_reason,
 )
 
 from ..cluster import ClusterState
@@ -97,6 +98,7 @@ class Nodes:
         self.publish = publish
         self.set_pool_size = set_pool_size  # a rank's KV pool blocks, as it says when it registers
         self.restart_at: dict[int, float] = {}  # rank -> monotonic time its restart is due
+        self.ended: dict[int, str] = {}  # rank -> how its last process ended ("killed by SIGKILL")
 
     # ---- agents ------------------------------------------------------------------------------
 
@@ -220,10 +222,11 @@ class Nodes:
         r = self.cluster.ranks.get(msg.rank_id)
         if r is None or r.pid != msg.pid:
             return
+        self.ended[msg.rank_id] = exit_reason(msg.returncode)
         if r.status != RankStatus.RETIRING:
             self.fault(FaultDetector.exited(msg.rank_id, msg.returncode))
         if r.status == RankStatus.RETIRING:  # also when the fault above failed a scale it was joining
-            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped (exit code {msg.returncode})")
+            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped ({self.ended[msg.rank_id]})")
             return
         r.status = RankStatus.DEAD
 
@@ -370,7 +373,9 @@ class Nodes:
                 return
             dead = [r for r in c.ranks.values() if r.status == RankStatus.DEAD]
             if dead:
-                raise ElasticEPError(f"rank {dead[0].rank_id} exited during startup; see its log above")
+                how = f" ({self.ended[dead[0].rank_id]})" if dead[0].rank_id in self.ended else ""
+                raise ElasticEPError(f"rank {dead[0].rank_id} ended during startup{how}; its own lines in the log "
+                                     "above say why (a worker prints its error before it exits)")
             if time.monotonic() > deadline:
                 raise ElasticEPError(
                     f"only {len(hello)} of {cfg.ep_size} ranks registered within --startup-timeout-s "
