@@ -22,6 +22,8 @@ import zmq
 
 from elastic_ep.wire import decode, encode
 
+from .timing import ControlTimes
+
 
 @dataclass(frozen=True)
 class Inbound:
@@ -74,6 +76,7 @@ class ControlPlane:
         for s in (self.step_sock, self.health_sock, self._wake_r):
             self.poller.register(s, zmq.POLLIN)
         self.listening = ListeningClock()
+        self.times = ControlTimes()
 
     def heard_clock(self) -> float:
         """Now, on the clock that peers' silence is measured on (see the module's docstring)."""
@@ -96,18 +99,42 @@ class ControlPlane:
                     pass
             except BlockingIOError:
                 pass
-        out = []
-        while self.health_sock.poll(0):
-            identity, frame = self.health_sock.recv_multipart()
-            out.append(Inbound(identity, decode(frame)))
-        while self.step_sock.poll(0):
-            identity, frame = self.step_sock.recv_multipart()
-            out.append(Inbound(identity, decode(frame)))
+        out: list[Inbound] = []
+        self._drain(self.health_sock, "health", out)
+        self._drain(self.step_sock, "step", out)
         return out
+
+    def _drain(self, sock: zmq.Socket, name: str, out: list[Inbound]) -> None:
+        times = self.times
+        frames = nbytes = 0
+        t0 = time.perf_counter()
+        while True:
+            try:
+                identity, frame = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            frames += 1
+            nbytes += len(frame)
+            out.append(Inbound(identity, decode(frame)))
+        if frames:
+            times.frames_in[name] += frames
+            times.bytes_in[name] += nbytes
+            times.decode_s[name] += time.perf_counter() - t0
 
     def to_worker(self, rank_id: int, message) -> None:
         """To a worker's main thread (step socket)."""
         self.step_sock.send_multipart([f"w{rank_id}".encode(), encode(message)])
+
+    def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
+        """(rank_id, message) to each worker's main thread, timed as a step's encode and send."""
+        t0 = time.perf_counter()
+        frames = [(f"w{rank_id}".encode(), encode(message)) for rank_id, message in plans]
+        t1 = time.perf_counter()
+        for identity, frame in frames:
+            self.step_sock.send_multipart([identity, frame])
+        self.times.add("encode", t1 - t0)
+        self.times.add("send", time.perf_counter() - t1)
+        self.times.bytes_out += sum(len(f) for _, f in frames)
 
     def to_heartbeat(self, rank_id: int, message) -> None:
         """To a worker's heartbeat thread (health socket), which answers even while the main

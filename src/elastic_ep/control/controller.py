@@ -212,16 +212,25 @@ class Controller:
 
     def pump(self, timeout_s: float) -> None:
         """Wait up to timeout_s for input, handle everything that arrived, run the detector."""
+        times = self.plane.times
         for inbound in self.plane.receive(timeout_s):
+            t0 = time.perf_counter()
             self._dispatch(inbound)
+            kind = type(inbound.message).__name__
+            times.handled_s[kind] += time.perf_counter() - t0
+            times.handled[kind] += 1
         self._run_commands()
         heard = self.plane.heard_clock()
         c = self.cluster
+        t0 = time.perf_counter()
         for fault in self.detector.check(heard, c.ranks, c.members, bool(self.steps.in_step), c.epoch):
             self.fault(fault)
         self.nodes.check_agents(heard)
         self.nodes.restart_due(time.monotonic())
+        t1 = time.perf_counter()
         self.publish(throttle_s=0.25)
+        times.handled_s["(detector)"] += t1 - t0
+        times.handled_s["(publish)"] += time.perf_counter() - t1
 
     def _dispatch(self, inbound: Inbound) -> None:
         msg, nodes = inbound.message, self.nodes

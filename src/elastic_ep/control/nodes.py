@@ -310,7 +310,7 @@ class Nodes:
         while not stopping.is_set():
             hello = [r for r in c.ranks.values() if r.hello is not None]
             c.set_readiness(False, f"starting: {len(hello)}/{cfg.ep_size} ranks registered")
-            ctl.publish()
+            ctl.publish(throttle_s=0.25)
             if len(hello) >= cfg.ep_size:
                 return
             dead = [r for r in c.ranks.values() if r.status == RankStatus.DEAD]

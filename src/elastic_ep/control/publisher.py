@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from .controller import Controller
 
 
+SNAPSHOT_SHARE = 0.05  # most of the control thread's time the /cluster snapshot may take
+
+
 class Publisher:
     def __init__(self, ctl: Controller):
         self.ctl = ctl
@@ -39,6 +42,10 @@ class Publisher:
         self.stats = StatsLog(ctl.cfg.log_stats_interval_s, time.monotonic())
         self._published_at = 0.0
         self._stalled_since: float | None = None
+        self._liveness: dict[int, RankLiveness] | None = None
+        self._liveness_at = 0.0
+        self.liveness_period_s = ctl.cfg.health_check_period_s  # benchmarks/control_plane.py --before: 0
+        self.snapshot_share = SNAPSHOT_SHARE  # --before: inf (every throttle_s whatever the build takes)
 
     def stall_deadline_s(self) -> float:
         cfg = self.ctl.cfg
@@ -69,10 +76,17 @@ class Publisher:
         return Health("degraded", "; ".join(problems)) if problems else Health("ok")
 
     def publish(self, throttle_s: float = 0.0) -> None:
-        """Readiness and health at once; the /cluster snapshot and gauges at most every `throttle_s`."""
+        """Readiness and health at once (liveness at most every --health-check-period-s); the /cluster
+        snapshot and gauges at most every `throttle_s`, and never more often than keeps their build
+        under `SNAPSHOT_SHARE` of the control thread's time (a large cluster's snapshot is refreshed
+        less often rather than delaying steps)."""
         ctl, c = self.ctl, self.ctl.cluster
         now, heard = time.monotonic(), ctl.plane.heard_clock()
-        liveness = self.liveness(now, heard)
+        if throttle_s and now - self._liveness_at < self.liveness_period_s and self._liveness is not None:
+            liveness = self._liveness
+        else:
+            liveness = self._liveness = self.liveness(now, heard)
+            self._liveness_at = now
         step_age_s = now - ctl.steps.started_at if ctl.steps.in_step else None
         members = {r: lv for r, lv in liveness.items() if r in c.members}
         stalled = stall_reason(step_age_s, self.stall_deadline_s(), members) if c.readiness.ready else None
@@ -81,9 +95,10 @@ class Publisher:
         health = self.health(readiness, liveness)
         ctl.published.readiness, ctl.published.health = readiness, health
         self.stats.maybe_log(now, ctl, readiness)
-        if throttle_s and now - self._published_at < throttle_s:
+        if throttle_s and now - self._published_at < max(throttle_s, ctl.plane.times.snapshot_s / self.snapshot_share):
             return
         self._published_at = now
+        t0 = time.perf_counter()
         verdicts = judge(ctl.steps.own_time.intervals(now), self.rule, now, c.members)
         deadlines = {**ctl.cfg.deadlines(), "watchdog_deadline_s": round(ctl.detector.watchdog_deadline_s(), 3),
                      "stall_deadline_s": round(self.stall_deadline_s(), 3), "stall_multiple": ctl.cfg.stall_multiple}
@@ -96,6 +111,7 @@ class Publisher:
             standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()},
             data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status())
         self._set_gauges(heard, readiness, liveness)
+        ctl.plane.times.snapshot_s = time.perf_counter() - t0
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
         """One event when the group stalls and one when it moves again (not one per publish)."""

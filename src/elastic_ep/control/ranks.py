@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import BackupSite, Progress, WorkerHello
 
 
@@ -95,8 +94,8 @@ def percentiles_ms(values) -> dict[str, float] | None:
     if not values:
         return None
     a = np.asarray(values, dtype=np.float64) * 1000
-    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
-            "max": round(float(a.max()), 3)}
+    p50, p99 = np.percentile(a, (50, 99))
+    return {"p50": round(float(p50), 3), "p99": round(float(p99), 3), "max": round(float(a.max()), 3)}
 
 
 @dataclass
@@ -125,12 +124,10 @@ class RankInfo:
         return self.status in (RankStatus.SERVING, RankStatus.DRAINING, RankStatus.STANDBY) or (
             self.status == RankStatus.STARTING and self.hello is not None)
 
-    def view(self, location: ExpertLocation | None, total_slots: int, requests: int, delay_s: float,
+    def view(self, experts: list[list[int]], total_slots: int, requests: int, delay_s: float,
              now: float, liveness: RankLiveness | None = None, verdict: dict[str, Any] | None = None) -> dict[str, Any]:
-        """This rank in /cluster: identity, state, liveness, slots (experts per MoE layer), timing,
-        straggler verdict."""
-        experts = (location.experts_of_rank(self.rank_id).tolist()
-                   if location is not None and self.rank_id < location.num_ranks else [])
+        """This rank in /cluster: identity, state, liveness, slots (`experts`: [L][slots] the experts it
+        holds per MoE layer), timing, straggler verdict."""
         used = sum(1 for layer in experts for e in layer if e >= 0)
         return {
             "rank_id": self.rank_id, "node": self.node, "pid": self.pid, "state": self.status.value,

@@ -60,8 +60,15 @@ class StepLoop:
         self.tokens_run = 0  # tokens (prefill and decode) run, all steps and ranks
         self.tokens_sampled = 0
         self.failed_batch: StepBatch | None = None  # the batch of the step recovery re-runs
-        self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
+        # [L, E] loads as ranks report them, one per --load-report-every-steps steps
+        self.load_every = max(cfg.load_report_every_steps, 1)
+        self.load_window: deque[np.ndarray] = deque(maxlen=-(-max(cfg.eplb_interval, 1) // self.load_every))
         self._sent_at = 0.0
+
+    @property
+    def load_window_steps(self) -> int:
+        """Steps the load window covers."""
+        return len(self.load_window) * self.load_every
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
@@ -76,23 +83,27 @@ class StepLoop:
         """Run the next step; returns its wall time (s), or None when a rank's own computation
         failed (the step is dropped; isolation decides what runs next). Raises RecoveryNeeded
         on a fault."""
-        c = self.cluster
+        c, times = self.cluster, self.plane.times
+        t0 = time.perf_counter()
         self.scheduler.held = self.isolation.held
         batch = self.scheduler.schedule()
         c.step += 1
         self.replies = {}
         self.in_step = set(c.members)
         self.started_at = time.monotonic()
-        start = self._sent_at = time.perf_counter()
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
         micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
-        for rank_id in c.members:
-            self.plane.to_worker(rank_id, StepPlan(
-                c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
-                c.delay_s.get(rank_id, 0.0), dispatch_rows, c.broken.get(rank_id, ""), micro_batches,
-                batch.moves,
-            ))
+        report_load = c.step % self.load_every == 0
+        plans = [(rank_id, StepPlan(
+            c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
+            c.delay_s.get(rank_id, 0.0), dispatch_rows, c.broken.get(rank_id, ""), micro_batches,
+            batch.moves, report_load,
+        )) for rank_id in c.members]
+        start = self._sent_at = time.perf_counter()
+        times.add("plan", start - t0)
+        self.plane.plans_to_workers(plans)
+        sent = time.perf_counter()
         while len(self.replies) < len(c.members):
             self.pump(0.002)
             if self.detector.pending:
@@ -100,7 +111,9 @@ class StepLoop:
                 self.failed_batch = batch
                 raise RecoveryNeeded()
         self.in_step = set()
-        wall_s = time.perf_counter() - start
+        gathered = time.perf_counter()
+        wall_s = gathered - start
+        times.add("gather", gathered - sent)
         failures = {r: m for r, m in self.replies.items() if isinstance(m, StepFailed)}
         if failures:
             self._requeue_frees(batch)
@@ -109,6 +122,8 @@ class StepLoop:
             return None
         self._finish(batch, wall_s)
         self.isolation.step_passed(batch)
+        times.steps += 1
+        times.wall_s += time.perf_counter() - t0
         return wall_s
 
     def _requeue_frees(self, batch: StepBatch) -> None:
@@ -120,12 +135,14 @@ class StepLoop:
                 self.scheduler.to_free[rank_id].extend(ids)
 
     def _finish(self, batch: StepBatch, wall_s: float) -> None:
-        c, m = self.cluster, self.metrics
+        c, times = self.cluster, self.plane.times
+        t0 = time.perf_counter()
         results: dict[int, StepResult] = self.replies  # type: ignore[assignment]
         sampled: dict[int, int] = {}
         logprobs: dict[int, TokenLogprobs] = {}
         slowest = 0.0
         load = np.zeros((c.num_layers, c.num_experts), dtype=np.int64)
+        reported = False
         for rank_id, res in results.items():
             for seq_id, error in res.errors.items():
                 self.streams.end_with_error(seq_id, f"this request failed on rank {rank_id}: {error}")
@@ -137,23 +154,46 @@ class StepLoop:
             r.wait_s.append(res.dispatch_wait_s + res.combine_wait_s)
             r.own_s.append(res.compute_s)
             r.slot_tokens.append(res.slot_tokens)
-            label = str(rank_id)
-            m.step_seconds.labels(label).observe(res.step_s)
-            m.collective_wait_seconds.labels(label).observe(res.dispatch_wait_s + res.combine_wait_s)
-            load += res.expert_load
+            if res.expert_load.size:
+                load += res.expert_load
+                reported = True
+        times.slowest_rank_s += slowest
         self.detector.step_done(wall_s)
         self.failed_batch = None
-        m.step_wall_seconds.observe(wall_s)
-        m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
         tokens = batch.tokens_per_rank()
         now = time.monotonic()
         for rank_id, res in results.items():
             self.own_time.add(now, rank_id, tokens.get(rank_id, 0), res.compute_s)
+        self.tokens_run += sum(tokens.values())
+        self.tokens_sampled += len(sampled)
+        if reported:
+            self.load_window.append(load)
+            self.recorder.add(load, self.load_every)
+        t1 = time.perf_counter()
+        self._observe(results, batch, tokens, wall_s, slowest)
+        t2 = time.perf_counter()
+        for seq, new_tokens in self.scheduler.commit(batch, sampled):
+            token_logprobs = [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None
+            self.streams.deliver(seq.seq_id, RequestOutput(
+                seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
+                logprobs=token_logprobs,
+            ))
+        times.add("commit", (t1 - t0) + (time.perf_counter() - t2))
+        times.add("metrics", t2 - t1)
+
+    def _observe(self, results: dict[int, StepResult], batch: StepBatch, tokens: dict[int, int], wall_s: float,
+                 slowest: float) -> None:
+        """The step's metrics: per-rank timings and tokens, DP balance, data plane, expert load balance."""
+        c, m = self.cluster, self.metrics
+        for rank_id, res in results.items():
+            label = str(rank_id)
+            m.step_seconds.labels(label).observe(res.step_s)
+            m.collective_wait_seconds.labels(label).observe(res.dispatch_wait_s + res.combine_wait_s)
+        m.step_wall_seconds.observe(wall_s)
+        m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
         for rank_id, n in tokens.items():
             m.rank_tokens.labels(str(rank_id)).set(n)
             m.rank_tokens_total.labels(str(rank_id)).inc(n)
-        self.tokens_run += sum(tokens.values())
-        self.tokens_sampled += len(sampled)
         for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
             ratio = imbalance(per_rank.values())
             if ratio is None:
@@ -168,11 +208,3 @@ class StepLoop:
         if mean:
             for r, v in slot_totals.items():
                 m.expert_load_imbalance.labels(str(r)).set(v / mean)
-        self.load_window.append(load)
-        self.recorder.add(load)
-        for seq, new_tokens in self.scheduler.commit(batch, sampled):
-            token_logprobs = [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None
-            self.streams.deliver(seq.seq_id, RequestOutput(
-                seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
-                logprobs=token_logprobs,
-            ))

@@ -200,7 +200,9 @@ class StepPlan:
     split sizes. `fail_at`: fault injection (chaos poison of the rank), as in ChunkPlan.
     `micro_batches`: forwards interleaved in this step (2 with --enable-dbo; same on every rank).
     `kv_moves`: every KV move of the step, the same list to every member (the moves are one
-    all-to-all of the group, each member takes its side)."""
+    all-to-all of the group, each member takes its side). `report_load`: answer with the expert
+    load summed since the last step that asked (the controller asks every few steps: a [L, E]
+    array per rank per step is 119 KB at DeepSeek-V3's size)."""
 
     epoch: int
     step: int
@@ -211,12 +213,14 @@ class StepPlan:
     fail_at: str = ""
     micro_batches: int = 1
     kv_moves: list[KVMove] = field(default_factory=list)
+    report_load: bool = True
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """tokens: seq_id -> sampled token; expert_load: [L, E] tokens this rank routed to each
-    logical expert; slot_tokens: tokens its own slots computed (all layers); logprobs:
+    """tokens: seq_id -> sampled token; expert_load: [L, E] int32 tokens this rank routed to each
+    logical expert since the last step whose plan had `report_load` (this one included), or an
+    empty [0, 0] array when this plan did not ask; slot_tokens: tokens its own slots computed (all layers); logprobs:
     seq_id -> the sampled token's logprobs, for sequences whose params ask for them."""
 
     epoch: int
