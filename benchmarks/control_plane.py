@@ -71,7 +71,8 @@ def ranks_per_node(ranks: int) -> int:
     return max(min(RANKS_PER_NODE, ranks // 2), 1)
 
 
-def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter_ms: float) -> list[subprocess.Popen]:
+def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter_ms: float,
+                   model: Path) -> list[subprocess.Popen]:
     per_node = ranks_per_node(ranks)
     nodes = [f"n{i}" for i in range(math.ceil(ranks / per_node))]
     procs = []
@@ -79,7 +80,7 @@ def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter
         args = [a for n in nodes[p::processes] for a in ("--node", n)]
         procs.append(subprocess.Popen([sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,
                                        "--ranks-per-node", str(per_node), "--step-ms", str(step_ms),
-                                       "--jitter-ms", str(jitter_ms), *args]))
+                                       "--jitter-ms", str(jitter_ms), "--model", str(model), *args]))
     return procs
 
 
@@ -178,7 +179,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         ctl.publisher.liveness_period_s, ctl.publisher.snapshot_share = 0.0, math.inf
         ctl.cluster.cache_placement_view = False
     ctl.start()
-    procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms)
+    procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model)
     load = None
     try:
         wait_for(lambda: ctl.published.readiness.ready, 300, "the cluster was not ready")
@@ -283,7 +284,7 @@ def main() -> None:
     parser.add_argument("--no-faults", action="store_true", help="skip the kill and stop")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    logging.getLogger("elastic_ep").setLevel(logging.ERROR)
+    logging.getLogger("elastic_ep").setLevel(logging.WARNING)
     if args.ranks is None:
         table(args)
         return

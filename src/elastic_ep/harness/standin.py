@@ -369,10 +369,8 @@ class StandInAgent:
 
     def _welcomed(self, launch: WorkerLaunch) -> None:
         self.launch = launch
-        if self.loads is None:
-            config = MoEConfig.from_pretrained(launch.model_dir)
-            self.loads = LoadTemplates(len(config.moe_layers), config.num_experts, config.top_k)
-            self.top_k, self.vocab, self.eos = config.top_k, config.vocab_size, tuple(config.eos_token_ids)
+        config, self.loads = self.host.model(launch.model_dir)
+        self.top_k, self.vocab, self.eos = config.top_k, config.vocab_size, tuple(config.eos_token_ids)
 
     def _start(self, rank_id: int, join_mode: str) -> None:
         pid = PID_BASE + rank_id * 1000 + next(self.host.incarnations) % 1000
@@ -423,6 +421,15 @@ class StandInHost:
         self.timers = Timers()
         self.incarnations = itertools.count()
         self.agents: list[StandInAgent] = []
+        self._models: dict[str, tuple[MoEConfig, LoadTemplates]] = {}
+
+    def model(self, model_dir: str) -> tuple[MoEConfig, LoadTemplates]:
+        """The model's config and load templates, read once per process (a slow read would silence
+        every agent of the process, and the controller drops an agent silent for --agent-timeout-s)."""
+        if model_dir not in self._models:
+            config = MoEConfig.from_pretrained(model_dir)
+            self._models[model_dir] = config, LoadTemplates(len(config.moe_layers), config.num_experts, config.top_k)
+        return self._models[model_dir]
 
     def register(self, sock, owner) -> None:
         self.owners[sock] = owner
@@ -469,9 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="up to this much more per rank and step")
     parser.add_argument("--slow", action="append", default=[], metavar="RANK:MS", help="a rank's extra time per step")
     parser.add_argument("--lease-s", type=float, default=5.0)
+    parser.add_argument("--model", default=None, help="the served checkpoint dir, read before registering")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     host = StandInHost()
+    if args.model:
+        host.model(args.model)
     timing = StandInTiming(args.step_ms / 1000, args.jitter_ms / 1000, parse_slow(args.slow))
     host.agents = [StandInAgent(host, args.controller, node, args.ranks_per_node, timing, args.lease_s)
                    for node in args.node]
