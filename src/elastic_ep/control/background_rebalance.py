@@ -63,7 +63,7 @@ class BackgroundRebalance:
     def check_eplb(self) -> None:
         """Every --eplb-interval steps: when the load is uneven enough, walk to EPLB's placement."""
         c, ctl = self.cluster, self.ctl
-        if not (self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, ctl.steps.load_window_steps,
+        if not (self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, len(ctl.steps.load_window),
                                                   self.last_eplb_step)):
             return
         self.last_eplb_step = c.step

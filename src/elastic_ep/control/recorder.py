@@ -40,12 +40,12 @@ class ExpertRecorder:
         with self._lock:
             self._recording = False
 
-    def add(self, load: np.ndarray, steps: int = 1) -> None:
-        """load: [L, E] tokens of the last `steps` steps."""
+    def add(self, load: np.ndarray) -> None:
+        """load: [L, E] tokens of one step."""
         with self._lock:
             if self._recording and self._load is not None:
                 self._load += load
-                self._steps += steps
+                self._steps += 1
 
     def dump(self, directory: str | Path) -> dict[str, Any]:
         """Write {"load": [L][E], "steps", "moe_layers"} as JSON in `directory`."""

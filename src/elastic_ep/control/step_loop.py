@@ -60,15 +60,11 @@ class StepLoop:
         self.tokens_run = 0  # tokens (prefill and decode) run, all steps and ranks
         self.tokens_sampled = 0
         self.failed_batch: StepBatch | None = None  # the batch of the step recovery re-runs
-        # [L, E] loads as ranks report them, one per --load-report-every-steps steps
+        # ranks report their load summed over --load-report-every-steps steps, taking turns, so an
+        # entry (the reports of one step) stands for about one step's load
         self.load_every = max(cfg.load_report_every_steps, 1)
-        self.load_window: deque[np.ndarray] = deque(maxlen=-(-max(cfg.eplb_interval, 1) // self.load_every))
+        self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
         self._sent_at = 0.0
-
-    @property
-    def load_window_steps(self) -> int:
-        """Steps the load window covers."""
-        return len(self.load_window) * self.load_every
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
@@ -94,11 +90,10 @@ class StepLoop:
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
         micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
-        report_load = c.step % self.load_every == 0
         plans = [(rank_id, StepPlan(
             c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []),
             c.delay_s.get(rank_id, 0.0), dispatch_rows, c.broken.get(rank_id, ""), micro_batches,
-            batch.moves, report_load,
+            batch.moves, (c.step + rank_id) % self.load_every == 0,  # ranks take turns: no step decodes all
         )) for rank_id in c.members]
         start = self._sent_at = time.perf_counter()
         times.add("plan", start - t0)
@@ -168,7 +163,7 @@ class StepLoop:
         self.tokens_sampled += len(sampled)
         if reported:
             self.load_window.append(load)
-            self.recorder.add(load, self.load_every)
+            self.recorder.add(load)
         t1 = time.perf_counter()
         self._observe(results, batch, tokens, wall_s, slowest)
         t2 = time.perf_counter()
