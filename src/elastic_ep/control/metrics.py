@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from elastic_ep.wire import KVMove, StepResult
 
+from .rank_metrics import RankCounter, RankGauge, RankHistogram
+
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 IMBALANCE_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
@@ -21,22 +23,20 @@ RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
 
 class ClusterMetrics:
     def __init__(self, registry: CollectorRegistry):
-        self.step_seconds = Histogram(
-            "elastic_ep_rank_step_seconds", "Step time per rank (worker side)", ["rank"],
-            buckets=STEP_BUCKETS, registry=registry,
+        # the series every step updates for every rank (control/rank_metrics.py)
+        self.step_seconds = RankHistogram(
+            "elastic_ep_rank_step_seconds", "Step time per rank (worker side)", STEP_BUCKETS, registry,
         )
-        self.collective_wait_seconds = Histogram(
+        self.collective_wait_seconds = RankHistogram(
             "elastic_ep_rank_collective_wait_seconds",
-            "Time per step a rank spent in the dispatch and combine all-to-alls",
-            ["rank"], buckets=STEP_BUCKETS, registry=registry,
+            "Time per step a rank spent in the dispatch and combine all-to-alls", STEP_BUCKETS, registry,
         )
-        self.rank_tokens = Gauge(
-            "elastic_ep_rank_step_tokens", "Tokens a rank ran in the last step (DP attention)", ["rank"],
-            registry=registry,
+        self.rank_tokens = RankGauge(
+            "elastic_ep_rank_step_tokens", "Tokens a rank ran in the last step (DP attention)", registry,
         )
-        self.rank_tokens_total = Counter(
+        self.rank_tokens_total = RankCounter(
             "elastic_ep_rank_tokens", "Tokens a rank ran (prefill and decode), for tokens per step over a window",
-            ["rank"], registry=registry,
+            registry,
         )
         self.rank_up = Gauge(
             "elastic_ep_rank_up", "1 while a rank serves and is not stalled (liveness in /cluster), else 0",
@@ -78,14 +78,13 @@ class ClusterMetrics:
             "all-to-all, before the prefill was cut to the step's level (plan=unaligned) and as run (plan=aligned)",
             ["plan"], buckets=TOKEN_BUCKETS, registry=registry,
         )
-        self.remote_messages = Counter(
+        self.remote_messages = RankCounter(
             "elastic_ep_all2all_remote_messages", "Point-to-point sends of the MoE all-to-alls to a rank on another "
-            "node, per sending rank (gloo sends one per peer per collective, empty ones included)", ["rank"],
-            registry=registry,
+            "node, per sending rank (gloo sends one per peer per collective, empty ones included)", registry,
         )
-        self.remote_bytes = Counter(
+        self.remote_bytes = RankCounter(
             "elastic_ep_all2all_remote_bytes", "Bytes the MoE all-to-alls of a rank sent to ranks on other nodes",
-            ["rank"], registry=registry,
+            registry,
         )
         self.dp_migrations = Counter(
             "elastic_ep_dp_migrations", "Decoding sequences moved off a rank that stayed the busiest", ["mode"],
@@ -128,9 +127,9 @@ class ClusterMetrics:
 
     def data_plane_step(self, results: Mapping[int, StepResult], moves: list[KVMove], reprefilled: list[int]) -> None:
         """What a completed step's all-to-alls sent across nodes, and its migrations."""
-        for rank_id, res in results.items():
-            self.remote_messages.labels(str(rank_id)).inc(res.remote_messages)
-            self.remote_bytes.labels(str(rank_id)).inc(res.remote_bytes)
+        ranks = list(results)
+        self.remote_messages.inc(ranks, [res.remote_messages for res in results.values()])
+        self.remote_bytes.inc(ranks, [res.remote_bytes for res in results.values()])
         if moves:
             self.dp_migrations.labels("kv").inc(len(moves))
             self.kv_move_seconds.observe(max(res.kv_move_s for res in results.values()))
@@ -139,9 +138,10 @@ class ClusterMetrics:
 
     def forget_rank(self, rank: int) -> None:
         """Drop a rank's series when it leaves (its last values would read as current)."""
-        for metric in (self.rank_tokens, self.expert_load_imbalance, self.rank_up, self.rank_heartbeat_age_seconds,
+        for metric in (self.expert_load_imbalance, self.rank_up, self.rank_heartbeat_age_seconds,
                        self.rank_last_progress_seconds, self.rank_stalled_seconds):
             try:
                 metric.remove(str(rank))
             except KeyError:
                 pass
+        self.rank_tokens.remove(rank)

@@ -136,6 +136,11 @@ class Publisher:
                 m.rank_heartbeat_age_seconds.labels(label).set(heard - r.last_heartbeat)
             if r.progress_at:
                 m.rank_last_progress_seconds.labels(label).set(unix_now - (heard - r.progress_at))
+        slot_totals = {r: sum(ctl.cluster.ranks[r].slot_tokens) for r in ctl.cluster.members if r in ctl.cluster.ranks}
+        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
+        if mean:
+            for r, v in slot_totals.items():
+                m.expert_load_imbalance.labels(str(r)).set(v / mean)
         m.requests_running.set(sum(len(seqs) for seqs in ctl.scheduler.running.values()))
         m.requests_waiting.set(len(ctl.scheduler.waiting))
         m.ready.set(int(readiness.ready))

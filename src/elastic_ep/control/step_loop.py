@@ -178,17 +178,16 @@ class StepLoop:
 
     def _observe(self, results: dict[int, StepResult], batch: StepBatch, tokens: dict[int, int], wall_s: float,
                  slowest: float) -> None:
-        """The step's metrics: per-rank timings and tokens, DP balance, data plane, expert load balance."""
-        c, m = self.cluster, self.metrics
-        for rank_id, res in results.items():
-            label = str(rank_id)
-            m.step_seconds.labels(label).observe(res.step_s)
-            m.collective_wait_seconds.labels(label).observe(res.dispatch_wait_s + res.combine_wait_s)
+        """The step's metrics: per-rank timings and tokens, DP balance, data plane (the expert load
+        balance is set with the liveness gauges, control/publisher.py)."""
+        m = self.metrics
+        ranks = list(results)
+        m.step_seconds.observe(ranks, [res.step_s for res in results.values()])
+        m.collective_wait_seconds.observe(ranks, [res.dispatch_wait_s + res.combine_wait_s for res in results.values()])
         m.step_wall_seconds.observe(wall_s)
         m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
-        for rank_id, n in tokens.items():
-            m.rank_tokens.labels(str(rank_id)).set(n)
-            m.rank_tokens_total.labels(str(rank_id)).inc(n)
+        m.rank_tokens.set(list(tokens), list(tokens.values()))
+        m.rank_tokens_total.inc(list(tokens), list(tokens.values()))
         for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
             ratio = imbalance(per_rank.values())
             if ratio is None:
@@ -198,8 +197,3 @@ class StepLoop:
             if plan == "aligned":
                 m.dp_token_imbalance.set(ratio)
         m.data_plane_step(results, batch.moves, batch.reprefilled)
-        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
-        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
-        if mean:
-            for r, v in slot_totals.items():
-                m.expert_load_imbalance.labels(str(r)).set(v / mean)
