@@ -165,12 +165,13 @@ def delta(after: dict, before: dict) -> dict:
 
 
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
-              before: bool, faults: bool) -> dict:
+              before: bool, faults: bool, timeout_s: float) -> dict:
     model = standin_model()
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
                       max_num_seqs=max(seqs_per_rank, 1), max_model_len=2048, enable_chaos=True, restart_delay_s=-1,
-                      log_stats_interval_s=0, startup_timeout_s=300)
+                      log_stats_interval_s=0, startup_timeout_s=300, heartbeat_timeout_s=timeout_s,
+                      agent_timeout_s=timeout_s)
     if before:
         cfg.load_report_every_steps = 1
     registry = CollectorRegistry()
@@ -233,7 +234,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             out["kill"] = inject(ctl, c.members[len(c.members) // 3], signal.SIGKILL, 60)
             wait_for(lambda: not ctl.rebalancer.status()["active"], 120, "the rebalance after the kill did not end")
             out["stop"] = inject(ctl, c.members[2 * len(c.members) // 3], signal.SIGSTOP, 60)
-            out["hang_pause_bound_s"] = cfg.heartbeat_timeout_s + 0.1
+            out["hang_pause_bound_s"] = round(cfg.heartbeat_timeout_s + 0.1, 3)
         injected = {out[k]["rank_id"] for k in ("kill", "stop") if k in out}
         out["false_faults"] = [e["message"] for e in events_after(ctl, 0, "fault") if e["rank_id"] not in injected]
         return out
@@ -246,13 +247,18 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
 
 def table(args) -> None:
     rows = []
-    for ranks, seqs in TABLE:
+    sizes = [int(x) for x in args.table_ranks.split(",")]
+    for ranks, seqs in [(r, s) for r, s in TABLE if r in sizes]:
         for mode in ("before", "after"):
             cmd = [sys.executable, __file__, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
-                   "--seconds", str(args.seconds), "--step-ms", str(args.step_ms)]
+                   "--seconds", str(args.seconds), "--step-ms", str(args.step_ms), "--timeout-s", str(args.timeout_s)]
             if mode == "before":
                 cmd.append("--before")
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            except subprocess.TimeoutExpired:
+                print(f"{ranks} ranks, {seqs} per rank, {mode}: over 900 s", file=sys.stderr)
+                continue
             if done.returncode:
                 print(done.stderr[-2000:], file=sys.stderr)
                 continue
@@ -282,14 +288,17 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4, help="stand-in processes")
     parser.add_argument("--before", action="store_true", help="the control-plane changes of issue 25 turned off")
     parser.add_argument("--no-faults", action="store_true", help="skip the kill and stop")
+    parser.add_argument("--timeout-s", type=float, default=1.0,
+                        help="--heartbeat-timeout-s and --agent-timeout-s of the controller (the stop's deadline)")
+    parser.add_argument("--table-ranks", default="8,64,256,1024", help="the table's sizes (comma-separated)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    logging.getLogger("elastic_ep").setLevel(logging.WARNING)
+    logging.getLogger("elastic_ep").setLevel(logging.ERROR)
     if args.ranks is None:
         table(args)
         return
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
-                    args.before, not args.no_faults)
+                    args.before, not args.no_faults, args.timeout_s)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

@@ -109,7 +109,8 @@ class Publisher:
             health=vars(health), straggler_rule=self.rule.to_json(), redundancy=ctl.redundancy.view(),
             straggler_policy=ctl.stragglers.view(now), hardware=ctl.hardware.view(),
             standby={"wanted": ctl.cfg.standby_ranks, "ready": ctl.standby.ready()},
-            data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status())
+            data_plane={**ctl.cfg.data_plane(), "nodes": c.member_nodes()}, rebalance=ctl.rebalancer.status(),
+            control_times=ctl.plane.times.view())
         self._set_gauges(heard, readiness, liveness)
         ctl.plane.times.snapshot_s = time.perf_counter() - t0
 
