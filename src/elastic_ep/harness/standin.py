@@ -31,6 +31,7 @@ slower ranks, never as controller time.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import heapq
 import itertools
 import os
@@ -479,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="the served checkpoint dir, read before registering")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:  # the stand-ins end with whoever started them, as real ranks end with their agent
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
     host = StandInHost()
     if args.model:
         host.model(args.model)
