@@ -28,7 +28,7 @@ def cluster(tmp_path_factory):
     log = tmp_path_factory.mktemp("standin") / "serve.log"
     server = Server(["--model", "tiny-deepseek-v3", "--ep-size", str(RANKS), "--local-ranks", "0", "--enable-chaos",
                      "--restart-delay-s", "-1", "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
-                     "--startup-timeout-s", "120"], log, ready_timeout_s=None)
+                     "--startup-timeout-s", "300"], log, ready_timeout_s=None)
     nodes = [f"n{i}" for i in range(RANKS // PER_NODE)]
     procs = []
     try:
@@ -39,7 +39,7 @@ def cluster(tmp_path_factory):
                 sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,
                 "--ranks-per-node", str(PER_NODE), "--step-ms", "20", "--jitter-ms", "5", "--model", model,
                 *[a for n in nodes[p::PROCESSES] for a in ("--node", n)]]))
-        server.wait_ready(120)
+        server.wait_ready(300)  # the stand-in processes import torch first: slow on a busy machine
         server.wait_full_group(RANKS, 60)
         yield server
     finally:
