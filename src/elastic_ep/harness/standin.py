@@ -456,7 +456,6 @@ class StandInHost:
                         break
                     owner.on_message(sock, decode(frame))
             self.timers.run_due(time.monotonic())
-        time.sleep(0.1)  # let the byes go out
 
 
 def parse_slow(items: list[str]) -> dict[int, float]:
@@ -495,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for agent in host.agents:
             agent.shutdown()
+        time.sleep(0.1)  # let the byes go out
+        host.ctx.destroy(linger=0)  # an open socket would hold the interpreter's exit forever
     return 0
 
 
