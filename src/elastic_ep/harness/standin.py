@@ -282,7 +282,7 @@ class StandInRank:
         self.load = step_load.copy() if self.load is None else self.load + step_load
         load = EMPTY_LOAD
         if getattr(plan, "report_load", True):  # a controller before issue 25 has no report_load
-            load, self.load = self.load.astype(np.int32), None
+            load, self.load = (self.load.astype(np.int32) if self.load.any() else EMPTY_LOAD), None
         self.pending = (plan.epoch, plan.step, b"")
 
         def answer() -> None:

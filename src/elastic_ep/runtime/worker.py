@@ -261,12 +261,13 @@ class Worker:
         ))
 
     def _expert_load(self, step_load: np.ndarray, report: bool) -> np.ndarray:
-        """step_load [L, E] added to the sum; the sum (int32) when the plan asks for it, else [0, 0]."""
+        """step_load [L, E] added to the sum; the sum (int32) when the plan asks for it and it is not all
+        zeros, else [0, 0]."""
         self._load = step_load.copy() if self._load is None else self._load + step_load
         if not report:
             return EMPTY_LOAD
-        load, self._load = self._load.astype(np.int32), None
-        return load
+        load, self._load = self._load, None
+        return load.astype(np.int32) if load.any() else EMPTY_LOAD  # a rank with no tokens sends nothing
 
     def _before_forward(self, plan: StepPlan, moe: ExpertParallelMoE) -> float:
         """Frees, KV moves, cache rows, injected delay; returns the KV moves' seconds. An error

@@ -220,7 +220,7 @@ class StepPlan:
 class StepResult:
     """tokens: seq_id -> sampled token; expert_load: [L, E] int32 tokens this rank routed to each
     logical expert since the last step whose plan had `report_load` (this one included), or an
-    empty [0, 0] array when this plan did not ask; slot_tokens: tokens its own slots computed (all layers); logprobs:
+    empty [0, 0] array when this plan did not ask or the counts are all zero; slot_tokens: tokens its own slots computed (all layers); logprobs:
     seq_id -> the sampled token's logprobs, for sequences whose params ask for them."""
 
     epoch: int
