@@ -60,8 +60,8 @@ class StepLoop:
         self.tokens_run = 0  # tokens (prefill and decode) run, all steps and ranks
         self.tokens_sampled = 0
         self.failed_batch: StepBatch | None = None  # the batch of the step recovery re-runs
-        # ranks report their load summed over --load-report-every-steps steps, taking turns, so an
-        # entry (the reports of one step) stands for about one step's load
+        # ranks report their load summed over --load-report-every-steps steps, taking turns: an entry
+        # holds the reports of one step, so a window of W >= load_every steps sums about W steps' load
         self.load_every = max(cfg.load_report_every_steps, 1)
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
         self._sent_at = 0.0
@@ -137,7 +137,6 @@ class StepLoop:
         logprobs: dict[int, TokenLogprobs] = {}
         slowest = 0.0
         load = np.zeros((c.num_layers, c.num_experts), dtype=np.int64)
-        reported = False
         for rank_id, res in results.items():
             for seq_id, error in res.errors.items():
                 self.streams.end_with_error(seq_id, f"this request failed on rank {rank_id}: {error}")
@@ -151,7 +150,6 @@ class StepLoop:
             r.slot_tokens.append(res.slot_tokens)
             if res.expert_load.size:
                 load += res.expert_load
-                reported = True
         times.slowest_rank_s += slowest
         self.detector.step_done(wall_s)
         self.failed_batch = None
@@ -161,9 +159,8 @@ class StepLoop:
             self.own_time.add(now, rank_id, tokens.get(rank_id, 0), res.compute_s)
         self.tokens_run += sum(tokens.values())
         self.tokens_sampled += len(sampled)
-        if reported:
-            self.load_window.append(load)
-            self.recorder.add(load)
+        self.load_window.append(load)  # over a window of at least load_every steps, about its steps' load
+        self.recorder.add(load)
         t1 = time.perf_counter()
         self._observe(results, batch, tokens, wall_s, slowest)
         t2 = time.perf_counter()
