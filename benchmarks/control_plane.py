@@ -44,12 +44,13 @@ import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
 from elastic_ep.control.api import GenerationRequest
-from elastic_ep.control.commands import SignalRank
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
+from elastic_ep.control.facade.to_loop import SignalRank
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.model.tiny import cache_dir, make_tiny
 from elastic_ep.placement.fault_aware import fault_aware_placement
+from elastic_ep.wire import KEY_ENV, ClusterKey
 
 RANKS_PER_NODE = 8
 TABLE = [(r, s) for r in (8, 64, 256, 1024) for s in (0, 64)]
@@ -72,7 +73,7 @@ def ranks_per_node(ranks: int) -> int:
 
 
 def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter_ms: float,
-                   model: Path) -> list[subprocess.Popen]:
+                   model: Path, key: ClusterKey) -> list[subprocess.Popen]:
     per_node = ranks_per_node(ranks)
     nodes = [f"n{i}" for i in range(math.ceil(ranks / per_node))]
     procs = []
@@ -80,7 +81,8 @@ def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter
         args = [a for n in nodes[p::processes] for a in ("--node", n)]
         procs.append(subprocess.Popen([sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,
                                        "--ranks-per-node", str(per_node), "--step-ms", str(step_ms),
-                                       "--jitter-ms", str(jitter_ms), "--model", str(model), *args]))
+                                       "--jitter-ms", str(jitter_ms), "--model", str(model), *args],
+                                      env={**os.environ, KEY_ENV: key.hex()}))
     return procs
 
 
@@ -175,12 +177,13 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
     if before:
         cfg.load_report_every_steps = 1
     registry = CollectorRegistry()
-    ctl = Controller(cfg, registry)
+    key = ClusterKey.generate()
+    ctl = Controller(cfg, key, registry)
     if before:
         ctl.publisher.liveness_period_s, ctl.publisher.snapshot_share = 0.0, math.inf
         ctl.cluster.cache_placement_view = False
     ctl.start()
-    procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model)
+    procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model, key)
     load = None
     try:
         wait_for(lambda: ctl.published.readiness.ready, 300, "the cluster was not ready")

@@ -35,15 +35,16 @@ def start(bed: TestBed, timeout_s: float, lease_s: float, logs: Path) -> ServerP
          "--restart-delay-s", "-1", "--agent-timeout-s", str(timeout_s), "--heartbeat-timeout-s", str(timeout_s),
          "--lease-s", str(lease_s)], logs / "serve.log", None, host=a.addr, port=8000, popen=a.popen)
     for name, host in (("hostB", b), ("hostC", c)):
-        start_agent(host, name, server.controller_addr(), lease_s, logs, "initial")
+        start_agent(host, name, server, lease_s, logs, "initial")
     server.wait_ready(180)
     server.wait_full_group(4, 120)
     return server
 
 
-def start_agent(host, name: str, controller: str, lease_s: float, logs: Path, join_mode: str) -> None:
-    host.popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", controller, "--node", name,
-                "--ranks", "2", "--lease-s", str(lease_s), "--join-mode", join_mode],
+def start_agent(host, name: str, server: ServerProcess, lease_s: float, logs: Path, join_mode: str) -> None:
+    host.popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", server.controller_addr(), "--node",
+                name, "--cluster-key-file", str(server.key_file), "--ranks", "2", "--lease-s", str(lease_s),
+                "--join-mode", join_mode],
                stdout=open(logs / f"{name}.log", "a"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
 
@@ -79,7 +80,7 @@ def measure(timeout_s: float, lease_s: float, repeats: int) -> dict:
                 server.wait_full_group(4, 120)
                 heal.append(round(time.monotonic() - t0, 3))
                 loss.append(fault_run(server, c.lose))
-                start_agent(c, "hostC", server.controller_addr(), lease_s, logs, "recover")
+                start_agent(c, "hostC", server, lease_s, logs, "recover")
                 server.wait_full_group(4, 120)
         finally:
             server.stop()

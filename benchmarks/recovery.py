@@ -50,7 +50,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ep.control.config import ServeConfig
-from elastic_ep.control.health import adaptive_deadline_s, hung_ranks, lost_heartbeats
+from elastic_ep.control.faults.health_rules import adaptive_deadline_s, hung_ranks, lost_heartbeats
 from elastic_ep.harness.load import client_for, streams_with_fault
 from elastic_ep.harness.server_process import ServerProcess
 from elastic_ep.model.checkpoint import CheckpointReader
@@ -58,7 +58,7 @@ from elastic_ep.model.tiny import resolve_model
 from elastic_ep.node.exits import exit_code, open_stat
 from elastic_ep.placement import choose_redundant_experts
 from elastic_ep.runtime.group import ProgressBoard
-from elastic_ep.wire import Heartbeat, Progress, decode, encode
+from elastic_ep.wire import HEALTH_TO_CONTROLLER, ClusterKey, Heartbeat, Inbox, Progress
 
 EP_SIZE = 4
 RESTART_DELAY_S = 8.0
@@ -173,11 +173,13 @@ def detection_work_s(step_s: float, ranks: int = EP_SIZE, moe_layers: int = 3) -
         lost_heartbeats(seen, now, cfg.heartbeat_timeout_s)
         hung_ranks(progress, 0, {40: now}, now, adaptive_deadline_s(recent, cfg.watchdog_multiple, cfg.watchdog_floor_s))
 
-    frame = encode(Heartbeat(1, 101, progress[1]))
+    key = ClusterKey.generate()
+    frames = key.seal(Heartbeat(1, 101, progress[1]))
+    inbox = Inbox("health", HEALTH_TO_CONTROLLER, key)
     board = ProgressBoard()
     n = 20000
     check_s = timeit.timeit(check, number=n) / n
-    beat_s = timeit.timeit(lambda: decode(frame), number=n) / n
+    beat_s = timeit.timeit(lambda: inbox.read(frames), number=n) / n
     enter_s = timeit.timeit(lambda: board.enter("dispatch", 1), number=n) / n
     stat_fd = open_stat(os.getpid())
     poll_s = timeit.timeit(lambda: exit_code(stat_fd), number=n) / n

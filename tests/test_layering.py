@@ -80,3 +80,79 @@ def test_pure_libraries_import_nothing_from_the_runtime_side():
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+# control/, bottom to top: a subpackage imports only the shared modules on top of control/ and the
+# subpackages before it; the loop (controller.py, chaos.py) ties them together above all of them.
+CONTROL_SHARED = {"api", "config", "cluster", "ranks", "events", "control_plane", "metrics", "timing", "rank_metrics"}
+CONTROL_ORDER = ["epochs", "faults", "serving", "membership", "facade"]
+CONTROL_LOOP = {"controller", "chaos"}
+
+
+def module_of(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def module_imports() -> dict[str, set[str]]:
+    """module -> the elastic_ep modules it imports, TYPE_CHECKING imports included (`from a import b`
+    counts as importing a, and a.b when that is a module)."""
+    paths = {module_of(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        out = graph.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                found = [target] + [f"{target}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            else:
+                continue
+            out |= {t for t in found if t in paths and t != module}
+    return graph
+
+
+def control_part(module: str) -> str | None:
+    """The part of control/ a module belongs to: a subpackage, "shared", "loop", or None outside control/."""
+    parts = module.split(".")
+    if parts[:2] != ["elastic_ep", "control"] or len(parts) < 3:
+        return None
+    if parts[2] in CONTROL_SHARED:
+        return "shared"
+    if parts[2] in CONTROL_LOOP:
+        return "loop"
+    return parts[2]
+
+
+def test_no_import_cycle_among_the_modules():
+    graph = module_imports()
+    assert "elastic_ep.control.controller" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_control_subpackages_import_only_those_below_them():
+    assert {p.name for p in (ROOT / "control").iterdir() if p.is_dir() and p.name != "__pycache__"} \
+        == set(CONTROL_ORDER)
+    assert {p.stem for p in (ROOT / "control").glob("*.py")} == CONTROL_SHARED | CONTROL_LOOP | {"__init__"}
+    wrong = []
+    for module, targets in module_imports().items():
+        here = control_part(module)
+        if here is None or here == "loop":
+            continue
+        allowed = {"shared", here} | (set(CONTROL_ORDER[: CONTROL_ORDER.index(here)]) if here in CONTROL_ORDER
+                                      else set())
+        wrong += [f"{module} -> {t}" for t in targets if control_part(t) not in allowed | {None}]
+    assert not wrong, "imports against the order of control/: " + "; ".join(wrong)
+
+
+def test_no_role_is_handed_the_controller():
+    importers = [m for m, ts in module_imports().items() if "elastic_ep.control.controller" in ts
+                 and control_part(m) is not None]
+    assert importers == []

@@ -27,7 +27,7 @@ from elastic_ep.doctor.diagnose import (
 )
 from elastic_ep.doctor.findings import render
 from elastic_ep.doctor.metrics import parse_metrics, scrape_intervals
-from elastic_ep.policy.straggler import StragglerRule
+from elastic_ep.policy.straggler_verdict import StragglerRule
 
 DATA = Path(__file__).parent / "data"
 

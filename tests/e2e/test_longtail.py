@@ -53,7 +53,8 @@ def start_two_nodes(tmp_path, model: str, *flags: str) -> tuple[Server, subproce
     server = Server(["--model", model, "--ep-size", "4", "--local-ranks", "2", "--node", "node0",
                      "--restart-delay-s", "1.0", *flags], tmp_path / "serve.log", ready_timeout_s=None)
     agent = subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller",
-                              server.controller_addr(), "--node", "node1", "--ranks", "2"],
+                              server.controller_addr(), "--node", "node1", "--ranks", "2",
+                              "--cluster-key-file", str(server.key_file)],
                              stdout=open(tmp_path / "agent.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
     try:
         server.wait_ready(180)

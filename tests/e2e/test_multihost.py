@@ -49,7 +49,7 @@ def cluster(bed, tmp_path_factory):
     agents = {}
     try:
         for name, host in (("hostB", b), ("hostC", c)):
-            agents[name] = start_agent(host, name, server.controller_addr(), logs, "initial")
+            agents[name] = start_agent(host, name, server, logs, "initial")
         server.wait_ready(180)
         server.wait_full_group(4, 120)
         yield server, agents, logs
@@ -57,10 +57,11 @@ def cluster(bed, tmp_path_factory):
         server.stop()
 
 
-def start_agent(host, name: str, controller: str, logs, join_mode: str) -> subprocess.Popen:
+def start_agent(host, name: str, server: Server, logs, join_mode: str) -> subprocess.Popen:
     log = open(logs / f"{name}.log", "a")  # noqa: SIM115 - the bed stops the process, the file closes with it
-    return host.popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", controller, "--node", name,
-                       "--ranks", "2", "--lease-s", str(LEASE_S), "--join-mode", join_mode],
+    return host.popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", server.controller_addr(),
+                       "--node", name, "--cluster-key-file", str(server.key_file), "--ranks", "2",
+                       "--lease-s", str(LEASE_S), "--join-mode", join_mode],
                       stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -156,5 +157,5 @@ def test_losing_every_process_of_a_host_is_recovered_on_the_others(bed, cluster)
     faults = [e for e in after["events"] if e["kind"] == "fault" and e["id"] > before["events"][-1]["id"]]
     assert {e["rank_id"] for e in faults} == {r["rank_id"] for r in ranks_on(before, "hostC")}
     # a new agent on the host (a repaired machine) takes its ranks back
-    agents["hostC"] = start_agent(c, "hostC", server.controller_addr(), logs, "recover")
+    agents["hostC"] = start_agent(c, "hostC", server, logs, "recover")
     server.wait_full_group(4, 120)

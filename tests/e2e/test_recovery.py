@@ -274,7 +274,7 @@ def test_two_nodes_keep_each_others_backup_and_survive_a_kill(tmp_path):
     server = Server(["--model", MODEL, "--ep-size", "4", "--local-ranks", "3", "--redundant-experts", "8",
                      "--restart-delay-s", "-1"], tmp_path / "serve.log", ready_timeout_s=None)
     agent = subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", server.controller_addr(),
-                              "--node", "node1", "--ranks", "1"])
+                              "--node", "node1", "--ranks", "1", "--cluster-key-file", str(server.key_file)])
     try:
         server.wait_ready()
         before = server.wait_for(lambda c: sum(e["kind"] == "backup" for e in c["events"]) == 2, what="2 backups")

@@ -20,7 +20,7 @@ MODEL = "tiny-deepseek-v3"
 
 def start_agent(server: Server, node: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", server.controller_addr(),
-                             "--node", node, "--ranks", "2", *args])
+                             "--node", node, "--ranks", "2", "--cluster-key-file", str(server.key_file), *args])
 
 
 def registered(cluster: dict, rank_id: int) -> list[dict]:

@@ -25,8 +25,10 @@ HEARTBEAT_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    log = tmp_path_factory.mktemp("standin") / "serve.log"
+    tmp = tmp_path_factory.mktemp("standin")
+    log, key_file = tmp / "serve.log", tmp / "cluster.key"
     server = Server(["--model", "tiny-deepseek-v3", "--ep-size", str(RANKS), "--local-ranks", "0", "--enable-chaos",
+                     "--cluster-key-file", str(key_file),
                      "--restart-delay-s", "-1", "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
                      "--startup-timeout-s", "300"], log, ready_timeout_s=None)
     nodes = [f"n{i}" for i in range(RANKS // PER_NODE)]
@@ -38,6 +40,7 @@ def cluster(tmp_path_factory):
             procs.append(subprocess.Popen([
                 sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,
                 "--ranks-per-node", str(PER_NODE), "--step-ms", "20", "--jitter-ms", "5", "--model", model,
+                "--cluster-key-file", str(key_file),
                 *[a for n in nodes[p::PROCESSES] for a in ("--node", n)]]))
         server.wait_ready(300)  # the stand-in processes import torch first: slow on a busy machine
         server.wait_full_group(RANKS, 60)

@@ -24,6 +24,7 @@ from elastic_ep.node.agent import NodeAgent
 from elastic_ep.node.exits import exit_code, open_stat
 from elastic_ep.runtime.experts import fetch_backup
 from elastic_ep.wire import (
+    ALL_MESSAGES,
     AgentAlive,
     AgentBye,
     AgentHello,
@@ -31,6 +32,7 @@ from elastic_ep.wire import (
     AgentWelcome,
     BackupAssign,
     BackupReady,
+    ClusterKey,
     FenceWorker,
     LeaseRenew,
     SignalWorker,
@@ -40,9 +42,11 @@ from elastic_ep.wire import (
     WorkerHello,
     WorkerLaunch,
     WorkerStarted,
-    decode,
-    encode,
+    decoder,
 )
+
+KEY = ClusterKey.generate()
+ANY = decoder(ALL_MESSAGES)
 
 
 class StandInController:
@@ -69,10 +73,11 @@ class StandInController:
             poller.register(s, zmq.POLLIN)
         while time.monotonic() < deadline:
             for ready in dict(poller.poll(100)):
-                identity, frame = ready.recv_multipart()
-                msg = decode(frame)
+                identity, mac, body = ready.recv_multipart()
+                assert mac == KEY.mac(body)
+                msg = ANY.decode(body)
                 if isinstance(msg, AgentAlive) and self.renewing:
-                    self.health.send_multipart([identity, encode(LeaseRenew(msg.session, 5.0))])
+                    self.health.send_multipart([identity, *KEY.seal(LeaseRenew(msg.session, 5.0))])
                 if ready is sock and isinstance(msg, kind):
                     if isinstance(msg, AgentHello):
                         self.agent_identity, self.session = identity, msg.session
@@ -83,7 +88,7 @@ class StandInController:
         self.to_agent(AgentWelcome(launch, self.session))
 
     def to_agent(self, msg) -> None:
-        self.health.send_multipart([self.agent_identity, encode(msg)])
+        self.health.send_multipart([self.agent_identity, *KEY.seal(msg)])
 
     def close(self) -> None:
         self.health.close()
@@ -105,7 +110,7 @@ def can_no_longer_run(pid: int) -> bool:
 @pytest.mark.e2e
 def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
     ctl = StandInController()
-    agent = NodeAgent(ctl.health_addr, "nodeT", num_ranks=2, stop_grace_s=2.0)
+    agent = NodeAgent(ctl.health_addr, "nodeT", KEY, num_ranks=2, stop_grace_s=2.0)
     stop = threading.Event()
     thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
     thread.start()
@@ -135,7 +140,7 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
         ctl.to_agent(BackupAssign([(0, 0), (1, 5)]))
         ready = ctl.expect(ctl.health, BackupReady, timeout_s=60)
         assert ready.experts == [(0, 0), (1, 5)] and os.path.exists(ready.site.path) and ready.nbytes > 0
-        w13, w2 = fetch_backup(agent.fetch_addr, [(1, 5)], timeout_s=10)  # what another node's worker asks
+        w13, w2 = fetch_backup(agent.fetch_addr, [(1, 5)], 10, KEY)  # what another node's worker asks
         reader = CheckpointReader(launch.model_dir)
         e13, e2 = reader.read_experts(reader.config.moe_layers[1], [5])
         assert torch.equal(w13, e13) and torch.equal(w2, e2)
@@ -158,7 +163,7 @@ def test_agent_removes_its_backup_when_the_controller_goes_away():
     """The controller's socket closes (as when its process dies): the agent removes the backup
     file at once instead of leaving it in /dev/shm."""
     ctl = StandInController()
-    agent = NodeAgent(ctl.health_addr, "nodeC")
+    agent = NodeAgent(ctl.health_addr, "nodeC", KEY)
     stop = threading.Event()
     thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
     thread.start()
@@ -185,7 +190,7 @@ def test_an_agent_that_stops_hearing_the_controller_fences_its_ranks_and_registe
     """The lease: with no answer for lease_s the agent kills its workers itself (the controller
     could not reach it to do so) and asks to be welcomed again, in recover mode, under a new session."""
     ctl = StandInController()
-    agent = NodeAgent(ctl.health_addr, "nodeL", num_ranks=1, lease_s=1.0)
+    agent = NodeAgent(ctl.health_addr, "nodeL", KEY, num_ranks=1, lease_s=1.0)
     stop = threading.Event()
     thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
     thread.start()

@@ -4,7 +4,6 @@ slow stretch of the whole window, hysteresis, the cap, the floor and a group slo
 import pytest
 
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.policy.straggler import Verdict, VerdictKind
 from elastic_ep.policy.straggler_policy import (
     DecisionKind,
     PolicyState,
@@ -12,6 +11,7 @@ from elastic_ep.policy.straggler_policy import (
     StragglerPolicy,
     decide,
 )
+from elastic_ep.policy.straggler_verdict import Verdict, VerdictKind
 
 MEMBERS = [0, 1, 2, 3]
 POLICY = StragglerPolicy(StragglerAction.EVICT, evict_after_s=10, clear_after_s=5, max_evictions=1,

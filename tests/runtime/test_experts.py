@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_ep.control.epoch_plan import held_placement, split_by_rank
+from elastic_ep.control.epochs.epoch_plan import held_placement, split_by_rank
 from elastic_ep.harness.ranks import run_ranks
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.tiny import resolve_model
@@ -18,7 +18,9 @@ from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.transfer import plan_transfers
 from elastic_ep.runtime.experts import ExpertSlots, expert_checksum
 from elastic_ep.runtime.group import EpochGroup
-from elastic_ep.wire import BackupSite, SlotSource
+from elastic_ep.wire import BackupSite, ClusterKey, SlotSource
+
+KEY = ClusterKey.generate()
 
 S = 8  # 16 experts on two ranks
 
@@ -36,7 +38,8 @@ def fill(slots, location, held, epoch, rank, store, reader):
     sources, sends = split_by_rank(plan, S)
     group = EpochGroup(epoch, [0, 1], rank, "gloo", torch.device("cpu"))
     group.form(store, 30, lambda: False)
-    filled = slots.apply(location.experts_of_rank(rank), sources[rank], sends[rank], group, reader, {}, f"n{rank}", 5.0)
+    filled = slots.apply(location.experts_of_rank(rank), sources[rank], sends[rank], group, reader, {}, f"n{rank}", 5.0,
+                          key=KEY)
     group.destroy()
     return {s.source: s.bytes_moved for s in filled.stats if s.bytes_moved}, filled.source_checksums
 
@@ -80,7 +83,7 @@ def test_slots_restored_from_the_nodes_backup_are_checksummed_as_they_land(tmp_p
     new[0, 1], new[1, 0] = 3, 7
     sources = [SlotSource(0, 1, 3, "backup", src_node="n0"), SlotSource(1, 0, 7, "backup", src_node="n0")]
     filled = slots.apply(new, sources, [], EpochGroup(1, [0], 0, "gloo", torch.device("cpu")), reader,
-                         {"n0": BackupSite("n0", path, "")}, "n0", 1.0)
+                         {"n0": BackupSite("n0", path, "")}, "n0", 1.0, key=KEY)
     assert filled.checked == slots.checksums([(0, 1), (1, 0)])  # what a second pass would have found
     for (layer, slot), expert in (((0, 1), 3), ((1, 0), 7)):
         w13, w2 = reader.read_experts(cfg.moe_layers[layer], [expert])

@@ -78,10 +78,11 @@ def test_the_commands_run_the_recommendation_on_its_nodes():
     serve, *agents = plan.commands
     assert serve == (
         "elastic-ep serve --model CHECKPOINT_DIR --ep-size 48 --redundant-experts 80 --expert-backup "
-        "--local-ranks 8 --host NODE0_IP"
+        "--local-ranks 8 --host NODE0_IP --cluster-key-file CLUSTER_KEY"
     )
     assert agents == [
-        f"elastic-ep agent --controller CONTROLLER_ADDR --node node{i} --ranks 8 --advertise-host NODE{i}_IP"
+        f"elastic-ep agent --controller CONTROLLER_ADDR --node node{i} --ranks 8 --advertise-host NODE{i}_IP "
+        "--cluster-key-file CLUSTER_KEY"
         for i in range(1, 6)
     ]
     one_node = _plan(PlanInputs(gpus_per_node=16), ep=[16], redundant=[0], backup=[False])

@@ -1,5 +1,7 @@
 """`elastic-ep agent`: a node agent on another host, joining a running controller; with
-`--join-mode recover` a repaired or replacement node that takes over ranks that are down."""
+`--join-mode recover` a repaired or replacement node that takes over ranks that are down. It
+holds the deployment's cluster key (`--cluster-key-file`, the file `serve` wrote), without which
+the controller drops everything it sends."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ import threading
 from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.node.agent import NodeAgent
+from elastic_ep.wire import ClusterKey, ClusterKeyError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--controller", required=True, metavar="ADDR",
                         help="the controller's agent address, tcp://HOST:PORT, as `elastic-ep serve` prints it")
     parser.add_argument("--node", required=True, help="this node's name (failure domain), unique per agent")
+    parser.add_argument("--cluster-key-file", required=True, metavar="PATH",
+                        help="the deployment's cluster key, a copy of the file `elastic-ep serve` wrote (mode 0600)")
     parser.add_argument("--ranks", type=int, default=1, help="EP ranks this node offers (default 1)")
     parser.add_argument("--stop-grace-s", type=float, default=3.0,
                         help="on shutdown, SIGKILL workers still alive this long after SIGTERM (default 3)")
@@ -66,8 +71,12 @@ def run(args: argparse.Namespace) -> int:
         raise ElasticEPError(f"--lease-s must be > 0 seconds, got {args.lease_s}")
     if args.hardware_interval_s <= 0:
         raise ElasticEPError(f"--hardware-interval-s must be > 0 seconds, got {args.hardware_interval_s}")
+    try:
+        key = ClusterKey.read(args.cluster_key_file)
+    except ClusterKeyError as e:
+        raise ElasticEPError(f"--cluster-key-file: {e}") from None
     host = args.advertise_host or address_towards(controller)
-    agent = NodeAgent(controller, args.node, host, args.ranks, args.stop_grace_s, args.join_mode,
+    agent = NodeAgent(controller, args.node, key, host, args.ranks, args.stop_grace_s, args.join_mode,
                       args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
                       exit_poll_s=args.exit_poll_interval_s, standalone=True,
                       hardware_interval_s=args.hardware_interval_s)

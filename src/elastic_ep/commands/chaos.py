@@ -1,16 +1,19 @@
 """`elastic-ep chaos URL ACTION RANK`: inject a fault into a server started with
---enable-chaos (POST /chaos/ACTION), and print the server's answer."""
+--enable-chaos (POST /chaos/ACTION), and print the server's answer. A server with
+--admin-api-key needs it here too (`--admin-api-key` or $ELASTIC_EP_ADMIN_API_KEY)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import httpx
 
 from elastic_ep.commands.remote import server_url, unreachable
 from elastic_ep.control.api import CHAOS_ACTIONS
 from elastic_ep.errors import ElasticEPError
+from elastic_ep.serve.guard import ADMIN_API_KEY_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,17 +40,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phase", choices=["local", "experts", "sampling"], default="local",
                         help="for poison: where the steps raise")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout (default 10)")
+    parser.add_argument("--admin-api-key", default=None,
+                        help=f"the server's --admin-api-key (default ${ADMIN_API_KEY_ENV}; none: send no key)")
 
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     url = f"{args.url}/chaos/{args.action}"
+    key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV)
     try:
         response = httpx.post(
             url, json={"rank_id": args.rank, "delay_s": args.delay_s or 0.0, "layer": args.layer, "slot": args.slot,
                        "at_next_epoch": args.at_next_epoch, "request_id": args.request_id, "phase": args.phase,
                        "node": args.node, "duration_s": args.duration_s},
-            timeout=args.timeout_s
+            timeout=args.timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None,
         )
     except httpx.HTTPError as e:
         raise unreachable(args.url, e) from None

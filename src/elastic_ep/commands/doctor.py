@@ -24,7 +24,7 @@ from elastic_ep.doctor.findings import Finding, render
 from elastic_ep.doctor.metrics import Samples, parse_metrics
 from elastic_ep.doctor.stacks import PY_SPY_MISSING, LocalProcesses, py_spy_dump, py_spy_path, worker_process
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.policy.straggler import StragglerRule, Verdict, VerdictKind
+from elastic_ep.policy.straggler_verdict import StragglerRule, Verdict, VerdictKind
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 SCRAPES = 5  # /metrics scrapes per diagnosis: the straggler verdict judges the 4 intervals between them

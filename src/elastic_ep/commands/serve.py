@@ -1,13 +1,20 @@
 """`elastic-ep serve`: controller, this node's agent and its worker processes, plus the
-OpenAI-compatible HTTP server, in one command. Ctrl-C or SIGTERM stops all of them."""
+OpenAI-compatible HTTP server, in one command. Ctrl-C or SIGTERM stops all of them.
+
+The deployment's cluster key (wire/codec.py) is read from --cluster-key-file, made there when
+the file does not exist yet, or made for this run only and written to a private temporary file
+whose path the log gives (for `elastic-ep agent --cluster-key-file` on other hosts)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
 import signal
+import tempfile
 import threading
+from pathlib import Path
 
 import uvicorn
 from prometheus_client import CollectorRegistry
@@ -22,6 +29,17 @@ from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
 from elastic_ep.node.agent import NodeAgent
 from elastic_ep.runtime.devices import check_node_devices
+from elastic_ep.serve.guard import (
+    ADMIN_API_KEY_ENV,
+    API_KEY_ENV,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    HttpGuard,
+    request_timeout_protocol,
+)
+from elastic_ep.wire import ClusterKey, ClusterKeyError
+
+logger = logging.getLogger("elastic_ep.serve")
 
 
 def redundant_count(text: str) -> int | str:
@@ -148,6 +166,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-ranks", type=int, default=None,
                         help="ranks started on this node (default --ep-size; others come from `elastic-ep agent`; "
                              "0: a controller with no workers and no agent here)")
+    parser.add_argument("--cluster-key-file", default=None, metavar="PATH",
+                        help="the deployment's shared secret, which every agent and worker must hold (mode 0600; "
+                             "made there if the file does not exist; default: a new key in a private temporary "
+                             "file the log names, removed at exit)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"key clients must send as `Authorization: Bearer` on /v1 (default ${API_KEY_ENV}; "
+                             "none: /v1 is open)")
+    parser.add_argument("--admin-api-key", default=None,
+                        help=f"key of the operating routes (scale, recorder, chaos; default ${ADMIN_API_KEY_ENV}; "
+                             "none: they answer loopback clients only)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BODY_BYTES})")
+    parser.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                        help="close an HTTP connection that has not sent a whole request (headers and body) this "
+                             f"long after connecting or after its last response (default {DEFAULT_REQUEST_TIMEOUT_S:g})")
     add_log_arguments(parser)
     for f in dataclasses.fields(ServeConfig):
         if f.name not in HELP:
@@ -167,6 +200,29 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
+def cluster_key(path: str | None) -> tuple[ClusterKey, Path | None]:
+    """The key of --cluster-key-file (made there when the file does not exist), or a new one
+    in a private temporary file; the second value is that temporary file, to remove at exit."""
+    try:
+        if path is not None and Path(path).exists():
+            return ClusterKey.read(path), None
+        key = ClusterKey.generate()
+        if path is not None:
+            key.write(path)
+            logger.info("wrote a new cluster key to %s: give it to `elastic-ep agent --cluster-key-file` on "
+                        "other hosts", path)
+            return key, None
+    except (ClusterKeyError, OSError) as e:
+        raise ElasticEPError(f"--cluster-key-file: {e}") from None
+    fd, temp = tempfile.mkstemp(prefix="elastic-ep-cluster-", suffix=".key")
+    os.close(fd)
+    os.unlink(temp)
+    key.write(temp)
+    logger.info("cluster key in %s (mode 0600, removed when serve stops): agents on other hosts need it "
+                "(`elastic-ep agent --cluster-key-file`)", temp)
+    return key, Path(temp)
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     model_dir = resolve_model(args.model)
@@ -174,6 +230,11 @@ def run(args: argparse.Namespace) -> int:
     if local_ranks < 0:
         raise ElasticEPError(f"--local-ranks must be >= 0, got {local_ranks}")
     check_node_devices(args.device, args.backend, local_ranks)
+    if args.max_request_body_bytes <= 0 or args.request_timeout_s <= 0:
+        raise ElasticEPError("--max-request-body-bytes and --request-timeout-s must be > 0")
+    guard = HttpGuard(args.api_key or os.environ.get(API_KEY_ENV) or None,
+                      args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None, args.max_request_body_bytes)
+    key, temp_key = cluster_key(args.cluster_key_file)
     cfg = ServeConfig(
         model_dir=str(model_dir),
         model_name=args.served_model_name or args.model,
@@ -183,15 +244,15 @@ def run(args: argparse.Namespace) -> int:
         **{name: getattr(args, name) for name in HELP},
     )
     registry = CollectorRegistry()
-    controller = Controller(cfg, registry)
+    controller = Controller(cfg, key, registry)
     tokenizer = load_tokenizer(model_dir)
     from elastic_ep.serve.app import create_app
 
-    app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos)
+    app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard)
     agent_stop = threading.Event()
     agent_thread = threading.Thread(name="agent", daemon=True)
     if local_ranks:
-        agent = NodeAgent(controller.health_addr, args.node, cfg.control_host, local_ranks, lease_s=cfg.lease_s,
+        agent = NodeAgent(controller.health_addr, args.node, key, cfg.control_host, local_ranks, lease_s=cfg.lease_s,
                           hardware_interval_s=cfg.hardware_interval_s,
                           exit_poll_s=cfg.exit_poll_interval_s)
         agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
@@ -199,14 +260,14 @@ def run(args: argparse.Namespace) -> int:
     # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.
     controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
     controller.start()
-    logging.getLogger("elastic_ep.serve").info("controller at %s (agents connect here), HTTP on http://%s:%d",
-                                               controller.health_addr, cfg.host, args.port)
+    logger.info("controller at %s (agents connect here), HTTP on http://%s:%d", controller.health_addr, cfg.host,
+                args.port)
     # uvicorn shuts down on SIGINT/SIGTERM, then re-raises the signal under the handler found at
     # start: make that an exception here too, so the cluster below is always stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         uvicorn.run(app, host=cfg.host, port=args.port, log_level="warning", log_config=None,
-                    timeout_graceful_shutdown=2)
+                    timeout_graceful_shutdown=2, http=request_timeout_protocol(args.request_timeout_s))
     except KeyboardInterrupt:
         pass
     finally:
@@ -214,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
         agent_stop.set()
         if agent_thread.is_alive():
             agent_thread.join(10)
+        if temp_key is not None:
+            temp_key.unlink(missing_ok=True)
     if controller.fatal:
         raise ElasticEPError(f"the cluster stopped: {controller.fatal}")
     return 0

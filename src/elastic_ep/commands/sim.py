@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     blast = sub.add_parser(
         "blast-radius",
-        help="GPU-hours lost a month per EP group size (seed 001 table 1)",
+        help="GPU-hours lost a month per EP group size",
         formatter_class=parser.formatter_class,
     )
     blast.add_argument("--gpus", type=int, default=2048, help="GPUs in the service (default 2048)")
@@ -55,14 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     red = sub.add_parser(
         "redundancy",
-        help="chance that k dead ranks or nodes lose an expert (seed 001 table 2)",
+        help="chance that k dead ranks or nodes lose an expert",
         formatter_class=parser.formatter_class,
     )
     red.add_argument(
         "--placement", metavar="FILE", help="placement JSON (phy2log) written by `elastic-ep eplb`"
     )
     red.add_argument(
-        "--ranks", type=int, help="EP ranks of a random placement (without it: seed 001's configs)"
+        "--ranks", type=int, help="EP ranks of a random placement (without it: the three reference configurations)"
     )
     red.add_argument("--slots", type=int, help="expert slots per rank")
     red.add_argument("--experts", type=int, default=256, help="logical experts per layer (default 256)")

@@ -1,5 +1,5 @@
 """The straggler flags, one definition for `serve` and `sim fleet`: the verdict's rule
-(`policy/straggler.py` StragglerRule) and the policy (`policy/straggler_policy.py`
+(`policy/straggler_verdict.py` StragglerRule) and the policy (`policy/straggler_policy.py`
 StragglerPolicy). Names, help and defaults are the same in both commands (defaults are the
 dataclasses' own), so a simulated fleet runs the policy a server would run with the same flags."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from elastic_ep.policy.straggler import StragglerRule
 from elastic_ep.policy.straggler_policy import FLAG_FIELDS, StragglerAction, StragglerPolicy, from_flags
+from elastic_ep.policy.straggler_verdict import StragglerRule
 
 STRAGGLER_HELP = {
     "straggler_ratio": "a straggler's own time per step is at least this multiple of its peers' median",

@@ -1,6 +1,6 @@
 """The contract between the HTTP server (`serve/`) and the engine that runs requests.
 
-The controller's facade (`control/engine.py`) implements `Engine`; the HTTP app only talks to
+The controller's facade (`control/facade/engine.py`) implements `Engine`; the HTTP app only talks to
 this protocol, so it can be exercised in tests with any engine that honours it.
 Token ids only cross this boundary: the HTTP layer tokenizes, detokenizes and applies stop
 strings; the engine schedules, runs steps on the ranks and survives their faults.
@@ -157,7 +157,7 @@ class Engine(Protocol):
                       "heartbeat_age_s": float, "progress_age_s": float,  # since the last heartbeat / move
                       "progress": {"epoch", "step", "layer", "phase", "seq"}, "last_collective": str,
                       "verdict": {"kind": "ok" | "straggler" | "dp-imbalance" | "unknown", "evidence": str,
-                                  ...numbers} | None,   # members only; policy/straggler.py
+                                  ...numbers} | None,   # members only; policy/straggler_verdict.py
                       "ready": bool,  # ready: serves in a verified epoch
                       "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
            "ready": bool, "reason": str,   # as GET /ready
@@ -176,6 +176,8 @@ class Engine(Protocol):
                           "dp_align", "dp_align_min_chunk", "dp_migrate", "dp_migrate_patience",
                           "nodes": {node: [member rank_ids]}},   # the host groups of this epoch
            "rebalance": {"active": bool, "reason": str | None, "moves": int, "slots": int},  # background
+           "listening": {"step", "health", "store"},   # the controller's sockets, tcp://HOST:PORT
+           "agents": [{"node", "host", "ranks", "standalone", "backup", "fetch"}],  # fetch: the agent's socket
            "events": [{"id": int, "time_s": unix seconds, "kind": str, "rank_id": int | None,
                        "message": str, ...details}, ...]}
         Rank states are `control.ranks.RankStatus` values: starting, standby, serving, draining,
@@ -199,7 +201,7 @@ class Engine(Protocol):
 
     def scale_status(self) -> dict[str, Any]:
         """JSON for GET /is_scaling_elastic_ep: is_scaling_elastic_ep, effective_ep_size,
-        scale_phase, last_error, old_ep_size, new_ep_size, elapsed_s (see control/scaling.py)."""
+        scale_phase, last_error, old_ep_size, new_ep_size, elapsed_s (see control/membership/scale_rules.py)."""
         ...
 
     def chaos(self, order: ChaosOrder) -> dict[str, Any]:

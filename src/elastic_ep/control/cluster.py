@@ -1,10 +1,9 @@
-"""Cluster state: ranks, agents, the epoch and its members, the placement, readiness and the event
-log, with the queries the roles ask of them and the `/cluster` snapshot.
+"""Cluster state: what several roles read (ranks, agents, the epoch and its members, the placement,
+readiness, the event log), with the queries they ask of it and the `/cluster` snapshot.
 
-Owned by the control thread: every role reads and writes it from there, and other threads only
-ever see the snapshot it publishes. When a rank dies, hangs or is slow nothing here reacts; the
-detector names it, recovery changes `status`, `members` and `location` through a new epoch.
-"""
+Owned by the control thread: other threads only ever see the snapshot it publishes. When a rank
+dies, hangs or is slow nothing here reacts; the detector names it, recovery asks for a new epoch.
+`ClusterState` lists who writes each field; the other roles only read it."""
 
 from __future__ import annotations
 
@@ -41,7 +40,23 @@ class PlacementView:
 
 
 class ClusterState:
-    """num_layers: MoE layers; slots_per_rank: expert slots per rank and layer."""
+    """num_layers: MoE layers; slots_per_rank: expert slots per rank and layer.
+
+    Who writes what:
+    - `ranks`, `agents`, `device_kind`, `backup_*`: the node role (membership/nodes.py), which
+      creates and drops rank records and moves a process through starting / fencing / fenced /
+      dead / retiring. A rank's `status` is also set where the group decides it: the epoch change
+      (serving, draining, as the new epoch holds it), the scale driver (draining before a
+      scale-down, serving again when it fails) and the standbys (standby, `spare`).
+    - `epoch`, `members`, `location`: the epoch change (epochs/epoch_change.py) alone.
+    - a rank's heartbeat and progress (`last_heartbeat`, `progress`, `progress_at`): the
+      detector as heartbeats arrive (the node role stamps them when a process starts and
+      registers); its timings (`step_s`, `wait_s`, `own_s`, `slot_tokens`, `link_s`): the step loop.
+    - `step`: the step loop (serving/step_loop.py) alone.
+    - `readiness`, `degraded_since`: the loop (ready once an epoch forms, the fatal reason),
+      recovery (degraded) and the node role while ranks register.
+    - `events`: every role appends; nothing edits an event.
+    """
 
     def __init__(self, num_layers: int, num_experts: int, slots_per_rank: int):
         self.num_layers = num_layers
@@ -58,9 +73,6 @@ class ClusterState:
         self.events = EventLog()
         self.readiness = Readiness(False, "starting: waiting for ranks to register")
         self.degraded_since: float | None = None
-        self.delay_s: dict[int, float] = {}  # chaos: added seconds per step, by rank
-        self.broken: dict[int, str] = {}  # chaos: rank -> where every step of it raises
-        self.restart_at: dict[int, float] = {}  # rank -> monotonic time its restart is due
         # The host-memory backup, for saying why an expert came from disk (`why_disk`):
         self.backup_off = "the backup is written once the first epoch serves"  # "" when on
         self.backup_progress: dict[str, tuple[int, int]] = {}  # node -> (experts written, share) while writing
@@ -140,25 +152,25 @@ class ClusterState:
             self._view = PlacementView(self.location)
         return self._view
 
-    def snapshot(self, requests_of: Callable[[int], int], controller_addr: str, deadlines: dict[str, float],
-                 scale: dict[str, Any], readiness: Readiness, liveness: Mapping[int, RankLiveness], heard: float,
-                 verdicts: Mapping[int, dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        """The JSON of GET /cluster (see control/api.py `Engine.cluster` for the fields); `readiness`
-        as published (it adds the stall check to `self.readiness`), liveness of running ranks,
-        the heard clock (ages of heartbeats and progress), straggler verdicts of members, `extra`
-        top-level fields."""
+    def snapshot(self, requests_of: Callable[[int], int], slow_delays: Mapping[int, float], controller_addr: str,
+                 deadlines: dict[str, float], readiness: Readiness, liveness: Mapping[int, RankLiveness],
+                 heard: float, verdicts: Mapping[int, dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """The JSON of GET /cluster (see control/api.py `Engine.cluster` for the fields); injected
+        delay per rank (chaos), `readiness` as published (it adds the stall check to
+        `self.readiness`), liveness of running ranks, the heard clock (ages of heartbeats and
+        progress), straggler verdicts of members, `extra` top-level fields (`scale` among them)."""
         total_slots = self.slots_per_rank * self.num_layers
         placement = self._placement_view()
         ranks = [r.view(placement.experts_of(r.rank_id), total_slots, requests_of(r.rank_id),
-                        self.delay_s.get(r.rank_id, 0.0), heard, liveness.get(r.rank_id), verdicts.get(r.rank_id))
+                        slow_delays.get(r.rank_id, 0.0), heard, liveness.get(r.rank_id), verdicts.get(r.rank_id))
                  for r in sorted(self.ranks.values(), key=lambda r: r.rank_id)]
         return {
             "time_s": time.time(), "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),
             "controller": controller_addr, "slots_per_rank": self.slots_per_rank, "ranks": ranks,
             "ready": readiness.ready, "reason": readiness.reason, "deadlines": deadlines,
-            "step": self.step, "scale": scale, **extra,
+            "step": self.step, **extra,
             "agents": [{"node": a.node, "host": a.host, "ranks": a.num_ranks, "standalone": a.standalone,
-                        "backup": a.backup is not None} for a in self.agents.values()],
+                        "backup": a.backup is not None, "fetch": a.fetch_addr} for a in self.agents.values()],
             "placement": placement.placement,
             "events": self.events.all(),
         }

@@ -9,10 +9,8 @@ from typing import Any
 from elastic_ep.errors import ElasticEPError, PlacementError
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.placement.redundancy import Survival, choose_redundant_experts, losses_survived
-from elastic_ep.policy.straggler import StragglerRule
 from elastic_ep.policy.straggler_policy import StragglerPolicy, from_flags
-
-from .alignment import AlignRule
+from elastic_ep.policy.straggler_verdict import StragglerRule
 
 
 @dataclass
@@ -105,17 +103,13 @@ class ServeConfig:
         return self.max_ep_size or 2 * self.ep_size
 
     def straggler_rule(self) -> StragglerRule:
-        """The straggler verdict's rule (policy/straggler.py) from the --straggler-* flags."""
+        """The straggler verdict's rule (policy/straggler_verdict.py) from the --straggler-* flags."""
         return from_flags(vars(self))[0]
 
     def straggler_policy_params(self) -> StragglerPolicy:
         """What is done about a straggler (policy/straggler_policy.py), from the --straggler-policy,
         --straggler-evict-after-s, ... flags."""
         return from_flags(vars(self))[1]
-
-    def align_rule(self) -> AlignRule:
-        """Per-step DP alignment (control/alignment.py) from the --dp-* flags."""
-        return AlignRule(self.dp_align, self.dp_align_min_chunk, self.dp_migrate, self.dp_migrate_patience)
 
     def data_plane(self) -> dict[str, Any]:
         """The knobs of the long tail at the all-to-all, as /cluster shows them."""

@@ -4,7 +4,11 @@ Two ZeroMQ ROUTER sockets bound on the controller's host (see `elastic_ep.wire` 
 what on each): the step socket (worker main threads) and the health socket (worker heartbeat
 threads and node agents), plus a wake-up pipe other threads write to so a waiting control thread
 returns at once. Sending to a peer that is gone drops the message (no ROUTER_MANDATORY): a dead
-rank's silence is for the fault detector to notice, never an exception here.
+rank's silence is for the fault detector to notice, never an exception here. Every frame is
+sealed with the cluster key, and what arrives goes through each socket's `Inbox`: a frame
+without the key, not decodable or not of that socket is dropped and counted (wire/codec.py),
+so no peer can stop the control loop; at most `MAX_DRAIN` frames per socket are read per
+receive, so a flood cannot hold the loop either.
 
 A peer's silence is measured on `heard_clock`, which stops while this process could not listen:
 a stall of the whole serve process (a thread holding the GIL while the OS runs others) freezes
@@ -20,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from elastic_ep.wire import decode, encode
+from elastic_ep.wire import HEALTH_TO_CONTROLLER, STEP_TO_CONTROLLER, ClusterKey, Inbox
 
 from .timing import ControlTimes
 
@@ -33,6 +37,8 @@ class Inbound:
     message: Any
 
 
+MAX_DRAIN = 512  # frames read per socket per receive: the loop gets its turn whatever arrives
+MAX_FRAME_BYTES = 64 << 20  # a peer sending a bigger frame is disconnected by ZeroMQ before it is read
 LISTEN_SLACK_S = 0.1  # a receive this much later than it asked for means the process could not listen
 
 
@@ -56,15 +62,20 @@ class ListeningClock:
 
 
 class ControlPlane:
-    """Bind both sockets on `host`; `step_addr` and `health_addr` are what workers and agents connect to."""
+    """Bind both sockets on `host`; `step_addr` and `health_addr` are what workers and agents
+    connect to; `key`: the deployment's cluster key, which every frame in and out carries."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, key: ClusterKey):
+        self.key = key
+        self.step_inbox = Inbox("step", STEP_TO_CONTROLLER, key)
+        self.health_inbox = Inbox("health", HEALTH_TO_CONTROLLER, key)
         self.ctx = zmq.Context.instance()
         self.step_sock = self.ctx.socket(zmq.ROUTER)
         self.health_sock = self.ctx.socket(zmq.ROUTER)
         for s in (self.step_sock, self.health_sock):
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             # drop a connection whose peer went silent (a cut link) so its reconnection is clean
             s.setsockopt(zmq.HEARTBEAT_IVL, 250)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)
@@ -100,22 +111,24 @@ class ControlPlane:
             except BlockingIOError:
                 pass
         out: list[Inbound] = []
-        self._drain(self.health_sock, "health", out)
-        self._drain(self.step_sock, "step", out)
+        self._drain(self.health_sock, self.health_inbox, "health", out)
+        self._drain(self.step_sock, self.step_inbox, "step", out)
         return out
 
-    def _drain(self, sock: zmq.Socket, name: str, out: list[Inbound]) -> None:
+    def _drain(self, sock: zmq.Socket, inbox: Inbox, name: str, out: list[Inbound]) -> None:
+        """Up to MAX_DRAIN messages of `sock` into `out`, timed and counted as the socket `name`."""
         times = self.times
         frames = nbytes = 0
         t0 = time.perf_counter()
-        while True:
-            try:
-                identity, frame = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+        for _ in range(MAX_DRAIN):
+            if not sock.poll(0):
                 break
+            identity, *parts = sock.recv_multipart(copy=False)
             frames += 1
-            nbytes += len(frame)
-            out.append(Inbound(identity, decode(frame)))
+            nbytes += sum(len(p) for p in parts)
+            message = inbox.read(parts)
+            if message is not None:
+                out.append(Inbound(identity.bytes, message))
         if frames:
             times.frames_in[name] += frames
             times.bytes_in[name] += nbytes
@@ -123,24 +136,24 @@ class ControlPlane:
 
     def to_worker(self, rank_id: int, message) -> None:
         """To a worker's main thread (step socket)."""
-        self.step_sock.send_multipart([f"w{rank_id}".encode(), encode(message)])
+        self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message)])
 
     def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
         """(rank_id, message) to each worker's main thread, timed as a step's encode and send."""
         t0 = time.perf_counter()
-        frames = [(f"w{rank_id}".encode(), encode(message)) for rank_id, message in plans]
+        frames = [[f"w{rank_id}".encode(), *self.key.seal(message)] for rank_id, message in plans]
         t1 = time.perf_counter()
-        for identity, frame in frames:
-            self.step_sock.send_multipart([identity, frame])
+        for parts in frames:
+            self.step_sock.send_multipart(parts)
         self.times.add("encode", t1 - t0)
         self.times.add("send", time.perf_counter() - t1)
-        self.times.bytes_out += sum(len(f) for _, f in frames)
+        self.times.bytes_out += sum(len(p) for parts in frames for p in parts[1:])
 
     def to_heartbeat(self, rank_id: int, message) -> None:
         """To a worker's heartbeat thread (health socket), which answers even while the main
         thread waits in a collective."""
-        self.health_sock.send_multipart([f"h{rank_id}".encode(), encode(message)])
+        self.health_sock.send_multipart([f"h{rank_id}".encode(), *self.key.seal(message)])
 
     def to_identity(self, identity: bytes, message) -> None:
         """To a peer of the health socket (an agent) by its identity."""
-        self.health_sock.send_multipart([identity, encode(message)])
+        self.health_sock.send_multipart([identity, *self.key.seal(message)])

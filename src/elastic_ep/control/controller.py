@@ -1,23 +1,22 @@
-"""The controller: one control thread that ties the roles together.
+"""The controller: the one control thread that ties the roles together, at the top of control/.
 
-It owns every socket (`ControlPlane`) and all cluster state (`ClusterState`), and alternates
-between the step loop and handling what arrives. At each step boundary it decides, in order:
-recover (pending faults), move a scale on, admit registered ranks (rejoin) up to the target size
-(the rest stand by), keep the standby ranks, refill slots that failed their check, act on
-stragglers, move experts towards balance (after a recovery or rejoin, or for EPLB), check a few
-slots in the background, run a step.
+It owns every socket (`ControlPlane`) and the cluster state (`ClusterState`), builds each role
+with the narrow view and callables it uses, and alternates between the step loop and handling
+what arrives. At each step boundary it decides, in order: recover (pending faults), move a scale
+on, admit registered ranks (rejoin) up to the target size (the rest stand by), keep the standby
+ranks, refill slots that failed their check, act on stragglers, move experts towards balance
+(after a recovery or rejoin, or for EPLB), check a few slots in the background, run a step.
 Every wait anywhere (a step, a fence, an epoch forming) goes through `pump`, which keeps
 heartbeats, agent reports and HTTP commands flowing and runs the detector; a fault found while
 waiting ends the wait with `RecoveryNeeded`, and the loop recovers.
 
-The roles and where they live (docs/ARCHITECTURE.md has the full table):
-detection `detector.py` (rules in `health.py`), one step `step_loop.py`, fence / drain /
-degrade `recovery.py`, placement + transfers + verification `epoch_change.py`, the background
-rebalance and EPLB `background_rebalance.py` (decisions in `rebalance.py`), scaling
-`scale_driver.py` (rules in `scaling.py`), agents and rank processes `nodes.py`, warm standby
-ranks `standby.py`, the straggler policy `straggler_control.py` (rules in
-`policy/straggler_policy.py`), hardware signals `hardware.py`, the HTTP side `engine.py`
-(commands in `commands.py`).
+Where the roles live (docs/ARCHITECTURE.md walks a request and a fault through them):
+`serving/` (scheduler, DP alignment, step loop, streams, isolation, recorder), `faults/`
+(detector and its rules, recovery, the straggler policy), `epochs/` (epoch requests, the
+epoch change, slot checks, the background rebalance and its rules), `membership/` (nodes,
+standbys, scaling rules and driver, backups, hardware signals), `facade/` (the engine the HTTP
+thread calls, its commands, what is published), and `chaos.py` (installed only with
+--enable-chaos).
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -36,13 +36,13 @@ from prometheus_client import CollectorRegistry
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
-from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
     AgentAlive,
     AgentBye,
     AgentHello,
     BackupReady,
     ChaosFailed,
+    ClusterKey,
     EpochFailed,
     EpochReady,
     HardwareReport,
@@ -57,51 +57,65 @@ from elastic_ep.wire import (
 )
 
 from .api import EngineInfo, RequestOutput, ScaleRejected
-from .background_rebalance import BackgroundRebalance
 from .chaos import ChaosInjector
 from .cluster import ClusterState
-from .commands import (
-    AbortRequest,
-    AddRequest,
-    Command,
-    StartScale,
-)
 from .config import ServeConfig, check_config
 from .control_plane import ControlPlane, Inbound
-from .detector import Fault, FaultDetector, RecoveryNeeded
-from .engine import EngineFacade, Published
-from .epoch_change import EpochChanger, EpochReport, Formed, Interrupted, NoPlacement, NotFormed, VerifyFailed
+from .epochs.background_rebalance import BackgroundRebalance
+from .epochs.epoch_change import (
+    EpochChanger,
+    EpochReport,
+    Formed,
+    Interrupted,
+    NoPlacement,
+    NotFormed,
+    VerifyFailed,
+)
+from .epochs.rebalance_rules import load_estimate
+from .epochs.requests import EpochRequest, Refill, Rejoin, Start, holding_of
+from .epochs.slot_check import SlotSweeper
 from .events import EventKind
-from .hardware import HardwareSignals
-from .isolation import Isolation
-from .metrics import ClusterMetrics
-from .nodes import Nodes
-from .publisher import Publisher
+from .facade.engine import EngineFacade, Published
+from .facade.publisher import Publisher
+from .facade.to_loop import AbortRequest, AddRequest, Command, StartScale
+from .faults.detector import Fault, FaultDetector, RecoveryNeeded
+from .faults.recovery import Recovery
+from .faults.straggler_control import StragglerControl
+from .membership.hardware import HardwareSignals
+from .membership.nodes import Nodes
+from .membership.scale_driver import ScaleDriver
+from .membership.standbys import Standbys
+from .metrics import ClusterMetrics, RejectedFrames
 from .ranks import RankStatus
-from .rebalance import load_estimate
-from .recorder import ExpertRecorder
-from .recovery import Recovery
-from .scale_driver import ScaleDriver
-from .scheduler import Scheduler
-from .slot_check import SlotSweeper
-from .standby import Standbys
-from .step_loop import StepLoop
-from .straggler_control import StragglerControl
-from .streams import Streams
+from .serving.alignment import AlignRule
+from .serving.isolation import Isolation
+from .serving.recorder import ExpertRecorder
+from .serving.scheduler import Scheduler
+from .serving.step_loop import StepLoop
+from .serving.streams import Streams
 
 logger = logging.getLogger(__name__)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def store_on(host: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """The rendezvous store, listening on `host` only: TCPStore binds every interface when it
+    makes its own socket, and it cannot authenticate a client (docs/RUNBOOK.md: firewall it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(512)
+    port = listener.getsockname()[1]
+    # the store serves on this socket from now on: it owns the descriptor
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                         master_listen_fd=listener.detach())
 
 
 class Controller:
-    """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`."""
+    """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`. `key`: the
+    deployment's cluster key, which every agent and worker must hold."""
 
-    def __init__(self, cfg: ServeConfig, registry: CollectorRegistry | None = None):
+    def __init__(self, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry | None = None):
         self.cfg = cfg
         self.config = MoEConfig.from_pretrained(cfg.model_dir)
         self.reader = CheckpointReader(cfg.model_dir, self.config, dtype=cfg.dtype)
@@ -114,32 +128,49 @@ class Controller:
                            self.redundancy.redundant_experts)
         num_layers = len(self.config.moe_layers)
         registry = registry or CollectorRegistry()
+        nbytes = self.reader.expert_nbytes
         self.metrics = ClusterMetrics(registry)
-        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.align_rule(),
-                                   cfg.reprefill_tokens_per_step)
-        self.cluster = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
+        self.rejected_frames = RejectedFrames(registry)
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   AlignRule(cfg.dp_align, cfg.dp_align_min_chunk, cfg.dp_migrate,
+                                             cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step)
+        self.cluster = c = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.streams = Streams(self.scheduler)
         self.detector = FaultDetector(cfg)
-        self.plane = ControlPlane(cfg.control_host)
-        self.store_port = _free_port(cfg.control_host)
-        self.store = dist.TCPStore(
-            cfg.control_host, self.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
-        self.isolation = Isolation(self.streams, self.cluster.events, self.fault, cfg.isolation_max_steps)
-        self.steps = StepLoop(self.cluster, cfg, self.plane, self.scheduler, self.detector, self.metrics,
-                              self.recorder, self.streams, self.isolation, self.config.top_k, self.pump)
-        self.changer = EpochChanger(self.cluster, cfg, self.plane, self.store, self.reader.expert_nbytes, self.pump,
+        self.plane = ControlPlane(cfg.control_host, key)
+        self.store = store_on(cfg.control_host)
+        self.store_port = self.store.port
+        self.changer = EpochChanger(c, cfg, self.plane, self.store, nbytes, self.pump,
                                     lambda ranks: any(r in self.detector.faults for r in ranks))
-        self.recovery = Recovery(self)
-        self.scaling = ScaleDriver(self)
-        self.nodes = Nodes(self)
-        self.standby = Standbys(self)
-        self.hardware = HardwareSignals(registry, self.cluster.events)
-        self.stragglers = StragglerControl(self)
-        self.sweeper = SlotSweeper(self.cluster, cfg, self.plane, self.changer)
-        self.rebalancer = BackgroundRebalance(self)
-        self.chaos = ChaosInjector(self)
+        self.nodes = Nodes(c, cfg, self.plane, self.store_port, nbytes, fault=self.fault,
+                           target_size=lambda: self.scaling.target_ep_size, undrain=self.scheduler.undrain,
+                           forget_measures=self._forget_measures, pump=self.pump,
+                           publish=lambda: self.publish(throttle_s=0.25))
+        self.chaos = (ChaosInjector(c, self.plane, self.nodes, self.changer.after_next_start, self.scheduler.by_id)
+                      if cfg.enable_chaos else None)
+        self.isolation = Isolation(self.streams, c.events, self.fault, cfg.isolation_max_steps)
+        self.steps = StepLoop(c, cfg, self.plane, self.scheduler, self.detector, self.metrics, self.recorder,
+                              self.streams, self.isolation, self.config.top_k, self.pump, self.chaos)
+        self.standby = Standbys(c, cfg.standby_ranks, self.nodes, target_size=lambda: self.scaling.target_ep_size,
+                                joiner=lambda r: self.scaling.joiner(r), faulted=lambda r: r in self.detector.faults)
+        self.scaling = ScaleDriver(c, cfg, self.nodes, self.scheduler,
+                                   take_standbys=lambda n: self.standby.ready()[:n], joiners=self.joiners,
+                                   form=self.form, publish=self.publish)
+        self.hardware = HardwareSignals(registry, c.events)
+        self.stragglers = StragglerControl(
+            c, cfg, self.steps.own_time, standbys=lambda: len(self.standby.ready()), fault=self.fault,
+            replace_later=self.standby.replace_later, pending=lambda: self.detector.pending,
+            evidence=self.hardware.evidence, load=self.load, form=self.form)
+        self.sweeper = SlotSweeper(c, cfg, self.plane, self.changer)
+        self.rebalancer = BackgroundRebalance(
+            c, cfg, nbytes, self.metrics, load=self.load, load_steps=lambda: len(self.steps.load_window),
+            speeds=self.stragglers.placement_speeds, form=self.form, scaling=lambda: self.scaling.active,
+            has_work=lambda: self.scheduler.has_work, recovering=lambda: self.recovery.open)
+        self.recovery = Recovery(
+            c, cfg, self.detector, self.metrics, self.steps, self.scheduler, self.streams, self.scaling, self.nodes,
+            self.rebalancer, pump=self.pump, fault=self.fault, joiners=self.joiners, form=self.form,
+            leave=self.changer.leave, reset_isolation=self.isolation.reset, publish=self.publish)
         self.published = Published()
         self._commands: queue.Queue[Command] = queue.Queue()
         info = EngineInfo(cfg.model_name, cfg.max_model_len, tuple(self.config.eos_token_ids))
@@ -147,7 +178,10 @@ class Controller:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_fatal = None  # called from the control thread when the loop dies
-        self.publisher = Publisher(self)
+        self.publisher = Publisher(c, cfg, self.detector, self.steps, self.scheduler, self.published, self.metrics,
+                                   heard=self.plane.heard_clock, controller_addr=self.plane.health_addr,
+                                   views=self._views, slow_delays=self.chaos.slow_delays if self.chaos else dict,
+                                   times=self.plane.times)
         self.publish()
 
     @property
@@ -181,7 +215,7 @@ class Controller:
             try:
                 self.nodes.wait_for_ranks(self._stopping)
                 self.detector.clear()
-                self.form_epoch(sorted(self.cluster.ranks), "start")
+                self._start()
             except RecoveryNeeded:
                 pass
             while not self._stopping.is_set():
@@ -240,6 +274,10 @@ class Controller:
                 self.detector.heartbeat(r, msg, self.cluster.epoch, self.plane.heard_clock())
         elif isinstance(msg, AgentAlive):
             nodes.on_agent_alive(inbound.identity, msg)
+            agent = self.cluster.agents.get(msg.node)
+            if agent is not None and agent.standalone and agent.session == msg.session:
+                # an agent of its own process; one in this process is counted by this process itself
+                self.rejected_frames.report(msg.node, msg.frames_rejected)
         elif isinstance(msg, StepResult | StepFailed):
             self.steps.on_reply(msg)
         elif isinstance(msg, EpochReady | EpochFailed):
@@ -278,7 +316,6 @@ class Controller:
 
     def _run_command(self, cmd: Command) -> None:
         if isinstance(cmd, AddRequest):
-            self.chaos.on_add(cmd.seq)
             self.streams.add(cmd.seq.seq_id, cmd.stream)
             self.scheduler.add(cmd.seq)
         elif isinstance(cmd, AbortRequest):
@@ -292,7 +329,7 @@ class Controller:
                 return
             self.publish()  # before the answer: the caller's next /is_scaling_elastic_ep sees the scale
             cmd.reply.set_result(answer)
-        else:
+        elif self.chaos is not None:  # the facade refuses chaos orders without --enable-chaos
             self.chaos.run(cmd)
 
     # ---- faults and epochs -----------------------------------------------------------------
@@ -313,18 +350,17 @@ class Controller:
         self.cluster.events.add(EventKind.FAULT, f"rank {fault.rank_id}: {fault.detail}", fault.rank_id,
                                 cause=fault.detail, signal=fault.cause.value)
 
-    def form_epoch(self, live: list[int], reason: str, new: ExpertLocation | None = None,
-                   holding: list[int] | None = None, restore: bool = False,
-                   reuse_group: bool = False) -> EpochReport | None:
-        """A new epoch over `live` (see EpochChanger.change). Returns its report, or None when no
-        placement exists (the cluster degrades). Raises RecoveryNeeded when it did not form."""
+    def form(self, request: EpochRequest, reason: str) -> EpochReport | NoPlacement:
+        """The epoch `request` asks for, applied once formed (the scheduler serves on its holding
+        ranks, readiness, metrics, the `epoch` event, the backup after the first). Returns its
+        report, or `NoPlacement` for the caller to handle. An epoch that did not form leaves its
+        culprits (or an error) with the detector and raises RecoveryNeeded: recovery takes it."""
         c = self.cluster
         first = c.location is None
         self.detector.new_epoch()
-        outcome = self.changer.change(live, self.load(), new, holding, restore, reuse_group)
+        outcome = self.changer.change(request, self.load())
         if isinstance(outcome, NoPlacement):
-            self.recovery.degrade(live, outcome.reason)
-            return None
+            return outcome
         if isinstance(outcome, Interrupted):
             raise RecoveryNeeded()
         if isinstance(outcome, NotFormed):
@@ -341,28 +377,56 @@ class Controller:
             raise RecoveryNeeded()
         assert isinstance(outcome, Formed)
         report = outcome.report
-        self.scheduler.set_ranks(list(live) if holding is None else holding)
+        live = list(c.members)
+        self.scheduler.set_ranks(holding_of(request, live))
         self.standby.admitted(live)
         self.metrics.epoch.set(c.epoch)
         self.metrics.live_ranks.set(len(live))
         c.set_readiness(True)
         c.events.add(EventKind.EPOCH, f"epoch {c.epoch} ({reason}) with ranks {live}", reason=reason,
                      **report.fields())
-        if not reuse_group:  # a background move or refill is not the recovery's epoch
-            self.recovery.epoch_formed(report)
         if first:
             self.nodes.start_backup()
         self.publish()
         return report
+
+    def _start(self) -> None:
+        """The first epoch, over every rank that registered."""
+        outcome = self.form(Start(sorted(self.cluster.ranks)), "start")
+        if isinstance(outcome, NoPlacement):
+            self.recovery.degrade(sorted(self.cluster.ranks), outcome.reason)
+
+    def _rejoin(self, live: list[int]) -> None:
+        """Admit registered ranks at a step boundary; the epoch ends a degraded wait when there was one."""
+        self.rebalancer.request("rejoin")  # first: no snapshot may show the new epoch settled
+        outcome = self.form(Rejoin(live), "rejoin")
+        if isinstance(outcome, NoPlacement):
+            self.recovery.degrade(live, outcome.reason)
+        else:
+            self.recovery.note_epoch(outcome)
+
+    def _forget_measures(self, rank_id: int) -> None:
+        """A rank left the cluster: its series and timings go (a new process given its id starts clean)."""
+        self.metrics.forget_rank(rank_id)
+        self.steps.own_time.forget(rank_id)
+
+    def _views(self, now: float) -> dict[str, Any]:
+        """The roles' top-level fields of /cluster."""
+        return {"scale": self.scaling.status(), "redundancy": self.redundancy.view(),
+                "straggler_policy": self.stragglers.view(now), "hardware": self.hardware.view(),
+                "standby": {"wanted": self.cfg.standby_ranks, "ready": self.standby.ready()},
+                "rebalance": self.rebalancer.status(),
+                "listening": {"step": self.plane.step_addr, "health": self.plane.health_addr,
+                              "store": f"tcp://{self.cfg.control_host}:{self.store_port}"}}
 
     def load(self) -> np.ndarray:
         c = self.cluster
         return load_estimate(self.steps.load_window, c.num_layers, c.num_experts)
 
     def joiners(self, live: list[int] | None = None) -> list[int]:
-        """Ranks from outside that recovery or a rejoin admits into an epoch over `live` (default the
-        members): registered ranks and standbys up to the target size (control/standby.py); not
-        the joiners of a scale in flight, which join together."""
+        """Ranks from outside that recovery or a rejoin admits into an epoch over `live` (default
+        the members): registered ranks and standbys up to the target size
+        (membership/standbys.py); not the joiners of a scale in flight, which join together."""
         return self.standby.joiners(self.cluster.members if live is None else live)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -377,8 +441,7 @@ class Controller:
             return
         joiners = self.joiners()
         if joiners and c.can_serve(c.members + joiners):
-            self.rebalancer.request("rejoin")  # first: no snapshot may show the new epoch settled
-            self.form_epoch(sorted(c.members + joiners), "rejoin", restore=True)
+            self._rejoin(sorted(c.members + joiners))
             return
         self.standby.park()
         if not self.scaling.active:
@@ -389,8 +452,7 @@ class Controller:
             return
         if self.changer.suspect_slots:
             bad = sorted(self.changer.suspect_slots)
-            self.form_epoch(list(c.members), f"refill slots (rank, layer, slot) {bad[:5]}", new=c.location,
-                            reuse_group=True)
+            self.form(Refill(bad), f"refill slots (rank, layer, slot) {bad[:5]}")
             return
         if not self.scaling.active and self.stragglers.review(time.monotonic()):
             return
@@ -409,5 +471,6 @@ class Controller:
     # ---- snapshot ----------------------------------------------------------------------------
 
     def publish(self, throttle_s: float = 0.0) -> None:
-        """Readiness and health at once; the /cluster snapshot at most every `throttle_s` (publisher.py)."""
+        """Readiness and health at once; the /cluster snapshot at most every `throttle_s`
+        (facade/publisher.py)."""
         self.publisher.publish(throttle_s)

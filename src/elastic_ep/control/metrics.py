@@ -1,7 +1,7 @@
 """Cluster metrics, registered on the HTTP app's CollectorRegistry.
 
-Per-rank series (label `rank`), so one slow rank shows as itself and is not hidden in a mean
-(seed 000, sections 3 and 8): step time, collective wait, tokens, expert load relative to the
+Per-rank series (label `rank`), so one slow rank shows as itself and is not hidden in a mean:
+step time, collective wait, tokens, expert load relative to the
 mean, and liveness (up, heartbeat age, last progress), set each time the control thread publishes.
 """
 
@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
-from elastic_ep.wire import KVMove, StepResult
+from elastic_ep.wire import KVMove, StepResult, rejected_counts
 
 from .rank_metrics import RankCounter, RankGauge, RankHistogram
 
@@ -145,3 +146,36 @@ class ClusterMetrics:
             except KeyError:
                 pass
         self.rank_tokens.remove(rank)
+
+
+class RejectedFrames:
+    """Frames the deployment's sockets dropped (wire/codec.py), as
+    `elastic_ep_control_frames_rejected_total{socket, node, reason}`: this process's sockets (the
+    controller's and its in-process agent's) counted here, a standalone agent's (`elastic-ep
+    agent`) from its `AgentAlive` through `report(node, counts)`. Registered on `registry`."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._remote: dict[str, list[tuple[str, str, int]]] = {}
+        registry.register(self)
+
+    def report(self, node: str, counts: list[tuple[str, str, int]]) -> None:
+        """The counts of node's agent process so far (they only grow while that process runs)."""
+        self._remote[node] = list(counts)
+
+    def totals(self) -> dict[tuple[str, str, str], int]:
+        """(socket, node, reason) -> frames dropped, this process and the agents that reported."""
+        totals = rejected_counts()
+        for node, counts in list(self._remote.items()):
+            for socket, reason, n in counts:
+                totals[socket, node, reason] = totals.get((socket, node, reason), 0) + n
+        return totals
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "elastic_ep_control_frames_rejected", "Frames a control-plane or fetch socket dropped: without the "
+            "cluster key (unauthenticated), not a message (undecodable), or not of that socket (unexpected)",
+            labels=["socket", "node", "reason"])
+        for (socket, node, reason), n in sorted(self.totals().items()):
+            family.add_metric([socket, node, reason], n)
+        yield family
+

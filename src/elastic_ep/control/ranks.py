@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from msgspec.structs import asdict
+
 from elastic_ep.wire import BackupSite, Progress, WorkerHello
 
 
@@ -28,7 +30,7 @@ class RankStatus(str, Enum):
       registers (`WorkerHello`), then waits outside the group until an epoch admits it
       (start, rejoin, scale-up). Heartbeats are watched once it has registered.
     - STANDBY: registered (loaded and warmed up) and kept outside the group as a warm spare
-      (`--standby-ranks`, control/standby.py): never admitted as a joiner by itself; a fault,
+      (`--standby-ranks`, control/membership/standbys.py): never admitted as a joiner by itself; a fault,
       an eviction or a scale-up takes it into the next epoch instead of starting a process.
       Watched like a member; one that dies or goes silent is stopped and replaced, never a fault.
     - SERVING: a member of the current verified epoch that holds experts and takes requests.
@@ -60,7 +62,7 @@ class RankStatus(str, Enum):
 
 
 class Liveness(str, Enum):
-    """What a rank's heartbeats and progress show now (`control/health.py` `rank_liveness` decides):
+    """What a rank's heartbeats and progress show now (`control/faults/health_rules.py` `rank_liveness` decides):
 
     - LIVE: heartbeats on time, and not holding up a step.
     - SUSPECT: its heartbeat is late (--heartbeat-suspect-s) but not yet for the stall deadline.
@@ -120,7 +122,7 @@ class RankInfo:
     slot_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
     link_s: deque = field(default_factory=lambda: deque(maxlen=256))  # controller <-> rank round trip less step
     hello: WorkerHello | None = None
-    spare: bool = False  # started as a standby (control/standby.py) until a membership takes it
+    spare: bool = False  # started as a standby (control/membership/standbys.py) until a membership takes it
 
     @property
     def watched(self) -> bool:
@@ -142,7 +144,7 @@ class RankInfo:
             # a rank behind a slow link shows here (slow, not dead)
             "link_ms": percentiles_ms(self.link_s),
             "heartbeat_age_s": round(now - self.last_heartbeat, 3) if self.last_heartbeat else None,
-            "progress": vars(self.progress),
+            "progress": asdict(self.progress),
             "progress_age_s": round(now - self.progress_at, 3) if self.progress_at else None,
             "last_collective": (f"#{self.progress.seq} of epoch {self.progress.epoch}, now at step "
                                 f"{self.progress.step} layer {self.progress.layer} {self.progress.phase}"

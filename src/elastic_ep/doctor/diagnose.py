@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_ep.policy.straggler import Interval, StragglerRule, Verdict, VerdictKind, judge
+from elastic_ep.policy.straggler_verdict import Interval, StragglerRule, Verdict, VerdictKind, judge
 
 from .findings import Finding, rank_refs
 from .metrics import Samples, per_rank, scrape_intervals

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_ep.policy.straggler import Interval, RankInterval
+from elastic_ep.policy.straggler_verdict import Interval, RankInterval
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

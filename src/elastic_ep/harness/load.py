@@ -10,6 +10,7 @@ client, streamed completions, every chunk's arrival time kept.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import openai
+
+from elastic_ep.serve.guard import API_KEY_ENV
 
 PROMPTS = [
     "The quick brown fox",
@@ -30,8 +33,10 @@ PROMPTS = [
 
 
 def client_for(url: str, timeout_s: float = 300.0) -> tuple[openai.OpenAI, str]:
-    """An OpenAI client on `url` (no retries: a failure is what tests count) and the served model."""
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=timeout_s)
+    """An OpenAI client on `url` (no retries: a failure is what tests count) and the served model;
+    it sends the key of $ELASTIC_EP_API_KEY, as `serve` reads it."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=os.environ.get(API_KEY_ENV) or "none", max_retries=0,
+                           timeout=timeout_s)
     return client, client.models.list().data[0].id
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from elastic_ep.wire import ClusterKey
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -31,24 +33,37 @@ class ServerProcess:
     wait (call `wait_ready` later, e.g. after starting agents on other nodes). `popen` starts
     the process (e.g. a test bed host's, to run it in a network namespace; then give `port`).
     env: variables set for the server on top of this process's (e.g. PYTHONPATH of another
-    source tree).
+    source tree). The cluster key is written beside the log (`key_file`: give it to agents);
+    `admin_api_key` / `api_key` start it with those keys, which `http` then sends (the admin
+    key, which /v1 takes too, when both are given).
     """
 
     def __init__(self, args: list[str], log_path: str | Path, ready_timeout_s: float | None = 120.0,
                  host: str = "127.0.0.1", port: int | None = None, popen=subprocess.Popen,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, api_key: str | None = None, admin_api_key: str | None = None):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
+        self.key_file = self.log_path.with_name(self.log_path.name + ".cluster.key")
+        self.key_file.unlink(missing_ok=True)
+        ClusterKey.generate().write(self.key_file)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        keys = [*(["--api-key", api_key] if api_key else []), *(["--admin-api-key", admin_api_key] if admin_api_key else [])]
         self.proc = popen(
-            [sys.executable, "-m", "elastic_ep.cli", "serve", "--host", host, "--port", str(self.port), *args],
+            [sys.executable, "-m", "elastic_ep.cli", "serve", "--host", host, "--port", str(self.port),
+             "--cluster-key-file", str(self.key_file), *keys, *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )
-        self.http = httpx.Client(base_url=self.url, timeout=60)
+        bearer = admin_api_key or api_key
+        headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+        self.http = httpx.Client(base_url=self.url, timeout=60, headers=headers)
         if ready_timeout_s is not None:
-            self.wait_ready(ready_timeout_s)
+            try:
+                self.wait_ready(ready_timeout_s)
+            except BaseException:  # nobody holds this object yet to stop it
+                self.stop()
+                raise
 
     def controller_addr(self, timeout_s: float = 60.0) -> str:
         """The address agents of other nodes connect to (`elastic-ep agent --controller`)."""

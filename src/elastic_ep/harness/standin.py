@@ -22,10 +22,11 @@ no answers, nothing reported) until SIGCONT; `FenceWorker` kills it and confirms
 `WorkerFenced`. An `AbortEpoch` makes a rank that has not answered the epoch's step answer
 `StepFailed` (collective), as a real rank's collective gives up.
 
-Each process is one thread: a rank's answer is encoded when its plan arrives and sent when its
-set time has passed, so the harness's own work overlaps the ranks' "compute"; `step_s` in a
-result is the time from the plan's arrival to the send, so a harness that falls behind shows as
-slower ranks, never as controller time.
+Each process is one thread: a rank's tokens and load are worked out when its plan arrives and
+its answer is sent when its set time has passed, so most of the harness's own work overlaps the
+ranks' "compute"; `step_s` in a result is the time from the plan's arrival to the send, so a
+harness that falls behind shows as slower ranks, never as controller time. Frames carry the
+deployment's cluster key (`--cluster-key-file`, else $ELASTIC_EP_CLUSTER_KEY), as an agent's do.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ import zmq
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.node.lease import Lease
 from elastic_ep.wire import (
+    CONTROLLER_TO_AGENT,
+    CONTROLLER_TO_HEARTBEAT,
+    CONTROLLER_TO_WORKER,
     AbortEpoch,
     AgentAlive,
     AgentBye,
@@ -57,12 +61,15 @@ from elastic_ep.wire import (
     BackupAssign,
     BackupReady,
     BackupSite,
+    ChaosStep,
+    ClusterKey,
     EpochFailed,
     EpochReady,
     EpochStart,
     FenceWorker,
     HardwareReport,
     Heartbeat,
+    Inbox,
     LeaseRenew,
     Progress,
     SessionEnded,
@@ -80,8 +87,7 @@ from elastic_ep.wire import (
     WorkerHello,
     WorkerLaunch,
     WorkerStarted,
-    decode,
-    encode,
+    key_from_env,
 )
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)
@@ -155,8 +161,9 @@ class StandInRank:
         self.slots: np.ndarray | None = None  # [L, slots_per_rank] experts it holds
         self.seq = 0
         self.progress = Progress()
-        self.beat_frame = b""
-        self.pending: tuple[int, int, bytes] | None = None  # (epoch, step, encoded result) not sent yet
+        self.beat_frames: list[bytes] = []
+        self.delay_s: dict[tuple[int, int], float] = {}  # (epoch, step) -> injected delay (ChaosStep)
+        self.pending: tuple[int, int] | None = None  # (epoch, step) of the step it has not answered yet
         self.load: np.ndarray | None = None  # expert load since it was last reported
         self.step_sock = self.hb_sock = None
 
@@ -205,25 +212,28 @@ class StandInRank:
 
     def send(self, message) -> None:
         if self.alive and not self.stopped and self.step_sock is not None:
-            self.step_sock.send(encode(message))
+            self.step_sock.send_multipart(self.agent.host.key.seal(message))
 
     def _set_progress(self, progress: Progress) -> None:
         self.progress = progress
-        self.beat_frame = encode(Heartbeat(self.rank_id, self.pid, progress))
+        self.beat_frames = self.agent.host.key.seal(Heartbeat(self.rank_id, self.pid, progress))
 
     def beat(self) -> None:
         if not self.alive:
             return
         if not self.stopped:
-            self.hb_sock.send(self.beat_frame)
+            self.hb_sock.send_multipart(self.beat_frames)
         self.agent.host.timers.at(time.monotonic() + self.agent.launch.heartbeat_interval_s, self.beat)
 
     # ---- messages ----------------------------------------------------------------------------
 
+    def inbox_kind(self, sock) -> str:
+        return "heartbeat" if sock is self.hb_sock else "worker"
+
     def on_message(self, sock, msg) -> None:
         if sock is self.hb_sock:
             if isinstance(msg, AbortEpoch) and self.pending is not None and self.pending[0] == msg.epoch:
-                epoch, step, _ = self.pending
+                epoch, step = self.pending
                 self.pending = None
                 self.send(StepFailed(epoch, step, self.rank_id, "CollectiveError: the epoch was aborted"))
             return
@@ -232,6 +242,8 @@ class StandInRank:
         elif isinstance(msg, EpochStart):
             if msg.epoch > self.epoch:
                 self._start_epoch(msg)
+        elif isinstance(msg, ChaosStep):
+            self.delay_s = {(msg.epoch, msg.step): msg.delay_s}
         elif isinstance(msg, StepPlan):
             if msg.epoch == self.epoch:
                 self._step(msg)
@@ -254,7 +266,8 @@ class StandInRank:
                 if src.kind == "disk"}
         epoch_s = self.agent.timing.epoch_s
         stats = [TransferStat(kind, 0, epoch_s) for kind in sorted({src.kind for src in msg.sources})]
-        frame = encode(EpochReady(msg.epoch, self.rank_id, checksums, read, stats, 0.0, epoch_s, 0.0))
+        frames = self.agent.host.key.seal(EpochReady(msg.epoch, self.rank_id, checksums, read, stats, 0.0, epoch_s,
+                                                     0.0))
 
         def ready() -> None:
             if not self.alive or self.epoch != msg.epoch:
@@ -262,15 +275,14 @@ class StandInRank:
             if self.stopped:  # a stopped process answers once it runs again
                 self.agent.host.timers.at(time.monotonic() + 0.01, ready)
                 return
-            if True:
-                self._set_progress(Progress(msg.epoch, -1, -1, "idle", 0, time.time()))
-                self.step_sock.send(frame)
+            self._set_progress(Progress(msg.epoch, -1, -1, "idle", 0, time.time()))
+            self.step_sock.send_multipart(frames)
         self.agent.host.timers.at(time.monotonic() + epoch_s, ready)
 
     def _step(self, plan: StepPlan) -> None:
         received = time.monotonic()
         timing = self.agent.timing
-        due_s = timing.step_s + timing.slow_s.get(self.rank_id, 0.0) + plan.delay_s
+        due_s = timing.step_s + timing.slow_s.get(self.rank_id, 0.0) + self.delay_s.pop((plan.epoch, plan.step), 0.0)
         if timing.jitter_s:
             due_s += random.random() * timing.jitter_s
         self.seq += 1
@@ -281,12 +293,12 @@ class StandInRank:
         step_load = self.agent.loads.load(n_tokens)
         self.load = step_load.copy() if self.load is None else self.load + step_load
         load = EMPTY_LOAD
-        if getattr(plan, "report_load", True):  # a controller before issue 25 has no report_load
+        if plan.report_load:
             load, self.load = (self.load.astype(np.int32) if self.load.any() else EMPTY_LOAD), None
-        self.pending = (plan.epoch, plan.step, b"")
+        self.pending = (plan.epoch, plan.step)
 
         def answer() -> None:
-            if not self.alive or self.pending is None or self.pending[:2] != (plan.epoch, plan.step):
+            if not self.alive or self.pending != (plan.epoch, plan.step):
                 return
             if self.stopped:  # a stopped process answers once it runs again
                 self.agent.host.timers.at(time.monotonic() + 0.01, answer)
@@ -294,8 +306,8 @@ class StandInRank:
             self.pending = None
             step_s = time.monotonic() - received
             self._set_progress(Progress(plan.epoch, plan.step, -1, "idle", self.seq, time.time()))
-            self.step_sock.send(encode(StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, step_s, 0.0,
-                                                  0.0, load, n_tokens * self.agent.top_k, {})))
+            self.send(StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, step_s, 0.0, 0.0, load,
+                                 n_tokens * self.agent.top_k, {}))
         self.agent.host.timers.at(received + due_s, answer)
 
 
@@ -339,7 +351,11 @@ class StandInAgent:
             self.send(HardwareReport(self.node, 0.0, None, [], {"nvml": "stand-in node", "xid": "stand-in node"}))
 
     def send(self, message) -> None:
-        self.sock.send(encode(message))
+        self.sock.send_multipart(self.host.key.seal(message))
+
+    @staticmethod
+    def inbox_kind(sock) -> str:
+        return "agent"
 
     def on_message(self, sock, msg) -> None:
         now = time.monotonic()
@@ -415,7 +431,10 @@ class StandInAgent:
 class StandInHost:
     """One process of stand-in nodes: a poller over every socket, timers, one thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: ClusterKey) -> None:
+        self.key = key
+        self.inboxes = {kind: Inbox(f"standin_{kind}", accepts, key) for kind, accepts in (
+            ("agent", CONTROLLER_TO_AGENT), ("worker", CONTROLLER_TO_WORKER), ("heartbeat", CONTROLLER_TO_HEARTBEAT))}
         self.ctx = zmq.Context.instance()
         self.poller = zmq.Poller()
         self.owners: dict[zmq.Socket, object] = {}
@@ -451,10 +470,12 @@ class StandInHost:
                 owner = self.owners.get(sock)
                 while owner is not None and self.owners.get(sock) is owner:  # a message may close it
                     try:
-                        frame = sock.recv(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    owner.on_message(sock, decode(frame))
+                    msg = self.inboxes[owner.inbox_kind(sock)].read(frames)
+                    if msg is not None:
+                        owner.on_message(sock, msg)
             self.timers.run_due(time.monotonic())
 
 
@@ -477,13 +498,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow", action="append", default=[], metavar="RANK:MS", help="a rank's extra time per step")
     parser.add_argument("--lease-s", type=float, default=5.0)
     parser.add_argument("--model", default=None, help="the served checkpoint dir, read before registering")
+    parser.add_argument("--cluster-key-file", default=None,
+                        help="the deployment's cluster key (as `elastic-ep agent`; default $ELASTIC_EP_CLUSTER_KEY)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:  # the stand-ins end with whoever started them, as real ranks end with their agent
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    host = StandInHost()
+    host = StandInHost(ClusterKey.read(args.cluster_key_file) if args.cluster_key_file else key_from_env())
     if args.model:
         host.model(args.model)
     timing = StandInTiming(args.step_ms / 1000, args.jitter_ms / 1000, parse_slow(args.slow))

@@ -5,7 +5,10 @@ It reports a worker's exit the moment it begins (a thread polls the workers' /pr
 `exit_poll_s`, see `exits.py`; one thread blocked in `wait()` per worker reaps it and reports an
 exit the poll missed), kills a rank on the controller's `FenceWorker` and confirms once the
 process can no longer run, sends signals for fault injection, and answers `BackupFetch` and
-`DenseFetch` from workers of other nodes on its own ROUTER socket (the backup: host_backup.py). It holds a lease on the
+`DenseFetch` from workers of other nodes on its own ROUTER socket (the backup: host_backup.py). Every
+frame in and out carries the cluster key's MAC; a frame without it, undecodable or not of the
+socket is dropped and counted (reported to the controller in `AgentAlive`), never raised; the
+workers it starts get the key in their environment. It holds a lease on the
 controller (node/lease.py): cut off for `lease_s`, it kills its workers itself and registers
 again in recover mode. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
 one alone. With `auto_recover` it starts a rank that died again itself (join_mode recover),
@@ -31,20 +34,22 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from elastic_ep.wire import (
+    CONTROLLER_TO_AGENT,
+    FETCH_REQUEST,
+    KEY_ENV,
     AgentAlive,
     AgentBye,
     AgentHello,
     AgentShutdown,
     AgentWelcome,
     BackupAssign,
-    BackupFetch,
     BackupSite,
-    BackupTensors,
     ChaosFailed,
+    ClusterKey,
     CutLinks,
-    DenseFetch,
     FenceWorker,
     HealLinks,
+    Inbox,
     LeaseRenew,
     SessionEnded,
     SignalWorker,
@@ -54,8 +59,7 @@ from elastic_ep.wire import (
     WorkerFenced,
     WorkerLaunch,
     WorkerStarted,
-    decode,
-    encode,
+    rejected_counts,
 )
 
 from .backup_file import reap_stale_backups
@@ -66,6 +70,7 @@ from .lease import Lease
 from .netcut import NetCut, NetCutUnavailable
 
 logger = logging.getLogger(__name__)
+FETCH_MAX_FRAME_BYTES = 1 << 20  # a fetch request is a list of (layer, expert): a bigger frame disconnects its peer
 
 @dataclass
 class _Child:
@@ -87,12 +92,14 @@ class NodeAgent:
     join_mode: "recover" for a replacement node that takes over ranks that are down;
     auto_recover: restart dead ranks here, `backoff_s` after the first death, doubling up to
     `backoff_max_s`; a rank that ran `backoff_reset_s` before dying starts the count again;
-    exit_poll_s: how often the workers' /proc stat is read for an exit that has begun."""
+    exit_poll_s: how often the workers' /proc stat is read for an exit that has begun;
+    key: the deployment's cluster key (its workers get it in $ELASTIC_EP_CLUSTER_KEY)."""
 
     def __init__(
         self,
         controller_addr: str,
         node: str,
+        key: ClusterKey,
         advertise_host: str = "127.0.0.1",
         num_ranks: int = 0,
         stop_grace_s: float = 3.0,
@@ -107,6 +114,9 @@ class NodeAgent:
         hardware_interval_s: float = 1.0,
     ):
         self.node = node
+        self.key = key
+        self.inbox = Inbox("agent", CONTROLLER_TO_AGENT, key, node)
+        self.fetch_inbox = Inbox("agent_fetch", FETCH_REQUEST, key, node)
         self.standalone = standalone
         self.netcut = NetCut(str(os.getpid()))
         self.heal_at: dict[int | None, float] = {}  # cut rank (None: node) -> when it heals
@@ -133,6 +143,7 @@ class NodeAgent:
         self.sock.connect(controller_addr)
         self.fetch = self.ctx.socket(zmq.ROUTER)
         self.fetch.setsockopt(zmq.LINGER, 0)
+        self.fetch.setsockopt(zmq.MAXMSGSIZE, FETCH_MAX_FRAME_BYTES)
         port = self.fetch.bind_to_random_port(f"tcp://{advertise_host}")
         self.fetch_addr = f"tcp://{advertise_host}:{port}"
         self._events_addr = f"inproc://agent-events-{id(self)}"
@@ -168,11 +179,13 @@ class NodeAgent:
                         == zmq.EVENT_DISCONNECTED:
                     self.backup.drop("the controller closed its connection (it stopped or died)", warn=True)
                 if self.events in ready:
-                    self.sock.send(self.events.recv())
+                    self.sock.send_multipart(self.events.recv_multipart())
                 if self.fetch in ready:
                     self._answer_fetch()
-                if self.sock in ready and not self._handle(decode(self.sock.recv())):
-                    break
+                if self.sock in ready:
+                    msg = self.inbox.read(self.sock.recv_multipart(copy=False))
+                    if msg is not None and not self._handle(msg):
+                        break
                 self._restart_due()
         finally:
             self.shutdown()
@@ -182,18 +195,27 @@ class NodeAgent:
         if self.lease.expired(now):
             self._fence_node(f"no word from the controller for {self.lease.lease_s:g}s (--lease-s)")
         if self.lease.hello_due(now):
-            self.sock.send(encode(AgentHello(
+            self.send(AgentHello(
                 self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available, self.num_ranks,
-                self.join_mode, self.auto_recover, self.lease.session, self.host, self.standalone)))
+                self.join_mode, self.auto_recover, self.lease.session, self.host, self.standalone))
         if self.lease.alive_due(now):
-            self.sock.send(encode(AgentAlive(self.node, self.lease.session)))
+            self.send(AgentAlive(self.node, self.lease.session, self._rejected()))
+
+    def send(self, message) -> None:
+        """To the controller (main loop thread only; other threads `_notify`)."""
+        self.sock.send_multipart(self.key.seal(message))
+
+    def _rejected(self) -> list[tuple[str, str, int]]:
+        """(socket, reason, frames) this agent dropped, for the controller's /metrics."""
+        return [(socket, reason, n) for (socket, node, reason), n in sorted(rejected_counts().items())
+                if node == self.node]
 
     def _report_hardware(self, now: float) -> None:
         """This node's hardware signals every hardware_interval_s while welcomed (node/hardware.py)."""
         if self.hardware is None or not self.lease.welcomed or now - self._hardware_at < self.hardware_interval_s:
             return
         self._hardware_at = now
-        self.sock.send(encode(self.hardware.read(self.node)))
+        self.send(self.hardware.read(self.node))
 
     def _fence_node(self, why: str) -> None:
         """Kill every worker of this node (no restart) and register again, in recover mode."""
@@ -256,7 +278,7 @@ class NodeAgent:
                                         "its ranks, or run the node as `elastic-ep agent`")
             self.netcut.cut(name)
         except NetCutUnavailable as e:
-            self.sock.send(encode(ChaosFailed(self.node, str(e))))
+            self.send(ChaosFailed(self.node, str(e)))
             return
         logger.warning("node %s: cut the links of %s for %ss", self.node, name or "the node", msg.duration_s or "ever")
         if msg.duration_s > 0:
@@ -274,7 +296,7 @@ class NodeAgent:
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
         push.connect(self._events_addr)
-        push.send(encode(message))
+        push.send_multipart(self.key.seal(message))
         push.close()
 
     def _start(self, rank_id: int, join_mode: str, dense_site: BackupSite | None = None) -> None:
@@ -283,14 +305,14 @@ class NodeAgent:
         args = WorkerArgs(self.launch, rank_id, self.node, self.host, self._local_index(rank_id), join_mode,
                           dense_path=dense_site.path if dense_site is not None and local else "",
                           dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: self.key.hex()}
         proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env)
         # in its own cgroup long before it opens a socket (it imports torch first), so it can be cut
         self.netcut.place(f"rank{rank_id}", proc.pid)
         with self._lock:
             self.children[proc.pid] = _Child(rank_id, proc, time.monotonic(), open_stat(proc.pid))
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
-        self.sock.send(encode(WorkerStarted(self.node, rank_id, proc.pid)))
+        self.send(WorkerStarted(self.node, rank_id, proc.pid))
         logger.info("node %s: started rank %d (pid %d, %s)", self.node, rank_id, proc.pid, join_mode)
 
     def _local_index(self, rank_id: int) -> int:
@@ -348,7 +370,7 @@ class NodeAgent:
             if child is not None:
                 child.fencing, child.final = True, msg.final
         if child is None:
-            self.sock.send(encode(WorkerFenced(self.node, msg.rank_id, msg.pid)))
+            self.send(WorkerFenced(self.node, msg.rank_id, msg.pid))
             return
         self._signal(msg.pid, signal.SIGKILL)
 
@@ -373,11 +395,14 @@ class NodeAgent:
             pass
 
     def _answer_fetch(self) -> None:
-        sender, _, frame = self.fetch.recv_multipart()
-        msg = decode(frame)
-        reply = self.backup.answer(msg) if isinstance(msg, BackupFetch | DenseFetch) else \
-            BackupTensors(None, None, f"not a fetch: {type(msg).__name__}")
-        self.fetch.send_multipart([sender, b"", encode(reply)])
+        """One request of the fetch socket (REQ envelope: sender, empty frame); a dropped frame gets no answer."""
+        sender, *frames = self.fetch.recv_multipart(copy=False)
+        if len(frames) < 1 or frames[0].bytes != b"":
+            self.fetch_inbox.read(frames)  # not a REQ envelope: counted as such
+            return
+        msg = self.fetch_inbox.read(frames[1:])
+        if msg is not None:
+            self.fetch.send_multipart([sender.bytes, b"", *self.key.seal(self.backup.answer(msg))])
 
     def shutdown(self) -> None:
         """Stop every worker (SIGTERM, SIGKILL after stop_grace_s) and remove the backup file."""
@@ -399,7 +424,7 @@ class NodeAgent:
                 p.wait()
         self.backup.drop("the agent stopped")
         self.netcut.close()
-        self.sock.send(encode(AgentBye(self.node)))
+        self.send(AgentBye(self.node))
         self.sock.disable_monitor()
         for s in (self.sock, self.fetch, self.events, self.controller_link):
             s.close()

@@ -1,10 +1,10 @@
 """Seeing a process die when its exit begins, not when it ends (Linux).
 
 A killed process is marked exiting (PF_EXITING, with its exit code) within microseconds of the
-signal, but its parent's wait() returns only after the kernel has freed all its memory: about
-0.2 s per GB here, so a rank holding gigabytes of experts is reported dead hundreds of
-milliseconds late (issue 16: 132-380 ms on a 2.9 GB model against 20 ms on the tiny one). Both
-flags and exit code are in /proc/<pid>/stat from the start of the exit; an agent polls them.
+signal, but its parent's wait() returns only after the kernel has freed all its memory, a time
+that grows with the memory it held, so a rank holding gigabytes of experts would be reported
+dead hundreds of milliseconds late. Both flags and exit code are in /proc/<pid>/stat from the
+start of the exit; an agent polls them.
 """
 
 from __future__ import annotations

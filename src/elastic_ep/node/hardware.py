@@ -1,5 +1,5 @@
 """A node's hardware signals, read by its agent every --hardware-interval-s: the evidence behind
-"slow, not bad" (seed 000 section 5: ECC retries, thermal throttling, a noisy neighbour).
+"slow, not bad" (ECC retries, thermal throttling, a noisy neighbour).
 
 - any host, through psutil: the share of CPU time the hypervisor stole since the last read (a
   noisy neighbour on a VM) and the CPU frequency;
@@ -18,6 +18,7 @@ import importlib
 from typing import Any
 
 import psutil
+from msgspec.structs import replace
 
 from elastic_ep.wire import THROTTLE_REASONS, GpuSignals, HardwareReport
 
@@ -64,7 +65,7 @@ class HardwareReader:
         xids = self._xids()
         if self._events is None and self.nvml is not None:
             absent["xid"] = "this GPU or driver does not report Xid events"
-        gpus = [GpuSignals(**{**vars(g), "xid_errors": xids.get(g.index, [])}) for g in gpus]
+        gpus = [replace(g, xid_errors=xids.get(g.index, [])) for g in gpus]
         return HardwareReport(node, steal, freq, gpus, absent)
 
     def close(self) -> None:

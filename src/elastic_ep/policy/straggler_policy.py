@@ -1,5 +1,5 @@
-"""The straggler policy: what is done about a rank the straggler verdict (`policy/straggler.py`)
-names. One definition, applied by the controller (`control/straggler_control.py`) to the verdicts
+"""The straggler policy: what is done about a rank the straggler verdict (`policy/straggler_verdict.py`)
+names. One definition, applied by the controller (`control/faults/straggler_control.py`) to the verdicts
 of the live cluster and by `sim fleet` to the verdicts of the per-rank timings it models, so the
 simulator credits the server with what the server does.
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from elastic_ep.errors import ElasticEPError
 
-from .straggler import StragglerRule, Verdict, VerdictKind
+from .straggler_verdict import StragglerRule, Verdict, VerdictKind
 
 GROUP_SLOWDOWN_FRACTION = 0.5  # more members than this fraction named at once: a group slowdown, act on none
 MIN_SPEED = 0.05  # a derate weight below this would leave a rank no expert work at all

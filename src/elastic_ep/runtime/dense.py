@@ -15,21 +15,23 @@ import torch
 
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.node.backup_file import read_dense
-from elastic_ep.wire import DenseFetch
+from elastic_ep.wire import ClusterKey, DenseFetch
 
 from .experts import ask_agent
 
 
-def fetch_dense(addr: str, timeout_s: float) -> dict[str, torch.Tensor]:
+def fetch_dense(addr: str, timeout_s: float, key: ClusterKey) -> dict[str, torch.Tensor]:
     """Ask the agent at `addr` for its dense weights. Raises TimeoutError / RuntimeError."""
-    return ask_agent(addr, DenseFetch(), timeout_s, "dense weights").tensors
+    return ask_agent(addr, DenseFetch(), timeout_s, "dense weights", key).tensors
 
 
-def load_dense(reader: CheckpointReader, path: str, addr: str, timeout_s: float) -> tuple[dict, str, float]:
+def load_dense(reader: CheckpointReader, path: str, addr: str, timeout_s: float,
+               key: ClusterKey) -> tuple[dict, str, float]:
     """(state, source, seconds): source is "host_memory" (this node's agent file, `path`),
-    "peer" (another node's agent at `addr`) or "disk" (the checkpoint, also when both fail)."""
+    "peer" (another node's agent at `addr`, asked with the cluster `key`) or "disk" (the
+    checkpoint, also when both fail)."""
     t0 = time.perf_counter()
-    for source, load in (("host_memory", lambda: read_dense(path)), ("peer", lambda: fetch_dense(addr, timeout_s))):
+    for source, load in (("host_memory", lambda: read_dense(path)), ("peer", lambda: fetch_dense(addr, timeout_s, key))):
         if not (path if source == "host_memory" else addr):
             continue
         try:

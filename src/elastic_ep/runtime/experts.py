@@ -24,7 +24,7 @@ import zmq
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.memory import huge_zeros
 from elastic_ep.node.backup_file import as_bytes, expert_offsets, read_checked
-from elastic_ep.wire import BackupFetch, BackupSite, SlotSource, TransferStat, decode, encode
+from elastic_ep.wire import FETCH_REPLY, BackupFetch, BackupSite, ClusterKey, Inbox, SlotSource, TransferStat
 
 from .group import EpochGroup
 
@@ -96,13 +96,16 @@ class ExpertSlots:
         backups: dict[str, BackupSite],
         node: str,
         fetch_timeout_s: float,
+        *,
+        key: ClusterKey,
     ) -> Filled:
         """Fill every slot for the new epoch.
 
         new_experts: [L, S] the logical expert each slot must hold afterwards.
         sources: where each changed slot comes from; sends: (dst_rank_id, layer, src_slot)
         this rank sends, in the order the receiver lists its peer sources.
-        fetch_timeout_s: how long another node's agent may take to answer a backup fetch.
+        fetch_timeout_s: how long another node's agent may take to answer a backup fetch;
+        key: the cluster key its fetch socket takes.
         """
         # Sources refer to the old contents: copy out every slot read before any is overwritten.
         read = {(src.layer, src.src_slot) for src in sources if src.kind == "local"}
@@ -128,7 +131,7 @@ class ExpertSlots:
         for kind, items in (("backup", [b for b in backup if b.src_node == node]),
                             ("backup_remote", [b for b in backup if b.src_node != node])):
             t0 = time.perf_counter()
-            self._from_backup(items, backups, node, fetch_timeout_s, stats[kind], checked)
+            self._from_backup(items, backups, node, fetch_timeout_s, key, stats[kind], checked)
             stats[kind][1] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -209,6 +212,7 @@ class ExpertSlots:
         backups: dict[str, BackupSite],
         node: str,
         timeout_s: float,
+        key: ClusterKey,
         stat: list[float],
         checked: dict[tuple[int, int], int],
     ) -> None:
@@ -221,7 +225,7 @@ class ExpertSlots:
                 self._read_local(site.path, wanted, stat, checked)
                 continue
             try:
-                w13, w2 = fetch_backup(site.fetch_addr, [(s.layer, s.expert) for s in wanted], timeout_s)
+                w13, w2 = fetch_backup(site.fetch_addr, [(s.layer, s.expert) for s in wanted], timeout_s, key)
             except TimeoutError as e:
                 raise BackupUnreachable(site_node, str(e)) from e
             for i, src in enumerate(wanted):
@@ -236,29 +240,33 @@ class BackupUnreachable(Exception):
         self.node = node
 
 
-def fetch_backup(addr: str, items: list[tuple[int, int]], timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fetch_backup(addr: str, items: list[tuple[int, int]], timeout_s: float,
+                 key: ClusterKey) -> tuple[torch.Tensor, torch.Tensor]:
     """Ask the agent at `addr` for (layer, expert) items of its backup.
 
     Returns w13 [n, 2I, H], w2 [n, H, I]. Raises TimeoutError when the agent does not answer
     within timeout_s, RuntimeError when it lacks an item.
     """
-    reply = ask_agent(addr, BackupFetch(items), timeout_s, "expert backup")
+    reply = ask_agent(addr, BackupFetch(items), timeout_s, "expert backup", key)
     return reply.w13, reply.w2
 
 
-def ask_agent(addr: str, message, timeout_s: float, what: str):
+def ask_agent(addr: str, message, timeout_s: float, what: str, key: ClusterKey):
     """One request to a node agent's fetch socket; the reply, whose `error` is empty.
-    Raises TimeoutError when it does not answer within timeout_s, RuntimeError on an error."""
+    Raises TimeoutError when it does not answer within timeout_s (or its answer was dropped:
+    not of the cluster key, not a fetch reply), RuntimeError on an error."""
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
     try:
-        sock.send(encode(message))
+        sock.send_multipart(key.seal(message))
         if not sock.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"{what} agent at {addr} did not answer within {timeout_s}s")
-        reply = decode(sock.recv())
+        reply = Inbox("fetch_reply", FETCH_REPLY, key).read(sock.recv_multipart(copy=False))
     finally:
         sock.close()
+    if reply is None:
+        raise TimeoutError(f"{what} agent at {addr} answered with a frame that was dropped (see the log)")
     if reply.error:
         raise RuntimeError(f"{what} at {addr}: {reply.error}")
     return reply

@@ -11,7 +11,7 @@ What happens when a peer dies: gloo raises on the next read or write to that pee
 is hung or cut off (no reset ever comes) blocks the collective until the controller aborts the
 epoch (`abort`, called from the worker's heartbeat thread on the controller's `AbortEpoch`:
 the waiting collective gives up within `ABORT_POLL_S`) or `collective_timeout_s` passes. NCCL
-(not run here: no GPU was lent) raises only where it notices a peer's error; otherwise the same
+raises only where it notices a peer's error; otherwise the same
 abort applies, and aborts the communicator (`ncclCommAbort`) under the waiting collective. A
 broken epoch's group is left behind, never torn down in the step loop: teardown could wait on
 the failed peer. An error in this rank's own computation is not a collective error: the rank
@@ -27,13 +27,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import psutil
 import torch
 import torch.distributed as dist
+from msgspec.structs import replace
 
 from elastic_ep.wire import Progress
 
@@ -224,7 +225,7 @@ class EpochGroup:
         when a remote peer's connection breaks) is read from the work, never waited on; on the
         controller's abort or past the deadline the communicator itself is aborted (ncclCommAbort),
         which frees the stream a dead or stopped peer would hold forever (NCCL is fail-stop
-        otherwise). When that abort does not return, `WEDGED` is set. Not run here: no GPU."""
+        otherwise). When that abort does not return, `WEDGED` is set."""
         while not work.is_completed():
             if self._aborted.is_set() or time.monotonic() > deadline:
                 if not abort_communicator(self.pg, NCCL_ABORT_WAIT_S):

@@ -1,6 +1,7 @@
-"""A decoding sequence moves to another rank with its KV cache (DP alignment, control/alignment.py):
-the source sends the cached rows of every layer, the destination loads them into a row of its
-own, and the sequence decodes there from this step on without recomputing anything.
+"""A decoding sequence moves to another rank with its KV cache (DP alignment,
+control/serving/alignment.py): the source sends the cached rows of every layer, the destination
+loads them into a row of its own, and the sequence decodes there from this step on without
+recomputing anything.
 
 Both sides know every size from the plan (the tokens of each move), so one buffer per pair of
 ranks goes in one all-to-all of the epoch's group (`EpochGroup.exchange`): every member gets the

@@ -1,7 +1,7 @@
 """Pure tables of the two-stage (hierarchical) all-to-all: which members share a host, which
 rows cross hosts and in what order. No process groups here; `hierarchical.py` moves the rows.
 
-The scheme (seed 000 section 4; DeepEP's internode kernels do the same across NVLink and RDMA):
+The scheme (DeepEP's internode kernels do the same across NVLink and RDMA):
 a token bound for experts on another host crosses to that host once, however many of its top-k
 choices live there, carrying the k destination slots (-1 where a choice is elsewhere):
 1. each rank hands its rows to its host's leader (one row per token and destination host);

@@ -4,14 +4,16 @@ Threads:
 - main: registers, then runs what the controller sends on the step socket: `EpochStart`
   (form the group or keep it, fill the expert slots, checksum the ones it filled, report),
   `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling),
-  `SweepSlots` (checksum a few slots between steps) and `CorruptSlot` (fault injection). It
-  blocks inside collectives.
+  `SweepSlots` (checksum a few slots between steps), and from a server with --enable-chaos
+  `ChaosStep` (the next step's injected delay and failures) and `CorruptSlot`. It blocks
+  inside collectives.
 - heartbeat: its own ZeroMQ socket; sends `Heartbeat` with the main thread's progress every
   `heartbeat_interval_s`, so the controller sees which collective the rank waits in even
   while the main thread is blocked, and sees nothing once the process is stopped.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
-Messages of an epoch other than the current one are dropped.
+Messages of an epoch other than the current one are dropped, and so is any frame without the
+cluster key (which its agent hands it in $ELASTIC_EP_CLUSTER_KEY) or not of its socket.
 """
 
 from __future__ import annotations
@@ -37,12 +39,18 @@ from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
+    CONTROLLER_TO_HEARTBEAT,
+    CONTROLLER_TO_WORKER,
     AbortEpoch,
+    ChaosStep,
+    ClusterKey,
+    ClusterKeyError,
     CorruptSlot,
     EpochFailed,
     EpochReady,
     EpochStart,
     Heartbeat,
+    Inbox,
     Shutdown,
     SlotChecksums,
     StepErrorKind,
@@ -52,8 +60,7 @@ from elastic_ep.wire import (
     SweepSlots,
     WorkerArgs,
     WorkerHello,
-    decode,
-    encode,
+    key_from_env,
 )
 
 from .dense import load_dense
@@ -85,8 +92,10 @@ def _die_with_parent() -> None:
 
 
 class Worker:
-    def __init__(self, args: WorkerArgs):
+    def __init__(self, args: WorkerArgs, key: ClusterKey):
         self.args = args
+        self.key = key
+        self.inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key, args.node)
         launch = args.launch
         self.progress = ProgressBoard()
         self.ctx = zmq.Context.instance()
@@ -100,7 +109,7 @@ class Worker:
         self.config = MoEConfig.from_pretrained(launch.model_dir)
         self.reader = CheckpointReader(launch.model_dir, self.config, dtype=launch.dtype)
         dense, self.dense_source, self.load_s = load_dense(
-            self.reader, args.dense_path, args.dense_addr, launch.dense_fetch_timeout_s
+            self.reader, args.dense_path, args.dense_addr, launch.dense_fetch_timeout_s, key
         )
         self.model = MoEForCausalLM(self.config, dense, dtype=self.reader.dtype, device=self.device)
         self.kv = self.model.new_kv_cache(launch.max_num_seqs, launch.max_model_len)
@@ -112,6 +121,7 @@ class Worker:
         self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
         self._pending: list = []
         self._load: np.ndarray | None = None  # expert load summed since it was last reported
+        self._chaos: ChaosStep | None = None  # fault injection for the next step (--enable-chaos)
         self._stop = threading.Event()
         self.warmup_s = self._warm_up()
 
@@ -132,7 +142,14 @@ class Worker:
         return time.perf_counter() - t0
 
     def send(self, message) -> None:
-        self.sock.send(encode(message))
+        self.sock.send_multipart(self.key.seal(message))
+
+    def _receive(self):
+        """The next message of the step socket; frames the inbox drops are skipped."""
+        while True:
+            msg = self.inbox.read(self.sock.recv_multipart(copy=False))
+            if msg is not None:
+                return msg
 
     def run(self) -> None:
         if self.args.launch.heartbeat_interval_s > 0:
@@ -140,12 +157,14 @@ class Worker:
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
                               self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device)))
         while True:
-            msg = self._pending.pop(0) if self._pending else decode(self.sock.recv())
+            msg = self._pending.pop(0) if self._pending else self._receive()
             if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, EpochStart):
                 if self.group is None or msg.epoch > self.group.epoch:
                     self._start_epoch(msg)
+            elif isinstance(msg, ChaosStep):
+                self._chaos = msg
             elif isinstance(msg, StepPlan):
                 if self.group is not None and msg.epoch == self.group.epoch and self.group.alive:
                     self._step(msg)
@@ -162,7 +181,7 @@ class Worker:
 
     def _newer_epoch_arrived(self) -> bool:
         while self.sock.poll(0):
-            msg = decode(self.sock.recv())
+            msg = self.inbox.read(self.sock.recv_multipart(copy=False))
             if isinstance(msg, (EpochStart, Shutdown)):
                 self._pending = [msg]
                 return True
@@ -206,6 +225,7 @@ class Worker:
                 msg.backups,
                 args.node,
                 msg.backup_fetch_timeout_s,
+                key=self.key,
             )
             transfer_s = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -235,12 +255,13 @@ class Worker:
         start = time.perf_counter()
         self.progress.enter("compute", step=plan.step)
         moe.start_step(plan.dispatch_rows, plan.micro_batches)
-        faults = {c.fail_at for c in plan.chunks} | {plan.fail_at}
+        chaos = self._chaos_for(plan)
+        faults = {chaos.poisoned.get(c.seq_id, "") for c in plan.chunks} | {chaos.fail_at}
         moe.fail_in_experts = "experts" in faults
         if "local" in faults:  # the second MoE layer's local computation raises
             moe.fail_local_at = self.config.moe_layers[min(1, len(self.config.moe_layers) - 1)]
         try:
-            kv_move_s = self._before_forward(plan, moe)
+            kv_move_s = self._before_forward(plan, moe, chaos.delay_s)
             logits = forward_micro_batches(self.model, self.kv, [SeqChunk(c.seq_id, c.token_ids, c.start_pos)
                                                                  for c in plan.chunks], moe, plan.micro_batches)
         except CollectiveError as e:
@@ -249,7 +270,7 @@ class Worker:
         except LocalFailure as failure:
             self._fail(plan, StepErrorKind.LOCAL, failure.error, failure.in_experts)
             return
-        tokens, logprobs, errors = self._sample(plan, logits)
+        tokens, logprobs, errors = self._sample(plan, logits, {s for s, at in chaos.poisoned.items() if at == "sampling"})
         self.progress.idle()
         c = moe.counters
         step_s = time.perf_counter() - start
@@ -269,7 +290,14 @@ class Worker:
         load, self._load = self._load, None
         return load.astype(np.int32) if load.any() else EMPTY_LOAD  # a rank with no tokens sends nothing
 
-    def _before_forward(self, plan: StepPlan, moe: ExpertParallelMoE) -> float:
+    def _chaos_for(self, plan: StepPlan) -> ChaosStep:
+        """What fault injection asked of this step (nothing unless a `ChaosStep` for it came first)."""
+        chaos = self._chaos
+        if chaos is not None and (chaos.epoch, chaos.step) == (plan.epoch, plan.step):
+            return chaos
+        return ChaosStep(plan.epoch, plan.step)
+
+    def _before_forward(self, plan: StepPlan, moe: ExpertParallelMoE, delay_s: float) -> float:
         """Frees, KV moves, cache rows, injected delay; returns the KV moves' seconds. An error
         here runs the step's collectives with no tokens and raises LocalFailure."""
         try:
@@ -279,8 +307,8 @@ class Worker:
             finally:  # the peers of a move wait on this rank whatever happened above
                 kv_move_s = move_kv(self.kv, self.group, plan.kv_moves, self.tokens)
             self._allocate(plan)
-            if plan.delay_s > 0:
-                time.sleep(plan.delay_s)
+            if delay_s > 0:
+                time.sleep(delay_s)
             return kv_move_s
         except CollectiveError:
             raise
@@ -306,17 +334,18 @@ class Worker:
             # A re-run step overwrites, as the KV cache does.
             held[c.start_pos :] = c.token_ids
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor):
-        """(tokens, logprobs, errors) by seq_id for the chunks that sample. When sampling the
-        batch raises, each row is sampled alone, so only the sequence at fault gets an error."""
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, poisoned: set[int]):
+        """(tokens, logprobs, errors) by seq_id for the chunks that sample (those in `poisoned`
+        raise, as fault injection asked). When sampling the batch raises, each row is sampled
+        alone, so only the sequence at fault gets an error."""
         rows = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
         try:
-            return (*self._sample_rows(rows, logits), {})
+            return (*self._sample_rows(rows, logits, poisoned), {})
         except Exception:
             tokens, logprobs, errors = {}, {}, {}
             for row in rows:
                 try:
-                    t, lp = self._sample_rows([row], logits)
+                    t, lp = self._sample_rows([row], logits, poisoned)
                 except Exception as e:
                     errors[row[1].seq_id] = f"sampling failed: {type(e).__name__}: {e}"
                     continue
@@ -324,11 +353,11 @@ class Worker:
                 logprobs.update(lp)
             return tokens, logprobs, errors
 
-    def _sample_rows(self, rows: list, logits: torch.Tensor):
+    def _sample_rows(self, rows: list, logits: torch.Tensor, poisoned: set[int]):
         """rows: (row of logits [N, V], its ChunkPlan); -> (seq_id -> token, seq_id -> logprobs)."""
         if not rows:
             return {}, {}
-        if any(c.fail_at == "sampling" for _, c in rows):
+        if any(c.seq_id in poisoned for _, c in rows):
             raise RuntimeError("injected fault: sampling failed")
         histories = [TokenHistory(held[: c.prompt_len], held[c.prompt_len :])
                      for _, c in rows for held in (self.tokens[c.seq_id],)]
@@ -360,17 +389,18 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.args.launch.health_addr)
+        inbox = Inbox("worker_heartbeat", CONTROLLER_TO_HEARTBEAT, self.key, self.args.node)
         pid = os.getpid()
         interval_s = self.args.launch.heartbeat_interval_s
         next_beat = time.monotonic()
         while not self._stop.is_set():
             if sock.poll(max(int((next_beat - time.monotonic()) * 1000), 0)):
-                msg = decode(sock.recv())
+                msg = inbox.read(sock.recv_multipart(copy=False))
                 group = self.group
                 if isinstance(msg, AbortEpoch) and group is not None and group.epoch == msg.epoch:
                     group.abort()
                 continue
-            sock.send(encode(Heartbeat(self.args.rank_id, pid, self.progress.current)))
+            sock.send_multipart(self.key.seal(Heartbeat(self.args.rank_id, pid, self.progress.current)))
             next_beat = time.monotonic() + interval_s
         sock.close()
 
@@ -394,9 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     args = WorkerArgs.from_json(argv[0])
     try:
+        key = key_from_env()
         bind_data_plane(args.host)
-        worker = Worker(args)
-    except (AddressNotLocal, ConnectionError, ElasticEPError) as e:
+        worker = Worker(args, key)
+    except (AddressNotLocal, ConnectionError, ElasticEPError, ClusterKeyError) as e:
         print(f"elastic-ep rank {args.rank_id} on {args.node}: {e}", file=sys.stderr, flush=True)
         return 2
     worker.run()

@@ -1,6 +1,7 @@
 """Operator routes: liveness and readiness, Prometheus metrics, the cluster view and its
 dashboard, online scaling, the expert distribution recorder (SGLang's paths) and fault
-injection (only when served with --enable-chaos).
+injection (only when served with --enable-chaos). The routes tagged `operating` are guarded by
+the admin key (serve/guard.py).
 
 Engine calls here are synchronous and run on the server's event loop: the engine answers
 them from its own state without waiting on ranks.
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from elastic_ep.control.api import CHAOS_ACTIONS, ChaosOrder, Engine
 from elastic_ep.serve.errors import APIError
+from elastic_ep.serve.guard import OPERATING
 from elastic_ep.serve.openapi import error_responses
 from elastic_ep.serve.protocol import (
     ChaosRequest,
@@ -77,7 +79,8 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     async def dashboard() -> FileResponse:
         return FileResponse(DASHBOARD_HTML, media_type="text/html")
 
-    @router.post("/scale_elastic_ep", response_model=ScaleResponse, responses=error_responses(400, 409))
+    @router.post("/scale_elastic_ep", response_model=ScaleResponse, responses=error_responses(400, 409),
+                 tags=[OPERATING])
     async def scale(body: ScaleRequest) -> dict[str, Any]:
         return await engine.scale(body.new_ep_size)
 
@@ -85,24 +88,25 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     async def is_scaling() -> dict[str, Any]:
         return engine.scale_status()
 
-    @router.get("/start_expert_distribution_record", response_model=RecorderResponse)
-    @router.post("/start_expert_distribution_record", response_model=RecorderResponse)
+    @router.get("/start_expert_distribution_record", response_model=RecorderResponse, tags=[OPERATING])
+    @router.post("/start_expert_distribution_record", response_model=RecorderResponse, tags=[OPERATING])
     async def start_record() -> RecorderResponse:
         engine.start_expert_distribution_record()
         return RecorderResponse(status="recording")
 
-    @router.get("/stop_expert_distribution_record", response_model=RecorderResponse)
-    @router.post("/stop_expert_distribution_record", response_model=RecorderResponse)
+    @router.get("/stop_expert_distribution_record", response_model=RecorderResponse, tags=[OPERATING])
+    @router.post("/stop_expert_distribution_record", response_model=RecorderResponse, tags=[OPERATING])
     async def stop_record() -> RecorderResponse:
         engine.stop_expert_distribution_record()
         return RecorderResponse(status="stopped")
 
-    @router.get("/dump_expert_distribution_record", response_model=dict[str, Any])
-    @router.post("/dump_expert_distribution_record", response_model=dict[str, Any])
+    @router.get("/dump_expert_distribution_record", response_model=dict[str, Any], tags=[OPERATING])
+    @router.post("/dump_expert_distribution_record", response_model=dict[str, Any], tags=[OPERATING])
     async def dump_record() -> dict[str, Any]:
         return engine.dump_expert_distribution_record()
 
-    @router.post("/chaos/{action}", response_model=dict[str, Any], responses=error_responses(400, 404))
+    @router.post("/chaos/{action}", response_model=dict[str, Any], responses=error_responses(400, 404),
+                 tags=[OPERATING])
     async def chaos(action: str, body: ChaosRequest) -> dict[str, Any]:
         if not enable_chaos:
             raise APIError(

@@ -24,6 +24,7 @@ from elastic_ep.control.api import Engine, ScaleRejected, ServiceUnavailable
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.serve.admin import admin_router
 from elastic_ep.serve.errors import APIError, error_body, error_response, invalid_body
+from elastic_ep.serve.guard import GuardMiddleware, HttpGuard, operating_paths
 from elastic_ep.serve.metrics import HttpMetrics, RequestCountMiddleware
 from elastic_ep.serve.openai_api import openai_router
 from elastic_ep.serve.openapi import openapi_schema
@@ -32,10 +33,12 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(
-    engine: Engine, tokenizer: Tokenizer, *, registry: CollectorRegistry, enable_chaos: bool = False
+    engine: Engine, tokenizer: Tokenizer, *, registry: CollectorRegistry, enable_chaos: bool = False,
+    guard: HttpGuard = HttpGuard(),
 ) -> FastAPI:
     """The FastAPI app over `engine`. HTTP metrics are registered on `registry`, which
-    GET /metrics exports whole (so the engine's own metrics belong there too)."""
+    GET /metrics exports whole (so the engine's own metrics belong there too). `guard`: the
+    API keys and the body limit (serve/guard.py), checked before anything else."""
     app = FastAPI(
         title="elastic-ep",
         version=__version__,
@@ -46,10 +49,12 @@ def create_app(
         redirect_slashes=False,
     )
     metrics = HttpMetrics(registry)
-    app.include_router(openai_router(engine, tokenizer, metrics))
-    app.include_router(admin_router(engine, registry, enable_chaos))
+    routers = [openai_router(engine, tokenizer, metrics), admin_router(engine, registry, enable_chaos)]
+    for router in routers:
+        app.include_router(router)
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
+    app.add_middleware(GuardMiddleware, guard=guard, operating=operating_paths([r for router in routers for r in router.routes]))
     _add_error_handlers(app)
     app.openapi = lambda: openapi_schema(app)
     return app

@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     409: "conflict_error",

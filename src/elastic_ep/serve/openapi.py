@@ -5,7 +5,9 @@ validate with, plus what FastAPI cannot see by itself:
 - the server-sent events of `stream: true` (`event_stream_response`), whose event models are
   added to the components;
 - no 422: a body that fails validation is answered with 400 (serve/app.py), so FastAPI's
-  default 422 entry and its ValidationError schemas are dropped.
+  default 422 entry and its ValidationError schemas are dropped;
+- the guard's answers (serve/guard.py): the bearer keys as security schemes, 401 on `/v1`,
+  401 / 403 on the operating routes, 411 / 413 on every route that takes a body.
 """
 
 from __future__ import annotations
@@ -17,14 +19,20 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from elastic_ep.serve.guard import OPERATING
 from elastic_ep.serve.protocol import ChatCompletionStreamResponse, CompletionStreamResponse, ErrorResponse
 
 _REF = "#/components/schemas/{model}"
 _STREAM_EVENT_MODELS = (CompletionStreamResponse, ChatCompletionStreamResponse)
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request; `error.param` names the field",
+    401: "No valid key in `Authorization: Bearer <key>` (--api-key; --admin-api-key on operating routes)",
+    403: "An operating route: a key other than --admin-api-key, or a client not on loopback while the server "
+         "has no admin key",
     404: "Unknown model, route or action",
     409: "Conflicts with an operation in progress",
+    411: "A body without Content-Length (chunked bodies are not taken)",
+    413: "The body is over --max-request-body-bytes",
     500: "Internal error; the server keeps serving",
     503: "Cannot take the request now; retry after `Retry-After` seconds",
 }
@@ -66,9 +74,15 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         schema = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
-        for operations in schema["paths"].values():
+        for path, operations in schema["paths"].items():
             for operation in operations.values():
                 operation["responses"].pop("422", None)
+                _add_guard(path, operation)
+        schema["components"]["securitySchemes"] = {
+            "apiKey": {"type": "http", "scheme": "bearer", "description": "--api-key, needed on /v1 when set"},
+            "adminKey": {"type": "http", "scheme": "bearer",
+                         "description": "--admin-api-key, needed on the operating routes when set"},
+        }
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for unused in ("HTTPValidationError", "ValidationError"):
             components.pop(unused, None)
@@ -78,3 +92,21 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         components.update(events["$defs"])
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _add_guard(path: str, operation: dict[str, Any]) -> None:
+    """The security and the error responses of serve/guard.py on one operation."""
+    statuses: list[int] = []
+    if path == "/v1" or path.startswith("/v1/"):
+        operation["security"] = [{"apiKey": []}, {}]  # {}: a server started without --api-key
+        statuses.append(401)
+    if OPERATING in operation.get("tags", []):
+        operation["security"] = [{"adminKey": []}, {}]
+        statuses += [401, 403]
+    if "requestBody" in operation:
+        statuses += [411, 413]
+    for status in statuses:
+        operation["responses"][str(status)] = {
+            "description": _ERROR_DESCRIPTIONS[status],
+            "content": {"application/json": {"schema": {"$ref": _REF.format(model=ErrorResponse.__name__)}}},
+        }

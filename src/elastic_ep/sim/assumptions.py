@@ -1,7 +1,7 @@
 """Default recovery times shared by the blast-radius table, the fleet simulation and the planner.
 
-Seed 001's assumptions (a whole-group restart of 20 minutes, an elastic pause of 1 minute) and
-this project's for reloading lost experts; every one is an option of the commands, to be
+A whole-group restart of 20 minutes, an elastic pause of 1 minute, and the times for reloading
+lost experts; every one is an option of the commands, to be
 replaced with a deployment's measured figures.
 """
 

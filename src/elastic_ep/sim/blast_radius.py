@@ -2,7 +2,7 @@
 
 The number of failures depends only on the number of GPUs; the cost of each one is the
 group size times the time the group stands still (a whole-group restart, or the short pause
-of an elastic recovery). This is seed 001's first table.
+of an elastic recovery).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic_ep.errors import SimulationError
-from elastic_ep.policy.straggler import StragglerRule
 from elastic_ep.policy.straggler_policy import StragglerPolicy
+from elastic_ep.policy.straggler_verdict import StragglerRule
 from elastic_ep.sim.assumptions import BACKUP_RELOAD_S, DISK_RELOAD_MIN, PAUSE_MIN, RESTART_MIN
 from elastic_ep.sim.failure_rates import load_llama3
 

@@ -4,14 +4,11 @@ intervals, and the capacity series of one replication."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from elastic_ep.sim.fleet_config import FleetConfig
 from elastic_ep.sim.stats import mean_interval, weighted_quantiles
-
-if TYPE_CHECKING:
-    from elastic_ep.sim.fleet import FleetConfig
 
 CAPACITY_QUANTILES = (0.01, 0.05, 0.5)
 

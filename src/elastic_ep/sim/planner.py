@@ -273,9 +273,11 @@ def serve_commands(inputs: PlanInputs, option: PlanOption) -> list[str]:
         return [serve]
     full, rest = divmod(option.ep_size - first, inputs.gpus_per_node)
     agents = [inputs.gpus_per_node] * full + ([rest] if rest else [])
-    # Across hosts every process binds and advertises its own host's address, not 127.0.0.1.
-    return [f"{serve} --local-ranks {first} --host NODE0_IP"] + [
-        f"elastic-ep agent --controller CONTROLLER_ADDR --node node{i} --ranks {ranks} --advertise-host NODE{i}_IP"
+    # Across hosts every process binds and advertises its own host's address, not 127.0.0.1, and
+    # holds the deployment's cluster key (serve writes the file, a copy goes to every host).
+    return [f"{serve} --local-ranks {first} --host NODE0_IP --cluster-key-file CLUSTER_KEY"] + [
+        f"elastic-ep agent --controller CONTROLLER_ADDR --node node{i} --ranks {ranks} --advertise-host NODE{i}_IP "
+        "--cluster-key-file CLUSTER_KEY"
         for i, ranks in enumerate(agents, start=1)
     ]
 

@@ -295,7 +295,7 @@ class RandomConfig:
     redundant: int = 0
 
 
-# Seed 001's three configurations: prefill and decode of the large-EP chapter, then every expert twice.
+# Three reference configurations: large-EP prefill and decode, then every expert twice.
 SEED_001_CONFIGS = (
     RandomConfig("EP32 x 9 slots, 32 redundant", 32, 9, 256, 32),
     RandomConfig("EP320 x 1 slot, 64 redundant", 320, 1, 256, 64),

@@ -1,6 +1,6 @@
 """A straggler episode as the server sees it: per-rank own times per step through the server's own
-verdict (`policy/straggler.py`) and policy (`policy/straggler_policy.py`), reviewed once per
-verdict interval as the controller does (`control/straggler_control.py`). `sim fleet` takes the
+verdict (`policy/straggler_verdict.py`) and policy (`policy/straggler_policy.py`), reviewed once per
+verdict interval as the controller does (`control/faults/straggler_control.py`). `sim fleet` takes the
 time to derate and to evict from here, so the fleet runs the policy `serve` runs, with the same
 flags, instead of a rule of its own.
 
@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from elastic_ep.policy.straggler import INTERVALS_PER_WINDOW, IntervalRecorder, StragglerRule, judge
 from elastic_ep.policy.straggler_policy import Decision, DecisionKind, PolicyState, StragglerPolicy, decide
+from elastic_ep.policy.straggler_verdict import INTERVALS_PER_WINDOW, IntervalRecorder, StragglerRule, judge
 
 HEALTHY_OWN_MS = 20.0  # a healthy rank's own time per decode step in the replay
 STEP_TOKENS = 8  # tokens per rank per step in the replay (equal on every rank: no DP imbalance)

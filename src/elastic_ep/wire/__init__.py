@@ -5,7 +5,7 @@ a worker process (`worker.py`: launch and step socket; `health.py`: heartbeats a
 
 Transport: ZeroMQ. The controller binds two ROUTER sockets:
 - the step socket: each worker's main thread (DEALER, identity `w<rank_id>`) receives
-  `EpochStart`, `StepPlan`, `SweepSlots`, `CorruptSlot`, `Shutdown` and answers `WorkerHello`,
+  `EpochStart`, `StepPlan`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `Shutdown` and answers `WorkerHello`,
   `EpochReady`, `EpochFailed`, `StepResult`, `StepFailed`, `SlotChecksums`;
 - the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
   `Heartbeat` and receives `AbortEpoch`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
@@ -14,17 +14,27 @@ Transport: ZeroMQ. The controller binds two ROUTER sockets:
 An agent also binds a ROUTER for `BackupFetch` -> `BackupTensors` and `DenseFetch` ->
 `DenseTensors` from workers of other nodes.
 
-Frames are pickled dataclasses: the control plane is a trusted cluster-internal network (the
-same trust as the TCPStore and the torch.distributed data plane). Every message a worker acts
+Frames are typed msgspec structs in msgpack, each with an HMAC of the deployment's cluster key
+(`codec.py`): never pickle, since a frame from the network is data, not code. Each receiving side
+accepts one union below (`STEP_TO_CONTROLLER`, ...); a frame that is not authenticated, does not
+decode or is not of that union is dropped and counted, never raised. Every message a worker acts
 on carries its epoch; a worker drops a message of an epoch other than its current or next one,
 which is what keeps a fenced or late process out of a newer epoch.
 """
 
 from __future__ import annotations
 
-import pickle
-from typing import Any
-
+from .codec import (
+    KEY_ENV,
+    ClusterKey,
+    ClusterKeyError,
+    Inbox,
+    Message,
+    decoder,
+    encode,
+    key_from_env,
+    rejected_counts,
+)
 from .fetch import (
     BackupFetch,
     BackupSite,
@@ -57,6 +67,7 @@ from .health import (
     WorkerStarted,
 )
 from .worker import (
+    ChaosStep,
     ChunkPlan,
     CorruptSlot,
     EpochFailed,
@@ -90,6 +101,7 @@ __all__ = [
     "BackupSite",
     "BackupTensors",
     "ChaosFailed",
+    "ChaosStep",
     "ChunkPlan",
     "CorruptSlot",
     "CutLinks",
@@ -126,14 +138,35 @@ __all__ = [
     "WorkerHello",
     "WorkerLaunch",
     "WorkerStarted",
-    "decode",
+    "decoder",
     "encode",
+    "ALL_MESSAGES",
+    "CONTROLLER_TO_AGENT",
+    "CONTROLLER_TO_HEARTBEAT",
+    "CONTROLLER_TO_WORKER",
+    "FETCH_REPLY",
+    "FETCH_REQUEST",
+    "HEALTH_TO_CONTROLLER",
+    "KEY_ENV",
+    "STEP_TO_CONTROLLER",
+    "ClusterKey",
+    "ClusterKeyError",
+    "Inbox",
+    "Message",
+    "key_from_env",
+    "rejected_counts",
 ]
 
 
-def encode(message: Any) -> bytes:
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def decode(frame: bytes) -> Any:
-    return pickle.loads(frame)
+# What each receiving side accepts (its inbox's union).
+STEP_TO_CONTROLLER = WorkerHello | EpochReady | EpochFailed | StepResult | StepFailed | SlotChecksums
+CONTROLLER_TO_WORKER = EpochStart | StepPlan | ChaosStep | SweepSlots | CorruptSlot | Shutdown
+HEALTH_TO_CONTROLLER = (Heartbeat | AgentHello | AgentAlive | WorkerStarted | WorkerExited | WorkerFenced
+                        | HardwareReport | ChaosFailed | BackupReady | AgentBye)
+CONTROLLER_TO_HEARTBEAT = AbortEpoch
+CONTROLLER_TO_AGENT = (AgentWelcome | LeaseRenew | SessionEnded | BackupAssign | StartWorker | FenceWorker
+                       | SignalWorker | CutLinks | HealLinks | AgentShutdown)
+FETCH_REQUEST = BackupFetch | DenseFetch
+FETCH_REPLY = BackupTensors | DenseTensors
+ALL_MESSAGES = (STEP_TO_CONTROLLER | CONTROLLER_TO_WORKER | HEALTH_TO_CONTROLLER | CONTROLLER_TO_HEARTBEAT
+                | CONTROLLER_TO_AGENT | FETCH_REQUEST | FETCH_REPLY)

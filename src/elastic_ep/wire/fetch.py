@@ -3,12 +3,12 @@ where a node's backup lives."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import torch
+
+from .codec import Message, Record
 
 
-@dataclass(frozen=True)
-class BackupSite:
+class BackupSite(Record):
     """A node's expert backup: same-node workers mmap `path`, others ask `fetch_addr`."""
 
     node: str
@@ -16,32 +16,28 @@ class BackupSite:
     fetch_addr: str
 
 
-@dataclass(frozen=True)
-class BackupFetch:
+class BackupFetch(Message):
     """Ask a node's agent for experts of its backup: items are (layer, expert)."""
 
     items: list[tuple[int, int]]
 
 
-@dataclass(frozen=True)
-class DenseFetch:
+class DenseFetch(Message):
     """Ask a node's agent for the dense weights it keeps in host memory."""
 
 
-@dataclass(frozen=True)
-class DenseTensors:
+class DenseTensors(Message):
     """tensors: name -> CPU torch tensor in the checkpoint's serving dtype (bf16 included, which
     numpy cannot hold); error if the agent holds none."""
 
-    tensors: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
     error: str = ""
 
 
-@dataclass(frozen=True)
-class BackupTensors:
+class BackupTensors(Message):
     """w13: [n, 2I, H], w2: [n, H, I] CPU torch tensors in the serving dtype, in the order asked;
     error if any is missing."""
 
-    w13: Any
-    w2: Any
+    w13: torch.Tensor | None
+    w2: torch.Tensor | None
     error: str = ""

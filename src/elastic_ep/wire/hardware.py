@@ -3,7 +3,9 @@ Every value is None when it could not be read, with the reason in `absent`: neve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
+
+from .codec import Message, Record
 
 # NVML's clock event (throttle) reason bits, by name (nvml.h nvmlClocksEventReason*)
 THROTTLE_REASONS = {
@@ -14,8 +16,7 @@ THROTTLE_REASONS = {
 IDLE_REASONS = frozenset({"gpu_idle"})  # clocks down because there is nothing to do: not a slowdown
 
 
-@dataclass(frozen=True)
-class GpuSignals:
+class GpuSignals(Record):
     """One GPU (NVML index): volatile ECC error counts, SM clock against its maximum, memory clock,
     the reasons its clocks are held down (names, `node/hardware.py` THROTTLE_REASONS), the Xid
     codes of critical errors since the last report; `absent`: signal -> why it is missing."""
@@ -27,12 +28,11 @@ class GpuSignals:
     sm_clock_max_mhz: int | None
     mem_clock_mhz: int | None
     throttle_reasons: list[str] | None
-    xid_errors: list[int] = field(default_factory=list)
-    absent: dict[str, str] = field(default_factory=dict)
+    xid_errors: list[int] = msgspec.field(default_factory=list)
+    absent: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class HardwareReport:
+class HardwareReport(Message):
     """cpu_steal_ratio: the share of CPU time the hypervisor stole since the last report;
     cpu_freq_mhz: the current CPU frequency; gpus: every GPU NVML sees; absent: signal (`nvml`,
     `xid`, `cpu_steal`, `cpu_freq`) -> why it is missing."""

@@ -3,14 +3,12 @@ the controller's health socket."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from .codec import Message, Record
 from .fetch import BackupSite
 from .worker import WorkerLaunch
 
 
-@dataclass(frozen=True)
-class Progress:
+class Progress(Record):
     """Where a worker's main thread is: `seq` counts collectives entered in this epoch;
     phase: idle, compute, dispatch, combine, transfer or rendezvous; `since`: the worker's wall
     clock at entry (for display; the controller times lags with its own clock)."""
@@ -23,15 +21,13 @@ class Progress:
     since: float = 0.0
 
 
-@dataclass(frozen=True)
-class Heartbeat:
+class Heartbeat(Message):
     rank_id: int
     pid: int
     progress: Progress
 
 
-@dataclass(frozen=True)
-class AbortEpoch:
+class AbortEpoch(Message):
     """Controller -> a worker's heartbeat thread: the controller gave up on `epoch`; any
     collective of it that waits (on a peer that is hung or cut off) gives up now."""
 
@@ -41,8 +37,7 @@ class AbortEpoch:
 # ---- agent <-> controller, health socket ---------------------------------------------------
 
 
-@dataclass(frozen=True)
-class AgentHello:
+class AgentHello(Message):
     """An agent (re)registers; `session` names this registration: every lease renewal and the
     welcome carry it, so nothing from an earlier session (an agent the controller gave up on)
     is mistaken for the current one."""
@@ -59,8 +54,7 @@ class AgentHello:
     standalone: bool = True  # its own process (`elastic-ep agent`), not a thread of `serve`
 
 
-@dataclass(frozen=True)
-class AgentWelcome:
+class AgentWelcome(Message):
     """What the agent needs to start workers (each gets it inside its `WorkerArgs`); the first
     lease of `session` starts now."""
 
@@ -68,24 +62,23 @@ class AgentWelcome:
     session: str = ""
 
 
-@dataclass(frozen=True)
-class AgentAlive:
-    """Every lease_s / 4 an agent says it is alive; the controller answers `LeaseRenew`."""
+class AgentAlive(Message):
+    """Every lease_s / 4 an agent says it is alive; the controller answers `LeaseRenew`.
+    `frames_rejected`: (socket, reason, frames) its sockets dropped since it started (wire/codec.py)."""
 
     node: str
     session: str
+    frames_rejected: list[tuple[str, str, int]] = []
 
 
-@dataclass(frozen=True)
-class LeaseRenew:
+class LeaseRenew(Message):
     """The controller heard the agent of `session`: its lease runs for another `lease_s`."""
 
     session: str
     lease_s: float
 
 
-@dataclass(frozen=True)
-class SessionEnded:
+class SessionEnded(Message):
     """The controller gave up on this agent session (it was unreachable): the agent kills its
     workers, as an expired lease would, and registers again in recover mode."""
 
@@ -93,15 +86,13 @@ class SessionEnded:
     reason: str
 
 
-@dataclass(frozen=True)
-class BackupAssign:
+class BackupAssign(Message):
     """Keep these (MoE layer index, expert) in this node's host-memory backup; answer BackupReady."""
 
     items: list[tuple[int, int]]
 
 
-@dataclass(frozen=True)
-class StartWorker:
+class StartWorker(Message):
     """Start a rank; `dense_site`: an agent holding the dense weights in host memory (None: disk)."""
 
     rank_id: int
@@ -109,23 +100,20 @@ class StartWorker:
     dense_site: BackupSite | None = None
 
 
-@dataclass(frozen=True)
-class WorkerStarted:
+class WorkerStarted(Message):
     node: str
     rank_id: int
     pid: int
 
 
-@dataclass(frozen=True)
-class WorkerExited:
+class WorkerExited(Message):
     node: str
     rank_id: int
     pid: int
     returncode: int
 
 
-@dataclass(frozen=True)
-class FenceWorker:
+class FenceWorker(Message):
     """Kill `pid` (SIGKILL) and answer `WorkerFenced` once it is gone. `final`: the rank leaves
     the cluster (a scale ended), so an agent with --auto-recover does not start it again."""
 
@@ -135,15 +123,13 @@ class FenceWorker:
     final: bool = False
 
 
-@dataclass(frozen=True)
-class WorkerFenced:
+class WorkerFenced(Message):
     node: str
     rank_id: int
     pid: int
 
 
-@dataclass(frozen=True)
-class SignalWorker:
+class SignalWorker(Message):
     """Fault injection: send `signal` (SIGKILL, SIGSTOP, SIGCONT) to `pid`."""
 
     rank_id: int
@@ -151,8 +137,7 @@ class SignalWorker:
     signal: int
 
 
-@dataclass(frozen=True)
-class CutLinks:
+class CutLinks(Message):
     """Fault injection: drop every packet of rank `rank_id`'s process (None: of the whole node,
     its agent included), healing by itself after `duration_s` (0: only on HealLinks)."""
 
@@ -160,21 +145,18 @@ class CutLinks:
     duration_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class HealLinks:
+class HealLinks(Message):
     rank_id: int | None
 
 
-@dataclass(frozen=True)
-class ChaosFailed:
+class ChaosFailed(Message):
     """An agent could not inject a fault: `reason` says why."""
 
     node: str
     reason: str
 
 
-@dataclass(frozen=True)
-class BackupReady:
+class BackupReady(Message):
     """A piece of the node's backup is written: `experts` can be read from `site` from now on.
     Sent once per piece; `share`: experts of the whole share (complete once all were announced);
     `nbytes`: the file's size."""
@@ -186,13 +168,11 @@ class BackupReady:
     share: int = 0
 
 
-@dataclass(frozen=True)
-class AgentShutdown:
+class AgentShutdown(Message):
     pass
 
 
-@dataclass(frozen=True)
-class AgentBye:
+class AgentBye(Message):
     """An agent is stopping: its ranks and its backup go with it."""
 
     node: str

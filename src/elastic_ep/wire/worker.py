@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
+import msgspec
 import numpy as np
 
 from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 
+from .codec import Message, Record
 from .fetch import BackupSite
 
 
-@dataclass(frozen=True)
-class WorkerLaunch:
+class WorkerLaunch(Record):
     """What every worker of the cluster is started with; the controller sends it to each agent in
     `AgentWelcome`. heartbeat_interval_s 0: no heartbeats (only to measure their cost)."""
 
@@ -51,21 +52,20 @@ class WorkerArgs:
 
     def to_json(self) -> str:
         """Flat JSON (`"rank_id": N,` is how `elastic-ep doctor` finds a rank's process)."""
-        fields = asdict(self)
-        return json.dumps({**fields.pop("launch"), **fields})
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "launch"}
+        return json.dumps({**msgspec.structs.asdict(self.launch), **fields})
 
     @classmethod
     def from_json(cls, text: str) -> WorkerArgs:
         fields = json.loads(text)
-        launch = {k: fields.pop(k) for k in WorkerLaunch.__dataclass_fields__ if k in fields}
+        launch = {k: fields.pop(k) for k in WorkerLaunch.__struct_fields__ if k in fields}
         return cls(WorkerLaunch(**launch), **fields)
 
 
 # ---- worker <-> controller, step socket -------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WorkerHello:
+class WorkerHello(Message):
     """A worker process is up, has its dense weights and waits for an epoch."""
 
     rank_id: int
@@ -78,8 +78,7 @@ class WorkerHello:
     device: str = "cpu"  # where it computes: "cpu", "cuda:0", ...
 
 
-@dataclass(frozen=True)
-class SlotSource:
+class SlotSource(Record):
     """Where one slot of the receiving rank gets its expert in a new epoch.
 
     kind: "keep" (already there), "local" (slot `src_slot` of the same rank, old contents),
@@ -98,8 +97,7 @@ class SlotSource:
     src_node: str = ""
 
 
-@dataclass(frozen=True)
-class EpochStart:
+class EpochStart(Message):
     """Form the group of `epoch` with `members` (rank_ids; position = group rank), hold the
     experts of `phy2log` [L, num_ranks * slots_per_rank] and fill each slot as `sources` says.
 
@@ -120,20 +118,18 @@ class EpochStart:
     backups: dict[str, BackupSite]
     collective_timeout_s: float
     backup_fetch_timeout_s: float
-    nodes: list[str] = field(default_factory=list)
+    nodes: list[str] = msgspec.field(default_factory=list)
     all2all_backend: str = "flat"
     reuse_group: bool = False
 
 
-@dataclass(frozen=True)
-class TransferStat:
+class TransferStat(Record):
     source: str
     bytes_moved: int
     seconds: float
 
 
-@dataclass(frozen=True)
-class EpochReady:
+class EpochReady(Message):
     """The rank is in the group of `epoch`, holds its slots and has checked them.
 
     checksums: (layer, slot) -> checksum of the expert now in each slot this epoch filled (the
@@ -152,8 +148,7 @@ class EpochReady:
     verify_s: float
 
 
-@dataclass(frozen=True)
-class EpochFailed:
+class EpochFailed(Message):
     """`unreachable_node`: the node whose expert backup did not answer (its agent is gone)."""
 
     epoch: int
@@ -162,8 +157,7 @@ class EpochFailed:
     unreachable_node: str = ""
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
+class ChunkPlan(Record):
     """One sequence's tokens in a step. `sample` is set when this chunk ends at the
     sequence's last known token, so the step produces the sequence's next token. The first
     `prompt_len` tokens of the sequence are its prompt, the rest its output so far (the
@@ -176,11 +170,9 @@ class ChunkPlan:
     params: SamplingParams
     seed: int
     prompt_len: int
-    fail_at: str = ""  # fault injection (chaos poison): "local", "experts" or "sampling" raise there
 
 
-@dataclass(frozen=True)
-class KVMove:
+class KVMove(Record):
     """Copy the KV cache of `seq_id` (its first len(token_ids) positions, which hold
     `token_ids`) from rank `src_rank` to rank `dst_rank` at the start of the step (DP alignment
     moves a decoding sequence off a rank that stays the busiest). The source keeps its copy
@@ -192,12 +184,10 @@ class KVMove:
     token_ids: list[int]
 
 
-@dataclass(frozen=True)
-class StepPlan:
+class StepPlan(Message):
     """Run one step of `epoch`. `free`: sequences whose KV cache to drop first.
-    `delay_s`: injected slowness (chaos), slept before the first collective.
     `dispatch_rows`: rows per peer of the padded dispatch (same on every rank), 0 = exchange
-    split sizes. `fail_at`: fault injection (chaos poison of the rank), as in ChunkPlan.
+    split sizes.
     `micro_batches`: forwards interleaved in this step (2 with --enable-dbo; same on every rank).
     `kv_moves`: every KV move of the step, the same list to every member (the moves are one
     all-to-all of the group, each member takes its side). `report_load`: answer with the expert
@@ -208,19 +198,17 @@ class StepPlan:
     step: int
     chunks: list[ChunkPlan]
     free: list[int]
-    delay_s: float = 0.0
     dispatch_rows: int = 0
-    fail_at: str = ""
     micro_batches: int = 1
-    kv_moves: list[KVMove] = field(default_factory=list)
+    kv_moves: list[KVMove] = msgspec.field(default_factory=list)
     report_load: bool = True
 
 
-@dataclass(frozen=True)
-class StepResult:
+class StepResult(Message):
     """tokens: seq_id -> sampled token; expert_load: [L, E] int32 tokens this rank routed to each
     logical expert since the last step whose plan had `report_load` (this one included), or an
-    empty [0, 0] array when this plan did not ask or the counts are all zero; slot_tokens: tokens its own slots computed (all layers); logprobs:
+    empty [0, 0] array when this plan did not ask or the counts are all zero; slot_tokens: tokens
+    its own slots computed (all layers); logprobs:
     seq_id -> the sampled token's logprobs, for sequences whose params ask for them."""
 
     epoch: int
@@ -234,7 +222,7 @@ class StepResult:
     expert_load: np.ndarray
     slot_tokens: int
     logprobs: dict[int, TokenLogprobs]
-    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why its token could not be sampled
+    errors: dict[int, str] = msgspec.field(default_factory=dict)  # seq_id -> why its token could not be sampled
     remote_messages: int = 0  # point-to-point sends of the all-to-alls to ranks on other hosts
     remote_bytes: int = 0
     kv_move_s: float = 0.0  # time in this step's KV moves (sending or receiving)
@@ -249,8 +237,7 @@ class StepErrorKind(str, Enum):
     LOCAL = "local"
 
 
-@dataclass(frozen=True)
-class StepFailed:
+class StepFailed(Message):
     """`in_experts`: a LOCAL error raised while the rank computed experts for dispatched tokens,
     so the expert outputs it sent back to every rank were zeros."""
 
@@ -262,8 +249,7 @@ class StepFailed:
     in_experts: bool = False
 
 
-@dataclass(frozen=True)
-class SweepSlots:
+class SweepSlots(Message):
     """Between steps, checksum these (layer, slot) of the rank's slots and answer
     `SlotChecksums`: the background check that finds a slot whose weights changed in place."""
 
@@ -271,15 +257,26 @@ class SweepSlots:
     slots: list[tuple[int, int]]
 
 
-@dataclass(frozen=True)
-class SlotChecksums:
+class SlotChecksums(Message):
     epoch: int
     rank_id: int
     checksums: dict[tuple[int, int], int]
 
 
-@dataclass(frozen=True)
-class CorruptSlot:
+class ChaosStep(Message):
+    """Fault injection (only from a server started with --enable-chaos), sent just before the
+    `StepPlan` of (epoch, step) and applied to that step only: `delay_s` slept before its first
+    collective; `fail_at` makes the whole step raise there ("local", "experts" or "sampling");
+    `poisoned`: seq_id -> where the steps of that sequence raise."""
+
+    epoch: int
+    step: int
+    delay_s: float = 0.0
+    fail_at: str = ""
+    poisoned: dict[int, str] = msgspec.field(default_factory=dict)
+
+
+class CorruptSlot(Message):
     """Fault injection: overwrite the weights of (layer, slot) of this rank in place."""
 
     epoch: int
@@ -287,6 +284,5 @@ class CorruptSlot:
     slot: int
 
 
-@dataclass(frozen=True)
-class Shutdown:
+class Shutdown(Message):
     pass

@@ -1,0 +1,146 @@
+"""The background rebalance: the placement in use walked to a balanced one a few experts at a time,
+between steps, while serving goes on.
+
+Recovery and rejoin serve as soon as every expert has one live copy (the restore placement,
+`placement/restore.py`), which leaves the load uneven: the lost rank's share falls on the
+survivors that held the same experts, and a rejoined rank holds nothing. They then ask for a
+rebalance; EPLB hands it the placement it chose. From the next step boundary on (once the
+recovery's first step is done), every --rebalance-every-steps steps one move runs: an epoch
+with the same members that keeps their process group (no rendezvous) and sets at most
+--rebalance-move-bytes of slots to their target (`step_towards`: every expert keeps a copy in
+between), copied peer to peer and verified slot by slot. Serving pauses only for that move.
+
+A fault cancels the walk (the recovery asks for a new one over the survivors); a change of
+members (a scale) makes it compute its target again. When the placement in use is the target,
+the `rebalanced` event says how long it took, what moved and how its balance compares with a
+placement computed from scratch over the same ranks and load.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from elastic_ep.placement.fault_aware import fault_aware_placement
+from elastic_ep.placement.location import ExpertLocation
+from elastic_ep.placement.measures import balancedness
+from elastic_ep.placement.restore import step_towards
+
+from ..cluster import ClusterState
+from ..config import ServeConfig
+from ..events import EventKind
+from ..metrics import ClusterMetrics
+from .epoch_change import EpochReport, NoPlacement
+from .rebalance_rules import eplb_due, plan_rebalance
+from .requests import EpochRequest, Move
+
+
+class BackgroundRebalance:
+    """Built with the cluster state, an expert's bytes, the metrics, and the callables `load()`
+    (the recent expert load [L, E]), `load_steps()` (steps in that window), `speeds()` (placement
+    speed weights, or None), `form(EpochRequest, reason)` (the loop's epoch change),
+    `scaling()` (a scale is in flight), `has_work()` (requests in flight) and `recovering()` (a
+    recovery has not yet completed its first step)."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, expert_nbytes: int, metrics: ClusterMetrics, *,
+                 load: Callable[[], np.ndarray], load_steps: Callable[[], int],
+                 speeds: Callable[[], dict[int, float] | None],
+                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement], scaling: Callable[[], bool],
+                 has_work: Callable[[], bool], recovering: Callable[[], bool]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.expert_nbytes = expert_nbytes
+        self.metrics = metrics
+        self.load = load
+        self.load_steps = load_steps
+        self._speeds = speeds
+        self.form = form
+        self.scaling = scaling
+        self.has_work = has_work
+        self.recovering = recovering
+        self.reason: str | None = None  # why a walk is wanted; None: none
+        self.target: ExpertLocation | None = None
+        self.members: list[int] = []  # the members the target was computed for
+        self.started_at = 0.0
+        self.moves = 0
+        self.slots_moved = 0
+        self.bytes_moved = 0
+        self.last_move_step = -1
+        self.last_eplb_step = -1
+
+    def request(self, reason: str) -> None:
+        """Walk to a balanced placement over the current members, from the next boundary on."""
+        self._start(reason, None)
+
+    def status(self) -> dict[str, Any]:
+        """For /cluster: whether a walk is under way, why, and how far it has come."""
+        return {"active": self.reason is not None, "reason": self.reason, "moves": self.moves,
+                "slots": self.slots_moved}
+
+    def cancel(self) -> None:
+        self.reason, self.target = None, None
+
+    def check_eplb(self) -> None:
+        """Every --eplb-interval steps: when the load is uneven enough, walk to EPLB's placement."""
+        c = self.cluster
+        if not (self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, self.load_steps(),
+                                                  self.last_eplb_step)):
+            return
+        self.last_eplb_step = c.step
+        assert c.location is not None
+        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self._speeds(), self.cfg.eplb_threshold)
+        if plan is not None:
+            self.metrics.eplb_rebalances.inc()
+            self._start(f"eplb: imbalance {plan.before:.2f} -> {plan.after:.2f}", plan.placement)
+
+    def due(self) -> bool:
+        """A move is wanted and may run now: never during a scale; with requests in flight, not
+        before a recovery's first step and only --rebalance-every-steps steps after the last
+        move; with none, at once."""
+        if self.reason is None or self.scaling():
+            return False
+        if not self.has_work():
+            return True
+        return not self.recovering() and self.cluster.step - self.last_move_step >= self.cfg.rebalance_every_steps
+
+    def advance(self) -> None:
+        """One move towards the target (computing the target first when there is none)."""
+        c = self.cluster
+        assert c.location is not None and self.reason is not None
+        if self.target is None or self.members != c.members:
+            self.target = fault_aware_placement(self.load(), c.members, c.rank_nodes(), self._speeds(),
+                                                c.slots_per_rank, c.location.num_ranks, current=c.location)
+            self.members = list(c.members)
+        if c.location != self.target:
+            max_slots = max(1, self.cfg.rebalance_move_bytes // self.expert_nbytes)
+            step = step_towards(c.location, self.target, max_slots, self.load())
+            slots = int((step.phy2log != c.location.phy2log).sum())
+            self.last_move_step = c.step
+            self.form(Move(step), f"{self.reason}: move {self.moves + 1}, {slots} slots")
+            self.moves += 1
+            self.slots_moved += slots
+            self.bytes_moved += slots * self.expert_nbytes
+        if c.location == self.target:
+            self._finish()
+
+    def _start(self, reason: str, target: ExpertLocation | None) -> None:
+        self.reason, self.target, self.members = reason, target, list(self.cluster.members)
+        self.started_at = time.monotonic()
+        self.moves = self.slots_moved = self.bytes_moved = 0
+
+    def _finish(self) -> None:
+        c = self.cluster
+        assert c.location is not None
+        load, speeds = self.load(), self._speeds()
+        scratch = fault_aware_placement(load, c.members, c.rank_nodes(), speeds, c.slots_per_rank,
+                                        c.location.num_ranks)
+        c.events.add(EventKind.REBALANCED, f"rebalanced ({self.reason}) in {self.moves} moves, "
+                     f"{time.monotonic() - self.started_at:.2f}s", reason=self.reason, moves=self.moves,
+                     slots=self.slots_moved, bytes=self.bytes_moved,
+                     seconds=round(time.monotonic() - self.started_at, 4),
+                     balancedness=round(float(balancedness(c.location, load, c.members, speeds).mean()), 4),
+                     scratch_balancedness=round(float(balancedness(scratch, load, c.members, speeds).mean()), 4))
+        self.cancel()

@@ -1,0 +1,62 @@
+"""The background check of expert slots: a few slots of every member at a time, round robin, so
+a slot whose weights changed in place (memory corruption, a bad copy) is found while serving.
+
+Every --expert-sweep-interval-s each member checksums its next --expert-sweep-slots slots
+between steps (`SweepSlots`) and answers `SlotChecksums`; a checksum that differs from the
+expert's reference (taken from the weights as first read from the checkpoint) makes the slot
+suspect, and the control loop refills it from a clean copy in a new epoch. A dead, hung or slow
+rank simply answers late or never: the sweep waits for nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from elastic_ep.wire import SlotChecksums, SweepSlots
+
+from ..cluster import ClusterState
+from ..config import ServeConfig
+from ..control_plane import ControlPlane
+from ..events import EventKind
+from .epoch_change import EpochChanger
+
+
+class SlotSweeper:
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, changer: EpochChanger):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.plane = plane
+        self.changer = changer
+        self._swept_at = 0.0
+        self._next: dict[int, int] = {}  # rank -> index of its next occupied slot to check
+
+    def sweep(self) -> None:
+        """Ask each member for its next slots' checksums, when the interval has passed."""
+        c, cfg = self.cluster, self.cfg
+        now = time.monotonic()
+        if not cfg.expert_sweep_slots or c.location is None or now - self._swept_at < cfg.expert_sweep_interval_s:
+            return
+        self._swept_at = now
+        for rank_id in c.members:
+            occupied = [(li, j) for (li, j), e in np.ndenumerate(c.location.experts_of_rank(rank_id)) if e >= 0]
+            if not occupied:
+                continue
+            start = self._next.get(rank_id, 0)
+            picked = [occupied[(start + i) % len(occupied)] for i in range(min(cfg.expert_sweep_slots, len(occupied)))]
+            self._next[rank_id] = (start + len(picked)) % len(occupied)
+            self.plane.to_worker(rank_id, SweepSlots(c.epoch, picked))
+
+    def on_checksums(self, msg: SlotChecksums) -> None:
+        """Mark the slots whose checksum is not their expert's reference as suspect."""
+        c = self.cluster
+        if msg.epoch != c.epoch or c.location is None or msg.rank_id not in c.members:
+            return
+        experts = c.location.experts_of_rank(msg.rank_id)
+        bad = {(msg.rank_id, li, j) for (li, j), checksum in msg.checksums.items()
+               if not self.changer.matches(li, int(experts[li, j]), checksum)}
+        if self.changer.mark_suspect(bad):
+            c.events.add(EventKind.VERIFY_FAILED, f"background check: slots (rank, layer, slot) {sorted(bad)} hold "
+                         "the wrong weights; refilling them from a clean copy", msg.rank_id,
+                         slots=[list(b) for b in sorted(bad)])

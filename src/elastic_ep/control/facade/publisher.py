@@ -1,0 +1,189 @@
+"""What the control thread publishes each time it pumps: readiness (with the stall check) and
+health at once; at most every `throttle_s` the `/cluster` snapshot with every rank's liveness and
+straggler verdict, and the liveness gauges of `/metrics`; and the periodic stats line of the log.
+
+Why readiness has a stall check of its own: the fencing deadlines are raised for large models (a
+real step can take seconds) and for drills, and until they act a hung group looked ready. `/ready`
+turns false as soon as the step in flight runs past the stall deadline (--stall-multiple x the
+median recent step time, at least --stall-floor-s) or a member has been silent that long, and
+true again once steps move; a load balancer stops sending here, and the watchdog still decides
+alone whom to fence.
+
+`/health` answers whether this process is worth keeping (a Kubernetes liveness probe, vLLM's
+`/health`): "ok", or "degraded" with the reason (not ready; a rank stalled, suspect or down) while
+the control loop runs, since restarting the whole instance would not mend a rank that elastic EP
+fences and replaces by itself; "dead" (HTTP 503) only once the control loop has stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from elastic_ep.policy.straggler_verdict import IntervalRecorder, judge
+
+from ..api import Health, Readiness
+from ..cluster import ClusterState
+from ..config import ServeConfig
+from ..events import EventKind
+from ..faults.detector import FaultDetector
+from ..faults.health_rules import adaptive_deadline_s, rank_liveness, stall_reason
+from ..metrics import ClusterMetrics
+from ..ranks import Liveness, RankLiveness, RankStatus
+from ..serving.scheduler import Sequence
+from ..timing import ControlTimes
+from .engine import Published
+from .stats_log import StatsLog
+
+
+class StepView(Protocol):
+    """The step loop, read: the step in flight and what the steps measured."""
+
+    in_step: set[int]
+    replies: Mapping[int, object]
+    started_at: float
+    own_time: IntervalRecorder
+    tokens_run: int
+    tokens_sampled: int
+
+
+class QueueView(Protocol):
+    """The scheduler, read."""
+
+    running: Mapping[int, list[Sequence]]
+    waiting: Any
+
+    def num_requests(self, rank_id: int) -> int: ...
+
+
+SNAPSHOT_SHARE = 0.05  # most of the control thread's time the /cluster snapshot may take
+
+
+class Publisher:
+    """Built with what it reads (the cluster state, the detector's step times, the step loop, the
+    scheduler), what it writes (`published`, the metrics), the control plane's `heard()` clock and
+    address, and `views(now)`: the other roles' top-level /cluster fields (scale, straggler
+    policy, standbys, hardware, rebalance, ...) and `slow_delays()` (chaos, by rank); `times`: the
+    control plane's timers (control/timing.py), shown in /cluster."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, detector: FaultDetector, steps: StepView,
+                 scheduler: QueueView, published: Published, metrics: ClusterMetrics, *, heard: Callable[[], float],
+                 controller_addr: str, views: Callable[[float], dict[str, Any]],
+                 slow_delays: Callable[[], Mapping[int, float]], times: ControlTimes | None = None):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.detector = detector
+        self.steps = steps
+        self.scheduler = scheduler
+        self.published = published
+        self.metrics = metrics
+        self.heard = heard
+        self.controller_addr = controller_addr
+        self.views = views
+        self.slow_delays = slow_delays
+        self.times = times or ControlTimes()  # the control plane's timers: the snapshot's build time goes there
+        self.rule = cfg.straggler_rule()
+        self.stats = StatsLog(cfg.log_stats_interval_s, time.monotonic())
+        self._published_at = 0.0
+        self._stalled_since: float | None = None
+        self._liveness: dict[int, RankLiveness] | None = None
+        self._liveness_at = 0.0
+        self.liveness_period_s = cfg.health_check_period_s  # benchmarks/control_plane.py --before: 0
+        self.snapshot_share = SNAPSHOT_SHARE  # --before: inf (every throttle_s whatever the build takes)
+
+    def stall_deadline_s(self) -> float:
+        cfg = self.cfg
+        return adaptive_deadline_s(self.detector.recent_step_s, cfg.stall_multiple, cfg.stall_floor_s)
+
+    def liveness(self, now: float, heard: float) -> dict[int, RankLiveness]:
+        """Liveness of every rank whose process should be running (`RankInfo.watched`); `now` is
+        monotonic, `heard` the control plane's heard clock (heartbeat ages)."""
+        steps = self.steps
+        step_age_s = now - steps.started_at if steps.in_step else None
+        stall_s, suspect_s = self.stall_deadline_s(), self.cfg.heartbeat_suspect_s
+        beating = self.cfg.health_checks  # without health checks workers send no heartbeats
+        return {r.rank_id: rank_liveness(heard - r.last_heartbeat if beating else 0.0, step_age_s,
+                                         r.rank_id in steps.in_step and r.rank_id not in steps.replies,
+                                         r.progress.phase, suspect_s, stall_s)
+                for r in self.cluster.ranks.values() if r.watched}
+
+    def health(self, readiness: Readiness, liveness: dict[int, RankLiveness]) -> Health:
+        fatal = self.published.fatal
+        if fatal:
+            return Health("dead", f"the control loop stopped: {fatal}")
+        # not ready already names the stalled ranks; else name the suspect and stalled ones
+        problems = [f"not ready: {readiness.reason}"] if not readiness.ready else [
+            f"rank {r} {lv.state.value}: {lv.reason}" for r, lv in sorted(liveness.items())
+            if lv.state in (Liveness.SUSPECT, Liveness.STALLED)]
+        problems += [f"rank {r.rank_id} {r.status.value}" for r in self.cluster.ranks.values()
+                     if r.status.down or r.status == RankStatus.FENCING]
+        return Health("degraded", "; ".join(problems)) if problems else Health("ok")
+
+    def publish(self, throttle_s: float = 0.0) -> None:
+        """Readiness and health at once (liveness at most every --health-check-period-s); the /cluster
+        snapshot and gauges at most every `throttle_s`, and never more often than keeps their build
+        under `SNAPSHOT_SHARE` of the control thread's time (a large cluster's snapshot is refreshed
+        less often rather than delaying steps)."""
+        c, steps, sched = self.cluster, self.steps, self.scheduler
+        now, heard = time.monotonic(), self.heard()
+        if throttle_s and now - self._liveness_at < self.liveness_period_s and self._liveness is not None:
+            liveness = self._liveness
+        else:
+            liveness = self._liveness = self.liveness(now, heard)
+            self._liveness_at = now
+        step_age_s = now - steps.started_at if steps.in_step else None
+        members = {r: lv for r, lv in liveness.items() if r in c.members}
+        stalled = stall_reason(step_age_s, self.stall_deadline_s(), members) if c.readiness.ready else None
+        readiness = Readiness(False, stalled) if stalled else c.readiness
+        self._note_stall(now, stalled)
+        health = self.health(readiness, liveness)
+        self.published.readiness, self.published.health = readiness, health
+        self.stats.maybe_log(now, c, (c.step, steps.tokens_run, steps.tokens_sampled),
+                             sum(len(seqs) for seqs in sched.running.values()), len(sched.waiting), readiness)
+        if throttle_s and now - self._published_at < max(throttle_s, self.times.snapshot_s / self.snapshot_share):
+            return
+        self._published_at = now
+        t0 = time.perf_counter()
+        verdicts = judge(steps.own_time.intervals(now), self.rule, now, c.members)
+        deadlines = {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.detector.watchdog_deadline_s(), 3),
+                     "stall_deadline_s": round(self.stall_deadline_s(), 3), "stall_multiple": self.cfg.stall_multiple}
+        self.published.snapshot = c.snapshot(
+            sched.num_requests, self.slow_delays(), self.controller_addr, deadlines, readiness, liveness, heard,
+            {r: v.to_json() for r, v in verdicts.items() if r in c.members},
+            health=vars(health), straggler_rule=self.rule.to_json(), **self.views(now),
+            data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()}, control_times=self.times.view())
+        self._set_gauges(heard, readiness, liveness)
+        self.times.snapshot_s = time.perf_counter() - t0
+
+    def _note_stall(self, now: float, stalled: str | None) -> None:
+        """One event when the group stalls and one when it moves again (not one per publish)."""
+        events = self.cluster.events
+        if stalled and self._stalled_since is None:
+            self._stalled_since = now
+            events.add(EventKind.STALLED, stalled)
+        elif not stalled and self._stalled_since is not None:
+            events.add(EventKind.STALL_ENDED, f"no longer stalled after {now - self._stalled_since:.1f}s: no step "
+                       "in flight is past the stall deadline and no member is silent")
+            self._stalled_since = None
+
+    def _set_gauges(self, heard: float, readiness: Readiness, liveness: dict[int, RankLiveness]) -> None:
+        c, m = self.cluster, self.metrics
+        unix_now = time.time()
+        for r in c.ranks.values():
+            label, lv = str(r.rank_id), liveness.get(r.rank_id)
+            serving = r.rank_id in c.members and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
+            m.rank_up.labels(label).set(int(serving and lv is not None and lv.state != Liveness.STALLED))
+            m.rank_stalled_seconds.labels(label).set(lv.stalled_s or 0.0 if lv is not None else 0.0)
+            if r.last_heartbeat:
+                m.rank_heartbeat_age_seconds.labels(label).set(heard - r.last_heartbeat)
+            if r.progress_at:
+                m.rank_last_progress_seconds.labels(label).set(unix_now - (heard - r.progress_at))
+        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members if r in c.ranks}
+        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
+        if mean:
+            for r, v in slot_totals.items():
+                m.expert_load_imbalance.labels(str(r)).set(v / mean)
+        m.requests_running.set(sum(len(seqs) for seqs in self.scheduler.running.values()))
+        m.requests_waiting.set(len(self.scheduler.waiting))
+        m.ready.set(int(readiness.ready))

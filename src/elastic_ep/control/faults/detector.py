@@ -1,0 +1,149 @@
+"""The fault detector: every detection signal in, a typed `Fault(rank_id, cause, detail)` out.
+
+Signals, fastest first: the agent reports a worker's exit (crash, OOM kill, `kill -9`); a worker
+reports that a collective raised (gloo fails in milliseconds when a peer's socket closes, with
+no rank to blame: an error, not a fault; an error in a rank's own computation is not even that,
+see control/serving/isolation.py); a rank's heartbeats stop for --heartbeat-timeout-s (a
+stopped process or a cut link; heartbeats come from their own thread, so a rank blocked in a
+collective or merely slow keeps beating); the progress watchdog names a rank that has not
+entered the collective the others wait in for the adaptive deadline (a hang). A slow rank is
+never a fault here: it enters each collective late but within a deadline that grows with the
+step times it causes. The rules themselves are the pure functions of `control/faults/health_rules.py`.
+
+What is found stays pending until recovery takes it (`take`); the control loop checks
+`pending` after every wait and turns it into `RecoveryNeeded`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from elastic_ep.wire import Heartbeat
+
+from ..config import ServeConfig
+from ..ranks import RankInfo
+from .health_rules import adaptive_deadline_s, hung_ranks, lost_heartbeats
+
+
+class RecoveryNeeded(Exception):
+    """Raised inside the control loop when a fault interrupts a step or an epoch change."""
+
+
+class FaultCause(str, Enum):
+    """Why a rank was named; the value is the `cause` label of the recoveries metric."""
+
+    EXITED = "exited"  # its agent saw the process exit
+    HEARTBEAT_LOST = "heartbeat"  # no heartbeat for --heartbeat-timeout-s
+    HUNG = "hung"  # the progress watchdog
+    NO_ANSWER = "no_answer"  # did not leave a failed step within --drain-timeout-s
+    NOT_JOINED = "did_not_join"  # did not join a new epoch within --epoch-timeout-s
+    STEP_ERRORS = "step_errors"  # its computation fails with no request to blame (control/serving/isolation.py)
+    NODE_LOST = "node_lost"  # its node's agent went silent for --agent-timeout-s (host lost or cut off)
+    EVICTED = "evicted"  # the straggler policy evicts it (slow, not bad): fenced and replaced, not restarted
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank_id: int
+    cause: FaultCause
+    detail: str  # for people: "process exited with code -9"
+
+
+class FaultDetector:
+    """Detection state of the control thread: pending faults, errors with no culprit, and what the
+    watchdog needs (first sighting of each collective, recent step times)."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        self.faults: dict[int, Fault] = {}
+        self.errors: list[str] = []
+        self.detected_at: float | None = None
+        self.seq_first_seen: dict[int, float] = {}
+        self.recent_step_s: deque[float] = deque(maxlen=32)
+        self._checked_at = 0.0
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.faults or self.errors)
+
+    def record(self, fault: Fault) -> bool:
+        """Keep `fault` for recovery; False when that rank is already named."""
+        if fault.rank_id in self.faults:
+            return False
+        self.faults[fault.rank_id] = fault
+        self._mark_detected()
+        return True
+
+    def error(self, detail: str) -> None:
+        """A step or epoch failed with no rank to blame (e.g. a peer's collective raised)."""
+        self.errors.append(detail)
+        self._mark_detected()
+
+    def take(self) -> tuple[dict[int, Fault], list[str], float]:
+        """Hand the pending faults and errors to recovery, with when the first was detected."""
+        taken = (dict(self.faults), list(self.errors), self.detected_at or time.monotonic())
+        self.clear()
+        return taken
+
+    def clear(self) -> None:
+        self.faults.clear()
+        self.errors.clear()
+        self.detected_at = None
+
+    def _mark_detected(self) -> None:
+        if self.detected_at is None:
+            self.detected_at = time.monotonic()
+
+    # ---- signals -------------------------------------------------------------------------
+
+    def heartbeat(self, rank: RankInfo, msg: Heartbeat, epoch: int, now: float) -> None:
+        rank.last_heartbeat = now
+        if msg.progress.epoch == epoch and msg.progress.seq not in self.seq_first_seen:
+            self.seq_first_seen[msg.progress.seq] = now
+        if msg.progress != rank.progress:
+            rank.progress, rank.progress_at = msg.progress, now
+
+    def new_epoch(self) -> None:
+        self.seq_first_seen = {}
+
+    def step_done(self, wall_s: float) -> None:
+        self.recent_step_s.append(wall_s)
+
+    def watchdog_deadline_s(self) -> float:
+        return adaptive_deadline_s(self.recent_step_s, self.cfg.watchdog_multiple, self.cfg.watchdog_floor_s)
+
+    def check(self, now: float, ranks: Mapping[int, RankInfo], members: Collection[int], in_step: bool,
+              epoch: int) -> list[Fault]:
+        """Heartbeats of every registered live rank and, while a step runs, the watchdog over the
+        members; at most every --health-check-period-s."""
+        if not self.cfg.health_checks or now - self._checked_at < self.cfg.health_check_period_s:
+            return []
+        self._checked_at = now
+        watched = {r.rank_id: r.last_heartbeat for r in ranks.values() if r.watched}
+        timeout_s = self.cfg.heartbeat_timeout_s
+        found = [Fault(r, FaultCause.HEARTBEAT_LOST, f"no heartbeat for {timeout_s:.2f}s (stopped or cut off)")
+                 for r in lost_heartbeats(watched, now, timeout_s)]
+        if in_step:
+            deadline = self.watchdog_deadline_s()
+            progress = {r: ranks[r].progress for r in members if r not in self.faults}
+            for rank_id in hung_ranks(progress, epoch, self.seq_first_seen, now, deadline):
+                p = progress[rank_id]
+                found.append(Fault(rank_id, FaultCause.HUNG, (
+                    f"hung: has not entered collective {max(x.seq for x in progress.values())} the others wait "
+                    f"in for {deadline:.2f}s (last at layer {p.layer} {p.phase})")))
+        return found
+
+    @staticmethod
+    def exited(rank_id: int, returncode: int) -> Fault:
+        return Fault(rank_id, FaultCause.EXITED, f"process exited with code {returncode}")
+
+    def no_answer(self, rank_id: int) -> Fault:
+        return Fault(rank_id, FaultCause.NO_ANSWER,
+                     f"no answer {self.cfg.drain_timeout_s}s after the fault (hung in a collective)")
+
+    def not_joined(self, rank_id: int, epoch: int) -> Fault:
+        return Fault(rank_id, FaultCause.NOT_JOINED, f"did not join epoch {epoch} within {self.cfg.epoch_timeout_s}s")

@@ -1,0 +1,131 @@
+"""The straggler policy in the controller: at step boundaries, judge the members' verdicts with the
+policy of `policy/straggler_policy.py` and carry out its decisions.
+
+- derate / restore: a placement with per-rank speed weights (the derated ranks' weights), made
+  now as an epoch with the same members, so the slow rank gets the lighter replicas (the same
+  speed-aware placement EPLB uses). A membership change made elsewhere (recovery, rejoin, scale)
+  places without weights, so the weights are applied again in an epoch of their own after it.
+- evict: the rank becomes a fault of cause `evicted`; recovery fences it, takes a standby into
+  the next epoch when one stands by (else the group serves one rank short) and retires the rank
+  instead of restarting it (its card is suspect); a replacement process is started at once, which
+  joins when it registers, or stands by when a standby already took the place.
+- every decision is a `straggler` event with the verdict's evidence and the node's hardware
+  signals. A slow rank is never a fault for the detector: only this policy evicts, and only as
+  the limits allow (`policy/straggler_policy.py`).
+The review runs once per verdict interval (--straggler-window-s / 10), not while a scale is in
+flight, and only on a ready cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from elastic_ep.policy.straggler_policy import Decision, DecisionKind, PolicyState, StragglerAction, decide
+from elastic_ep.policy.straggler_verdict import INTERVALS_PER_WINDOW, IntervalRecorder, judge
+
+from ..cluster import ClusterState
+from ..config import ServeConfig
+from ..epochs.epoch_change import EpochReport, NoPlacement
+from ..epochs.rebalance_rules import plan_rebalance
+from ..epochs.requests import EpochRequest, Reweight
+from ..events import EventKind
+from .detector import Fault, FaultCause
+from .health_rules import relative_speeds
+
+
+class StragglerControl:
+    """Built with the cluster state, the per-rank own-time recorder the step loop fills, and the
+    callables `standbys()` (how many stand by), `fault(Fault)`, `replace_later(rank_id)` (a
+    replacement process after the fence), `pending()` (a fault waits for recovery),
+    `evidence(node)` (the node's hardware signals), `load()` ([L, E]) and `form(EpochRequest,
+    reason)` (the loop's epoch change)."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, own_time: IntervalRecorder, *,
+                 standbys: Callable[[], int], fault: Callable[[Fault], None], replace_later: Callable[[int], None],
+                 pending: Callable[[], bool], evidence: Callable[[str], Any], load: Callable[[], np.ndarray],
+                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.own_time = own_time
+        self.standbys = standbys
+        self.fault = fault
+        self.replace_later = replace_later
+        self.pending = pending
+        self.evidence = evidence
+        self.load = load
+        self.form = form
+        self.rule = cfg.straggler_rule()
+        self.policy = cfg.straggler_policy_params()
+        self.state = PolicyState()
+        self.interval_s = self.rule.window_s / INTERVALS_PER_WINDOW
+        self._reviewed_at = float("-inf")
+        self._placed: tuple[int, dict[int, float]] = (-1, {})  # (epoch, weights) of the last weighted placement
+
+    def placement_speeds(self) -> dict[int, float] | None:
+        """Speed weights for any placement over the members: each rank's measured speed with
+        --eplb-speed-aware, each derated rank at most its derate weight; None when there is neither."""
+        c, derated = self.cluster, self.derated()
+        if not self.cfg.eplb_speed_aware:
+            return derated or None
+        measured = relative_speeds({r: c.ranks[r].own_s for r in c.members})
+        return {**measured, **{r: min(measured.get(r, 1.0), s) for r, s in derated.items()}}
+
+    def derated(self) -> dict[int, float]:
+        members = self.cluster.members
+        return {r: s for r, s in self.state.speeds().items() if r in members}
+
+    def review(self, now: float) -> bool:
+        """Judge and act; True when it changed the epoch or left a fault for recovery."""
+        c = self.cluster
+        if self.policy.action == StragglerAction.OFF or now - self._reviewed_at < self.interval_s:
+            return False
+        self._reviewed_at = now
+        verdicts = judge(self.own_time.intervals(now), self.rule, now, c.members)
+        self.state, decisions = decide(self.state, self.policy, verdicts, now, c.members, c.min_ranks,
+                                       self.standbys())
+        for d in decisions:
+            self._announce(d)
+            if d.kind == DecisionKind.EVICT:
+                assert d.rank_id is not None
+                self.fault(Fault(d.rank_id, FaultCause.EVICTED, d.reason))
+                self.replace_later(d.rank_id)
+        if self.pending():
+            return True
+        return self._place(decisions)
+
+    def _place(self, decisions: list[Decision]) -> bool:
+        """A placement with the current weights when they changed, or an epoch formed without them."""
+        c = self.cluster
+        weights = self.derated()
+        placed_epoch, placed = self._placed
+        # an epoch made elsewhere (recovery, rejoin, scale) placed without weights
+        if weights:
+            due = weights != placed or placed_epoch != c.epoch
+        else:
+            due = bool(placed) and placed_epoch == c.epoch
+        if not due:
+            return False
+        assert c.location is not None
+        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self.placement_speeds(), 1.0)
+        changed = [f"{d.kind.value} rank {d.rank_id}" for d in decisions if d.kind in
+                   (DecisionKind.DERATE, DecisionKind.RESTORE)] or ["weights again after an epoch change"]
+        if plan is None:
+            self._placed = (c.epoch, weights)
+            return False
+        self.form(Reweight(plan.placement), f"straggler: {', '.join(changed)}; imbalance in time "
+                  f"{plan.before:.2f} -> {plan.after:.2f}")
+        self._placed = (c.epoch, weights)
+        return True
+
+    def _announce(self, d: Decision) -> None:
+        c = self.cluster
+        hardware = self.evidence(c.ranks[d.rank_id].node) if d.rank_id in c.ranks else None
+        c.events.add(EventKind.STRAGGLER, d.reason, d.rank_id, decision=d.kind.value, speed=round(d.speed, 3),
+                     evidence=d.evidence, hardware=hardware)
+
+    def view(self, now: float) -> dict[str, Any]:
+        """The policy and its state, for /cluster."""
+        return {**self.policy.to_json(), **self.state.to_json(now)}

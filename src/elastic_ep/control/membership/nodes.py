@@ -1,0 +1,377 @@
+"""Node agents and the rank processes they run: welcome an agent and give it ranks, follow each
+process from start to exit, fence, stop or restart a rank, and the node backups.
+
+When a rank's process dies its agent reports the exit at once and it becomes a fault (unless
+the rank was leaving); when it is fenced the agent kills it and confirms. A down rank is started
+again after --restart-delay-s by its agent (or by the agent itself with --auto-recover), or by
+a replacement node's agent (`--join-mode recover`). When an agent goes, its backup goes with
+it and transfers are no longer planned from it.
+
+Agents say they are alive every 0.1 s and each answer renews their lease. An agent silent for
+--agent-timeout-s (its host lost, or cut off) is dropped: every rank of its node is a fault at
+once, and since no one can kill them from here they count as down without a confirmation (a
+cut-off node fences itself when its lease runs out). When it comes back it registers again,
+in recover mode, and its ranks rejoin; anything from the session given up on is answered
+with `SessionEnded`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+
+from elastic_ep.errors import ElasticEPError
+from elastic_ep.wire import (
+    AbortEpoch,
+    AgentAlive,
+    AgentBye,
+    AgentHello,
+    AgentShutdown,
+    AgentWelcome,
+    BackupAssign,
+    BackupReady,
+    FenceWorker,
+    LeaseRenew,
+    Progress,
+    SessionEnded,
+    Shutdown,
+    SignalWorker,
+    StartWorker,
+    WorkerExited,
+    WorkerFenced,
+    WorkerHello,
+    WorkerLaunch,
+    WorkerStarted,
+)
+
+from ..cluster import ClusterState
+from ..config import ServeConfig
+from ..control_plane import ControlPlane
+from ..events import EventKind
+from ..faults.detector import Fault, FaultCause, FaultDetector
+from ..ranks import AgentInfo, RankInfo, RankStatus
+from .backup_shares import backup_shares
+
+
+def device_kind(device: str) -> str:
+    """"cuda:1" -> "cuda"."""
+    return device.split(":")[0]
+
+
+def wrong_device(group_kind: str, hello: WorkerHello) -> str:
+    """Why a registering rank cannot join a group that computes on `group_kind` ("" when it can):
+    every rank of a group computes on one device kind."""
+    kind = device_kind(hello.device)
+    if kind == group_kind:
+        return ""
+    return (f"rank {hello.rank_id} on {hello.node} came up on {kind}, but the group runs on {group_kind} "
+            f"(--device auto found no GPU there?): fix that node, or pass --device {group_kind}")
+
+
+class Nodes:
+    """The one writer of agents, rank processes (their records, pids and process states),
+    restarts and backups. Built with the cluster state, the control plane it sends on, the store
+    port workers are launched with, an expert's bytes (for the backup's size) and the callables
+    `fault(Fault)`, `target_size()` (ranks the group is meant to have), `undrain(rank_ids)`
+    (the scheduler), `forget_measures(rank_id)` (metrics and timings of a rank that left),
+    `pump(timeout_s)` and `publish()`."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, store_port: int,
+                 expert_nbytes: int, *, fault: Callable[[Fault], None], target_size: Callable[[], int],
+                 undrain: Callable[[list[int]], None], forget_measures: Callable[[int], None],
+                 pump: Callable[[float], None], publish: Callable[[], None]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.plane = plane
+        self.store_port = store_port
+        self.expert_nbytes = expert_nbytes
+        self.fault = fault
+        self.target_size = target_size
+        self.undrain = undrain
+        self.forget_measures = forget_measures
+        self.pump = pump
+        self.publish = publish
+        self.restart_at: dict[int, float] = {}  # rank -> monotonic time its restart is due
+
+    # ---- agents ------------------------------------------------------------------------------
+
+    def on_agent_hello(self, identity: bytes, msg: AgentHello) -> None:
+        known = self.cluster.agents.get(msg.node)
+        if known is not None and known.session == msg.session:  # a hello repeated before our welcome arrived
+            self.plane.to_identity(identity, AgentWelcome(self.launch(), msg.session))
+            return
+        agent = AgentInfo(msg.node, identity, msg.fetch_addr, msg.num_ranks, msg.auto_recover, msg.session, msg.host,
+                          self.plane.heard_clock(), msg.standalone)
+        self.cluster.agents[msg.node] = agent
+        self.cluster.events.add(EventKind.AGENT, f"node {msg.node} registered ({msg.join_mode}) at {msg.host or '?'}",
+                                node=msg.node, join_mode=msg.join_mode)
+        self._welcome(agent, msg.join_mode)
+
+    def on_agent_alive(self, identity: bytes, msg: AgentAlive) -> None:
+        agent = self.cluster.agents.get(msg.node)
+        if agent is None or agent.session != msg.session:
+            self.plane.to_identity(identity, SessionEnded(msg.session, "the controller gave up on this session "
+                                                                           "(unreachable for --agent-timeout-s)"))
+            return
+        agent.last_alive = self.plane.heard_clock()
+        self.plane.to_identity(identity, LeaseRenew(msg.session, self.cfg.lease_s))
+
+    def check_agents(self, now: float) -> None:
+        """Drop every agent silent for --agent-timeout-s; its node's ranks are faults."""
+        timeout_s = self.cfg.agent_timeout_s
+        for agent in [a for a in self.cluster.agents.values() if now - a.last_alive > timeout_s]:
+            self.cluster.events.add(EventKind.NODE_LOST, f"node {agent.node} lost: no word from its agent for "
+                                    f"{timeout_s:g}s (host down or cut off); its ranks fence themselves within "
+                                    "their lease", node=agent.node)
+            self.drop_backup(agent.node, "its node is lost")
+            self.cluster.agents.pop(agent.node)
+            for r in self.cluster.ranks.values():
+                if r.node == agent.node and r.status == RankStatus.FENCING:  # no one left to confirm it
+                    r.status = RankStatus.DEAD
+                elif r.node == agent.node and not r.status.down and r.status != RankStatus.RETIRING:
+                    self.fault(Fault(r.rank_id, FaultCause.NODE_LOST,
+                                         f"node {agent.node} unreachable (no agent heartbeat for {timeout_s:g}s)"))
+
+    def _welcome(self, agent: AgentInfo, join_mode: str) -> None:
+        """Give a new agent its ranks: free rank ids, or with join_mode recover (a node that comes
+        back, or a replacement) ranks that are down, its own first, which it starts again."""
+        c = self.cluster
+        self.plane.to_identity(agent.identity, AgentWelcome(self.launch(), agent.session))
+        if join_mode == "recover":
+            down = sorted(c.down_ranks(), key=lambda r: (c.ranks[r].node != agent.node, r))
+            for rank_id in down[: agent.num_ranks]:
+                self.restart_at.pop(rank_id, None)
+                c.ranks[rank_id].node = agent.node
+                c.events.add(EventKind.REPLACE, f"rank {rank_id} moves to node {agent.node}", rank_id)
+                self.plane.to_identity(agent.identity, StartWorker(rank_id, "recover", c.dense_site(agent.node)))
+            return
+        free = [r for r in range(self.target_size()) if r not in c.ranks]
+        for rank_id in free[: agent.num_ranks]:
+            c.ranks[rank_id] = RankInfo(rank_id, agent.node)
+            self.plane.to_identity(agent.identity, StartWorker(rank_id, "initial"))
+
+    def launch(self) -> WorkerLaunch:
+        cfg, plane = self.cfg, self.plane
+        return WorkerLaunch(
+            cfg.model_dir, plane.step_addr, plane.health_addr, cfg.control_host, self.store_port, cfg.backend,
+            cfg.max_num_seqs, cfg.max_model_len, cfg.heartbeat_interval_s if cfg.health_checks else 0.0,
+            cfg.backup_fetch_timeout_s, dtype=cfg.dtype, device=cfg.device,
+        )
+
+    def on_agent_bye(self, msg: AgentBye) -> None:
+        self.drop_backup(msg.node, "its agent stopped")
+        self.cluster.agents.pop(msg.node, None)
+
+    def send(self, node: str, message) -> None:
+        agent = self.cluster.agents.get(node)
+        if agent is not None:
+            self.plane.to_identity(agent.identity, message)
+
+    # ---- rank processes ------------------------------------------------------------------------
+
+    def on_worker_started(self, identity: bytes, msg: WorkerStarted) -> None:
+        r = self.cluster.ranks.get(msg.rank_id)
+        if r is None or r.status == RankStatus.RETIRING:  # it left the cluster (its scale ended) before it started
+            self.plane.to_identity(identity, FenceWorker(msg.rank_id, msg.pid, "it left the cluster", final=True))
+            return
+        heard = self.plane.heard_clock()
+        r.node, r.pid, r.status, r.last_heartbeat = msg.node, msg.pid, RankStatus.STARTING, heard
+        r.progress, r.progress_at, r.hello = Progress(), heard, None
+        self.cluster.events.add(EventKind.STARTED, f"rank {msg.rank_id} started on {msg.node} (pid {msg.pid})",
+                                msg.rank_id)
+
+    def on_worker_hello(self, msg: WorkerHello) -> None:
+        """A rank registered: it may join an epoch from now on. One that computes on another device
+        kind than the group is refused: at startup the whole server stops with the reason
+        (ElasticEPError), later that rank is stopped for good."""
+        c = self.cluster
+        r = c.ranks.setdefault(msg.rank_id, RankInfo(msg.rank_id, msg.node))
+        if r.pid != msg.pid:
+            return
+        c.device_kind = c.device_kind or device_kind(msg.device)
+        reason = wrong_device(c.device_kind, msg)
+        if reason:
+            if c.epoch < 0:
+                raise ElasticEPError(reason)
+            c.events.add(EventKind.REFUSED, f"{reason}; the rank is stopped", msg.rank_id)
+            self.stop_rank(msg.rank_id)
+            return
+        r.hello, r.last_heartbeat = msg, self.plane.heard_clock()
+        self.cluster.events.add(
+            EventKind.REGISTERED, f"rank {msg.rank_id} registered ({msg.join_mode}); dense weights from "
+            f"{msg.dense_source} in {msg.load_s:.2f}s, warmed up in {msg.warmup_s:.3f}s", msg.rank_id,
+            dense_source=msg.dense_source, load_s=msg.load_s, warmup_s=msg.warmup_s)
+
+    def on_worker_exited(self, msg: WorkerExited) -> None:
+        r = self.cluster.ranks.get(msg.rank_id)
+        if r is None or r.pid != msg.pid:
+            return
+        if r.status != RankStatus.RETIRING:
+            self.fault(FaultDetector.exited(msg.rank_id, msg.returncode))
+        if r.status == RankStatus.RETIRING:  # also when the fault above failed a scale it was joining
+            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped (exit code {msg.returncode})")
+            return
+        r.status = RankStatus.DEAD
+
+    def on_worker_fenced(self, msg: WorkerFenced) -> None:
+        r = self.cluster.ranks.get(msg.rank_id)
+        if r is None or r.pid != msg.pid:
+            return
+        if r.status == RankStatus.RETIRING:
+            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped")
+        elif r.status == RankStatus.FENCING:
+            r.status = RankStatus.FENCED
+
+    def fence(self, rank_id: int, reason: str) -> None:
+        """Have the rank's agent SIGKILL it (confirmed by `WorkerFenced`); a rank whose node is
+        unreachable counts as down at once: it fences itself when its agent's lease runs out."""
+        r = self.cluster.ranks[rank_id]
+        if r.node not in self.cluster.agents:
+            r.status = RankStatus.DEAD
+            self.cluster.events.add(EventKind.FENCING, f"rank {rank_id} on unreachable node {r.node} counts as down; "
+                                    "it fences itself within its lease", rank_id)
+            return
+        self.send(r.node, FenceWorker(rank_id, r.pid, reason))
+        r.status = RankStatus.FENCING
+
+    def signal(self, rank_id: int, sig: int) -> None:
+        r = self.cluster.ranks.get(rank_id)
+        if r is not None and r.pid is not None:
+            self.send(r.node, SignalWorker(rank_id, r.pid, sig))
+
+    def abort_epoch(self, rank_id: int, epoch: int) -> None:
+        """Tell the rank's heartbeat thread to give up the collectives of `epoch` (a failed epoch)."""
+        self.plane.to_heartbeat(rank_id, AbortEpoch(epoch))
+
+    def confirm_lost(self, rank_id: int) -> None:
+        """A fence its agent never confirmed: the rank counts as dead."""
+        self.cluster.ranks[rank_id].status = RankStatus.DEAD
+
+    def start_new_rank(self, rank_id: int, node: str, spare: bool = False) -> None:
+        """A new rank process on `node` (dense weights from a host-memory copy where one exists);
+        it registers, then joins or, as a `spare`, stands by."""
+        c = self.cluster
+        c.ranks[rank_id] = RankInfo(rank_id, node, spare=spare)
+        self.send(node, StartWorker(rank_id, "initial", c.dense_site(node)))
+
+    def retire(self, rank_id: int, reason: str) -> None:
+        """Stop a rank outside the group for good (its exit report removes it), never a fault."""
+        r = self.cluster.ranks[rank_id]
+        r.status = RankStatus.RETIRING
+        if r.pid is not None:
+            self.send(r.node, FenceWorker(rank_id, r.pid, reason, final=True))
+
+    def restarting(self, rank_id: int) -> bool:
+        """Down and due to be started again."""
+        return rank_id in self.restart_at
+
+    def stop_rank(self, rank_id: int) -> None:
+        """Stop a rank that leaves the cluster; its exit report removes it from /cluster."""
+        r = self.cluster.ranks[rank_id]
+        r.status = RankStatus.RETIRING
+        self.undrain([rank_id])
+        if r.hello is not None:
+            self.plane.to_worker(rank_id, Shutdown())
+        elif r.pid is not None:
+            self.send(r.node, FenceWorker(rank_id, r.pid, "its scale ended", final=True))
+        else:  # not started yet: if it starts later, its WorkerStarted finds no rank and fences it
+            self.forget_rank(rank_id, f"rank {rank_id} will not start")
+
+    def forget_rank(self, rank_id: int, message: str) -> None:
+        c = self.cluster
+        c.ranks.pop(rank_id, None)
+        self.restart_at.pop(rank_id, None)
+        self.undrain([rank_id])
+        self.forget_measures(rank_id)
+        c.events.add(EventKind.RETIRED, message, rank_id)
+
+    def restart_due(self, now: float) -> None:
+        """Ask agents to start the down ranks whose --restart-delay-s has passed."""
+        c = self.cluster
+        for rank_id, t in list(self.restart_at.items()):
+            node = c.ranks[rank_id].node
+            if now >= t and node in c.agents:  # an unreachable node restarts its ranks when it registers again
+                del self.restart_at[rank_id]
+                self.send(node, StartWorker(rank_id, "recover", c.dense_site(node)))
+
+    def schedule_restart(self, rank_id: int) -> None:
+        """After a fault: restart it after --restart-delay-s unless its agent restarts its own ranks."""
+        agent = self.cluster.agents.get(self.cluster.ranks[rank_id].node)
+        if self.cfg.restart_delay_s >= 0 and not (agent is not None and agent.auto_recover):
+            self.restart_at[rank_id] = time.monotonic() + self.cfg.restart_delay_s
+
+    def shutdown(self) -> None:
+        for r in self.cluster.ranks.values():
+            if not r.status.down:
+                self.plane.to_worker(r.rank_id, Shutdown())
+        for agent in self.cluster.agents.values():
+            self.plane.to_identity(agent.identity, AgentShutdown())
+
+    # ---- host-memory backup --------------------------------------------------------------------
+
+    def start_backup(self) -> None:
+        """Give every agent its share of the expert backup, if memory allows."""
+        c, cfg = self.cluster, self.cfg
+        total = self.expert_nbytes * c.num_layers * c.num_experts
+        room = psutil.virtual_memory().available
+        if not cfg.expert_backup:
+            c.backup_off = "the expert backup is off (--no-expert-backup)"
+        elif total > room // 2:
+            c.backup_off = f"the expert backup is off: {total} bytes exceed half the free memory ({room})"
+        else:
+            c.backup_off = ""
+        if c.backup_off:
+            c.events.add(EventKind.BACKUP, c.backup_off)
+            return
+        assert c.location is not None
+        for node, items in backup_shares(c.location, c.rank_nodes(), sorted(c.agents)).items():
+            c.backup_progress[node] = (0, len(items))
+            self.plane.to_identity(c.agents[node].identity, BackupAssign(items))
+
+    def on_backup_ready(self, msg: BackupReady) -> None:
+        """A piece of a node's backup is written: plan transfers from it at once."""
+        c = self.cluster
+        agent = c.agents.get(msg.node)
+        if agent is None or msg.node in c.backup_lost:
+            return
+        agent.backup = msg.site
+        agent.backup_experts = agent.backup_experts + list(msg.experts)
+        if len(agent.backup_experts) < msg.share:
+            c.backup_progress[msg.node] = (len(agent.backup_experts), msg.share)
+            return
+        c.backup_progress.pop(msg.node, None)
+        c.events.add(EventKind.BACKUP, f"node {msg.node} holds {len(agent.backup_experts)} experts in host memory "
+                     f"({msg.nbytes} bytes)", nbytes=msg.nbytes, path=msg.site.path)
+
+    def wait_for_ranks(self, stopping: threading.Event) -> None:
+        """Until --ep-size ranks have registered (the first epoch forms over them). Raises
+        ElasticEPError when a rank exits first or --startup-timeout-s runs out."""
+        c, cfg = self.cluster, self.cfg
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while not stopping.is_set():
+            hello = [r for r in c.ranks.values() if r.hello is not None]
+            c.set_readiness(False, f"starting: {len(hello)}/{cfg.ep_size} ranks registered")
+            self.publish()
+            if len(hello) >= cfg.ep_size:
+                return
+            dead = [r for r in c.ranks.values() if r.status == RankStatus.DEAD]
+            if dead:
+                raise ElasticEPError(f"rank {dead[0].rank_id} exited during startup; see its log above")
+            if time.monotonic() > deadline:
+                raise ElasticEPError(
+                    f"only {len(hello)} of {cfg.ep_size} ranks registered within --startup-timeout-s "
+                    f"{cfg.startup_timeout_s}; check the worker logs"
+                )
+            self.pump(0.05)
+
+    def drop_backup(self, node: str, why: str) -> None:
+        """Stop planning transfers from a node's backup (and dense weights from it)."""
+        agent = self.cluster.agents.get(node)
+        if agent is not None and agent.backup is not None:
+            agent.backup, agent.backup_experts = None, []
+            self.cluster.backup_progress.pop(node, None)
+            self.cluster.backup_lost[node] = why
+            self.cluster.events.add(EventKind.BACKUP_LOST, f"node {node}'s backup is gone: {why}", node=node)

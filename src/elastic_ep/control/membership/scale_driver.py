@@ -1,0 +1,214 @@
+"""The scale driver: moves a `ScaleOp` (control/membership/scale_rules.py, the rules) on at step boundaries.
+
+Scale-up takes standby ranks first (registered and warm, `--standby-ranks`), starts the rest
+through the agents, waits for all of them to register while the old group serves, then admits
+them together in one epoch. Scale-down drains the leaving ranks,
+moves the experts only they hold in an epoch where they still send, then drops and stops them.
+Every change of members is a `ScaleStep` epoch through the same epoch change as recovery. A
+joiner that dies or stops before it is a member fails the scale, not the service, and so does a
+step with no placement over its ranks (the old epoch serves on); a fault of a member during a
+scale is recovered as anywhere else and the scale resumes; a slow joiner only makes the scale
+slower, up to --elastic-ep-scale-timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..api import ScaleRejected
+from ..cluster import ClusterState
+from ..config import ServeConfig
+from ..epochs.epoch_change import EpochReport, NoPlacement
+from ..epochs.epoch_plan import trimmed
+from ..epochs.requests import EpochRequest, ScaleStep
+from ..events import EventKind
+from ..ranks import RankStatus
+from .scale_rules import (
+    ScaleOp,
+    agent_for_new_rank,
+    check_target,
+    new_rank_ids,
+    ranks_to_retire,
+    scale_limits,
+    status_view,
+)
+
+
+class Processes(Protocol):
+    """The rank processes (membership/nodes.py)."""
+
+    def start_new_rank(self, rank_id: int, node: str, spare: bool = False) -> None: ...
+    def forget_rank(self, rank_id: int, message: str) -> None: ...
+    def stop_rank(self, rank_id: int) -> None: ...
+
+
+class Drains(Protocol):
+    """The scheduler, as a scale-down drains ranks."""
+
+    def drain(self, ranks: list[int]) -> None: ...
+    def undrain(self, ranks: list[int]) -> None: ...
+    def num_requests(self, rank_id: int) -> int: ...
+
+
+class ScaleDriver:
+    """Built with the cluster state, the rank processes, the scheduler's drains, and the callables
+    `take_standbys(count)`, `joiners()` (ranks from outside that an epoch over the members would
+    admit), `form(EpochRequest, reason)` (the loop's epoch change: a report, `NoPlacement`, or
+    RecoveryNeeded raised) and `publish()`."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, processes: Processes, drains: Drains, *,
+                 take_standbys: Callable[[int], list[int]], joiners: Callable[[], list[int]],
+                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement], publish: Callable[[], None]):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.processes = processes
+        self.drains = drains
+        self.take_standbys = take_standbys
+        self.joiners = joiners
+        self.form = form
+        self.publish = publish
+        self.op: ScaleOp | None = None
+        self.target_ep_size = cfg.ep_size  # what the last finished scale asked for: new agents fill up to it
+
+    def request(self, new_ep_size: int) -> dict[str, Any]:
+        """Start a scale (control thread). Raises ScaleRejected."""
+        c = self.cluster
+        old = len(c.members)
+        check_target(new_ep_size, old, scale_limits(c.num_experts, c.slots_per_rank, self.cfg.max_ranks), self.op)
+        if c.epoch < 0:
+            raise ScaleRejected("the cluster is still starting; retry once GET /ready answers 200", 409)
+        self.op = ScaleOp(old, new_ep_size)
+        return {"old_ep_size": old, "new_ep_size": new_ep_size}
+
+    def status(self) -> dict[str, Any]:
+        return status_view(self.op, len(self.cluster.members))
+
+    @property
+    def active(self) -> bool:
+        return self.op is not None and self.op.active
+
+    def joiner(self, rank_id: int) -> bool:
+        """Started by the scale in flight."""
+        return self.active and rank_id in self.op.new_ranks  # type: ignore[union-attr]
+
+    def leaves(self, rank_id: int) -> bool:
+        """Chosen to leave by a scale-down, or started by a scale-up that failed."""
+        op = self.op
+        return op is not None and (rank_id in op.retiring or (op.phase == "failed" and rank_id in op.new_ranks))
+
+    def fail(self, error: str) -> None:
+        op = self.op
+        assert op is not None
+        c = self.cluster
+        op.finish("failed", error)
+        c.events.add(EventKind.SCALE_FAILED, f"scale {op.old_ep_size} -> {op.new_ep_size} failed: {error}")
+        for r in op.new_ranks:
+            if r in c.ranks and r not in c.members and c.ranks[r].status != RankStatus.RETIRING:
+                self.processes.stop_rank(r)
+        self.drains.undrain(op.retiring)
+        for r in op.retiring:
+            if r in c.ranks and c.ranks[r].status == RankStatus.DRAINING:
+                c.ranks[r].status = RankStatus.SERVING
+        op.retiring = []
+        self.publish()
+
+    def advance(self) -> bool:
+        """Move the scale on at a step boundary; True when it changed the epoch."""
+        op = self.op
+        assert op is not None
+        cfg = self.cfg
+        if time.monotonic() - op.started_at > cfg.elastic_ep_scale_timeout_s:
+            self.fail(f"not serving at {op.new_ep_size} ranks within --elastic-ep-scale-timeout "
+                      f"{cfg.elastic_ep_scale_timeout_s:g}s; check the new ranks' logs")
+            return False
+        if op.phase == "pending":
+            self._begin(op)
+            return False
+        return self._advance_up(op) if op.up else self._advance_down(op)
+
+    def _begin(self, op: ScaleOp) -> None:
+        c = self.cluster
+        intended = c.intended_ranks()
+        if op.up:
+            rank_nodes = c.rank_nodes()
+            count = max(op.new_ep_size - len(intended), 0)
+            standbys = self.take_standbys(count)  # registered and warm: they join without a process start
+            op.new_ranks = standbys + new_rank_ids(c.ranks, count - len(standbys))
+            for rank_id in op.new_ranks[len(standbys):]:
+                node = agent_for_new_rank(c.agents, rank_nodes)
+                rank_nodes[rank_id] = node
+                self.processes.start_new_rank(rank_id, node)
+            op.phase = "joining"
+            c.events.add(EventKind.SCALE, f"scale-up {op.old_ep_size} -> {op.new_ep_size}: standby ranks {standbys}, "
+                         f"starting ranks {op.new_ranks[len(standbys):]}", standbys=standbys)
+        else:
+            op.retiring = ranks_to_retire(intended, len(intended) - op.new_ep_size)
+            for rank_id in op.retiring:
+                if rank_id not in c.members:  # down and waiting for a restart: nothing to drain
+                    self.processes.forget_rank(rank_id, f"rank {rank_id} retired while down")
+            op.retiring = [r for r in op.retiring if r in c.members]
+            for rank_id in op.retiring:
+                c.ranks[rank_id].status = RankStatus.DRAINING
+            self.drains.drain(op.retiring)
+            op.drain_deadline = time.monotonic() + self.cfg.scale_drain_timeout_s
+            op.phase = "draining"
+            c.events.add(EventKind.SCALE, f"scale-down {op.old_ep_size} -> {op.new_ep_size}: draining ranks {op.retiring}")
+        self.publish()
+
+    def _advance_up(self, op: ScaleOp) -> bool:
+        c = self.cluster
+        registered = [r for r in op.new_ranks if c.ranks[r].hello is not None]
+        if len(registered) < len(op.new_ranks):
+            op.phase = "waiting_for_cohort" if registered else "joining"
+            return False
+        op.phase = "configuring_data_plane"
+        self.publish()
+        live = sorted(set(c.members) | set(op.new_ranks) | set(self.joiners()))
+        if not self._step(ScaleStep(live), f"scale-up to {len(live)} ranks"):
+            return False
+        if all(c.ranks[r].status == RankStatus.SERVING for r in op.new_ranks):
+            op.phase = "syncing_new_world"
+            self._finish(op, "serving_expanded")
+        return True
+
+    def _advance_down(self, op: ScaleOp) -> bool:
+        c, cfg = self.cluster, self.cfg
+        busy = [r for r in op.retiring if self.drains.num_requests(r)]
+        if op.phase == "draining" and busy and time.monotonic() < op.drain_deadline:
+            return False
+        if op.phase == "draining":
+            drained_s = time.monotonic() - op.drain_deadline + cfg.scale_drain_timeout_s
+            c.events.add(EventKind.DRAINED, f"ranks {op.retiring} drained in {drained_s:.2f}s; {len(busy)} of them "
+                         f"still ran requests, which move to the staying ranks", moved_from=busy)
+        op.phase = "retiring"
+        self.publish()
+        keep = [r for r in c.members if r not in op.retiring]
+        if op.retiring:
+            # The leaving ranks stay in this epoch only to send the experts no one else holds.
+            moved = self._step(ScaleStep(list(c.members), holding=keep),
+                               f"scale-down: moving experts off ranks {op.retiring}")
+            if not (moved and self._step(ScaleStep(keep, target=trimmed(c.location, max(cfg.ep_size, max(keep) + 1))),
+                                         f"scale-down to {len(keep)} ranks")):
+                return moved
+        for r in op.retiring:
+            self.processes.stop_rank(r)
+        self._finish(op, "serving_shrunk")
+        return True
+
+    def _step(self, request: ScaleStep, reason: str) -> bool:
+        """One epoch of the scale; False when no placement exists over its ranks, which fails the
+        scale (the old epoch serves on). Raises RecoveryNeeded when the epoch did not form."""
+        outcome = self.form(request, reason)
+        if isinstance(outcome, NoPlacement):
+            self.fail(outcome.reason)
+            return False
+        return True
+
+    def _finish(self, op: ScaleOp, phase: str) -> None:
+        op.finish(phase)
+        self.target_ep_size = op.new_ep_size
+        self.cluster.events.add(EventKind.SCALE, f"serving at {len(self.cluster.members)} ranks "
+                                f"{op.finished_s:.2f}s after the request")
+        self.publish()

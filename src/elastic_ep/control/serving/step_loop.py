@@ -1,0 +1,250 @@
+"""The step loop: plan one step, send it to every member, gather the results, deliver the tokens.
+
+Every member runs every step, an empty plan included, because every MoE layer's all-to-all
+needs all of them. When a rank dies or hangs mid-step the wait ends as soon as the detector
+holds a fault (or a rank reports that its collective raised): the step's frees are asked for
+again, the batch stays uncommitted, and `RecoveryNeeded` hands over to recovery. The first step
+of the next epoch is the recompute: the scheduler committed nothing of the interrupted batch, so
+planning again runs the same tokens (the lost rank's sequences re-prefilled on other ranks), and
+a token is a pure function of the sequence, so the same ones are sampled. A step that keeps
+failing with every rank alive is recomputed `MAX_RETRIES_WITHOUT_CULPRIT` times, then its
+requests end with the error (`after_fault`). When a rank's own computation fails with every rank
+alive, the step is dropped and isolation (serving/isolation.py) finds the request at fault, in
+the same epoch. A slow rank only makes the step slower; its time shows in the per-rank metrics
+and the radar.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from elastic_ep.model.sampling import TokenLogprobs
+from elastic_ep.policy.straggler_verdict import IntervalRecorder
+from elastic_ep.wire import StepErrorKind, StepFailed, StepPlan, StepResult
+
+from ..api import RequestOutput
+from ..cluster import ClusterState
+from ..config import ServeConfig
+from ..control_plane import ControlPlane
+from ..events import EventKind
+from ..faults.detector import FaultDetector, RecoveryNeeded
+from ..metrics import ClusterMetrics
+from .alignment import imbalance
+from .isolation import Isolation
+from .recorder import ExpertRecorder
+from .scheduler import Scheduler, StepBatch
+from .streams import Streams
+
+# A step failing with every rank alive (a collective error no fault explains) is recomputed in a
+# re-formed group this many times before its requests end: a deterministic error would otherwise
+# loop forever, a transient one passes on the first retry.
+MAX_RETRIES_WITHOUT_CULPRIT = 3
+
+
+class ChaosHook(Protocol):
+    """Fault injection, present only with --enable-chaos (control/chaos.py)."""
+
+    def before_step(self, epoch: int, step: int, batch: StepBatch, members: list[int]) -> None: ...
+
+
+class StepLoop:
+    """`pump(timeout_s)` handles input while a step waits (results arrive through `on_reply`);
+    `chaos`, when given, is called before each step's plans are sent."""
+
+    def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, scheduler: Scheduler,
+                 detector: FaultDetector, metrics: ClusterMetrics, recorder: ExpertRecorder, streams: Streams,
+                 isolation: Isolation, top_k: int, pump: Callable[[float], None], chaos: ChaosHook | None = None):
+        self.cluster = cluster
+        self.cfg = cfg
+        self.plane = plane
+        self.scheduler = scheduler
+        self.detector = detector
+        self.metrics = metrics
+        self.recorder = recorder
+        self.streams = streams
+        self.isolation = isolation
+        self.top_k = top_k
+        self.pump = pump
+        self.chaos = chaos
+        self.replies: dict[int, StepResult | StepFailed] = {}
+        self.in_step: set[int] = set()  # members of the step in flight
+        self.started_at = 0.0  # monotonic time the step in flight was sent
+        self.own_time = IntervalRecorder(cfg.straggler_window_s)  # per rank: tokens and own time per step
+        self.tokens_run = 0  # tokens (prefill and decode) run, all steps and ranks
+        self.tokens_sampled = 0
+        self.uncommitted: StepBatch | None = None  # the batch of an interrupted step, until a step commits
+        self.retries_without_culprit = 0  # recomputes of a step that failed with every rank alive
+        # ranks report their load summed over --load-report-every-steps steps, taking turns: an entry
+        # holds the reports of one step, so a window of W >= load_every steps sums about W steps' load
+        self.load_every = max(cfg.load_report_every_steps, 1)
+        self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
+        self._sent_at = 0.0
+
+    def on_reply(self, msg: StepResult | StepFailed) -> None:
+        if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
+            return
+        self.replies[msg.rank_id] = msg
+        if isinstance(msg, StepResult):  # the control plane's round trip to this rank, its step time left out
+            self.cluster.ranks[msg.rank_id].link_s.append(max(time.perf_counter() - self._sent_at - msg.step_s, 0.0))
+        if isinstance(msg, StepFailed) and msg.kind == StepErrorKind.COLLECTIVE:
+            self.detector.error(f"rank {msg.rank_id}: {msg.error}")
+
+    def run(self) -> float | None:
+        """Run the next step; returns its wall time (s), or None when a rank's own computation
+        failed (the step is dropped; isolation decides what runs next). Raises RecoveryNeeded
+        on a fault."""
+        c, times = self.cluster, self.plane.times
+        t0 = time.perf_counter()
+        batch = self._plan()
+        c.step += 1
+        self.replies = {}
+        self.in_step = set(c.members)
+        self.started_at = time.monotonic()
+        busiest = max(batch.tokens_per_rank().values(), default=0)
+        dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
+        micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
+        if self.chaos is not None:
+            self.chaos.before_step(c.epoch, c.step, batch, c.members)
+        plans = [(rank_id, StepPlan(
+            c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []), dispatch_rows,
+            micro_batches, batch.moves, (c.step + rank_id) % self.load_every == 0,  # ranks take turns
+        )) for rank_id in c.members]
+        start = self._sent_at = time.perf_counter()
+        times.add("plan", start - t0)
+        self.plane.plans_to_workers(plans)
+        sent = time.perf_counter()
+        while len(self.replies) < len(c.members):
+            self.pump(0.002)
+            if self.detector.pending:
+                self._requeue_frees(batch)
+                self.uncommitted = batch
+                raise RecoveryNeeded()
+        self.in_step = set()
+        gathered = time.perf_counter()
+        wall_s = gathered - start
+        times.add("gather", gathered - sent)
+        failures = {r: m for r, m in self.replies.items() if isinstance(m, StepFailed)}
+        if failures:
+            self._requeue_frees(batch)
+            self.metrics.failed_steps.inc()
+            self.isolation.step_failed(c.step, batch, failures)
+            return None
+        self._finish(batch, wall_s)
+        self.isolation.step_passed(batch)
+        times.steps += 1
+        times.wall_s += time.perf_counter() - t0
+        return wall_s
+
+    def _plan(self) -> StepBatch:
+        """The next step's batch, without the sequences isolation holds back. After an interrupted
+        step this is its recompute: nothing of that batch was committed, so the same tokens are
+        planned again (a lost rank's sequences now on other ranks)."""
+        self.scheduler.hold(self.isolation.held)
+        return self.scheduler.schedule()
+
+    def unanswered(self, excluded: set[int] | dict[int, object]) -> list[int]:
+        """Members of the step in flight that have not answered it, less `excluded`."""
+        return [r for r in self.in_step if r not in self.replies and r not in excluded]
+
+    def abandon(self) -> None:
+        """Recovery has every member out of the interrupted step: no step is in flight."""
+        self.in_step = set()
+
+    def after_fault(self, culprit_found: bool, error: str) -> None:
+        """Recovery took a fault that interrupted the step. With no culprit the step failed with
+        every rank alive: it is recomputed, and after `MAX_RETRIES_WITHOUT_CULPRIT` such failures
+        in a row its requests end with `error` (a deterministic error, not a fault) and the server
+        goes on serving."""
+        if culprit_found:
+            return
+        self.retries_without_culprit += 1
+        batch = self.uncommitted
+        if self.retries_without_culprit < MAX_RETRIES_WITHOUT_CULPRIT or batch is None:
+            return
+        for chunks in batch.chunks.values():
+            for chunk in chunks:
+                self.streams.end_with_error(chunk.seq_id, error)
+        self.cluster.events.add(EventKind.REQUEST_ERROR, f"failed the requests of a step that failed "
+                                f"{self.retries_without_culprit} times: {error}")
+        self.retries_without_culprit = 0
+        self.uncommitted = None
+
+    def _requeue_frees(self, batch: StepBatch) -> None:
+        """A failed step's frees may not have run: ask again in the next step. A KV move may have
+        left a copy on its destination: free it there (the sequence stays on its old rank)."""
+        frees = [(r, ids) for r, ids in batch.free.items()] + [(m.dst_rank, [m.seq_id]) for m in batch.moves]
+        for rank_id, ids in frees:
+            if rank_id in self.scheduler.to_free:
+                self.scheduler.to_free[rank_id].extend(ids)
+
+    def _finish(self, batch: StepBatch, wall_s: float) -> None:
+        c, times = self.cluster, self.plane.times
+        t0 = time.perf_counter()
+        results: dict[int, StepResult] = self.replies  # type: ignore[assignment]
+        sampled: dict[int, int] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
+        slowest = 0.0
+        load = np.zeros((c.num_layers, c.num_experts), dtype=np.int64)
+        for rank_id, res in results.items():
+            for seq_id, error in res.errors.items():
+                self.streams.end_with_error(seq_id, f"this request failed on rank {rank_id}: {error}")
+            sampled.update(res.tokens)
+            logprobs.update(res.logprobs)
+            slowest = max(slowest, res.step_s)
+            r = c.ranks[rank_id]
+            r.step_s.append(res.step_s)
+            r.wait_s.append(res.dispatch_wait_s + res.combine_wait_s)
+            r.own_s.append(res.compute_s)
+            r.slot_tokens.append(res.slot_tokens)
+            if res.expert_load.size:
+                load += res.expert_load
+        times.slowest_rank_s += slowest
+        self.detector.step_done(wall_s)
+        self.uncommitted = None
+        self.retries_without_culprit = 0
+        tokens = batch.tokens_per_rank()
+        now = time.monotonic()
+        for rank_id, res in results.items():
+            self.own_time.add(now, rank_id, tokens.get(rank_id, 0), res.compute_s)
+        self.tokens_run += sum(tokens.values())
+        self.tokens_sampled += len(sampled)
+        self.load_window.append(load)  # over a window of at least load_every steps, about its steps' load
+        self.recorder.add(load)
+        t1 = time.perf_counter()
+        self._observe(results, batch, tokens, wall_s, slowest)
+        t2 = time.perf_counter()
+        for seq, new_tokens in self.scheduler.commit(batch, sampled):
+            token_logprobs = [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None
+            self.streams.deliver(seq.seq_id, RequestOutput(
+                seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
+                logprobs=token_logprobs,
+            ))
+        times.add("commit", (t1 - t0) + (time.perf_counter() - t2))
+        times.add("metrics", t2 - t1)
+
+    def _observe(self, results: dict[int, StepResult], batch: StepBatch, tokens: dict[int, int], wall_s: float,
+                 slowest: float) -> None:
+        """The step's metrics: per-rank timings and tokens, DP balance, data plane (the expert load
+        balance is set with the liveness gauges, control/facade/publisher.py)."""
+        m = self.metrics
+        ranks = list(results)
+        m.step_seconds.observe(ranks, [res.step_s for res in results.values()])
+        m.collective_wait_seconds.observe(ranks, [res.dispatch_wait_s + res.combine_wait_s for res in results.values()])
+        m.step_wall_seconds.observe(wall_s)
+        m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
+        m.rank_tokens.set(list(tokens), list(tokens.values()))
+        m.rank_tokens_total.inc(list(tokens), list(tokens.values()))
+        for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
+            ratio = imbalance(per_rank.values())
+            if ratio is None:
+                continue
+            m.dp_imbalance.labels(plan).observe(ratio)
+            m.dp_busiest_tokens.labels(plan).observe(max(per_rank.values()))
+            if plan == "aligned":
+                m.dp_token_imbalance.set(ratio)
+        m.data_plane_step(results, batch.moves, batch.reprefilled)

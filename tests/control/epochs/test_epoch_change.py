@@ -1,0 +1,98 @@
+"""The epoch change against stand-in ranks (replies injected while it waits): a recovery fills
+only the slots of the lost experts and checks only those; a filled slot with the wrong checksum
+fails the epoch, and the slot it was copied from is suspect too; an epoch that does not form
+leaves every slot it was to fill suspect, and the next epoch fills those again instead of
+trusting them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from elastic_ep.control.cluster import ClusterState
+from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.epochs.epoch_change import EpochChanger, Formed, NotFormed, VerifyFailed
+from elastic_ep.control.epochs.requests import Recover, Reweight
+from elastic_ep.control.ranks import RankInfo, RankStatus
+from elastic_ep.placement.location import ExpertLocation
+from elastic_ep.wire import EpochFailed, EpochReady, EpochStart
+
+CHECKSUM = {e: 100 + e for e in range(4)}  # the reference checksum of each expert (one layer)
+
+
+class StandInRanks:
+    """The plane the changer sends on, and the ranks' answers it receives while it pumps."""
+
+    def __init__(self, failing: set[int] = frozenset(), wrong: set[int] = frozenset()):
+        self.failing, self.wrong = failing, wrong
+        self.starts: dict[int, EpochStart] = {}
+        self.changer: EpochChanger | None = None
+
+    def to_worker(self, rank_id: int, msg: EpochStart) -> None:
+        self.starts[rank_id] = msg
+
+    def set(self, key: str, value: str) -> None:  # the store
+        pass
+
+    def pump(self, timeout_s: float) -> None:
+        for rank_id, start in self.starts.items():
+            if rank_id in self.failing:
+                self.changer.on_reply(EpochFailed(start.epoch, rank_id, "test failure"))
+                continue
+            filled = {(s.layer, s.slot): CHECKSUM[s.expert] + (rank_id in self.wrong) for s in start.sources}
+            self.changer.on_reply(EpochReady(start.epoch, rank_id, filled, {}, [], 0.0, 0.0, 0.0))
+
+
+def changer_with(ranks: StandInRanks) -> EpochChanger:
+    cluster = ClusterState(num_layers=1, num_experts=4, slots_per_rank=2)
+    for r in range(3):
+        cluster.ranks[r] = RankInfo(r, "n0", status=RankStatus.SERVING)
+    # rank 0 holds experts 0, 1; rank 1 holds 2, 3 (their only copies); rank 2 holds 0, 1
+    cluster.location = ExpertLocation.from_phy2log([[0, 1, 2, 3, 0, 1]], 2, 4)
+    cluster.members = [0, 1, 2]
+    changer = EpochChanger(cluster, ServeConfig(model_dir="", model_name="", ep_size=3), ranks, ranks, 1,
+                           ranks.pump, lambda ranks: False)
+    changer.reference_checksums = {(0, e): c for e, c in CHECKSUM.items()}
+    ranks.changer = changer
+    return changer
+
+
+def filled(ranks: StandInRanks) -> set[tuple[int, int, int]]:
+    return {(r, s.layer, s.slot) for r, start in ranks.starts.items() for s in start.sources}
+
+
+def test_a_recovery_fills_and_checks_only_the_lost_experts_slots():
+    ranks = StandInRanks()
+    changer = changer_with(ranks)
+    outcome = changer.change(Recover([0, 2], [0, 2]), np.ones((1, 4)))  # rank 1 died with experts 2 and 3
+    assert isinstance(outcome, Formed) and outcome.report.verified_slots == 2
+    assert sorted(s.expert for start in ranks.starts.values() for s in start.sources) == [2, 3]
+    assert sorted(changer.cluster.location.phy2log[0, :2].tolist() + changer.cluster.location.phy2log[0, 4:].tolist()) \
+        == [0, 1, 2, 3]  # one copy each of 0 and 1 gave way
+
+
+def test_a_filled_slot_with_the_wrong_weights_fails_the_epoch():
+    ranks = StandInRanks(wrong={2})
+    outcome = changer_with(ranks).change(Recover([0, 2], [0, 2]), np.ones((1, 4)))
+    assert isinstance(outcome, VerifyFailed) and {r for r, _, _ in outcome.bad} == {2}
+
+
+def test_a_wrong_copy_makes_its_source_slot_suspect_too():
+    ranks = StandInRanks(wrong={2})
+    changer = changer_with(ranks)
+    # rank 2's first slot takes expert 2 from rank 1's first slot
+    outcome = changer.change(Reweight(ExpertLocation.from_phy2log([[0, 1, 2, 3, 2, 1]], 2, 4)), np.ones((1, 4)))
+    assert isinstance(outcome, VerifyFailed) and outcome.bad == {(2, 0, 0)}
+    assert changer.suspect_slots == {(2, 0, 0), (1, 0, 0)}
+
+
+def test_slots_of_an_epoch_that_did_not_form_are_filled_again_by_the_next():
+    ranks = StandInRanks(failing={2})
+    changer = changer_with(ranks)
+    outcome = changer.change(Recover([0, 2], [0, 2]), np.ones((1, 4)))
+    assert isinstance(outcome, NotFormed)
+    unknown = filled(ranks)
+    assert changer.suspect_slots == unknown and changer.cluster.location.phy2log[0].tolist() == [0, 1, 2, 3, 0, 1]
+
+    ranks.failing, ranks.starts = set(), {}
+    outcome = changer.change(Recover([0, 2], [0, 2]), np.ones((1, 4)))
+    assert isinstance(outcome, Formed) and unknown <= filled(ranks) and not changer.suspect_slots

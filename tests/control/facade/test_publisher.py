@@ -1,0 +1,80 @@
+"""The publisher (control/facade/publisher.py) built with stand-ins: readiness turns false, with
+one `stalled` event, once the step in flight runs past the stall deadline, and back with one
+`stall-ended`; health names a down rank and says dead once the loop stopped; the /cluster
+snapshot carries the other roles' views and the injected delays, and is rebuilt at most once
+per throttle interval."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from control_standins import cluster_of, config
+from prometheus_client import CollectorRegistry
+
+from elastic_ep.control.facade.engine import Published
+from elastic_ep.control.facade.publisher import Publisher
+from elastic_ep.control.faults.detector import FaultDetector
+from elastic_ep.control.metrics import ClusterMetrics
+from elastic_ep.control.ranks import RankStatus
+from elastic_ep.policy.straggler_verdict import IntervalRecorder
+
+
+class Rig:
+    def __init__(self):
+        self.cfg = config(stall_floor_s=0.5, heartbeat_suspect_s=100.0)
+        self.cluster = cluster_of({0: "n0", 1: "n0"})
+        self.cluster.set_readiness(True)
+        self.heard = 0.0
+        for r in self.cluster.ranks.values():
+            r.last_heartbeat = 0.0
+        self.steps = SimpleNamespace(in_step=set(), replies={}, started_at=0.0,
+                                     own_time=IntervalRecorder(self.cfg.straggler_window_s), tokens_run=0,
+                                     tokens_sampled=0)
+        scheduler = SimpleNamespace(running={0: [], 1: []}, waiting=[], num_requests=lambda r: 0)
+        self.published = Published()
+        self.views_asked = 0
+        self.publisher = Publisher(self.cluster, self.cfg, FaultDetector(self.cfg), self.steps, scheduler,
+                                   self.published, ClusterMetrics(CollectorRegistry()), heard=lambda: self.heard,
+                                   controller_addr="tcp://ctl", views=self.views, slow_delays=lambda: {1: 0.25})
+
+    def views(self, now):
+        self.views_asked += 1
+        return {"scale": {"scale_phase": "serving"}, "rebalance": {"active": False}}
+
+    def kinds(self):
+        return [e["kind"] for e in self.cluster.events.all()]
+
+
+def test_a_step_past_the_stall_deadline_turns_readiness_false_once_and_back():
+    rig = Rig()
+    rig.publisher.publish()
+    assert rig.published.readiness.ready and rig.published.health.status == "ok"
+    rig.steps.in_step, rig.steps.started_at = {0, 1}, time.monotonic() - 5.0
+    rig.publisher.publish()
+    rig.publisher.publish()
+    assert not rig.published.readiness.ready and "stalled" in rig.published.readiness.reason
+    assert rig.kinds().count("stalled") == 1
+    rig.steps.in_step = set()
+    rig.publisher.publish()
+    assert rig.published.readiness.ready and rig.kinds()[-1] == "stall-ended"
+
+
+def test_health_names_a_down_rank_and_is_dead_once_the_loop_stopped():
+    rig = Rig()
+    rig.cluster.ranks[1].status = RankStatus.DEAD
+    rig.publisher.publish()
+    assert rig.published.health.status == "degraded" and "rank 1 dead" in rig.published.health.reason
+    rig.published.fatal = "RuntimeError: boom"
+    rig.publisher.publish()
+    assert rig.published.health.status == "dead" and "boom" in rig.published.health.reason
+
+
+def test_the_snapshot_carries_the_roles_views_and_is_throttled():
+    rig = Rig()
+    rig.publisher.publish()
+    snap = rig.published.snapshot
+    assert snap["scale"] == {"scale_phase": "serving"} and snap["controller"] == "tcp://ctl"
+    assert {r["rank_id"]: r["slow_delay_s"] for r in snap["ranks"]} == {0: 0.0, 1: 0.25}
+    rig.publisher.publish(throttle_s=60.0)
+    assert rig.views_asked == 1 and rig.published.snapshot is snap

@@ -1,0 +1,93 @@
+"""The server's straggler role (control/faults/straggler_control.py, built here with stand-ins for
+what it asks of the loop, and real cluster state, recorder and placement) and the simulator's replay
+(sim/straggler_episode.py) apply the same policy to the same per-rank timings: the same
+decisions, for the same ranks, within one review interval of each other."""
+
+import numpy as np
+import pytest
+
+from elastic_ep.control.cluster import ClusterState
+from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.epochs.requests import Reweight
+from elastic_ep.control.faults.straggler_control import StragglerControl
+from elastic_ep.control.ranks import RankInfo
+from elastic_ep.placement.fault_aware import fault_aware_placement
+from elastic_ep.policy.straggler_policy import DecisionKind
+from elastic_ep.policy.straggler_verdict import IntervalRecorder
+from elastic_ep.sim.straggler_episode import STEP_TOKENS, replay
+
+RANKS, STEP_S = [0, 1, 2, 3], 0.05
+LAYERS, EXPERTS, SLOTS = 2, 8, 3
+
+
+class StandIn:
+    """What StragglerControl is built with; a fault leaves the group as recovery would."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        self.cluster = ClusterState(LAYERS, EXPERTS, SLOTS)
+        for r in RANKS:
+            self.cluster.ranks[r] = RankInfo(r, f"n{r}")
+        self.cluster.members, self.cluster.epoch = list(RANKS), 0
+        self.cluster.location = fault_aware_placement(np.ones((LAYERS, EXPERTS)), RANKS, self.cluster.rank_nodes(),
+                                                      None, SLOTS, len(RANKS))
+        self.own_time = IntervalRecorder(cfg.straggler_window_s)
+        self.epochs: list[str] = []
+
+    def fault(self, fault) -> None:
+        self.cluster.members.remove(fault.rank_id)
+
+    def load(self):
+        return np.ones((LAYERS, EXPERTS))
+
+    def form(self, request: Reweight, reason: str):
+        self.cluster.epoch += 1
+        self.cluster.location = request.target
+        self.epochs.append(reason)
+
+    def role(self) -> StragglerControl:
+        return StragglerControl(self.cluster, self.cfg, self.own_time, standbys=lambda: 0, fault=self.fault,
+                                replace_later=lambda r: None, pending=lambda: False,
+                                evidence=lambda node: f"node {node}: no hardware report yet", load=self.load,
+                                form=self.form)
+
+
+def server_decisions(cfg: ServeConfig, own_ms, duration_s: float):
+    """Steps of every member every STEP_S, the role reviewing after each; -> (time, kind, rank) of
+    its straggler events (timed by the step they came at) and the stand-in."""
+    ctl = StandIn(cfg)
+    control = ctl.role()
+    out, t = [], 0.0
+    while t < duration_s:
+        t += STEP_S
+        for r in list(ctl.cluster.members):
+            ctl.own_time.add(t, r, STEP_TOKENS, own_ms(r, t) / 1000)
+        seen = len(ctl.cluster.events.all())
+        control.review(t)
+        out += [(t, DecisionKind(e["decision"]), e["rank_id"]) for e in ctl.cluster.events.all()[seen:]
+                if e["kind"] == "straggler"]
+    return out, ctl
+
+
+@pytest.mark.parametrize("flags, slow_until_s, expected", [
+    ({"straggler_policy": "evict", "straggler_evict_after_s": 8.0}, 60.0, [DecisionKind.DERATE, DecisionKind.EVICT]),
+    ({"straggler_policy": "derate", "straggler_clear_after_s": 3.0}, 18.0,
+     [DecisionKind.DERATE, DecisionKind.RESTORE]),
+])
+def test_server_and_simulator_decide_the_same_on_the_same_timings(flags, slow_until_s, expected):
+    cfg = ServeConfig("unused", "unused", 4, **flags)
+    rule, policy = cfg.straggler_rule(), cfg.straggler_policy_params()
+
+    def own_ms(r: int, t: float) -> float:
+        return 60.0 if r == 2 and 10.0 < t < slow_until_s else 20.0
+
+    server, ctl = server_decisions(cfg, own_ms, 40.0)
+    sim = [(t, d.kind, d.rank_id) for t, d in replay(own_ms, RANKS, STEP_S, 40.0, rule, policy, ctl.cluster.min_ranks)]
+
+    assert [(k, r) for _, k, r in server] == [(k, 2) for k in expected]
+    assert [(k, r) for _, k, r in sim] == [(k, r) for _, k, r in server]
+    for (ts, _, _), (tm, _, _) in zip(server, sim, strict=True):
+        assert abs(ts - tm) <= rule.window_s / 10 + STEP_S
+    if DecisionKind.EVICT in expected:
+        assert 2 not in ctl.cluster.members
+    assert ctl.epochs and ctl.epochs[0].startswith("straggler: derate rank 2")

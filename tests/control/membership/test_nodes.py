@@ -1,0 +1,132 @@
+"""Whether a registering rank may join: every rank of a group computes on one device kind, so a
+rank that comes up on the CPU of a node whose GPUs are gone (under --device auto) is refused,
+with the node and the flag to pass.
+
+The node role (control/membership/nodes.py) built with stand-ins: it gives a new agent free rank
+ids up to the target size, turns a worker's exit into a fault (not for a rank that was leaving),
+drops a silent agent and makes every rank of its node a fault, counts a rank on an unreachable
+node as down at once, and restarts a down rank after --restart-delay-s or hands it to a
+recover-mode agent."""
+
+from __future__ import annotations
+
+import time
+
+from control_standins import Plane, cluster_of, config
+
+from elastic_ep.control.faults.detector import FaultCause
+from elastic_ep.control.membership.nodes import Nodes, device_kind, wrong_device
+from elastic_ep.control.ranks import RankStatus
+from elastic_ep.wire import (
+    AgentHello,
+    AgentWelcome,
+    FenceWorker,
+    StartWorker,
+    WorkerExited,
+    WorkerFenced,
+    WorkerHello,
+)
+
+
+def hello(device: str) -> WorkerHello:
+    return WorkerHello(3, "node1", 1234, "recover", device=device)
+
+
+def test_ranks_on_the_groups_device_kind_join_whatever_their_gpu():
+    assert device_kind("cuda:5") == "cuda"
+    assert wrong_device("cuda", hello("cuda:1")) == ""
+    assert wrong_device("cpu", hello("cpu")) == ""
+
+
+def test_a_rank_on_another_device_kind_is_refused_with_the_node_and_the_flag():
+    reason = wrong_device("cuda", hello("cpu"))
+    assert "rank 3 on node1 came up on cpu, but the group runs on cuda" in reason
+    assert "--device cuda" in reason
+
+
+class Rig:
+    def __init__(self, ranks: dict[int, str], **flags):
+        self.cluster = cluster_of(ranks)
+        self.plane = Plane()
+        self.faults, self.undrained, self.forgotten = [], [], []
+        self.nodes = Nodes(self.cluster, config(**flags), self.plane, 29500, 1024, fault=self.faults.append,
+                           target_size=lambda: 4, undrain=self.undrained.extend,
+                           forget_measures=self.forgotten.append, pump=lambda timeout_s: None, publish=lambda: None)
+
+
+def test_a_new_agent_is_welcomed_and_given_the_free_rank_ids_up_to_the_target():
+    rig = Rig({0: "n0", 1: "n0"})
+    rig.nodes.on_agent_hello(b"an1", AgentHello("n1", 42, "tcp://f", 0, num_ranks=4, session="s1"))
+    assert [type(m) for _, m in rig.plane.to_identities][0] is AgentWelcome
+    assert [m.rank_id for m in rig.plane.sent(StartWorker)] == [2, 3]
+    assert rig.cluster.ranks[2].node == "n1" and "n1" in rig.cluster.agents
+
+
+def test_a_worker_exit_is_a_fault_but_a_leaving_rank_exits_quietly():
+    rig = Rig({0: "n0", 1: "n0", 2: "n0"})
+    rig.nodes.on_worker_exited(WorkerExited("n0", 1, 1001, -9))
+    assert [(f.rank_id, f.cause) for f in rig.faults] == [(1, FaultCause.EXITED)]
+    assert rig.cluster.ranks[1].status == RankStatus.DEAD
+
+    rig.nodes.stop_rank(2)
+    assert rig.undrained == [2]
+    rig.nodes.on_worker_exited(WorkerExited("n0", 2, 1002, 0))
+    assert len(rig.faults) == 1 and 2 not in rig.cluster.ranks and rig.forgotten == [2]
+
+
+def test_an_exit_report_of_another_process_is_ignored():
+    rig = Rig({0: "n0"})
+    rig.nodes.on_worker_exited(WorkerExited("n0", 0, 999, -9))  # an earlier process of rank 0
+    assert rig.faults == [] and rig.cluster.ranks[0].status == RankStatus.SERVING
+
+
+def test_a_silent_agent_makes_every_rank_of_its_node_a_fault():
+    rig = Rig({0: "n0", 1: "n1", 2: "n1"}, agent_timeout_s=1.0)
+    rig.cluster.ranks[2].status = RankStatus.FENCING
+    rig.cluster.agents["n0"].last_alive = rig.cluster.agents["n1"].last_alive = 0.0
+    rig.cluster.agents["n0"].last_alive = 5.0
+    rig.nodes.check_agents(5.5)
+    assert [(f.rank_id, f.cause) for f in rig.faults] == [(1, FaultCause.NODE_LOST)]
+    assert rig.cluster.ranks[2].status == RankStatus.DEAD  # no one is left to confirm its fence
+    assert "n1" not in rig.cluster.agents and "n0" in rig.cluster.agents
+
+
+def test_a_fence_goes_through_the_agent_and_a_rank_on_an_unreachable_node_is_down_at_once():
+    rig = Rig({0: "n0", 1: "n1"})
+    rig.nodes.fence(0, "hung")
+    assert rig.cluster.ranks[0].status == RankStatus.FENCING
+    assert [(m.rank_id, m.pid) for m in rig.plane.sent(FenceWorker)] == [(0, 1000)]
+    rig.nodes.on_worker_fenced(WorkerFenced("n0", 0, 1000))
+    assert rig.cluster.ranks[0].status == RankStatus.FENCED
+
+    del rig.cluster.agents["n1"]
+    rig.nodes.fence(1, "hung")
+    assert rig.cluster.ranks[1].status == RankStatus.DEAD and len(rig.plane.sent(FenceWorker)) == 1
+
+
+def test_a_down_rank_restarts_after_the_delay_or_goes_to_a_recover_mode_agent():
+    rig = Rig({0: "n0", 1: "n0"}, restart_delay_s=5.0)
+    rig.cluster.ranks[1].status = RankStatus.DEAD
+    rig.nodes.schedule_restart(1)
+    assert rig.nodes.restarting(1)
+    rig.nodes.restart_due(time.monotonic())
+    assert rig.plane.sent(StartWorker) == []  # not yet
+    rig.nodes.restart_due(time.monotonic() + 6.0)
+    assert [(m.rank_id, m.join_mode) for m in rig.plane.sent(StartWorker)] == [(1, "recover")]
+    assert not rig.nodes.restarting(1)
+
+    rig.nodes.schedule_restart(1)
+    rig.nodes.on_agent_hello(b"an9", AgentHello("n9", 7, "tcp://f", 0, num_ranks=1, join_mode="recover",
+                                                session="s9"))
+    assert rig.cluster.ranks[1].node == "n9" and not rig.nodes.restarting(1)
+    assert [(m.rank_id, m.join_mode) for m in rig.plane.sent(StartWorker)][-1] == (1, "recover")
+
+
+def test_no_restart_without_a_delay_or_when_the_agent_restarts_its_own_ranks():
+    rig = Rig({0: "n0"}, restart_delay_s=-1.0)
+    rig.nodes.schedule_restart(0)
+    assert not rig.nodes.restarting(0)
+    rig = Rig({0: "n0"})
+    rig.cluster.agents["n0"].auto_recover = True
+    rig.nodes.schedule_restart(0)
+    assert not rig.nodes.restarting(0)

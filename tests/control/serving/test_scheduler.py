@@ -1,0 +1,110 @@
+"""The scheduler: even token counts per rank, chunked prefill, limits, re-prefill after a rank dies."""
+
+from __future__ import annotations
+
+from elastic_ep.control.api import GenerationRequest
+from elastic_ep.control.serving.scheduler import Scheduler, Sequence
+from elastic_ep.model.sampling import SamplingParams
+
+EOS = 0
+
+
+def seq(seq_id: int, prompt_len: int, max_tokens: int = 4, max_model_len: int = 512) -> Sequence:
+    request = GenerationRequest(str(seq_id), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 7)
+    return Sequence(seq_id, request, max_model_len, (EOS,))
+
+
+def run_step(s: Scheduler, token: int = 5):
+    batch = s.schedule()
+    sampled = {c.seq_id: token for cs in batch.chunks.values() for c in cs if c.sample}
+    return batch, s.commit(batch, sampled)
+
+
+def test_requests_spread_so_token_counts_per_rank_stay_even():
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=1024)
+    s.set_ranks([0, 1, 2, 3])
+    for i, n in enumerate([100, 10, 10, 10, 10, 10, 10, 60]):
+        s.add(seq(i, n))
+    batch = s.schedule()
+    tokens = batch.tokens_per_rank()
+    assert sorted(tokens.values()) == [30, 30, 60, 100]
+
+
+def test_long_prompt_is_prefilled_in_chunks_then_decoded():
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=16)
+    s.set_ranks([0])
+    s.add(seq(1, 40, max_tokens=2))
+    starts = []
+    outputs = []
+    for _ in range(6):
+        batch, out = run_step(s)
+        starts += [(c.start_pos, len(c.token_ids), c.sample) for c in batch.chunks[0]]
+        outputs += out
+    assert starts[:3] == [(0, 16, False), (16, 16, False), (32, 8, True)]
+    assert starts[3] == (40, 1, True)
+    assert [tokens for _, tokens in outputs] == [[5], [5]]
+    assert outputs[-1][0].finish_reason == "length"
+    assert not s.has_work
+
+
+def test_max_num_seqs_per_rank_is_respected():
+    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=256)
+    s.set_ranks([0, 1])
+    for i in range(7):
+        s.add(seq(i, 4))
+    s.schedule()
+    assert [s.num_requests(r) for r in (0, 1)] == [2, 2]
+    assert len(s.waiting) == 3
+
+
+def test_eos_stops_and_frees_the_kv_row_next_step():
+    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    s.set_ranks([0])
+    s.add(seq(1, 3, max_tokens=10))
+    _, out = run_step(s, token=EOS)
+    assert out[0][0].finish_reason == "stop"
+    assert s.schedule().free[0] == [1]
+
+
+def test_sequences_of_a_dead_rank_are_re_prefilled_with_their_tokens_so_far():
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    s.set_ranks([0, 1])
+    s.add(seq(1, 3, max_tokens=10))
+    s.add(seq(2, 3, max_tokens=10))
+    run_step(s, token=9)
+    run_step(s, token=8)
+    victim = s.by_id[1].rank
+    s.set_ranks([r for r in (0, 1) if r != victim])
+    batch = s.schedule()
+    survivor = next(iter(batch.chunks))
+    moved = next(c for c in batch.chunks[survivor] if c.seq_id == 1)
+    assert moved.start_pos == 0 and moved.token_ids == [1, 2, 3, 9, 8] and moved.sample
+
+
+def test_abort_frees_a_running_sequence():
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    s.set_ranks([0])
+    s.add(seq(1, 3, max_tokens=10))
+    run_step(s)
+    s.abort(1)
+    batch = s.schedule()
+    assert batch.free[0] == [1] and batch.empty and not s.has_work
+
+
+def test_a_lost_ranks_requests_are_re_prefilled_a_budget_per_step_while_the_others_decode():
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=256, reprefill_tokens_per_step=8)
+    s.set_ranks([0, 1, 2])
+    for i in range(6):
+        s.add(seq(i, 10, max_tokens=40))
+    for _ in range(4):  # prefill, then three decode steps
+        run_step(s)
+    moved = s.evict_rank(2)
+    s.set_ranks([0, 1])
+    assert len(moved) == 2 and all(q.pending == 14 for q in moved)  # 10 prompt + 4 generated
+    moved_ids = {q.seq_id for q in moved}
+    for _ in range(4):
+        batch, _ = run_step(s)
+        per_seq = {c.seq_id: len(c.token_ids) for cs in batch.chunks.values() for c in cs}
+        assert [n for i, n in per_seq.items() if i not in moved_ids] == [1, 1, 1, 1]  # the others decode on
+        assert sum(n for i, n in per_seq.items() if i in moved_ids and n > 1) <= 8
+    assert all(q.pending == 1 and len(q.output) > 4 for q in moved)  # 28 tokens re-run, 8 a step: caught up

@@ -1,0 +1,78 @@
+"""The step loop's recompute (control/serving/step_loop.py): an interrupted step is planned again
+from what the scheduler holds, since nothing of it was committed; a step that keeps failing with
+every rank alive is recomputed `MAX_RETRIES_WITHOUT_CULPRIT` times, then its requests end with
+the error, and a fault with a culprit never counts towards that."""
+
+from __future__ import annotations
+
+import pytest
+from control_standins import Plane, cluster_of, config
+from prometheus_client import CollectorRegistry
+
+from elastic_ep.control.api import GenerationRequest
+from elastic_ep.control.faults.detector import Fault, FaultCause, FaultDetector, RecoveryNeeded
+from elastic_ep.control.metrics import ClusterMetrics
+from elastic_ep.control.serving.isolation import Isolation
+from elastic_ep.control.serving.recorder import ExpertRecorder
+from elastic_ep.control.serving.scheduler import Scheduler, Sequence
+from elastic_ep.control.serving.step_loop import MAX_RETRIES_WITHOUT_CULPRIT, StepLoop
+from elastic_ep.control.serving.streams import Streams
+from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.wire import StepPlan
+
+
+def loop_with_one_request():
+    cfg = config()
+    cluster = cluster_of({0: "n0", 1: "n0"})
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.set_ranks([0, 1])
+    scheduler.add(Sequence(5, GenerationRequest("r5", [1, 2, 3], SamplingParams(max_tokens=4), 0), 64, (0,)))
+    streams = Streams(scheduler)
+    detector = FaultDetector(cfg)
+    isolation = Isolation(streams, cluster.events, detector.record, cfg.isolation_max_steps)
+    steps = StepLoop(cluster, cfg, Plane(), scheduler, detector, ClusterMetrics(CollectorRegistry()),
+                     ExpertRecorder(1, 8, [1]), streams, isolation, 2, pump=lambda timeout_s: None)
+    return steps, scheduler, detector
+
+
+def interrupt(steps, detector):
+    """Send the step; a fault arrives while it waits."""
+    steps.pump = lambda timeout_s: detector.error("rank 1: gloo: connection closed")
+    with pytest.raises(RecoveryNeeded):
+        steps.run()
+    detector.clear()
+
+
+def test_an_interrupted_step_is_planned_again_the_same():
+    steps, scheduler, detector = loop_with_one_request()
+    interrupt(steps, detector)
+    first = steps.uncommitted
+    assert first is not None and first.chunks and scheduler.by_id[5].num_cached == 0  # nothing committed
+    interrupt(steps, detector)  # the recompute, interrupted too
+    assert steps.uncommitted.chunks == first.chunks
+
+
+def test_a_step_failing_with_every_rank_alive_ends_its_requests_after_the_retries():
+    steps, scheduler, detector = loop_with_one_request()
+    for attempt in range(1, MAX_RETRIES_WITHOUT_CULPRIT + 1):
+        interrupt(steps, detector)
+        steps.after_fault(culprit_found=False, error="gloo: connection closed")
+        assert (5 in scheduler.by_id) == (attempt < MAX_RETRIES_WITHOUT_CULPRIT)
+    assert steps.uncommitted is None and steps.retries_without_culprit == 0
+    assert "failed the requests of a step" in steps.cluster.events.all()[-1]["message"]
+
+
+def test_a_fault_with_a_culprit_does_not_count_as_a_retry():
+    steps, scheduler, detector = loop_with_one_request()
+    for _ in range(MAX_RETRIES_WITHOUT_CULPRIT + 1):
+        interrupt(steps, detector)
+        detector.record(Fault(1, FaultCause.EXITED, "exited"))
+        steps.after_fault(culprit_found=True, error="rank 1: exited")
+        detector.clear()
+    assert 5 in scheduler.by_id and steps.retries_without_culprit == 0
+
+
+def test_without_chaos_a_step_sends_its_plans_and_nothing_else():
+    steps, _, detector = loop_with_one_request()
+    interrupt(steps, detector)
+    assert [type(m) for _, m in steps.plane.to_workers] == [StepPlan, StepPlan]

@@ -1,0 +1,139 @@
+"""The wire codec: typed messages round-trip with their arrays and tensors; a frame without the
+cluster key, undecodable, or of another socket is dropped and counted, never raised; a pickle
+never runs; the key file is private."""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_ep.harness.wire_fuzz import KINDS, evil_pickle, frames
+from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
+from elastic_ep.wire import (
+    CONTROLLER_TO_WORKER,
+    FETCH_REPLY,
+    FETCH_REQUEST,
+    HEALTH_TO_CONTROLLER,
+    STEP_TO_CONTROLLER,
+    BackupTensors,
+    ChunkPlan,
+    ClusterKey,
+    ClusterKeyError,
+    EpochStart,
+    Heartbeat,
+    Inbox,
+    KVMove,
+    Progress,
+    SlotSource,
+    StepErrorKind,
+    StepFailed,
+    StepPlan,
+    StepResult,
+    encode,
+    rejected_counts,
+)
+from elastic_ep.wire.codec import MAC_BYTES
+
+KEY = ClusterKey.generate()
+
+
+def counted(socket: str) -> dict[str, int]:
+    return {reason: n for (s, _, reason), n in rejected_counts().items() if s == socket}
+
+
+def step_plan(num_seqs: int = 64) -> StepPlan:
+    chunks = [ChunkPlan(i, [i + 1] * (1 if i % 4 else 32), 100 + i, True,
+                        SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=i, logprobs=2), i, 20)
+              for i in range(num_seqs)]
+    return StepPlan(3, 17, chunks, [1, 2], dispatch_rows=16, kv_moves=[KVMove(5, 0, 1, [1, 2, 3])])
+
+
+def test_step_messages_round_trip_with_their_arrays():
+    load = np.arange(61 * 256, dtype=np.int64).reshape(61, 256)
+    result = StepResult(3, 17, 2, {i: i + 7 for i in range(64)}, 0.01, 0.005, 0.002, 0.001, load, 1234,
+                        {0: TokenLogprobs(-0.5, ((3, -0.5), (4, -1.5)))}, errors={9: "NaN"})
+    got = Inbox("t_step", STEP_TO_CONTROLLER, KEY).read(KEY.seal(result))
+    assert got.tokens == result.tokens and got.logprobs == result.logprobs and got.errors == result.errors
+    assert got.expert_load.dtype == np.int64 and np.array_equal(got.expert_load, load)
+    plan = step_plan()
+    assert Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(plan)) == plan
+    start = EpochStart(4, [0, 1], np.arange(8).reshape(2, 4), 2, [SlotSource(0, 1, 3, "peer", 1, 0)],
+                       [(1, 0, 1)], {}, 30.0, 10.0)
+    got = Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(start))
+    assert np.array_equal(got.phy2log, start.phy2log) and got.sources == start.sources
+    failed = StepFailed(1, 2, 3, "boom", StepErrorKind.LOCAL, True)
+    assert Inbox("t_step", STEP_TO_CONTROLLER, KEY).read(KEY.seal(failed)).kind is StepErrorKind.LOCAL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensors_travel_as_raw_bytes_in_their_dtype(dtype):
+    w13, w2 = torch.randn(3, 8, 4).to(dtype), torch.randn(3, 4, 4).to(dtype)
+    got = Inbox("t_fetch", FETCH_REPLY, KEY).read(KEY.seal(BackupTensors(w13, w2)))
+    assert got.w13.dtype == dtype and torch.equal(got.w13, w13) and torch.equal(got.w2, w2)
+    assert got.w13.is_contiguous() and got.w13.untyped_storage().data_ptr() != w13.untyped_storage().data_ptr()
+
+
+def test_an_array_whose_bytes_do_not_fit_its_shape_is_dropped():
+    good = encode(BackupTensors(torch.ones(2, 2), None))
+    bad = good.replace(b"\x92\x02\x02", b"\x92\x02\x03")  # shape [2, 2] -> [2, 3]: 16 bytes for 24
+    assert bad != good
+    inbox = Inbox("t_shape", FETCH_REPLY, KEY)
+    assert inbox.read([KEY.mac(bad), bad]) is None
+    assert counted("t_shape") == {"undecodable": 1}
+
+
+def test_junk_and_a_pickle_that_runs_code_are_dropped_and_counted(tmp_path):
+    marker = tmp_path / "ran"
+    inbox = Inbox("t_junk", HEALTH_TO_CONTROLLER, KEY)
+    body = evil_pickle(str(marker))
+    for message in ([b"\x00\x01not a pickle"], [body], [KEY.mac(body), body], [KEY.mac(b"\x00\x01not a pickle"),
+                                                                              b"\x00\x01not a pickle"]):
+        assert inbox.read(message) is None
+    assert not marker.exists()
+    assert counted("t_junk") == {"unauthenticated": 2, "undecodable": 2}
+
+
+def test_a_frame_of_another_key_or_socket_is_refused_by_reason():
+    beat = Heartbeat(1, 2, Progress(1, 2, 3, "dispatch", 4, 5.0))
+    health = Inbox("t_reason", HEALTH_TO_CONTROLLER, KEY)
+    assert health.read(KEY.seal(beat)) == beat
+    assert health.read(ClusterKey.generate().seal(beat)) is None
+    assert health.read(KEY.seal(step_plan(2))) is None  # a worker's message, not the health socket's
+    assert health.read([KEY.seal(beat)[1]]) is None  # no MAC frame
+    assert counted("t_reason") == {"unauthenticated": 2, "unexpected": 1}
+
+
+def test_a_rejected_peer_is_logged_once(caplog):
+    inbox = Inbox("t_log", HEALTH_TO_CONTROLLER, KEY)
+    for _ in range(50):
+        inbox.read([b"junk"])
+    assert len([r for r in caplog.records if "t_log socket" in r.getMessage()]) == 1
+    assert counted("t_log") == {"unauthenticated": 50}
+
+
+@pytest.mark.parametrize("socket,accepts", [("step", STEP_TO_CONTROLLER), ("health", HEALTH_TO_CONTROLLER),
+                                            ("fetch", FETCH_REQUEST)])
+def test_no_fuzz_frame_decodes_into_a_message(tmp_path, socket, accepts):
+    inbox = Inbox(f"t_fuzz_{socket}", accepts, KEY)
+    rng = random.Random(1)
+    for kind in KINDS:
+        for message in frames(kind, socket, KEY, str(tmp_path / "ran"), rng, huge_bytes=1 << 16, flood_frames=50):
+            assert inbox.read(message) is None, kind
+    assert not (tmp_path / "ran").exists()
+
+
+def test_key_file_is_written_private_and_refused_when_others_can_read_it(tmp_path):
+    path = tmp_path / "cluster.key"
+    KEY.write(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ClusterKey.read(path).mac(b"x") == KEY.mac(b"x")
+    os.chmod(path, 0o644)
+    with pytest.raises(ClusterKeyError, match="chmod 600"):
+        ClusterKey.read(path)
+    assert "ClusterKey(...)" == repr(KEY) and KEY.hex() not in repr(KEY)
+    assert len(KEY.mac(b"")) == MAC_BYTES
