@@ -30,9 +30,10 @@ CACHES = ("latent", "per_head")
 def decode_tok_s(engine: OfflineEngine, prompts: list[list[int]], steps: int) -> float:
     """Decode tokens/s of `steps` greedy steps of every prompt after an untimed prefill."""
     model, moe_fn = engine.model, engine.moe_fn
-    cache = model.new_kv_cache(len(prompts), initial_capacity=len(prompts[0]) + steps)
+    per_seq = -(-(len(prompts[0]) + steps) // 16)
+    cache = model.new_kv_cache(len(prompts) * per_seq)
     for seq in range(len(prompts)):
-        cache.allocate(seq)
+        cache.set_blocks(seq, list(range(seq * per_seq, (seq + 1) * per_seq)))
     logits = model.forward([SeqChunk(i, p, 0) for i, p in enumerate(prompts)], cache, moe_fn)
     started = time.perf_counter()
     for step in range(steps):
@@ -69,7 +70,7 @@ def main() -> None:
         write_model("deepseek_v3", model_dir, args, kv_lora_rank=args.kv_lora_rank, **head_dims)
         engines = {cache: OfflineEngine.from_pretrained(model_dir, mla_cache=cache) for cache in CACHES}
         hf = engines["latent"].model.config.hf
-        kv_bytes = {cache: e.model.new_kv_cache(1, 1).bytes_per_token for cache, e in engines.items()}
+        kv_bytes = {cache: e.model.new_kv_cache(1, block_size=1).bytes_per_token for cache, e in engines.items()}
         print(
             f"model: deepseek_v3 hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-"
             f"{args.top_k}, {args.heads} heads (qk {hf['qk_nope_head_dim']}+{hf['qk_rope_head_dim']}, v "

@@ -53,8 +53,8 @@ def generate(device: str, tokens: int = 24) -> list[str]:
 
 def prefill_logits(device: str, ids: list[int]) -> torch.Tensor:
     engine = OfflineEngine.from_pretrained(resolve_model(MODEL), device=device)
-    cache = engine.model.new_kv_cache(1)
-    cache.allocate(0)
+    cache = engine.model.new_kv_cache(-(-len(ids) // 16))
+    cache.set_blocks(0, list(range(cache.num_blocks)))
     return engine.model.forward([SeqChunk(0, ids, 0)], cache, engine.moe_fn).cpu()
 
 

@@ -3,6 +3,29 @@
 # nft (nftables) and iptables-legacy (iptables). Installs whichever is missing with apt-get;
 # does nothing when all are there. Without root the bed's tests skip, so this skips too.
 set -euo pipefail
+
+# promtool (Debian's prometheus package): tests/deploy checks deploy/prometheus/alerts.yml and runs
+# its unit tests, and fails without it.
+if ! command -v promtool >/dev/null; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "install-netbed-deps: not root, not installing prometheus (tests/deploy need promtool)" >&2
+    else
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    fi
+fi
+
+# Debian's chromium for the dashboard's browser tests (tests/e2e/test_dashboard_browser.py,
+# tests/serve/test_serve_admin.py), which fail in CI (CI=true) without it.
+if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" -eq 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+    else
+        echo "install-netbed-deps: not root, not installing chromium (the dashboard's browser tests skip)" >&2
+    fi
+fi
+
 declare -A package=([ip]=iproute2 [tc]=iproute2 [nft]=nftables [iptables-legacy]=iptables)
 missing=()
 for tool in "${!package[@]}"; do

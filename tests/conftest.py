@@ -3,6 +3,7 @@ from contextlib import ExitStack
 
 import pytest
 
+from elastic_ep.harness.browser import find_chromium
 from elastic_ep.harness.netns import TestBed, netbed_unavailable
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -26,3 +27,16 @@ def netbed():
         pytest.skip(reason)
     with ExitStack() as beds:
         yield lambda n_hosts, **kwargs: beds.enter_context(TestBed(n_hosts, **kwargs))
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's chromium, for the dashboard's tests (scripts/install-netbed-deps.sh installs it
+    before `make test`). Missing, the test fails in CI (CI=true) and skips elsewhere."""
+    path = find_chromium()
+    if path is None:
+        why = "needs Debian's chromium (apt-get install chromium, as scripts/install-netbed-deps.sh does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true: {why}")
+        pytest.skip(why)
+    return path

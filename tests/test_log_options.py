@@ -23,10 +23,10 @@ def restore_logging():
 
 def test_text_lines_name_kind_rank_and_message(capsys, restore_logging):
     configure_logging("info", "text")
-    EventLog().add(EventKind.FAULT, "rank 1: process exited with code -9", 1)
+    EventLog().add(EventKind.FAULT, "rank 1: process killed by SIGKILL", 1)
     EventLog().add(EventKind.EPOCH, "epoch 1 (recovery) with ranks [0, 2]")
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0].endswith("WARNING elastic_ep.events: event fault rank=1: rank 1: process exited with code -9")
+    assert lines[0].endswith("WARNING elastic_ep.events: event fault rank=1: rank 1: process killed by SIGKILL")
     assert lines[1].endswith("INFO elastic_ep.events: event epoch: epoch 1 (recovery) with ranks [0, 2]")
 
 

@@ -14,6 +14,8 @@ from elastic_ep.errors import ElasticEPError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serve", "serve a model: controller, node agent and N EP ranks, OpenAI-compatible HTTP"),
+    "router": ("router", "an OpenAI gateway over several serve instances: prefix affinity, load, streams that "
+                         "outlive their instance"),
     "agent": ("agent", "run a node agent that supervises workers and joins a controller"),
     "demo": ("demo", "the elastic demo on the embedded tiny model: serve, load, kill a rank, recover"),
     "generate": ("generate", "offline generation in one process"),

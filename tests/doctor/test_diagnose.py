@@ -211,6 +211,20 @@ def test_a_rank_derated_by_the_straggler_policy_is_light_on_purpose():
     assert named(diagnose_expert_balance(derated, light), "expert-imbalance") == [0]
 
 
+def test_no_eplb_advice_for_a_derated_rank_while_slow_or_after():
+    # rank 2 derated to speed 0.2 keeps its slots, so it still computes half the others' share:
+    # in time that looks hot, but it is the derate's doing; once it is restored the loads are even
+    derated = {**snapshot("busy"), "straggler_policy": {"derated": {"2": {"speed": 0.2}}}}
+    light = {k: v for k, v in samples("busy").items() if k[0] != "elastic_ep_expert_load_imbalance"}
+    for rank, share in {0: 1.17, 1: 1.17, 2: 0.5, 3: 1.16}.items():
+        light[("elastic_ep_expert_load_imbalance", (("rank", str(rank)),))] = share
+    assert diagnose_expert_balance(derated, light) == []
+    restored = {**snapshot("busy"), "straggler_policy": {"derated": {}}}
+    for rank in range(4):
+        light[("elastic_ep_expert_load_imbalance", (("rank", str(rank)),))] = 1.0
+    assert diagnose_expert_balance(restored, light) == []
+
+
 def test_too_few_ranks_is_critical_and_names_the_ranks_out_of_service():
     c = snapshot("hang2")
     c["ready"] = False

@@ -84,7 +84,7 @@ def test_a_hung_rank_is_stalled_and_the_server_not_ready_within_seconds_then_log
     assert {("chaos", 1), ("stalled", None), ("fault", 1), ("fencing", 1), ("recovered", None)} <= seen
     assert any(r["kind"] == "epoch" and r["reason"] == "recovery" for r in events)
     fault = next(r for r in events if r["kind"] == "fault")
-    assert fault["level"] == "WARNING" and "process exited" in fault["message"]
+    assert fault["level"] == "WARNING" and "process killed by SIGKILL" in fault["message"]
     stats = [r for r in log_records(server) if r["logger"] == "elastic_ep.stats"]
     assert stats and {"running", "waiting", "epoch", "serving_ranks", "tokens_per_s"} <= set(stats[-1])
 

@@ -47,3 +47,20 @@ def tiny_dirs(tmp_path_factory):
 def any_tiny_dir(request, tiny_dirs):
     """Each tiny checkpoint variant in turn."""
     return tiny_dirs[request.param]
+
+
+def interleaved_cache(model, seq_ids, max_len=64, block_size=4):
+    """A KV pool where each of seq_ids holds blocks for max_len positions, the sequences' blocks
+    interleaved (sequence i holds blocks i, i + n, i + 2n, ...), so every table is scattered."""
+    n = len(seq_ids)
+    per_seq = -(-max_len // block_size)
+    cache = model.new_kv_cache(n * per_seq, block_size)
+    for i, seq in enumerate(seq_ids):
+        cache.set_blocks(seq, list(range(i, n * per_seq, n)))
+    return cache
+
+
+@pytest.fixture
+def paged_cache():
+    """interleaved_cache(model, seq_ids, max_len=64, block_size=4)."""
+    return interleaved_cache

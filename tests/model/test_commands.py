@@ -216,17 +216,20 @@ def test_a_bfloat16_checkpoint_generates_in_bfloat16_unless_told_otherwise(capsy
             "16",
             "--ignore-eos",
             "--json",
+            "--logprobs",
+            "0",
             *dtype_args,
         )
         assert code == 0
-        return json.loads(out)["token_ids"]
+        record = json.loads(out)
+        return record["token_ids"], [lp["logprob"] for lp in record["logprobs"]]
 
     prompt = encode(load_tokenizer(out_dir), "Once upon a time")
     engine = OfflineEngine.from_pretrained(out_dir, dtype=torch.bfloat16)
     in_bf16 = engine.generate([prompt], greedy(16, ignore_eos=True))
-    assert tokens() == tokens("--dtype", "bfloat16") == in_bf16[0].token_ids
-    # Rounding to bfloat16 moves this prompt's greedy path: float32 must really run in float32.
-    assert tokens("--dtype", "float32") != tokens()
+    assert tokens()[0] == tokens("--dtype", "bfloat16")[0] == in_bf16[0].token_ids
+    # Rounding to bfloat16 moves the model's log-probabilities: float32 must really run in float32.
+    assert tokens("--dtype", "float32")[1] != tokens()[1]
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from elastic_ep.model import attention
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.engine import OfflineEngine, greedy
 from elastic_ep.model.model import SeqChunk
@@ -40,25 +41,43 @@ def reference_logits(model_dir, ids, dtype=torch.float32):
         return load_reference(model_dir, dtype)(torch.tensor([ids])).logits[0].float()
 
 
-def prefill_then_decode(engine, ids, prefill_len):
-    """Our logits [len(ids) - prefill_len + 1, V]: the prefill's last position, then each decode step."""
-    cache = engine.model.new_kv_cache(max_seqs=2)
-    cache.allocate(7)
-    steps = [engine.model.forward([SeqChunk(7, ids[:prefill_len], 0)], cache, engine.moe_fn)[0]]
+def prefill_then_decode(engine, ids, prefill_len, first_chunk=None):
+    """Our logits [len(ids) - prefill_len + 1, V]: the prefill's last position, then each decode
+    step. The sequence's blocks of 4 positions are every other block of the pool (a scattered
+    table); first_chunk: prefill in two chunks, the first of that many tokens."""
+    blocks = -(-len(ids) // 4)
+    cache = engine.model.new_kv_cache(2 * blocks, block_size=4)
+    cache.set_blocks(7, list(range(2 * blocks - 1, 0, -2)))
+    if first_chunk:
+        engine.model.forward([SeqChunk(7, ids[:first_chunk], 0)], cache, engine.moe_fn)
+    start = first_chunk or 0
+    steps = [engine.model.forward([SeqChunk(7, ids[start:prefill_len], start)], cache, engine.moe_fn)[0]]
     for pos in range(prefill_len, len(ids)):
         steps.append(engine.model.forward([SeqChunk(7, [ids[pos]], pos)], cache, engine.moe_fn)[0])
     return torch.stack(steps)
 
 
-def assert_prefill_and_decode_match(model_dir, mla_cache="latent", length=20, prefill_len=12):
+def assert_prefill_and_decode_match(model_dir, mla_cache="latent", length=20, prefill_len=12, first_chunk=None):
     engine = OfflineEngine.from_pretrained(model_dir, mla_cache=mla_cache)
     ids = prompt_ids(engine.model.config.vocab_size, length, seed=1)
     expected = reference_logits(model_dir, ids)[prefill_len - 1 :]
-    torch.testing.assert_close(prefill_then_decode(engine, ids, prefill_len), expected, atol=TOL, rtol=0)
+    ours = prefill_then_decode(engine, ids, prefill_len, first_chunk)
+    torch.testing.assert_close(ours, expected, atol=TOL, rtol=0)
 
 
 def test_prefill_and_decode_logits_match_transformers(any_tiny_dir):
     assert_prefill_and_decode_match(any_tiny_dir)
+
+
+@pytest.mark.parametrize("mla_cache", ["latent", "per_head"])
+@pytest.mark.parametrize("variant", ["deepseek_v3", "qwen3_moe"])
+def test_paged_attention_in_score_tiles_over_a_chunked_prefill_matches_transformers(
+    tiny_dirs, monkeypatch, variant, mla_cache
+):
+    # Tiles of a few queries each, a second prefill chunk that starts inside a block: the paths a
+    # long prompt takes, at a size the tiny model runs in a moment.
+    monkeypatch.setattr(attention, "SCORE_ELEMENTS", 64)
+    assert_prefill_and_decode_match(tiny_dirs[variant], mla_cache, length=30, prefill_len=23, first_chunk=6)
 
 
 @pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v3_no_q_lora", "deepseek_v3_yarn"])

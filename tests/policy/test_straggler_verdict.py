@@ -49,6 +49,12 @@ def test_a_slow_rank_with_the_same_tokens_is_the_only_straggler():
     assert "200 steps in 10 intervals spanning 5.0s, newest 0.0s old" in v.evidence
 
 
+def test_one_slowness_ratio_in_the_evidence_and_the_json():
+    v = judge(intervals({0: (5.0, 1), 1: (5.2, 1), 2: (55.0, 1), 3: (4.9, 1)}), RULE, 100.0)[2]
+    assert v.ratio == pytest.approx(55.0 / 5.0)
+    assert v.to_json()["ratio"] == round(v.ratio, 3) and f"({v.ratio:.2f}x)" in v.evidence
+
+
 def test_a_slow_rank_with_fewer_tokens_is_a_straggler():
     verdicts = judge(intervals({0: (6.0, 1), 1: (6.0, 1), 2: (56.0, 0), 3: (6.0, 1)}), RULE, 100.0)
     assert kinds(verdicts) == {0: "ok", 1: "ok", 2: "straggler", 3: "ok"}

@@ -21,18 +21,18 @@ PROMPT = list(range(3, 20))
 def move_then_decode(rank: int, world: int, store, model_name: str, dtype: str):
     engine = OfflineEngine.from_pretrained(resolve_model(model_name), dtype=dtype)
     model, moe_fn = engine.model, engine.moe_fn
-    kv = model.new_kv_cache(max_seqs=4, max_model_len=64, initial_capacity=4)  # grows inside the forwards
+    kv = model.new_kv_cache(12, block_size=8)
     group = EpochGroup(0, [0, 1], rank, "gloo", torch.device("cpu"))
     group.form(store, 30, lambda: False)
     tokens: dict[int, list[int]] = {}
-    kv.allocate(8)  # an earlier sequence grew each cache inside a forward: its tensors are inference tensors
+    kv.set_blocks(8, [0, 1, 2, 3])  # the cache was written inside a forward: its tensors are inference tensors
     model.forward([SeqChunk(8, list(range(30, 60)), 0)], kv, moe_fn)
     logits = None
     if rank == 0:  # sequence 7 is prefilled here, and decodes one token here for reference
-        kv.allocate(7)
+        kv.set_blocks(7, [9, 5, 4])
         model.forward([SeqChunk(7, PROMPT, 0)], kv, moe_fn)
         logits = model.forward([SeqChunk(7, [42], len(PROMPT))], kv, moe_fn)
-    move_kv(kv, group, [KVMove(7, 0, 1, PROMPT)], tokens)
+    move_kv(kv, group, [KVMove(7, 0, 1, PROMPT, [11, 6, 8])], tokens)  # other blocks, another order
     if rank == 1:
         logits = model.forward([SeqChunk(7, [42], len(PROMPT))], kv, moe_fn)
     group.destroy()

@@ -39,6 +39,7 @@ from elastic_ep.control.api import (
     ScaleRejected,
     ServiceUnavailable,
 )
+from elastic_ep.control.membership.scale_rules import ScaleOp, status_view
 from elastic_ep.model.sampling import TokenHistory, TokenLogprobs, sample_tokens
 
 MODEL = "tiny-test"
@@ -76,6 +77,10 @@ class ScriptedEngine:
         self.scaling_to: int | None = None
         self.chaos_calls: list[tuple[str, int, float]] = []
         self.recording = False
+        self.fail_after_events: int | None = None
+        """Set: every stream ends with an error event after this many events (an instance going bad)."""
+        self.pause_after_events: int | None = None
+        """Set: every stream sends nothing more after this many events (an instance that hangs)."""
 
     async def generate(self, request: GenerationRequest):
         prompt = self.tokenizer.decode(request.prompt_token_ids)
@@ -85,14 +90,22 @@ class ScriptedEngine:
             raise RuntimeError("scripted engine crash")
         self.requests[request.request_id] = request
         delay_s = 0.05 if "[slow]" in prompt else 0.0
-        params, output, stopped = request.params, [], False
+        params, output, stopped = request.params, list(request.resumed_output_token_ids), False
         stop_ids = params.stop_ids(self.info.eos_token_ids)
         done = False
+        events = 0
         try:
             if "[stall]" in prompt:
                 await asyncio.sleep(30)
             while True:
                 await asyncio.sleep(delay_s)
+                if self.fail_after_events is not None and events >= self.fail_after_events:
+                    done = True
+                    yield RequestOutput(request.request_id, [], True, "error", "this instance is failing")
+                    return
+                if self.pause_after_events is not None and events >= self.pause_after_events:
+                    await asyncio.sleep(30)
+                events += 1
                 if output and "[error]" in prompt:
                     done = True
                     yield RequestOutput(request.request_id, [], True, "error", "rank 2 lost its KV cache")
@@ -179,7 +192,11 @@ class ScriptedEngine:
         return {"old_ep_size": self.ep_size, "new_ep_size": new_ep_size}
 
     def scale_status(self) -> dict:
-        return {"is_scaling": self.scaling_to is not None, "state": "pending" if self.scaling_to else "idle"}
+        op = None
+        if self.scaling_to is not None:
+            op = ScaleOp(self.ep_size, self.scaling_to)
+            op.phase = "joining"
+        return status_view(op, self.ep_size)
 
     def chaos(self, order: ChaosOrder) -> dict:
         self.chaos_calls.append((order.action, order.rank_id, order.delay_s))
@@ -207,7 +224,8 @@ def sample_cluster(ep_size: int) -> dict:
                 "step_ms": {"p50": 52.0 + r, "p99": 60.0 + r, "max": 75.0},
                 "wait_ms": {"p50": 2.0 + r if slow else 40.0 + r, "p99": 45.0},
                 "liveness": {"state": "live", "stalled_s": None, "reason": ""},
-                "verdict": {"kind": "straggler" if slow else "ok",
+                "verdict": {"kind": "straggler" if slow else "ok", "own_ms": 50.0 if slow else 12.0 + r,
+                            "ratio": 50.0 / 12.0 if slow else 1.0,
                             "evidence": f"own time {50.0 if slow else 12.0} ms/step against 12.0 ms ..."},
             }
         )
@@ -219,7 +237,7 @@ def sample_cluster(ep_size: int) -> dict:
             "time_s": time.time() - 30,
             "kind": "fault",
             "rank_id": ep_size,
-            "message": f"rank {ep_size}: process exited with code -9",
+            "message": f"rank {ep_size}: process killed by SIGKILL",
         },
         {
             "time_s": time.time() - 29,
@@ -227,13 +245,17 @@ def sample_cluster(ep_size: int) -> dict:
             "message": f"epoch 3: {ep_size} ranks, placement moved 4 experts",
         },
     ]
-    deadlines = {"hang_deadline_s": 0.5, "heartbeat_timeout_s": 2.0}
+    deadlines = {"heartbeat_timeout_s": 2.0, "exit_poll_interval_s": 0.005, "stall_multiple": 10.0}
     return {
         "epoch": 3,
         "ep_size": ep_size,
         "ranks": ranks,
         "scale": {"state": "idle"},
         "deadlines": deadlines,
+        "load": {"running": 12, "waiting": 3, "steps_per_s": 20.0, "tokens_per_s": 250.0,
+                 "generated_tokens_per_s": 240.0},
+        "health": {"status": "degraded", "reason": f"rank {SLOW_RANK} is a straggler: 4.2x the own time per step "
+                                                   "of its peers"},
         "events": events,
     }
 

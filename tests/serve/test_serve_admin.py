@@ -9,11 +9,13 @@ import subprocess
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from scripted_engine import SLOW_RANK, sample_cluster
+from scripted_engine import MODEL, SLOW_RANK, sample_cluster
 
 from elastic_ep.cli import main
 from elastic_ep.control.api import Health, Readiness
+from elastic_ep.harness.browser import dump_dom
 from elastic_ep.serve.admin import DASHBOARD_HTML
+from elastic_ep.serve.metrics import FINISHED_REASONS
 
 
 def metric_samples(served) -> dict:
@@ -51,12 +53,15 @@ def test_metrics_count_requests_tokens_and_latency(served):
     before = metric_samples(served)
     ok = ("elastic_ep_http_requests_total", frozenset({("endpoint", "/v1/completions"), ("status", "200")}))
     bad = ("elastic_ep_http_requests_total", frozenset({("endpoint", "/v1/completions"), ("status", "400")}))
+    model = frozenset({("model_name", MODEL)})
+    for reason in FINISHED_REASONS:  # a zero sample before the first event: increase() sees the first one
+        assert ("elastic_ep_request_success_total", model | {("finished_reason", reason)}) in before
     for _ in range(3):
         httpx.post(f"{served.url}/v1/completions", json={"prompt": "abcd", "max_tokens": 6})
     httpx.post(f"{served.url}/v1/completions", json={"prompt": "abcd", "max_tokens": 0})
     after = metric_samples(served)
 
-    def grew(name, labels=frozenset()):
+    def grew(name, labels=model):
         return after[(name, labels)] - before.get((name, labels), 0.0)
 
     assert grew(*ok) == 3
@@ -65,7 +70,11 @@ def test_metrics_count_requests_tokens_and_latency(served):
     assert grew("elastic_ep_generation_tokens_total") == 18
     assert grew("elastic_ep_time_to_first_token_seconds_count") == 3
     assert grew("elastic_ep_time_per_output_token_seconds_count") == 3
-    assert after[("elastic_ep_http_requests_running", frozenset())] == 0
+    assert grew("elastic_ep_e2e_request_latency_seconds_count") == 3
+    assert grew("elastic_ep_e2e_request_latency_seconds_sum") > 0
+    assert grew("elastic_ep_request_success_total", model | {("finished_reason", "length")}) == 3
+    assert after[("elastic_ep_http_requests_running", model)] == 0
+    assert not [name for name, _ in after if name.endswith("_created")]
 
 
 def test_cluster_and_dashboard(served):
@@ -80,33 +89,36 @@ def test_cluster_and_dashboard(served):
     assert "http://" not in page.text and "https://" not in page.text, "the dashboard must work offline"
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium for a headless render")
-def test_dashboard_radar_puts_the_rank_others_wait_for_first(served):
-    dom = subprocess.run(
-        [
-            "chromium",
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--no-first-run",
-            "--disable-component-update",
-            "--disable-sync",
-            "--virtual-time-budget=3000",
-            "--dump-dom",
-            f"{served.url}/dashboard",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+def test_dashboard_in_chromium_shows_the_straggler_first_and_in_the_header(served, chromium):
+    dom = dump_dom(f"{served.url}/dashboard", chromium)
     radar = dom[dom.index('id="radar"') :]
     first_row = radar[: radar.index("</tr>")]
     assert f"<td>{SLOW_RANK}</td>" in first_row
-    assert 'class="worst"' in first_row
+    assert 'class="worst"' in first_row and "4.17×" in first_row  # the verdict's ratio, not a second one
     assert radar.count('class="worst"') == 1
     assert "epoch" in dom and ">3<" in dom
+    assert f'id="slow">rank {SLOW_RANK} (4.2×)<' in dom and 'id="health">degraded<' in dom
+    ranks = dom[dom.index('id="ranks"') : dom.index("</tbody>", dom.index('id="ranks"'))]
+    slow_row = next(row for row in ranks.split("</tr>") if f"<td>{SLOW_RANK}</td>" in row)
+    assert 'class="worst"' in slow_row and ">straggler 4.17×<" in slow_row
+
+
+def test_dashboard_in_chromium_shows_deadlines_in_their_units_scale_and_load(served, chromium):
+    dom = dump_dom(f"{served.url}/dashboard", chromium)
+    assert "<dt>exit_poll_interval_s</dt><dd>0.005 s</dd>" in dom  # not rounded to 0.01
+    assert "<dt>stall_multiple</dt><dd>10× the median step</dd>" in dom  # a multiplier, not seconds
+    assert "<dt>heartbeat_timeout_s</dt><dd>2 s</dd>" in dom
+    assert "<dt>phase</dt><dd><b>serving</b></dd>" in dom and "<dt>ranks serving</dt><dd>4</dd>" in dom
+    scale_panel = dom[dom.index('id="scale"') : dom.index("</dl>", dom.index('id="scale"'))]
+    assert "is_scaling" not in scale_panel and "{" not in scale_panel, "fields by name, not raw JSON"
+    assert '<b id="tokens-per-s">240.0</b>' in dom and '<b id="waiting">3</b>' in dom
+    assert "<dt>requests waiting</dt><dd>3</dd>" in dom and "<dt>tokens run</dt><dd>250.0 /s</dd>" in dom
+    served.engine.scaling_to = 6
+    try:
+        scaling = dump_dom(f"{served.url}/dashboard", chromium)
+    finally:
+        served.engine.scaling_to = None
+    assert "<dd><b>joining</b> (scaling)</dd>" in scaling and "<dt>scale</dt><dd>4 → 6 ranks</dd>" in scaling
 
 
 # Runs the dashboard's script on a /cluster document with stub DOM and fetch; prints what it rendered.

@@ -21,6 +21,12 @@ def wait_for(condition, timeout_s: float = 5.0) -> bool:
     return False
 
 
+def aborted_requests(served) -> float:
+    text = httpx.get(f"{served.url}/metrics").text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "elastic_ep_request_success_total" and s.labels["finished_reason"] == "abort")
+
+
 def running_requests(served) -> float:
     text = httpx.get(f"{served.url}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -29,6 +35,7 @@ def running_requests(served) -> float:
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_disconnect_mid_stream_aborts_the_request(served, path):
+    aborted = aborted_requests(served)
     body = {"max_tokens": 60, "stream": True}
     body |= (
         {"prompt": "[slow]"}
@@ -46,6 +53,7 @@ def test_disconnect_mid_stream_aborts_the_request(served, path):
     assert wait_for(lambda: request_id in served.engine.aborted), "the engine never saw the abort"
     assert request_id not in served.engine.finished
     assert wait_for(lambda: running_requests(served) == 0)
+    assert aborted_requests(served) == aborted + 1  # counted as vLLM counts it: finished_reason abort
 
 
 @pytest.mark.parametrize(

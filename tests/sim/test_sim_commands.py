@@ -180,3 +180,52 @@ def test_sim_does_not_import_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["sim", "fleet", "--gpus", "512", "--days", "10", "--replications", "1"],
+     ["plan", "--ep-sizes", "64,128", "--redundant", "0,auto"]],
+)
+def test_plot_says_where_it_went_and_keeps_coinciding_lines_visible(tmp_path, capsys, monkeypatch, argv):
+    import elastic_ep.sim.report as report
+
+    marked, real = [], report.mark_coinciding
+    monkeypatch.setattr(report, "mark_coinciding", lambda ax: marked.append(real(ax)) or marked[-1])
+    path = tmp_path / "figure.png"
+    assert main([*argv, "--json", "--plot", str(path)]) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)  # stdout stays JSON
+    assert f"wrote the plot to {path}" in err
+    assert marked and marked[0], "these figures have coinciding lines, and each is marked"
+    for later, earlier in marked[0].items():
+        pair = later + " " + earlier
+        assert ("elastic-disk" in pair and "elastic-backup" in pair) or "0 redundant" in later, marked[0]
+
+
+def test_mark_coinciding_keeps_both_lines_and_names_the_pair():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from elastic_ep.sim.report import mark_coinciding
+
+    fig, ax = plt.subplots()
+    try:
+        first, = ax.plot([1, 2, 3], [4, 5, 6], label="a")
+        ax.plot([1, 2, 3], [7, 8, 9], label="b")
+        same, = ax.plot([1, 2, 3], [4, 5, 6], label="c")
+        assert mark_coinciding(ax) == {"c": "a"}
+        assert same.get_label() == "c (same as a)" and same.get_marker() == "o"
+        assert same.get_zorder() > first.get_zorder() and first.get_linewidth() > same.get_linewidth()
+    finally:
+        plt.close(fig)
+
+
+def test_plan_explains_surviving_losses_beside_a_certain_expert_loss(capsys):
+    assert main(["plan", "--gpus", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "8 / 1" in out and "100% / 100%" in out
+    assert "survives ranks/nodes: the dead ranks (largest nodes) after which" in out
+    assert "P(loss): the chance that one dead rank (node) held the last copy" in out

@@ -9,6 +9,7 @@ import argparse
 import signal
 import socket
 import threading
+import time
 
 from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.errors import ElasticEPError
@@ -47,7 +48,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware-interval-s", type=float, default=1.0,
                         help="read this node's hardware signals (CPU steal and frequency; NVML ECC, clocks, "
                              "throttle reasons, Xid where present) this often (default 1.0)")
+    parser.add_argument("--connect-timeout-s", type=float, default=30.0,
+                        help="at start, wait this long for the controller to accept a connection, then give up "
+                             "naming the address (default 30)")
     add_log_arguments(parser)
+
+
+def controller_address(text: str) -> str:
+    """--controller as tcp://HOST:PORT. Refuses an HTTP URL: that is the API, not the controller."""
+    if "://" in text and not text.startswith("tcp://"):
+        raise ElasticEPError(
+            f"--controller {text} is not the controller's agent address: pass the tcp://HOST:PORT that "
+            "`elastic-ep serve` logs as \"controller at tcp://...\" (also `controller` in GET /cluster), not the "
+            "HTTP URL")
+    return text if text.startswith("tcp://") else f"tcp://{text}"
+
+
+def wait_for_controller(controller: str, timeout_s: float) -> None:
+    """Until a TCP connection to `controller` (tcp://HOST:PORT) succeeds, retrying every 0.2 s
+    (the controller may still be starting). Raises ElasticEPError naming the address and the
+    flag after timeout_s."""
+    host, _, port = controller.removeprefix("tcp://").rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, min(1.0, timeout_s))):
+                return
+        except ValueError:
+            raise ElasticEPError(f"--controller {controller} is not tcp://HOST:PORT") from None
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ElasticEPError(
+                    f"cannot reach the controller at {controller} within --connect-timeout-s {timeout_s:g} "
+                    f"({e.strerror or e}): is `elastic-ep serve` running there, and is this its \"controller at "
+                    "tcp://...\" address? Check --controller, and that this host can reach it") from None
+        time.sleep(0.2)
 
 
 def address_towards(controller: str) -> str:
@@ -66,16 +101,19 @@ def address_towards(controller: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
-    controller = args.controller if args.controller.startswith("tcp://") else f"tcp://{args.controller}"
+    controller = controller_address(args.controller)
     if args.lease_s <= 0:
         raise ElasticEPError(f"--lease-s must be > 0 seconds, got {args.lease_s}")
     if args.hardware_interval_s <= 0:
         raise ElasticEPError(f"--hardware-interval-s must be > 0 seconds, got {args.hardware_interval_s}")
+    if not args.connect_timeout_s > 0:
+        raise ElasticEPError(f"--connect-timeout-s must be > 0 seconds, got {args.connect_timeout_s}")
     try:
         key = ClusterKey.read(args.cluster_key_file)
     except ClusterKeyError as e:
         raise ElasticEPError(f"--cluster-key-file: {e}") from None
     host = args.advertise_host or address_towards(controller)
+    wait_for_controller(controller, args.connect_timeout_s)
     agent = NodeAgent(controller, args.node, key, host, args.ranks, args.stop_grace_s, args.join_mode,
                       args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
                       exit_poll_s=args.exit_poll_interval_s, standalone=True,

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -131,8 +132,30 @@ def rule_for(cluster: dict[str, Any], args: argparse.Namespace) -> StragglerRule
     return StragglerRule(**rule)
 
 
+def _moment(cluster: dict[str, Any]) -> tuple:
+    """What a fence or a recovery changes: the epoch, readiness, every rank's pid, state and liveness."""
+    return (cluster.get("epoch"), cluster.get("ready"),
+            tuple((r["rank_id"], r.get("pid"), r.get("state"), (r.get("liveness") or {}).get("state"))
+                  for r in cluster["ranks"]))
+
+
+def consistent_sample(read_cluster: Callable[[], dict[str, Any]], read_processes: Callable[[], dict[int, ProcessInfo]],
+                      attempts: int = 3) -> tuple[dict[str, Any], dict[int, ProcessInfo]]:
+    """A /cluster snapshot and the local process states of one moment: the processes read between
+    two /cluster reads that agree on `_moment`, so a fence in between cannot pair a cluster that
+    says `ready` with a process already gone. Up to `attempts` tries, else the last pair."""
+    for _ in range(attempts):
+        first = read_cluster()
+        processes = read_processes()
+        cluster = read_cluster()
+        if _moment(first) == _moment(cluster):
+            break
+    return cluster, processes
+
+
 def diagnose_once(server: Server, args: argparse.Namespace) -> Diagnosis:
-    """Sample /cluster twice, --interval-s apart, and /metrics SCRAPES times in between; diagnose."""
+    """Sample /cluster twice, --interval-s apart, and /metrics SCRAPES times in between; diagnose
+    the later /cluster sample with the process states of the same moment."""
     before = server.cluster()
     scrapes = [(time.monotonic(), server.metrics())]
     local = LocalProcesses(before, urlparse(server.url).hostname in LOCAL_HOSTS)
@@ -140,8 +163,7 @@ def diagnose_once(server: Server, args: argparse.Namespace) -> Diagnosis:
     for _ in range(SCRAPES - 1):
         time.sleep(args.interval_s / (SCRAPES - 1))
         scrapes.append((time.monotonic(), server.metrics()))
-    after = server.cluster()
-    processes = local.read()
+    after, processes = consistent_sample(server.cluster, local.read)
     th = Thresholds(straggler=rule_for(after, args))
     findings, verdicts = diagnose(before, after, args.interval_s, time.time(), scrapes, processes, th)
     return Diagnosis(after, findings, verdicts, processes)

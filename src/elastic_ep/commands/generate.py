@@ -9,6 +9,7 @@ import torch
 
 from elastic_ep.model.checkpoint import DTYPES
 from elastic_ep.model.engine import OfflineEngine
+from elastic_ep.model.kv_cache import pool_num_blocks
 from elastic_ep.model.model import resolve_device
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.model.tiny import resolve_model
@@ -68,6 +69,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch device to run on, e.g. cpu, cuda, cuda:1 (default: cuda if present)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    parser.add_argument(
+        "--kv-cache-memory", type=int, default=0,
+        help="bytes of the KV pool (default 0: on a GPU --gpu-memory-utilization, else room for the batch)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="on a GPU, the fraction of its memory in use: the KV pool gets what the weights leave (default 0.9)",
+    )
+    parser.add_argument(
+        "--num-gpu-blocks-override", type=int, default=0, help="blocks of the KV pool, whatever the budget"
+    )
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="share the KV blocks of a common token prefix between prompts (default on)",
+    )
+
+
+def pool_blocks(args: argparse.Namespace, engine: OfflineEngine) -> int | None:
+    """The KV pool's blocks from the flags; None: sized to the prompts given."""
+    device = engine.model.device
+    measure = device.type == "cuda" and not args.kv_cache_memory
+    if not (args.num_gpu_blocks_override or args.kv_cache_memory or measure):
+        return None
+    budget = args.kv_cache_memory
+    if measure:
+        budget = int(torch.cuda.mem_get_info(device)[1] * args.gpu_memory_utilization) - torch.cuda.memory_allocated(
+            device)
+    bytes_per_block = engine.model.new_kv_cache(1, args.block_size).bytes_per_token * args.block_size
+    return pool_num_blocks(bytes_per_block, override=args.num_gpu_blocks_override, budget_bytes=budget)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         dtype=args.dtype,
         device=resolve_device(args.device),
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
+    engine.num_blocks = pool_blocks(args, engine)
     tokenizer = load_tokenizer(model_dir)
     prompts = [encode(tokenizer, text) for text in args.prompt]
     results = engine.generate(prompts, params)

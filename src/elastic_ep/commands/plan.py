@@ -13,10 +13,11 @@ from elastic_ep.commands.sim_options import (
     add_rate_option,
     dataclass_from_options,
     int_list,
+    write_plot,
 )
 from elastic_ep.sim.failure_rates import parse_rate
 from elastic_ep.sim.planner import AUTO, Plan, PlanInputs, make_plan, survives_text
-from elastic_ep.sim.report import dumps, format_table, save_plot
+from elastic_ep.sim.report import dumps, format_table
 
 PLAN_SKIP = ("rate_per_gpu_hour",)
 
@@ -59,9 +60,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(plan_text(plan))
     if args.plot:
-        save_plot(
-            args.plot, lambda ax: draw_plan(ax, plan, [str(r) for r in args.redundant], backups), size_in=(11.0, 5.0)
-        )
+        write_plot(args.plot, lambda ax: draw_plan(ax, plan, [str(r) for r in args.redundant], backups),
+                   size_in=(11.0, 5.0), legend={"fontsize": 7, "loc": "upper left", "bbox_to_anchor": (1.01, 1)})
     return 0
 
 
@@ -93,6 +93,11 @@ def plan_text(plan: Plan) -> str:
         "backup GB/node", "fits", "P(loss) rank/node", "GPU-h/month restart", "GPU-h/month elastic",
     ]  # fmt: skip
     lines.append(format_table(headers, rows))
+    lines.append(
+        f"survives ranks/nodes: the dead ranks (largest nodes) after which the other ranks' slots still hold every "
+        f"expert, so the group keeps serving. P(loss): the chance that one dead rank (node) held the last copy of "
+        f"some expert in one of the {inputs.layers} layers; that expert is read back (host-memory backup or disk) "
+        "during the recovery pause, so a group that survives a loss pauses longer but does not stop")
     lines += [f"note: {n}" for n in plan.notes]
     lines.append(f"\nrecommended: {plan.reason}")
     best = plan.recommended
@@ -107,9 +112,12 @@ def plan_text(plan: Plan) -> str:
 
 
 def draw_plan(ax, plan: Plan, requests: list[str], backups: list[bool]) -> None:
-    """GPU-hours lost a month by EP size: one line per (requested redundancy, backup) under
-    elastic recovery, whole-group restart dashed, the recommendation starred. Lines drawn earlier
-    are wider, so one that coincides with a later one still shows around it."""
+    """GPU-hours lost a month by EP size: whole-group restart dashed, one line per (requested
+    redundancy, backup) under elastic recovery, the recommendation starred. Lines drawn earlier
+    are wider, so one that coincides with a later one still shows around it (an option that
+    outlives no loss is the restart line: `save_plot` marks it so)."""
+    restart = {o.ep_size: o.gpu_hours_lost_restart for o in plan.options}
+    ax.plot(list(restart), list(restart.values()), "k--", label="whole-group restart")
     series = [(r, b) for r in requests for b in backups]
     for i, (request, backup) in enumerate(series):
         opts = sorted(
@@ -125,8 +133,6 @@ def draw_plan(ax, plan: Plan, requests: list[str], backups: list[bool]) -> None:
             alpha=0.8,
             label=f"elastic, {request} redundant, backup {'on' if backup else 'off'}",
         )
-    restart = {o.ep_size: o.gpu_hours_lost_restart for o in plan.options}
-    ax.plot(list(restart), list(restart.values()), "k--", label="whole-group restart")
     best = plan.recommended
     if best is not None:
         ax.plot(
@@ -148,4 +154,3 @@ def draw_plan(ax, plan: Plan, requests: list[str], backups: list[bool]) -> None:
     ax.set_title(
         f"{plan.inputs.gpus} GPUs, {plan.failures_per_month:.0f} failures a month: GPU-hours lost by EP size"
     )
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
 import signal
+import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -83,6 +85,13 @@ HELP = {
     "max_num_batched_tokens": "tokens per rank per step (chunked prefill)",
     "reprefill_tokens_per_step": "tokens per step, over all ranks, of re-prefilling the requests of a lost rank, so "
                                  "the others keep decoding at their pace (0: no limit)",
+    "block_size": "tokens per KV cache block",
+    "gpu_memory_utilization": "on a GPU, the fraction of its memory a rank uses: the KV pool gets what the weights, "
+                              "every expert slot and the activation peak of a warm-up forward leave",
+    "kv_cache_memory": "bytes of each rank's KV pool, on any device (0: --gpu-memory-utilization on a GPU, room "
+                       "for --max-num-seqs requests of --max-model-len on a CPU)",
+    "num_gpu_blocks_override": "blocks of each rank's KV pool, whatever the budget (0: from the budget; for tests)",
+    "enable_prefix_caching": "share the KV blocks of a common token prefix between requests",
     "padded_dispatch_max_tokens": "steps whose busiest rank runs at most this many tokens dispatch fixed-size "
                                   "blocks, one all-to-all fewer per layer (0: never)",
     "enable_dbo": "two micro-batches per step (vLLM's dual batch overlap): one's dispatch and combine are in "
@@ -153,6 +162,15 @@ HELP = {
     "hardware_interval_s": "how often each node agent reads its hardware signals (CPU steal and frequency; NVML "
                            "ECC, clocks, throttle reasons, Xid where present)",
     "log_stats_interval_s": "log a one-line stats summary this often (0: never)",
+    "metrics_top_k": "ranks with a rank label in /metrics: those down, stalled, suspect, straggling or derated "
+                     "first, then the slowest by own time per step; the whole group is in the elastic_ep_group_* "
+                     "histograms",
+    "otlp_traces_endpoint": "send OpenTelemetry traces (a span per request with its queue, prefill, decode, "
+                            "recovery pauses and migrations; one per epoch change) to this OTLP/HTTP endpoint, "
+                            "e.g. http://collector:4318/v1/traces (vLLM's flag; the OTEL_* variables apply; "
+                            "needs pip install 'elastic-ep[tracing]'); empty: no tracing, nothing imported",
+    "trace_sample_ratio": "with --otlp-traces-endpoint, the share of requests traced (head sampling); requests "
+                          "that crossed a fault, an eviction or the p99 latency are always traced",
 }
 
 
@@ -200,6 +218,41 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP server's listening socket, bound before anything else starts, so that a port
+    in use is refused at once instead of after the workers came up. Raises ElasticEPError
+    naming the port and the fix."""
+    if not 0 <= port <= 65535:
+        raise ElasticEPError(f"--port {port} is not a TCP port (0..65535)")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may rebind at once
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ElasticEPError(f"--port {port}: {host}:{port} is already in use (another server?); stop that "
+                                 "process or pick a free port with --port") from None
+        raise ElasticEPError(f"cannot listen on {host}:{port} ({e.strerror or e}); --host must be an address of "
+                             "this host (or 0.0.0.0)") from None
+    sock.listen(2048)
+    return sock
+
+
+def check_control_host(cfg: ServeConfig) -> None:
+    """The control plane and the store bind --advertise-host (default --host): refuse one that is
+    not an address of this host before anything binds it (zmq would raise from deep inside)."""
+    if not cfg.advertise_host:
+        return  # --host: bind_http has bound it
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in cfg.advertise_host else socket.AF_INET) as probe:
+            probe.bind((cfg.advertise_host, 0))
+    except OSError as e:
+        raise ElasticEPError(f"--advertise-host {cfg.advertise_host} is not an address of this host "
+                             f"({e.strerror or e}): agents and workers reach the controller there; pass one of this "
+                             "host's addresses") from None
+
+
 def cluster_key(path: str | None) -> tuple[ClusterKey, Path | None]:
     """The key of --cluster-key-file (made there when the file does not exist), or a new one
     in a private temporary file; the second value is that temporary file, to remove at exit."""
@@ -230,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
     if local_ranks < 0:
         raise ElasticEPError(f"--local-ranks must be >= 0, got {local_ranks}")
     check_node_devices(args.device, args.backend, local_ranks)
+    http_socket = bind_http(args.host, args.port)
     if args.max_request_body_bytes <= 0 or args.request_timeout_s <= 0:
         raise ElasticEPError("--max-request-body-bytes and --request-timeout-s must be > 0")
     guard = HttpGuard(args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -243,12 +297,17 @@ def run(args: argparse.Namespace) -> int:
         ranks_per_node=local_ranks if 0 < local_ranks < args.ep_size else 0,
         **{name: getattr(args, name) for name in HELP},
     )
+    check_control_host(cfg)
     registry = CollectorRegistry()
     controller = Controller(cfg, key, registry)
     tokenizer = load_tokenizer(model_dir)
     from elastic_ep.serve.app import create_app
 
     app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard)
+    if cfg.enable_chaos:
+        logger.warning("--enable-chaos: fault injection is open: anyone who reaches http://%s:%d can kill, stop, slow "
+                       "and corrupt ranks through POST /chaos/*; never serve traffic like this", cfg.host,
+                       http_socket.getsockname()[1])
     agent_stop = threading.Event()
     agent_thread = threading.Thread(name="agent", daemon=True)
     if local_ranks:
@@ -261,13 +320,14 @@ def run(args: argparse.Namespace) -> int:
     controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
     controller.start()
     logger.info("controller at %s (agents connect here), HTTP on http://%s:%d", controller.health_addr, cfg.host,
-                args.port)
+                http_socket.getsockname()[1])
     # uvicorn shuts down on SIGINT/SIGTERM, then re-raises the signal under the handler found at
     # start: make that an exception here too, so the cluster below is always stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        uvicorn.run(app, host=cfg.host, port=args.port, log_level="warning", log_config=None,
-                    timeout_graceful_shutdown=2, http=request_timeout_protocol(args.request_timeout_s))
+        config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=2,
+                                http=request_timeout_protocol(args.request_timeout_s))
+        uvicorn.Server(config).run(sockets=[http_socket])
     except KeyboardInterrupt:
         pass
     finally:

@@ -14,6 +14,7 @@ from elastic_ep.commands.sim_options import (
     add_rate_option,
     dataclass_from_options,
     int_list,
+    write_plot,
 )
 from elastic_ep.commands.straggler_options import add_straggler_arguments, straggler_from_args
 from elastic_ep.errors import SimulationError
@@ -23,7 +24,7 @@ from elastic_ep.sim.assumptions import PAUSE_MIN, RESTART_MIN
 from elastic_ep.sim.failure_rates import parse_rate
 from elastic_ep.sim.fleet_report import FleetReport, Metric
 from elastic_ep.sim.placements import read_placement_file
-from elastic_ep.sim.report import dumps, format_table, save_plot
+from elastic_ep.sim.report import dumps, format_table
 
 FLEET_SKIP = ("class_shares", "rate_per_gpu_hour", "straggler_rule", "straggler_policy")
 
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     blast = sub.add_parser(
         "blast-radius",
-        help="GPU-hours lost a month per EP group size",
+        help="GPU-hours lost a month per EP group size, whole-group restart against elastic recovery",
         formatter_class=parser.formatter_class,
     )
     blast.add_argument("--gpus", type=int, default=2048, help="GPUs in the service (default 2048)")
@@ -62,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--placement", metavar="FILE", help="placement JSON (phy2log) written by `elastic-ep eplb`"
     )
     red.add_argument(
-        "--ranks", type=int, help="EP ranks of a random placement (without it: the three reference configurations)"
+        "--ranks", type=int, help="EP ranks of a random placement (without it: EP32 x 9 slots, EP320 x 1 slot and EP64 x 8 "
+                                  "slots with every expert twice, on 256 experts)"
     )
     red.add_argument("--slots", type=int, help="expert slots per rank")
     red.add_argument("--experts", type=int, default=256, help="logical experts per layer (default 256)")
@@ -168,9 +170,8 @@ def run_blast_radius(args: argparse.Namespace) -> int:
             ax.set_xlabel("EP group size (GPUs)")
             ax.set_ylabel("GPU-hours lost per month")
             ax.set_title(f"{report.total_gpus} GPUs, {report.failures_per_month:.0f} failures a month")
-            ax.legend()
 
-        save_plot(args.plot, draw)
+        write_plot(args.plot, draw)
     return 0
 
 
@@ -262,9 +263,8 @@ def run_redundancy(args: argparse.Namespace) -> int:
             ax.set_xlabel(f"dead {unit} (k)")
             ax.set_ylabel("P(some expert lost) %")
             ax.set_ylim(-2, 102)
-            ax.legend(fontsize=8)
 
-        save_plot(args.plot, draw)
+        write_plot(args.plot, draw, legend={"fontsize": 8})
     return 0
 
 
@@ -299,9 +299,8 @@ def run_fleet(args: argparse.Namespace) -> int:
             ax.set_xlabel("day")
             ax.set_ylabel("GPU-hours lost so far")
             ax.set_title(f"{total} GPUs in EP{cfg.ep_size} groups (replication 1 of {report.replications})")
-            ax.legend()
 
-        save_plot(args.plot, draw)
+        write_plot(args.plot, draw)
     return 0
 
 

@@ -4,7 +4,13 @@ dataclass (named and defaulted after the field, with its help), failure rates, o
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from elastic_ep.sim.report import save_plot
 
 
 def int_list(text: str) -> list[int]:
@@ -70,6 +76,13 @@ def add_rate_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rate", default="FROM_DATA", help="failures per GPU-hour, or FROM_DATA (Llama 3 counts)"
     )
+
+
+def write_plot(path: str, draw: Callable[[Any], None], **kwargs: Any) -> None:
+    """`--plot FILE`: draw it (sim/report.py `save_plot`) and say where it went, on stderr so
+    that `--json` output stays JSON."""
+    save_plot(path, draw, **kwargs)
+    print(f"wrote the plot to {Path(path).resolve()}", file=sys.stderr)
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:

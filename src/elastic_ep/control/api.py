@@ -28,12 +28,18 @@ class GenerationRequest:
     It finishes the request with "stop" on a token in `params.stop_ids(eos_token_ids)`,
     "length" after `params.max_tokens` tokens or at max_model_len; the sampler already keeps
     stop tokens out before `params.min_tokens`.
+
+    `resumed_output_token_ids`: output this request already produced on another instance (a
+    stream the router moved): the sequence starts with them as its output, so penalties,
+    min_tokens, max_tokens and sampling positions are those of the uninterrupted request;
+    events carry only the tokens generated after them.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
+    resumed_output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,11 +163,14 @@ class Engine(Protocol):
                       "heartbeat_age_s": float, "progress_age_s": float,  # since the last heartbeat / move
                       "progress": {"epoch", "step", "layer", "phase", "seq"}, "last_collective": str,
                       "verdict": {"kind": "ok" | "straggler" | "dp-imbalance" | "unknown", "evidence": str,
-                                  ...numbers} | None,   # members only; policy/straggler_verdict.py
+                                  "own_ms": own time per step, "ratio": own_ms over the peers' median (the one
+                                  slowness figure), ...numbers} | None,   # members only; policy/straggler_verdict.py
                       "ready": bool,  # ready: serves in a verified epoch
                       "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
            "ready": bool, "reason": str,   # as GET /ready
            "health": {"status": "ok" | "degraded" | "dead", "reason": str},   # as GET /health
+           "load": {"running", "waiting": requests now, "steps_per_s", "tokens_per_s",
+                    "generated_tokens_per_s": over the last 5 s, None before two samples},
            "straggler_rule": {"ratio", "min_excess_ms", "window_s", "min_steps", "persistence", ...},
            "straggler_policy": {"action": "off" | "derate" | "evict", "evict_after_s", "clear_after_s",
                                 "max_evictions", "eviction_window_s",   # the policy (policy/straggler_policy.py)
@@ -171,7 +180,7 @@ class Engine(Protocol):
            "hardware": {node: {"cpu_steal_ratio", "cpu_freq_mhz", "gpus": [{"index", "ecc_corrected",
                         "ecc_uncorrected", "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "throttle_reasons",
                         "xid_errors", "absent"}], "absent": {signal: why}, "age_s"}},   # node/hardware.py
-           "scale": scale_status(), "deadlines": {name: seconds},   # with stall_deadline_s, stall_multiple
+           "scale": scale_status(), "deadlines": {name: value},   # seconds where the name ends in _s, else a multiple
            "data_plane": {"all2all_backend", "enable_dbo", "dbo_min_tokens", "padded_dispatch_max_tokens",
                           "dp_align", "dp_align_min_chunk", "dp_migrate", "dp_migrate_patience",
                           "nodes": {node: [member rank_ids]}},   # the host groups of this epoch

@@ -31,6 +31,11 @@ class ServeConfig:
     max_model_len: int = 1024
     max_num_batched_tokens: int = 256
     reprefill_tokens_per_step: int = 64
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int = 0
+    num_gpu_blocks_override: int = 0
+    enable_prefix_caching: bool = True
     padded_dispatch_max_tokens: int = 16
     enable_dbo: bool = False
     dbo_min_tokens: int = 2
@@ -90,6 +95,10 @@ class ServeConfig:
     log_stats_interval_s: float = 10.0
     agent_timeout_s: float = 1.0
     lease_s: float = 5.0
+    # observability: per-rank series bound; OpenTelemetry traces (off without an endpoint)
+    metrics_top_k: int = 16
+    otlp_traces_endpoint: str = ""
+    trace_sample_ratio: float = 1.0
 
     @property
     def control_host(self) -> str:
@@ -172,9 +181,14 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
             "controller: pass this host's address with --advertise-host")
     if cfg.ep_size < 1:
         raise ElasticEPError(f"--ep-size must be at least 1, got {cfg.ep_size}")
+    if cfg.ep_size > config.num_experts:
+        raise ElasticEPError(
+            f"--ep-size {cfg.ep_size} exceeds the model's {config.num_experts} routed experts per layer: beyond that "
+            f"a rank holds no expert of its own, only copies; use --ep-size {config.num_experts} or fewer "
+            "(--redundant-experts adds copies)")
     redundancy = resolve_redundancy(cfg, config, expert_nbytes)
     for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval", "rebalance_move_bytes",
-                 "rebalance_every_steps", "load_report_every_steps"):
+                 "rebalance_every_steps", "block_size", "load_report_every_steps"):
         if getattr(cfg, name) < 1:
             raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.max_model_len > config.max_position_embeddings:
@@ -182,6 +196,12 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
             f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
             f"{config.max_position_embeddings}; lower it"
         )
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        raise ElasticEPError(f"--gpu-memory-utilization is a fraction of the device's memory in (0, 1], got "
+                             f"{cfg.gpu_memory_utilization}")
+    for name in ("kv_cache_memory", "num_gpu_blocks_override"):
+        if getattr(cfg, name) < 0:
+            raise ElasticEPError(f"--{name.replace('_', '-')} must be >= 0 (0: from the budget), got {getattr(cfg, name)}")
     from_flags(vars(cfg))  # refuses a rule or policy that cannot work, naming the value
     if cfg.standby_ranks < 0:
         raise ElasticEPError(f"--standby-ranks must be >= 0, got {cfg.standby_ranks}")

@@ -76,6 +76,11 @@ class ControlPlane:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.ROUTER_MANDATORY, 0)
             s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            # No receive high-water mark: with ZeroMQ heartbeats on, libzmq 4.3.5 aborts the process
+            # (`!_io_error`, stream_engine_base.cpp out_event) when a heartbeat fires on a connection
+            # whose input stopped at a full pipe, which a peer's flood brings about. Frames queue in
+            # memory instead until the loop drains them (MAX_DRAIN per receive, dropped cheaply).
+            s.setsockopt(zmq.RCVHWM, 0)
             # drop a connection whose peer went silent (a cut link) so its reconnection is clean
             s.setsockopt(zmq.HEARTBEAT_IVL, 250)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)

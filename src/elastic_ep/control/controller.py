@@ -93,8 +93,19 @@ from .serving.recorder import ExpertRecorder
 from .serving.scheduler import Scheduler
 from .serving.step_loop import StepLoop
 from .serving.streams import Streams
+from .tracing import RequestTraces
 
 logger = logging.getLogger(__name__)
+
+
+def _start_tracing(cfg: ServeConfig) -> RequestTraces:
+    """Request traces to --otlp-traces-endpoint: OpenTelemetry is imported here, only with the flag."""
+    try:
+        from .otel import OtelSink
+    except ImportError as e:
+        raise ElasticEPError(f"--otlp-traces-endpoint needs OpenTelemetry ({e}): pip install 'elastic-ep[tracing]'") from e
+    return RequestTraces(OtelSink.to_endpoint(cfg.otlp_traces_endpoint, model_name=cfg.model_name),
+                         cfg.trace_sample_ratio)
 
 
 def store_on(host: str, timeout_s: float = 30.0) -> dist.TCPStore:
@@ -129,14 +140,16 @@ class Controller:
         num_layers = len(self.config.moe_layers)
         registry = registry or CollectorRegistry()
         nbytes = self.reader.expert_nbytes
-        self.metrics = ClusterMetrics(registry)
+        self.metrics = ClusterMetrics(registry, cfg.model_name, cfg.metrics_top_k)
         self.rejected_frames = RejectedFrames(registry)
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    AlignRule(cfg.dp_align, cfg.dp_align_min_chunk, cfg.dp_migrate,
-                                             cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step)
+                                             cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step,
+                                   block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.cluster = c = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
-        self.streams = Streams(self.scheduler)
+        self.traces = _start_tracing(cfg) if cfg.otlp_traces_endpoint else None
+        self.streams = Streams(self.scheduler, self.traces)
         self.detector = FaultDetector(cfg)
         self.plane = ControlPlane(cfg.control_host, key)
         self.store = store_on(cfg.control_host)
@@ -146,17 +159,20 @@ class Controller:
         self.nodes = Nodes(c, cfg, self.plane, self.store_port, nbytes, fault=self.fault,
                            target_size=lambda: self.scaling.target_ep_size, undrain=self.scheduler.undrain,
                            forget_measures=self._forget_measures, pump=self.pump,
-                           publish=lambda: self.publish(throttle_s=0.25))
+                           publish=lambda: self.publish(throttle_s=0.25),
+                           set_pool_size=self.scheduler.set_pool_size)
         self.chaos = (ChaosInjector(c, self.plane, self.nodes, self.changer.after_next_start, self.scheduler.by_id)
                       if cfg.enable_chaos else None)
         self.isolation = Isolation(self.streams, c.events, self.fault, cfg.isolation_max_steps)
         self.steps = StepLoop(c, cfg, self.plane, self.scheduler, self.detector, self.metrics, self.recorder,
-                              self.streams, self.isolation, self.config.top_k, self.pump, self.chaos)
+                              self.streams, self.isolation, self.config.top_k, self.pump, self.chaos,
+                              traces=self.traces)
         self.standby = Standbys(c, cfg.standby_ranks, self.nodes, target_size=lambda: self.scaling.target_ep_size,
                                 joiner=lambda r: self.scaling.joiner(r), faulted=lambda r: r in self.detector.faults)
         self.scaling = ScaleDriver(c, cfg, self.nodes, self.scheduler,
                                    take_standbys=lambda n: self.standby.ready()[:n], joiners=self.joiners,
-                                   form=self.form, publish=self.publish)
+                                   form=self.form, publish=self.publish,
+                                   ended=lambda result: self.metrics.scale_operations.labels(result).inc())
         self.hardware = HardwareSignals(registry, c.events)
         self.stragglers = StragglerControl(
             c, cfg, self.steps.own_time, standbys=lambda: len(self.standby.ready()), fault=self.fault,
@@ -170,7 +186,8 @@ class Controller:
         self.recovery = Recovery(
             c, cfg, self.detector, self.metrics, self.steps, self.scheduler, self.streams, self.scaling, self.nodes,
             self.rebalancer, pump=self.pump, fault=self.fault, joiners=self.joiners, form=self.form,
-            leave=self.changer.leave, reset_isolation=self.isolation.reset, publish=self.publish)
+            leave=self.changer.leave, reset_isolation=self.isolation.reset, publish=self.publish,
+            traces=self.traces)
         self.published = Published()
         self._commands: queue.Queue[Command] = queue.Queue()
         info = EngineInfo(cfg.model_name, cfg.max_model_len, tuple(self.config.eos_token_ids))
@@ -181,7 +198,7 @@ class Controller:
         self.publisher = Publisher(c, cfg, self.detector, self.steps, self.scheduler, self.published, self.metrics,
                                    heard=self.plane.heard_clock, controller_addr=self.plane.health_addr,
                                    views=self._views, slow_delays=self.chaos.slow_delays if self.chaos else dict,
-                                   times=self.plane.times)
+                                   derated=self.stragglers.derated, times=self.plane.times)
         self.publish()
 
     @property
@@ -238,6 +255,8 @@ class Controller:
                 raise
         finally:
             self.nodes.shutdown()
+            if self.traces is not None:
+                self.traces.sink.shutdown()  # flush what is sampled
             for seq_id, stream in self.streams:
                 self.streams.deliver(seq_id, RequestOutput(stream.request_id, [], True, "error", "server shutting down"))
             time.sleep(0.1)
@@ -318,9 +337,13 @@ class Controller:
         if isinstance(cmd, AddRequest):
             self.streams.add(cmd.seq.seq_id, cmd.stream)
             self.scheduler.add(cmd.seq)
+            if self.traces is not None:
+                self.traces.arrived(cmd.seq.seq_id, cmd.seq.request.request_id, len(cmd.seq.request.prompt_token_ids))
         elif isinstance(cmd, AbortRequest):
             self.scheduler.abort(cmd.seq_id)
             self.streams.drop(cmd.seq_id)
+            if self.traces is not None:
+                self.traces.finished(cmd.seq_id, "abort")
         elif isinstance(cmd, StartScale):
             try:
                 answer = self.scaling.request(cmd.new_ep_size)
@@ -358,6 +381,7 @@ class Controller:
         c = self.cluster
         first = c.location is None
         self.detector.new_epoch()
+        started_s = time.monotonic()
         outcome = self.changer.change(request, self.load())
         if isinstance(outcome, NoPlacement):
             return outcome
@@ -385,6 +409,8 @@ class Controller:
         c.set_readiness(True)
         c.events.add(EventKind.EPOCH, f"epoch {c.epoch} ({reason}) with ranks {live}", reason=reason,
                      **report.fields())
+        if self.traces is not None:
+            self.traces.epoch_changed(c.epoch, reason, live, started_s, report.fields())
         if first:
             self.nodes.start_backup()
         self.publish()

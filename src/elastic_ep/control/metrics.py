@@ -1,8 +1,10 @@
 """Cluster metrics, registered on the HTTP app's CollectorRegistry.
 
-Per-rank series (label `rank`), so one slow rank shows as itself and is not hidden in a mean:
-step time, collective wait, tokens, expert load relative to the
-mean, and liveness (up, heartbeat age, last progress), set each time the control thread publishes.
+Group series (no `rank` label): the distributions of every rank's step, wait and own time, DP
+imbalance, recoveries, counts of ranks up, stalled, straggling, derated. Per-rank series (label
+`rank`: step time, collective wait, tokens, expert load relative to the mean, liveness) for at
+most `--metrics-top-k` ranks, the ones in trouble and the slowest (control/rank_series.py), so
+one slow rank shows as itself and the series count does not grow with the group.
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from elastic_ep.wire import KVMove, StepResult, rejected_counts
 
-from .rank_metrics import RankCounter, RankGauge, RankHistogram
+from .rank_series import RankSeries
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -22,47 +24,76 @@ IMBALANCE_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
 RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
 
 
+class KVCacheUsage:
+    """`elastic_ep_kv_cache_usage_perc`: the fraction (0..1) of KV blocks that requests hold,
+    vLLM's kv_cache_usage_perc; one sample without labels for the whole group (what a router
+    compares between instances), one per rank with `rank`. Cached blocks no request holds count
+    as free, as in vLLM."""
+
+    NAME = "elastic_ep_kv_cache_usage_perc"
+
+    def __init__(self) -> None:
+        self.group = 0.0
+        self.per_rank: dict[int, float] = {}
+
+    def set(self, per_rank: Mapping[int, tuple[int, int]]) -> None:
+        """per_rank: rank -> (blocks held, blocks in its pool)."""
+        self.per_rank = {r: held / total for r, (held, total) in per_rank.items()}
+        total = sum(t for _, t in per_rank.values())
+        self.group = sum(h for h, _ in per_rank.values()) / total if total else 0.0
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self.NAME, "Fraction of KV cache blocks in use (0..1)", labels=["rank"])]
+
+    def collect(self) -> list[Metric]:
+        family = GaugeMetricFamily(self.NAME, "Fraction of KV cache blocks in use (0..1)", labels=["rank"])
+        family.add_sample(self.NAME, {}, self.group)
+        for rank, usage in sorted(self.per_rank.items()):
+            family.add_metric([str(rank)], usage)
+        return [family]
+
+
 class ClusterMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        # the series every step updates for every rank (control/rank_metrics.py)
-        self.step_seconds = RankHistogram(
-            "elastic_ep_rank_step_seconds", "Step time per rank (worker side)", STEP_BUCKETS, registry,
-        )
-        self.collective_wait_seconds = RankHistogram(
-            "elastic_ep_rank_collective_wait_seconds",
-            "Time per step a rank spent in the dispatch and combine all-to-alls", STEP_BUCKETS, registry,
-        )
-        self.rank_tokens = RankGauge(
-            "elastic_ep_rank_step_tokens", "Tokens a rank ran in the last step (DP attention)", registry,
-        )
-        self.rank_tokens_total = RankCounter(
-            "elastic_ep_rank_tokens", "Tokens a rank ran (prefill and decode), for tokens per step over a window",
-            registry,
-        )
-        self.rank_up = Gauge(
-            "elastic_ep_rank_up", "1 while a rank serves and is not stalled (liveness in /cluster), else 0",
-            ["rank"], registry=registry,
-        )
-        self.rank_heartbeat_age_seconds = Gauge(
-            "elastic_ep_rank_heartbeat_age_seconds", "Time since the rank's last heartbeat", ["rank"],
-            registry=registry,
-        )
-        self.rank_last_progress_seconds = Gauge(
-            "elastic_ep_rank_last_progress_timestamp_seconds",
-            "Unix time the rank last moved (entered a collective or phase); alert on time() minus this",
-            ["rank"], registry=registry,
-        )
-        self.rank_stalled_seconds = Gauge(
-            "elastic_ep_rank_stalled_seconds", "How long the rank has been stalled or waiting in a stalled step "
-            "(0 when live)", ["rank"], registry=registry,
-        )
+    """`model_name` labels the request metrics as vLLM's (its dashboards key on it); `top_k`: ranks
+    exported with a rank label (--metrics-top-k, control/rank_series.py)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str = "", top_k: int = 16):
+        self.ranks = RankSeries(registry, top_k, STEP_BUCKETS)
+        self.ranks_up = Gauge("elastic_ep_ranks_up", "Members serving and not stalled (every rank, exported or not)",
+                              registry=registry)
+        self.ranks_stalled = Gauge("elastic_ep_ranks_stalled", "Ranks stalled now (no heartbeat, or holding up a "
+                                   "stalled step)", registry=registry)
+        self.straggler_ranks = Gauge("elastic_ep_straggler_ranks", "Members whose straggler verdict is straggler",
+                                     registry=registry)
+        self.derated_ranks = Gauge("elastic_ep_derated_ranks", "Members the straggler policy has derated",
+                                   registry=registry)
         self.requests_running = Gauge(
-            "elastic_ep_num_requests_running", "Requests placed on a rank (running or being prefilled)",
+            "elastic_ep_num_requests_running", "Requests holding KV blocks on a rank, decoding or being prefilled "
+            "(vLLM's num_requests_running)",
+            ["model_name"], registry=registry,
+        ).labels(model_name)
+        self.requests_waiting = Gauge(
+            "elastic_ep_num_requests_waiting", "Requests queued for a rank and its KV blocks, preempted ones "
+            "included (vLLM's num_requests_waiting)", ["model_name"], registry=registry,
+        ).labels(model_name)
+        self.num_preemptions = Counter(
+            "elastic_ep_num_preemptions", "Requests preempted because their rank's KV pool had no free block "
+            "(recomputed later; vLLM's num_preemptions)", registry=registry,
+        )
+        self.prefix_cache_queries = Counter(
+            "elastic_ep_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission (vLLM's "
+            "prefix_cache_queries, in tokens)", registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "elastic_ep_prefix_cache_hits", "Prompt tokens found in cached KV blocks at admission (vLLM's "
+            "prefix_cache_hits, in tokens)", registry=registry,
+        )
+        self.prefix_cached_blocks = Gauge(
+            "elastic_ep_prefix_cache_blocks", "KV blocks keyed by their token prefix, all ranks (held or evictable)",
             registry=registry,
         )
-        self.requests_waiting = Gauge(
-            "elastic_ep_num_requests_waiting", "Requests admitted but not yet placed on a rank", registry=registry,
-        )
+        self.kv_cache_usage = KVCacheUsage()
+        registry.register(self.kv_cache_usage)
         self.ready = Gauge("elastic_ep_ready", "1 while GET /ready is true", registry=registry)
         self.dp_token_imbalance = Gauge(
             "elastic_ep_dp_token_imbalance",
@@ -79,14 +110,6 @@ class ClusterMetrics:
             "all-to-all, before the prefill was cut to the step's level (plan=unaligned) and as run (plan=aligned)",
             ["plan"], buckets=TOKEN_BUCKETS, registry=registry,
         )
-        self.remote_messages = RankCounter(
-            "elastic_ep_all2all_remote_messages", "Point-to-point sends of the MoE all-to-alls to a rank on another "
-            "node, per sending rank (gloo sends one per peer per collective, empty ones included)", registry,
-        )
-        self.remote_bytes = RankCounter(
-            "elastic_ep_all2all_remote_bytes", "Bytes the MoE all-to-alls of a rank sent to ranks on other nodes",
-            registry,
-        )
         self.dp_migrations = Counter(
             "elastic_ep_dp_migrations", "Decoding sequences moved off a rank that stayed the busiest", ["mode"],
             registry=registry,
@@ -94,11 +117,6 @@ class ClusterMetrics:
         self.kv_move_seconds = Histogram(
             "elastic_ep_kv_move_seconds", "Per step with a KV move: the longest any rank spent sending or receiving",
             buckets=STEP_BUCKETS, registry=registry,
-        )
-        self.expert_load_imbalance = Gauge(
-            "elastic_ep_expert_load_imbalance",
-            "Tokens computed by a rank's expert slots over the mean across ranks, recent window (1.0 = even)",
-            ["rank"], registry=registry,
         )
         self.step_wall_seconds = Histogram(
             "elastic_ep_step_wall_seconds", "Wall time of a step at the controller, plan sent to last result",
@@ -125,27 +143,47 @@ class ClusterMetrics:
         self.eplb_rebalances = Counter(
             "elastic_ep_eplb_rebalances", "Expert placements changed for load balance", registry=registry
         )
+        self.degraded = Gauge("elastic_ep_degraded", "1 while GET /health says degraded (not ready, or a rank "
+                              "stalled, suspect or down) and the control loop runs", registry=registry)
+        self.scale_operations = Counter(
+            "elastic_ep_scale_operations", "Online scale operations that ended, by result (succeeded, failed)",
+            ["result"], registry=registry,
+        )
+        # every known label value has a sample from the start: increase() and absent() see the first event
+        # (the recoveries' causes: faults/recovery.py)
+        for mode in ("kv", "reprefill"):
+            self.dp_migrations.labels(mode)
+        for plan in ("aligned", "unaligned"):
+            self.dp_imbalance.labels(plan)
+            self.dp_busiest_tokens.labels(plan)
+        for result in ("succeeded", "failed"):
+            self.scale_operations.labels(result)
 
-    def data_plane_step(self, results: Mapping[int, StepResult], moves: list[KVMove], reprefilled: list[int]) -> None:
-        """What a completed step's all-to-alls sent across nodes, and its migrations."""
+    def rank_step(self, results: Mapping[int, StepResult], tokens: Mapping[int, int]) -> None:
+        """Every rank's timings, tokens and off-node sends of a completed step (control/rank_series.py)."""
         ranks = list(results)
-        self.remote_messages.inc(ranks, [res.remote_messages for res in results.values()])
-        self.remote_bytes.inc(ranks, [res.remote_bytes for res in results.values()])
+        res = [results[r] for r in ranks]
+        self.ranks.step(ranks, [x.step_s for x in res], [x.dispatch_wait_s + x.combine_wait_s for x in res],
+                        [x.compute_s for x in res], [tokens.get(r, 0) for r in ranks],
+                        [x.remote_messages for x in res], [x.remote_bytes for x in res])
+
+    def migrations(self, results: Mapping[int, StepResult], moves: list[KVMove], reprefilled: list[int]) -> None:
+        """A completed step's sequence migrations."""
         if moves:
             self.dp_migrations.labels("kv").inc(len(moves))
             self.kv_move_seconds.observe(max(res.kv_move_s for res in results.values()))
         if reprefilled:
             self.dp_migrations.labels("reprefill").inc(len(reprefilled))
 
+    def kv_step(self, preempted: int, prefix_queried: int, prefix_hit: int) -> None:
+        """What one step's scheduling did to the KV pools."""
+        self.num_preemptions.inc(preempted)
+        self.prefix_cache_queries.inc(prefix_queried)
+        self.prefix_cache_hits.inc(prefix_hit)
+
     def forget_rank(self, rank: int) -> None:
         """Drop a rank's series when it leaves (its last values would read as current)."""
-        for metric in (self.expert_load_imbalance, self.rank_up, self.rank_heartbeat_age_seconds,
-                       self.rank_last_progress_seconds, self.rank_stalled_seconds):
-            try:
-                metric.remove(str(rank))
-            except KeyError:
-                pass
-        self.rank_tokens.remove(rank)
+        self.ranks.forget(rank)
 
 
 class RejectedFrames:

@@ -1,8 +1,7 @@
 """Diagnosis of a running cluster from GET /cluster snapshots (and /metrics): pure functions
 from snapshot dicts to `Finding`s, so every rule is testable without processes.
 
-The questions are the seeds' runbooks (seed 000 section 9, seed 001's troubleshooting list
-and exercise 3): which rank has not entered the collective the others wait in (a hang), which
+The questions are docs/RUNBOOK.md's (symptom -> suspicion -> check -> action): which rank has not entered the collective the others wait in (a hang), which
 rank ran a different execution path, which rank always arrives last (a straggler: slow, not
 bad) or runs more tokens (DP imbalance) by the straggler verdict the server itself shows
 (`policy/straggler.py`, judged here on the doctor's own /metrics window), whether expert load is
@@ -136,7 +135,7 @@ def diagnose_hang(
         return [Finding(
             "hang", "critical", symptom,
             f"rank(s) {culprits} hold the others: {detail}; it has not entered the collective they wait in "
-            "(a dead, stopped or stuck process; seed 000 section 9: one rank dead or stuck)",
+            "(a dead, stopped or stuck process: one rank dead or stuck holds every collective)",
             check, action, rank_refs(after, culprits), evidence,
         )]
     counts = Counter(seqs.values())
@@ -161,9 +160,9 @@ def diagnose_hang(
         return [Finding(
             "path", "critical", symptom,
             f"different execution path: rank {odd[0]} is at {at[odd[0]]} while every other rank is at collective "
-            f"#{common_seq}; it ran one collective more, or another one, than the others (seed 001: a rank did "
-            f"an extra collective); or, one collective ahead, it got its rows from a rank at #{common_seq} that "
-            "stopped in the middle of the all-to-all (process states on the ranks' node tell)",
+            f"#{common_seq}; it ran one collective more, or another one, than the others (a rank on another "
+            f"code path); or, one collective ahead, it got its rows from a rank at #{common_seq} that stopped in "
+            "the middle of the all-to-all (process states on the ranks' node tell)",
             "compare ranks[].progress in GET /cluster; py-spy dump of this pid against a waiting rank's",
             "fence the odd rank (kill -9 its pid) so the group re-forms; keep the step's inputs: every rank must "
             "run every MoE layer's collectives, even with no tokens, and a rank that does not is a bug",
@@ -216,7 +215,7 @@ def diagnose_stragglers(cluster: dict[str, Any], verdicts: dict[int, Verdict]) -
             findings.append(Finding(
                 "straggler", "warning", f"rank {rank} arrives last: {v.evidence}",
                 f"slow, not bad: it still steps, so no detector fires and the watchdog deadline grows with the step "
-                f"time (seed 001: tell bad from slow); it ran no more tokens than the ranks it is compared with; {cause}",
+                f"time: a slow rank is not a broken one, and only per-rank timings show it; it ran no more tokens than the ranks it is compared with; {cause}",
                 f"the slow node radar (GET /dashboard) and `verdict` in GET /cluster; "
                 f"elastic_ep_rank_step_seconds{{rank=\"{rank}\"}} in /metrics; on its node nvidia-smi -q -d "
                 "CLOCK,ECC,PERFORMANCE and the NIC error counters",
@@ -240,28 +239,31 @@ def diagnose_stragglers(cluster: dict[str, Any], verdicts: dict[int, Verdict]) -
 
 
 def diagnose_expert_balance(cluster: dict[str, Any], samples: Samples, th: Thresholds = Thresholds()) -> list[Finding]:
-    """Expert load imbalance: tokens a rank's expert slots computed over the mean, from /metrics;
-    judged in time where the straggler policy derated ranks (their light load is on purpose)."""
+    """Expert load imbalance: tokens a rank's expert slots computed over the mean, from /metrics.
+    Ranks the straggler policy derated are left out and the others judged among themselves: a
+    derated rank's load is the derate's doing, and re-placing experts would not mend it (a slow
+    card is the straggler finding's, not EPLB's)."""
     ids = set(cluster.get("members", []))
-    load = {r: v for r, v in per_rank(samples, "elastic_ep_expert_load_imbalance").items() if r in ids}
-    derated = {int(r): d["speed"] for r, d in ((cluster.get("straggler_policy") or {}).get("derated") or {}).items()}
+    derated = sorted(int(r) for r in ((cluster.get("straggler_policy") or {}).get("derated") or {}))
+    load = {r: v for r, v in per_rank(samples, "elastic_ep_expert_load_imbalance").items()
+            if r in ids and r not in derated}
     if derated and load:
-        timed = {r: v / derated.get(r, 1.0) for r, v in load.items()}
-        load = {r: v * len(timed) / sum(timed.values()) for r, v in timed.items()}
+        mean = sum(load.values()) / len(load)
+        load = {r: v / mean for r, v in load.items()} if mean > 0 else {}
     if not load or max(load.values()) < th.expert_imbalance:
         return []
     hot = max(load, key=load.get)
     return [Finding(
         "expert-imbalance", "warning",
         f"rank {hot}'s expert slots compute {load[hot]:.2f}x the mean tokens"
-        f"{' (in time: derated ranks weighted by their speed)' if derated else ''} (per rank: "
+        f"{f' of the ranks not derated (derated: {derated})' if derated else ''} (per rank: "
         f"{ {r: round(v, 2) for r, v in sorted(load.items())} })",
         "hot experts sit on this rank: every all-to-all waits for its expert compute",
         "POST /start_expert_distribution_record, serve a while, POST /dump_expert_distribution_record; "
         "elastic_ep_expert_load_imbalance in /metrics",
         "`elastic-ep eplb --load DUMP` to see the better placement; serve with --enable-eplb (and "
         "--redundant-experts) to apply it online",
-        rank_refs(cluster, [hot]), {"expert_load_imbalance": load},
+        rank_refs(cluster, [hot]), {"expert_load_imbalance": load, "derated": derated},
     )]
 
 

@@ -1,4 +1,4 @@
-"""What the doctor reports: findings in the seeds' runbook shape (symptom -> suspicion ->
+"""What the doctor reports: findings in the runbook's shape (symptom -> suspicion ->
 check -> action), each naming the ranks it is about by rank_id, node and pid."""
 
 from __future__ import annotations

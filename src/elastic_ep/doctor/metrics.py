@@ -39,12 +39,15 @@ def scalar(samples: Samples, name: str) -> float | None:
 
 def rank_interval(before: Samples, after: Samples) -> dict[int, RankInterval]:
     """Per rank, its steps between two scrapes: how many, its own time (step time less collective
-    wait, summed, s) and the tokens it ran; ranks with no step in between are left out."""
+    wait, summed, s) and the tokens it ran; ranks with no step in between, or not exported in both
+    scrapes, are left out."""
     step, wait, tokens = "elastic_ep_rank_step_seconds", "elastic_ep_rank_collective_wait_seconds", "elastic_ep_rank_tokens_total"
 
     def delta(name: str) -> dict[int, float]:
+        # only ranks in both scrapes: /metrics exports --metrics-top-k ranks, and one that joined that set
+        # between the scrapes carries counters from before the window (and one that restarted, a reset)
         earlier = per_rank(before, name)
-        return {r: v - earlier.get(r, 0.0) for r, v in per_rank(after, name).items()}
+        return {r: v - earlier[r] for r, v in per_rank(after, name).items() if r in earlier and v >= earlier[r]}
 
     steps, step_s, wait_s, ran = delta(f"{step}_count"), delta(f"{step}_sum"), delta(f"{wait}_sum"), delta(tokens)
     return {r: RankInterval(int(n), step_s.get(r, 0.0) - wait_s.get(r, 0.0), int(round(ran.get(r, 0.0))))

@@ -1,5 +1,5 @@
 """What the doctor learns from the ranks' processes on its own machine: psutil state and CPU
-use, and Python stacks with `py-spy dump` (seed 001, exercise 3, step 2)."""
+use, and Python stacks with `py-spy dump`."""
 
 from __future__ import annotations
 

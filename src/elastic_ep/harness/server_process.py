@@ -35,12 +35,15 @@ class ServerProcess:
     env: variables set for the server on top of this process's (e.g. PYTHONPATH of another
     source tree). The cluster key is written beside the log (`key_file`: give it to agents);
     `admin_api_key` / `api_key` start it with those keys, which `http` then sends (the admin
-    key, which /v1 takes too, when both are given).
+    key, which /v1 takes too, when both are given). own_group: start it in a process group of
+    its own, so that `kill_group` can kill the server and its workers at once (an instance's
+    death, for the router's tests).
     """
 
     def __init__(self, args: list[str], log_path: str | Path, ready_timeout_s: float | None = 120.0,
                  host: str = "127.0.0.1", port: int | None = None, popen=subprocess.Popen,
-                 env: dict[str, str] | None = None, api_key: str | None = None, admin_api_key: str | None = None):
+                 env: dict[str, str] | None = None, api_key: str | None = None, admin_api_key: str | None = None,
+                 own_group: bool = False):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
@@ -53,7 +56,7 @@ class ServerProcess:
         self.proc = popen(
             [sys.executable, "-m", "elastic_ep.cli", "serve", "--host", host, "--port", str(self.port),
              "--cluster-key-file", str(self.key_file), *keys, *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, **({"start_new_session": True} if own_group else {}),
         )
         bearer = admin_api_key or api_key
         headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
@@ -118,6 +121,11 @@ class ServerProcess:
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text()
+
+    def kill_group(self) -> None:
+        """SIGKILL the server's whole process group (its workers too); needs own_group."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM, then SIGKILL after grace_s."""

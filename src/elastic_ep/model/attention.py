@@ -1,9 +1,14 @@
-"""Attention of both architectures over the padded KV cache.
+"""Attention of both architectures over the paged KV cache.
 
 `StepBatch` describes one forward's chunks (a prefill chunk or one decode token per sequence):
-the cache slot, position and rotary factors of every token, and `AttentionRows`, chunks laid
-out as padded rows so that a set of them is attended in one scaled-dot-product call over keys
-gathered from the cache, with a mask for causality and padding.
+the cache row (slot), position and rotary factors of every token, and `AttentionRows`, the
+chunks split into one-token chunks and longer ones. One-token chunks attend in one batched
+scaled-dot-product call over keys gathered from their block tables ([B, L], padding masked).
+A longer chunk attends alone, its queries in tiles of at most `SCORE_ELEMENTS` scores, each
+against the keys it may see (a causal mask of the tile only), so attention's memory grows
+linearly with the prompt: no [heads, L, L] score matrix and no dense mask for a padded batch.
+On a GPU with FlashInfer or flash-attn installed their paged kernels could take the tables
+directly; without them (and on the CPU) the gather is the path.
 
 DeepSeek's MLA caches its compressed latent by default, as DeepSeek-V2/V3, vLLM and SGLang do:
 per token and layer only the normed latent (kv_lora_rank) and the rotated rope key
@@ -19,7 +24,6 @@ token and layer); benchmarks/mla_cache.py measures the two side by side.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +36,11 @@ from .kv_cache import KVCache, KVShape
 from .layers import Rotary, rms_norm
 
 MLA_CACHES = ("latent", "per_head")
+# Scores one prefill tile computes at most (heads x queries x keys): 16 MB in float32, whatever
+# the prompt's length, where the whole chunk at once would be heads x L x L.
+SCORE_ELEMENTS = 1 << 22
+
+KVFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _token_layout(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,100 +53,97 @@ def _token_layout(lengths: list[int], device: torch.device) -> tuple[torch.Tenso
     return token_chunk, torch.arange(sum(lengths), device=device) - first_token[token_chunk]
 
 
+def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as [C, max blocks] (short ones padded with block 0, never read unmasked)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
+
+
+def _table_slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Cache rows of positions [0, length) of each table: tables [C, blocks] -> [C, length]."""
+    offsets = torch.arange(block_size, device=tables.device)
+    return (tables[:, :, None] * block_size + offsets).reshape(len(tables), -1)[:, :length]
+
+
 @dataclass
 class AttentionRows:
-    """A set of chunks laid out as the rows of one padded attention call.
+    """One kind of chunk of a step: all one-token chunks (decode), or all longer ones.
 
-    Rows are the chunks sorted by cache slot, so that the usual case (consecutive slots) reads
-    keys and values as a view of the cache. slots: the B cache rows, ascending; tokens: [n]
-    indices into the step's tokens of the n tokens of these chunks, None when the set is every
-    chunk of the step; token_row, token_offset: [n] row and index inside the chunk of each of
-    those tokens; chunk_of_row: [B] index (in the set) of the chunk of each row, None when rows
-    are in chunk order; mask: [B, 1, N, L] additive, 0 where query i of row b may see key j and
-    -inf elsewhere (N the longest chunk, L the longest sequence).
+    tokens: [n] indices into the step's tokens of these chunks' tokens, None when they are every
+    token of the step; starts, lengths: first position and token count of each chunk;
+    key_slots: decode: one [B, L] tensor, the cache rows of each sequence's positions [0, L)
+    (L the longest; padding masked by `mask` [B, 1, 1, L], True where a key is seen); prefill:
+    per chunk the cache rows [start + n] of the positions it sees.
     """
 
-    slots: list[int]
     tokens: torch.Tensor | None
-    token_row: torch.Tensor
-    token_offset: torch.Tensor
-    chunk_of_row: torch.Tensor | None
-    mask: torch.Tensor
-    max_chunk: int
-    max_len: int
+    starts: list[int]
+    lengths: list[int]
+    key_slots: list[torch.Tensor]
+    mask: torch.Tensor | None
+
+    @property
+    def max_chunk(self) -> int:
+        return max(self.lengths)
 
     @classmethod
-    def build(
-        cls,
-        slots: list[int],
-        starts: list[int],
-        lengths: list[int],
-        dtype: torch.dtype,
-        device: torch.device,
-        tokens: torch.Tensor | None = None,
-    ) -> AttentionRows:
-        """slots, starts, lengths: cache row, first position and token count of each chunk;
-        dtype: the queries' (the mask's)."""
-        order = sorted(range(len(slots)), key=slots.__getitem__)
-        chunk_of_row = torch.tensor(order, dtype=torch.int64, device=device)
-        row_of_chunk = torch.argsort(chunk_of_row)
-        token_chunk, token_offset = _token_layout(lengths, device)
-        max_chunk = max(lengths)
-        max_len = max(s + n for s, n in zip(starts, lengths, strict=True))
-        row_lens = torch.tensor([lengths[i] for i in order], dtype=torch.int64, device=device)
-        row_start = torch.tensor([starts[i] for i in order], dtype=torch.int64, device=device)
-        # A padded query row repeats the chunk's last row so that no row is fully masked.
-        query_pos = row_start[:, None] + torch.minimum(
-            torch.arange(max_chunk, device=device)[None, :], row_lens[:, None] - 1
-        )
-        visible = torch.arange(max_len, device=device)[None, None, :] <= query_pos[:, :, None]
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-        return cls(
-            slots=[slots[i] for i in order],
-            tokens=tokens,
-            token_row=row_of_chunk[token_chunk],
-            token_offset=token_offset,
-            chunk_of_row=None if order == sorted(order) else chunk_of_row,
-            mask=mask[:, None],
-            max_chunk=max_chunk,
-            max_len=max_len,
-        )
+    def build(cls, tables: list[list[int]], starts: list[int], lengths: list[int], block_size: int,
+              device: torch.device, tokens: torch.Tensor | None = None) -> AttentionRows:
+        """tables, starts, lengths: block table, first position and token count of each chunk."""
+        ends = [s + n for s, n in zip(starts, lengths, strict=True)]
+        padded = _padded_tables(tables, device)
+        if max(lengths) == 1:
+            longest = max(ends)
+            seen = torch.arange(longest, device=device) < torch.tensor(ends, device=device)[:, None]
+            return cls(tokens, starts, lengths, [_table_slots(padded, block_size, longest)], seen[:, None, None])
+        key_slots = [_table_slots(padded[i:i + 1], block_size, end)[0] for i, end in enumerate(ends)]
+        return cls(tokens, starts, lengths, key_slots, None)
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The rows of these chunks' tokens of x: [T, ...] (every token of the step) -> [n, ...]."""
         return x if self.tokens is None else x[self.tokens]
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [n, heads, k_dim], keys: [B, kv_heads, L, k_dim], values: [B, kv_heads, L, v_dim]
-        -> [n, heads, v_dim], each token attending its own sequence.
+    def attend(self, q: torch.Tensor, kv: KVFn, scale: float) -> torch.Tensor:
+        """q: [n, heads, k_dim] -> [n, heads, v_dim], each token attending its own sequence;
+        kv(slots [..., L]) -> keys [..., kv_heads, L, k_dim], values [..., kv_heads, L, v_dim].
 
         One-token rows put the heads sharing a kv head in the query-length axis ([B, kv_heads,
         heads / kv_heads, k_dim]): a plain batched product, where SDPA's enable_gqa would copy
         the keys once per query head (MLA's absorbed form has one kv head for all heads).
         """
         tokens, heads = q.shape[:2]
-        kv_heads = keys.shape[1]
-        if self.max_chunk == 1:
-            rows = q if self.chunk_of_row is None else q[self.chunk_of_row]
-            out = F.scaled_dot_product_attention(
-                rows.reshape(tokens, kv_heads, heads // kv_heads, -1),
-                keys,
-                values,
-                attn_mask=self.mask,
-                scale=scale,
+        if self.mask is not None:
+            keys, values = kv(self.key_slots[0])
+            kv_heads = keys.shape[1]
+            return F.scaled_dot_product_attention(
+                q.reshape(tokens, kv_heads, heads // kv_heads, -1), keys, values, attn_mask=self.mask, scale=scale
             ).reshape(tokens, heads, -1)
-            return out if self.chunk_of_row is None else out[self.token_row]
-        q_pad = q.new_zeros(len(self.slots), self.max_chunk, *q.shape[1:])
-        q_pad[self.token_row, self.token_offset] = q
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2),
-            keys,
-            values,
-            attn_mask=self.mask,
-            scale=scale,
-            enable_gqa=kv_heads != heads,
-        ).transpose(1, 2)
-        return out[self.token_row, self.token_offset]
+        parts, first = [], 0
+        for start, n, slots in zip(self.starts, self.lengths, self.key_slots, strict=True):
+            keys, values = kv(slots)
+            parts.append(_attend_chunk(q[first:first + n].transpose(0, 1), keys, values, start, scale))
+            first += n
+        return torch.cat(parts, dim=1).transpose(0, 1)
+
+
+def _attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """One chunk's causal attention: q [heads, n, k_dim] at positions [start, start + n), keys
+    [kv_heads, start + n, k_dim], values [kv_heads, start + n, v_dim] -> [heads, n, v_dim].
+    Queries go in tiles of at most SCORE_ELEMENTS scores, each against the keys up to its last."""
+    heads, n = q.shape[:2]
+    gqa = keys.shape[0] != heads
+    if start == 0 and heads * n * n <= SCORE_ELEMENTS:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+    tile = max(SCORE_ELEMENTS // (heads * (start + n)), 1)
+    out = []
+    for q0 in range(0, n, tile):
+        q1 = min(q0 + tile, n)
+        end = start + q1
+        seen = torch.arange(end, device=q.device) <= torch.arange(start + q0, end, device=q.device)[:, None]
+        out.append(F.scaled_dot_product_attention(
+            q[:, q0:q1], keys[:, :end], values[:, :end], attn_mask=seen, scale=scale, enable_gqa=gqa
+        ))
+    return torch.cat(out, dim=1)
 
 
 @dataclass
@@ -145,9 +151,8 @@ class StepBatch:
     """Where each token of a forward goes; built once per step, shared by every layer.
 
     token_slots, positions: [T] cache row and absolute position of every token; cos, sin:
-    [T, 1, d/2] rotary factors at those positions in the model's dtype; groups: the chunks as
-    padded rows, all in one group, or split into one-token chunks and longer ones (MLA's latent
-    cache attends them in different forms).
+    [T, 1, d/2] rotary factors at those positions in the model's dtype; groups: the one-token
+    chunks and the longer ones (`AttentionRows`), one group when all are of one kind.
     """
 
     token_slots: torch.Tensor
@@ -159,44 +164,35 @@ class StepBatch:
     @classmethod
     def build(
         cls,
-        slots: list[int],
+        tables: list[list[int]],
         starts: list[int],
         lengths: list[int],
+        block_size: int,
         rotary: Rotary,
         dtype: torch.dtype,
         device: torch.device,
-        split_decode: bool = False,
     ) -> StepBatch:
-        """slots, starts, lengths: cache row, first position and token count of each chunk;
-        rotary: the model's (every layer shares it); split_decode: one group for the one-token
-        chunks, one for the others."""
+        """tables, starts, lengths: block table, first position and token count of each chunk;
+        rotary: the model's (every layer shares it)."""
         token_chunk, token_offset = _token_layout(lengths, device)
         positions = torch.tensor(starts, dtype=torch.int64, device=device)[token_chunk] + token_offset
         cos, sin = rotary.cos_sin(positions, dtype)
+        token_slots = (_padded_tables(tables, device)[token_chunk, positions // block_size] * block_size
+                       + positions % block_size)
         decode = [i for i, n in enumerate(lengths) if n == 1]
         prefill = [i for i, n in enumerate(lengths) if n > 1]
-        if split_decode and decode and prefill:
-            firsts = list(itertools.accumulate(lengths, initial=0))
+        if decode and prefill:
+            is_decode = torch.tensor(lengths, device=device)[token_chunk] == 1
             groups = [
                 AttentionRows.build(
-                    [slots[c] for c in chunks],
-                    [starts[c] for c in chunks],
-                    [lengths[c] for c in chunks],
-                    dtype,
-                    device,
-                    torch.tensor([t for c in chunks for t in range(firsts[c], firsts[c + 1])], device=device),
+                    [tables[c] for c in chunks], [starts[c] for c in chunks], [lengths[c] for c in chunks],
+                    block_size, device, torch.nonzero(mask)[:, 0],
                 )
-                for chunks in (decode, prefill)
+                for chunks, mask in ((decode, is_decode), (prefill, ~is_decode))
             ]
         else:
-            groups = [AttentionRows.build(slots, starts, lengths, dtype, device)]
-        return cls(
-            token_slots=torch.tensor(slots, dtype=torch.int64, device=device)[token_chunk],
-            positions=positions,
-            cos=cos,
-            sin=sin,
-            groups=groups,
-        )
+            groups = [AttentionRows.build(tables, starts, lengths, block_size, device)]
+        return cls(token_slots=token_slots, positions=positions, cos=cos, sin=sin, groups=groups)
 
     def attend(self, attend_rows: Callable[[AttentionRows], torch.Tensor]) -> torch.Tensor:
         """attend_rows(rows) -> [n, heads, d] for the n tokens of each group, as [T, heads, d]."""
@@ -210,9 +206,7 @@ class StepBatch:
 
     def attend_cached(self, cache: KVCache, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [T, heads, k_dim] against the keys and values cached for `layer` -> [T, heads, v_dim]."""
-        return self.attend(
-            lambda rows: rows.attend(rows.take(q), *cache.gather(layer, rows.slots, rows.max_len), scale)
-        )
+        return self.attend(lambda rows: rows.attend(rows.take(q), lambda s: cache.gather(layer, s), scale))
 
 
 class MLAttention:
@@ -233,7 +227,6 @@ class MLAttention:
         self.eps = cfg.rms_norm_eps
         self.rotary = rotary
         self.latent_cache = cache == "latent"
-        self.split_decode = self.latent_cache  # its decode and prefill chunks attend in different forms
         qk = self.nope + self.rope
         self.scale = qk**-0.5 * rotary.softmax_scale_factor
         if self.q_rank is None:
@@ -273,16 +266,14 @@ class MLAttention:
         latent = rms_norm(latent, self.kv_a_norm, self.eps)
         k_rot = self.rotary.apply(k_rot.view(tokens, 1, self.rope), batch.cos, batch.sin)
         if self.latent_cache:
-            cache.write(
-                layer, batch.token_slots, batch.positions, torch.cat([latent[:, None], k_rot], dim=-1)
-            )
+            cache.write(layer, batch.token_slots, torch.cat([latent[:, None], k_rot], dim=-1))
             out = batch.attend(
                 lambda rows: (self._attend_absorbed if rows.max_chunk == 1 else self._attend_expanded)(
                     rows, cache, layer, rows.take(q_nope), rows.take(q_rot)
                 )
             )
         else:
-            cache.write(layer, batch.token_slots, batch.positions, *self._expand(latent, k_rot))
+            cache.write(layer, batch.token_slots, *self._expand(latent, k_rot))
             out = batch.attend_cached(cache, layer, torch.cat([q_nope, q_rot], dim=-1), self.scale)
         return F.linear(out.reshape(tokens, -1), self.o_proj, self.o_bias)
 
@@ -303,21 +294,21 @@ class MLAttention:
         rope] -> [n, heads, v]. Scores are q_nope . (W_UK c) + q_rot . k_rot = (W_UK^T q_nope) . c
         + q_rot . k_rot, the output W_UV (sum_j p_j c_j)."""
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
-        keys, latents = cache.gather(layer, rows.slots, rows.max_len)
-        out_latent = rows.attend(torch.cat([q_latent, q_rot], dim=-1), keys, latents, self.scale)
+        out_latent = rows.attend(torch.cat([q_latent, q_rot], dim=-1), lambda s: cache.gather(layer, s), self.scale)
         return torch.bmm(out_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)
 
     def _attend_expanded(
         self, rows: AttentionRows, cache: KVCache, layer: int, q_nope: torch.Tensor, q_rot: torch.Tensor
     ) -> torch.Tensor:
-        """Prefill chunks against the latent cache, per head: the cached latents of their
-        sequences up-projected to keys and values. Same shapes as `_attend_absorbed`."""
-        keys, _ = cache.gather(layer, rows.slots, rows.max_len)
-        latent, k_rot = keys.split([self.kv_rank, self.rope], dim=-1)
-        k, v = self._expand(latent[:, 0], k_rot[:, 0, :, None])
-        return rows.attend(
-            torch.cat([q_nope, q_rot], dim=-1), k.transpose(1, 2), v.transpose(1, 2), self.scale
-        )
+        """Prefill chunks against the latent cache, per head: the cached latents of each
+        sequence up-projected to keys and values. Same shapes as `_attend_absorbed`."""
+
+        def expanded(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            latent, k_rot = cache.gather(layer, slots)[0][0].split([self.kv_rank, self.rope], dim=-1)
+            k, v = self._expand(latent, k_rot[:, None])
+            return k.transpose(0, 1), v.transpose(0, 1)
+
+        return rows.attend(torch.cat([q_nope, q_rot], dim=-1), expanded, self.scale)
 
 
 class GQAttention:
@@ -328,7 +319,6 @@ class GQAttention:
         self.heads = cfg.num_attention_heads
         self.head_dim, self.kv_heads = hf["head_dim"], hf["num_key_value_heads"]
         self.kv_shape = KVShape(kv_heads=self.kv_heads, k_dim=self.head_dim, v_dim=self.head_dim)
-        self.split_decode = False
         self.eps = cfg.rms_norm_eps
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
@@ -353,6 +343,6 @@ class GQAttention:
         )
         v = F.linear(x, self.v_proj, self.v_bias).view(tokens, self.kv_heads, -1)
         q, k = self.rotary.apply(q, batch.cos, batch.sin), self.rotary.apply(k, batch.cos, batch.sin)
-        cache.write(layer, batch.token_slots, batch.positions, k, v)
+        cache.write(layer, batch.token_slots, k, v)
         out = batch.attend_cached(cache, layer, q, self.scale)
         return F.linear(out.reshape(tokens, -1), self.o_proj, self.o_bias)

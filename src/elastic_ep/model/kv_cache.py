@@ -1,12 +1,13 @@
-"""Per-sequence key/value cache, padded so a batch of sequences is attended in one call.
+"""Paged key/value cache: a pool of fixed-size blocks allocated once, and a block table per sequence.
 
-Layout per layer: keys [max_seqs, kv_heads, capacity, k_dim], values [max_seqs, kv_heads,
-capacity, v_dim]: heads before positions, so the keys of a batch are a [B * heads, len, dim]
-batch of matrices for attention without a copy. MLA's latent cache is the case kv_heads = 1
-with `values_in_keys`: a key is [latent, rope key] and the value is its latent, a view of the
-key, so nothing is stored twice. A sequence owns one row (its slot) while allocated.
-`capacity` grows by doubling up to `max_model_len`, so a cache sized for long contexts costs
-memory only once a sequence is that long. Every tensor lives on the cache's `device`.
+Layout per layer: keys [num_blocks * block_size, kv_heads, k_dim], values [num_blocks *
+block_size, kv_heads, v_dim]; position p of a sequence is row `table[p // block_size] *
+block_size + p % block_size` (its slot). MLA's latent cache is the case kv_heads = 1 with
+`values_in_keys`: a key is [latent, rope key] and the value is its latent, a view of the key, so
+nothing is stored twice. Which blocks a sequence holds is decided outside (model/block_manager.py:
+the offline engine's, or the controller's for a rank) and told with `set_blocks`; blocks may be
+shared by sequences with a common prefix. The pool's memory is fixed at construction (its size
+comes from a budget, model/kv_budget.py). Every tensor lives on the cache's `device`.
 
 Writing is idempotent: a forward of a chunk at positions [start, start + n) overwrites those
 positions and sets the length to start + n, so re-running a step interrupted half-way (some
@@ -23,9 +24,11 @@ from elastic_ep.errors import ElasticEPError
 
 from .memory import huge_zeros
 
+DEFAULT_BLOCK_SIZE = 16
+
 
 class CacheCapacityError(ElasticEPError):
-    """A sequence does not fit: too many sequences at once, or longer than max_model_len."""
+    """A sequence's block table is too short for the positions asked of it."""
 
 
 @dataclass(frozen=True)
@@ -47,85 +50,80 @@ class KVShape:
         return self.kv_heads * (self.k_dim + (0 if self.values_in_keys else self.v_dim))
 
 
+def bytes_per_token(num_layers: int, shape: KVShape, dtype: torch.dtype) -> int:
+    """Bytes one token takes over all layers: layers x kv_heads x (k_dim + v_dim, or k_dim alone
+    for values_in_keys) x dtype bytes."""
+    return num_layers * shape.elements_per_token * dtype.itemsize
+
+
 class KVCache:
-    """KV cache of up to `max_seqs` sequences of up to `max_model_len` tokens each, in `dtype` on `device`."""
+    """`num_blocks` blocks of `block_size` positions for `num_layers` layers, in `dtype` on `device`."""
 
     def __init__(
         self,
         num_layers: int,
         shape: KVShape,
-        max_seqs: int,
-        max_model_len: int,
-        initial_capacity: int = 256,
+        num_blocks: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        if max_seqs < 1 or max_model_len < 1:
-            raise ValueError(f"max_seqs and max_model_len must be >= 1, got {max_seqs}, {max_model_len}")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.shape = shape
-        self.max_seqs = max_seqs
-        self.max_model_len = max_model_len
         self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.dtype = dtype
-        self.capacity = min(initial_capacity, max_model_len)
-        self.keys = [self._zeros(shape.k_dim, device) for _ in range(num_layers)]
-        self.values = (
-            [] if shape.values_in_keys else [self._zeros(shape.v_dim, device) for _ in range(num_layers)]
-        )
-        self._slots: dict[int, int] = {}
+        rows = num_blocks * block_size
+        self.keys = [huge_zeros(rows, shape.kv_heads, shape.k_dim, dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.values = [] if shape.values_in_keys else [
+            huge_zeros(rows, shape.kv_heads, shape.v_dim, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
-        self._free_slots = list(range(max_seqs - 1, -1, -1))  # pop() hands out the lowest row first
-
-    def _zeros(self, dim: int, device: torch.device | str) -> torch.Tensor:
-        return huge_zeros(self.max_seqs, self.shape.kv_heads, self.capacity, dim, dtype=self.dtype, device=device)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token of one sequence takes, over all layers:
-        layers x kv_heads x (k_dim + v_dim, or k_dim alone for values_in_keys) x dtype bytes."""
-        return self.num_layers * self.shape.elements_per_token * self.dtype.itemsize
+        return bytes_per_token(self.num_layers, self.shape, self.dtype)
 
     @property
     def device(self) -> torch.device:
         return self.keys[0].device
 
-    def allocate(self, seq_id: int) -> None:
-        """Give `seq_id` an empty cache row (length 0). Re-allocating a live sequence resets it."""
-        if seq_id in self._slots:
-            self._lengths[seq_id] = 0
-            return
-        if not self._free_slots:
-            raise CacheCapacityError(
-                f"KV cache is full: {self.max_seqs} sequences are running; raise max_seqs "
-                "(--max-batch) or wait for a sequence to finish"
-            )
-        self._slots[seq_id] = self._free_slots.pop()
-        self._lengths[seq_id] = 0
+    def set_blocks(self, seq_id: int, block_ids: list[int], num_cached: int | None = None) -> None:
+        """Give `seq_id` the block table `block_ids`. A new sequence starts with num_cached
+        computed positions (0 by default; a prefix hit's shared blocks hold more); a known one
+        keeps its length unless num_cached is given."""
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"sequence {seq_id}: block ids {block_ids} outside the pool of {self.num_blocks}")
+        self._tables[seq_id] = list(block_ids)
+        if num_cached is not None or seq_id not in self._lengths:
+            self._lengths[seq_id] = num_cached or 0
 
     def free(self, seq_id: int) -> None:
-        """Release the row of `seq_id` (no-op for an unknown id)."""
-        slot = self._slots.pop(seq_id, None)
-        if slot is not None:
-            self._free_slots.append(slot)
-            del self._lengths[seq_id]
+        """Forget the table of `seq_id` (no-op for an unknown id); its blocks' contents stay."""
+        self._tables.pop(seq_id, None)
+        self._lengths.pop(seq_id, None)
 
     def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._slots
+        return seq_id in self._tables
 
     def length(self, seq_id: int) -> int:
         """Number of cached positions of `seq_id`."""
         return self._lengths[self._require(seq_id)]
 
-    def slot(self, seq_id: int) -> int:
-        return self._slots[self._require(seq_id)]
+    def block_table(self, seq_id: int) -> list[int]:
+        return self._tables[self._require(seq_id)]
 
     @property
     def num_seqs(self) -> int:
-        return len(self._slots)
+        return len(self._tables)
 
     def _require(self, seq_id: int) -> int:
-        if seq_id not in self._slots:
-            raise KeyError(f"sequence {seq_id} has no KV cache; call allocate({seq_id}) first")
+        if seq_id not in self._tables:
+            raise KeyError(f"sequence {seq_id} has no KV cache; give it blocks with set_blocks({seq_id}, ...) first")
         return seq_id
 
     def begin_chunk(self, seq_id: int, start_pos: int, num_tokens: int) -> None:
@@ -139,81 +137,74 @@ class KVCache:
                 f"sequence {seq_id}: chunk starts at {start_pos} but only {length} positions are cached"
             )
         end = start_pos + num_tokens
-        if end > self.max_model_len:
+        held = len(self._tables[seq_id]) * self.block_size
+        if end > held:
             raise CacheCapacityError(
-                f"sequence {seq_id} needs {end} positions, more than max_model_len {self.max_model_len}; "
-                "shorten the prompt or lower max_tokens"
+                f"sequence {seq_id} needs {end} positions, its block table holds {held} "
+                f"({len(self._tables[seq_id])} blocks of {self.block_size})"
             )
-        self._grow(end)
         self._lengths[seq_id] = end
 
-    def _grow(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        capacity = self.capacity
-        while capacity < needed:
-            capacity *= 2
-        capacity = min(capacity, self.max_model_len)
-        self.keys = [_grown(k, capacity) for k in self.keys]
-        self.values = [_grown(v, capacity) for v in self.values]
-        self.capacity = capacity
+    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """Cache rows [end - start] of positions [start, end) of `seq_id`."""
+        positions = torch.arange(start, end, device=self.device)
+        table = torch.tensor(self.block_table(seq_id), dtype=torch.int64, device=self.device)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def read(self, seq_id: int, num_tokens: int) -> torch.Tensor:
         """The first num_tokens positions of `seq_id` in every layer, keys then values (values
         only when stored apart): [layers, kv_heads, num_tokens, k_dim (+ v_dim)], a copy."""
-        row = self.slot(seq_id)
         if num_tokens > self.length(seq_id):
             raise ValueError(f"sequence {seq_id}: {num_tokens} positions asked, {self.length(seq_id)} cached")
-        parts = [torch.stack([k[row, :, :num_tokens] for k in self.keys])]
+        rows = self.slots(seq_id, 0, num_tokens)
+        parts = [torch.stack([k[rows] for k in self.keys])]
         if self.values:
-            parts.append(torch.stack([v[row, :, :num_tokens] for v in self.values]))
-        return torch.cat(parts, dim=-1)
+            parts.append(torch.stack([v[rows] for v in self.values]))
+        return torch.cat(parts, dim=-1).transpose(1, 2)
 
-    def load(self, seq_id: int, rows: torch.Tensor) -> None:
-        """Give `seq_id` a row holding `rows` ([layers, kv_heads, n, k_dim (+ v_dim)], as `read`
-        returns them) at positions [0, n); its length is n."""
-        self.allocate(seq_id)
+    def load(self, seq_id: int, rows: torch.Tensor, block_ids: list[int]) -> None:
+        """Give `seq_id` the table block_ids and write `rows` ([layers, kv_heads, n, k_dim (+
+        v_dim)], as `read` returns them) at its positions [0, n); its length is n."""
+        self.set_blocks(seq_id, block_ids, num_cached=0)
         n = rows.shape[2]
         self.begin_chunk(seq_id, 0, n)
-        row = self.slot(seq_id)
+        slots = self.slots(seq_id, 0, n)
         for layer in range(self.num_layers):
-            self.keys[layer][row, :, :n] = rows[layer, :, :, : self.shape.k_dim]
+            per_token = rows[layer].transpose(0, 1)
+            self.keys[layer][slots] = per_token[..., : self.shape.k_dim]
             if self.values:
-                self.values[layer][row, :, :n] = rows[layer, :, :, self.shape.k_dim :]
+                self.values[layer][slots] = per_token[..., self.shape.k_dim :]
 
-    def write(
-        self,
-        layer: int,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor | None = None,
-    ):
-        """slots, positions: [T] int64; k: [T, kv_heads, k_dim]; v: [T, kv_heads, v_dim], None
-        for values_in_keys."""
-        self.keys[layer][slots, :, positions] = k
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """slots: [T] cache rows; k: [T, kv_heads, k_dim]; v: [T, kv_heads, v_dim], None for
+        values_in_keys."""
+        self.keys[layer][slots] = k
         if v is not None:
-            self.values[layer][slots, :, positions] = v
+            self.values[layer][slots] = v
 
-    def gather(self, layer: int, slots: list[int], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [B, kv_heads, max_len, k_dim] and values [B, kv_heads, max_len, v_dim] of rows `slots`.
-
-        Consecutive slots (the usual case: rows are handed out lowest first) are a view, not a
-        copy; values_in_keys values are a view of the keys.
-        """
-        first = slots[0]
-        if slots == list(range(first, first + len(slots))):
-            rows: slice | torch.Tensor = slice(first, first + len(slots))
-        else:
-            rows = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        keys = self.keys[layer][rows, :, :max_len]
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [..., kv_heads, L, k_dim] and values [..., kv_heads, L, v_dim] of cache rows
+        slots [..., L] (a copy; values_in_keys values are a view of the keys)."""
+        keys = self.keys[layer][slots].transpose(-3, -2)
         if self.shape.values_in_keys:
             return keys, keys[..., : self.shape.v_dim]
-        return keys, self.values[layer][rows, :, :max_len]
+        return keys, self.values[layer][slots].transpose(-3, -2)
 
 
-def _grown(cache: torch.Tensor, capacity: int) -> torch.Tensor:
-    """cache [seqs, heads, n, dim] copied into a zeroed [seqs, heads, capacity, dim]."""
-    out = huge_zeros(*cache.shape[:2], capacity, cache.shape[3], dtype=cache.dtype, device=cache.device)
-    out[:, :, : cache.shape[2]] = cache
-    return out
+def pool_num_blocks(bytes_per_block: int, *, override: int = 0, budget_bytes: int = 0,
+                    fallback_blocks: int = 0) -> int:
+    """Blocks of a rank's KV pool: `override` when given (--num-gpu-blocks-override), else as many
+    as `budget_bytes` holds (--kv-cache-memory, or what --gpu-memory-utilization leaves), else
+    fallback_blocks. Raises ElasticEPError when that is not one block, naming the sizes."""
+    if override > 0:
+        num_blocks = override
+    elif budget_bytes:
+        num_blocks = max(budget_bytes, 0) // bytes_per_block
+    else:
+        num_blocks = fallback_blocks
+    if num_blocks < 1:
+        raise ElasticEPError(
+            f"the KV cache budget of {budget_bytes} bytes holds no block of {bytes_per_block} bytes; give the "
+            "cache more memory (--kv-cache-memory, --gpu-memory-utilization) or a smaller model"
+        )
+    return num_blocks

@@ -26,7 +26,7 @@ from elastic_ep.errors import ElasticEPError
 from .attention import GQAttention, MLAttention, StepBatch
 from .checkpoint import DenseWeights
 from .config import MoEConfig
-from .kv_cache import KVCache
+from .kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from .layers import Rotary, gated_mlp, rms_norm
 from .moe import MoEFn
 from .router import grouped_sigmoid_topk, softmax_topk
@@ -198,23 +198,11 @@ class MoEForCausalLM:
             )
         self.kv_shape = self.layers[0].attention.kv_shape
 
-    def new_kv_cache(
-        self, max_seqs: int, max_model_len: int | None = None, initial_capacity: int = 256
-    ) -> KVCache:
-        """A cache for this model, in its dtype on its device; max_model_len defaults to
-        max_position_embeddings.
-
-        initial_capacity: positions allocated per sequence up front (the cache doubles as needed).
-        """
-        return KVCache(
-            self.config.num_layers,
-            self.kv_shape,
-            max_seqs,
-            max_model_len or self.config.max_position_embeddings,
-            initial_capacity,
-            dtype=self.dtype,
-            device=self.device,
-        )
+    def new_kv_cache(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
+        """A pool of num_blocks KV blocks of block_size positions for this model, in its dtype
+        on its device."""
+        return KVCache(self.config.num_layers, self.kv_shape, num_blocks, block_size, dtype=self.dtype,
+                       device=self.device)
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], kv: KVCache, moe_fn: MoEFn) -> torch.Tensor:
@@ -276,11 +264,11 @@ class MoEForCausalLM:
         for c in chunks:
             kv.begin_chunk(c.seq_id, c.start_pos, len(c.token_ids))
         return StepBatch.build(
-            [kv.slot(c.seq_id) for c in chunks],
+            [kv.block_table(c.seq_id) for c in chunks],
             [c.start_pos for c in chunks],
             [len(c.token_ids) for c in chunks],
+            kv.block_size,
             self.rotary,
             self.dtype,
             self.device,
-            split_decode=self.layers[0].attention.split_decode,
         )

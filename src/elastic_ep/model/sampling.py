@@ -33,6 +33,8 @@ import torch
 
 from elastic_ep.errors import ElasticEPError
 
+from .seeds import SEED_MAX, SEED_MIN
+
 MAX_TEMPERATURE = 2.0
 MAX_ABS_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-2, 2], as in OpenAI's API and vLLM."""
@@ -40,7 +42,6 @@ MAX_REPETITION_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGPROBS = 20
 """Most top logprobs one token may ask for (vLLM's default `--max-logprobs`)."""
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class InvalidSamplingParams(ElasticEPError, ValueError):

@@ -59,6 +59,7 @@ from elastic_ep.wire import (
     WorkerFenced,
     WorkerLaunch,
     WorkerStarted,
+    exit_reason,
     rejected_counts,
 )
 
@@ -361,8 +362,8 @@ class NodeAgent:
                 delay_s = min(self.backoff_s * 2**deaths, self.backoff_max_s)
                 self.restart_at[child.rank_id] = time.monotonic() + delay_s
         logger.log(logging.INFO if child.fencing or returncode == 0 else logging.WARNING,
-                   "node %s: rank %d (pid %d) %s with code %d", self.node, child.rank_id, pid,
-                   "fenced" if child.fencing else "exited", returncode)
+                   "node %s: rank %d (pid %d) %s: %s", self.node, child.rank_id, pid,
+                   "fenced" if child.fencing else "ended", exit_reason(returncode))
 
     def _fence(self, msg: FenceWorker) -> None:
         with self._lock:

@@ -177,6 +177,14 @@ class Verdict:
     rule: StragglerRule = field(default_factory=StragglerRule)
 
     @property
+    def ratio(self) -> float | None:
+        """Own time per step over the peers' median: the one slowness figure, which the evidence,
+        `/cluster`, the dashboard's radar and the doctor all show."""
+        if self.own_ms is None or self.peer_own_ms is None:
+            return None
+        return self.own_ms / max(self.peer_own_ms, 1e-9)
+
+    @property
     def evidence(self) -> str:
         """The verdict's grounds in one line, for people."""
         seen = (f"{self.steps} steps in {self.intervals} intervals spanning {self.window_s:.1f}s, newest "
@@ -189,7 +197,7 @@ class Verdict:
                     f"{self.own_ms:.1f} ms/step against {self.others_own_ms:.1f} ms: more work, not a slower card; "
                     f"{seen}")
         against = (f"against {self.peer_own_ms:.1f} ms on ranks with at least as many tokens "
-                   f"({self.own_ms / max(self.peer_own_ms, 1e-9):.2f}x)" if self.peer_own_ms is not None
+                   f"({self.ratio:.2f}x)" if self.ratio is not None
                    else "(no rank ran as many tokens to compare with)")
         return (f"own time {self.own_ms:.1f} ms/step {against}, slow in {self.over} of {self.intervals} "
                 f"intervals (needs {self.rule.ratio:g}x and +{self.rule.min_excess_ms:g} ms in "
@@ -199,7 +207,7 @@ class Verdict:
         r3 = (lambda v: None if v is None else round(v, 3))  # noqa: E731
         return {"kind": self.kind.value, "evidence": self.evidence, "steps": self.steps,
                 "intervals": self.intervals, "judged": self.judged, "over": self.over, "heavy": self.heavy,
-                "own_ms": r3(self.own_ms), "peer_own_ms": r3(self.peer_own_ms),
+                "own_ms": r3(self.own_ms), "peer_own_ms": r3(self.peer_own_ms), "ratio": r3(self.ratio),
                 "others_own_ms": r3(self.others_own_ms), "tokens_per_step": r3(self.tokens_per_step),
                 "others_tokens_per_step": r3(self.others_tokens_per_step), "window_s": r3(self.window_s),
                 "age_s": r3(self.age_s)}

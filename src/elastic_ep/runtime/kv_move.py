@@ -1,7 +1,7 @@
 """A decoding sequence moves to another rank with its KV cache (DP alignment,
-control/serving/alignment.py): the source sends the cached rows of every layer, the destination
-loads them into a row of its own, and the sequence decodes there from this step on without
-recomputing anything.
+control/serving/alignment.py): the source sends the cached positions of every layer, the
+destination writes them into the blocks the plan gives it there, and the sequence decodes there
+from this step on without recomputing anything.
 
 Both sides know every size from the plan (the tokens of each move), so one buffer per pair of
 ranks goes in one all-to-all of the epoch's group (`EpochGroup.exchange`): every member gets the
@@ -22,7 +22,7 @@ from elastic_ep.wire import KVMove
 from .group import EpochGroup
 
 
-@torch.inference_mode()  # the cache's tensors were made (grown) in a forward: inference tensors
+@torch.inference_mode()  # the cache's tensors are written in forwards: inference tensors
 def move_kv(kv: KVCache, group: EpochGroup, moves: list[KVMove], tokens: dict[int, list[int]]) -> float:
     """This rank's side of `moves` (the step's every move, the same list on every member):
     send the sequences it holds, load those it receives and set their held `tokens`. Returns
@@ -56,7 +56,7 @@ def move_kv(kv: KVCache, group: EpochGroup, moves: list[KVMove], tokens: dict[in
         for move in ms:
             shape = _rows_shape(kv, len(move.token_ids))
             n = shape.numel()
-            kv.load(move.seq_id, recvs[peer][at:at + n].view(shape))
+            kv.load(move.seq_id, recvs[peer][at:at + n].view(shape), move.dst_block_ids)
             tokens[move.seq_id] = list(move.token_ids)
             at += n
     return time.perf_counter() - t0

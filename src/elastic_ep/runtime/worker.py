@@ -35,6 +35,7 @@ import zmq
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
+from elastic_ep.model.kv_cache import KVCache, pool_num_blocks
 from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.placement.location import ExpertLocation
@@ -112,7 +113,7 @@ class Worker:
             self.reader, args.dense_path, args.dense_addr, launch.dense_fetch_timeout_s, key
         )
         self.model = MoEForCausalLM(self.config, dense, dtype=self.reader.dtype, device=self.device)
-        self.kv = self.model.new_kv_cache(launch.max_num_seqs, launch.max_model_len)
+        self.kv, self.warmup_s = self._kv_pool()
         # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
         self.tokens: dict[int, list[int]] = {}
         self.slots: ExpertSlots | None = None
@@ -123,22 +124,50 @@ class Worker:
         self._load: np.ndarray | None = None  # expert load summed since it was last reported
         self._chaos: ChaosStep | None = None  # fault injection for the next step (--enable-chaos)
         self._stop = threading.Event()
-        self.warmup_s = self._warm_up()
 
-    def _warm_up(self, num_tokens: int = 8) -> float:
+    def _kv_pool(self) -> tuple[KVCache, float]:
+        """The rank's KV pool, sized once (model/kv_cache.py: pool_num_blocks), and the seconds
+        its warm-up took. On a GPU without --kv-cache-memory or an override the budget is
+        --gpu-memory-utilization of the device, less the weights, every expert slot (redundant
+        ones included, so a re-placement never needs more) and the activation peak of a warm-up
+        forward at the largest batch (without the routed experts, which arrive with the epoch:
+        their activations are not in the peak); elsewhere the warm-up is a short one."""
+        launch = self.args.launch
+        block_size = launch.block_size
+        bytes_per_block = self.model.new_kv_cache(1, block_size).bytes_per_token * block_size
+        measure = self.device.type == "cuda" and not launch.num_gpu_blocks_override and not launch.kv_cache_memory
+        num_tokens = launch.max_num_batched_tokens if measure else 8
+        probe = self.model.new_kv_cache(-(-num_tokens // block_size), block_size)
+        if measure:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        warmup_s = self._warm_up(probe, num_tokens)
+        budget = launch.kv_cache_memory
+        if measure:
+            del probe
+            peak = torch.cuda.max_memory_allocated(self.device)
+            total = torch.cuda.mem_get_info(self.device)[1]
+            budget = int(total * launch.gpu_memory_utilization) - peak - launch.expert_slot_bytes
+        num_blocks = pool_num_blocks(
+            bytes_per_block, override=launch.num_gpu_blocks_override, budget_bytes=budget,
+            fallback_blocks=launch.max_num_seqs * -(-launch.max_model_len // block_size))
+        print(f"elastic-ep rank {self.args.rank_id}: KV pool of {num_blocks} blocks of {block_size} tokens "
+              f"({num_blocks * block_size} tokens, {num_blocks * bytes_per_block / 2**20:.1f} MiB), "
+              f"{num_blocks * block_size // launch.max_model_len} requests of {launch.max_model_len} tokens (a longer "
+              "one is refused)",
+              file=sys.stderr, flush=True)
+        return self.model.new_kv_cache(num_blocks, block_size), warmup_s
+
+    def _warm_up(self, cache: KVCache, num_tokens: int) -> float:
         """One forward of a dummy sequence before the rank registers, so the first real step it
         serves does not pay one-time costs (lazy kernel and allocator set-up). Experts are left
         out: they arrive with the epoch, and their all-to-all must run in step with the group.
-        The dummy sequence's cache row is freed, so no later request can read it. Returns seconds."""
+        Runs on a cache of its own, so no request can read it. Returns seconds."""
         t0 = time.perf_counter()
         warmup_seq = -1  # the controller numbers sequences from 0
-        self.kv.allocate(warmup_seq)
-        try:
-            tokens = list(range(min(num_tokens, self.config.vocab_size)))
-            self.model.forward([SeqChunk(warmup_seq, tokens, 0)], self.kv,
-                               lambda layer, x, topk_ids, topk_weights: torch.zeros_like(x))
-        finally:
-            self.kv.free(warmup_seq)
+        cache.set_blocks(warmup_seq, list(range(cache.num_blocks)))
+        tokens = [i % self.config.vocab_size for i in range(num_tokens)]
+        self.model.forward([SeqChunk(warmup_seq, tokens, 0)], cache,
+                           lambda layer, x, topk_ids, topk_weights: torch.zeros_like(x))
         return time.perf_counter() - t0
 
     def send(self, message) -> None:
@@ -155,7 +184,8 @@ class Worker:
         if self.args.launch.heartbeat_interval_s > 0:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
-                              self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device)))
+                              self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device),
+                              self.kv.num_blocks))
         while True:
             msg = self._pending.pop(0) if self._pending else self._receive()
             if isinstance(msg, Shutdown):
@@ -323,11 +353,14 @@ class Worker:
             self.tokens.pop(seq_id, None)
 
     def _allocate(self, plan: StepPlan) -> None:
-        """Give new sequences a cache row, track every sequence's tokens."""
+        """Give every sequence its block table (a new one starts with the positions its shared
+        prefix blocks hold), track every sequence's tokens."""
         for c in plan.chunks:
             if c.start_pos == 0 or c.seq_id not in self.kv:
-                self.kv.allocate(c.seq_id)
-                self.tokens[c.seq_id] = []
+                self.kv.set_blocks(c.seq_id, c.block_ids, num_cached=len(c.cached_token_ids))
+                self.tokens[c.seq_id] = list(c.cached_token_ids)
+            else:
+                self.kv.set_blocks(c.seq_id, c.block_ids)
             held = self.tokens[c.seq_id]
             if len(held) < c.start_pos:
                 raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")

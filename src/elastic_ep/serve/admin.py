@@ -1,7 +1,7 @@
-"""Operator routes: liveness and readiness, Prometheus metrics, the cluster view and its
-dashboard, online scaling, the expert distribution recorder (SGLang's paths) and fault
-injection (only when served with --enable-chaos). The routes tagged `operating` are guarded by
-the admin key (serve/guard.py).
+"""Operator routes: liveness (/health, and /ping as vLLM names it) and readiness, /version,
+Prometheus metrics, the cluster view and its dashboard, online scaling, the expert distribution
+recorder (SGLang's paths) and fault injection (only when served with --enable-chaos). The routes
+tagged `operating` are guarded by the admin key (serve/guard.py).
 
 Engine calls here are synchronous and run on the server's event loop: the engine answers
 them from its own state without waiting on ranks.
@@ -16,6 +16,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from elastic_ep import __version__
 from elastic_ep.control.api import CHAOS_ACTIONS, ChaosOrder, Engine
 from elastic_ep.serve.errors import APIError
 from elastic_ep.serve.guard import OPERATING
@@ -27,9 +28,11 @@ from elastic_ep.serve.protocol import (
     RecorderResponse,
     ScaleRequest,
     ScaleResponse,
+    VersionResponse,
 )
 
 DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
+DEAD = {503: {"model": HealthResponse, "description": "The engine stopped; restart the server"}}
 
 
 def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool) -> APIRouter:
@@ -38,7 +41,7 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     @router.get(
         "/health",
         response_model=HealthResponse,
-        responses={503: {"model": HealthResponse, "description": "The engine stopped; restart the server"}},
+        responses=DEAD,
     )
     async def health() -> JSONResponse:
         """200 while the engine runs ("ok", or "degraded" with the reason: a restart would not help),
@@ -46,6 +49,17 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         h = engine.health()
         body = HealthResponse(status=h.status, reason=h.reason)
         return JSONResponse(body.model_dump(), status_code=503 if h.status == "dead" else 200)
+
+    @router.get("/ping", response_model=HealthResponse, responses=DEAD)
+    @router.post("/ping", response_model=HealthResponse, responses=DEAD)
+    async def ping() -> JSONResponse:
+        """vLLM's (and SageMaker's) name for GET /health, by GET or POST: the same answer."""
+        return await health()
+
+    @router.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        """This server's version, as vLLM's /version."""
+        return VersionResponse(version=__version__)
 
     @router.get(
         "/ready",

@@ -14,7 +14,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Tokenizer
@@ -48,7 +48,8 @@ def create_app(
         # without its trailing slash (found by the schema fuzz test: POST /chaos/0%2F).
         redirect_slashes=False,
     )
-    metrics = HttpMetrics(registry)
+    disable_created_metrics()  # a `_created` series per counter and histogram: a fifth of all series, unused
+    metrics = HttpMetrics(registry, engine.info.model_name)
     routers = [openai_router(engine, tokenizer, metrics), admin_router(engine, registry, enable_chaos)]
     for router in routers:
         app.include_router(router)

@@ -31,6 +31,8 @@ class TextStream:
         self._sent = 0
         self.stopped = False
         """True once a stop string was produced: the caller finishes with reason "stop"."""
+        self.stop_string: str | None = None
+        """The stop string that stopped it (vLLM's `stop_reason`)."""
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text that can be sent now (maybe "")."""
@@ -39,6 +41,13 @@ class TextStream:
         self._ids.extend(t for t in token_ids if t not in self._hidden)
         self._decode(final=False)
         return self._release(final=False)
+
+    def resume(self, token_ids: list[int]) -> None:
+        """Take tokens whose text was already sent elsewhere (a resumed stream) without
+        returning it: one at a time, as the engine's events brought them, so the text held back
+        (an incomplete character, the start of a stop string) is the same as it was there."""
+        for token_id in token_ids:
+            self.add([token_id])
 
     def finish(self) -> str:
         """The request ended: release everything held back (incomplete bytes included)."""
@@ -62,10 +71,11 @@ class TextStream:
             self._read_offset = len(self._ids)
 
     def _release(self, final: bool) -> str:
-        hits = [i for i in (self._text.find(s, self._sent) for s in self._stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self._text.find(s, self._sent), s) for s in self._stop) if i >= 0]
         if hits:
             self.stopped = True
-            return self._advance(min(hits))
+            at, self.stop_string = min(hits, key=lambda hit: hit[0])
+            return self._advance(at)
         if final:
             return self._advance(len(self._text))
         return self._advance(len(self._text) - _partial_stop_len(self._text, self._stop, self._sent))

@@ -13,13 +13,11 @@ the server and every other request go on.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from elastic_ep.control.api import Engine, GenerationRequest, RequestOutput
 from elastic_ep.serve.detokenize import TextStream
@@ -49,11 +47,20 @@ class Delta:
     logprobs: list[TextLogprob] = field(default_factory=list)
     """The tokens behind this delta (and any whose text was held back before), when the
     request asked for logprobs."""
+    token_ids: list[int] = field(default_factory=list)
+    """The ids of the tokens behind this delta (and any whose text was held back before)."""
+    stop_reason: str | int | None = None
+    """vLLM's meaning, on the last delta: the stop string or stop token id that ended it; None
+    for EOS, a length limit, or while running."""
 
 
 class Generation:
-    def __init__(self, request: GenerationRequest, outputs: AsyncIterator[RequestOutput], text: TextStream):
+    def __init__(self, request: GenerationRequest, outputs: AsyncIterator[RequestOutput], text: TextStream,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.request = request
+        params = request.params
+        # as vLLM: EOS (unless ignored) ends a request before stop_token_ids are looked at
+        self._stop_tokens = frozenset(params.stop_token_ids) - frozenset(() if params.ignore_eos else eos_token_ids)
         self._outputs = outputs
         self._text = text
         self._first: RequestOutput | None = None
@@ -67,7 +74,7 @@ class Generation:
         """Start the request and wait for its first event, so that ServiceUnavailable (an
         async generator raises it on the first `__anext__`) is still answered with a 503
         before any response header is sent."""
-        generation = cls(request, engine.generate(request), text)
+        generation = cls(request, engine.generate(request), text, engine.info.eos_token_ids)
         try:
             generation._first = await generation._next()
         except BaseException:
@@ -86,21 +93,29 @@ class Generation:
         the engine reports an error for this request or its text cannot be made."""
         event = self._first
         held: list[TextLogprob] = []
+        held_ids: list[int] = []
         while event is not None:
             self.timer.tokens(len(event.new_token_ids))
             held += self._logprobs(event)
+            held_ids += event.new_token_ids
             text = self._guarded(lambda e=event: self._text.add(e.new_token_ids))
             if self._text.stopped:
-                yield Delta(text, "stop", held)
+                self.timer.ended("stop")
+                yield Delta(text, "stop", held, held_ids, stop_reason=self._text.stop_string)
                 return
             if event.finished:
                 if event.finish_reason == "error":
+                    self.timer.ended("error")
                     raise APIError(500, f"the engine failed this request: {event.error}", code="engine_error")
-                yield Delta(text + self._guarded(self._text.finish), event.finish_reason or "stop", held)
+                self.timer.ended(event.finish_reason or "stop")
+                last = event.new_token_ids[-1] if event.new_token_ids else None
+                stop_token = last if event.finish_reason == "stop" and last in self._stop_tokens else None
+                yield Delta(text + self._guarded(self._text.finish), event.finish_reason or "stop", held, held_ids,
+                            stop_reason=stop_token)
                 return
             if text:
-                yield Delta(text, None, held)
-                held = []
+                yield Delta(text, None, held, held_ids)
+                held, held_ids = [], []
             event = await self._next()
 
     def _logprobs(self, event: RequestOutput) -> list[TextLogprob]:
@@ -129,6 +144,8 @@ class Generation:
         try:
             return step()
         except Exception as e:
+            if self.timer is not None:
+                self.timer.ended("error")
             raise APIError(
                 500,
                 f"turning the tokens of request {self.request.request_id} into text failed "
@@ -229,57 +246,3 @@ async def merge(generations: list[Generation]) -> AsyncIterator[tuple[int, Delta
         if pending:
             with anyio.CancelScope(shield=True):
                 await asyncio.wait(pending)
-
-
-async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
-    """Run `work` unless the client disconnects first; returns (finished, result).
-
-    Starlette does not cancel a handler whose client left, so a long non-streaming
-    generation would otherwise keep running for nobody.
-    """
-    outcome: list[tuple[bool, object]] = []
-    async with anyio.create_task_group() as group:
-
-        async def run_work() -> None:
-            # Kept out of the task group so the caller sees the error itself, not a group.
-            try:
-                outcome.append((True, await work()))
-            except Exception as e:
-                outcome.append((False, e))
-            group.cancel_scope.cancel()
-
-        group.start_soon(run_work)
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        group.cancel_scope.cancel()
-    if not outcome:
-        return False, None
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return True, value
-
-
-class EventStreamResponse(StreamingResponse):
-    """Server-sent events that stop, and call `on_close`, as soon as the client disconnects,
-    even while no event is being produced (a stalled step)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def stream() -> None:
-            try:
-                await self.stream_response(send)
-            except OSError:
-                pass
-
-        try:
-            await until_disconnect(receive, stream)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                await self._on_close()

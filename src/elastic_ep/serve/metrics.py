@@ -2,7 +2,9 @@
 one GET /metrics shows both).
 
 Requests are counted by route template (`/chaos/{action}`, not the raw path) so a client
-cannot grow the label set; unknown paths count as "other".
+cannot grow the label set; unknown paths count as "other". The request metrics mean what vLLM's
+of the same name mean (`vllm:e2e_request_latency_seconds`, `vllm:request_success_total`, ...;
+the table is in docs/RUNBOOK.md) and carry its `model_name` label, so its dashboards apply.
 """
 
 from __future__ import annotations
@@ -14,37 +16,58 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+# vLLM's finished reasons; "error" is a request the engine could not finish (its stream ended with an error)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 class HttpMetrics:
-    def __init__(self, registry: CollectorRegistry):
+    """model_name: the served model name, the `model_name` label of the request metrics."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str = ""):
         self.requests = Counter(
             "elastic_ep_http_requests",
             "HTTP requests by route and status",
             ["endpoint", "status"],
             registry=registry,
         )
+        model = ["model_name"]
         self.time_to_first_token_s = Histogram(
             "elastic_ep_time_to_first_token_seconds",
             "From request arrival to the first generated token",
-            buckets=_TTFT_BUCKETS_S,
-            registry=registry,
-        )
+            model, buckets=_TTFT_BUCKETS_S, registry=registry,
+        ).labels(model_name)
         self.time_per_output_token_s = Histogram(
             "elastic_ep_time_per_output_token_seconds",
             "Mean time between generated tokens after the first, per request",
-            buckets=_TPOT_BUCKETS_S,
-            registry=registry,
+            model, buckets=_TPOT_BUCKETS_S, registry=registry,
+        ).labels(model_name)
+        self.e2e_request_latency_s = Histogram(
+            "elastic_ep_e2e_request_latency_seconds",
+            "From request arrival to its end (finished, aborted or failed), per generation request",
+            model, buckets=_E2E_BUCKETS_S, registry=registry,
+        ).labels(model_name)
+        self._model_name = model_name
+        self._success = Counter(
+            "elastic_ep_request_success", "Generation requests that ended, by finished_reason (stop, length, "
+            "abort: the client went away, error: the engine could not finish it)",
+            ["model_name", "finished_reason"], registry=registry,
         )
-        self.prompt_tokens = Counter("elastic_ep_prompt_tokens", "Prompt tokens admitted", registry=registry)
+        for reason in FINISHED_REASONS:
+            self._success.labels(model_name, reason)
+        self.prompt_tokens = Counter("elastic_ep_prompt_tokens", "Prompt tokens admitted", model,
+                                     registry=registry).labels(model_name)
         self.generation_tokens = Counter(
-            "elastic_ep_generation_tokens", "Tokens generated", registry=registry
-        )
+            "elastic_ep_generation_tokens", "Tokens generated", model, registry=registry
+        ).labels(model_name)
         self.requests_running = Gauge(
             "elastic_ep_http_requests_running",
             "Generation requests in flight in the HTTP server",
-            registry=registry,
-        )
+            model, registry=registry,
+        ).labels(model_name)
+
+    def request_success(self, finished_reason: str) -> Counter:
+        return self._success.labels(self._model_name, finished_reason)
 
 
 class RequestTimer:
@@ -57,6 +80,7 @@ class RequestTimer:
         self._first_token_s: float | None = None
         self._last_token_s = self._start_s
         self.generated = 0
+        self.finished_reason = "abort"  # until the engine says how it ended
 
     def admit(self, prompt_tokens: int) -> None:
         self._metrics.prompt_tokens.inc(prompt_tokens)
@@ -73,10 +97,18 @@ class RequestTimer:
         self.generated += count
         self._metrics.generation_tokens.inc(count)
 
+    def ended(self, finished_reason: str) -> None:
+        """How the request ended (a value of FINISHED_REASONS); counted at `finish`."""
+        self.finished_reason = finished_reason
+
     def finish(self) -> None:
-        self._metrics.requests_running.dec()
+        """The request is over: counted by its finished reason ("abort" unless `ended` said otherwise)."""
+        m = self._metrics
+        m.requests_running.dec()
+        m.e2e_request_latency_s.observe(time.perf_counter() - self._start_s)
+        m.request_success(self.finished_reason).inc()
         if self._first_token_s is not None and self.generated > 1:
-            self._metrics.time_per_output_token_s.observe(
+            m.time_per_output_token_s.observe(
                 (self._last_token_s - self._first_token_s) / (self.generated - 1)
             )
 

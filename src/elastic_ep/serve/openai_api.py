@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes: /v1/completions and /v1/chat/completions (streaming or not,
-n choices, lists of prompts, logprobs, echo), /v1/models, and vLLM's /tokenize and
-/detokenize. Tokenization, the chat template, detokenization and stop strings happen here;
+n choices, lists of prompts, logprobs, echo), /v1/models and /v1/models/{id}, and vLLM's
+/tokenize and /detokenize. Tokenization, the chat template, detokenization and stop strings happen here;
 the engine only sees token ids, one engine request per choice.
 """
 
@@ -24,14 +24,12 @@ from elastic_ep.serve.detokenize import TextStream
 from elastic_ep.serve.errors import APIError, error_body
 from elastic_ep.serve.generation import (
     Delta,
-    EventStreamResponse,
     Generation,
     TextLogprob,
     admit_all,
     close_all,
     collect,
     merge,
-    until_disconnect,
 )
 from elastic_ep.serve.metrics import HttpMetrics, RequestTimer
 from elastic_ep.serve.openapi import error_responses, event_stream_response
@@ -72,6 +70,7 @@ from elastic_ep.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from elastic_ep.serve.streaming import EventStreamResponse, until_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -85,16 +84,23 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
     vocab_size = int(info.extra.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True))
     created_s = int(time.time())
 
+    card = ModelCard(
+        id=info.model_name,
+        created=created_s,
+        owned_by="elastic-ep",
+        root=info.model_name,
+        max_model_len=info.max_model_len,
+    )
+
     @router.get("/v1/models", response_model=ModelList, responses=error_responses(500))
     async def models() -> ModelList:
-        card = ModelCard(
-            id=info.model_name,
-            created=created_s,
-            owned_by="elastic-ep",
-            root=info.model_name,
-            max_model_len=info.max_model_len,
-        )
         return ModelList(data=[card])
+
+    @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(404, 500))
+    async def model(model_id: str) -> ModelCard:
+        """The served model's card (OpenAI's `models.retrieve`); 404 for any other id."""
+        check_model(model_id, info)
+        return card
 
     @router.post(
         "/v1/completions", response_model=CompletionResponse, responses=_answers(CompletionStreamResponse)
@@ -139,6 +145,8 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
         stops = stop_strings(body.stop)
         hidden = (*info.eos_token_ids, *(body.stop_token_ids or []))
         texts = [TextStream(tokenizer, stops, hidden_token_ids=hidden) for _ in gen_requests]
+        for text, gen_request in zip(texts, gen_requests, strict=True):
+            text.resume(list(gen_request.resumed_output_token_ids))
         timers = [RequestTimer(metrics) for _ in gen_requests]
         # A client may leave while the engine is still admitting (a cluster that recovers):
         # the wait is cancelled, which aborts the requests in the engine.
@@ -147,8 +155,12 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
         )
         if not admitted:
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        echoes = [p.text if getattr(body, "echo", False) else "" for p in prompts for _ in range(body.n)]
-        choices = [_Choice(i, echo, g) for i, (echo, g) in enumerate(zip(echoes, generations, strict=True))]
+        echo = getattr(body, "echo", False) and body.resume_output_token_ids is None
+        per_choice = [p for p in prompts for _ in range(body.n)]
+        choices = [
+            _Choice(i, p.text if echo else "", g, p.token_ids if body.return_token_ids else None)
+            for i, (p, g) in enumerate(zip(per_choice, generations, strict=True))
+        ]
         usage = _Usage(sum(len(p.token_ids) for p in prompts), generations)
         head = {"id": response_id, "created": int(time.time()), "model": info.model_name}
         if body.stream:
@@ -181,17 +193,34 @@ def _chat_text(body: TokenizeChatRequest) -> str:
 
 @dataclass
 class _Choice:
-    """One choice of a response: its index, the echoed prompt still to send, and the offset
-    of its next token in its text (completions logprobs)."""
+    """One choice of a response: its index, the echoed prompt still to send, its prompt's token
+    ids still to send (None: the request did not ask for token ids), and the offset of its next
+    token in its text (completions logprobs)."""
 
     index: int
     echo: str
     generation: Generation
+    prompt_token_ids: list[int] | None
     text_offset: int = 0
+    prompt_ids_sent: bool = False
+
+    @property
+    def with_token_ids(self) -> bool:
+        return self.prompt_token_ids is not None
 
     def take_echo(self) -> str:
         echo, self.echo = self.echo, ""
         return echo
+
+    def take_prompt_ids(self) -> list[int] | None:
+        """The prompt's token ids the first time (for the first chunk of the choice), else None."""
+        if self.prompt_ids_sent:
+            return None
+        self.prompt_ids_sent = True
+        return self.prompt_token_ids
+
+    def token_ids(self, deltas: list[Delta]) -> list[int] | None:
+        return [t for d in deltas for t in d.token_ids] if self.with_token_ids else None
 
 
 @dataclass(frozen=True)
@@ -219,6 +248,7 @@ async def _sse_events(
                     delta=ChatDelta(role="assistant", content=""),
                     logprobs=None,
                     finish_reason=None,
+                    prompt_token_ids=c.take_prompt_ids(),
                 )
                 yield _sse(kind.chunk(**head, choices=[first]))
         with_logprobs = choices[0].generation.request.params.logprobs is not None
@@ -291,11 +321,22 @@ class _Kind:
                 message=ChatResponseMessage(content=text),
                 logprobs=logprobs,
                 finish_reason=reason,
+                token_ids=choice.token_ids(deltas),
+                prompt_token_ids=choice.take_prompt_ids(),
+                stop_reason=deltas[-1].stop_reason,
             )
         echo = choice.take_echo()
         choice.text_offset = len(echo)
         logprobs = _completion_logprobs(choice, entries) if with_logprobs else None
-        return CompletionChoice(index=choice.index, text=echo + text, logprobs=logprobs, finish_reason=reason)
+        return CompletionChoice(
+            index=choice.index,
+            text=echo + text,
+            logprobs=logprobs,
+            finish_reason=reason,
+            token_ids=choice.token_ids(deltas),
+            prompt_token_ids=choice.take_prompt_ids(),
+            stop_reason=deltas[-1].stop_reason,
+        )
 
     def chunk_choice(
         self, choice: _Choice, delta: Delta, with_logprobs: bool
@@ -306,13 +347,25 @@ class _Kind:
             )
             logprobs = _chat_logprobs(delta.logprobs) if with_logprobs else None
             return ChatStreamChoice(
-                index=choice.index, delta=content, logprobs=logprobs, finish_reason=delta.finish_reason
+                index=choice.index,
+                delta=content,
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+                token_ids=choice.token_ids([delta]),
+                prompt_token_ids=choice.take_prompt_ids(),
+                stop_reason=delta.stop_reason,
             )
         echo = choice.take_echo()
         choice.text_offset += len(echo)
         logprobs = _completion_logprobs(choice, delta.logprobs) if with_logprobs else None
         return CompletionChoice(
-            index=choice.index, text=echo + delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+            index=choice.index,
+            text=echo + delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            token_ids=choice.token_ids([delta]),
+            prompt_token_ids=choice.take_prompt_ids(),
+            stop_reason=delta.stop_reason,
         )
 
 

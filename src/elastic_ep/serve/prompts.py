@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from elastic_ep.control.api import EngineInfo, GenerationRequest
-from elastic_ep.model.sampling import SEED_MIN, InvalidSamplingParams, SamplingParams
+from elastic_ep.model.sampling import InvalidSamplingParams, SamplingParams
+from elastic_ep.model.seeds import choice_seed
 from elastic_ep.model.tokenizer import decode
 from elastic_ep.serve.errors import APIError, bad_request
 from elastic_ep.serve.protocol import MAX_CHOICES, ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -134,17 +135,35 @@ def generation_requests(
     requests = []
     for prompt in prompts:
         params = sampling_params(body, len(prompt.token_ids), info.max_model_len)
+        resumed = _resumed_output(body, len(prompts), params, vocab_size)
         for j in range(body.n):
             index = len(requests)
             requests.append(
-                GenerationRequest(f"{response_id}-{index}", prompt.token_ids, params, choice_seed(seed, j))
+                GenerationRequest(
+                    f"{response_id}-{index}", prompt.token_ids, params, choice_seed(seed, j), resumed
+                )
             )
     return requests
 
 
-def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice `index`: seed + index, wrapped into the signed 64-bit range."""
-    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
+def _resumed_output(
+    body: CompletionRequest | ChatCompletionRequest, num_prompts: int, params: SamplingParams, vocab_size: int
+) -> tuple[int, ...]:
+    """`resume_output_token_ids`, checked: one choice, and something left to generate."""
+    resumed = body.resume_output_token_ids
+    if resumed is None:
+        return ()
+    param = "resume_output_token_ids"
+    if body.n != 1 or num_prompts != 1:
+        raise bad_request(f"{param} resumes one choice: send n=1 and one prompt", param)
+    check_token_ids(resumed, vocab_size, param)
+    if len(resumed) >= params.max_tokens:
+        raise bad_request(
+            f"{param} holds {len(resumed)} tokens and max_tokens is {params.max_tokens}: nothing is left to "
+            "generate (max_tokens counts the resumed tokens)",
+            param,
+        )
+    return tuple(resumed)
 
 
 def _check_request_options(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:

@@ -79,6 +79,18 @@ class _SamplingBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    return_token_ids: bool = Field(
+        False,
+        description="extension (vLLM's name): every choice carries `token_ids`, the tokens behind its text, "
+        "and the first chunk (or the answer) of each choice `prompt_token_ids`",
+    )
+    resume_output_token_ids: list[TokenId] | None = Field(
+        None,
+        description="extension: the tokens this choice already generated elsewhere (a stream resumed after "
+        "its instance died; needs n=1 and one prompt). The answer goes on exactly where they end: they count "
+        "as output for penalties, min_tokens and max_tokens, sampling positions follow them, the text starts "
+        "after theirs and is not echoed; usage counts only the tokens generated here",
+    )
 
 
 class CompletionRequest(_SamplingBody):
@@ -158,6 +170,10 @@ class ChaosRequest(_Body):
 # ---- responses ----------------------------------------------------------------------------
 
 
+_ABSENT_IF_NONE = {"default": None, "exclude_if": lambda value: value is None}
+"""A field sent only when set (return_token_ids' fields, usage in the last event)."""
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -187,11 +203,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+StopReason = Annotated[
+    str | int | None,
+    Field(description="vLLM's: the stop string or stop token id that ended the choice; null for EOS, a length "
+                      "limit, or while it runs"),
+]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
+    prompt_token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
+    stop_reason: StopReason = None
 
 
 class _Answer(BaseModel):
@@ -206,9 +232,6 @@ class CompletionResponse(_Answer):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage
-
-
-_ABSENT_IF_NONE = {"default": None, "exclude_if": lambda value: value is None}
 
 
 class CompletionStreamResponse(_Answer):
@@ -244,6 +267,9 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason | None
+    token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
+    prompt_token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(_Answer):
@@ -264,6 +290,9 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason | None
+    token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
+    prompt_token_ids: list[int] | None = Field(**_ABSENT_IF_NONE)
+    stop_reason: StopReason = None
 
 
 class ChatCompletionStreamResponse(_Answer):
@@ -305,6 +334,10 @@ class HealthResponse(BaseModel):
 
     status: Literal["ok", "degraded", "dead"] = "ok"
     reason: str = ""
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ReadyResponse(BaseModel):

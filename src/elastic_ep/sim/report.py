@@ -45,8 +45,45 @@ def dumps(value: Any) -> str:
     return json.dumps(jsonable(value), indent=1)
 
 
-def save_plot(path: str, draw: Callable[[Any], None], size_in: tuple[float, float] = (8.0, 4.5)) -> None:
-    """Draw into one figure with `draw(ax)` and write it to `path` (Agg, no display needed)."""
+def mark_coinciding(ax: Any) -> dict[str, str]:
+    """Keep every line visible where lines coincide: of lines with the same points, each drawn
+    later lies on top of the earlier ones, narrower, with hollow markers, and its label says
+    which line it shares (the first). Returns {label: the label of the first line it shares}."""
+    groups: list[list[Any]] = []
+    for line in ax.get_lines():
+        x, y = np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
+        group = next((g for g in groups if _same_points(g[0], x, y)), None)
+        if group is None:
+            groups.append([line])
+        else:
+            group.append(line)
+    shared = {}
+    for group in (g for g in groups if len(g) > 1):
+        base_width, base_z = min(line.get_linewidth() for line in group), max(line.get_zorder() for line in group)
+        for k, line in enumerate(group):
+            line.set_linewidth(base_width + 3 * (len(group) - 1 - k))
+            line.set_zorder(base_z + k)
+            if k == 0:
+                continue
+            if line.get_marker() in (None, "", "None", " "):
+                line.set_marker("o")
+            line.set_markerfacecolor("none")
+            line.set_markersize(max(line.get_markersize(), 7))
+            shared[line.get_label()] = group[0].get_label()
+            line.set_label(f"{line.get_label()} (same as {group[0].get_label()})")
+    return shared
+
+
+def _same_points(line: Any, x: np.ndarray, y: np.ndarray) -> bool:
+    lx, ly = np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
+    return lx.shape == x.shape and np.allclose(lx, x, equal_nan=True) and np.allclose(ly, y, equal_nan=True)
+
+
+def save_plot(path: str, draw: Callable[[Any], None], size_in: tuple[float, float] = (8.0, 4.5),
+              legend: dict[str, Any] | None = None) -> None:
+    """Draw into one figure with `draw(ax)` and write it to `path` (Agg, no display needed);
+    lines that coincide are marked (`mark_coinciding`), then the legend is drawn with `legend`
+    (keyword arguments of `ax.legend`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,6 +95,8 @@ def save_plot(path: str, draw: Callable[[Any], None], size_in: tuple[float, floa
     fig, ax = plt.subplots(figsize=size_in)
     try:
         draw(ax)
+        mark_coinciding(ax)
+        ax.legend(**(legend or {}))
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         fig.savefig(target, dpi=120)

@@ -65,6 +65,7 @@ from .health import (
     WorkerExited,
     WorkerFenced,
     WorkerStarted,
+    exit_reason,
 )
 from .worker import (
     ChaosStep,
@@ -138,6 +139,7 @@ __all__ = [
     "WorkerHello",
     "WorkerLaunch",
     "WorkerStarted",
+    "exit_reason",
     "decoder",
     "encode",
     "ALL_MESSAGES",

@@ -3,6 +3,8 @@ the controller's health socket."""
 
 from __future__ import annotations
 
+import signal
+
 from .codec import Message, Record
 from .fetch import BackupSite
 from .worker import WorkerLaunch
@@ -176,3 +178,14 @@ class AgentBye(Message):
     """An agent is stopping: its ranks and its backup go with it."""
 
     node: str
+
+
+def exit_reason(returncode: int) -> str:
+    """How a worker ended, for people, from `WorkerExited.returncode` (Popen's convention:
+    -N is killed by signal N): "killed by SIGKILL", "exited with code 2"."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"

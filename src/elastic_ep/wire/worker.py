@@ -32,6 +32,13 @@ class WorkerLaunch(Record):
     connect_timeout_s: float = 30.0  # reaching the controller's store at start
     dtype: str = "auto"  # the weights' dtype when served (model/checkpoint.py: auto = the checkpoint's)
     device: str = "auto"  # cpu, cuda or auto (cuda when present); each rank takes the GPU of its local index
+    # the KV pool (model/kv_cache.py: pool_num_blocks): blocks of block_size positions, sized once at start
+    block_size: int = 16
+    num_gpu_blocks_override: int = 0  # 0: from the budget
+    kv_cache_memory: int = 0  # bytes; 0: --gpu-memory-utilization on a GPU, max_num_seqs full requests on a CPU
+    gpu_memory_utilization: float = 0.9
+    expert_slot_bytes: int = 0  # every expert slot of a rank (redundant ones included), kept out of the budget
+    max_num_batched_tokens: int = 256  # the warm-up forward that measures the activation peak runs this many
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,7 @@ class WorkerHello(Message):
     load_s: float = 0.0
     warmup_s: float = 0.0  # the dummy forward it ran before registering (runtime/worker.py)
     device: str = "cpu"  # where it computes: "cpu", "cuda:0", ...
+    kv_blocks: int = 0  # its KV pool's blocks (of WorkerLaunch.block_size positions)
 
 
 class SlotSource(Record):
@@ -170,6 +178,9 @@ class ChunkPlan(Record):
     params: SamplingParams
     seed: int
     prompt_len: int
+    block_ids: list[int] = msgspec.field(default_factory=list)  # the sequence's whole block table on this rank
+    # a prefix hit: the tokens at [0, start_pos) whose KV the shared blocks hold, sent with the first chunk
+    cached_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class KVMove(Record):
@@ -182,6 +193,7 @@ class KVMove(Record):
     src_rank: int
     dst_rank: int
     token_ids: list[int]
+    dst_block_ids: list[int] = msgspec.field(default_factory=list)  # its block table on the destination
 
 
 class StepPlan(Message):

@@ -31,7 +31,8 @@ class Rig:
         self.steps = SimpleNamespace(in_step=set(), replies={}, started_at=0.0,
                                      own_time=IntervalRecorder(self.cfg.straggler_window_s), tokens_run=0,
                                      tokens_sampled=0)
-        scheduler = SimpleNamespace(running={0: [], 1: []}, waiting=[], num_requests=lambda r: 0)
+        scheduler = SimpleNamespace(running={0: [], 1: []}, waiting=[], num_requests=lambda r: 0, pools={},
+                                    pool_view=lambda max_model_len: {"ranks": {}})
         self.published = Published()
         self.views_asked = 0
         self.publisher = Publisher(self.cluster, self.cfg, FaultDetector(self.cfg), self.steps, scheduler,

@@ -10,13 +10,16 @@ recover-mode agent."""
 
 from __future__ import annotations
 
+import threading
 import time
 
+import pytest
 from control_standins import Plane, cluster_of, config
 
 from elastic_ep.control.faults.detector import FaultCause
 from elastic_ep.control.membership.nodes import Nodes, device_kind, wrong_device
 from elastic_ep.control.ranks import RankStatus
+from elastic_ep.errors import ElasticEPError
 from elastic_ep.wire import (
     AgentHello,
     AgentWelcome,
@@ -51,7 +54,8 @@ class Rig:
         self.faults, self.undrained, self.forgotten = [], [], []
         self.nodes = Nodes(self.cluster, config(**flags), self.plane, 29500, 1024, fault=self.faults.append,
                            target_size=lambda: 4, undrain=self.undrained.extend,
-                           forget_measures=self.forgotten.append, pump=lambda timeout_s: None, publish=lambda: None)
+                           forget_measures=self.forgotten.append, pump=lambda timeout_s: None, publish=lambda: None,
+                           set_pool_size=lambda rank_id, blocks: None)
 
 
 def test_a_new_agent_is_welcomed_and_given_the_free_rank_ids_up_to_the_target():
@@ -130,3 +134,12 @@ def test_no_restart_without_a_delay_or_when_the_agent_restarts_its_own_ranks():
     rig.cluster.agents["n0"].auto_recover = True
     rig.nodes.schedule_restart(0)
     assert not rig.nodes.restarting(0)
+
+
+def test_a_rank_that_ends_during_startup_is_reported_with_how_it_ended():
+    rig = Rig({0: "n0", 1: "n0"}, ep_size=2, startup_timeout_s=10.0)
+    for r in rig.cluster.ranks.values():
+        r.status, r.hello = RankStatus.STARTING, None
+    rig.nodes.on_worker_exited(WorkerExited("n0", 1, 1001, -9))
+    with pytest.raises(ElasticEPError, match=r"rank 1 ended during startup \(killed by SIGKILL\)"):
+        rig.nodes.wait_for_ranks(threading.Event())

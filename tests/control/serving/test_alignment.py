@@ -102,6 +102,9 @@ def test_a_decoding_sequence_moves_off_the_rank_that_stays_busiest(mode):
         moved = s.by_id[move.seq_id]
         assert (move.src_rank, move.dst_rank) == (0, 1) and move.token_ids == moved.tokens[:len(move.token_ids)]
         assert [c.seq_id for c in batch.chunks[1]] == [move.seq_id]  # it decodes there this step
+        # into blocks of its own there, which its chunk's table names
+        assert batch.chunks[1][0].block_ids == move.dst_block_ids == s.pools[1].tables[move.seq_id]
+        assert move.seq_id not in s.pools[0]  # the source's blocks are freed at commit
         assert moved.rank == 1 and move.seq_id in s.to_free[0]  # re-homed at commit, its old copy freed next
     else:
         (seq_id,) = batch.reprefilled
@@ -116,3 +119,5 @@ def test_a_kv_move_in_a_failed_step_leaves_the_sequence_where_it_was():
     batch = s.schedule()  # the step fails: nothing is committed
     (move,) = batch.moves
     assert s.by_id[move.seq_id].rank == 0 and len(s.running[0]) == 2
+    s.step_failed(batch)
+    assert move.seq_id not in s.pools[1] and move.seq_id in s.pools[0]  # the copy's blocks go back

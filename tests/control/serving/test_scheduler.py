@@ -75,8 +75,10 @@ def test_sequences_of_a_dead_rank_are_re_prefilled_with_their_tokens_so_far():
     run_step(s, token=8)
     victim = s.by_id[1].rank
     s.set_ranks([r for r in (0, 1) if r != victim])
+    first, _ = run_step(s)  # the survivors' first step after the loss: their decode alone
+    survivor = next(iter(first.chunks))
+    assert [(c.seq_id, len(c.token_ids)) for c in first.chunks[survivor]] == [(2, 1)]
     batch = s.schedule()
-    survivor = next(iter(batch.chunks))
     moved = next(c for c in batch.chunks[survivor] if c.seq_id == 1)
     assert moved.start_pos == 0 and moved.token_ids == [1, 2, 3, 9, 8] and moved.sample
 
@@ -102,9 +104,78 @@ def test_a_lost_ranks_requests_are_re_prefilled_a_budget_per_step_while_the_othe
     s.set_ranks([0, 1])
     assert len(moved) == 2 and all(q.pending == 14 for q in moved)  # 10 prompt + 4 generated
     moved_ids = {q.seq_id for q in moved}
-    for _ in range(4):
+    for _ in range(5):
         batch, _ = run_step(s)
         per_seq = {c.seq_id: len(c.token_ids) for cs in batch.chunks.values() for c in cs}
         assert [n for i, n in per_seq.items() if i not in moved_ids] == [1, 1, 1, 1]  # the others decode on
         assert sum(n for i, n in per_seq.items() if i in moved_ids and n > 1) <= 8
     assert all(q.pending == 1 and len(q.output) > 4 for q in moved)  # 28 tokens re-run, 8 a step: caught up
+
+
+def prompt_seq(seq_id: int, prompt: list[int], max_tokens: int = 8) -> Sequence:
+    return Sequence(seq_id, GenerationRequest(str(seq_id), prompt, SamplingParams(max_tokens=max_tokens), 7), 512,
+                    (EOS,))
+
+
+def test_requests_wait_for_free_blocks_and_the_newest_is_preempted_when_a_decode_needs_one():
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=256, num_blocks=6, block_size=4)
+    s.set_ranks([0])
+    for i in range(3):
+        s.add(seq(i, 8, max_tokens=20))  # 2 blocks each for the prompt
+    batch, _ = run_step(s)
+    assert [c.seq_id for c in batch.chunks[0]] == [0, 1, 2] and s.pools[0].num_free_blocks == 0
+    s.add(seq(3, 4))
+    batch, _ = run_step(s)  # the oldest's next token needs a block: the newest running request gives its up
+    assert batch.preempted == 1 and [c.seq_id for c in batch.chunks[0]] == [0, 1]
+    assert [q.seq_id for q in s.waiting] == [2, 3] and s.by_id[2].rank is None
+    assert batch.free[0] == [2] and all(len(c.block_ids) == 3 for c in batch.chunks[0])
+
+
+def test_a_preempted_request_is_recomputed_with_its_tokens_so_far_once_blocks_free():
+    # prefix caching off: its own prompt blocks, still cached, would spare it the prompt's recompute
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=256, num_blocks=6, block_size=4, enable_prefix_caching=False)
+    s.set_ranks([0])
+    for i in range(3):
+        s.add(seq(i, 8, max_tokens=6))
+    preempted_once = False
+    recomputed = []
+    while s.has_work:
+        batch, _ = run_step(s)
+        preempted_once |= batch.preempted > 0
+        recomputed += [c for c in batch.chunks[0] if c.seq_id == 2 and c.start_pos == 0]
+    assert preempted_once
+    # its second prefill is the prompt plus the token it had before it was preempted
+    assert [len(c.token_ids) for c in recomputed] == [8, 9]
+
+
+def test_a_new_request_goes_to_the_rank_holding_its_prefix_and_starts_after_the_cached_blocks():
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=256, block_size=4)
+    s.set_ranks([0, 1])
+    shared = list(range(100, 120))
+    s.add(prompt_seq(0, shared + [1]))
+    batch, _ = run_step(s)
+    home = next(r for r, cs in batch.chunks.items() if cs)
+    s.add(prompt_seq(1, shared + [2, 3]))
+    batch, _ = run_step(s)
+    chunk = next(c for c in batch.chunks[home] if c.seq_id == 1)
+    assert (chunk.start_pos, chunk.token_ids, chunk.cached_token_ids) == (20, [2, 3], shared)
+    assert chunk.block_ids[:5] == s.pools[home].tables[0][:5]
+    assert (batch.prefix_queried, batch.prefix_hit) == (22, 20)
+    batch, _ = run_step(s)  # the rank now holds those tokens: not sent again
+    assert next(c for c in batch.chunks[home] if c.seq_id == 1).cached_token_ids == []
+
+
+def test_a_prefix_hit_does_not_outweigh_a_rank_busier_by_more_than_the_hit():
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=8, block_size=4)
+    s.set_ranks([0, 1])
+    shared = list(range(100, 108))
+    s.add(prompt_seq(0, shared + [1]))
+    run_step(s)
+    run_step(s)
+    home = s.by_id[0].rank
+    s.add(prompt_seq(1, list(range(200, 240))))  # 40 tokens of prefill ahead wherever it goes
+    run_step(s)
+    assert s.by_id[1].rank != home
+    s.add(prompt_seq(2, shared + [2]))  # an 8-token hit at home, where 1 token is ahead; 32 ahead elsewhere
+    run_step(s)
+    assert s.by_id[2].rank == home

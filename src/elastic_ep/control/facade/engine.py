@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_ep.errors import ElasticEPError
+from elastic_ep.model.block_manager import blocks_for
 
 from ..api import (
     CHAOS_ACTIONS,
@@ -87,9 +88,10 @@ class EngineFacade:
         return {**snapshot, "events": select_events(snapshot["events"], events_since, events_limit)}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        if len(request.prompt_token_ids) >= self.cfg.max_model_len:
+        held = len(request.prompt_token_ids) + len(request.resumed_output_token_ids)
+        if held >= self.cfg.max_model_len:
             raise ElasticEPError(
-                f"prompt has {len(request.prompt_token_ids)} tokens but --max-model-len is "
+                f"prompt (with resumed output) has {held} tokens but --max-model-len is "
                 f"{self.cfg.max_model_len} (prompt plus at least one generated token); shorten the prompt"
             )
         deadline = time.monotonic() + self.cfg.admission_timeout_s
@@ -97,7 +99,9 @@ class EngineFacade:
             if time.monotonic() > deadline or self.published.fatal:
                 raise ServiceUnavailable(f"not ready: {self.published.readiness.reason}", retry_after_s=5)
             await asyncio.sleep(0.05)
-        seq = Sequence(next(self._ids), request, self.cfg.max_model_len, self.info.eos_token_ids)
+        self._check_fits(request)
+        seq = Sequence(next(self._ids), request, self.cfg.max_model_len, self.info.eos_token_ids,
+                       output=list(request.resumed_output_token_ids))
         stream = Stream(request.request_id, asyncio.get_running_loop(), asyncio.Queue())
         self.send(AddRequest(seq, stream))
         finished = False
@@ -109,6 +113,23 @@ class EngineFacade:
         finally:
             if not finished:
                 self.send(AbortRequest(seq.seq_id))
+
+    def _check_fits(self, request: GenerationRequest) -> None:
+        """A request that no rank's KV pool can hold at its longest is refused (a 400), instead of
+        waiting for blocks that never free."""
+        pools = self.published.snapshot.get("kv_cache", {}).get("ranks", {})
+        if not pools:
+            return
+        largest = max(p["blocks"] for p in pools.values())
+        prompt_len = len(request.prompt_token_ids)
+        tokens = min(prompt_len + request.params.max_tokens, self.cfg.max_model_len)
+        needed = blocks_for(tokens, self.cfg.block_size)
+        if needed > largest:
+            raise ElasticEPError(
+                f"this request needs {needed} KV cache blocks of {self.cfg.block_size} tokens (prompt {prompt_len} + "
+                f"max_tokens {request.params.max_tokens}, at most --max-model-len {self.cfg.max_model_len}), a "
+                f"rank's KV pool holds {largest} ({largest * self.cfg.block_size} tokens); lower max_tokens or "
+                "shorten the prompt")
 
     def start_expert_distribution_record(self) -> None:
         self.recorder.start()

@@ -10,9 +10,10 @@ true again once steps move; a load balancer stops sending here, and the watchdog
 alone whom to fence.
 
 `/health` answers whether this process is worth keeping (a Kubernetes liveness probe, vLLM's
-`/health`): "ok", or "degraded" with the reason (not ready; a rank stalled, suspect or down) while
-the control loop runs, since restarting the whole instance would not mend a rank that elastic EP
-fences and replaces by itself; "dead" (HTTP 503) only once the control loop has stopped.
+`/health`): "ok", or "degraded" with the reason (not ready; a rank stalled, suspect or down; a
+rank the straggler verdict names) while the control loop runs, since restarting the whole
+instance would not mend a rank that elastic EP fences and replaces by itself; "dead" (HTTP 503)
+only once the control loop has stopped.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from elastic_ep.policy.straggler_verdict import IntervalRecorder, judge
+from elastic_ep.model.block_manager import BlockManager
+from elastic_ep.policy.straggler_verdict import IntervalRecorder, Verdict, VerdictKind, judge
 
 from ..api import Health, Readiness
 from ..cluster import ClusterState
@@ -34,7 +36,7 @@ from ..ranks import Liveness, RankLiveness, RankStatus
 from ..serving.scheduler import Sequence
 from ..timing import ControlTimes
 from .engine import Published
-from .stats_log import StatsLog
+from .stats_log import StatsLog, Throughput
 
 
 class StepView(Protocol):
@@ -53,8 +55,11 @@ class QueueView(Protocol):
 
     running: Mapping[int, list[Sequence]]
     waiting: Any
+    pools: Mapping[int, BlockManager]
 
     def num_requests(self, rank_id: int) -> int: ...
+
+    def pool_view(self, max_model_len: int) -> dict[str, Any]: ...
 
 
 SNAPSHOT_SHARE = 0.05  # most of the control thread's time the /cluster snapshot may take
@@ -64,13 +69,15 @@ class Publisher:
     """Built with what it reads (the cluster state, the detector's step times, the step loop, the
     scheduler), what it writes (`published`, the metrics), the control plane's `heard()` clock and
     address, and `views(now)`: the other roles' top-level /cluster fields (scale, straggler
-    policy, standbys, hardware, rebalance, ...) and `slow_delays()` (chaos, by rank); `times`: the
-    control plane's timers (control/timing.py), shown in /cluster."""
+    policy, standbys, hardware, rebalance, ...), `slow_delays()` (chaos, by rank), `derated()`
+    (the straggler policy's derated ranks and weights) and `times`: the control plane's timers
+    (control/timing.py), shown in /cluster."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, detector: FaultDetector, steps: StepView,
                  scheduler: QueueView, published: Published, metrics: ClusterMetrics, *, heard: Callable[[], float],
                  controller_addr: str, views: Callable[[float], dict[str, Any]],
-                 slow_delays: Callable[[], Mapping[int, float]], times: ControlTimes | None = None):
+                 slow_delays: Callable[[], Mapping[int, float]],
+                 derated: Callable[[], Mapping[int, float]] = dict, times: ControlTimes | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.detector = detector
@@ -83,6 +90,7 @@ class Publisher:
         self.views = views
         self.slow_delays = slow_delays
         self.times = times or ControlTimes()  # the control plane's timers: the snapshot's build time goes there
+        self.derated = derated  # the straggler policy's derated ranks: exported first in /metrics
         self.rule = cfg.straggler_rule()
         self.stats = StatsLog(cfg.log_stats_interval_s, time.monotonic())
         self._published_at = 0.0
@@ -91,6 +99,8 @@ class Publisher:
         self._liveness_at = 0.0
         self.liveness_period_s = cfg.health_check_period_s  # benchmarks/control_plane.py --before: 0
         self.snapshot_share = SNAPSHOT_SHARE  # --before: inf (every throttle_s whatever the build takes)
+        self._verdicts: dict[int, Verdict] = {}  # of the members, as the last snapshot judged them
+        self.throughput = Throughput()
 
     def stall_deadline_s(self) -> float:
         cfg = self.cfg
@@ -118,6 +128,8 @@ class Publisher:
             if lv.state in (Liveness.SUSPECT, Liveness.STALLED)]
         problems += [f"rank {r.rank_id} {r.status.value}" for r in self.cluster.ranks.values()
                      if r.status.down or r.status == RankStatus.FENCING]
+        problems += [f"rank {r} is a straggler: {v.ratio:.1f}x the own time per step of its peers"
+                     for r, v in sorted(self._verdicts.items()) if v.kind == VerdictKind.STRAGGLER]
         return Health("degraded", "; ".join(problems)) if problems else Health("ok")
 
     def publish(self, throttle_s: float = 0.0) -> None:
@@ -137,24 +149,36 @@ class Publisher:
         stalled = stall_reason(step_age_s, self.stall_deadline_s(), members) if c.readiness.ready else None
         readiness = Readiness(False, stalled) if stalled else c.readiness
         self._note_stall(now, stalled)
+        snapshot_due = not throttle_s or now - self._published_at >= max(throttle_s, self.times.snapshot_s
+                                                                          / self.snapshot_share)
+        t0 = time.perf_counter()  # the snapshot's build, the verdicts included
+        if snapshot_due:  # before health, which names the stragglers
+            verdicts = judge(steps.own_time.intervals(now), self.rule, now, c.members)
+            self._verdicts = {r: v for r, v in verdicts.items() if r in c.members}
         health = self.health(readiness, liveness)
         self.published.readiness, self.published.health = readiness, health
         self.stats.maybe_log(now, c, (c.step, steps.tokens_run, steps.tokens_sampled),
                              sum(len(seqs) for seqs in sched.running.values()), len(sched.waiting), readiness)
-        if throttle_s and now - self._published_at < max(throttle_s, self.times.snapshot_s / self.snapshot_share):
+        if not snapshot_due:
             return
         self._published_at = now
-        t0 = time.perf_counter()
-        verdicts = judge(steps.own_time.intervals(now), self.rule, now, c.members)
+        self.throughput.add(now, (c.step, steps.tokens_run, steps.tokens_sampled))
         deadlines = {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.detector.watchdog_deadline_s(), 3),
                      "stall_deadline_s": round(self.stall_deadline_s(), 3), "stall_multiple": self.cfg.stall_multiple}
         self.published.snapshot = c.snapshot(
             sched.num_requests, self.slow_delays(), self.controller_addr, deadlines, readiness, liveness, heard,
-            {r: v.to_json() for r, v in verdicts.items() if r in c.members},
-            health=vars(health), straggler_rule=self.rule.to_json(), **self.views(now),
-            data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()}, control_times=self.times.view())
-        self._set_gauges(heard, readiness, liveness)
+            {r: v.to_json() for r, v in self._verdicts.items()},
+            health=vars(health), load=self.load(), straggler_rule=self.rule.to_json(), **self.views(now),
+            data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()},
+            kv_cache=sched.pool_view(self.cfg.max_model_len), control_times=self.times.view())
+        self._set_gauges(heard, readiness, health, liveness, {r: v for r, v in verdicts.items() if r in c.members})
         self.times.snapshot_s = time.perf_counter() - t0
+
+    def load(self) -> dict[str, float | int | None]:
+        """Requests running and waiting now, and the throughput of the last seconds (`/cluster` `load`)."""
+        scheduler = self.scheduler
+        return {"running": sum(len(seqs) for seqs in scheduler.running.values()),
+                "waiting": len(scheduler.waiting), **self.throughput.rates()}
 
     def _note_stall(self, now: float, stalled: str | None) -> None:
         """One event when the group stalls and one when it moves again (not one per publish)."""
@@ -167,23 +191,43 @@ class Publisher:
                        "in flight is past the stall deadline and no member is silent")
             self._stalled_since = None
 
-    def _set_gauges(self, heard: float, readiness: Readiness, liveness: dict[int, RankLiveness]) -> None:
+    def _set_gauges(self, heard: float, readiness: Readiness, health: Health, liveness: dict[int, RankLiveness],
+                    verdicts: dict[int, Verdict]) -> None:
         c, m = self.cluster, self.metrics
         unix_now = time.time()
+        up, stalled, heartbeat_age, progress_at, flagged = {}, {}, {}, {}, {}
         for r in c.ranks.values():
-            label, lv = str(r.rank_id), liveness.get(r.rank_id)
-            serving = r.rank_id in c.members and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
-            m.rank_up.labels(label).set(int(serving and lv is not None and lv.state != Liveness.STALLED))
-            m.rank_stalled_seconds.labels(label).set(lv.stalled_s or 0.0 if lv is not None else 0.0)
+            rank_id, lv = r.rank_id, liveness.get(r.rank_id)
+            serving = rank_id in c.members and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
+            up[rank_id] = int(serving and lv is not None and lv.state != Liveness.STALLED)
+            stalled[rank_id] = lv.stalled_s or 0.0 if lv is not None else 0.0
             if r.last_heartbeat:
-                m.rank_heartbeat_age_seconds.labels(label).set(heard - r.last_heartbeat)
+                heartbeat_age[rank_id] = heard - r.last_heartbeat
             if r.progress_at:
-                m.rank_last_progress_seconds.labels(label).set(unix_now - (heard - r.progress_at))
-        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members if r in c.ranks}
-        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
-        if mean:
-            for r, v in slot_totals.items():
-                m.expert_load_imbalance.labels(str(r)).set(v / mean)
+                progress_at[rank_id] = unix_now - (heard - r.progress_at)
+            if r.status.down or r.status == RankStatus.FENCING:
+                flagged[rank_id] = "down"
+            elif lv is not None and lv.state in (Liveness.STALLED, Liveness.SUSPECT):
+                flagged[rank_id] = lv.state.value
+        derated = self.derated()
+        for rank_id in derated:
+            flagged.setdefault(rank_id, "derated")
+        for rank_id, v in verdicts.items():
+            if v.kind in (VerdictKind.STRAGGLER, VerdictKind.DP_HEAVY) and flagged.get(rank_id) in (None, "derated"):
+                flagged[rank_id] = v.kind.value
+        for name, values in (("elastic_ep_rank_up", up), ("elastic_ep_rank_stalled_seconds", stalled),
+                             ("elastic_ep_rank_heartbeat_age_seconds", heartbeat_age),
+                             ("elastic_ep_rank_last_progress_timestamp_seconds", progress_at)):
+            m.ranks.set_gauge(name, values)
+        m.ranks.select(flagged, c.ranks.keys(), time.monotonic())
+        m.ranks_up.set(sum(up.values()))
+        m.ranks_stalled.set(sum(lv.state == Liveness.STALLED for lv in liveness.values()))
+        m.straggler_ranks.set(sum(v.kind == VerdictKind.STRAGGLER for v in verdicts.values()))
+        m.derated_ranks.set(len(derated))
         m.requests_running.set(sum(len(seqs) for seqs in self.scheduler.running.values()))
         m.requests_waiting.set(len(self.scheduler.waiting))
+        pools = self.scheduler.pools
+        m.kv_cache_usage.set({r: (p.num_blocks - p.num_free_blocks, p.num_blocks) for r, p in pools.items()})
+        m.prefix_cached_blocks.set(sum(p.num_cached_blocks for p in pools.values()))
         m.ready.set(int(readiness.ready))
+        m.degraded.set(int(health.status == "degraded"))

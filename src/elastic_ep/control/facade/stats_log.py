@@ -1,17 +1,42 @@
 """The periodic one-line stats log, as vLLM prints it: throughput, running and waiting requests,
 epoch, serving ranks and readiness, every --log-stats-interval-s on the `elastic_ep.stats`
 logger (INFO). An idle cluster logs one idle line, then nothing until something changes.
+`Throughput` is the same rates over the last seconds, for `/cluster` (`load`) and the dashboard.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from ..api import Readiness
 from ..cluster import ClusterState
 from ..ranks import RankStatus
 
 logger = logging.getLogger("elastic_ep.stats")
+
+
+class Throughput:
+    """Steps, tokens run and tokens generated per second over the last `window_s`, from the
+    cumulative counts handed to `add` (times: seconds, any monotonic clock)."""
+
+    def __init__(self, window_s: float = 5.0):
+        self.window_s = window_s
+        self._samples: deque[tuple[float, tuple[int, int, int]]] = deque()
+
+    def add(self, now: float, counts: tuple[int, int, int]) -> None:
+        """counts: (steps, tokens run, tokens generated) since start."""
+        self._samples.append((now, counts))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+
+    def rates(self) -> dict[str, float | None]:
+        """{steps_per_s, tokens_per_s, generated_tokens_per_s}; None before two samples."""
+        names = ("steps_per_s", "tokens_per_s", "generated_tokens_per_s")
+        if len(self._samples) < 2 or self._samples[-1][0] <= self._samples[0][0]:
+            return dict.fromkeys(names)
+        (t0, first), (t1, last) = self._samples[0], self._samples[-1]
+        return {name: round((b - a) / (t1 - t0), 1) for name, a, b in zip(names, first, last, strict=True)}
 
 
 class StatsLog:

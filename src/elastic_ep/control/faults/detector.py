@@ -22,7 +22,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from elastic_ep.wire import Heartbeat
+from elastic_ep.wire import Heartbeat, exit_reason
 
 from ..config import ServeConfig
 from ..ranks import RankInfo
@@ -50,7 +50,7 @@ class FaultCause(str, Enum):
 class Fault:
     rank_id: int
     cause: FaultCause
-    detail: str  # for people: "process exited with code -9"
+    detail: str  # for people: "process killed by SIGKILL"
 
 
 class FaultDetector:
@@ -139,7 +139,7 @@ class FaultDetector:
 
     @staticmethod
     def exited(rank_id: int, returncode: int) -> Fault:
-        return Fault(rank_id, FaultCause.EXITED, f"process exited with code {returncode}")
+        return Fault(rank_id, FaultCause.EXITED, f"process {exit_reason(returncode)}")
 
     def no_answer(self, rank_id: int) -> Fault:
         return Fault(rank_id, FaultCause.NO_ANSWER,

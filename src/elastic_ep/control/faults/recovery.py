@@ -32,6 +32,7 @@ from ..epochs.requests import EpochRequest, Recover
 from ..events import EventKind
 from ..metrics import ClusterMetrics
 from ..ranks import RankStatus
+from ..tracing import RequestTraces
 from .detector import Fault, FaultCause, FaultDetector
 
 
@@ -75,7 +76,7 @@ class Requests(Protocol):
 
     by_id: Mapping[int, object]
 
-    def evict_rank(self, rank_id: int) -> None: ...
+    def evict_rank(self, rank_id: int) -> list: ...  # the sequences it moved
 
 
 class Streams(Protocol):
@@ -112,7 +113,7 @@ class Recovery:
     rebalance, and the callables `pump(timeout_s)`, `fault(Fault)`, `joiners(live)`,
     `form(EpochRequest, reason)` (the loop's epoch change: a report, `NoPlacement`, or
     RecoveryNeeded raised), `leave(live)` (members that drop out when degrading),
-    `reset_isolation()` and `publish()`."""
+    `reset_isolation()` and `publish()`; `traces`, the request traces when tracing is on."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, detector: FaultDetector, metrics: ClusterMetrics,
                  steps: InFlight, requests: Requests, streams: Streams, scale: Scale, processes: Processes,
@@ -121,7 +122,7 @@ class Recovery:
                  joiners: Callable[[list[int]], list[int]],
                  form: Callable[[EpochRequest, str], EpochReport | NoPlacement],
                  leave: Callable[[list[int]], None], reset_isolation: Callable[[], None],
-                 publish: Callable[[], None]):
+                 publish: Callable[[], None], traces: RequestTraces | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.detector = detector
@@ -139,7 +140,10 @@ class Recovery:
         self.leave = leave
         self.reset_isolation = reset_isolation
         self.publish = publish
+        self.traces = traces
         self.record: RecoveryRecord | None = None
+        for cause in [c.value for c in FaultCause] + ["collective"]:  # a zero sample before the first recovery
+            metrics.recoveries.labels(cause)
 
     @property
     def open(self) -> bool:
@@ -156,10 +160,19 @@ class Recovery:
         fence_s = time.monotonic() - t0
         culprits, errors, detected_at = self.detector.take()
         self.reset_isolation()
+        if self.traces is not None:
+            self.traces.recovery_began(detected_at, describe(culprits, errors), culprits,
+                                       any(f.cause == FaultCause.EVICTED for f in culprits.values()))
         live = [r for r in c.members if r not in culprits and not c.ranks[r].status.down]
         for r in culprits:
-            self.requests.evict_rank(r)
-            self.metrics.forget_rank(r)
+            moved = self.requests.evict_rank(r)
+            if self.traces is not None:
+                for seq in moved:
+                    self.traces.moved(seq.seq_id, "fault", r, None, time.time_ns())
+            if culprits[r].cause == FaultCause.EVICTED:
+                self.metrics.ranks.evicted(r, time.monotonic())
+            else:
+                self.metrics.forget_rank(r)
             if self.scale.joiner(r):
                 self.scale.fail(f"joining rank {r} failed: {culprits[r].detail}")
             if self.scale.leaves(r):
@@ -257,5 +270,7 @@ class Recovery:
             return
         total_s = time.monotonic() - record.detected_at
         self.metrics.recovery_seconds.observe(round(total_s, 4))
+        if self.traces is not None:
+            self.traces.recovery_ended(self.cluster.epoch)
         self.cluster.events.add(EventKind.RECOVERED, f"epoch {self.cluster.epoch} serving again after {total_s:.3f}s",
                                 **record.event_fields(wall_s, total_s))

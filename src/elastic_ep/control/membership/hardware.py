@@ -28,14 +28,14 @@ class HardwareSignals:
         self.reports: dict[str, tuple[float, HardwareReport]] = {}  # node -> (monotonic time, report)
         self.steal = Gauge("elastic_ep_node_cpu_steal_ratio", "Share of CPU time stolen by the hypervisor since "
                            "the node's last hardware report (psutil)", ["node"], registry=registry)
-        self.freq = Gauge("elastic_ep_node_cpu_frequency_mhz", "Current CPU frequency (psutil)", ["node"],
+        self.freq = Gauge("elastic_ep_node_cpu_frequency_hertz", "Current CPU frequency (psutil)", ["node"],
                           registry=registry)
         self.present = Gauge("elastic_ep_hardware_signal_present", "1 when the node's agent could read the signal "
                              "(cpu_steal, cpu_freq, nvml, xid), 0 when it is absent (reason in /cluster)",
                              ["node", "signal"], registry=registry)
         self.ecc = Gauge("elastic_ep_gpu_ecc_errors", "Volatile ECC error count per GPU (NVML)",
                          ["node", "gpu", "type"], registry=registry)
-        self.clock = Gauge("elastic_ep_gpu_clock_mhz", "GPU clocks (NVML): sm, sm_max, mem", ["node", "gpu", "clock"],
+        self.clock = Gauge("elastic_ep_gpu_clock_hertz", "GPU clocks (NVML): sm, sm_max, mem", ["node", "gpu", "clock"],
                            registry=registry)
         self.throttled = Gauge("elastic_ep_gpu_clock_event_reason", "1 while NVML reports this reason holding the "
                                "GPU's clocks down", ["node", "gpu", "reason"], registry=registry)
@@ -50,7 +50,7 @@ class HardwareSignals:
         if msg.cpu_steal_ratio is not None:
             self.steal.labels(node).set(msg.cpu_steal_ratio)
         if msg.cpu_freq_mhz is not None:
-            self.freq.labels(node).set(msg.cpu_freq_mhz)
+            self.freq.labels(node).set(msg.cpu_freq_mhz * 1e6)
         for g in msg.gpus:
             gpu = str(g.index)
             for kind, count in (("corrected", g.ecc_corrected), ("uncorrected", g.ecc_uncorrected)):
@@ -58,12 +58,13 @@ class HardwareSignals:
                     self.ecc.labels(node, gpu, kind).set(count)
             for clock, mhz in (("sm", g.sm_clock_mhz), ("sm_max", g.sm_clock_max_mhz), ("mem", g.mem_clock_mhz)):
                 if mhz is not None:
-                    self.clock.labels(node, gpu, clock).set(mhz)
+                    self.clock.labels(node, gpu, clock).set(mhz * 1e6)
             if g.throttle_reasons is not None:
                 for reason in THROTTLE_REASONS.values():
                     self.throttled.labels(node, gpu, reason).set(int(reason in g.throttle_reasons))
+            xid = self.xid.labels(node, gpu)  # a zero sample from the first report: increase() sees the first Xid
             if g.xid_errors:
-                self.xid.labels(node, gpu).inc(len(g.xid_errors))
+                xid.inc(len(g.xid_errors))
                 self.events.add(EventKind.HARDWARE, f"node {node} GPU {gpu}: Xid critical errors {g.xid_errors}",
                                 node=node, gpu=g.index, xid=g.xid_errors)
 

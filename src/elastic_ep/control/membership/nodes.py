@@ -45,6 +45,7 @@ from elastic_ep.wire import (
     WorkerHello,
     WorkerLaunch,
     WorkerStarted,
+    exit_reason,
 )
 
 from ..cluster import ClusterState
@@ -77,12 +78,13 @@ class Nodes:
     port workers are launched with, an expert's bytes (for the backup's size) and the callables
     `fault(Fault)`, `target_size()` (ranks the group is meant to have), `undrain(rank_ids)`
     (the scheduler), `forget_measures(rank_id)` (metrics and timings of a rank that left),
-    `pump(timeout_s)` and `publish()`."""
+    `pump(timeout_s)`, `publish()` and `set_pool_size(rank_id, blocks)` (the scheduler's KV pools)."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, store_port: int,
                  expert_nbytes: int, *, fault: Callable[[Fault], None], target_size: Callable[[], int],
                  undrain: Callable[[list[int]], None], forget_measures: Callable[[int], None],
-                 pump: Callable[[float], None], publish: Callable[[], None]):
+                 pump: Callable[[float], None], publish: Callable[[], None],
+                 set_pool_size: Callable[[int, int], None]):
         self.cluster = cluster
         self.cfg = cfg
         self.plane = plane
@@ -94,7 +96,9 @@ class Nodes:
         self.forget_measures = forget_measures
         self.pump = pump
         self.publish = publish
+        self.set_pool_size = set_pool_size  # a rank's KV pool blocks, as it says when it registers
         self.restart_at: dict[int, float] = {}  # rank -> monotonic time its restart is due
+        self.ended: dict[int, str] = {}  # rank -> how its last process ended ("killed by SIGKILL")
 
     # ---- agents ------------------------------------------------------------------------------
 
@@ -158,7 +162,11 @@ class Nodes:
         return WorkerLaunch(
             cfg.model_dir, plane.step_addr, plane.health_addr, cfg.control_host, self.store_port, cfg.backend,
             cfg.max_num_seqs, cfg.max_model_len, cfg.heartbeat_interval_s if cfg.health_checks else 0.0,
-            cfg.backup_fetch_timeout_s, dtype=cfg.dtype, device=cfg.device,
+            cfg.backup_fetch_timeout_s, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+            num_gpu_blocks_override=cfg.num_gpu_blocks_override, kv_cache_memory=cfg.kv_cache_memory,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            expert_slot_bytes=self.cluster.slots_per_rank * self.cluster.num_layers * self.expert_nbytes,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
         )
 
     def on_agent_bye(self, msg: AgentBye) -> None:
@@ -200,19 +208,25 @@ class Nodes:
             self.stop_rank(msg.rank_id)
             return
         r.hello, r.last_heartbeat = msg, self.plane.heard_clock()
+        self.set_pool_size(msg.rank_id, msg.kv_blocks)
+        cfg = self.cfg
         self.cluster.events.add(
             EventKind.REGISTERED, f"rank {msg.rank_id} registered ({msg.join_mode}); dense weights from "
-            f"{msg.dense_source} in {msg.load_s:.2f}s, warmed up in {msg.warmup_s:.3f}s", msg.rank_id,
-            dense_source=msg.dense_source, load_s=msg.load_s, warmup_s=msg.warmup_s)
+            f"{msg.dense_source} in {msg.load_s:.2f}s, warmed up in {msg.warmup_s:.3f}s; KV pool of {msg.kv_blocks} "
+            f"blocks of {cfg.block_size} tokens ({msg.kv_blocks * cfg.block_size} tokens, "
+            f"{msg.kv_blocks * cfg.block_size // cfg.max_model_len} requests of --max-model-len {cfg.max_model_len})",
+            msg.rank_id, dense_source=msg.dense_source, load_s=msg.load_s, warmup_s=msg.warmup_s,
+            kv_blocks=msg.kv_blocks)
 
     def on_worker_exited(self, msg: WorkerExited) -> None:
         r = self.cluster.ranks.get(msg.rank_id)
         if r is None or r.pid != msg.pid:
             return
+        self.ended[msg.rank_id] = exit_reason(msg.returncode)
         if r.status != RankStatus.RETIRING:
             self.fault(FaultDetector.exited(msg.rank_id, msg.returncode))
         if r.status == RankStatus.RETIRING:  # also when the fault above failed a scale it was joining
-            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped (exit code {msg.returncode})")
+            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped ({self.ended[msg.rank_id]})")
             return
         r.status = RankStatus.DEAD
 
@@ -359,7 +373,9 @@ class Nodes:
                 return
             dead = [r for r in c.ranks.values() if r.status == RankStatus.DEAD]
             if dead:
-                raise ElasticEPError(f"rank {dead[0].rank_id} exited during startup; see its log above")
+                how = f" ({self.ended[dead[0].rank_id]})" if dead[0].rank_id in self.ended else ""
+                raise ElasticEPError(f"rank {dead[0].rank_id} ended during startup{how}; its own lines in the log "
+                                     "above say why (a worker prints its error before it exits)")
             if time.monotonic() > deadline:
                 raise ElasticEPError(
                     f"only {len(hello)} of {cfg.ep_size} ranks registered within --startup-timeout-s "

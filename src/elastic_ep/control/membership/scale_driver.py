@@ -56,11 +56,12 @@ class ScaleDriver:
     """Built with the cluster state, the rank processes, the scheduler's drains, and the callables
     `take_standbys(count)`, `joiners()` (ranks from outside that an epoch over the members would
     admit), `form(EpochRequest, reason)` (the loop's epoch change: a report, `NoPlacement`, or
-    RecoveryNeeded raised) and `publish()`."""
+    RecoveryNeeded raised), `publish()` and `ended(result)` ("succeeded" or "failed", as a scale ends)."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, processes: Processes, drains: Drains, *,
                  take_standbys: Callable[[int], list[int]], joiners: Callable[[], list[int]],
-                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement], publish: Callable[[], None]):
+                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement], publish: Callable[[], None],
+                 ended: Callable[[str], None] = lambda result: None):
         self.cluster = cluster
         self.cfg = cfg
         self.processes = processes
@@ -69,6 +70,7 @@ class ScaleDriver:
         self.joiners = joiners
         self.form = form
         self.publish = publish
+        self.ended = ended  # told "succeeded" or "failed" as each scale ends (the metric)
         self.op: ScaleOp | None = None
         self.target_ep_size = cfg.ep_size  # what the last finished scale asked for: new agents fill up to it
 
@@ -103,6 +105,7 @@ class ScaleDriver:
         assert op is not None
         c = self.cluster
         op.finish("failed", error)
+        self.ended("failed")
         c.events.add(EventKind.SCALE_FAILED, f"scale {op.old_ep_size} -> {op.new_ep_size} failed: {error}")
         for r in op.new_ranks:
             if r in c.ranks and r not in c.members and c.ranks[r].status != RankStatus.RETIRING:
@@ -208,6 +211,7 @@ class ScaleDriver:
 
     def _finish(self, op: ScaleOp, phase: str) -> None:
         op.finish(phase)
+        self.ended("succeeded")
         self.target_ep_size = op.new_ep_size
         self.cluster.events.add(EventKind.SCALE, f"serving at {len(self.cluster.members)} ranks "
                                 f"{op.finished_s:.2f}s after the request")

@@ -1,17 +1,28 @@
 """The scheduler: which tokens of which sequence each rank runs in the next step.
 
 Continuous batching with chunked prefill, per rank (DP attention: a sequence lives on one
-rank, whose KV cache holds it). A new sequence goes to the rank with the fewest tokens of work
-ahead (planned this step plus prefill still pending), so token counts per rank stay even and
-no rank arrives late at the all-to-all; with an `AlignRule` the step is
-evened again every step (control/serving/alignment.py: prefill cut to the step's level, unstarted
-prefills placed again, a decoding sequence moved off a rank that stays the busiest). Limits:
-`max_num_seqs` sequences per rank, `max_num_batched_tokens` tokens per rank per step.
+rank, whose KV pool holds it). Each rank's pool is a `BlockManager` here (model/block_manager.py):
+the scheduler decides every block table and sends it with the chunks. A new sequence goes to the
+rank where it adds the fewest tokens of work: the work ahead there (prefill still pending, one
+token per decode) plus its own tokens less those of its prefix already cached there. A prefix
+hit of h tokens is worth h tokens of work ahead, the unit the all-to-all wants even, so a rank
+with the prefix wins unless it is busier by more than the hit; ties go to the rank with more
+free blocks, then fewer sequences. It is admitted when that rank's free blocks hold its tokens
+(the first rank that does, in that order); when none does it waits, and so does every request
+behind it. A decoding sequence that needs a block when none is free takes one from the newest
+request of its rank, which is preempted: its blocks freed, back at the front of the queue, to be
+recomputed (prompt plus tokens so far); no request is admitted in a step that preempted.
+With an `AlignRule` the step is evened again every step (control/serving/alignment.py: prefill cut to
+the step's level, unstarted prefills placed again, a decoding sequence moved off a rank that
+stays the busiest). Limits: `max_num_seqs` sequences per rank, `max_num_batched_tokens` tokens
+per rank per step.
 
 The scheduler holds every sequence's prompt and generated tokens, so a sequence whose rank
-died is simply re-prefilled elsewhere (`evict_rank`): prompt plus tokens so far, at most
-`reprefill_tokens_per_step` tokens of such sequences per step over all ranks, so the survivors'
-decode is not held up by one long step (every rank waits for the slowest in each MoE layer).
+died is simply re-prefilled elsewhere (`evict_rank`; the dead rank's blocks, cached ones
+included, are gone): prompt plus tokens so far, admitted by free blocks as any request, at most
+`reprefill_tokens_per_step` tokens of such sequences per step over all ranks and none in the
+first step after the eviction, so the survivors' decode is not held up by one long step (every
+rank waits for the slowest in each MoE layer).
 Nothing here does I/O; the controller calls `schedule`, runs the step, then `commit`.
 """
 
@@ -20,6 +31,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from elastic_ep.model.block_manager import BlockManager
 from elastic_ep.wire import ChunkPlan, KVMove
 
 from ..api import GenerationRequest
@@ -28,7 +40,8 @@ from .alignment import AlignRule, DecodeBalance, rank_caps, sequence_to_move
 
 @dataclass
 class Sequence:
-    """A request in flight. `num_cached`: leading tokens whose KV is on `rank`."""
+    """A request in flight. `num_cached`: leading tokens whose KV is on `rank`; `unsent_prefix`:
+    leading tokens a prefix hit found in blocks of `rank` that the rank has not been told of."""
 
     seq_id: int
     request: GenerationRequest
@@ -37,6 +50,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     rank: int | None = None
     num_cached: int = 0
+    unsent_prefix: int = 0
     finish_reason: str | None = None
 
     @property
@@ -51,7 +65,11 @@ class Sequence:
     @property
     def decoding(self) -> bool:
         """Its next step runs one token on a cache it already holds."""
-        return self.num_cached > 0 and self.pending == 1
+        return self.num_cached > 0 and self.pending == 1 and not self.unsent_prefix
+
+    def unplace(self) -> None:
+        """Off its rank: nothing of it is cached anywhere."""
+        self.rank, self.num_cached, self.unsent_prefix = None, 0, 0
 
     @property
     def remaining(self) -> int:
@@ -72,13 +90,18 @@ class StepBatch:
     """One step's work: chunks per rank, KV rows to free per rank, tokens per rank; `moves`:
     sequences whose KV cache goes to another rank first (their chunks are on the new rank);
     `reprefilled`: sequences moved to another rank to be computed again there;
-    `unaligned`: tokens per rank before prefill is cut to the step's level."""
+    `unaligned`: tokens per rank before prefill is cut to the step's level; `preempted`:
+    requests preempted for blocks; `prefix_queried`, `prefix_hit`: tokens of the requests
+    admitted, and of those found in cached blocks."""
 
     chunks: dict[int, list[ChunkPlan]]
     free: dict[int, list[int]]
     moves: list[KVMove] = field(default_factory=list)
     reprefilled: list[int] = field(default_factory=list)
     unaligned: dict[int, int] = field(default_factory=dict)
+    preempted: int = 0
+    prefix_queried: int = 0
+    prefix_hit: int = 0
 
     def tokens_per_rank(self) -> dict[int, int]:
         return {r: sum(len(c.token_ids) for c in cs) for r, cs in self.chunks.items()}
@@ -91,11 +114,20 @@ class StepBatch:
 class Scheduler:
     """align: the per-step DP alignment rule (off by default); reprefill_tokens_per_step: how many
     tokens of re-prefill (a lost rank's requests run again elsewhere) one step may hold, 0 for no
-    limit, so that the other requests decode on while a recovery's work is caught up."""
+    limit, so that the other requests decode on while a recovery's work is caught up; num_blocks:
+    a rank's KV pool until `set_pool_size` says what the rank has; block_size,
+    enable_prefix_caching: the pools' (model/block_manager.py)."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, align: AlignRule | None = None,
-                 reprefill_tokens_per_step: int = 0):
+                 reprefill_tokens_per_step: int = 0, num_blocks: int = 4096, block_size: int = 16,
+                 enable_prefix_caching: bool = True):
         self.max_num_seqs = max_num_seqs
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool_sizes: dict[int, int] = {}
+        self.pools: dict[int, BlockManager] = {}
+        self._reprefill_held = False  # the first step after an eviction runs no re-prefill
         self.max_num_batched_tokens = max_num_batched_tokens
         self.align = align or AlignRule(enabled=False, migrate="off")
         self.balance = DecodeBalance(self.align.patience)
@@ -108,6 +140,11 @@ class Scheduler:
         self.draining: set[int] = set()
         # sequences left out of the next step (suspects of a failed step, control/serving/isolation.py)
         self.held: set[int] = set()
+
+    def set_pool_size(self, rank: int, num_blocks: int) -> None:
+        """Rank `rank`'s KV pool has num_blocks blocks (it says so when it registers); its pool
+        here is made that size when it next joins."""
+        self.pool_sizes[rank] = num_blocks
 
     def drain(self, ranks: list[int]) -> None:
         """`ranks` (leaving with a scale-down) finish what they run but take nothing new."""
@@ -130,12 +167,17 @@ class Scheduler:
         for r in ranks:
             self.running.setdefault(r, [])
             self.to_free.setdefault(r, [])
+            if r not in self.pools:
+                self.pools[r] = BlockManager(self.pool_sizes.get(r, self.num_blocks), self.block_size,
+                                             self.enable_prefix_caching)
 
     def evict_rank(self, rank: int) -> list[Sequence]:
         moved = self.running.pop(rank, [])
         self.to_free.pop(rank, None)
+        self.pools.pop(rank, None)
+        self._reprefill_held = self._reprefill_held or bool(moved)
         for seq in reversed(moved):
-            seq.rank, seq.num_cached = None, 0
+            seq.unplace()
             self.waiting.appendleft(seq)
         return moved
 
@@ -158,17 +200,43 @@ class Scheduler:
         its copy (a sequence aborted meanwhile: the new rank frees the copy it got)."""
         seq = self.by_id.get(move.seq_id)
         if seq is None or seq.rank != move.src_rank or move.dst_rank not in self.running:
-            if move.dst_rank in self.to_free:
-                self.to_free[move.dst_rank].append(move.seq_id)
+            self._drop_copy(move)
             return
         self.running[move.src_rank].remove(seq)
         self.to_free[move.src_rank].append(seq.seq_id)
+        self.pools[move.src_rank].free(seq.seq_id)
         seq.rank = move.dst_rank
         self.running[move.dst_rank].append(seq)
+
+    def _drop_copy(self, move: KVMove) -> None:
+        """The destination of a move that did not re-home its sequence frees what it got."""
+        if move.dst_rank in self.to_free:
+            self.to_free[move.dst_rank].append(move.seq_id)
+            self.pools[move.dst_rank].free(move.seq_id)
+
+    def step_failed(self, batch: StepBatch) -> None:
+        """A failed step's frees may not have run: ask again in the next step. A KV move may have
+        left a copy on its destination: free it there (the sequence stays on its old rank)."""
+        for rank_id, ids in batch.free.items():
+            if rank_id in self.to_free:
+                self.to_free[rank_id].extend(ids)
+        for move in batch.moves:
+            self._drop_copy(move)
 
     def _release(self, seq: Sequence) -> None:
         self.running[seq.rank].remove(seq)
         self.to_free[seq.rank].append(seq.seq_id)
+        self.pools[seq.rank].free(seq.seq_id)
+
+    def pool_view(self, max_model_len: int) -> dict:
+        """The KV pools as /cluster shows them: per rank its blocks, tokens, how many requests of
+        max_model_len fit, free and cached blocks, usage (0..1)."""
+        return {"block_size": self.block_size, "enable_prefix_caching": self.enable_prefix_caching, "ranks": {
+            str(r): {"blocks": p.num_blocks, "tokens": p.num_blocks * self.block_size,
+                     "max_model_len_requests": p.num_blocks * self.block_size // max_model_len,
+                     "free_blocks": p.num_free_blocks, "cached_blocks": p.num_cached_blocks,
+                     "usage": round(p.usage, 4)}
+            for r, p in sorted(self.pools.items())}}
 
     @property
     def has_work(self) -> bool:
@@ -180,18 +248,24 @@ class Scheduler:
     def schedule(self) -> StepBatch:
         """Plan the next step over the ranks given to `set_ranks`."""
         budget, align = self.max_num_batched_tokens, self.align
+        preempted = self._make_room()
         unstarted = self._take_unstarted() if align.enabled else []
-        reprefill_left = self.reprefill_tokens_per_step or budget * max(len(self.running), 1)
+        reprefill_left = 0 if self._reprefill_held else self.reprefill_tokens_per_step or budget * max(
+            len(self.running), 1)
+        self._reprefill_held = False
         room = sum(max(self.max_num_seqs - len(seqs), 0) for r, seqs in self.running.items() if r not in self.draining)
-        admitted = unstarted + [self.waiting.popleft() for _ in range(min(room - len(unstarted), len(self.waiting)))]
-        # Longest first onto the least loaded rank: the classic greedy for even sums.
+        taken = 0 if preempted else min(room - len(unstarted), len(self.waiting))
+        admitted = unstarted + [self.waiting.popleft() for _ in range(taken)]
+        queried = hit = 0
+        unplaced = []
+        # Longest first onto the rank where it adds least: the classic greedy for even sums.
         for seq in sorted(admitted, key=lambda q: -q.pending):
-            rank = self._least_loaded()
-            if rank is None:  # an unstarted prefill of a draining rank, every other rank full
-                self.waiting.appendleft(seq)
-                continue
-            seq.rank = rank
-            self.running[rank].append(seq)
+            if self._place(seq):
+                queried, hit = queried + len(seq.tokens), hit + seq.num_cached
+            else:  # no rank has room or blocks for it: it waits, in its place in the queue
+                unplaced.append(seq)
+        order = {seq.seq_id: i for i, seq in enumerate(admitted)}
+        self.waiting.extendleft(sorted(unplaced, key=lambda q: -order[q.seq_id]))
         active = {r: [q for q in seqs if q.seq_id not in self.held] for r, seqs in self.running.items()}
         unaligned = {r: min(sum(q.pending for q in qs), budget) for r, qs in active.items()}
         moved = self._migrate(active) if align.migrate != "off" else None
@@ -205,27 +279,55 @@ class Scheduler:
             used = 0
             for seq in sorted(seqs, key=lambda q: not q.decoding) if align.enabled else seqs:
                 room = caps[rank] - used
-                if seq.output and seq.pending > 1:  # a re-prefill: its rank was lost, or it moved
-                    n = self._plan(seq, chunks[rank], min(room, reprefill_left))
+                table = self.pools[rank].tables[seq.seq_id]
+                if len(table) * self.block_size < len(seq.tokens):  # no block for its next token this step
+                    continue
+                if seq.output and seq.pending > 1:  # a re-prefill: its rank was lost, it moved or was preempted
+                    n = self._plan(seq, chunks[rank], min(room, reprefill_left), table)
                     reprefill_left -= n
                 else:
-                    n = self._plan(seq, chunks[rank], room)
+                    n = self._plan(seq, chunks[rank], room, table)
                 used += n
         free = {r: self.to_free[r] for r in self.running}
         self.to_free = {r: [] for r in self.running}
         moves = [moved] if isinstance(moved, KVMove) else []
         reprefilled = [moved.seq_id] if isinstance(moved, Sequence) else []
-        return StepBatch(chunks, free, moves, reprefilled, unaligned)
+        return StepBatch(chunks, free, moves, reprefilled, unaligned, preempted, queried, hit)
+
+    def _make_room(self) -> int:
+        """Give every decoding sequence the block of its next token, oldest first on each rank;
+        while none is free, preempt the newest request of the rank (one a failed step holds out
+        stays). Returns how many were preempted."""
+        preempted = 0
+        for rank, seqs in self.running.items():
+            pool = self.pools[rank]
+            for seq in list(seqs):
+                if seq.rank != rank or seq.seq_id in self.held:
+                    continue
+                while not pool.grow(seq.seq_id, len(seq.tokens)):
+                    victims = [q for q in seqs if q.seq_id not in self.held]
+                    if not victims:
+                        break
+                    self._preempt(victims[-1])
+                    preempted += 1
+                    if victims[-1] is seq:
+                        break
+        return preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the blocks of `seq` and put it at the front of the queue, to be recomputed."""
+        self._release(seq)
+        seq.unplace()
+        self.waiting.appendleft(seq)
 
     def _take_unstarted(self) -> list[Sequence]:
         """Sequences placed on a rank that has run none of their tokens: they go back to be
         placed again (their old rank frees any row a failed step gave them)."""
         taken = []
-        for rank, seqs in self.running.items():
-            for seq in [q for q in seqs if q.num_cached == 0 and q.seq_id not in self.held]:
-                seqs.remove(seq)
-                self.to_free[rank].append(seq.seq_id)
-                seq.rank = None
+        for seqs in self.running.values():
+            for seq in [q for q in seqs if q.num_cached == q.unsent_prefix and q.seq_id not in self.held]:
+                self._release(seq)
+                seq.unplace()
                 taken.append(seq)
         return taken
 
@@ -241,26 +343,46 @@ class Scheduler:
             return None
         src, dst = pick
         seq = sequence_to_move([q for q in active[src] if q.decoding])
+        if self.align.migrate == "kv":
+            # its own blocks, never shared ones: the move writes every position it holds
+            if self.pools[dst].allocate(seq.seq_id, [], len(seq.tokens)) is None:
+                return None
+            active[src].remove(seq)
+            active[dst].append(seq)
+            return KVMove(seq.seq_id, src, dst, seq.tokens[:seq.num_cached], list(self.pools[dst].tables[seq.seq_id]))
+        cached = self.pools[dst].allocate(seq.seq_id, seq.tokens, len(seq.tokens))
+        if cached is None:
+            return None
         active[src].remove(seq)
         active[dst].append(seq)
-        if self.align.migrate == "kv":
-            return KVMove(seq.seq_id, src, dst, seq.tokens[:seq.num_cached])
-        self.running[src].remove(seq)
-        self.to_free[src].append(seq.seq_id)
-        seq.rank, seq.num_cached = dst, 0
+        self._release(seq)
+        seq.rank, seq.num_cached, seq.unsent_prefix = dst, cached, cached
         self.running[dst].append(seq)
         return seq
 
-    def _least_loaded(self) -> int | None:
-        """The rank with room for one more sequence and the least work ahead."""
+    def _place(self, seq: Sequence) -> bool:
+        """Put `seq` on the rank where it adds the fewest tokens of work (see the module
+        docstring) whose free blocks hold it, taking its cached prefix there; False when no
+        rank with room for one more sequence has the blocks."""
+        tokens = seq.tokens
         candidates = [r for r, seqs in self.running.items()
                       if len(seqs) < self.max_num_seqs and r not in self.draining]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda r: (sum(s.pending for s in self.running[r]), len(self.running[r]), r))
+
+        def cost(r: int) -> tuple[int, int, int, int]:
+            pool = self.pools[r]
+            work = sum(s.pending for s in self.running[r]) + len(tokens) - pool.cached_prefix_tokens(tokens)
+            return work, -pool.num_free_blocks, len(self.running[r]), r
+
+        for rank in sorted(candidates, key=cost):
+            cached = self.pools[rank].allocate(seq.seq_id, tokens, len(tokens))
+            if cached is not None:
+                seq.rank, seq.num_cached, seq.unsent_prefix = rank, cached, cached
+                self.running[rank].append(seq)
+                return True
+        return False
 
     @staticmethod
-    def _plan(seq: Sequence, out: list[ChunkPlan], room: int) -> int:
+    def _plan(seq: Sequence, out: list[ChunkPlan], room: int, table: list[int]) -> int:
         n = min(seq.pending, room)
         if n <= 0:
             return 0
@@ -275,6 +397,8 @@ class Scheduler:
                 seq.request.params,
                 seq.request.seed,
                 len(seq.request.prompt_token_ids),
+                list(table),
+                tokens[:start] if seq.unsent_prefix else [],
             )
         )
         return n
@@ -291,6 +415,8 @@ class Scheduler:
                 if seq is None or seq.rank is None:
                     continue
                 seq.num_cached = c.start_pos + len(c.token_ids)
+                seq.unsent_prefix = 0
+                self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, seq.num_cached)
                 if c.seq_id not in sampled:
                     continue
                 token = sampled[c.seq_id]

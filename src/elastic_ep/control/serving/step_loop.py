@@ -34,6 +34,7 @@ from ..control_plane import ControlPlane
 from ..events import EventKind
 from ..faults.detector import FaultDetector, RecoveryNeeded
 from ..metrics import ClusterMetrics
+from ..tracing import RequestTraces
 from .alignment import imbalance
 from .isolation import Isolation
 from .recorder import ExpertRecorder
@@ -58,7 +59,8 @@ class StepLoop:
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, scheduler: Scheduler,
                  detector: FaultDetector, metrics: ClusterMetrics, recorder: ExpertRecorder, streams: Streams,
-                 isolation: Isolation, top_k: int, pump: Callable[[float], None], chaos: ChaosHook | None = None):
+                 isolation: Isolation, top_k: int, pump: Callable[[float], None], chaos: ChaosHook | None = None,
+                 traces: RequestTraces | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.plane = plane
@@ -71,6 +73,7 @@ class StepLoop:
         self.top_k = top_k
         self.pump = pump
         self.chaos = chaos
+        self.traces = traces
         self.replies: dict[int, StepResult | StepFailed] = {}
         self.in_step: set[int] = set()  # members of the step in flight
         self.started_at = 0.0  # monotonic time the step in flight was sent
@@ -84,6 +87,7 @@ class StepLoop:
         self.load_every = max(cfg.load_report_every_steps, 1)
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
         self._sent_at = 0.0
+        self._started_ns = 0  # wall-clock ns the step in flight was sent (request traces)
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
@@ -101,10 +105,12 @@ class StepLoop:
         c, times = self.cluster, self.plane.times
         t0 = time.perf_counter()
         batch = self._plan()
+        self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit)
         c.step += 1
         self.replies = {}
         self.in_step = set(c.members)
         self.started_at = time.monotonic()
+        self._started_ns = time.time_ns()
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
         micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
@@ -121,7 +127,7 @@ class StepLoop:
         while len(self.replies) < len(c.members):
             self.pump(0.002)
             if self.detector.pending:
-                self._requeue_frees(batch)
+                self.scheduler.step_failed(batch)
                 self.uncommitted = batch
                 raise RecoveryNeeded()
         self.in_step = set()
@@ -130,7 +136,7 @@ class StepLoop:
         times.add("gather", gathered - sent)
         failures = {r: m for r, m in self.replies.items() if isinstance(m, StepFailed)}
         if failures:
-            self._requeue_frees(batch)
+            self.scheduler.step_failed(batch)
             self.metrics.failed_steps.inc()
             self.isolation.step_failed(c.step, batch, failures)
             return None
@@ -174,14 +180,6 @@ class StepLoop:
         self.retries_without_culprit = 0
         self.uncommitted = None
 
-    def _requeue_frees(self, batch: StepBatch) -> None:
-        """A failed step's frees may not have run: ask again in the next step. A KV move may have
-        left a copy on its destination: free it there (the sequence stays on its old rank)."""
-        frees = [(r, ids) for r, ids in batch.free.items()] + [(m.dst_rank, [m.seq_id]) for m in batch.moves]
-        for rank_id, ids in frees:
-            if rank_id in self.scheduler.to_free:
-                self.scheduler.to_free[rank_id].extend(ids)
-
     def _finish(self, batch: StepBatch, wall_s: float) -> None:
         c, times = self.cluster, self.plane.times
         t0 = time.perf_counter()
@@ -218,7 +216,10 @@ class StepLoop:
         t1 = time.perf_counter()
         self._observe(results, batch, tokens, wall_s, slowest)
         t2 = time.perf_counter()
-        for seq, new_tokens in self.scheduler.commit(batch, sampled):
+        committed = self.scheduler.commit(batch, sampled)
+        if self.traces is not None:
+            self._trace(batch, results, committed)
+        for seq, new_tokens in committed:
             token_logprobs = [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None
             self.streams.deliver(seq.seq_id, RequestOutput(
                 seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
@@ -229,16 +230,12 @@ class StepLoop:
 
     def _observe(self, results: dict[int, StepResult], batch: StepBatch, tokens: dict[int, int], wall_s: float,
                  slowest: float) -> None:
-        """The step's metrics: per-rank timings and tokens, DP balance, data plane (the expert load
-        balance is set with the liveness gauges, control/facade/publisher.py)."""
+        """The step's metrics: per-rank timings and tokens (control/rank_series.py), DP balance, KV
+        moves, expert load balance."""
         m = self.metrics
-        ranks = list(results)
-        m.step_seconds.observe(ranks, [res.step_s for res in results.values()])
-        m.collective_wait_seconds.observe(ranks, [res.dispatch_wait_s + res.combine_wait_s for res in results.values()])
         m.step_wall_seconds.observe(wall_s)
         m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
-        m.rank_tokens.set(list(tokens), list(tokens.values()))
-        m.rank_tokens_total.inc(list(tokens), list(tokens.values()))
+        m.rank_step(results, tokens)
         for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
             ratio = imbalance(per_rank.values())
             if ratio is None:
@@ -247,4 +244,18 @@ class StepLoop:
             m.dp_busiest_tokens.labels(plan).observe(max(per_rank.values()))
             if plan == "aligned":
                 m.dp_token_imbalance.set(ratio)
-        m.data_plane_step(results, batch.moves, batch.reprefilled)
+        m.migrations(results, batch.moves, batch.reprefilled)
+        c = self.cluster
+        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
+        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
+        if mean:
+            m.ranks.set_gauge("elastic_ep_expert_load_imbalance", {r: v / mean for r, v in slot_totals.items()})
+
+    def _trace(self, batch: StepBatch, results: dict[int, StepResult], committed: list) -> None:
+        """What the request traces record of a completed step (only with tracing on)."""
+        slowest = max(results, key=lambda r: results[r].compute_s, default=None)
+        moves = [(m.seq_id, "kv", m.src_rank, m.dst_rank) for m in batch.moves]
+        moves += [(seq_id, "reprefill", None, self.scheduler.by_id[seq_id].rank)
+                  for seq_id in batch.reprefilled if seq_id in self.scheduler.by_id]
+        self.traces.step(batch.chunks, self._started_ns, time.time_ns(), slowest,
+                         [(seq.seq_id, len(seq.output)) for seq, _ in committed], moves)

@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import dataclass
 
 from ..api import RequestOutput
+from ..tracing import RequestTraces
 from .scheduler import Scheduler
 
 
@@ -23,10 +24,11 @@ class Stream:
 
 
 class Streams:
-    """seq_id -> the stream of its request (control thread only)."""
+    """seq_id -> the stream of its request (control thread only); `traces` hears of every end."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, traces: RequestTraces | None = None):
         self.scheduler = scheduler
+        self.traces = traces
         self._streams: dict[int, Stream] = {}
 
     def add(self, seq_id: int, stream: Stream) -> None:
@@ -45,6 +47,8 @@ class Streams:
             return
         if out.finished:
             del self._streams[seq_id]
+            if self.traces is not None:
+                self.traces.finished(seq_id, out.finish_reason or "stop")
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
         except RuntimeError:
