@@ -180,7 +180,10 @@ class StandInRank:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(addr)
             self.agent.host.register(s, self)
-        self.send(WorkerHello(self.rank_id, self.agent.node, self.pid, self.join_mode, "disk", 0.0, 0.0, "cpu"))
+        # a KV pool that holds every sequence it may get at full length (a real rank sizes it from memory)
+        blocks = launch.max_num_seqs * -(-launch.max_model_len // launch.block_size)
+        self.send(WorkerHello(self.rank_id, self.agent.node, self.pid, self.join_mode, "disk", 0.0, 0.0, "cpu",
+                              blocks))
         self._set_progress(Progress())
         if launch.heartbeat_interval_s > 0:
             self.agent.host.timers.at(time.monotonic() + random.random() * launch.heartbeat_interval_s, self.beat)
