@@ -112,6 +112,8 @@ HELP = {
     "eplb_interval": "steps between EPLB checks",
     "eplb_threshold": "rebalance when max/mean rank load exceeds this",
     "eplb_speed_aware": "EPLB gives slow ranks less expert load, from each rank's own time per step",
+    "load_report_every_steps": "ranks sum their expert load and report it every this many steps (the EPLB window "
+                               "and the expert distribution recorder count in these)",
     "enable_chaos": "enable the fault-injection endpoints",
     "record_dir": "where /dump_expert_distribution_record writes",
     "heartbeat_interval_s": "worker heartbeat period",

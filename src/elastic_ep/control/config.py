@@ -49,6 +49,7 @@ class ServeConfig:
     eplb_interval: int = 200
     eplb_threshold: float = 1.3
     eplb_speed_aware: bool = False
+    load_report_every_steps: int = 16
     enable_chaos: bool = False
     record_dir: str = "."
     heartbeat_interval_s: float = 0.1
@@ -187,7 +188,7 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
             "(--redundant-experts adds copies)")
     redundancy = resolve_redundancy(cfg, config, expert_nbytes)
     for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval", "rebalance_move_bytes",
-                 "rebalance_every_steps", "block_size"):
+                 "rebalance_every_steps", "block_size", "load_report_every_steps"):
         if getattr(cfg, name) < 1:
             raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.max_model_len > config.max_position_embeddings:
