@@ -198,7 +198,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BODY_BYTES})")
     parser.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                         help="close an HTTP connection that has not sent a whole request (headers and body) this "
-                             f"long after connecting or after its last response (default {DEFAULT_REQUEST_TIMEOUT_S:g})")
+                             "long after connecting or after its last response "
+                             f"(default {DEFAULT_REQUEST_TIMEOUT_S:g})")
     add_log_arguments(parser)
     for f in dataclasses.fields(ServeConfig):
         if f.name not in HELP:

@@ -149,7 +149,8 @@ class Redundancy:
 
     def describe(self) -> str:
         nodes = f", or losing its {self.survives.node_losses} largest node(s)" if self.survives.node_losses else ""
-        return (f"{self.redundant_experts} redundant expert slots ({self.chosen}): {self.slots_per_rank} slots per rank; "
+        return (f"{self.redundant_experts} redundant expert slots ({self.chosen}): "
+                f"{self.slots_per_rank} slots per rank; "
                 f"the group holds every expert after losing any {self.survives.rank_losses} rank(s){nodes}; the "
                 f"extra slots take {self.extra_bytes / 2**30:.3g} GiB over the group")
 
@@ -201,7 +202,8 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
                              f"{cfg.gpu_memory_utilization}")
     for name in ("kv_cache_memory", "num_gpu_blocks_override"):
         if getattr(cfg, name) < 0:
-            raise ElasticEPError(f"--{name.replace('_', '-')} must be >= 0 (0: from the budget), got {getattr(cfg, name)}")
+            raise ElasticEPError(f"--{name.replace('_', '-')} must be >= 0 (0: from the budget), "
+                                 f"got {getattr(cfg, name)}")
     from_flags(vars(cfg))  # refuses a rule or policy that cannot work, naming the value
     if cfg.standby_ranks < 0:
         raise ElasticEPError(f"--standby-ranks must be >= 0, got {cfg.standby_ranks}")

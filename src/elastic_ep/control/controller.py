@@ -103,7 +103,8 @@ def _start_tracing(cfg: ServeConfig) -> RequestTraces:
     try:
         from .otel import OtelSink
     except ImportError as e:
-        raise ElasticEPError(f"--otlp-traces-endpoint needs OpenTelemetry ({e}): pip install 'elastic-ep[tracing]'") from e
+        raise ElasticEPError(f"--otlp-traces-endpoint needs OpenTelemetry ({e}): "
+                             "pip install 'elastic-ep[tracing]'") from e
     return RequestTraces(OtelSink.to_endpoint(cfg.otlp_traces_endpoint, model_name=cfg.model_name),
                          cfg.trace_sample_ratio)
 
@@ -258,7 +259,8 @@ class Controller:
             if self.traces is not None:
                 self.traces.sink.shutdown()  # flush what is sampled
             for seq_id, stream in self.streams:
-                self.streams.deliver(seq_id, RequestOutput(stream.request_id, [], True, "error", "server shutting down"))
+                self.streams.deliver(seq_id, RequestOutput(stream.request_id, [], True, "error",
+                                                           "server shutting down"))
             time.sleep(0.1)
 
     # ---- waiting -----------------------------------------------------------------------------

@@ -39,7 +39,8 @@ class ControlTimes:
         n = max(self.steps, 1)
         return {
             "steps": self.steps,
-            "ms_per_step": {p: round(1000 * s / n, 3) for p, s in {**self.part_s, "decode": self.decode_s["step"]}.items()},
+            "ms_per_step": {p: round(1000 * s / n, 3)
+                            for p, s in {**self.part_s, "decode": self.decode_s["step"]}.items()},
             "added_ms_per_step": round(1000 * (self.wall_s - self.slowest_rank_s) / n, 3),
             "handled_s": {k: round(v, 4) for k, v in self.handled_s.items()},
             "handled": dict(self.handled),

@@ -69,7 +69,8 @@ class ExpertSlots:
         self.slots_per_rank = slots_per_rank
         self.device = torch.device(device)
         num_layers = len(moe_layers)
-        self.w13 = [huge_zeros(slots_per_rank, 2 * inter, hidden, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.w13 = [huge_zeros(slots_per_rank, 2 * inter, hidden, dtype=dtype, device=device)
+                    for _ in range(num_layers)]
         self.w2 = [huge_zeros(slots_per_rank, hidden, inter, dtype=dtype, device=device) for _ in range(num_layers)]
         self.experts = np.full((num_layers, slots_per_rank), -1, dtype=np.int64)
 
@@ -80,7 +81,8 @@ class ExpertSlots:
         """(layer, slot) -> checksum for `slots` (default: every slot), occupied ones only."""
         if slots is None:
             slots = [(li, j) for li in range(len(self.moe_layers)) for j in range(self.slots_per_rank)]
-        return {(li, j): expert_checksum(self.w13[li][j], self.w2[li][j]) for li, j in slots if self.experts[li, j] >= 0}
+        return {(li, j): expert_checksum(self.w13[li][j], self.w2[li][j])
+                for li, j in slots if self.experts[li, j] >= 0}
 
     def corrupt(self, layer: int, slot: int) -> None:
         """Fault injection: flip the sign of the slot's down projection in place."""

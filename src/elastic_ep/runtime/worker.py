@@ -300,7 +300,8 @@ class Worker:
         except LocalFailure as failure:
             self._fail(plan, StepErrorKind.LOCAL, failure.error, failure.in_experts)
             return
-        tokens, logprobs, errors = self._sample(plan, logits, {s for s, at in chaos.poisoned.items() if at == "sampling"})
+        tokens, logprobs, errors = self._sample(plan, logits,
+                                                {s for s, at in chaos.poisoned.items() if at == "sampling"})
         self.progress.idle()
         c = moe.counters
         step_s = time.perf_counter() - start
