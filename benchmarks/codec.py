@@ -153,7 +153,8 @@ def serve_side_by_side(other_src: str, ep_size: int, repeats: int) -> dict[str, 
                 after = step_means(url)
                 d = {k: after[k] - before.get(k, 0.0) for k in after}
                 runs[name].append({
-                    "step_wall_ms": 1000 * d["elastic_ep_step_wall_seconds_sum"] / d["elastic_ep_step_wall_seconds_count"],
+                    "step_wall_ms": (1000 * d["elastic_ep_step_wall_seconds_sum"]
+                                     / d["elastic_ep_step_wall_seconds_count"]),
                     "round_trip_ms": 1000 * d["elastic_ep_controller_round_trip_seconds_sum"]
                     / d["elastic_ep_controller_round_trip_seconds_count"],
                     "tpot_p50_ms": tpot})
@@ -171,14 +172,16 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--number", type=int, default=200)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--serve-against", metavar="SRC", help="source tree of the pickle codec: step time side by side")
+    parser.add_argument("--serve-against", metavar="SRC",
+                        help="source tree of the pickle codec: step time side by side")
     parser.add_argument("--ep-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
     if args.serve_against:
         figures = serve_side_by_side(args.serve_against, args.ep_size, args.repeats)
         print(json.dumps(figures, indent=1) if args.json else
-              "\n".join(f"{name:<15} " + ", ".join(f"{k} {v}" for k, v in row.items()) for name, row in figures.items()))
+              "\n".join(f"{name:<15} " + ", ".join(f"{k} {v}" for k, v in row.items())
+                        for name, row in figures.items()))
         return
     results = {
         "StepPlan": measure(step_plan(args.seqs), CONTROLLER_TO_WORKER, args.number),

@@ -136,13 +136,15 @@ def print_markdown(results):
             for name in ("fault-aware", "scratch fault-aware", "scratch deepseek global"):
                 e = f[name]
                 ms = "" if e["ms"] is None else e["ms"]
-                print(f"| {','.join(map(str, f['dead']))} | {name} | {ms} | {e['balancedness_mean']} | {e['gb_moved']} |")
+                print(f"| {','.join(map(str, f['dead']))} | {name} | {ms} | "
+                      f"{e['balancedness_mean']} | {e['gb_moved']} |")
             print(f"| | fault-aware / scratch | | {f['balance_ratio']} | {f['bytes_ratio']} |")
         print(f"\nEPLB in the loop, load drift x lognormal(0, {DRIFT_SIGMA}):\n")
         print("| policy | CPU ms | balancedness mean | GB moved |")
         print("|---|---|---|---|")
         for r in res["drift"]:
-            print(f"| {r['policy']} | {'' if r['ms'] is None else r['ms']} | {r['balancedness_mean']} | {r['gb_moved']} |")
+            print(f"| {r['policy']} | {'' if r['ms'] is None else r['ms']} | "
+                  f"{r['balancedness_mean']} | {r['gb_moved']} |")
 
 
 def main() -> None:

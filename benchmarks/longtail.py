@@ -117,7 +117,8 @@ def stream_load(server: ServerProcess, requests: list[tuple[str, int]], every_s:
 def latency(results: list[tuple[float, list[float]]], prefix: str = "") -> dict[str, float]:
     """TPOT p50 / p99 over every gap and TTFT p50 (ms)."""
     gaps = np.array([g for _, gs in results for g in gs]) * 1000
-    return {f"{prefix}tpot_p50_ms": float(np.percentile(gaps, 50)), f"{prefix}tpot_p99_ms": float(np.percentile(gaps, 99)),
+    return {f"{prefix}tpot_p50_ms": float(np.percentile(gaps, 50)),
+            f"{prefix}tpot_p99_ms": float(np.percentile(gaps, 99)),
             f"{prefix}ttft_p50_ms": float(np.percentile([t for t, _ in results], 50)) * 1000}
 
 
@@ -139,8 +140,10 @@ def measured(server: ServerProcess, hosts: list[Host], load: Callable[[], dict[s
     })
     for plan in ("unaligned", "aligned"):
         count = d.get(f"elastic_ep_dp_imbalance_count{{{plan}}}", 0.0)
-        row[f"imbalance_{plan}"] = d.get(f"elastic_ep_dp_imbalance_sum{{{plan}}}", 0.0) / count if count else float("nan")
-        row[f"busiest_{plan}"] = d.get(f"elastic_ep_dp_busiest_tokens_sum{{{plan}}}", 0.0) / count if count else float("nan")
+        row[f"imbalance_{plan}"] = (d.get(f"elastic_ep_dp_imbalance_sum{{{plan}}}", 0.0) / count
+                                    if count else float("nan"))
+        row[f"busiest_{plan}"] = (d.get(f"elastic_ep_dp_busiest_tokens_sum{{{plan}}}", 0.0) / count
+                                  if count else float("nan"))
     row["moved"] = sum(v for k, v in d.items() if k.startswith("elastic_ep_dp_migrations_total"))
     moves = d.get("elastic_ep_kv_move_seconds_count", 0.0)
     row["kv_move_ms"] = d.get("elastic_ep_kv_move_seconds_sum", 0.0) / moves * 1000 if moves else float("nan")
@@ -157,7 +160,8 @@ def part_a2a(bed: TestBed, model: str, shapes: list, concurrency: int, max_token
     rows = []
     for backend, dbo in A2A_CONFIGS:
         shape_links(bed, (0.0, None))
-        flags = ["--all2all-backend", backend, "--no-dp-align", "--dp-migrate", "off"] + (["--enable-dbo"] if dbo else [])
+        flags = (["--all2all-backend", backend, "--no-dp-align", "--dp-migrate", "off"]
+                 + (["--enable-dbo"] if dbo else []))
         with serving(bed, model, flags, logs, f"{backend}-dbo{int(dbo)}") as server:
             for shape in shapes:
                 shape_links(bed, shape)
@@ -210,7 +214,8 @@ def print_tables(a2a: list[dict], align: list[dict]) -> None:
               "busiest rank's tokens/step planned | run | max/mean planned | run | own ms/step | moved | KV move ms |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in align:
-            print(f"| {r['dp_align']} | {r['dp_migrate']} | {r['decode_tpot_p50_ms']:.1f} | {r['decode_tpot_p99_ms']:.1f} "
+            print(f"| {r['dp_align']} | {r['dp_migrate']} | {r['decode_tpot_p50_ms']:.1f} | "
+                  f"{r['decode_tpot_p99_ms']:.1f} "
                   f"| {r['prefill_ttft_p50_ms']:.0f} | {r['busiest_unaligned']:.1f} | {r['busiest_aligned']:.1f} | "
                   f"{r['imbalance_unaligned']:.2f} | {r['imbalance_aligned']:.2f} | {r['own_ms_per_step']:.1f} | "
                   f"{r['moved']:.0f} | {r['kv_move_ms']:.1f} |")

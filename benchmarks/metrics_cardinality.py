@@ -115,11 +115,13 @@ print(json.dumps({**scrape_figures(registry, generate_latest), "record_step_ms":
 
 def before(rev: str, ranks: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], check=True, capture_output=True).stdout
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"],
+                                 check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         env_path = f"{tmp}/src"
         out = subprocess.run([sys.executable, "-c", BEFORE_DRIVER, str(Path(__file__).parent), str(ranks), str(steps)],
-                             check=True, capture_output=True, text=True, env={"PYTHONPATH": env_path, "PATH": "/usr/bin"})
+                             check=True, capture_output=True, text=True,
+                             env={"PYTHONPATH": env_path, "PATH": "/usr/bin"})
     return json.loads(out.stdout)
 
 

@@ -20,7 +20,8 @@ timed part by part. Medians over the repeats.
 
 Sizes: the embedded tiny model and checkpoints of issue 16's DeepSeek-V3 shape (`make-tiny
 --arch deepseek_v3 --layers 8 --hidden 1024 --experts 64 --top-k 6 --heads 8`, 7 MoE layers),
-the expert width setting the size (written once to --cache-dir). EP 4 with the redundant experts `elastic-ep demo` chooses (3 ranks hold every
+the expert width setting the size (written once to --cache-dir). EP 4 with the redundant experts
+`elastic-ep demo` chooses (3 ranks hold every
 expert), --max-num-seqs 8; a backup run starts once the `backup` event says it is complete.
 Per repeat: --streams greedy streams of --max-tokens (EOS ignored), SIGKILL of one rank
 (rotating) once every stream has --kill-after tokens. "kept" is the pause over the streams that
@@ -171,7 +172,8 @@ def detection_work_s(step_s: float, ranks: int = EP_SIZE, moe_layers: int = 3) -
 
     def check() -> None:
         lost_heartbeats(seen, now, cfg.heartbeat_timeout_s)
-        hung_ranks(progress, 0, {40: now}, now, adaptive_deadline_s(recent, cfg.watchdog_multiple, cfg.watchdog_floor_s))
+        hung_ranks(progress, 0, {40: now}, now,
+                   adaptive_deadline_s(recent, cfg.watchdog_multiple, cfg.watchdog_floor_s))
 
     key = ClusterKey.generate()
     frames = key.seal(Heartbeat(1, 101, progress[1]))

@@ -9,7 +9,8 @@ One EP 4 server (16 redundant experts: 8 slots per rank, so 2 ranks hold every e
 whole time. Per repeat: `--before-s` seconds of steady load, then 4 -> 6 and, once that serves,
 6 -> 4. "Time to serve" is measured by the client (request sent to GET /is_scaling_elastic_ep
 saying done with the new size serving); the controller's own figure (`elapsed_s`) is reported
-too, and "settled" (every leaving process stopped and gone from /cluster). TPOT before = chunk gaps in the `--before-s` window; during = chunk gaps that arrived
+too, and "settled" (every leaving process stopped and gone from /cluster). TPOT before = chunk gaps in the
+`--before-s` window; during = chunk gaps that arrived
 between the request and the new size serving. Medians over the repeats.
 """
 
@@ -68,7 +69,8 @@ def main() -> None:
                 start, end, elapsed_s, settled = scale_to(server, n)
                 rows[name].append({"serve_s": round(end - start, 3), "controller_s": elapsed_s,
                                    "settled_s": round(settled - start, 3),
-                                   "tpot_p99_before_ms": before, "tpot_p99_during_ms": streams.window_p99_ms(start, end)})
+                                   "tpot_p99_before_ms": before,
+                                   "tpot_p99_during_ms": streams.window_p99_ms(start, end)})
                 time.sleep(1.0)
         streams.stop()
     finally:

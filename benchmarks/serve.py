@@ -84,7 +84,8 @@ def measure(model: str, ep_size: int, concurrency: int, max_tokens: int, log_dir
     finally:
         server.stop()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    result["controller_share"] = delta["elastic_ep_controller_round_trip_seconds"] / delta["elastic_ep_step_wall_seconds"]
+    result["controller_share"] = (delta["elastic_ep_controller_round_trip_seconds"]
+                                  / delta["elastic_ep_step_wall_seconds"])
     result["all_to_all_share"] = (delta["elastic_ep_rank_collective_wait_seconds"]
                                   / delta["elastic_ep_rank_step_seconds"])
     return {"ep_size": ep_size, **result}

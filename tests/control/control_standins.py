@@ -7,6 +7,7 @@ from __future__ import annotations
 from elastic_ep.control.cluster import ClusterState
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.ranks import AgentInfo, RankInfo, RankStatus
+from elastic_ep.control.timing import ControlTimes
 from elastic_ep.wire import WorkerHello
 
 
@@ -21,6 +22,7 @@ class Plane:
         self.to_identities: list[tuple[bytes, object]] = []
         self.to_workers: list[tuple[int, object]] = []
         self.to_heartbeats: list[tuple[int, object]] = []
+        self.times = ControlTimes()
 
     def heard_clock(self) -> float:
         return self.now
@@ -30,6 +32,9 @@ class Plane:
 
     def to_worker(self, rank_id: int, msg: object) -> None:
         self.to_workers.append((rank_id, msg))
+
+    def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
+        self.to_workers.extend(plans)
 
     def to_heartbeat(self, rank_id: int, msg: object) -> None:
         self.to_heartbeats.append((rank_id, msg))

@@ -96,7 +96,8 @@ def test_the_slowest_requests_are_forced_by_the_p99():
     time.sleep(0.05)
     t.finished(999, "stop")
     roots = spans_by_name(exporter)["llm_request"]
-    assert [r.attributes["gen_ai.request.id"] for r in roots if r.attributes["elastic_ep.sampled_by"] == "p99"][-1] == "slow"
+    assert [r.attributes["gen_ai.request.id"] for r in roots
+            if r.attributes["elastic_ep.sampled_by"] == "p99"][-1] == "slow"
 
 
 def test_decode_names_the_rank_its_steps_waited_for():

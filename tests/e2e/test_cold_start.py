@@ -25,8 +25,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("start", [1, 2])
 def test_no_rank_is_fenced_while_the_first_epoch_loads(model_dir, tmp_path, start):
-    server = Server(["--model", str(model_dir), "--ep-size", "4", "--redundant-experts", "0", "--restart-delay-s", "-1"],
-                    tmp_path / "serve.log", ready_timeout_s=300)
+    args = ["--model", str(model_dir), "--ep-size", "4", "--redundant-experts", "0", "--restart-delay-s", "-1"]
+    server = Server(args, tmp_path / "serve.log", ready_timeout_s=300)
     try:
         cluster = server.wait_full_group(4, timeout_s=120)
         faults = [e["message"] for e in cluster["events"] if e["kind"] in ("fault", "fencing", "degraded")]

@@ -27,7 +27,8 @@ def running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("fault, cause", [([], "killed by SIGKILL"), (["--hang"], "no heartbeat")], ids=["kill", "hang"])
+@pytest.mark.parametrize("fault, cause", [([], "killed by SIGKILL"), (["--hang"], "no heartbeat")],
+                         ids=["kill", "hang"])
 def test_demo_survives_the_fault_with_identical_outputs_and_cleans_up(fault, cause):
     done = run_demo("--requests", "4", "--max-tokens", "24", "--kill-after-tokens", "6", "--no-live", "--json",
                     *fault)

@@ -23,7 +23,8 @@ def server(tmp_path_factory):
     # 8 redundant experts: the 3 ranks left after the kill below still hold every expert
     s = Server(["--model", "tiny-deepseek-v3", "--ep-size", "4", "--redundant-experts", "8", "--enable-chaos",
                 *RAISED_DEADLINES,
-                "--log-format", "json", "--log-stats-interval-s", "1"], tmp_path_factory.mktemp("liveness") / "serve.log")
+                "--log-format", "json", "--log-stats-interval-s", "1"],
+               tmp_path_factory.mktemp("liveness") / "serve.log")
     try:
         s.wait_full_group(4)
         yield s
@@ -73,7 +74,8 @@ def test_a_hung_rank_is_stalled_and_the_server_not_ready_within_seconds_then_log
     assert stalled["epoch"] == 0 and rank(stalled, 1)["state"] == "serving"  # nothing fenced it: only seen
     assert "no heartbeat" in rank(stalled, 1)["liveness"]["reason"]
     assert {rank(stalled, r)["liveness"]["state"] for r in (0, 2, 3)} <= {"waiting", "live"}
-    assert ready.status_code == 503 and ready.json()["reason"].startswith("stalled:") and "rank 1" in ready.json()["reason"]
+    assert (ready.status_code == 503 and ready.json()["reason"].startswith("stalled:")
+            and "rank 1" in ready.json()["reason"])
     assert health.status_code == 200 and health.json()["status"] == "degraded"
     assert up == 'elastic_ep_rank_up{rank="1"} 0.0'
     assert stalled["deadlines"]["stall_deadline_s"] < 300 and stalled["deadlines"]["stall_multiple"] == 10.0

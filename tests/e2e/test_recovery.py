@@ -188,7 +188,8 @@ def test_a_corrupted_expert_slot_is_found_and_refilled_from_a_clean_copy(server)
     cluster = server.wait_for(refilled, timeout_s=20, what="the refill epoch")
     found = [e for e in cluster["events"] if e["kind"] == "verify-failed" and e["id"] > last_id]
     assert found[0]["slots"] == [[2, done["layer"], done["slot"]]]
-    refill = next(e for e in cluster["events"] if e["kind"] == "epoch" and "refill" in e["message"] and e["id"] > last_id)
+    refill = next(e for e in cluster["events"]
+                  if e["kind"] == "epoch" and "refill" in e["message"] and e["id"] > last_id)
     assert sum(stat["bytes"] for source, stat in refill["transfers"].items() if source != "local") > 0
     assert concurrently(lambda p: server.complete(p, MAX_TOKENS, temperature=0), PROMPTS) == list(
         reference(MODEL, tuple(PROMPTS), MAX_TOKENS))

@@ -42,7 +42,8 @@ def all_events(server) -> list[dict]:
 def only_on(placement: dict, rank: int) -> int:
     """How many (layer, expert) have every replica on `rank`."""
     s = placement["slots_per_rank"]
-    return sum({slot // s for slot in slots if slot >= 0} == {rank} for layer in placement["log2phy"] for slots in layer)
+    return sum({slot // s for slot in slots if slot >= 0} == {rank}
+               for layer in placement["log2phy"] for slots in layer)
 
 
 def epochs(events: list[dict], reason: str, moves: bool = False) -> list[dict]:

@@ -45,7 +45,8 @@ def start_router(tmp_path):
 
     def start(*backends: str, extra: tuple[str, ...] = ()) -> RouterProcess:
         args = [a for url in backends for a in ("--backend", url)]
-        router = RouterProcess([*args, "--poll-interval-s", "0.2", "--poll-timeout-s", "10", *extra], tmp_path / f"router{len(routers)}.log")
+        router = RouterProcess([*args, "--poll-interval-s", "0.2", "--poll-timeout-s", "10", *extra],
+                               tmp_path / f"router{len(routers)}.log")
         routers.append(router)
         return router
 

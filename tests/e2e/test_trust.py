@@ -160,7 +160,8 @@ def test_every_process_listens_on_the_advertised_address_only(ep4):
     """The controller's sockets, the store, the agent's fetch socket and the ranks' data plane
     (gloo) all on 127.0.0.1, the address this deployment advertises: none on every interface."""
     cluster = ep4.cluster()
-    ports = {int(a.rsplit(":", 1)[1]) for a in [*cluster["listening"].values(), *(a["fetch"] for a in cluster["agents"])]}
+    ports = {int(a.rsplit(":", 1)[1])
+             for a in [*cluster["listening"].values(), *(a["fetch"] for a in cluster["agents"])]}
     serve = psutil.Process(ep4.proc.pid)
     listening = {(p.pid, c.laddr.port): c.laddr.ip for p in [serve, *serve.children(recursive=True)]
                  for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}

@@ -4,6 +4,9 @@ samples give no verdict; a whole-group slowdown and small absolute excesses accu
 
 from __future__ import annotations
 
+import random
+import statistics
+
 import pytest
 
 from elastic_ep.errors import ElasticEPError
@@ -14,6 +17,7 @@ from elastic_ep.policy.straggler_verdict import (
     RankInterval,
     StragglerRule,
     VerdictKind,
+    _tally_interval,
     judge,
 )
 
@@ -114,3 +118,25 @@ def test_a_rule_that_cannot_work_is_refused():
         StragglerRule(ratio=1.0)
     with pytest.raises(ElasticEPError, match=r"--straggler-persistence must be in \(0, 1\]"):
         StragglerRule(persistence=0)
+
+
+def test_tally_matches_the_pairwise_definition_at_many_ranks():
+    """The n log n tally gives each rank the medians of the definition: over every other rank, and
+    over its peers (the others that did not run notably fewer tokens)."""
+    rnd = random.Random(7)
+    for _ in range(200):
+        ranks = {r: RankInterval(rnd.choice([0, 1, 4]), rnd.choice([0.004, 0.005, rnd.random() / 20]),
+                                 rnd.choice([0, 8, 64, 65, rnd.randint(0, 200)])) for r in range(rnd.randint(1, 40))}
+        tallies = {}
+        _tally_interval(Interval(0.0, 1.0, ranks), RULE, tallies)
+        live = {r: x for r, x in ranks.items() if x.steps > 0}
+        for r, x in live.items():
+            others = [y for p, y in live.items() if p != r]
+            t = tallies[r]
+            if not others:
+                assert t.others_ms == [] and t.peer_ms == []
+                continue
+            assert t.others_ms == [statistics.median(y.own_ms_per_step for y in others)]
+            assert t.others_tokens == [statistics.median(y.tokens_per_step for y in others)]
+            peers = [y.own_ms_per_step for y in others if not RULE.more_tokens(x.tokens_per_step, y.tokens_per_step)]
+            assert t.peer_ms == ([statistics.median(peers)] if peers else [])

@@ -43,7 +43,8 @@ def test_health_and_readiness(served):
         assert health.status_code == 200 and health.json()["status"] == "degraded"
         served.engine.healthy = Health("dead", "the control loop stopped: boom")
         health = httpx.get(f"{served.url}/health")
-        assert health.status_code == 503 and health.json() == {"status": "dead", "reason": "the control loop stopped: boom"}
+        assert health.status_code == 503 and health.json() == {
+            "status": "dead", "reason": "the control loop stopped: boom"}
     finally:
         served.engine.ready = Readiness(True)
         served.engine.healthy = Health("ok")
@@ -127,7 +128,8 @@ const fs = require("fs");
 const html = fs.readFileSync(process.argv[1], "utf8");
 const cluster = JSON.parse(fs.readFileSync(process.argv[2], "utf8"));
 const els = {};
-global.document = { getElementById: (id) => (els[id] ??= { innerHTML: "", textContent: "", style: {}, className: "" }) };
+global.document = { getElementById: (id) => (els[id] ??= \
+{ innerHTML: "", textContent: "", style: {}, className: "" }) };
 global.fetch = async (p) => ({ ok: true, json: async () => (p === "/cluster" ? cluster : { state: "idle" }) });
 global.setTimeout = () => {};
 eval(html.slice(html.indexOf("<script>") + 8, html.lastIndexOf("</script>")));

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restart this node's ranks that die here, with backoff, instead of waiting for "
                              "the controller's --restart-delay-s")
     parser.add_argument("--restart-backoff-s", type=float, default=1.0,
-                        help="with --auto-recover: wait before the first restart, doubled per death in a row (default 1)")
+                        help="with --auto-recover: wait before the first restart, doubled per death in a row "
+                             "(default 1)")
     parser.add_argument("--restart-backoff-max-s", type=float, default=30.0,
                         help="with --auto-recover: longest wait between restarts (default 30)")
     parser.add_argument("--exit-poll-interval-s", type=float, default=0.005,

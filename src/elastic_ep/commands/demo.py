@@ -266,7 +266,8 @@ def _result(reference: Future, out) -> list[str]:
 
 def _request_summary(s: StreamState, reference: str) -> dict[str, Any]:
     return {"index": s.index, "prompt": s.prompt, "tokens": s.tokens, "finish_reason": s.finish_reason,
-            "error": s.error, "max_gap_s": round(s.max_gap_s(), 4), "median_gap_s": round(s.median_gap_s(), 4), "text": s.text, "reference": reference,
+            "error": s.error, "max_gap_s": round(s.max_gap_s(), 4), "median_gap_s": round(s.median_gap_s(), 4),
+            "text": s.text, "reference": reference,
             "finished": s.error is None and s.finish_reason in ("stop", "length"),
             "identical": s.text == reference}
 
@@ -291,7 +292,8 @@ def breakdown_rows(recovery: dict) -> list[list[str]]:
     return [
         ["detect", fmt_ms(recovery["detect_s"]), f"kill to the controller's verdict: {recovery['fault_cause']}"],
         ["fence", fmt_ms(recovery["detect_to_fence_s"]), "agent confirms the rank is gone; survivors leave the step"],
-        ["placement", fmt_ms(recovery["placement_s"]), f"experts without a live copy placed on ranks {recovery['members']}"],
+        ["placement", fmt_ms(recovery["placement_s"]),
+         f"experts without a live copy placed on ranks {recovery['members']}"],
         ["group rebuild", fmt_ms(recovery["rendezvous_s"]), "new process group over the survivors"],
         ["transfers", fmt_ms(recovery["transfer_s"]), f"experts restored by source: {moved or 'none'}"
          + (f" (disk: {recovery['disk_reason']})" if recovery.get("disk_reason") else "")],

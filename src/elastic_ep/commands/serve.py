@@ -112,6 +112,8 @@ HELP = {
     "eplb_interval": "steps between EPLB checks",
     "eplb_threshold": "rebalance when max/mean rank load exceeds this",
     "eplb_speed_aware": "EPLB gives slow ranks less expert load, from each rank's own time per step",
+    "load_report_every_steps": "ranks sum their expert load and report it every this many steps (the EPLB window "
+                               "and the expert distribution recorder count in these)",
     "enable_chaos": "enable the fault-injection endpoints",
     "record_dir": "where /dump_expert_distribution_record writes",
     "heartbeat_interval_s": "worker heartbeat period",
@@ -198,7 +200,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BODY_BYTES})")
     parser.add_argument("--request-timeout-s", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                         help="close an HTTP connection that has not sent a whole request (headers and body) this "
-                             f"long after connecting or after its last response (default {DEFAULT_REQUEST_TIMEOUT_S:g})")
+                             "long after connecting or after its last response "
+                             f"(default {DEFAULT_REQUEST_TIMEOUT_S:g})")
     add_log_arguments(parser)
     for f in dataclasses.fields(ServeConfig):
         if f.name not in HELP:

@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--placement", metavar="FILE", help="placement JSON (phy2log) written by `elastic-ep eplb`"
     )
     red.add_argument(
-        "--ranks", type=int, help="EP ranks of a random placement (without it: EP32 x 9 slots, EP320 x 1 slot and EP64 x 8 "
-                                  "slots with every expert twice, on 256 experts)"
+        "--ranks", type=int, help="EP ranks of a random placement (without it: EP32 x 9 slots, EP320 x 1 slot and "
+                                  "EP64 x 8 slots with every expert twice, on 256 experts)"
     )
     red.add_argument("--slots", type=int, help="expert slots per rank")
     red.add_argument("--experts", type=int, default=256, help="logical experts per layer (default 256)")

@@ -107,7 +107,8 @@ class ChaosOrder:
     `request_id`, running or yet to come, raises on its rank, in `phase`: its local computation,
     its experts, or its sampling; without `request_id` every step of rank `rank_id` raises: a
     broken rank), cut (drop every packet of the rank's process, or with `node` of a whole
-    `elastic-ep agent` node, healing by itself after `duration_s`), heal (undo a cut). `at_next_epoch`: for kill and hang, act
+    `elastic-ep agent` node, healing by itself after `duration_s`), heal (undo a cut).
+    `at_next_epoch`: for kill and hang, act
     right after the next epoch is announced, so the fault lands while that epoch forms."""
 
     action: str

@@ -20,6 +20,25 @@ from .events import EventLog
 from .ranks import AgentInfo, RankInfo, RankLiveness, RankStatus, safe_to_terminate
 
 
+class PlacementView:
+    """A placement's JSON parts for /cluster: the whole placement, and each rank's experts per MoE
+    layer (built when first asked for)."""
+
+    def __init__(self, location: ExpertLocation | None):
+        self.location = location
+        self.placement = json.loads(location.to_json()) if location is not None else None
+        self._experts: dict[int, list[list[int]]] = {}
+
+    def experts_of(self, rank_id: int) -> list[list[int]]:
+        """[L][slots_per_rank] experts of the rank ([] when the placement has no such rank)."""
+        loc = self.location
+        if loc is None or rank_id >= loc.num_ranks:
+            return []
+        if rank_id not in self._experts:
+            self._experts[rank_id] = loc.experts_of_rank(rank_id).tolist()
+        return self._experts[rank_id]
+
+
 class ClusterState:
     """num_layers: MoE layers; slots_per_rank: expert slots per rank and layer.
 
@@ -52,6 +71,8 @@ class ClusterState:
         self.members: list[int] = []
         self.location: ExpertLocation | None = None
         self.step = 0
+        self._view: PlacementView | None = None
+        self.cache_placement_view = True  # benchmarks/control_plane.py --before: False
         self.events = EventLog()
         self.readiness = Readiness(False, "starting: waiting for ranks to register")
         self.degraded_since: float | None = None
@@ -133,6 +154,12 @@ class ClusterState:
 
     # ---- /cluster ----------------------------------------------------------------------------
 
+    def _placement_view(self) -> PlacementView:
+        """The placement as /cluster shows it, built once per placement (it changes only with an epoch)."""
+        if self._view is None or self._view.location is not self.location or not self.cache_placement_view:
+            self._view = PlacementView(self.location)
+        return self._view
+
     def snapshot(self, requests_of: Callable[[int], int], slow_delays: Mapping[int, float], controller_addr: str,
                  deadlines: dict[str, float], readiness: Readiness, liveness: Mapping[int, RankLiveness],
                  heard: float, verdicts: Mapping[int, dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -141,8 +168,9 @@ class ClusterState:
         `self.readiness`), liveness of running ranks, the heard clock (ages of heartbeats and
         progress), straggler verdicts of members, `extra` top-level fields (`scale` among them)."""
         total_slots = self.slots_per_rank * self.num_layers
-        ranks = [{**r.view(self.location, total_slots, requests_of(r.rank_id), slow_delays.get(r.rank_id, 0.0), heard,
-                           liveness.get(r.rank_id), verdicts.get(r.rank_id)),
+        placement = self._placement_view()
+        ranks = [{**r.view(placement.experts_of(r.rank_id), total_slots, requests_of(r.rank_id),
+                           slow_delays.get(r.rank_id, 0.0), heard, liveness.get(r.rank_id), verdicts.get(r.rank_id)),
                   "safe_to_terminate": safe_to_terminate(r.rank_id in self.members, requests_of(r.rank_id))}
                  for r in sorted(self.ranks.values(), key=lambda r: r.rank_id)]
         node_busy = {r.node for r in self.ranks.values() if r.rank_id in self.members or requests_of(r.rank_id)}
@@ -155,6 +183,6 @@ class ClusterState:
                         "backup": a.backup is not None, "fetch": a.fetch_addr, "cordoned": a.node in self.cordoned,
                         "safe_to_terminate": a.node not in node_busy} for a in self.agents.values()],
             "cordoned": sorted(self.cordoned),
-            "placement": json.loads(self.location.to_json()) if self.location is not None else None,
+            "placement": placement.placement,
             "events": self.events.all(),
         }

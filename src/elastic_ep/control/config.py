@@ -49,6 +49,7 @@ class ServeConfig:
     eplb_interval: int = 200
     eplb_threshold: float = 1.3
     eplb_speed_aware: bool = False
+    load_report_every_steps: int = 16
     enable_chaos: bool = False
     record_dir: str = "."
     heartbeat_interval_s: float = 0.1
@@ -149,7 +150,8 @@ class Redundancy:
 
     def describe(self) -> str:
         nodes = f", or losing its {self.survives.node_losses} largest node(s)" if self.survives.node_losses else ""
-        return (f"{self.redundant_experts} redundant expert slots ({self.chosen}): {self.slots_per_rank} slots per rank; "
+        return (f"{self.redundant_experts} redundant expert slots ({self.chosen}): "
+                f"{self.slots_per_rank} slots per rank; "
                 f"the group holds every expert after losing any {self.survives.rank_losses} rank(s){nodes}; the "
                 f"extra slots take {self.extra_bytes / 2**30:.3g} GiB over the group")
 
@@ -188,7 +190,7 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
             "(--redundant-experts adds copies)")
     redundancy = resolve_redundancy(cfg, config, expert_nbytes)
     for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "eplb_interval", "rebalance_move_bytes",
-                 "rebalance_every_steps", "block_size"):
+                 "rebalance_every_steps", "block_size", "load_report_every_steps"):
         if getattr(cfg, name) < 1:
             raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.max_model_len > config.max_position_embeddings:
@@ -201,7 +203,8 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
                              f"{cfg.gpu_memory_utilization}")
     for name in ("kv_cache_memory", "num_gpu_blocks_override"):
         if getattr(cfg, name) < 0:
-            raise ElasticEPError(f"--{name.replace('_', '-')} must be >= 0 (0: from the budget), got {getattr(cfg, name)}")
+            raise ElasticEPError(f"--{name.replace('_', '-')} must be >= 0 (0: from the budget), "
+                                 f"got {getattr(cfg, name)}")
     from_flags(vars(cfg))  # refuses a rule or policy that cannot work, naming the value
     if cfg.standby_ranks < 0:
         raise ElasticEPError(f"--standby-ranks must be >= 0, got {cfg.standby_ranks}")

@@ -26,6 +26,8 @@ import zmq
 
 from elastic_ep.wire import HEALTH_TO_CONTROLLER, STEP_TO_CONTROLLER, ClusterKey, Inbox
 
+from .timing import ControlTimes
+
 
 @dataclass(frozen=True)
 class Inbound:
@@ -90,6 +92,7 @@ class ControlPlane:
         for s in (self.step_sock, self.health_sock, self._wake_r):
             self.poller.register(s, zmq.POLLIN)
         self.listening = ListeningClock()
+        self.times = ControlTimes()
 
     def heard_clock(self) -> float:
         """Now, on the clock that peers' silence is measured on (see the module's docstring)."""
@@ -113,19 +116,43 @@ class ControlPlane:
             except BlockingIOError:
                 pass
         out: list[Inbound] = []
-        for sock, inbox in ((self.health_sock, self.health_inbox), (self.step_sock, self.step_inbox)):
-            for _ in range(MAX_DRAIN):
-                if not sock.poll(0):
-                    break
-                identity, *frames = sock.recv_multipart(copy=False)
-                message = inbox.read(frames)
-                if message is not None:
-                    out.append(Inbound(identity.bytes, message))
+        self._drain(self.health_sock, self.health_inbox, "health", out)
+        self._drain(self.step_sock, self.step_inbox, "step", out)
         return out
+
+    def _drain(self, sock: zmq.Socket, inbox: Inbox, name: str, out: list[Inbound]) -> None:
+        """Up to MAX_DRAIN messages of `sock` into `out`, timed and counted as the socket `name`."""
+        times = self.times
+        frames = nbytes = 0
+        t0 = time.perf_counter()
+        for _ in range(MAX_DRAIN):
+            if not sock.poll(0):
+                break
+            identity, *parts = sock.recv_multipart(copy=False)
+            frames += 1
+            nbytes += sum(len(p) for p in parts)
+            message = inbox.read(parts)
+            if message is not None:
+                out.append(Inbound(identity.bytes, message))
+        if frames:
+            times.frames_in[name] += frames
+            times.bytes_in[name] += nbytes
+            times.decode_s[name] += time.perf_counter() - t0
 
     def to_worker(self, rank_id: int, message) -> None:
         """To a worker's main thread (step socket)."""
         self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message)])
+
+    def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
+        """(rank_id, message) to each worker's main thread, timed as a step's encode and send."""
+        t0 = time.perf_counter()
+        frames = [[f"w{rank_id}".encode(), *self.key.seal(message)] for rank_id, message in plans]
+        t1 = time.perf_counter()
+        for parts in frames:
+            self.step_sock.send_multipart(parts)
+        self.times.add("encode", t1 - t0)
+        self.times.add("send", time.perf_counter() - t1)
+        self.times.bytes_out += sum(len(p) for parts in frames for p in parts[1:])
 
     def to_heartbeat(self, rank_id: int, message) -> None:
         """To a worker's heartbeat thread (health socket), which answers even while the main

@@ -105,7 +105,8 @@ def _start_tracing(cfg: ServeConfig) -> RequestTraces:
     try:
         from .otel import OtelSink
     except ImportError as e:
-        raise ElasticEPError(f"--otlp-traces-endpoint needs OpenTelemetry ({e}): pip install 'elastic-ep[tracing]'") from e
+        raise ElasticEPError(f"--otlp-traces-endpoint needs OpenTelemetry ({e}): "
+                             "pip install 'elastic-ep[tracing]'") from e
     return RequestTraces(OtelSink.to_endpoint(cfg.otlp_traces_endpoint, model_name=cfg.model_name),
                          cfg.trace_sample_ratio)
 
@@ -160,7 +161,8 @@ class Controller:
                                     lambda ranks: any(r in self.detector.faults for r in ranks))
         self.nodes = Nodes(c, cfg, self.plane, self.store_port, nbytes, fault=self.fault,
                            target_size=lambda: self.scaling.target_ep_size, undrain=self.scheduler.undrain,
-                           forget_measures=self._forget_measures, pump=self.pump, publish=self.publish,
+                           forget_measures=self._forget_measures, pump=self.pump,
+                           publish=lambda: self.publish(throttle_s=0.25),
                            set_pool_size=self.scheduler.set_pool_size)
         self.chaos = (ChaosInjector(c, self.plane, self.nodes, self.changer.after_next_start, self.scheduler.by_id)
                       if cfg.enable_chaos else None)
@@ -201,7 +203,7 @@ class Controller:
         self.publisher = Publisher(c, cfg, self.detector, self.steps, self.scheduler, self.published, self.metrics,
                                    heard=self.plane.heard_clock, controller_addr=self.plane.health_addr,
                                    views=self._views, slow_delays=self.chaos.slow_delays if self.chaos else dict,
-                                   derated=self.stragglers.derated)
+                                   derated=self.stragglers.derated, times=self.plane.times)
         self.publish()
 
     @property
@@ -261,23 +263,33 @@ class Controller:
             if self.traces is not None:
                 self.traces.sink.shutdown()  # flush what is sampled
             for seq_id, stream in self.streams:
-                self.streams.deliver(seq_id, RequestOutput(stream.request_id, [], True, "error", "server shutting down"))
+                self.streams.deliver(seq_id, RequestOutput(stream.request_id, [], True, "error",
+                                                           "server shutting down"))
             time.sleep(0.1)
 
     # ---- waiting -----------------------------------------------------------------------------
 
     def pump(self, timeout_s: float) -> None:
         """Wait up to timeout_s for input, handle everything that arrived, run the detector."""
+        times = self.plane.times
         for inbound in self.plane.receive(timeout_s):
+            t0 = time.perf_counter()
             self._dispatch(inbound)
+            kind = type(inbound.message).__name__
+            times.handled_s[kind] += time.perf_counter() - t0
+            times.handled[kind] += 1
         self._run_commands()
         heard = self.plane.heard_clock()
         c = self.cluster
+        t0 = time.perf_counter()
         for fault in self.detector.check(heard, c.ranks, c.members, bool(self.steps.in_step), c.epoch):
             self.fault(fault)
         self.nodes.check_agents(heard)
         self.nodes.restart_due(time.monotonic())
+        t1 = time.perf_counter()
         self.publish(throttle_s=0.25)
+        times.handled_s["(detector)"] += t1 - t0
+        times.handled_s["(publish)"] += time.perf_counter() - t1
 
     def _dispatch(self, inbound: Inbound) -> None:
         msg, nodes = inbound.message, self.nodes

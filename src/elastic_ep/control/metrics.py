@@ -9,7 +9,7 @@ one slow rank shows as itself and the series count does not grow with the group.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -27,12 +27,14 @@ RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
 class KVCacheUsage:
     """`elastic_ep_kv_cache_usage_perc`: the fraction (0..1) of KV blocks that requests hold,
     vLLM's kv_cache_usage_perc; one sample without labels for the whole group (what a router
-    compares between instances), one per rank with `rank`. Cached blocks no request holds count
-    as free, as in vLLM."""
+    compares between instances), one per rank with `rank` for the ranks `exported()` names (the
+    --metrics-top-k bound, control/rank_series.py). Cached blocks no request holds count as free,
+    as in vLLM."""
 
     NAME = "elastic_ep_kv_cache_usage_perc"
 
-    def __init__(self) -> None:
+    def __init__(self, exported: Callable[[], Collection[int]] = lambda: ()) -> None:
+        self.exported = exported
         self.group = 0.0
         self.per_rank: dict[int, float] = {}
 
@@ -48,8 +50,10 @@ class KVCacheUsage:
     def collect(self) -> list[Metric]:
         family = GaugeMetricFamily(self.NAME, "Fraction of KV cache blocks in use (0..1)", labels=["rank"])
         family.add_sample(self.NAME, {}, self.group)
+        exported = set(self.exported())
         for rank, usage in sorted(self.per_rank.items()):
-            family.add_metric([str(rank)], usage)
+            if rank in exported:
+                family.add_metric([str(rank)], usage)
         return [family]
 
 
@@ -96,7 +100,7 @@ class ClusterMetrics:
             "elastic_ep_prefix_cache_blocks", "KV blocks keyed by their token prefix, all ranks (held or evictable)",
             registry=registry,
         )
-        self.kv_cache_usage = KVCacheUsage()
+        self.kv_cache_usage = KVCacheUsage(lambda: self.ranks.exported)
         registry.register(self.kv_cache_usage)
         self.ready = Gauge("elastic_ep_ready", "1 while GET /ready is true", registry=registry)
         self.dp_token_imbalance = Gauge(

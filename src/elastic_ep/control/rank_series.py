@@ -88,7 +88,8 @@ def _histogram(name: str, doc: str, bounds: Sequence[float], counts: np.ndarray,
                labels: dict[str, str], family: HistogramMetricFamily | None = None) -> HistogramMetricFamily:
     family = family or HistogramMetricFamily(name, doc, labels=list(labels))
     cumulative = np.cumsum(counts)
-    buckets = [(_le(b), float(c)) for b, c in zip(bounds, cumulative[:-1], strict=True)] + [("+Inf", float(cumulative[-1]))]
+    buckets = ([(_le(b), float(c)) for b, c in zip(bounds, cumulative[:-1], strict=True)]
+               + [("+Inf", float(cumulative[-1]))])
     family.add_metric(list(labels.values()), buckets, float(total))
     return family
 
@@ -107,7 +108,8 @@ class RankSeries:
         "elastic_ep_rank_heartbeat_age_seconds": "Time since the rank's last heartbeat",
         "elastic_ep_rank_last_progress_timestamp_seconds":
             "Unix time the rank last moved (entered a collective or phase); alert on time() minus this",
-        "elastic_ep_rank_stalled_seconds": "How long the rank has been stalled or waiting in a stalled step (0 when live)",
+        "elastic_ep_rank_stalled_seconds":
+            "How long the rank has been stalled or waiting in a stalled step (0 when live)",
         "elastic_ep_expert_load_imbalance":
             "Tokens computed by the rank's expert slots over the mean across ranks, recent window (1.0 = even)",
     }
@@ -246,7 +248,8 @@ class RankSeries:
     def _rank_families(self) -> Iterator[Metric]:
         ranks = sorted(self.exported)
         exported = GaugeMetricFamily("elastic_ep_rank_exported", "1 for each rank exported with a rank label, with "
-                                     "the reason (down, evicted, stalled, suspect, straggler, derated, dp-imbalance, slowest)",
+                                     "the reason (down, evicted, stalled, suspect, straggler, derated, "
+                                     "dp-imbalance, slowest)",
                                      labels=["rank", "reason"])
         for r in ranks:
             exported.add_metric([str(r), self.exported[r]], 1)

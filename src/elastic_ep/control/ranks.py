@@ -18,10 +18,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-import numpy as np
 from msgspec.structs import asdict
 
-from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import BackupSite, Progress, WorkerHello
 
 
@@ -95,9 +93,15 @@ def percentiles_ms(values) -> dict[str, float] | None:
     """{p50, p99, max} in milliseconds of `values` in seconds; None when there are none."""
     if not values:
         return None
-    a = np.asarray(values, dtype=np.float64) * 1000
-    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
-            "max": round(float(a.max()), 3)}
+    a = sorted(v * 1000 for v in values)
+
+    def at(q: float) -> float:  # numpy's default (linear) percentile, without its per-call overhead
+        x = q * (len(a) - 1)
+        lo = int(x)
+        hi = min(lo + 1, len(a) - 1)
+        return a[lo] + (a[hi] - a[lo]) * (x - lo)
+
+    return {"p50": round(at(0.5), 3), "p99": round(at(0.99), 3), "max": round(a[-1], 3)}
 
 
 def safe_to_terminate(member: bool, requests: int) -> bool:
@@ -134,12 +138,10 @@ class RankInfo:
         return self.status in (RankStatus.SERVING, RankStatus.DRAINING, RankStatus.STANDBY) or (
             self.status == RankStatus.STARTING and self.hello is not None)
 
-    def view(self, location: ExpertLocation | None, total_slots: int, requests: int, delay_s: float,
+    def view(self, experts: list[list[int]], total_slots: int, requests: int, delay_s: float,
              now: float, liveness: RankLiveness | None = None, verdict: dict[str, Any] | None = None) -> dict[str, Any]:
-        """This rank in /cluster: identity, state, liveness, slots (experts per MoE layer), timing,
-        straggler verdict."""
-        experts = (location.experts_of_rank(self.rank_id).tolist()
-                   if location is not None and self.rank_id < location.num_ranks else [])
+        """This rank in /cluster: identity, state, liveness, slots (`experts`: [L][slots] the experts it
+        holds per MoE layer), timing, straggler verdict."""
         used = sum(1 for layer in experts for e in layer if e >= 0)
         return {
             "rank_id": self.rank_id, "node": self.node, "pid": self.pid, "state": self.status.value,

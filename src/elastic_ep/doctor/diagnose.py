@@ -1,7 +1,8 @@
 """Diagnosis of a running cluster from GET /cluster snapshots (and /metrics): pure functions
 from snapshot dicts to `Finding`s, so every rule is testable without processes.
 
-The questions are docs/RUNBOOK.md's (symptom -> suspicion -> check -> action): which rank has not entered the collective the others wait in (a hang), which
+The questions are docs/RUNBOOK.md's (symptom -> suspicion -> check -> action): which rank has not entered the
+collective the others wait in (a hang), which
 rank ran a different execution path, which rank always arrives last (a straggler: slow, not
 bad) or runs more tokens (DP imbalance) by the straggler verdict the server itself shows
 (`policy/straggler.py`, judged here on the doctor's own /metrics window), whether expert load is
@@ -215,7 +216,8 @@ def diagnose_stragglers(cluster: dict[str, Any], verdicts: dict[int, Verdict]) -
             findings.append(Finding(
                 "straggler", "warning", f"rank {rank} arrives last: {v.evidence}",
                 f"slow, not bad: it still steps, so no detector fires and the watchdog deadline grows with the step "
-                f"time: a slow rank is not a broken one, and only per-rank timings show it; it ran no more tokens than the ranks it is compared with; {cause}",
+                f"time: a slow rank is not a broken one, and only per-rank timings show it; "
+                f"it ran no more tokens than the ranks it is compared with; {cause}",
                 f"the slow node radar (GET /dashboard) and `verdict` in GET /cluster; "
                 f"elastic_ep_rank_step_seconds{{rank=\"{rank}\"}} in /metrics; on its node nvidia-smi -q -d "
                 "CLOCK,ECC,PERFORMANCE and the NIC error counters",

@@ -41,7 +41,8 @@ def rank_interval(before: Samples, after: Samples) -> dict[int, RankInterval]:
     """Per rank, its steps between two scrapes: how many, its own time (step time less collective
     wait, summed, s) and the tokens it ran; ranks with no step in between, or not exported in both
     scrapes, are left out."""
-    step, wait, tokens = "elastic_ep_rank_step_seconds", "elastic_ep_rank_collective_wait_seconds", "elastic_ep_rank_tokens_total"
+    step, wait, tokens = ("elastic_ep_rank_step_seconds", "elastic_ep_rank_collective_wait_seconds",
+                          "elastic_ep_rank_tokens_total")
 
     def delta(name: str) -> dict[int, float]:
         # only ranks in both scrapes: /metrics exports --metrics-top-k ranks, and one that joined that set

@@ -181,7 +181,8 @@ class Link:
             egress.append("meta protocol { ip, ip6 } drop")
             ingress.append("meta protocol { ip, ip6 } drop")
         if self.shape.loss_pct and self.emulator() == "userspace":
-            ingress.append(f"meta protocol {{ ip, ip6 }} numgen random mod 100000 < {round(self.shape.loss_pct * 1000)} drop")
+            ingress.append(f"meta protocol {{ ip, ip6 }} numgen random mod 100000 "
+                           f"< {round(self.shape.loss_pct * 1000)} drop")
         script = "table netdev netbed {}\ndelete table netdev netbed\n"
         if egress or ingress:
             chains = [f"chain {hook} {{\ntype filter hook {hook} device \"{IFNAME}\" priority 0\n"

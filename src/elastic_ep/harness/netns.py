@@ -291,7 +291,8 @@ class TestBed:
                 errors.append(done.stderr.strip())
         namespaces = set(_netns_names())
         for host in self.hosts:
-            if host.name in namespaces and (done := run_tool(["ip", "netns", "del", host.name], check=False)).returncode:
+            if (host.name in namespaces
+                    and (done := run_tool(["ip", "netns", "del", host.name], check=False)).returncode):
                 errors.append(done.stderr.strip())
         if errors:
             raise NetbedError(f"test bed {self.tag} not fully removed: " + "; ".join(errors))

@@ -52,7 +52,8 @@ class ServerProcess:
         ClusterKey.generate().write(self.key_file)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        keys = [*(["--api-key", api_key] if api_key else []), *(["--admin-api-key", admin_api_key] if admin_api_key else [])]
+        keys = [*(["--api-key", api_key] if api_key else []),
+                *(["--admin-api-key", admin_api_key] if admin_api_key else [])]
         self.proc = popen(
             [sys.executable, "-m", "elastic_ep.cli", "serve", "--host", host, "--port", str(self.port),
              "--cluster-key-file", str(self.key_file), *keys, *args],

@@ -5,7 +5,8 @@ decode token of every running one. A request is admitted when the pool's free bl
 (its cached prefix blocks are shared, not recomputed); when a running sequence needs a block
 and none is free, the newest running request is preempted: its blocks are freed and it waits
 at the front of the queue, to be recomputed (prompt plus tokens so far) when blocks free up.
-A finished request (EOS, max_tokens or full context) frees its blocks. Sampling goes through `model.sampling.sample_tokens`,
+A finished request (EOS, max_tokens or full context) frees its blocks. Sampling goes through
+`model.sampling.sample_tokens`,
 a pure function of (seed, position, logits, token history), so the same request gives the same
 tokens in any batch; this engine is the reference the distributed one is compared with.
 """

@@ -3,7 +3,8 @@ slots, KV cache) dies in milliseconds.
 
 When a process is killed the kernel frees all its memory before its sockets close and before its
 parent's wait() returns, page by page, so gigabytes on 2 MiB pages go far faster than on 4 KiB
-ones. The survivors of a rank's death sit in a collective until that rank's sockets close, so this time is part of every recovery's pause and grows with the model unless
+ones. The survivors of a rank's death sit in a collective until that rank's sockets close, so this time is part of
+every recovery's pause and grows with the model unless
 the memory is on huge pages. Where transparent huge pages are off (or not Linux), or the tensor
 is on a GPU, the tensors are ordinary ones.
 """

@@ -95,8 +95,10 @@ class NetCut:
         where = str(path.relative_to(CGROUP_FS))
         table = self._table(name)
         script = (f"table inet {table} {{\n"
-                  f"  chain in {{ type filter hook input priority -10; socket cgroupv2 level {level} \"{where}\" drop; }}\n"
-                  f"  chain out {{ type filter hook output priority -10; socket cgroupv2 level {level} \"{where}\" drop; }}\n"
+                  f"  chain in {{ type filter hook input priority -10; "
+                  f"socket cgroupv2 level {level} \"{where}\" drop; }}\n"
+                  f"  chain out {{ type filter hook output priority -10; "
+                  f"socket cgroupv2 level {level} \"{where}\" drop; }}\n"
                   "}\n")
         self.heal(name)
         _nft(["-f", "-"], script)

@@ -194,7 +194,8 @@ class ExpertLocation:
         if self.log2phy.shape[2] < width or (self.log2phy[:, :, width:] >= 0).any():
             raise PlacementError(f"log2phy has room for {self.log2phy.shape[2]} replicas, phy2log holds up to {width}")
         if not np.array_equal(np.sort(expected.log2phy, axis=2), np.sort(self.log2phy[:, :, :width], axis=2)):
-            raise PlacementError("log2phy does not list the slots phy2log gives each expert; rebuild it with from_phy2log")
+            raise PlacementError("log2phy does not list the slots phy2log gives each expert; "
+                                 "rebuild it with from_phy2log")
 
     def _live_mask(self, live_ranks: Iterable[int] | None) -> np.ndarray:
         if live_ranks is None:

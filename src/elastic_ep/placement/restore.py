@@ -126,7 +126,8 @@ def _closed(batch: set[tuple[int, int]], current: ExpertLocation, target: Expert
             present = np.zeros(current.num_experts, dtype=bool)
             present[row[row >= 0]] = True
             for expert in np.nonzero(~present)[0].tolist():
-                slot = next(int(x) for x in np.nonzero(target.phy2log[layer] == expert)[0] if (layer, int(x)) not in batch)
+                slot = next(int(x) for x in np.nonzero(target.phy2log[layer] == expert)[0]
+                            if (layer, int(x)) not in batch)
                 extra.add((layer, slot))
         for layer, slot in batch:
             expert, rank = target.phy2log[layer, slot], slot // s

@@ -23,8 +23,8 @@ Built so that it does not accuse a healthy rank:
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -229,26 +229,66 @@ class _Tally:
     others_tokens: list[float] = field(default_factory=list)
 
 
+def _median_without(values: list[float], k: int) -> float:
+    """statistics.median of the sorted `values` less the one at index k (len(values) >= 2)."""
+    n = len(values) - 1
+
+    def at(i: int) -> float:
+        return values[i if i < k else i + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
 def _tally_interval(interval: Interval, rule: StragglerRule, tallies: dict[int, _Tally]) -> None:
+    """Add one interval to each rank's tally: its medians over the others (own time, tokens) and
+    over its peers (the others that ran at least about as many tokens). n log n in the ranks: the
+    peers of a rank are a suffix of the ranks ordered by tokens (`more_tokens` is monotonic), so
+    their medians come from one sorted list grown from the heaviest rank down."""
     ranks = {r: x for r, x in interval.ranks.items() if x.steps > 0}
+    own = {r: x.own_ms_per_step for r, x in ranks.items()}
+    tokens = {r: x.tokens_per_step for r, x in ranks.items()}
+    by_own, by_tokens = sorted(own.values()), sorted(tokens.values())
+    order = sorted(ranks, key=lambda r: tokens[r])  # lightest first
+    toks = [tokens[r] for r in order]
+    position = {r: i for i, r in enumerate(order)}
+    start: dict[int, int] = {}  # rank -> first place in `order` of its peers
+    for r in ranks:
+        lo, hi = 0, len(order)
+        while lo < hi:  # first place whose rank does not run notably fewer tokens than r
+            mid = (lo + hi) // 2
+            if rule.more_tokens(tokens[r], toks[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        start[r] = lo
+    peer_ms: dict[int, float] = {}
+    suffix: list[float] = []  # own times of order[j:], sorted
+    waiting = sorted(ranks, key=lambda r: start[r], reverse=True)
+    j = len(order)
+    for r in waiting:
+        while j > start[r]:
+            j -= 1
+            bisect.insort(suffix, own[order[j]])
+        if position[r] >= start[r]:  # r is in its own suffix: leave it out
+            if len(suffix) > 1:
+                peer_ms[r] = _median_without(suffix, bisect.bisect_left(suffix, own[r]))
+        elif suffix:
+            peer_ms[r] = _median_without([*suffix, math.inf], len(suffix))
     for r, x in ranks.items():
         t = tallies.setdefault(r, _Tally())
         t.steps += x.steps
         t.own_s += x.own_s
         t.tokens += x.tokens
         t.intervals += 1
-        others = [y for p, y in ranks.items() if p != r]
-        if not others:
+        if len(ranks) < 2:
             continue
-        own, tokens = x.own_ms_per_step, x.tokens_per_step
-        t.others_ms.append(statistics.median(y.own_ms_per_step for y in others))
-        t.others_tokens.append(statistics.median(y.tokens_per_step for y in others))
-        t.heavy += rule.more_tokens(tokens, t.others_tokens[-1])
-        peers = [y.own_ms_per_step for y in others if not rule.more_tokens(tokens, y.tokens_per_step)]
-        if peers:
+        t.others_ms.append(_median_without(by_own, bisect.bisect_left(by_own, own[r])))
+        t.others_tokens.append(_median_without(by_tokens, bisect.bisect_left(by_tokens, tokens[r])))
+        t.heavy += rule.more_tokens(tokens[r], t.others_tokens[-1])
+        if r in peer_ms:
             t.judged += 1
-            t.peer_ms.append(statistics.median(peers))
-            t.over += rule.slow(own, t.peer_ms[-1])
+            t.peer_ms.append(peer_ms[r])
+            t.over += rule.slow(own[r], t.peer_ms[-1])
 
 
 def judge(intervals: Sequence[Interval], rule: StragglerRule, now_s: float,

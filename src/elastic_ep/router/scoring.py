@@ -12,7 +12,8 @@ with the same loads gets the same backend in every router, so routers need not t
   holds it).
 - Load is a bounded tie-breaker: the first backend in key order whose load is below
   `(1 + load_slack) x` the mean load (plus the request), and never below `load_floor`,
-  takes it (consistent hashing with bounded loads), and a backend whose KV cache is at least `kv_high` full is passed over
+  takes it (consistent hashing with bounded loads), and a backend whose KV cache is at least
+  `kv_high` full is passed over
   while another is not. A saturated backend (see `Load.saturated`) takes nothing.
 """
 
@@ -106,7 +107,9 @@ def prompt_material(route: str, body: dict[str, Any]) -> bytes:
         if not isinstance(messages, list) or not messages:
             return b""
         shared = messages[:-1] if len(messages) > 1 else messages
-        return "".join(f"{m.get('role')}\n{_content(m.get('content'))}\n" for m in shared if isinstance(m, dict)).encode(
+        return "".join(
+            f"{m.get('role')}\n{_content(m.get('content'))}\n" for m in shared if isinstance(m, dict)
+        ).encode(
             "utf-8", errors="surrogatepass"
         )
     prompt = body.get("prompt")

@@ -31,7 +31,8 @@ def load_dense(reader: CheckpointReader, path: str, addr: str, timeout_s: float,
     "peer" (another node's agent at `addr`, asked with the cluster `key`) or "disk" (the
     checkpoint, also when both fail)."""
     t0 = time.perf_counter()
-    for source, load in (("host_memory", lambda: read_dense(path)), ("peer", lambda: fetch_dense(addr, timeout_s, key))):
+    for source, load in (("host_memory", lambda: read_dense(path)),
+                         ("peer", lambda: fetch_dense(addr, timeout_s, key))):
         if not (path if source == "host_memory" else addr):
             continue
         try:

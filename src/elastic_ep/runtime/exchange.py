@@ -111,7 +111,8 @@ class CountedExchange:
 
 class PaddedExchange:
     """One exchange of fixed-size blocks: `cap` rows per peer, which the controller sized from
-    the busiest rank's tokens, so no split sizes are exchanged (DP token padding). Padding rows carry slot -1. Arguments as `CountedExchange`."""
+    the busiest rank's tokens, so no split sizes are exchanged (DP token padding). Padding rows carry slot -1.
+    Arguments as `CountedExchange`."""
 
     def __init__(self, links: Links, hidden: torch.Tensor, dest: torch.Tensor, local_slot: torch.Tensor, k: int,
                  cap: int):

@@ -75,7 +75,8 @@ class ExpertSlots:
         self.experts = np.full((len(moe_layers), slots_per_rank), -1, dtype=np.int64)
 
     def _allocate(self) -> None:
-        shape13, shape2 = (self.slots_per_rank, 2 * self.inter, self.hidden), (self.slots_per_rank, self.hidden, self.inter)
+        shape13 = (self.slots_per_rank, 2 * self.inter, self.hidden)
+        shape2 = (self.slots_per_rank, self.hidden, self.inter)
         self.w13 = [huge_zeros(*shape13, dtype=self.dtype, device=self.device) for _ in self.moe_layers]
         self.w2 = [huge_zeros(*shape2, dtype=self.dtype, device=self.device) for _ in self.moe_layers]
 
@@ -109,7 +110,8 @@ class ExpertSlots:
         """(layer, slot) -> checksum for `slots` (default: every slot), occupied ones only."""
         if slots is None:
             slots = [(li, j) for li in range(len(self.moe_layers)) for j in range(self.slots_per_rank)]
-        return {(li, j): expert_checksum(self.w13[li][j], self.w2[li][j]) for li, j in slots if self.experts[li, j] >= 0}
+        return {(li, j): expert_checksum(self.w13[li][j], self.w2[li][j])
+                for li, j in slots if self.experts[li, j] >= 0}
 
     def corrupt(self, layer: int, slot: int) -> None:
         """Fault injection: flip the sign of the slot's down projection in place."""

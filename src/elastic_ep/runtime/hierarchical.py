@@ -99,7 +99,8 @@ class TwoStageExchange:
             device = per_dest.device
             at = torch.arange(len(outgoing), device=device) - torch.repeat_interleave(
                 torch.cumsum(per_dest, 0) - per_dest, per_dest)
-            block[torch.repeat_interleave(torch.arange(leaders.size, device=device), per_dest) * self.cap + at] = outgoing
+            block[torch.repeat_interleave(torch.arange(leaders.size, device=device), per_dest) * self.cap
+                  + at] = outgoing
             crossed = torch.empty_like(block)
             yield links.post(leaders, crossed, block)
             recv_rows = [self.cap] * leaders.size

@@ -28,6 +28,7 @@ import time
 import traceback
 from datetime import timedelta
 
+import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
@@ -86,6 +87,8 @@ from .group import (
 from .kv_move import move_kv
 from .overlap import forward_micro_batches
 
+EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)  # a StepResult whose plan did not ask for the load
+
 
 def _die_with_parent() -> None:
     try:
@@ -124,6 +127,7 @@ class Worker:
         self.moe: ExpertParallelMoE | None = None
         self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
         self._pending: list = []
+        self._load: np.ndarray | None = None  # expert load summed since it was last reported
         self._chaos: ChaosStep | None = None  # fault injection for the next step (--enable-chaos)
         self._stop = threading.Event()
         self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights dropped too
@@ -358,15 +362,26 @@ class Worker:
         except LocalFailure as failure:
             self._fail(plan, StepErrorKind.LOCAL, failure.error, failure.in_experts)
             return
-        tokens, logprobs, errors = self._sample(plan, logits, {s for s, at in chaos.poisoned.items() if at == "sampling"})
+        tokens, logprobs, errors = self._sample(plan, logits,
+                                                {s for s, at in chaos.poisoned.items() if at == "sampling"})
         self.progress.idle()
         c = moe.counters
         step_s = time.perf_counter() - start
         self.send(StepResult(
             plan.epoch, plan.step, self.args.rank_id, tokens, step_s, step_s - c.dispatch_wait_s - c.combine_wait_s,
-            c.dispatch_wait_s, c.combine_wait_s, c.expert_load, c.slot_tokens, logprobs, errors,
+            c.dispatch_wait_s, c.combine_wait_s, self._expert_load(c.expert_load, plan.report_load), c.slot_tokens,
+            logprobs, errors,
             c.remote_messages, c.remote_bytes, round(kv_move_s, 6),
         ))
+
+    def _expert_load(self, step_load: np.ndarray, report: bool) -> np.ndarray:
+        """step_load [L, E] added to the sum; the sum (int32) when the plan asks for it and it is not all
+        zeros, else [0, 0]."""
+        self._load = step_load.copy() if self._load is None else self._load + step_load
+        if not report:
+            return EMPTY_LOAD
+        load, self._load = self._load, None
+        return load.astype(np.int32) if load.any() else EMPTY_LOAD  # a rank with no tokens sends nothing
 
     def _chaos_for(self, plan: StepPlan) -> ChaosStep:
         """What fault injection asked of this step (nothing unless a `ChaosStep` for it came first)."""

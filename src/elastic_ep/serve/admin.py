@@ -121,7 +121,9 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         return engine.scale_status()
 
     @router.post("/sleep", response_model=dict[str, Any], responses=error_responses(400, 409), tags=[OPERATING])
-    async def sleep(level: int = Query(1, description="1: free the KV cache; 2: drop the weights too")) -> dict[str, Any]:
+    async def sleep(
+        level: int = Query(1, description="1: free the KV cache; 2: drop the weights too"),
+    ) -> dict[str, Any]:
         """Give memory back while idle (every rank); requests get 503 until POST /wake_up. The
         answer has each rank's resident memory before and after."""
         return await engine.sleep(level)

@@ -55,7 +55,8 @@ def create_app(
         app.include_router(router)
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
-    app.add_middleware(GuardMiddleware, guard=guard, operating=operating_paths([r for router in routers for r in router.routes]))
+    app.add_middleware(GuardMiddleware, guard=guard,
+                       operating=operating_paths([r for router in routers for r in router.routes]))
     _add_error_handlers(app)
     app.openapi = lambda: openapi_schema(app)
     return app

@@ -59,7 +59,8 @@ def event_stream_response(event: type[BaseModel]) -> dict[str, Any]:
         "contentSchema": {"$ref": _REF.format(model=event.__name__)},
     }
     return {
-        "description": f"JSON, or with `stream: true` server-sent events of {event.__name__} ending with `data: [DONE]`",
+        "description": f"JSON, or with `stream: true` server-sent events of {event.__name__} "
+                       "ending with `data: [DONE]`",
         "content": {
             "text/event-stream": {
                 "itemSchema": {"type": "object", "properties": {"data": data}, "required": ["data"]}

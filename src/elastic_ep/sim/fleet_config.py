@@ -60,7 +60,8 @@ class FleetConfig:
         if self.gpus < self.ep_size:
             raise SimulationError(f"--gpus {self.gpus} cannot hold one EP group of {self.ep_size}")
         if self.experts <= 0 or self.slots_per_rank <= 0:
-            raise SimulationError(f"--experts ({self.experts}) and --slots-per-rank ({self.slots_per_rank}) must be > 0")
+            raise SimulationError(f"--experts ({self.experts}) and --slots-per-rank ({self.slots_per_rank}) "
+                                  "must be > 0")
         if self.ep_size * self.slots_per_rank < self.experts:
             raise SimulationError(
                 f"{self.ep_size} ranks x {self.slots_per_rank} slots cannot hold {self.experts} experts: "

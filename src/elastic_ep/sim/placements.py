@@ -57,7 +57,8 @@ def random_placement(
     max_tries: int = 2000,
 ) -> np.ndarray:
     """A uniformly random placement in which no two replicas of an expert share a failure
-    domain (a rank, or a node of `ranks_per_domain` consecutive ranks): shuffle and reject. When `max_tries` shuffles would likely all be rejected, a shuffle is repaired
+    domain (a rank, or a node of `ranks_per_domain` consecutive ranks): shuffle and reject. When `max_tries`
+    shuffles would likely all be rejected, a shuffle is repaired
     by swaps instead (close to uniform, not exactly).
 
     replicas: [E] copies per expert. Returns phy2log [ranks * slots_per_rank], -1 = empty slot.

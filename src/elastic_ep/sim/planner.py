@@ -291,7 +291,8 @@ def _reason(
         f"it loses {best.gpu_hours_lost_elastic:.1f} GPU-hours a month with elastic recovery (against "
         f"{best.gpu_hours_lost_restart:.0f} with whole-group restarts), within {near_best:g}x of the fewest of the "
         f"options that fit ({fewest:.1f}), and of those its experts take the least memory, "
-        f"{best.expert_gb_per_gpu:.1f} GB per GPU, leaving {inputs.gpu_mem_gb - inputs.other_gb - best.expert_gb_per_gpu:.1f} "
+        f"{best.expert_gb_per_gpu:.1f} GB per GPU, "
+        f"leaving {inputs.gpu_mem_gb - inputs.other_gb - best.expert_gb_per_gpu:.1f} "
         f"GB for the KV cache; {survives_text(best)}; {best.loss_p_failure:.0%} of failures lose an expert, which "
         f"comes back from {source}."
     )

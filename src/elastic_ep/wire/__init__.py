@@ -5,8 +5,9 @@ a worker process (`worker.py`: launch and step socket; `health.py`: heartbeats a
 
 Transport: ZeroMQ. The controller binds two ROUTER sockets:
 - the step socket: each worker's main thread (DEALER, identity `w<rank_id>`) receives
-  `EpochStart`, `StepPlan`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `SleepRank`, `WakeRank`, `Shutdown`
-  and answers `WorkerHello`, `EpochReady`, `EpochFailed`, `StepResult`, `StepFailed`, `SlotChecksums`, `SleepReply`;
+  `EpochStart`, `StepPlan`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `SleepRank`,
+  `WakeRank`, `Shutdown` and answers `WorkerHello`, `EpochReady`, `EpochFailed`, `StepResult`,
+  `StepFailed`, `SlotChecksums`, `SleepReply`;
 - the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
   `Heartbeat` and receives `AbortEpoch`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
   `WorkerStarted`, `WorkerExited`, `WorkerFenced`, `HardwareReport` and receives `AgentWelcome`, `BackupAssign`,

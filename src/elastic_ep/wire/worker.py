@@ -202,7 +202,9 @@ class StepPlan(Message):
     split sizes.
     `micro_batches`: forwards interleaved in this step (2 with --enable-dbo; same on every rank).
     `kv_moves`: every KV move of the step, the same list to every member (the moves are one
-    all-to-all of the group, each member takes its side)."""
+    all-to-all of the group, each member takes its side). `report_load`: answer with the expert
+    load summed since the last step that asked (the controller asks every few steps: a [L, E]
+    array per rank per step is 119 KB at DeepSeek-V3's size)."""
 
     epoch: int
     step: int
@@ -211,11 +213,14 @@ class StepPlan(Message):
     dispatch_rows: int = 0
     micro_batches: int = 1
     kv_moves: list[KVMove] = msgspec.field(default_factory=list)
+    report_load: bool = True
 
 
 class StepResult(Message):
-    """tokens: seq_id -> sampled token; expert_load: [L, E] tokens this rank routed to each
-    logical expert; slot_tokens: tokens its own slots computed (all layers); logprobs:
+    """tokens: seq_id -> sampled token; expert_load: [L, E] int32 tokens this rank routed to each
+    logical expert since the last step whose plan had `report_load` (this one included), or an
+    empty [0, 0] array when this plan did not ask or the counts are all zero; slot_tokens: tokens
+    its own slots computed (all layers); logprobs:
     seq_id -> the sampled token's logprobs, for sequences whose params ask for them."""
 
     epoch: int

@@ -91,7 +91,8 @@ class BackgroundRebalance:
             return
         self.last_eplb_step = c.step
         assert c.location is not None
-        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self._speeds(), self.cfg.eplb_threshold)
+        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self._speeds(),
+                              self.cfg.eplb_threshold)
         if plan is not None:
             self.metrics.eplb_rebalances.inc()
             self._start(f"eplb: imbalance {plan.before:.2f} -> {plan.after:.2f}", plan.placement)

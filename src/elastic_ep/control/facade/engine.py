@@ -73,7 +73,8 @@ class EngineFacade:
     long a sleep or wake waits for every rank's (a wake at level 2 reads the weights again)."""
 
     def __init__(self, cfg: ServeConfig, info: EngineInfo, recorder: ExpertRecorder, published: Published,
-                 send: Callable[[Command], None], answer_timeout_s: float = 10.0, sleep_answer_timeout_s: float = 300.0):
+                 send: Callable[[Command], None], answer_timeout_s: float = 10.0,
+                 sleep_answer_timeout_s: float = 300.0):
         self.cfg = cfg
         self.info = info
         self.recorder = recorder

@@ -34,6 +34,7 @@ from ..faults.health_rules import adaptive_deadline_s, rank_liveness, stall_reas
 from ..metrics import ClusterMetrics
 from ..ranks import Liveness, RankLiveness, RankStatus
 from ..serving.scheduler import Sequence
+from ..timing import ControlTimes
 from .engine import Published
 from .stats_log import StatsLog, Throughput
 
@@ -61,18 +62,22 @@ class QueueView(Protocol):
     def pool_view(self, max_model_len: int) -> dict[str, Any]: ...
 
 
+SNAPSHOT_SHARE = 0.05  # most of the control thread's time the /cluster snapshot may take
+
+
 class Publisher:
     """Built with what it reads (the cluster state, the detector's step times, the step loop, the
     scheduler), what it writes (`published`, the metrics), the control plane's `heard()` clock and
     address, and `views(now)`: the other roles' top-level /cluster fields (scale, straggler
-    policy, standbys, hardware, rebalance, ...), `slow_delays()` (chaos, by rank) and `derated()`
-    (the straggler policy's derated ranks and weights)."""
+    policy, standbys, hardware, rebalance, ...), `slow_delays()` (chaos, by rank), `derated()`
+    (the straggler policy's derated ranks and weights) and `times`: the control plane's timers
+    (control/timing.py), shown in /cluster."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, detector: FaultDetector, steps: StepView,
                  scheduler: QueueView, published: Published, metrics: ClusterMetrics, *, heard: Callable[[], float],
                  controller_addr: str, views: Callable[[float], dict[str, Any]],
                  slow_delays: Callable[[], Mapping[int, float]],
-                 derated: Callable[[], Mapping[int, float]] = dict):
+                 derated: Callable[[], Mapping[int, float]] = dict, times: ControlTimes | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.detector = detector
@@ -84,11 +89,16 @@ class Publisher:
         self.controller_addr = controller_addr
         self.views = views
         self.slow_delays = slow_delays
+        self.times = times or ControlTimes()  # the control plane's timers: the snapshot's build time goes there
         self.derated = derated  # the straggler policy's derated ranks: exported first in /metrics
         self.rule = cfg.straggler_rule()
         self.stats = StatsLog(cfg.log_stats_interval_s, time.monotonic())
         self._published_at = 0.0
         self._stalled_since: float | None = None
+        self._liveness: dict[int, RankLiveness] | None = None
+        self._liveness_at = 0.0
+        self.liveness_period_s = cfg.health_check_period_s  # benchmarks/control_plane.py --before: 0
+        self.snapshot_share = SNAPSHOT_SHARE  # --before: inf (every throttle_s whatever the build takes)
         self._verdicts: dict[int, Verdict] = {}  # of the members, as the last snapshot judged them
         self.throughput = Throughput()
 
@@ -123,16 +133,25 @@ class Publisher:
         return Health("degraded", "; ".join(problems)) if problems else Health("ok")
 
     def publish(self, throttle_s: float = 0.0) -> None:
-        """Readiness and health at once; the /cluster snapshot and gauges at most every `throttle_s`."""
+        """Readiness and health at once (liveness at most every --health-check-period-s); the /cluster
+        snapshot and gauges at most every `throttle_s`, and never more often than keeps their build
+        under `SNAPSHOT_SHARE` of the control thread's time (a large cluster's snapshot is refreshed
+        less often rather than delaying steps)."""
         c, steps, sched = self.cluster, self.steps, self.scheduler
         now, heard = time.monotonic(), self.heard()
-        liveness = self.liveness(now, heard)
+        if throttle_s and now - self._liveness_at < self.liveness_period_s and self._liveness is not None:
+            liveness = self._liveness
+        else:
+            liveness = self._liveness = self.liveness(now, heard)
+            self._liveness_at = now
         step_age_s = now - steps.started_at if steps.in_step else None
         members = {r: lv for r, lv in liveness.items() if r in c.members}
         stalled = stall_reason(step_age_s, self.stall_deadline_s(), members) if c.readiness.ready else None
         readiness = Readiness(False, stalled) if stalled else c.readiness
         self._note_stall(now, stalled)
-        snapshot_due = not throttle_s or now - self._published_at >= throttle_s
+        snapshot_due = not throttle_s or now - self._published_at >= max(throttle_s, self.times.snapshot_s
+                                                                          / self.snapshot_share)
+        t0 = time.perf_counter()  # the snapshot's build, the verdicts included
         if snapshot_due:  # before health, which names the stragglers
             verdicts = judge(steps.own_time.intervals(now), self.rule, now, c.members)
             self._verdicts = {r: v for r, v in verdicts.items() if r in c.members}
@@ -151,8 +170,9 @@ class Publisher:
             {r: v.to_json() for r, v in self._verdicts.items()},
             health=vars(health), load=self.load(), straggler_rule=self.rule.to_json(), **self.views(now),
             data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()},
-            kv_cache=sched.pool_view(self.cfg.max_model_len))
+            kv_cache=sched.pool_view(self.cfg.max_model_len), control_times=self.times.view())
         self._set_gauges(heard, readiness, health, liveness, {r: v for r, v in verdicts.items() if r in c.members})
+        self.times.snapshot_s = time.perf_counter() - t0
 
     def load(self) -> dict[str, float | int | None]:
         """Requests running and waiting now, and the throughput of the last seconds (`/cluster` `load`)."""

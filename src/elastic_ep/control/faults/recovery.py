@@ -49,7 +49,8 @@ class RecoveryRecord:
 
     def then(self, later: RecoveryRecord) -> RecoveryRecord:
         """This record extended by a fault that came before it was complete."""
-        return RecoveryRecord(min(self.detected_at, later.detected_at), sorted(set(self.culprits) | set(later.culprits)),
+        return RecoveryRecord(min(self.detected_at, later.detected_at),
+                              sorted(set(self.culprits) | set(later.culprits)),
                               f"{self.cause}; then {later.cause}", later.detect_to_fence_s, self.epoch)
 
     def event_fields(self, recompute_s: float, total_s: float) -> dict[str, Any]:

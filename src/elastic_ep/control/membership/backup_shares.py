@@ -11,7 +11,9 @@ from __future__ import annotations
 from elastic_ep.placement.location import ExpertLocation
 
 
-def backup_shares(location: ExpertLocation, rank_nodes: dict[int, str], nodes: list[str]) -> dict[str, list[tuple[int, int]]]:
+def backup_shares(
+    location: ExpertLocation, rank_nodes: dict[int, str], nodes: list[str]
+) -> dict[str, list[tuple[int, int]]]:
     """node -> [(layer, expert)] it backs up: each (layer, expert) once, on a node that holds no
     replica of it when there is one (else on any: a node's loss then leaves a replica elsewhere),
     the least loaded such node, so the nodes share the memory evenly.

@@ -213,7 +213,8 @@ class ScaleDriver:
             self.drains.drain(op.retiring)
             op.drain_deadline = time.monotonic() + self.cfg.scale_drain_timeout_s
             op.phase = "draining"
-            c.events.add(EventKind.SCALE, f"scale-down {op.old_ep_size} -> {op.new_ep_size}: draining ranks {op.retiring}")
+            c.events.add(EventKind.SCALE,
+                         f"scale-down {op.old_ep_size} -> {op.new_ep_size}: draining ranks {op.retiring}")
         self.publish()
 
     def _advance_up(self, op: ScaleOp) -> bool:

@@ -82,6 +82,9 @@ class StepLoop:
         self.tokens_sampled = 0
         self.uncommitted: StepBatch | None = None  # the batch of an interrupted step, until a step commits
         self.retries_without_culprit = 0  # recomputes of a step that failed with every rank alive
+        # ranks report their load summed over --load-report-every-steps steps, taking turns: an entry
+        # holds the reports of one step, so a window of W >= load_every steps sums about W steps' load
+        self.load_every = max(cfg.load_report_every_steps, 1)
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
         self._sent_at = 0.0
         self._started_ns = 0  # wall-clock ns the step in flight was sent (request traces)
@@ -99,7 +102,8 @@ class StepLoop:
         """Run the next step; returns its wall time (s), or None when a rank's own computation
         failed (the step is dropped; isolation decides what runs next). Raises RecoveryNeeded
         on a fault."""
-        c = self.cluster
+        c, times = self.cluster, self.plane.times
+        t0 = time.perf_counter()
         batch = self._plan()
         self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit)
         c.step += 1
@@ -107,17 +111,19 @@ class StepLoop:
         self.in_step = set(c.members)
         self.started_at = time.monotonic()
         self._started_ns = time.time_ns()
-        start = self._sent_at = time.perf_counter()
         busiest = max(batch.tokens_per_rank().values(), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
         micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
         if self.chaos is not None:
             self.chaos.before_step(c.epoch, c.step, batch, c.members)
-        for rank_id in c.members:
-            self.plane.to_worker(rank_id, StepPlan(
-                c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []), dispatch_rows,
-                micro_batches, batch.moves,
-            ))
+        plans = [(rank_id, StepPlan(
+            c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []), dispatch_rows,
+            micro_batches, batch.moves, (c.step + rank_id) % self.load_every == 0,  # ranks take turns
+        )) for rank_id in c.members]
+        start = self._sent_at = time.perf_counter()
+        times.add("plan", start - t0)
+        self.plane.plans_to_workers(plans)
+        sent = time.perf_counter()
         while len(self.replies) < len(c.members):
             self.pump(0.002)
             if self.detector.pending:
@@ -125,7 +131,9 @@ class StepLoop:
                 self.uncommitted = batch
                 raise RecoveryNeeded()
         self.in_step = set()
-        wall_s = time.perf_counter() - start
+        gathered = time.perf_counter()
+        wall_s = gathered - start
+        times.add("gather", gathered - sent)
         failures = {r: m for r, m in self.replies.items() if isinstance(m, StepFailed)}
         if failures:
             self.scheduler.step_failed(batch)
@@ -134,6 +142,8 @@ class StepLoop:
             return None
         self._finish(batch, wall_s)
         self.isolation.step_passed(batch)
+        times.steps += 1
+        times.wall_s += time.perf_counter() - t0
         return wall_s
 
     def _plan(self) -> StepBatch:
@@ -171,7 +181,8 @@ class StepLoop:
         self.uncommitted = None
 
     def _finish(self, batch: StepBatch, wall_s: float) -> None:
-        c, m = self.cluster, self.metrics
+        c, times = self.cluster, self.plane.times
+        t0 = time.perf_counter()
         results: dict[int, StepResult] = self.replies  # type: ignore[assignment]
         sampled: dict[int, int] = {}
         logprobs: dict[int, TokenLogprobs] = {}
@@ -188,34 +199,23 @@ class StepLoop:
             r.wait_s.append(res.dispatch_wait_s + res.combine_wait_s)
             r.own_s.append(res.compute_s)
             r.slot_tokens.append(res.slot_tokens)
-            load += res.expert_load
+            if res.expert_load.size:
+                load += res.expert_load
+        times.slowest_rank_s += slowest
         self.detector.step_done(wall_s)
         self.uncommitted = None
         self.retries_without_culprit = 0
-        m.step_wall_seconds.observe(wall_s)
-        m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
         tokens = batch.tokens_per_rank()
         now = time.monotonic()
         for rank_id, res in results.items():
             self.own_time.add(now, rank_id, tokens.get(rank_id, 0), res.compute_s)
-        m.rank_step(results, tokens)
         self.tokens_run += sum(tokens.values())
         self.tokens_sampled += len(sampled)
-        for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
-            ratio = imbalance(per_rank.values())
-            if ratio is None:
-                continue
-            m.dp_imbalance.labels(plan).observe(ratio)
-            m.dp_busiest_tokens.labels(plan).observe(max(per_rank.values()))
-            if plan == "aligned":
-                m.dp_token_imbalance.set(ratio)
-        m.migrations(results, batch.moves, batch.reprefilled)
-        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
-        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
-        if mean:
-            m.ranks.set_gauge("elastic_ep_expert_load_imbalance", {r: v / mean for r, v in slot_totals.items()})
-        self.load_window.append(load)
+        self.load_window.append(load)  # over a window of at least load_every steps, about its steps' load
         self.recorder.add(load)
+        t1 = time.perf_counter()
+        self._observe(results, batch, tokens, wall_s, slowest)
+        t2 = time.perf_counter()
         committed = self.scheduler.commit(batch, sampled)
         if self.traces is not None:
             self._trace(batch, results, committed)
@@ -225,6 +225,31 @@ class StepLoop:
                 seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
                 logprobs=token_logprobs,
             ))
+        times.add("commit", (t1 - t0) + (time.perf_counter() - t2))
+        times.add("metrics", t2 - t1)
+
+    def _observe(self, results: dict[int, StepResult], batch: StepBatch, tokens: dict[int, int], wall_s: float,
+                 slowest: float) -> None:
+        """The step's metrics: per-rank timings and tokens (control/rank_series.py), DP balance, KV
+        moves, expert load balance."""
+        m = self.metrics
+        m.step_wall_seconds.observe(wall_s)
+        m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
+        m.rank_step(results, tokens)
+        for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
+            ratio = imbalance(per_rank.values())
+            if ratio is None:
+                continue
+            m.dp_imbalance.labels(plan).observe(ratio)
+            m.dp_busiest_tokens.labels(plan).observe(max(per_rank.values()))
+            if plan == "aligned":
+                m.dp_token_imbalance.set(ratio)
+        m.migrations(results, batch.moves, batch.reprefilled)
+        c = self.cluster
+        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
+        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
+        if mean:
+            m.ranks.set_gauge("elastic_ep_expert_load_imbalance", {r: v / mean for r, v in slot_totals.items()})
 
     def _trace(self, batch: StepBatch, results: dict[int, StepResult], committed: list) -> None:
         """What the request traces record of a completed step (only with tracing on)."""

@@ -1,0 +1,314 @@
+"""The control plane at 8 to 1,024 ranks, measured with stand-in ranks (harness/standin.py).
+
+The real controller runs in this process (as in `elastic-ep serve`, streams consumed by an
+event loop thread as the HTTP side consumes them); stand-in agents in a few child processes
+register stand-in ranks with it over the real wire protocol. A stand-in rank's step takes
+--step-ms; the model's config is DeepSeek-V3's shape (58 MoE layers x 256 experts, top-8), its
+tensors tiny. One point:
+
+    PYTHONPATH=src .venv/bin/python benchmarks/control_plane.py --ranks 256 --seqs-per-rank 64 [--json]
+
+measures, under load (seqs-per-rank decoding sequences per rank; 0: one sequence in all, every
+other rank runs empty plans): the controller's time per step
+by part (control/timing.py) and what it adds to the slowest rank's time (`added_ms_per_step`:
+wall time per step less the slowest member's own step time), the heartbeat load (messages a
+second and the control thread's share of a second spent on them), the /cluster snapshot (built
+on the control thread; serialised by the HTTP thread) and the /metrics scrape, then kills one
+rank and stops another (SIGSTOP) through the chaos path and reports the time to detect each,
+the pause until a step completes again, the recovery epoch's placement and change times, a full
+placement over all ranks, and every fault that was not injected (a false fault).
+
+`--before` measures with the control-plane changes of issue 25 turned off in the same code:
+every rank sends its expert load every step (`--load-report-every-steps 1`), liveness is computed
+at every pump, the /cluster snapshot is rebuilt every 0.25 s whatever it costs and its placement
+parts are built again each time. No arguments runs the table, before and after side by side,
+one child process per point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
+
+from elastic_ep.control.api import GenerationRequest
+from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.controller import Controller
+from elastic_ep.control.facade.to_loop import SignalRank
+from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.model.tiny import cache_dir, make_tiny
+from elastic_ep.placement.fault_aware import fault_aware_placement
+from elastic_ep.wire import KEY_ENV, ClusterKey
+
+RANKS_PER_NODE = 8
+TABLE = [(r, s) for r in (8, 64, 256, 1024) for s in (0, 64)]
+
+
+def standin_model() -> Path:
+    """DeepSeek-V3's MoE shape (58 MoE layers after one dense layer, 256 experts, top-8) with tiny
+    tensors: the controller reads only its config and expert size."""
+    path = cache_dir() / "standin-deepseek-v3-shape-v1"
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny("deepseek_v3", tmp, layers=59, hidden=8, experts=256, top_k=8, heads=1, num_shards=1)
+        os.replace(tmp, path)
+    return path
+
+
+def ranks_per_node(ranks: int) -> int:
+    """8, or half the ranks: at least two nodes, so the group outlives a node's loss (two faults)."""
+    return max(min(RANKS_PER_NODE, ranks // 2), 1)
+
+
+def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter_ms: float,
+                   model: Path, key: ClusterKey) -> list[subprocess.Popen]:
+    per_node = ranks_per_node(ranks)
+    nodes = [f"n{i}" for i in range(math.ceil(ranks / per_node))]
+    procs = []
+    for p in range(min(processes, len(nodes))):
+        args = [a for n in nodes[p::processes] for a in ("--node", n)]
+        procs.append(subprocess.Popen([sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,
+                                       "--ranks-per-node", str(per_node), "--step-ms", str(step_ms),
+                                       "--jitter-ms", str(jitter_ms), "--model", str(model), *args],
+                                      env={**os.environ, KEY_ENV: key.hex()}))
+    return procs
+
+
+def stop_standins(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class Load:
+    """seqs sequences that decode for as long as the run lasts, consumed on an event loop thread."""
+
+    def __init__(self, ctl: Controller, seqs: int, prompt_len: int = 6, max_tokens: int = 1500):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.tokens = 0
+        self.engine = ctl.engine
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        for i in range(seqs):
+            request = GenerationRequest(f"r{i}", [2 + (i + j) % 300 for j in range(prompt_len)], params, i)
+            asyncio.run_coroutine_threadsafe(self._consume(request), self.loop)
+
+    async def _consume(self, request: GenerationRequest) -> None:
+        async for out in self.engine.generate(request):
+            self.tokens += len(out.new_token_ids)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:g}s")
+        time.sleep(0.01)
+
+
+def events(ctl: Controller) -> list[dict]:
+    """The controller's events, read from this thread while the control thread adds more."""
+    while True:
+        try:
+            return ctl.cluster.events.all()
+        except RuntimeError:  # the deque changed while it was copied
+            continue
+
+
+def events_after(ctl: Controller, event_id: int, kind: str) -> list[dict]:
+    return [e for e in events(ctl) if e["id"] > event_id and e["kind"] == kind]
+
+
+def last_event_id(ctl: Controller) -> int:
+    known = events(ctl)
+    return known[-1]["id"] if known else 0
+
+
+def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float) -> dict:
+    """Signal a rank through its agent; time to its fault and until a step completes again."""
+    since = last_event_id(ctl)
+    t0 = time.time()
+    ctl.engine.send(SignalRank(rank_id, sig))
+    wait_for(lambda: any(e["rank_id"] == rank_id for e in events_after(ctl, since, "fault")), timeout_s,
+             f"no fault for rank {rank_id}")
+    fault = next(e for e in events_after(ctl, since, "fault") if e["rank_id"] == rank_id)
+    wait_for(lambda: events_after(ctl, since, "recovered"), timeout_s, "no recovery")
+    recovered = events_after(ctl, since, "recovered")[0]
+    return {"rank_id": rank_id, "detect_s": round(fault["time_s"] - t0, 3), "cause": fault["signal"],
+            "pause_s": round(recovered["time_s"] - t0, 3), "recovery_s": recovered["total_s"],
+            "placement_s": recovered.get("placement_s"), "epoch_change_s": recovered.get("epoch_change_s")}
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
+              before: bool, faults: bool, timeout_s: float) -> dict:
+    model = standin_model()
+    cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
+                      ranks_per_node=ranks_per_node(ranks),
+                      max_num_seqs=max(seqs_per_rank, 1), max_model_len=2048, enable_chaos=True, restart_delay_s=-1,
+                      log_stats_interval_s=0, startup_timeout_s=300, heartbeat_timeout_s=timeout_s,
+                      agent_timeout_s=timeout_s)
+    if before:
+        cfg.load_report_every_steps = 1
+    registry = CollectorRegistry()
+    key = ClusterKey.generate()
+    ctl = Controller(cfg, key, registry)
+    if before:
+        ctl.publisher.liveness_period_s, ctl.publisher.snapshot_share = 0.0, math.inf
+        ctl.cluster.cache_placement_view = False
+    ctl.start()
+    procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model, key)
+    load = None
+    try:
+        wait_for(lambda: ctl.published.readiness.ready, 300, "the cluster was not ready")
+        seqs = max(ranks * seqs_per_rank, 1)  # 0 per rank: one sequence, so steps run with empty plans elsewhere
+        load = Load(ctl, seqs)
+        wait_for(lambda: sum(len(s) for s in ctl.scheduler.running.values()) >= seqs, 120,
+                 "not every sequence was scheduled")
+        step0 = ctl.cluster.step
+        wait_for(lambda: ctl.cluster.step >= step0 + 10, 120, "ten warm-up steps did not run")
+        times = ctl.plane.times
+        v0, h0, d0 = times.view(), dict(times.handled_s), dict(times.decode_s)
+        n0, w0, s0, parts0 = times.steps, times.wall_s, times.slowest_rank_s, dict(times.part_s)
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        dt = time.monotonic() - t0
+        v1, h1, d1 = times.view(), dict(times.handled_s), dict(times.decode_s)
+        steps = times.steps - n0
+        parts = delta(dict(times.part_s), parts0)
+        parts["decode"] = d1.get("step", 0) - d0.get("step", 0)
+        handled = delta(v1["handled"], v0["handled"])
+        handled_s = delta(h1, h0)
+        out = {
+            "ranks": ranks, "seqs_per_rank": seqs_per_rank, "mode": "before" if before else "after",
+            "step_ms": step_ms, "steps": steps,
+            "step_period_ms": round(1000 * dt / max(steps, 1), 2),
+            "slowest_rank_ms": round(1000 * (times.slowest_rank_s - s0) / max(steps, 1), 2),
+            "added_ms_per_step": round(1000 * ((times.wall_s - w0) - (times.slowest_rank_s - s0)) / max(steps, 1), 2),
+            "parts_ms": {p: round(1000 * s / max(steps, 1), 2) for p, s in parts.items()},
+            "heartbeats_per_s": round(handled.get("Heartbeat", 0) / dt),
+            "heartbeat_load": round((handled_s.get("Heartbeat", 0) + d1.get("health", 0) - d0.get("health", 0))
+                                    / dt, 4),
+            "publish_ms_per_s": round(1000 * handled_s.get("(publish)", 0) / dt, 1),
+            "bytes_in_per_step": round(delta(v1["bytes_in"], v0["bytes_in"]).get("step", 0) / max(steps, 1)),
+        }
+        snap = times.snapshot_s
+        out["cluster_snapshot_ms"] = round(1000 * snap, 2)
+        t = time.perf_counter()
+        body = json.dumps(ctl.engine.cluster())
+        out["cluster_json_ms"] = round(1000 * (time.perf_counter() - t), 2)
+        out["cluster_bytes"] = len(body)
+        t = time.perf_counter()
+        scrape = generate_latest(registry)
+        out["metrics_scrape_ms"] = round(1000 * (time.perf_counter() - t), 2)
+        out["metrics_bytes"] = len(scrape)
+        c = ctl.cluster
+        t = time.perf_counter()
+        fault_aware_placement(np.ones((c.num_layers, c.num_experts)), sorted(c.members), c.rank_nodes(), None,
+                              c.slots_per_rank, max(cfg.ep_size, max(c.members) + 1))
+        out["placement_ms"] = round(1000 * (time.perf_counter() - t), 1)
+        if faults:
+            out["kill"] = inject(ctl, c.members[len(c.members) // 3], signal.SIGKILL, 60)
+            t = time.monotonic()
+            try:  # the stop lands in a quiet group where the background rebalance ends in time
+                wait_for(lambda: not ctl.rebalancer.status()["active"], 60, "")
+                out["rebalance_after_kill_s"] = round(time.monotonic() - t, 1)
+            except TimeoutError:
+                out["rebalance_after_kill_s"] = None  # still walking after 60 s
+            out["stop"] = inject(ctl, c.members[2 * len(c.members) // 3], signal.SIGSTOP, 60)
+            out["hang_pause_bound_s"] = round(cfg.heartbeat_timeout_s + 0.1, 3)
+        injected = {out[k]["rank_id"] for k in ("kill", "stop") if k in out}
+        out["false_faults"] = [e["message"] for e in events_after(ctl, 0, "fault") if e["rank_id"] not in injected]
+        return out
+    finally:
+        if load is not None:
+            load.stop()
+        ctl.stop()
+        stop_standins(procs)
+
+
+def table(args) -> None:
+    rows = []
+    sizes = [int(x) for x in args.table_ranks.split(",")]
+    for ranks, seqs in [(r, s) for r, s in TABLE if r in sizes]:
+        for mode in ("before", "after"):
+            cmd = [sys.executable, __file__, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
+                   "--seconds", str(args.seconds), "--step-ms", str(args.step_ms), "--timeout-s", str(args.timeout_s)]
+            if mode == "before":
+                cmd.append("--before")
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            except subprocess.TimeoutExpired:
+                print(f"{ranks} ranks, {seqs} per rank, {mode}: over 900 s", file=sys.stderr)
+                continue
+            if done.returncode:
+                print(done.stderr[-2000:], file=sys.stderr)
+                continue
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    print("| ranks | seqs/rank | mode | added ms/step | period ms | plan | encode | send | gather | decode | commit "
+          "| metrics | heartbeats/s | hb load | /cluster build ms | /metrics ms | kill detect s | stop detect s "
+          "| hang pause s | placement ms | false faults |")
+    print("|" + "---|" * 21)
+    for r in rows:
+        p = r["parts_ms"]
+        print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['added_ms_per_step']} | {r['step_period_ms']} "
+              f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
+              f"| {p['metrics']} | {r['heartbeats_per_s']} | {r['heartbeat_load']:.1%} | {r['cluster_snapshot_ms']} "
+              f"| {r['metrics_scrape_ms']} | {r['kill']['detect_s']} | {r['stop']['detect_s']} "
+              f"| {r['stop']['pause_s']} | {r['placement_ms']} | {len(r['false_faults'])} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=None, help="one point at this many ranks (default: the table)")
+    parser.add_argument("--seqs-per-rank", type=int, default=0)
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long a point is measured")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="a stand-in rank's step time")
+    parser.add_argument("--jitter-ms", type=float, default=0.0)
+    parser.add_argument("--processes", type=int, default=4, help="stand-in processes")
+    parser.add_argument("--before", action="store_true", help="the control-plane changes of issue 25 turned off")
+    parser.add_argument("--no-faults", action="store_true", help="skip the kill and stop")
+    parser.add_argument("--timeout-s", type=float, default=1.0,
+                        help="--heartbeat-timeout-s and --agent-timeout-s of the controller (the stop's deadline)")
+    parser.add_argument("--table-ranks", default="8,64,256,1024", help="the table's sizes (comma-separated)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    logging.getLogger("elastic_ep").setLevel(logging.ERROR)
+    if args.ranks is None:
+        table(args)
+        return
+    out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
+                    args.before, not args.no_faults, args.timeout_s)
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,529 @@
+"""Stand-in ranks: hundreds of EP ranks in a few processes, speaking the real wire protocol to the
+real controller, so the control plane (controller, detector, scheduler, placement, publisher,
+metrics) runs as in production at sizes one machine cannot run real ranks at.
+
+`python -m elastic_ep.harness.standin --controller tcp://HOST:PORT --node n0 --node n1 ...`
+runs one stand-in agent per `--node` in this process, each registering like `elastic-ep agent`
+(`AgentHello`, lease, `AgentAlive`, `HardwareReport`, `BackupReady` for its backup share) and
+offering `--ranks-per-node` ranks. For every `StartWorker` the agent starts a stand-in rank (no
+process): it says `WorkerStarted`, and the rank opens its step socket and its heartbeat socket,
+registers (`WorkerHello`), beats every `heartbeat_interval_s` with its progress, forms each epoch
+(`EpochReady` with the checksums of the slots it filled and the references of what it read from
+disk, or `EpochFailed` when asked to keep a group it has not got), answers `SweepSlots`, and
+answers each `StepPlan` after `--step-ms` (plus `--jitter-ms` drawn per step, plus `--slow
+RANK:MS`) with a `StepResult` of the real shape: a token per sampled chunk, timings, and the
+expert load of its tokens at the model's size. There is no data plane and no model: the
+checkpoint is only read for its config.
+
+Faults arrive as they do for real ranks, through the agent (`/chaos/kill`, `/chaos/hang`,
+`/chaos/resume` send `SignalWorker`): SIGKILL stops a rank's messages and its agent reports
+`WorkerExited` (-9), as a real agent reports a worker exit; SIGSTOP silences it (no heartbeats,
+no answers, nothing reported) until SIGCONT; `FenceWorker` kills it and confirms with
+`WorkerFenced`. An `AbortEpoch` makes a rank that has not answered the epoch's step answer
+`StepFailed` (collective), as a real rank's collective gives up.
+
+Each process is one thread: a rank's tokens and load are worked out when its plan arrives and
+its answer is sent when its set time has passed, so most of the harness's own work overlaps the
+ranks' "compute"; `step_s` in a result is the time from the plan's arrival to the send, so a
+harness that falls behind shows as slower ranks, never as controller time. Frames carry the
+deployment's cluster key (`--cluster-key-file`, else $ELASTIC_EP_CLUSTER_KEY), as an agent's do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import heapq
+import itertools
+import os
+import random
+import signal
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from elastic_ep.model.config import MoEConfig
+from elastic_ep.node.lease import Lease
+from elastic_ep.wire import (
+    CONTROLLER_TO_AGENT,
+    CONTROLLER_TO_HEARTBEAT,
+    CONTROLLER_TO_WORKER,
+    AbortEpoch,
+    AgentAlive,
+    AgentBye,
+    AgentHello,
+    AgentShutdown,
+    AgentWelcome,
+    BackupAssign,
+    BackupReady,
+    BackupSite,
+    ChaosStep,
+    ClusterKey,
+    EpochFailed,
+    EpochReady,
+    EpochStart,
+    FenceWorker,
+    HardwareReport,
+    Heartbeat,
+    Inbox,
+    LeaseRenew,
+    Progress,
+    SessionEnded,
+    Shutdown,
+    SignalWorker,
+    SlotChecksums,
+    StartWorker,
+    StepFailed,
+    StepPlan,
+    StepResult,
+    SweepSlots,
+    TransferStat,
+    WorkerExited,
+    WorkerFenced,
+    WorkerHello,
+    WorkerLaunch,
+    WorkerStarted,
+    key_from_env,
+)
+
+EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)
+PID_BASE = 4_000_000  # stand-in pids: above any real pid, unique per rank and incarnation
+
+
+def expert_checksum(layer: int, expert: int) -> int:
+    """The checksum a stand-in reports for the weights of (layer, expert): the same on every rank
+    and in every epoch, as a real expert's checksum is."""
+    return zlib.crc32(f"{layer}/{expert}".encode())
+
+
+@dataclass(frozen=True)
+class StandInTiming:
+    """step_s: a step's set time; jitter_s: up to this much more, drawn per rank and step;
+    slow_s: rank_id -> extra time per step; epoch_s: time to form an epoch; start_s: from
+    `StartWorker` to `WorkerHello` (a real rank loads its weights then)."""
+
+    step_s: float = 0.02
+    jitter_s: float = 0.0
+    slow_s: dict[int, float] = field(default_factory=dict)
+    epoch_s: float = 0.005
+    start_s: float = 0.1
+
+
+class Timers:
+    """Callbacks due at monotonic times (one heap for the whole process)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, object]] = []
+        self._ids = itertools.count()
+
+    def at(self, when: float, callback) -> None:
+        heapq.heappush(self._heap, (when, next(self._ids), callback))
+
+    def next_in_s(self, now: float, most_s: float) -> float:
+        return min(most_s, max(self._heap[0][0] - now, 0.0)) if self._heap else most_s
+
+    def run_due(self, now: float) -> None:
+        while self._heap and self._heap[0][0] <= now:
+            _, _, callback = heapq.heappop(self._heap)
+            callback()
+
+
+class LoadTemplates:
+    """[L, E] int64 expert loads of a rank that runs n tokens (top-k routing spread over the experts),
+    one per token count, shared by the ranks of the process."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int):
+        self.shape, self.top_k = (num_layers, num_experts), top_k
+        self._cache: dict[int, np.ndarray] = {}
+        self._rng = np.random.default_rng(0)
+
+    def load(self, tokens: int) -> np.ndarray:
+        out = self._cache.get(tokens)
+        if out is None:
+            num_layers, num_experts = self.shape
+            picks = self._rng.integers(0, num_experts, size=(num_layers, tokens * self.top_k))
+            out = np.stack([np.bincount(row, minlength=num_experts) for row in picks]).astype(np.int64)
+            self._cache[tokens] = out
+        return out
+
+
+class StandInRank:
+    """One rank: a step socket and a heartbeat socket, the epoch it is in and the slots it holds."""
+
+    def __init__(self, agent: StandInAgent, rank_id: int, pid: int, join_mode: str):
+        self.agent, self.rank_id, self.pid, self.join_mode = agent, rank_id, pid, join_mode
+        self.alive, self.stopped = True, False
+        self.epoch, self.members = -1, []
+        self.slots: np.ndarray | None = None  # [L, slots_per_rank] experts it holds
+        self.seq = 0
+        self.progress = Progress()
+        self.beat_frames: list[bytes] = []
+        self.delay_s: dict[tuple[int, int], float] = {}  # (epoch, step) -> injected delay (ChaosStep)
+        self.pending: tuple[int, int] | None = None  # (epoch, step) of the step it has not answered yet
+        self.load: np.ndarray | None = None  # expert load since it was last reported
+        self.step_sock = self.hb_sock = None
+
+    # ---- life --------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        launch, ctx = self.agent.launch, self.agent.ctx
+        assert launch is not None
+        self.step_sock = ctx.socket(zmq.DEALER)
+        self.step_sock.setsockopt(zmq.IDENTITY, f"w{self.rank_id}".encode())
+        self.hb_sock = ctx.socket(zmq.DEALER)
+        self.hb_sock.setsockopt(zmq.IDENTITY, f"h{self.rank_id}".encode())
+        for s, addr in ((self.step_sock, launch.step_addr), (self.hb_sock, launch.health_addr)):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+            self.agent.host.register(s, self)
+        # a KV pool that holds every sequence it may get at full length (a real rank sizes it from memory)
+        blocks = launch.max_num_seqs * -(-launch.max_model_len // launch.block_size)
+        self.send(WorkerHello(self.rank_id, self.agent.node, self.pid, self.join_mode, "disk", 0.0, 0.0, "cpu",
+                              blocks))
+        self._set_progress(Progress())
+        if launch.heartbeat_interval_s > 0:
+            self.agent.host.timers.at(time.monotonic() + random.random() * launch.heartbeat_interval_s, self.beat)
+
+    def stop(self) -> None:
+        """SIGSTOP: it reads nothing and sends nothing; what arrives waits for SIGCONT."""
+        if self.alive and not self.stopped:
+            self.stopped = True
+            for s in (self.step_sock, self.hb_sock):
+                if s is not None:
+                    self.agent.host.unregister(s)
+
+    def resume(self) -> None:
+        if self.alive and self.stopped:
+            self.stopped = False
+            for s in (self.step_sock, self.hb_sock):
+                if s is not None:
+                    self.agent.host.register(s, self)
+
+    def close(self) -> None:
+        if self.stopped:
+            self.resume()
+        self.alive = False
+        for s in (self.step_sock, self.hb_sock):
+            if s is not None:
+                self.agent.host.unregister(s)
+                s.close()
+        self.step_sock = self.hb_sock = None
+
+    def send(self, message) -> None:
+        if self.alive and not self.stopped and self.step_sock is not None:
+            self.step_sock.send_multipart(self.agent.host.key.seal(message))
+
+    def _set_progress(self, progress: Progress) -> None:
+        self.progress = progress
+        self.beat_frames = self.agent.host.key.seal(Heartbeat(self.rank_id, self.pid, progress))
+
+    def beat(self) -> None:
+        if not self.alive:
+            return
+        if not self.stopped:
+            self.hb_sock.send_multipart(self.beat_frames)
+        self.agent.host.timers.at(time.monotonic() + self.agent.launch.heartbeat_interval_s, self.beat)
+
+    # ---- messages ----------------------------------------------------------------------------
+
+    def inbox_kind(self, sock) -> str:
+        return "heartbeat" if sock is self.hb_sock else "worker"
+
+    def on_message(self, sock, msg) -> None:
+        if sock is self.hb_sock:
+            if isinstance(msg, AbortEpoch) and self.pending is not None and self.pending[0] == msg.epoch:
+                epoch, step = self.pending
+                self.pending = None
+                self.send(StepFailed(epoch, step, self.rank_id, "CollectiveError: the epoch was aborted"))
+            return
+        if isinstance(msg, Shutdown):
+            self.agent.rank_exited(self, 0)
+        elif isinstance(msg, EpochStart):
+            if msg.epoch > self.epoch:
+                self._start_epoch(msg)
+        elif isinstance(msg, ChaosStep):
+            self.delay_s = {(msg.epoch, msg.step): msg.delay_s}
+        elif isinstance(msg, StepPlan):
+            if msg.epoch == self.epoch:
+                self._step(msg)
+        elif isinstance(msg, SweepSlots):
+            if msg.epoch == self.epoch and self.slots is not None:
+                self.send(SlotChecksums(msg.epoch, self.rank_id, {
+                    (layer, slot): expert_checksum(layer, int(self.slots[layer, slot])) for layer, slot in msg.slots}))
+
+    def _start_epoch(self, msg: EpochStart) -> None:
+        if msg.reuse_group and self.members != list(msg.members):
+            self.send(EpochFailed(msg.epoch, self.rank_id, "asked to keep the epoch's group, which this rank no "
+                                  "longer has"))
+            return
+        self.epoch, self.members, self.seq, self.pending = msg.epoch, list(msg.members), 0, None
+        self._set_progress(Progress(msg.epoch, -1, -1, "rendezvous", 0, time.time()))
+        s = msg.slots_per_rank
+        self.slots = np.asarray(msg.phy2log)[:, self.rank_id * s:(self.rank_id + 1) * s]
+        checksums = {(src.layer, src.slot): expert_checksum(src.layer, src.expert) for src in msg.sources}
+        read = {(src.layer, src.expert): expert_checksum(src.layer, src.expert) for src in msg.sources
+                if src.kind == "disk"}
+        epoch_s = self.agent.timing.epoch_s
+        stats = [TransferStat(kind, 0, epoch_s) for kind in sorted({src.kind for src in msg.sources})]
+        frames = self.agent.host.key.seal(EpochReady(msg.epoch, self.rank_id, checksums, read, stats, 0.0, epoch_s,
+                                                     0.0))
+
+        def ready() -> None:
+            if not self.alive or self.epoch != msg.epoch:
+                return
+            if self.stopped:  # a stopped process answers once it runs again
+                self.agent.host.timers.at(time.monotonic() + 0.01, ready)
+                return
+            self._set_progress(Progress(msg.epoch, -1, -1, "idle", 0, time.time()))
+            self.step_sock.send_multipart(frames)
+        self.agent.host.timers.at(time.monotonic() + epoch_s, ready)
+
+    def _step(self, plan: StepPlan) -> None:
+        received = time.monotonic()
+        timing = self.agent.timing
+        due_s = timing.step_s + timing.slow_s.get(self.rank_id, 0.0) + self.delay_s.pop((plan.epoch, plan.step), 0.0)
+        if timing.jitter_s:
+            due_s += random.random() * timing.jitter_s
+        self.seq += 1
+        self._set_progress(Progress(plan.epoch, plan.step, 0, "dispatch", self.seq, time.time()))
+        tokens = {c.seq_id: self.agent.token(c.seq_id, c.start_pos + len(c.token_ids)) for c in plan.chunks
+                  if c.sample}
+        n_tokens = sum(len(c.token_ids) for c in plan.chunks)
+        step_load = self.agent.loads.load(n_tokens)
+        self.load = step_load.copy() if self.load is None else self.load + step_load
+        load = EMPTY_LOAD
+        if plan.report_load:
+            load, self.load = (self.load.astype(np.int32) if self.load.any() else EMPTY_LOAD), None
+        self.pending = (plan.epoch, plan.step)
+
+        def answer() -> None:
+            if not self.alive or self.pending != (plan.epoch, plan.step):
+                return
+            if self.stopped:  # a stopped process answers once it runs again
+                self.agent.host.timers.at(time.monotonic() + 0.01, answer)
+                return
+            self.pending = None
+            step_s = time.monotonic() - received
+            self._set_progress(Progress(plan.epoch, plan.step, -1, "idle", self.seq, time.time()))
+            self.send(StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, step_s, 0.0, 0.0, load,
+                                 n_tokens * self.agent.top_k, {}))
+        self.agent.host.timers.at(received + due_s, answer)
+
+
+class StandInAgent:
+    """One node: registers like `elastic-ep agent` and runs stand-in ranks for the controller."""
+
+    def __init__(self, host: StandInHost, controller_addr: str, node: str, num_ranks: int, timing: StandInTiming,
+                 lease_s: float = 5.0, hardware_interval_s: float = 1.0):
+        self.host, self.node, self.num_ranks, self.timing = host, node, num_ranks, timing
+        self.ctx = host.ctx
+        self.lease = Lease(lease_s)
+        self.hardware_interval_s = hardware_interval_s
+        self._hardware_at = 0.0
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"a{node}".encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(controller_addr)
+        host.register(self.sock, self)
+        self.fetch_addr = f"tcp://127.0.0.1:{1 + zlib.crc32(node.encode()) % 60000}"  # never fetched from
+        self.launch: WorkerLaunch | None = None
+        self.ranks: dict[int, StandInRank] = {}  # rank_id -> its running stand-in
+        self.loads: LoadTemplates | None = None
+        self.top_k, self.vocab, self.eos = 1, 2, ()
+        self.stopped = False
+
+    def token(self, seq_id: int, position: int) -> int:
+        """A deterministic token that is never EOS, so sequences run to max_tokens."""
+        t = 2 + (seq_id * 7919 + position * 104729) % (self.vocab - 2)
+        return t if t not in self.eos else 2
+
+    def tick(self, now: float) -> None:
+        if self.stopped:
+            return
+        if self.lease.hello_due(now):
+            self.send(AgentHello(self.node, os.getpid(), self.fetch_addr, 1 << 40, self.num_ranks, "initial",
+                                 False, self.lease.session, "127.0.0.1", True))
+        if self.lease.alive_due(now):
+            self.send(AgentAlive(self.node, self.lease.session))
+        if self.lease.welcomed and now - self._hardware_at >= self.hardware_interval_s:
+            self._hardware_at = now
+            self.send(HardwareReport(self.node, 0.0, None, [], {"nvml": "stand-in node", "xid": "stand-in node"}))
+
+    def send(self, message) -> None:
+        self.sock.send_multipart(self.host.key.seal(message))
+
+    @staticmethod
+    def inbox_kind(sock) -> str:
+        return "agent"
+
+    def on_message(self, sock, msg) -> None:
+        now = time.monotonic()
+        if isinstance(msg, AgentWelcome):
+            if self.lease.welcome(msg.session, now):
+                self._welcomed(msg.launch)
+        elif isinstance(msg, LeaseRenew):
+            self.lease.renew(msg.session, now)
+        elif isinstance(msg, SessionEnded):
+            for rank in list(self.ranks.values()):
+                self.rank_exited(rank, -9)
+            self.lease.restart()
+        elif isinstance(msg, AgentShutdown):
+            self.shutdown()
+        elif isinstance(msg, StartWorker):
+            self._start(msg.rank_id, msg.join_mode)
+        elif isinstance(msg, FenceWorker):
+            rank = self.ranks.get(msg.rank_id)
+            if rank is not None and rank.pid == msg.pid:
+                self.ranks.pop(msg.rank_id)
+                rank.close()
+            self.send(WorkerFenced(self.node, msg.rank_id, msg.pid))
+        elif isinstance(msg, SignalWorker):
+            self._signal(msg)
+        elif isinstance(msg, BackupAssign):
+            site = BackupSite(self.node, f"/dev/shm/standin-{self.node}", self.fetch_addr)
+            self.send(BackupReady(self.node, site, list(msg.items), 0, len(msg.items)))
+
+    def _welcomed(self, launch: WorkerLaunch) -> None:
+        self.launch = launch
+        config, self.loads = self.host.model(launch.model_dir)
+        self.top_k, self.vocab, self.eos = config.top_k, config.vocab_size, tuple(config.eos_token_ids)
+
+    def _start(self, rank_id: int, join_mode: str) -> None:
+        pid = PID_BASE + rank_id * 1000 + next(self.host.incarnations) % 1000
+        rank = StandInRank(self, rank_id, pid, join_mode)
+        old = self.ranks.pop(rank_id, None)
+        if old is not None:
+            old.close()
+        self.ranks[rank_id] = rank
+        self.send(WorkerStarted(self.node, rank_id, pid))
+        # its hello after its start report, as a real rank's comes seconds after it
+        self.host.timers.at(time.monotonic() + self.timing.start_s, lambda: rank.alive and rank.connect())
+
+    def _signal(self, msg: SignalWorker) -> None:
+        rank = self.ranks.get(msg.rank_id)
+        if rank is None or rank.pid != msg.pid:
+            return
+        if msg.signal in (signal.SIGKILL, signal.SIGTERM):
+            self.rank_exited(rank, -msg.signal)
+        elif msg.signal == signal.SIGSTOP:
+            rank.stop()
+        elif msg.signal == signal.SIGCONT:
+            rank.resume()
+
+    def rank_exited(self, rank: StandInRank, returncode: int) -> None:
+        """The rank's process is gone: its messages stop, and this agent reports the exit."""
+        if self.ranks.get(rank.rank_id) is rank:
+            del self.ranks[rank.rank_id]
+        rank.close()
+        self.send(WorkerExited(self.node, rank.rank_id, rank.pid, returncode))
+
+    def shutdown(self) -> None:
+        if self.stopped:
+            return
+        for rank in list(self.ranks.values()):
+            rank.close()
+        self.ranks.clear()
+        self.send(AgentBye(self.node))
+        self.stopped = True
+
+
+class StandInHost:
+    """One process of stand-in nodes: a poller over every socket, timers, one thread."""
+
+    def __init__(self, key: ClusterKey) -> None:
+        self.key = key
+        self.inboxes = {kind: Inbox(f"standin_{kind}", accepts, key) for kind, accepts in (
+            ("agent", CONTROLLER_TO_AGENT), ("worker", CONTROLLER_TO_WORKER), ("heartbeat", CONTROLLER_TO_HEARTBEAT))}
+        self.ctx = zmq.Context.instance()
+        self.poller = zmq.Poller()
+        self.owners: dict[zmq.Socket, object] = {}
+        self.timers = Timers()
+        self.incarnations = itertools.count()
+        self.agents: list[StandInAgent] = []
+        self._models: dict[str, tuple[MoEConfig, LoadTemplates]] = {}
+
+    def model(self, model_dir: str) -> tuple[MoEConfig, LoadTemplates]:
+        """The model's config and load templates, read once per process (a slow read would silence
+        every agent of the process, and the controller drops an agent silent for --agent-timeout-s)."""
+        if model_dir not in self._models:
+            config = MoEConfig.from_pretrained(model_dir)
+            self._models[model_dir] = config, LoadTemplates(len(config.moe_layers), config.num_experts, config.top_k)
+        return self._models[model_dir]
+
+    def register(self, sock, owner) -> None:
+        self.owners[sock] = owner
+        self.poller.register(sock, zmq.POLLIN)
+
+    def unregister(self, sock) -> None:
+        self.owners.pop(sock, None)
+        self.poller.unregister(sock)
+
+    def run(self, stop_when_idle: bool = True) -> None:
+        """Until every agent was told to shut down (or SIGTERM)."""
+        while not (stop_when_idle and self.agents and all(a.stopped for a in self.agents)):
+            now = time.monotonic()
+            for agent in self.agents:
+                agent.tick(now)
+            self.timers.run_due(now)
+            for sock, _ in self.poller.poll(int(self.timers.next_in_s(time.monotonic(), 0.02) * 1000)):
+                owner = self.owners.get(sock)
+                while owner is not None and self.owners.get(sock) is owner:  # a message may close it
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    msg = self.inboxes[owner.inbox_kind(sock)].read(frames)
+                    if msg is not None:
+                        owner.on_message(sock, msg)
+            self.timers.run_due(time.monotonic())
+
+
+def parse_slow(items: list[str]) -> dict[int, float]:
+    """["3:20", ...] -> {3: 0.02}: rank 3 takes 20 ms more per step."""
+    out = {}
+    for item in items:
+        rank, _, ms = item.partition(":")
+        out[int(rank)] = float(ms) / 1000
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m elastic_ep.harness.standin", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--controller", required=True, help="the controller's health socket (tcp://host:port)")
+    parser.add_argument("--node", action="append", required=True, help="a stand-in node (repeat)")
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--step-ms", type=float, default=20.0, help="a step's set time")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="up to this much more per rank and step")
+    parser.add_argument("--slow", action="append", default=[], metavar="RANK:MS", help="a rank's extra time per step")
+    parser.add_argument("--lease-s", type=float, default=5.0)
+    parser.add_argument("--model", default=None, help="the served checkpoint dir, read before registering")
+    parser.add_argument("--cluster-key-file", default=None,
+                        help="the deployment's cluster key (as `elastic-ep agent`; default $ELASTIC_EP_CLUSTER_KEY)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:  # the stand-ins end with whoever started them, as real ranks end with their agent
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    host = StandInHost(ClusterKey.read(args.cluster_key_file) if args.cluster_key_file else key_from_env())
+    if args.model:
+        host.model(args.model)
+    timing = StandInTiming(args.step_ms / 1000, args.jitter_ms / 1000, parse_slow(args.slow))
+    host.agents = [StandInAgent(host, args.controller, node, args.ranks_per_node, timing, args.lease_s)
+                   for node in args.node]
+    try:
+        host.run()
+    finally:
+        for agent in host.agents:
+            agent.shutdown()
+        time.sleep(0.1)  # let the byes go out
+        host.ctx.destroy(linger=0)  # an open socket would hold the interpreter's exit forever
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

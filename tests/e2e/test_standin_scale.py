@@ -1,0 +1,98 @@
+"""A real `elastic-ep serve` controller with 192 stand-in ranks (harness/standin.py: 24 nodes in
+3 processes, the real wire protocol, no model): while it streams completions, one rank is killed
+and another stopped (SIGSTOP) through /chaos; each is named by the signal that should catch it
+within its bound, the group forms a new epoch without them, the streams finish, and no other
+rank is ever named (no false fault at this size)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastic_ep.harness.load import StreamingLoad
+from elastic_ep.model.tiny import resolve_model
+
+from .conftest import Server
+
+pytestmark = pytest.mark.e2e
+
+RANKS, PER_NODE, PROCESSES = 192, 8, 3
+HEARTBEAT_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("standin")
+    log, key_file = tmp / "serve.log", tmp / "cluster.key"
+    server = Server(["--model", "tiny-deepseek-v3", "--ep-size", str(RANKS), "--local-ranks", "0", "--enable-chaos",
+                     "--cluster-key-file", str(key_file),
+                     "--restart-delay-s", "-1", "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
+                     "--startup-timeout-s", "300"], log, ready_timeout_s=None)
+    nodes = [f"n{i}" for i in range(RANKS // PER_NODE)]
+    procs = []
+    try:
+        addr = server.controller_addr()
+        model = str(resolve_model("tiny-deepseek-v3"))
+        for p in range(PROCESSES):
+            procs.append(subprocess.Popen([
+                sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,
+                "--ranks-per-node", str(PER_NODE), "--step-ms", "20", "--jitter-ms", "5", "--model", model,
+                "--cluster-key-file", str(key_file),
+                *[a for n in nodes[p::PROCESSES] for a in ("--node", n)]]))
+        server.wait_ready(300)  # the stand-in processes import torch first: slow on a busy machine
+        server.wait_full_group(RANKS, 60)
+        yield server
+    finally:
+        server.stop()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def faults(server: Server) -> list[dict]:
+    return [e for e in server.http.get("/cluster", params={"events": 0}).json()["events"] if e["kind"] == "fault"]
+
+
+def named_within(server: Server, rank_id: int, since_s: float, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [e for e in faults(server) if e["rank_id"] == rank_id]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank_id} was not named within {timeout_s}s")
+
+
+def test_kill_and_stop_among_192_standins(cluster):
+    server = cluster
+    load = StreamingLoad(server.url, threads=4, max_tokens=24)
+    load.start()
+    try:
+        time.sleep(1.0)
+        killed, stopped = 37, 150
+        t0 = time.time()
+        assert server.http.post("/chaos/kill", json={"rank_id": killed}).status_code == 200
+        kill = named_within(server, killed, t0, 10)
+        assert kill["signal"] == "exited" and kill["time_s"] - t0 < 1.0
+        server.wait_for(lambda c: killed not in c["members"] and c["ready"], 30, "an epoch without the killed rank")
+        t0 = time.time()
+        assert server.http.post("/chaos/hang", json={"rank_id": stopped}).status_code == 200
+        stop = named_within(server, stopped, t0, 20)
+        assert stop["signal"] in ("heartbeat", "hung")
+        assert stop["time_s"] - t0 < HEARTBEAT_TIMEOUT_S + 1.0  # the deadline, plus this busy machine's slack
+        after = server.wait_for(lambda c: stopped not in c["members"] and c["ready"], 30,
+                                "an epoch without the stopped rank")
+        assert len(after["members"]) == RANKS - 2
+        time.sleep(2.0)
+    finally:
+        load.stop()
+    assert load.done > 0 and not load.failures, load.failures[:3]
+    assert sorted(e["rank_id"] for e in faults(server)) == [killed, stopped]
