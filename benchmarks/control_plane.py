@@ -47,24 +47,13 @@ from elastic_ep.control.api import GenerationRequest
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.control.facade.to_loop import SignalRank
+from elastic_ep.harness.standin import standin_model
 from elastic_ep.model.sampling import SamplingParams
-from elastic_ep.model.tiny import cache_dir, make_tiny
 from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.wire import KEY_ENV, ClusterKey
 
 RANKS_PER_NODE = 8
 TABLE = [(r, s) for r in (8, 64, 256, 1024) for s in (0, 64)]
-
-
-def standin_model() -> Path:
-    """DeepSeek-V3's MoE shape (58 MoE layers after one dense layer, 256 experts, top-8) with tiny
-    tensors: the controller reads only its config and expert size."""
-    path = cache_dir() / "standin-deepseek-v3-shape-v1"
-    if not (path / "config.json").is_file():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_tiny("deepseek_v3", tmp, layers=59, hidden=8, experts=256, top_k=8, heads=1, num_shards=1)
-        os.replace(tmp, path)
-    return path
 
 
 def ranks_per_node(ranks: int) -> int:

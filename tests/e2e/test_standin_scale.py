@@ -1,5 +1,5 @@
 """A real `elastic-ep serve` controller with 192 stand-in ranks (harness/standin.py: 24 nodes in
-3 processes, the real wire protocol, no model): while it streams completions, one rank is killed
+3 processes, the real wire protocol, no model; a DeepSeek-V3-shaped config with tiny tensors): while it streams completions, one rank is killed
 and another stopped (SIGSTOP) through /chaos; each is named by the signal that should catch it
 within its bound, the group forms a new epoch without them, the streams finish, and no other
 rank is ever named (no false fault at this size)."""
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from elastic_ep.harness.load import StreamingLoad
-from elastic_ep.model.tiny import resolve_model
+from elastic_ep.harness.standin import standin_model
 
 from .conftest import Server
 
@@ -27,7 +27,8 @@ HEARTBEAT_TIMEOUT_S = 1.0
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("standin")
     log, key_file = tmp / "serve.log", tmp / "cluster.key"
-    server = Server(["--model", "tiny-deepseek-v3", "--ep-size", str(RANKS), "--local-ranks", "0", "--enable-chaos",
+    model = str(standin_model())  # DeepSeek-V3's 256 experts per layer: room for 192 ranks
+    server = Server(["--model", model, "--ep-size", str(RANKS), "--local-ranks", "0", "--enable-chaos",
                      "--cluster-key-file", str(key_file),
                      "--restart-delay-s", "-1", "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
                      "--startup-timeout-s", "300"], log, ready_timeout_s=None)
@@ -35,7 +36,6 @@ def cluster(tmp_path_factory):
     procs = []
     try:
         addr = server.controller_addr()
-        model = str(resolve_model("tiny-deepseek-v3"))
         for p in range(PROCESSES):
             procs.append(subprocess.Popen([
                 sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,

@@ -42,11 +42,13 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import zmq
 
 from elastic_ep.model.config import MoEConfig
+from elastic_ep.model.tiny import cache_dir, make_tiny
 from elastic_ep.node.lease import Lease
 from elastic_ep.wire import (
     CONTROLLER_TO_AGENT,
@@ -92,6 +94,17 @@ from elastic_ep.wire import (
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)
 PID_BASE = 4_000_000  # stand-in pids: above any real pid, unique per rank and incarnation
+
+
+def standin_model() -> Path:
+    """DeepSeek-V3's MoE shape (58 MoE layers after one dense layer, 256 experts, top-8) with tiny
+    tensors: the controller reads only its config and expert size."""
+    path = cache_dir() / "standin-deepseek-v3-shape-v1"
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny("deepseek_v3", tmp, layers=59, hidden=8, experts=256, top_k=8, heads=1, num_shards=1)
+        os.replace(tmp, path)
+    return path
 
 
 def expert_checksum(layer: int, expert: int) -> int:
