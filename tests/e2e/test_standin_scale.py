@@ -1,8 +1,8 @@
-"""A real `elastic-ep serve` controller with 192 stand-in ranks (harness/standin.py: 24 nodes in
-3 processes, the real wire protocol, no model; a DeepSeek-V3-shaped config with tiny tensors):
+"""A real `elastic-ep serve` controller with 192 stand-in ranks (harness/standin.py: 24 nodes in 3
+processes, the real wire protocol, no model; a DeepSeek-V3-shaped config with tiny tensors):
 while it streams completions, one rank is killed and another stopped (SIGSTOP) through /chaos;
-each is named by the signal that should catch it within its bound, the group forms a new epoch without them, the streams finish, and no other
-rank is ever named (no false fault at this size)."""
+each is named by the signal that should catch it within its bound, the group forms a new epoch
+without them, the streams finish, and no other rank is ever named (no false fault at this size)."""
 
 from __future__ import annotations
 
