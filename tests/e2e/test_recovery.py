@@ -34,6 +34,10 @@ SERVE_ARGS = ("--model", MODEL, "--ep-size", "4", "--redundant-experts", "16", "
               "--restart-delay-s", "1.0", "--admission-timeout-s", "2", "--straggler-policy", "off")
 
 
+# how the agent words a rank that ended: "killed by SIGKILL" for a kill -9, "exited with code N" otherwise
+EXITED = ("killed by SIGKILL", "exited with code")
+
+
 @pytest.fixture(scope="module")
 def server(server_factory):
     return server_factory(*SERVE_ARGS)
@@ -81,7 +85,7 @@ def test_kill_one_rank_then_it_rejoins(server):
     count = recoveries(server)
     pid = server.pids()[1]
     texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGKILL))
-    cluster = check_recovered(server, before, texts, {1}, "exited")
+    cluster = check_recovered(server, before, texts, {1}, EXITED)
     event = recovery_events(cluster, before["epoch"])[0]
     assert set(event["transfers"]) and event["total_s"] < 5
     assert recoveries(server) > count
@@ -128,7 +132,7 @@ def test_rank_zero_lost_via_chaos_endpoint_with_seeded_sampling(server):
     kill = lambda: server.http.post("/chaos/kill", json={"rank_id": 0}).raise_for_status()  # noqa: E731
     texts, _ = streams_with_fault(server, kill, temperature=0.8, seed=11)
     expected = reference(MODEL, tuple(PROMPTS), MAX_TOKENS, 0.8, 11)
-    check_recovered(server, before, texts, {0}, "exited", expected)
+    check_recovered(server, before, texts, {0}, EXITED, expected)
 
 
 def test_watchdog_names_a_rank_that_stops_entering_collectives(server):
@@ -148,7 +152,7 @@ def test_two_ranks_at_once_losing_every_replica_of_some_experts_restores_from_ba
             os.kill(pids[r], signal.SIGKILL)
 
     texts, _ = streams_with_fault(server, kill_both)
-    cluster = check_recovered(server, before, texts, set(pair), "exited")
+    cluster = check_recovered(server, before, texts, set(pair), EXITED)
     moved = {}
     for e in recovery_events(cluster, before["epoch"]):
         for source, stat in e["transfers"].items():
@@ -169,7 +173,7 @@ def test_second_fault_lands_during_the_recovery_of_the_first(server):
         os.kill(pids[1], signal.SIGKILL)
 
     texts, _ = streams_with_fault(server, two_faults)
-    cluster = check_recovered(server, before, texts, {1, 3}, "exited")
+    cluster = check_recovered(server, before, texts, {1, 3}, EXITED)
     (record,) = recovery_events(cluster, before["epoch"])  # one recovery, extended by the second fault
     assert record["culprits"] == [1, 3] and "; then rank 3" in record["cause"], record
     kill = next(e for e in cluster["events"] if e["kind"] == "chaos" and e["id"] > last_id
@@ -244,7 +248,7 @@ def test_backup_off_restores_lost_experts_from_disk(server_factory):
         pair = _pair_holding_only_replicas(before["placement"])
         pids = server.pids()
         texts, _ = streams_with_fault(server, lambda: [os.kill(pids[r], signal.SIGKILL) for r in pair])
-        cluster = check_recovered(server, before, texts, set(pair), "exited")
+        cluster = check_recovered(server, before, texts, set(pair), EXITED)
         disk = sum(e["transfers"].get("disk", {}).get("bytes", 0) for e in recovery_events(cluster, before["epoch"]))
         assert disk > 0
     finally:
@@ -282,7 +286,7 @@ def test_two_nodes_keep_each_others_backup_and_survive_a_kill(tmp_path):
         assert {r["rank_id"]: r["node"] for r in before["ranks"]} == {0: "node0", 1: "node0", 2: "node0", 3: "node1"}
         pid = server.pids()[0]
         texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGKILL))
-        cluster = check_recovered(server, before, texts, {0}, "exited")
+        cluster = check_recovered(server, before, texts, {0}, EXITED)
         moved = {k: v["bytes"] for k, v in recovery_events(cluster, before["epoch"])[0]["transfers"].items()}
         assert moved["backup"] > 0 and moved.get("backup_remote", 0) == 0 and moved.get("disk", 0) == 0, moved
         server.stop()
@@ -359,7 +363,7 @@ def test_the_default_serve_survives_a_kill_without_waiting_for_the_restart(serve
         assert redundancy["chosen"] == "auto" and redundancy["survives"]["rank_losses"] >= 1
         pid = server.pids()[1]
         texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGKILL))
-        cluster = check_recovered(server, before, texts, {1}, "exited")
+        cluster = check_recovered(server, before, texts, {1}, EXITED)
         # served on by the three left: rank 1 is not restarted, so the streams waited for nothing
         assert cluster["ready"] and sorted(cluster["members"]) == [0, 2, 3]
     finally:
