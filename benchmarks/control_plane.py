@@ -163,8 +163,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
                       max_num_seqs=max(seqs_per_rank, 1), max_model_len=2048, enable_chaos=True, restart_delay_s=-1,
                       log_stats_interval_s=0, startup_timeout_s=300, heartbeat_timeout_s=timeout_s,
                       agent_timeout_s=timeout_s)
-    if before:
-        cfg.load_report_every_steps = 1
+    # after: load summed on the rank over 16 steps (the server's default stays 1 until the recorder
+    # counts a window's last partial sums)
+    cfg.load_report_every_steps = 1 if before else 16
     registry = CollectorRegistry()
     key = ClusterKey.generate()
     ctl = Controller(cfg, key, registry)

@@ -49,7 +49,8 @@ class ServeConfig:
     eplb_interval: int = 200
     eplb_threshold: float = 1.3
     eplb_speed_aware: bool = False
-    load_report_every_steps: int = 16
+    # 16 cuts the step results' bytes, but the recorder then misses a window's last sums
+    load_report_every_steps: int = 1
     enable_chaos: bool = False
     record_dir: str = "."
     heartbeat_interval_s: float = 0.1
