@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from elastic_ep.harness.server_process import free_port
+from elastic_ep.harness.server_process import free_port, terminate
 
 
 class RouterProcess:
@@ -58,12 +57,6 @@ class RouterProcess:
         return self.log_path.read_text()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, grace_s)
         self.http.close()
         self._log.close()

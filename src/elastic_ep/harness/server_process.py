@@ -26,6 +26,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after grace_s; returns once the process is reaped."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class ServerProcess:
     """One `elastic-ep serve ARGS` process with its output in `log_path`, listening on `host`.
 
@@ -130,12 +141,6 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM, then SIGKILL after grace_s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, grace_s)
         self.http.close()
         self._log.close()
