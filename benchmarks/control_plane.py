@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import logging
 import math
@@ -155,8 +156,31 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
+class ControlThreadProfile:
+    """cProfile of the control thread only, from its next step until `stop()` (written to `path`):
+    a profiler is enabled in the thread that calls it, so the step loop's `run` enables it there."""
+
+    def __init__(self, ctl: Controller, path: str):
+        self.ctl, self.path, self.profile, self.on = ctl, path, cProfile.Profile(), True
+        self.run = ctl.steps.run
+        ctl.steps.run = self._run
+
+    def _run(self):
+        if self.on:
+            self.profile.enable()
+        else:
+            self.profile.disable()
+            self.ctl.steps.run = self.run
+        return self.run()
+
+    def stop(self) -> None:
+        self.on = False
+        wait_for(lambda: self.ctl.steps.run == self.run, 10, "the control thread did not stop profiling")
+        self.profile.dump_stats(self.path)
+
+
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
-              before: bool, faults: bool, timeout_s: float) -> dict:
+              before: bool, faults: bool, timeout_s: float, profile: str | None = None) -> dict:
     model = standin_model()
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -186,9 +210,13 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         times = ctl.plane.times
         v0, h0, d0 = times.view(), dict(times.handled_s), dict(times.decode_s)
         n0, w0, s0, parts0 = times.steps, times.wall_s, times.slowest_rank_s, dict(times.part_s)
-        t0 = time.monotonic()
+        profiler = ControlThreadProfile(ctl, profile) if profile else None
+        cpu_clock = time.pthread_getcpuclockid(ctl._thread.ident)
+        cpu0, t0 = time.clock_gettime(cpu_clock), time.monotonic()
         time.sleep(seconds)
-        dt = time.monotonic() - t0
+        dt, cpu_s = time.monotonic() - t0, time.clock_gettime(cpu_clock) - cpu0
+        if profiler is not None:
+            profiler.stop()
         v1, h1, d1 = times.view(), dict(times.handled_s), dict(times.decode_s)
         steps = times.steps - n0
         parts = delta(dict(times.part_s), parts0)
@@ -201,6 +229,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "step_period_ms": round(1000 * dt / max(steps, 1), 2),
             "slowest_rank_ms": round(1000 * (times.slowest_rank_s - s0) / max(steps, 1), 2),
             "added_ms_per_step": round(1000 * ((times.wall_s - w0) - (times.slowest_rank_s - s0)) / max(steps, 1), 2),
+            # the control thread's CPU time: what it would add on a machine of its own (no wait for a core)
+            "control_cpu_ms_per_step": round(1000 * cpu_s / max(steps, 1), 2),
+            "control_cpu_share": round(cpu_s / dt, 3),
             "parts_ms": {p: round(1000 * s / max(steps, 1), 2) for p, s in parts.items()},
             "heartbeats_per_s": round(handled.get("Heartbeat", 0) / dt),
             "heartbeat_load": round((handled_s.get("Heartbeat", 0) + d1.get("health", 0) - d0.get("health", 0))
@@ -290,13 +321,15 @@ def main() -> None:
                         help="--heartbeat-timeout-s and --agent-timeout-s of the controller (the stop's deadline)")
     parser.add_argument("--table-ranks", default="8,64,256,1024", help="the table's sizes (comma-separated)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="write a cProfile of the control thread over the measured seconds (pstats format)")
     args = parser.parse_args()
     logging.getLogger("elastic_ep").setLevel(logging.ERROR)
     if args.ranks is None:
         table(args)
         return
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
-                    args.before, not args.no_faults, args.timeout_s)
+                    args.before, not args.no_faults, args.timeout_s, args.profile)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 
