@@ -37,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -274,37 +275,55 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         stop_standins(procs)
 
 
+def baseline_tree(rev: str, into: Path) -> Path:
+    """The repository's `src` and this benchmark as of git revision `rev`, written under `into`."""
+    repo = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "src", "benchmarks/control_plane.py"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
 def table(args) -> None:
+    """Each point before and after, one child process each, side by side. Before: this code with
+    `--before`, or with --baseline REV the code of that revision (its own benchmark, its defaults)."""
     rows = []
     sizes = [int(x) for x in args.table_ranks.split(",")]
-    for ranks, seqs in [(r, s) for r, s in TABLE if r in sizes]:
-        for mode in ("before", "after"):
-            cmd = [sys.executable, __file__, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
-                   "--seconds", str(args.seconds), "--step-ms", str(args.step_ms), "--timeout-s", str(args.timeout_s)]
-            if mode == "before":
-                cmd.append("--before")
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            except subprocess.TimeoutExpired:
-                print(f"{ranks} ranks, {seqs} per rank, {mode}: over 900 s", file=sys.stderr)
-                continue
-            if done.returncode:
-                print(done.stderr[-2000:], file=sys.stderr)
-                continue
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    print("| ranks | seqs/rank | mode | added ms/step | period ms | plan | encode | send | gather | decode | commit "
-          "| metrics | heartbeats/s | hb load | /cluster build ms | /metrics ms | kill detect s | stop detect s "
-          "| hang pause s | placement ms | false faults |")
-    print("|" + "---|" * 21)
+    with tempfile.TemporaryDirectory() as tmp:
+        old = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
+        for ranks, seqs in [(r, s) for r, s in TABLE if r in sizes]:
+            for mode in ("before", "after"):
+                script, env = __file__, dict(os.environ)
+                flags = ["--before"] if mode == "before" and old is None else []
+                if mode == "before" and old is not None:
+                    script, env["PYTHONPATH"] = str(old / "benchmarks" / "control_plane.py"), str(old / "src")
+                cmd = [sys.executable, script, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
+                       "--seconds", str(args.seconds), "--step-ms", str(args.step_ms), "--timeout-s",
+                       str(args.timeout_s), *flags, *(["--no-faults"] if args.no_faults else [])]
+                try:
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+                except subprocess.TimeoutExpired:
+                    print(f"{ranks} ranks, {seqs} per rank, {mode}: over 900 s", file=sys.stderr)
+                    continue
+                if done.returncode:
+                    print(done.stderr[-2000:], file=sys.stderr)
+                    continue
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+                row["mode"] = f"before ({args.baseline})" if mode == "before" and old is not None else row["mode"]
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    print("| ranks | seqs/rank | mode | added ms/step | control CPU ms/step | period ms | plan | encode | send "
+          "| gather | decode | commit | metrics | heartbeats/s | hb load | /cluster build ms | /metrics ms "
+          "| kill detect s | stop detect s | hang pause s | placement ms | false faults |")
+    print("|" + "---|" * 22)
     for r in rows:
-        p = r["parts_ms"]
-        print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['added_ms_per_step']} | {r['step_period_ms']} "
+        p, kill, stop = r["parts_ms"], r.get("kill", {}), r.get("stop", {})
+        print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['added_ms_per_step']} "
+              f"| {r.get('control_cpu_ms_per_step', 'n/a')} | {r['step_period_ms']} "
               f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
               f"| {p['metrics']} | {r['heartbeats_per_s']} | {r['heartbeat_load']:.1%} | {r['cluster_snapshot_ms']} "
-              f"| {r['metrics_scrape_ms']} | {r['kill']['detect_s']} | {r['stop']['detect_s']} "
-              f"| {r['stop']['pause_s']} | {r['placement_ms']} | {len(r['false_faults'])} |")
+              f"| {r['metrics_scrape_ms']} | {kill.get('detect_s', '-')} | {stop.get('detect_s', '-')} "
+              f"| {stop.get('pause_s', '-')} | {r['placement_ms']} | {len(r['false_faults'])} |")
 
 
 def main() -> None:
@@ -320,6 +339,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1.0,
                         help="--heartbeat-timeout-s and --agent-timeout-s of the controller (the stop's deadline)")
     parser.add_argument("--table-ranks", default="8,64,256,1024", help="the table's sizes (comma-separated)")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="the table's before: the code of this git revision instead of this code with --before")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="write a cProfile of the control thread over the measured seconds (pstats format)")
