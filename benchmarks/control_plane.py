@@ -289,9 +289,10 @@ def table(args) -> None:
     `--before`, or with --baseline REV the code of that revision (its own benchmark, its defaults)."""
     rows = []
     sizes = [int(x) for x in args.table_ranks.split(",")]
+    loads = [int(x) for x in args.table_seqs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         old = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
-        for ranks, seqs in [(r, s) for r, s in TABLE if r in sizes]:
+        for ranks, seqs in [(r, s) for r, s in TABLE if r in sizes and s in loads]:
             for mode in ("before", "after"):
                 script, env = __file__, dict(os.environ)
                 flags = ["--before"] if mode == "before" and old is None else []
@@ -339,6 +340,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1.0,
                         help="--heartbeat-timeout-s and --agent-timeout-s of the controller (the stop's deadline)")
     parser.add_argument("--table-ranks", default="8,64,256,1024", help="the table's sizes (comma-separated)")
+    parser.add_argument("--table-seqs", default="0,64", help="the table's sequences per rank (comma-separated)")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="the table's before: the code of this git revision instead of this code with --before")
     parser.add_argument("--json", action="store_true")

@@ -117,10 +117,14 @@ class _Simulation:
 
     def run(self) -> RunResult:
         cfg, tr = self.cfg, self.trace
-        for t, g, c in zip(tr.fail_t, tr.fail_group, tr.fail_class, strict=True):
-            self.push(float(t), "fail", int(g), int(c))
-        for t, g in zip(tr.slow_t, tr.slow_group, strict=True):
-            self.push(float(t), "slow", int(g))
+        # the trace's own events, in the order the heap would give them (time, then as pushed: the
+        # failures first); only the events they cause go through the heap, which stays small
+        fixed = [(t, seq, "fail", g, c) for seq, (t, g, c) in enumerate(
+            zip(tr.fail_t.tolist(), tr.fail_group.tolist(), tr.fail_class.tolist(), strict=True), 1)]
+        fixed += [(t, seq, "slow", g, 1) for seq, (t, g) in enumerate(
+            zip(tr.slow_t.tolist(), tr.slow_group.tolist(), strict=True), len(fixed) + 1)]
+        fixed.sort()
+        self.seq = len(fixed)
         handlers = {
             "fail": self.on_failure,
             "slow": self.on_straggler,
@@ -131,8 +135,17 @@ class _Simulation:
             "repaired": self.on_repaired,
             "wake": lambda t, g, n: None,
         }
-        while self.heap and self.heap[0][0] < cfg.hours:
-            t, _, kind, g, n = heapq.heappop(self.heap)
+        heap, hours, pop, i = self.heap, cfg.hours, heapq.heappop, 0
+        while True:
+            if i < len(fixed) and (not heap or fixed[i] < heap[0]):
+                t, _, kind, g, n = fixed[i]
+                i += 1
+            elif heap:
+                t, _, kind, g, n = pop(heap)
+            else:
+                break
+            if t >= hours:
+                break
             self.integrate(g, t)
             handlers[kind](t, g, n)
             self.refresh(g, t)
