@@ -77,6 +77,7 @@ class ScriptedEngine:
         self.scaling_to: int | None = None
         self.cordoned: str | None = None
         self.sleep_level = 0
+        self.rollouts: list[dict] = []  # the options of each rolling restart asked for
         self.chaos_calls: list[tuple[str, int, float]] = []
         self.recording = False
         self.fail_after_events: int | None = None
@@ -210,6 +211,24 @@ class ScriptedEngine:
             raise ScaleRejected(f"node {node!r} is not cordoned", 400, "node")
         self.cordoned = None
         return {"node": node, "cordoned": False}
+
+    async def rolling_restart(self, options: dict) -> dict:
+        if self.rollouts and self.rollouts[-1] is not None:
+            raise ScaleRejected("a rolling restart is in flight; wait for it, or POST /rolling_restart/abort", 409,
+                                "rolling_restart")
+        self.rollouts.append(options)
+        return self.rolling_restart_status()
+
+    async def abort_rolling_restart(self) -> dict:
+        if not self.rollouts or self.rollouts[-1] is None:
+            raise ScaleRejected("no rolling restart is in flight", 409, "rolling_restart")
+        self.rollouts.append(None)
+        return {"state": "aborted", "active": False}
+
+    def rolling_restart_status(self) -> dict:
+        running = bool(self.rollouts) and self.rollouts[-1] is not None
+        return {"state": "running" if running else "idle", "active": running,
+                "options": self.rollouts[-1] if running else {}}
 
     async def sleep(self, level: int) -> dict:
         if level not in (1, 2):

@@ -177,6 +177,28 @@ def test_scale_maps_engine_answers_to_status_codes(served):
         served.engine.scaling_to = None
 
 
+def test_rolling_restart_takes_the_worker_options_and_refuses_the_rest(served, tmp_path, monkeypatch):
+    url = f"{served.url}/rolling_restart"
+    for body, param in [({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+                        ({"num_gpu_blocks_override": -1}, "num_gpu_blocks_override"),
+                        ({"max_num_seqs": 4}, "max_num_seqs"), ({"model": ""}, "model")]:
+        refused = httpx.post(url, json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (body, refused.text)
+    monkeypatch.chdir(tmp_path)
+    try:
+        started = httpx.post(url, json={"model": "moved", "kv_cache_memory": 1 << 20})
+        assert started.status_code == 200, started.text
+        assert served.engine.rollouts[-1] == {"model_dir": str(tmp_path / "moved"), "kv_cache_memory": 1 << 20}
+        assert httpx.get(url).json()["state"] == "running"
+        again = httpx.post(url)  # no body: the same options
+        assert again.status_code == 409 and "/rolling_restart/abort" in again.json()["error"]["message"]
+        assert httpx.post(f"{url}/abort").json()["state"] == "aborted"
+        assert httpx.post(f"{url}/abort").status_code == 409
+        assert httpx.post(url).status_code == 200 and served.engine.rollouts[-1] == {}
+    finally:
+        served.engine.rollouts = []
+
+
 def test_expert_distribution_recorder(served):
     assert httpx.post(f"{served.url}/start_expert_distribution_record").status_code == 200
     assert served.engine.recording

@@ -228,6 +228,23 @@ class Engine(Protocol):
         Raises ScaleRejected (400 not cordoned)."""
         ...
 
+    async def rolling_restart(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Replace every worker process (members and standbys), one at a time, by one started with
+        `options` (WorkerLaunch fields: control/membership/rollout_rules.py) in the background;
+        returns the rollout view. Raises ScaleRejected (400 an option it cannot take; 409 a scale
+        or rollout in flight, a group not whole, or no rank could leave without a standby)."""
+        ...
+
+    async def abort_rolling_restart(self) -> dict[str, Any]:
+        """The rank in flight finishes, no other is replaced; returns the rollout view. Raises
+        ScaleRejected 409 when none is in flight."""
+        ...
+
+    def rolling_restart_status(self) -> dict[str, Any]:
+        """JSON for GET /rolling_restart (also /cluster's "rollout"): state, the rank in flight and
+        its phase, replaced and pending ranks (control/membership/rollout_rules.py `rollout_view`)."""
+        ...
+
     async def sleep(self, level: int) -> dict[str, Any]:
         """Sleep at `level` (1: free the KV cache; 2: drop the weights too) once every rank did;
         returns the sleep view (`is_sleeping`, `level`, per rank `rss_before_bytes`,
