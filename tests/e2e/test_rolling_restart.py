@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import psutil
