@@ -223,12 +223,13 @@ class ScriptedEngine:
         if not self.rollouts or self.rollouts[-1] is None:
             raise ScaleRejected("no rolling restart is in flight", 409, "rolling_restart")
         self.rollouts.append(None)
-        return {"state": "aborted", "active": False}
+        return self.rolling_restart_status()
 
     def rolling_restart_status(self) -> dict:
         running = bool(self.rollouts) and self.rollouts[-1] is not None
-        return {"state": "running" if running else "idle", "active": running,
-                "options": self.rollouts[-1] if running else {}}
+        state = "running" if running else "aborted" if self.rollouts else "idle"
+        return {"state": state, "active": running, "options": self.rollouts[-1] if running else {}, "total": 4,
+                "replaced_count": 0, "rank_in_flight": None, "replaced": [], "pending": [0, 1, 2, 3]}
 
     async def sleep(self, level: int) -> dict:
         if level not in (1, 2):

@@ -199,6 +199,23 @@ def test_rolling_restart_takes_the_worker_options_and_refuses_the_rest(served, t
         served.engine.rollouts = []
 
 
+def test_the_rollout_command_starts_follows_and_aborts(served, capsys):
+    try:
+        assert main(["rollout", served.url, "--num-gpu-blocks-override", "64", "--no-wait"]) == 0
+        assert served.engine.rollouts[-1] == {"num_gpu_blocks_override": 64}
+        assert "rolling restart of 4 processes with {'num_gpu_blocks_override': 64}" in capsys.readouterr().out
+        assert main(["rollout", served.url]) == 2  # one is in flight: refused with the server's reason
+        assert "refused (HTTP 409): a rolling restart is in flight" in capsys.readouterr().err
+        assert main(["rollout", served.url, "--abort", "--model", "x"]) == 2
+        assert "--abort takes no options" in capsys.readouterr().err
+        assert main(["rollout", served.url, "--abort"]) == 0
+        out = capsys.readouterr().out
+        assert "aborting: no rank in flight" in out and "rolling restart aborted" in out
+        assert "not replaced: ranks [0, 1, 2, 3]" in out
+    finally:
+        served.engine.rollouts = []
+
+
 def test_expert_distribution_recorder(served):
     assert httpx.post(f"{served.url}/start_expert_distribution_record").status_code == 200
     assert served.engine.recording
