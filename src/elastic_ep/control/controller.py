@@ -488,10 +488,9 @@ class Controller:
     def _check_model(self, path: str) -> str:
         """Why the checkpoint at `path` cannot replace the one served ("" when it holds the same model)."""
         try:
-            other = CheckpointReader(path, MoEConfig.from_pretrained(path), dtype=self.cfg.dtype)
-        except ElasticEPError as e:
-            return f"model {path!r} cannot be read: {e}"
-        return self.reader.difference(other)
+            return self.reader.difference(CheckpointReader(path, MoEConfig.from_pretrained(path), dtype=self.cfg.dtype))
+        except Exception as e:  # an operator's directory: whatever fails to read it (a torn file too) is a 400
+            return f"model {path!r} cannot be read: {type(e).__name__}: {e}"
 
     def _forget_measures(self, rank_id: int) -> None:
         """A rank left the cluster: its series and timings go (a new process given its id starts clean)."""
