@@ -112,7 +112,12 @@ def test_rolling_restart_of_every_rank_under_load(tmp_path):
         assert len({rank for rank, _, _ in watch.seen if rank is not None}) >= 3  # one rank after another
         assert [n for _, _, n in watch.seen] == sorted(n for _, _, n in watch.seen)  # progress only grows
 
+        torn = tmp_path / "torn-checkpoint"
+        shutil.copytree(moved, torn)
+        for shard in torn.glob("*.safetensors"):
+            shard.write_bytes(shard.read_bytes()[:100])
         for body, needle in [({"model": str(tmp_path / "nowhere")}, "cannot be read"),
+                             ({"model": str(torn)}, "cannot be read"),
                              ({"gpu_memory_utilization": 2}, "gpu_memory_utilization"),
                              ({"max_num_seqs": 4}, "max_num_seqs")]:
             reply = server.http.post("/rolling_restart", json=body)
