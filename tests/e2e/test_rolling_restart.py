@@ -1,10 +1,12 @@
-"""Rolling restart end to end: a real server (3 ranks and a standby, tiny model, admin key) under
-streaming greedy load; `elastic-ep rollout` replaces every worker process one at a time with new
-options (the checkpoint copied to another directory, another KV pool size). No request fails,
-every output equals the fault-free run, every pid changed (each process really restarted, and
-runs the new options), the group never held fewer ranks than hold every expert, and /cluster
-showed the progress while it ran. Then impossible or malformed requests are refused, and a
-second rollout is aborted from the command line: the rank in flight finishes, no other moves.
+"""Rolling restart end to end: a real server (3 ranks, tiny model, admin key) under streaming
+greedy load; `elastic-ep rollout` replaces every worker process one at a time (drain, stop, start
+on its node, rejoin) with new options (the checkpoint copied to another directory, another KV
+pool size). No request fails, every output equals the fault-free run, every pid changed (each
+process really restarted, and runs the new options), the group never held fewer ranks than hold
+every expert, and /cluster showed the progress while it ran. Then impossible or malformed
+requests are refused, and a second rollout is aborted from the command line: the rank in flight
+finishes, no other moves. (A standby taking each rank's place is covered by the driver's tests
+with stand-ins and measured for real by benchmarks/rolling_restart.py.)
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ from .conftest import Server, reference_load
 MODEL = "tiny-deepseek-v3"
 ADMIN = "admin-key"
 # 16 experts + 8 redundant over 3 ranks: 8 slots per rank, so 2 ranks hold every expert.
-SERVE_ARGS = ["--model", MODEL, "--ep-size", "3", "--local-ranks", "4", "--redundant-experts", "8",
-              "--standby-ranks", "1", "--scale-drain-timeout-s", "1.0"]
+SERVE_ARGS = ["--model", MODEL, "--ep-size", "3", "--redundant-experts", "8", "--scale-drain-timeout-s", "1.0"]
 
 
 def rollout(server: Server, *args: str) -> subprocess.CompletedProcess:
@@ -36,8 +37,8 @@ def rollout(server: Server, *args: str) -> subprocess.CompletedProcess:
 
 
 def whole(cluster: dict) -> bool:
-    """3 members serving and the standby ready, nothing moving."""
-    return (cluster["ready"] and len(cluster["members"]) == 3 and len(cluster["standby"]["ready"]) == 1
+    """3 members serving, nothing moving."""
+    return (cluster["ready"] and len(cluster["members"]) == 3 and all(r["state"] == "serving" for r in cluster["ranks"])
             and not cluster["scale"]["is_scaling_elastic_ep"] and not cluster["rollout"]["active"])
 
 
@@ -71,9 +72,9 @@ def test_rolling_restart_of_every_rank_under_load(tmp_path):
     shutil.copytree(resolve_model(MODEL), moved)
     server = Server(SERVE_ARGS, tmp_path / "serve.log", admin_api_key=ADMIN)
     try:
-        before = server.wait_for(whole, timeout_s=90, what="3 ranks and a standby")
+        before = server.wait_for(whole, timeout_s=90, what="3 ranks serving")
         old = {r["rank_id"]: r["pid"] for r in before["ranks"]}
-        assert len(old) == 4
+        assert len(old) == 3
         blocks = {r: p["blocks"] for r, p in before["kv_cache"]["ranks"].items()}
         new_blocks = max(blocks.values()) + 8
         assert httpx.post(f"{server.url}/rolling_restart", json={}).status_code == 401  # the admin key guards it
@@ -86,17 +87,16 @@ def test_rolling_restart_of_every_rank_under_load(tmp_path):
             finally:
                 watch.stop()
             assert done.returncode == 0, done.stdout + done.stderr
-            assert "rolling restart done" in done.stdout and "[4/4 replaced] done" in done.stdout, done.stdout
+            assert "rolling restart done" in done.stdout and "[3/3 replaced] done" in done.stdout, done.stdout
             load.wait_done(load.done + 2)
         assert not load.failures, load.failures[:3]
         assert load.done > 0
 
         after = server.wait_for(whole, timeout_s=60, what="the group whole again")
         view = after["rollout"]
-        assert view["state"] == "done" and view["replaced_count"] == 4 and view["pending"] == []
+        assert view["state"] == "done" and view["replaced_count"] == 3 and view["pending"] == []
         assert {r["rank_id"]: r["old_pid"] for r in view["replaced"]} == old
-        assert view["replaced"][0]["plan"] == "standby"  # the old standby goes first
-        assert {r["plan"] for r in view["replaced"][1:]} <= {"surge", "restart"}
+        assert [(r["plan"], r["new_rank_id"]) for r in view["replaced"]] == [("restart", r) for r in (0, 1, 2)]
         new = {r["rank_id"]: r["pid"] for r in after["ranks"]}
         assert not set(new.values()) & set(old.values())  # every process was replaced
         for pid in old.values():
@@ -108,7 +108,7 @@ def test_rolling_restart_of_every_rank_under_load(tmp_path):
 
         assert watch.fewest_members >= 2  # never fewer than the ranks that hold every expert
         phases = {phase for _, phase, _ in watch.seen}
-        assert "draining" in phases and "stopping" in phases and phases & {"starting", "taking_standby"}, phases
+        assert phases == {"draining", "stopping", "starting"}, phases
         assert len({rank for rank, _, _ in watch.seen if rank is not None}) >= 3  # one rank after another
         assert [n for _, _, n in watch.seen] == sorted(n for _, _, n in watch.seen)  # progress only grows
 

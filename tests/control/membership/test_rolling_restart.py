@@ -1,7 +1,7 @@
 """The rolling restart (control/membership/rollout_rules.py, the rules; rolling_restart.py, the
 driver) built with stand-ins for the scale driver and the rank processes: every process is
 replaced one rank at a time (drain, stop, start on its node, rejoin), an old standby goes first
-and a new standby takes a member's place before it leaves, a group that could not lose a rank
+and, with standbys, a new standby takes each member's place before it leaves, a group that could not lose a rank
 is refused (409), abort lets the rank in flight finish and touches no other, a failed step
 fails the rollout with the reason, bad options are refused (400)."""
 
@@ -148,8 +148,10 @@ def test_an_old_standby_goes_first_then_a_new_standby_takes_each_members_place()
     assert rig.driver.op.replaced[-1] == {"rank_id": 0, "old_pid": 1000, "plan": "surge", "new_rank_id": 4,
                                           "new_pid": 2004, "took_s": rig.driver.op.replaced[-1]["took_s"]}
     assert rig.cluster.members == [1, 2, 4]
-    # no standby ready now: the next member restarts in place (3 ranks, 2 hold every expert)
-    assert rig.phase() == (1, "draining")
+    # no standby ready yet: the next member waits for one rather than leave the group short
+    assert rig.phase() == (None, None) and rig.driver.status()["waiting"].startswith("waiting for a new standby")
+    rig.add_standby(0, "n0", 2010)
+    assert rig.phase() == (1, "taking_standby")
 
 
 def test_a_group_that_cannot_lose_a_rank_is_refused_unless_a_standby_can_take_its_place():
@@ -163,9 +165,11 @@ def test_a_group_that_cannot_lose_a_rank_is_refused_unless_a_standby_can_take_it
     waits = Rig({0: "n0", 1: "n1"}, standby_ranks=1)  # a standby is wanted: it waits for one
     waits.driver.request({})
     waits.driver.advance()
-    assert waits.driver.status()["waiting"].startswith("waiting for a standby")
+    assert waits.driver.status()["waiting"].startswith("waiting for a new standby")
     waits.add_standby(3, "n1", 2003)
     assert waits.phase() == (0, "taking_standby")
+    with pytest.raises(ScaleRejected, match="--max-ep-size above the group"):  # no room for a standby to join
+        Rig({0: "n0", 1: "n1"}, standby_ranks=1, max_ep_size=2).driver.request({})
 
 
 def test_abort_lets_the_rank_in_flight_finish_and_replaces_no_other():
@@ -248,6 +252,8 @@ def test_the_next_turn_and_the_refusal_are_pure_rules():
     assert next_turn(view(new_standbys=[7])).plan == "surge"
     assert next_turn(view(new_standbys=[7], most=3)).plan == "restart"  # no room to grow: restart in place
     assert next_turn(view()).plan == "restart"
+    assert next_turn(view(standbys_wanted=1)).plan == "wait"  # a standby is on its way: capacity is held
+    assert next_turn(view(standbys_wanted=1, most=3)).plan == "restart"
     assert next_turn(view(size=2, old_members=[0, 1])).plan == "stuck"
     assert next_turn(view(size=2, old_members=[0, 1], standbys_wanted=1)).plan == "wait"
     assert next_turn(view(old_members=[])).plan == "done"

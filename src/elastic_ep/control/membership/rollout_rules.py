@@ -9,12 +9,14 @@ one that died and was restarted during the rollout already runs the new options 
 replaced. The next turn (`next_turn`):
 
 - an old standby first (`standby`): it is retired; the standby upkeep starts a new one;
-- an old member, with a new standby ready (`surge`): the standby joins (a scale-up by one), then
-  the member drains and stops (a scale-down naming it): the group never has fewer ranks;
-- else, when one rank fewer still holds every expert (`restart`): the member drains and stops,
-  then a new process starts on its node and rejoins (a scale-up by one);
-- else it waits for a standby (`wait`, with --standby-ranks > 0) or cannot go on (`stuck`: the
-  request is refused with 409 when that is already so when it arrives).
+- an old member, with --standby-ranks > 0 (`surge`): once a new standby is ready (`wait` until
+  then), it joins (a scale-up by one), then the member drains and stops (a scale-down naming
+  it): the group never has fewer ranks than when the rollout began;
+- without standbys (or no room: --max-ep-size), when one rank fewer still holds every expert
+  (`restart`): the member drains and stops, then a new process starts on its node and rejoins
+  (a scale-up by one); the group is one rank short meanwhile;
+- else it cannot go on (`stuck`: the request is refused with 409 when that is already so when
+  it arrives).
 
 Steps of the rank in flight (`PLANS`): standby: retiring_standby; surge: taking_standby ->
 draining -> stopping; restart: draining -> stopping -> starting. States of a rollout: running
@@ -73,16 +75,18 @@ def next_turn(view: GroupView) -> Turn:
     if not view.old_members:
         return Turn(None, "done")
     rank = view.old_members[0]
-    if view.new_standbys and view.size + 1 <= view.most:
+    grows = view.size + 1 <= view.most
+    if view.new_standbys and grows:
         return Turn(rank, "surge")
+    if view.standbys_wanted > 0 and grows:
+        return Turn(rank, "wait", f"waiting for a new standby to register: it takes rank {rank}'s place before "
+                                  "that leaves")
     if view.size - 1 >= view.fewest:
         return Turn(rank, "restart")
-    if view.standbys_wanted > 0:
-        return Turn(rank, "wait", "waiting for a standby to register (it takes the place of rank "
-                                  f"{rank} while that restarts)")
     return Turn(rank, "stuck", f"the group has {view.size} ranks and {view.fewest} are needed to hold every expert: "
-                               f"rank {rank} cannot leave to restart and there is no standby to take its place; "
-                               "start serve with --standby-ranks 1, or scale up first (POST /scale_elastic_ep)")
+                               f"rank {rank} cannot leave to restart and no standby can take its place; start serve "
+                               "with --standby-ranks 1 (and --max-ep-size above the group), or scale up first "
+                               "(POST /scale_elastic_ep)")
 
 
 def refusal(view: GroupView) -> str:
