@@ -81,6 +81,7 @@ def test_rolling_restart_of_every_rank_under_load(tmp_path):
 
         with reference_load(server, MODEL, threads=3) as load:
             load.wait_done(1)
+            server.wait_for(whole, timeout_s=60, what="3 ranks serving under load")
             watch = Watch(server)
             try:
                 done = rollout(server, "--model", str(moved), "--num-gpu-blocks-override", str(new_blocks))
