@@ -108,7 +108,7 @@ def test_rolling_restart_of_every_rank_under_load(tmp_path):
         assert {p["blocks"] for p in after["kv_cache"]["ranks"].values()} == {new_blocks}
 
         assert watch.fewest_members >= 2  # never fewer than the ranks that hold every expert
-        phases = {phase for _, phase, _ in watch.seen}
+        phases = {phase for _, phase, _ in watch.seen if phase is not None}  # None: between two ranks
         assert phases == {"draining", "stopping", "starting"}, phases
         assert len({rank for rank, _, _ in watch.seen if rank is not None}) >= 3  # one rank after another
         assert [n for _, _, n in watch.seen] == sorted(n for _, _, n in watch.seen)  # progress only grows
