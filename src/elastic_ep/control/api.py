@@ -188,6 +188,7 @@ class Engine(Protocol):
                         "ecc_uncorrected", "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "throttle_reasons",
                         "xid_errors", "absent"}], "absent": {signal: why}, "age_s"}},   # node/hardware.py
            "scale": scale_status(), "deadlines": {name: value},   # seconds where the name ends in _s, else a multiple
+           "rollout": rolling_restart_status(),   # the last rolling restart, {"state": "idle"} before any
            "data_plane": {"all2all_backend", "enable_dbo", "dbo_min_tokens", "padded_dispatch_max_tokens",
                           "dp_align", "dp_align_min_chunk", "dp_migrate", "dp_migrate_patience",
                           "nodes": {node: [member rank_ids]}},   # the host groups of this epoch
