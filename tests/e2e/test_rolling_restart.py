@@ -102,9 +102,10 @@ def test_rolling_restart_of_every_rank_under_load(tmp_path):
         assert not set(new.values()) & set(old.values())  # every process was replaced
         for pid in old.values():
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        for r in after["ranks"]:  # the new processes run the new options
+        for r in after["ranks"]:  # the new processes run the new options, and say which elastic-ep they run
             launch = json.loads(psutil.Process(r["pid"]).cmdline()[-1])  # the WorkerArgs it started with
             assert launch["model_dir"] == str(moved) and launch["num_gpu_blocks_override"] == new_blocks
+            assert r["version"] == server.http.get("/version").json()["version"]
         assert {p["blocks"] for p in after["kv_cache"]["ranks"].values()} == {new_blocks}
 
         assert watch.fewest_members >= 2  # never fewer than the ranks that hold every expert

@@ -170,7 +170,8 @@ class Engine(Protocol):
                                   slowness figure), ...numbers} | None,   # members only; policy/straggler_verdict.py
                       "ready": bool,  # ready: serves in a verified epoch
                       "safe_to_terminate": bool,  # not a member and no request: killing it costs nothing
-                      "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
+                      "dense_source": "host_memory" | "peer" | "disk" | None,
+                      "version": str | None}, ...],   # the elastic-ep the rank's process runs
            "ready": bool, "reason": str,   # as GET /ready
            "health": {"status": "ok" | "degraded" | "dead", "reason": str},   # as GET /health
            "load": {"running", "waiting": requests now, "steps_per_s", "tokens_per_s",
