@@ -143,10 +143,11 @@ class RollingRestart:
     # ---- at step boundaries ---------------------------------------------------------------------
 
     def advance(self) -> None:
-        """Move the rollout on (call it while no scale is in flight)."""
+        """Move the rollout on (call it while no scale is in flight); publishes when it moved."""
         op = self.op
         assert op is not None
         now = time.monotonic()
+        was = (op.state, op.rank_id, op.step, op.waiting)
         if op.rank_id is None:
             self._next_rank(op, now)
         elif self._step_done(op):
@@ -165,7 +166,8 @@ class RollingRestart:
         elif op.phase in ("retiring_standby", "stopping") and now - op.step_started_at > self._timeout_s:
             self._fail(f"rank {op.rank_id} (pid {op.old[op.rank_id]}) did not stop within --elastic-ep-scale-timeout "
                        f"{self._timeout_s:g}s; check its node's agent")
-        self.publish()
+        if (op.state, op.rank_id, op.step, op.waiting) != was:
+            self.publish()
 
     def _next_rank(self, op: RolloutOp, now: float) -> None:
         turn = next_turn(self._view(op.old))
