@@ -2,7 +2,7 @@
 shared system prompts (P prefixes x R requests, in shuffled order), streamed chat completions,
 with more prefixes than one instance's KV pool holds.
 
-    .venv/bin/python benchmarks/router.py [--instances 4] [--prefixes 24] [--requests 16]
+    .venv/bin/python benchmarks/router.py [--instances 4] [--prefixes 24] [--requests 32]
         [--concurrency 16 | --rate R] [--prompt-bytes 1500] [--cache-share 1.25] [--max-tokens 4]
         [--patient] [--serve-args "..."] [--json]
 
@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-deepseek-v3")
     parser.add_argument("--instances", type=int, default=4)
     parser.add_argument("--prefixes", type=int, default=24)
-    parser.add_argument("--requests", type=int, default=16, help="requests per prefix")
+    parser.add_argument("--requests", type=int, default=32, help="requests per prefix")
     parser.add_argument("--concurrency", type=int, default=16, help="clients, each sending its next request when "
                         "the last one ended (closed loop)")
     parser.add_argument("--rate", type=float, default=0.0, help="requests/s arriving at Poisson times, whatever "
