@@ -532,7 +532,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elastic-ep rank {args.rank_id} on {args.node}: {e}", file=sys.stderr, flush=True)
         return 2
     worker.run()
-    return 0
+    # Out without the interpreter's teardown: a gloo group kept because a peer may never answer
+    # (group.destroy) aborts the process in its destructor, and a context's term waits on linger.
+    worker.sock.close(linger=1000)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
