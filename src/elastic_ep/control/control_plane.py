@@ -63,10 +63,13 @@ class ListeningClock:
 
 class ControlPlane:
     """Bind both sockets on `host`; `step_addr` and `health_addr` are what workers and agents
-    connect to; `key`: the deployment's cluster key, which every frame in and out carries."""
+    connect to; `key`: the deployment's cluster key, which every frame in and out carries; `term`:
+    the term this controller leads its group in (serve --etcd), which every frame out carries and
+    agents and workers fence on (0 outside a group)."""
 
-    def __init__(self, host: str, key: ClusterKey):
+    def __init__(self, host: str, key: ClusterKey, term: int = 0):
         self.key = key
+        self.term = term
         self.step_inbox = Inbox("step", STEP_TO_CONTROLLER, key)
         self.health_inbox = Inbox("health", HEALTH_TO_CONTROLLER, key)
         self.ctx = zmq.Context.instance()
@@ -141,12 +144,12 @@ class ControlPlane:
 
     def to_worker(self, rank_id: int, message) -> None:
         """To a worker's main thread (step socket)."""
-        self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message)])
+        self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message, self.term)])
 
     def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
         """(rank_id, message) to each worker's main thread, timed as a step's encode and send."""
         t0 = time.perf_counter()
-        frames = [[f"w{rank_id}".encode(), *self.key.seal(message)] for rank_id, message in plans]
+        frames = [[f"w{rank_id}".encode(), *self.key.seal(message, self.term)] for rank_id, message in plans]
         t1 = time.perf_counter()
         for parts in frames:
             self.step_sock.send_multipart(parts)
@@ -157,8 +160,8 @@ class ControlPlane:
     def to_heartbeat(self, rank_id: int, message) -> None:
         """To a worker's heartbeat thread (health socket), which answers even while the main
         thread waits in a collective."""
-        self.health_sock.send_multipart([f"h{rank_id}".encode(), *self.key.seal(message)])
+        self.health_sock.send_multipart([f"h{rank_id}".encode(), *self.key.seal(message, self.term)])
 
     def to_identity(self, identity: bytes, message) -> None:
         """To a peer of the health socket (an agent) by its identity."""
-        self.health_sock.send_multipart([identity, *self.key.seal(message)])
+        self.health_sock.send_multipart([identity, *self.key.seal(message, self.term)])

@@ -127,9 +127,10 @@ def store_on(host: str, timeout_s: float = 30.0) -> dist.TCPStore:
 
 class Controller:
     """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`. `key`: the
-    deployment's cluster key, which every agent and worker must hold."""
+    deployment's cluster key, which every agent and worker must hold; `term`: the term this
+    controller leads its group in (serve --etcd; 0 alone), the fencing token of every frame it sends."""
 
-    def __init__(self, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry | None = None):
+    def __init__(self, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry | None = None, term: int = 0):
         self.cfg = cfg
         self.config = MoEConfig.from_pretrained(cfg.model_dir)
         self.reader = CheckpointReader(cfg.model_dir, self.config, dtype=cfg.dtype)
@@ -154,7 +155,7 @@ class Controller:
         self.traces = _start_tracing(cfg) if cfg.otlp_traces_endpoint else None
         self.streams = Streams(self.scheduler, self.traces)
         self.detector = FaultDetector(cfg)
-        self.plane = ControlPlane(cfg.control_host, key)
+        self.plane = ControlPlane(cfg.control_host, key, term)
         self.store = store_on(cfg.control_host)
         self.store_port = self.store.port
         self.changer = EpochChanger(c, cfg, self.plane, self.store, nbytes, self.pump,

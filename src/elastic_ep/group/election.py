@@ -1,6 +1,6 @@
 """Leader election of the controller group through one etcd lease.
 
-Each controller holds a lease of `ttl_s` seconds, renewed every third of it, and keeps its `Seat`
+Each controller holds a lease of `ttl_s` seconds, renewed every quarter of it, and keeps its `Seat`
 under `members/<name>` with it. Every `tick_s` it campaigns: one transaction puts its seat at the
 leader key under its lease if nobody holds the key, and reads the key either way. The controller
 whose lease holds the key leads; its **term** is the key's create revision, which etcd never
@@ -105,7 +105,7 @@ class Election:
         now = self.clock()
         if not self._lease:
             self._lease, self._renewed_sent, self._put_seat = self.store.grant(self.ttl_s), now, None
-        elif now - self._renewed_sent >= self.ttl_s / 3:
+        elif now - self._renewed_sent >= self.ttl_s / 4:
             if self.store.keepalive(self._lease) <= 0:
                 self._lease_lost("its etcd lease expired")
                 return

@@ -1,0 +1,106 @@
+"""`elastic-ep serve --etcd URL --ha-group NAME`: this controller in a group (group/election.py).
+
+The HTTP server starts at once behind a `GroupGate` (serve/group_gate.py): a standby answers
+/health, /ready, /cluster and 503 for the rest. Once elected, the controller is built and started
+in the term it won (every frame it sends carries it), its agent address is published in its seat
+for `elastic-ep agent --etcd`, and the gate hands every request to the real app. Deposed (its
+lease lapsed, or another holds the leader key), the process exits at once with EXIT_DEPOSED,
+sending nothing more: its agents and workers outlive it, and a supervisor starts it again as a
+standby."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer
+
+from elastic_ep.commands.serve import interrupt
+from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.controller import Controller
+from elastic_ep.errors import ElasticEPError
+from elastic_ep.group.election import Election, Role
+from elastic_ep.group.status import group_view, standby_reason
+from elastic_ep.group.store import GroupStore, Seat
+from elastic_ep.serve.app import create_app
+from elastic_ep.serve.group_gate import GroupGate
+from elastic_ep.serve.guard import HttpGuard, request_timeout_protocol
+from elastic_ep.wire import ClusterKey
+
+logger = logging.getLogger("elastic_ep.serve")
+EXIT_DEPOSED = 3
+
+
+def _deposed(reason: str) -> None:
+    """No longer the leader: stop here, before this process sends another frame (os._exit runs no
+    cleanup, in particular not the controller's shutdown of the agents)."""
+    logger.error("exiting: this controller no longer leads its group (%s); start it again to stand by", reason)
+    logging.shutdown()
+    os._exit(EXIT_DEPOSED)
+
+
+def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry,
+                   tokenizer: Tokenizer, guard: HttpGuard, http_socket: socket.socket) -> int:
+    try:
+        store = GroupStore(args.etcd, args.ha_group)
+    except ValueError as e:
+        raise ElasticEPError(str(e)) from None
+    if args.ha_lease_s < 2:
+        raise ElasticEPError(f"--ha-lease-s {args.ha_lease_s}: etcd leases are whole seconds, at least 2")
+    host = cfg.advertise_host or cfg.host
+    http_url = f"http://{'[' + host + ']' if ':' in host else host}:{http_socket.getsockname()[1]}"
+    elected = threading.Event()
+    election = Election(store, Seat(args.node, http_url), ttl_s=args.ha_lease_s,
+                        on_elected=lambda term: elected.set(), on_deposed=_deposed)
+
+    def view() -> dict:
+        return group_view(args.ha_group, args.etcd, args.node, election.state)
+
+    gate = GroupGate(view, lambda: standby_reason(args.ha_group, election.state), registry)
+    stop = threading.Event()
+    holder: list[Controller] = []
+
+    def lead() -> None:
+        while not elected.wait(0.2):
+            if stop.is_set():
+                return
+        term = election.state.term
+        controller = Controller(cfg, key, registry, term=term)
+        holder.append(controller)
+        controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
+        app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard,
+                         group=view)
+        controller.start()
+        election.set_seat(controller=controller.health_addr)
+        gate.lead(app)
+        logger.info("group %s: %s leads in term %d; controller at %s", args.ha_group, args.node, term,
+                    controller.health_addr)
+
+    threads = [threading.Thread(target=election.run, args=(stop,), name="election", daemon=True),
+               threading.Thread(target=lead, name="takeover", daemon=True)]
+    for t in threads:
+        t.start()
+    logger.info("group %s through etcd %s: %s on %s stands by until elected", args.ha_group, args.etcd, args.node,
+                http_url)
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        config = uvicorn.Config(gate, log_level="warning", log_config=None, timeout_graceful_shutdown=2,
+                                http=request_timeout_protocol(args.request_timeout_s))
+        uvicorn.Server(config).run(sockets=[http_socket])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for controller in holder:  # then the lease is revoked: a standby leads at once
+            controller.stop()
+        stop.set()
+        for t in threads:
+            t.join(5)
+    if holder and holder[0].fatal:
+        raise ElasticEPError(f"the cluster stopped: {holder[0].fatal}")
+    return 0 if election.state.role != Role.DEPOSED else EXIT_DEPOSED
