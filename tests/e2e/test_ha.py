@@ -8,6 +8,7 @@ A new leader does not adopt the running ranks yet: the agent restarts its worker
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +36,41 @@ def role(server: ServerProcess) -> str | None:
         return server.http.get("/health").json().get("role")
     except httpx.TransportError:
         return None
+
+
+def expected_ids(server: ServerProcess, prompt: str) -> list[int]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    return server.http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+
+class DirectStream:
+    """A client streaming straight from one controller (no router), in a thread: its request id
+    and the token ids it got, and whether the stream broke."""
+
+    def __init__(self, server: ServerProcess, prompt: str):
+        self.request_id, self.ids, self.broken = "", [], False
+        self.body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+                     "return_token_ids": True}
+        self.url = server.url
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=self.body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        self.request_id = chunk["id"]
+                        self.ids += chunk["choices"][0].get("token_ids", []) if chunk["choices"] else []
+        except httpx.HTTPError:
+            self.broken = True
+
+    def wait_for(self, n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.ids) < n:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the direct stream got no tokens"
+            time.sleep(0.01)
 
 
 def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
@@ -72,15 +108,21 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
         group = standby.cluster()["group"]
         assert group["role"] == "standby" and group["term"] == first["group"]["term"]
         assert {m["name"]: m["role"] for m in group["members"]} == {"c0": "leader", "c1": "standby"}
-
         client, model = client_for(leader.url)
         expected = {p: stream(client, model, p, MAX_TOKENS, temperature=0).text for p in PROMPTS}
+        # the journal of those requests reached the standby: its lag in /cluster comes to 0
+        synced = leader.wait_for(lambda c: {m["name"]: (m["journal_seq"], m["lag"]) for m in c["group"]["members"]}
+                                 .get("c1", (0, None))[0] > 0, 30, "the standby's journal")
+        assert [m["lag"] for m in synced["group"]["members"] if m["name"] == "c1"][0] is not None
+
         old_ranks = leader.pids()
         router = RouterProcess(["--backend", leader.url, "--backend", standby.url, "--poll-interval-s", "0.2",
                                 "--queue-timeout-s", "150"], tmp_path / "router.log")
         started.append(router)
         assert not router.backends()[standby.url]["ready"]  # a standby gets nothing
 
+        target = expected_ids(leader, PROMPTS[0])
+        direct = DirectStream(leader, PROMPTS[0])
         rclient, _ = client_for(router.url)
         barrier = threading.Barrier(len(PROMPTS) + 1, timeout=120)
         killed: list[float] = []
@@ -91,6 +133,7 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
 
         def kill() -> None:
             barrier.wait()
+            direct.wait_for(3)
             leader.proc.kill()  # SIGKILL of the leader's process alone: its agent and workers live elsewhere
             leader.proc.wait()
             killed.append(time.monotonic())
@@ -115,6 +158,18 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
         after = standby.cluster()
         assert after["group"]["leader"]["name"] == "c1" and after["group"]["term"] > first["group"]["term"]
         assert agent.poll() is None  # the agent outlived the leader and follows the new one
+        # the direct client: its stream broke; it resumes from the journal by its request id
+        direct.thread.join(30)
+        assert direct.broken and len(direct.ids) >= 3
+        journaled = standby.http.get(f"/journal/{direct.request_id}")
+        assert journaled.status_code == 200, journaled.text
+        held = journaled.json()["output_token_ids"]
+        assert held and held == target[: len(held)]  # what it had shipped before the kill, the same tokens
+        resumed = standby.http.post("/v1/completions", json={
+            "model": model, "prompt": journaled.json()["prompt_token_ids"], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "resume_output_token_ids": held, "return_token_ids": True})
+        assert held + resumed.json()["choices"][0]["token_ids"] == target
+        assert standby.http.get("/journal/cmpl-none").status_code == 404
         assert router.metric("elastic_ep_router_migrations_total") >= 1
         new_ranks = standby.pids()
         assert len(new_ranks) == 2 and not set(new_ranks.values()) & set(old_ranks.values())  # no adoption yet

@@ -211,6 +211,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ha-lease-s", type=int, default=5,
                         help="with --etcd: the leader's etcd lease, whole seconds >= 2: a standby takes over this "
                              "long after the leader is lost (default 5)")
+    parser.add_argument("--ha-journal-flush-s", type=float, default=0.05,
+                        help="with --etcd: the leader ships the request journal (requests and their tokens) to "
+                             "etcd this often, one batch each time (default 0.05)")
     add_log_arguments(parser)
     for f in dataclasses.fields(ServeConfig):
         if f.name not in HELP:

@@ -16,8 +16,11 @@ import os
 import signal
 import socket
 import threading
+from typing import Any
 
+import msgspec
 import uvicorn
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
 
@@ -26,11 +29,14 @@ from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.group.election import Election, Role
+from elastic_ep.group.journal import JournaledEngine, JournalReader, JournalWriter
 from elastic_ep.group.status import group_view, standby_reason
-from elastic_ep.group.store import GroupStore, Seat
+from elastic_ep.group.store import EtcdUnavailable, GroupStore, Seat
 from elastic_ep.serve.app import create_app
+from elastic_ep.serve.errors import APIError
 from elastic_ep.serve.group_gate import GroupGate
 from elastic_ep.serve.guard import HttpGuard, request_timeout_protocol
+from elastic_ep.serve.openapi import error_responses
 from elastic_ep.wire import ClusterKey
 
 logger = logging.getLogger("elastic_ep.serve")
@@ -43,6 +49,22 @@ def _deposed(reason: str) -> None:
     logger.error("exiting: this controller no longer leads its group (%s); start it again to stand by", reason)
     logging.shutdown()
     os._exit(EXIT_DEPOSED)
+
+
+def add_journal_route(app: FastAPI, writer: JournalWriter) -> None:
+    """GET /journal/{request_id}: what the journal holds of an unfinished request (of this leader, or of
+    the last one, whose client lost its connection): prompt and output token ids, seed, parameters.
+    `request_id` is the response's `id` (the chunks' id) for its first choice, or `<id>-<index>` for
+    choice `index`. Send the prompt again with that `seed` and `resume_output_token_ids` set to
+    `output_token_ids`: it goes on with the tokens the uninterrupted request would have had."""
+
+    @app.get("/journal/{request_id}", response_model=dict[str, Any], responses=error_responses(404))
+    async def journaled(request_id: str) -> dict[str, Any]:
+        found = writer.requests.get(request_id) or writer.requests.get(f"{request_id}-0")
+        if found is None:
+            raise APIError(404, f"no unfinished request {request_id!r} in the journal: it finished, or its id is "
+                           "not a request's `id` (the chunks' id field)", code="not_journaled")
+        return msgspec.to_builtins(found)
 
 
 def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry,
@@ -63,27 +85,43 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         return group_view(args.ha_group, args.etcd, args.node, election.state)
 
     gate = GroupGate(view, lambda: standby_reason(args.ha_group, election.state), registry)
-    stop = threading.Event()
+    stop, standing_by = threading.Event(), threading.Event()
     holder: list[Controller] = []
+    reader = JournalReader(GroupStore(args.etcd, args.ha_group))
 
     def lead() -> None:
         while not elected.wait(0.2):
             if stop.is_set():
                 return
+        standing_by.set()  # the reader stops; one last catch-up below
         term = election.state.term
+        try:
+            reader.catch_up()
+        except EtcdUnavailable as e:
+            logger.warning("group %s: the journal could not be read at takeover (%s): requests of the last "
+                           "leader resume only through the router", args.ha_group, e)
+        writer = JournalWriter(GroupStore(args.etcd, args.ha_group), term, reader.applied, reader.requests)
         controller = Controller(cfg, key, registry, term=term)
         holder.append(controller)
         controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
-        app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard,
+        engine = JournaledEngine(controller.engine, writer)
+        app = create_app(engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard,
                          group=view)
+        add_journal_route(app, writer)
         controller.start()
-        election.set_seat(controller=controller.health_addr)
+        threading.Thread(target=writer.run, args=(stop, args.ha_journal_flush_s,
+                                                  lambda seq: election.set_seat(journal_seq=seq), _deposed),
+                         name="journal", daemon=True).start()
+        election.set_seat(controller=controller.health_addr, journal_seq=writer.seq)
         gate.lead(app)
-        logger.info("group %s: %s leads in term %d; controller at %s", args.ha_group, args.node, term,
-                    controller.health_addr)
+        logger.info("group %s: %s leads in term %d; controller at %s; %d journaled requests of the last leader",
+                    args.ha_group, args.node, term, controller.health_addr, len(reader.requests))
 
     threads = [threading.Thread(target=election.run, args=(stop,), name="election", daemon=True),
-               threading.Thread(target=lead, name="takeover", daemon=True)]
+               threading.Thread(target=lead, name="takeover", daemon=True),
+               threading.Thread(target=reader.run, args=(standing_by, 0.2,
+                                                         lambda seq: election.set_seat(journal_seq=seq)),
+                                name="journal-reader", daemon=True)]
     for t in threads:
         t.start()
     logger.info("group %s through etcd %s: %s on %s stands by until elected", args.ha_group, args.etcd, args.node,

@@ -122,6 +122,17 @@ class GroupStore:
         })
         return bool(result.get("succeeded"))
 
+    def put_as_leader(self, key: str, value: bytes, term: int) -> bool:
+        """Put `value` at `key` only while the leader key is the one of `term`: etcd itself refuses
+        the write of a leader that was deposed (False)."""
+        result = self._post("/kv/txn", {
+            "compare": [{"key": _b64(self.leader_key), "result": "EQUAL", "target": "CREATE",
+                         "create_revision": str(term)}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+            "failure": [],
+        })
+        return bool(result.get("succeeded"))
+
     def get(self, key: str) -> Held | None:
         kvs = self._post("/kv/range", {"key": _b64(key)}).get("kvs", [])
         return _held(kvs[0]) if kvs else None
@@ -130,6 +141,10 @@ class GroupStore:
         end = prefix.encode()[:-1] + bytes([prefix.encode()[-1] + 1])
         kvs = self._post("/kv/range", {"key": _b64(prefix), "range_end": _b64(end)}).get("kvs", [])
         return {base64.b64decode(kv["key"]).decode(): _held(kv) for kv in kvs}
+
+    def delete_range(self, start: str, end: str) -> None:
+        """Delete the keys in [start, end)."""
+        self._post("/kv/deleterange", {"key": _b64(start), "range_end": _b64(end)})
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         """The revision of the put."""
