@@ -18,9 +18,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-import uvicorn
 from prometheus_client import CollectorRegistry
 
+from elastic_ep.commands.http_server import run_http
 from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.commands.straggler_options import CHOICES as STRAGGLER_CHOICES
 from elastic_ep.commands.straggler_options import STRAGGLER_HELP
@@ -37,7 +37,6 @@ from elastic_ep.serve.guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_REQUEST_TIMEOUT_S,
     HttpGuard,
-    request_timeout_protocol,
 )
 from elastic_ep.wire import ClusterKey, ClusterKeyError
 
@@ -229,10 +228,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=f"{HELP[f.name]} (default {f.default})", **kwargs)
 
 
-def interrupt(*_) -> None:
-    raise KeyboardInterrupt
-
-
 def bind_http(host: str, port: int) -> socket.socket:
     """The HTTP server's listening socket, bound before anything else starts, so that a port
     in use is refused at once instead of after the workers came up. Raises ElasticEPError
@@ -350,15 +345,8 @@ def run(args: argparse.Namespace) -> int:
     controller.start()
     logger.info("controller at %s (agents connect here), HTTP on http://%s:%d", controller.health_addr, cfg.host,
                 http_socket.getsockname()[1])
-    # uvicorn shuts down on SIGINT/SIGTERM, then re-raises the signal under the handler found at
-    # start: make that an exception here too, so the cluster below is always stopped.
-    signal.signal(signal.SIGTERM, interrupt)
     try:
-        config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=2,
-                                http=request_timeout_protocol(args.request_timeout_s))
-        uvicorn.Server(config).run(sockets=[http_socket])
-    except KeyboardInterrupt:
-        pass
+        run_http(app, http_socket, args.request_timeout_s)
     finally:
         controller.stop()
         agent_stop.set()

@@ -19,12 +19,11 @@ import threading
 from typing import Any
 
 import msgspec
-import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
 
-from elastic_ep.commands.serve import interrupt
+from elastic_ep.commands.http_server import run_http
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.errors import ElasticEPError
@@ -35,7 +34,7 @@ from elastic_ep.group.store import EtcdUnavailable, GroupStore, Seat
 from elastic_ep.serve.app import create_app
 from elastic_ep.serve.errors import APIError
 from elastic_ep.serve.group_gate import GroupGate
-from elastic_ep.serve.guard import HttpGuard, request_timeout_protocol
+from elastic_ep.serve.guard import HttpGuard
 from elastic_ep.serve.openapi import error_responses
 from elastic_ep.wire import ClusterKey
 
@@ -126,13 +125,8 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         t.start()
     logger.info("group %s through etcd %s: %s on %s stands by until elected", args.ha_group, args.etcd, args.node,
                 http_url)
-    signal.signal(signal.SIGTERM, interrupt)
     try:
-        config = uvicorn.Config(gate, log_level="warning", log_config=None, timeout_graceful_shutdown=2,
-                                http=request_timeout_protocol(args.request_timeout_s))
-        uvicorn.Server(config).run(sockets=[http_socket])
-    except KeyboardInterrupt:
-        pass
+        run_http(gate, http_socket, args.request_timeout_s)
     finally:
         for controller in holder:  # then the lease is revoked: a standby leads at once
             controller.stop()
