@@ -114,6 +114,10 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
         synced = leader.wait_for(lambda c: {m["name"]: (m["journal_seq"], m["lag"]) for m in c["group"]["members"]}
                                  .get("c1", (0, None))[0] > 0, 30, "the standby's journal")
         assert [m["lag"] for m in synced["group"]["members"] if m["name"] == "c1"][0] is not None
+        # the cluster record the leader keeps in etcd reached the standby: its epoch and members
+        seen = standby.wait_for(lambda c: (c["group"]["record"] or {}).get("epoch") == first["epoch"], 30,
+                                "the cluster record at the standby")
+        assert seen["group"]["record"]["members"] == first["members"] == [0, 1]
 
         old_ranks = leader.pids()
         router = RouterProcess(["--backend", leader.url, "--backend", standby.url, "--poll-interval-s", "0.2",

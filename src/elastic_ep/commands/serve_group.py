@@ -29,6 +29,7 @@ from elastic_ep.control.controller import Controller
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.group.election import Election, Role
 from elastic_ep.group.journal import JournaledEngine, JournalReader, JournalWriter
+from elastic_ep.group.record import write_records
 from elastic_ep.group.status import group_view, standby_reason
 from elastic_ep.group.store import EtcdUnavailable, GroupStore, Seat
 from elastic_ep.serve.app import create_app
@@ -77,16 +78,16 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
     host = cfg.advertise_host or cfg.host
     http_url = f"http://{'[' + host + ']' if ':' in host else host}:{http_socket.getsockname()[1]}"
     elected = threading.Event()
+    reader = JournalReader(GroupStore(args.etcd, args.ha_group))
     election = Election(store, Seat(args.node, http_url), ttl_s=args.ha_lease_s,
                         on_elected=lambda term: elected.set(), on_deposed=_deposed)
 
     def view() -> dict:
-        return group_view(args.ha_group, args.etcd, args.node, election.state)
+        return group_view(args.ha_group, args.etcd, args.node, election.state, reader.record)
 
     gate = GroupGate(view, lambda: standby_reason(args.ha_group, election.state), registry)
     stop, standing_by = threading.Event(), threading.Event()
     holder: list[Controller] = []
-    reader = JournalReader(GroupStore(args.etcd, args.ha_group))
 
     def lead() -> None:
         while not elected.wait(0.2):
@@ -111,6 +112,9 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         threading.Thread(target=writer.run, args=(stop, args.ha_journal_flush_s,
                                                   lambda seq: election.set_seat(journal_seq=seq), _deposed),
                          name="journal", daemon=True).start()
+        threading.Thread(target=write_records, args=(GroupStore(args.etcd, args.ha_group), term,
+                                                     lambda: controller.engine.cluster(None, 1), stop, 0.5, _deposed),
+                         name="cluster-record", daemon=True).start()
         election.set_seat(controller=controller.health_addr, journal_seq=writer.seq)
         gate.lead(app)
         logger.info("group %s: %s leads in term %d; controller at %s; %d journaled requests of the last leader",

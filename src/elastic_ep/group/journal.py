@@ -26,6 +26,7 @@ import msgspec
 from elastic_ep.control.api import Engine, GenerationRequest, RequestOutput
 from elastic_ep.model.sampling import SamplingParams
 
+from .record import read_record
 from .store import EtcdUnavailable, GroupStore
 
 logger = logging.getLogger(__name__)
@@ -89,15 +90,18 @@ def _seq_key(store: GroupStore, seq: int) -> str:
 
 class JournalReader:
     """The journal as a standby holds it: `requests` (unfinished, with their tokens) up to batch
-    `applied`."""
+    `applied`; and the cluster record."""
 
     def __init__(self, store: GroupStore):
         self.store = store
         self.requests: dict[str, Journaled] = {}
         self.applied = 0
+        self.record: dict[str, Any] | None = None  # the cluster record (group/record.py) as last read
 
     def catch_up(self) -> None:
-        """Apply what etcd holds past `applied` (the snapshot first when the batches it needs are gone)."""
+        """Apply what etcd holds past `applied` (the snapshot first when the batches it needs are gone),
+        and read the cluster record."""
+        self.record = read_record(self.store)
         held = self.store.get_prefix(self.store.prefix + "journal")
         snap = held.get(self.store.prefix + "journal-snapshot")
         if snap is not None:

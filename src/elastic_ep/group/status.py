@@ -7,11 +7,13 @@ from typing import Any
 from .election import ElectionState, Role
 
 
-def group_view(group: str, etcd_url: str, me: str, state: ElectionState) -> dict[str, Any]:
+def group_view(group: str, etcd_url: str, me: str, state: ElectionState,
+               record: dict[str, Any] | None = None) -> dict[str, Any]:
     """name, etcd, self (this controller), role (its), leader (name, http URL, controller address,
     or None), term (the leader's), etcd_reachable (this controller's last call), members: each
-    controller with a live lease, its role and `lag` (journal entries it lacks behind the
-    leader's; None where no leader is known)."""
+    controller with a live lease, its role and `lag` (journal batches it lacks behind the
+    leader's; None where no leader is known); on a standby `record`: the epoch, term and members
+    of the cluster record it last read (group/record.py; None before one)."""
     leader = state.leader
     lead_seq = next((s.journal_seq for s in state.seats if leader and s.name == leader.name), None)
     return {
@@ -27,6 +29,8 @@ def group_view(group: str, etcd_url: str, me: str, state: ElectionState) -> dict
         "deposed_reason": state.deposed_reason,
         "members": [{"name": s.name, "http": s.http, "role": s.role, "journal_seq": s.journal_seq,
                      "lag": None if lead_seq is None else max(0, lead_seq - s.journal_seq)} for s in state.seats],
+        **({} if state.role == Role.LEADER else {"record": None if record is None else {
+            k: record.get(k) for k in ("epoch", "term", "members")}}),
     }
 
 
