@@ -8,7 +8,10 @@ process, so only the group differs), run in turn `--repeats` times under the sam
 and `group` (a real etcd, `serve --etcd --ha-group` as the leader with one standby, `agent --etcd`).
 Per run: the mean step wall time at the controller (elastic_ep_step_wall_seconds, plan sent to last
 result), tokens/s delivered, and in the group the journal batches and entries shipped to etcd.
-Then, once, the takeover: SIGKILL of the leader's process; the times from the kill to the standby
+First, in this process, what the journal costs where it runs, in CPU time of the paying thread
+(not disturbed by a loaded machine as wall time is): `add` per event (the HTTP thread, per token
+of each request) and one batch of 64 entries shipped to a real etcd (the journal thread, once per
+--ha-journal-flush-s). Then, once, the takeover: SIGKILL of the leader's process; the times from the kill to the standby
 leading (the lease running out plus a campaign tick), to its controller up, and to /ready (the
 agent follows it and its ranks start again: no adoption yet).
 """
@@ -26,9 +29,12 @@ from pathlib import Path
 
 import httpx
 
+from elastic_ep.group.journal import Admitted, Delivered, JournalWriter
+from elastic_ep.group.store import GroupStore, Seat
 from elastic_ep.harness.etcd import EtcdProcess
 from elastic_ep.harness.load import StreamingLoad
 from elastic_ep.harness.server_process import ServerProcess, terminate
+from elastic_ep.model.sampling import SamplingParams
 
 MODEL = ["--model", "tiny-deepseek-v3", "--ep-size", "2", "--max-model-len", "512", "--local-ranks", "0"]
 
@@ -124,6 +130,37 @@ def run_group(tmp: Path, seconds: float, threads: int, takeover: bool) -> dict:
         etcd.stop()
 
 
+def journal_costs(events: int = 100_000, batches: int = 200, per_batch: int = 64) -> dict:
+    """What the journal costs where it runs, in CPU time of the thread that pays it (robust to a
+    loaded machine): `add` per event on the HTTP thread, and one batch of `per_batch` entries (a
+    step's tokens at 64 running sequences) shipped to a real etcd by the journal thread."""
+    etcd = EtcdProcess()
+    try:
+        store = GroupStore(etcd.url, "bench")
+        term = store.campaign(Seat("c0", "http://c0:1"), store.grant(60)).create_revision
+        writer = JournalWriter(store, term, snapshot_every=10**9)
+        entry = Delivered("cmpl-0123456789abcdef-0", [1234], False)
+        t0 = time.thread_time()
+        for _ in range(events):
+            writer.add(entry)
+        add_us = 1e6 * (time.thread_time() - t0) / events
+        writer.flush()
+        for i in range(per_batch):
+            writer.add(Admitted(f"cmpl-{i:016x}-0", list(range(200)), SamplingParams(max_tokens=64), i, []))
+        writer.flush()
+        cpu = wall = 0.0
+        for _ in range(batches):
+            for i in range(per_batch):
+                writer.add(Delivered(f"cmpl-{i:016x}-0", [i], False))
+            c0, w0 = time.thread_time(), time.perf_counter()
+            writer.flush()
+            cpu, wall = cpu + time.thread_time() - c0, wall + time.perf_counter() - w0
+        return {"add_us_per_event": round(add_us, 3), "batch_cpu_ms": round(1000 * cpu / batches, 3),
+                "batch_wall_ms": round(1000 * wall / batches, 3), "entries_per_batch": per_batch}
+    finally:
+        etcd.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=20.0)
@@ -131,6 +168,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    costs = journal_costs()
     rows = []
     with tempfile.TemporaryDirectory(prefix="elastic-ep-ha-bench-") as tmp:
         for i in range(args.repeats):
@@ -138,8 +176,9 @@ def main() -> None:
             rows.append({"mode": "group", **run_group(Path(tmp), args.seconds, args.threads,
                                                       takeover=i == args.repeats - 1)})
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"journal": costs, "runs": rows}, indent=1))
         return
+    print("journal:", costs)
     print(f"{'mode':6} {'step ms':>8} {'steps':>6} {'tok/s':>7} {'fail':>4} {'batches':>7} {'lag':>4}")
     for r in rows:
         print(f"{r['mode']:6} {r['step_ms']:8.2f} {r['steps']:6d} {r['tokens_per_s']:7.1f} {r['failures']:4d} "

@@ -82,12 +82,18 @@ def test_one_leads_the_other_stands_by_and_takes_over_with_a_higher_term(etcd):
         a.wait()
 
 
-def test_a_clean_stop_hands_over_at_once(etcd):
-    a = Running(etcd.url, "a")
+def leader_and_standby(url: str) -> tuple[Running, Running]:
+    """a leading, b standing by and knowing it."""
+    a = Running(url, "a")
     wait_until(lambda: a.election.state.role == Role.LEADER)
-    b = Running(etcd.url, "b")
+    b = Running(url, "b")
+    wait_until(lambda: b.election.state.leader is not None)
+    return a, b
+
+
+def test_a_clean_stop_hands_over_at_once(etcd):
+    a, b = leader_and_standby(etcd.url)
     try:
-        wait_until(lambda: b.election.state.leader is not None)
         a.halt()  # revokes its lease
         stopped = time.monotonic()
         wait_until(lambda: b.election.state.role == Role.LEADER, 5)
@@ -97,11 +103,8 @@ def test_a_clean_stop_hands_over_at_once(etcd):
 
 
 def test_etcd_unreachable_longer_than_the_lease_never_yields_two_leaders(etcd):
-    a = Running(etcd.url, "a")
-    wait_until(lambda: a.election.state.role == Role.LEADER)
-    b = Running(etcd.url, "b")
+    a, b = leader_and_standby(etcd.url)
     try:
-        wait_until(lambda: b.election.state.leader is not None)
         etcd.pause()  # SIGSTOP: every call to etcd times out
         paused = time.monotonic()
         wait_until(lambda: a.deposed is not None, 5)

@@ -86,3 +86,16 @@ def test_the_journaled_engine_records_each_request_and_its_tokens(etcd):
     reader.catch_up()
     assert reader.applied == 1 and reader.requests == {}  # finished: it left the journal
     assert writer.shipped_entries == 3
+
+
+def test_a_backlog_over_etcds_request_limit_ships_as_several_batches_in_order(etcd):
+    store, term = leading(etcd.url)
+    writer = JournalWriter(store, term)
+    writer.add(Admitted("big", list(range(1000)), SamplingParams(max_tokens=10**5), 1, []))
+    for i in range(60_000):  # some 1.9 MB of entries: one request would be refused
+        writer.add(Delivered("big", [i % 50_000], False))
+    assert writer.flush() and writer.seq > 1
+    reader = JournalReader(GroupStore(etcd.url, "g", timeout_s=5))
+    reader.catch_up()
+    assert reader.applied == writer.seq and reader.requests["big"].output_token_ids == [i % 50_000
+                                                                                      for i in range(60_000)]

@@ -30,7 +30,7 @@ from .store import EtcdUnavailable, GroupStore, Seat
 logger = logging.getLogger(__name__)
 
 
-class Role(enum.StrEnum):
+class Role(str, enum.Enum):
     STANDBY = "standby"
     LEADER = "leader"
     DEPOSED = "deposed"
@@ -115,7 +115,7 @@ class Election:
             seat = self._seat
             if self._state.role == Role.LEADER:
                 self._valid_until = self._renewed_sent + self.ttl_s - self.margin_s
-        seat = msgspec.structs.replace(seat, role=str(self.state.role))
+        seat = msgspec.structs.replace(seat, role=self.state.role.value)
         if seat != self._put_seat:
             self.store.put(self.store.prefix + "members/" + seat.name, msgspec.json.encode(seat), self._lease)
             self._put_seat = seat

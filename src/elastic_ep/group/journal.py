@@ -84,6 +84,21 @@ def apply(requests: dict[str, Journaled], entries: list[Entry]) -> None:
                 del requests[e.request_id]
 
 
+MAX_BATCH_BYTES = 1 << 20  # etcd refuses a request over 1.5 MiB (--max-request-bytes)
+
+
+def bounded_batches(entries: list[Entry], max_bytes: int = MAX_BATCH_BYTES) -> list[tuple[list[Entry], bytes]]:
+    """`entries` in order as batches of at most `max_bytes` encoded (halved until they fit; an entry
+    alone over it, a prompt of some 100,000 tokens, is its own batch)."""
+    if not entries:
+        return []
+    body = msgspec.msgpack.encode(entries)
+    if len(body) <= max_bytes or len(entries) == 1:
+        return [(entries, body)]
+    half = len(entries) // 2
+    return bounded_batches(entries[:half], max_bytes) + bounded_batches(entries[half:], max_bytes)
+
+
 def _seq_key(store: GroupStore, seq: int) -> str:
     return f"{store.prefix}journal/{seq:016d}"
 
@@ -151,31 +166,32 @@ class JournalWriter:
             self._buffer.append(entry)
 
     def flush(self) -> bool:
-        """Ship what gathered as one batch; False when there was nothing, or etcd did not take it (it
-        stays buffered for the next flush)."""
+        """Ship what gathered, as one batch or, past MAX_BATCH_BYTES (etcd refuses a request over
+        1.5 MiB), as several in order; False when there was nothing or etcd took none (what it did not
+        take stays buffered, in order, for the next flush)."""
         with self._lock:
             entries, self._buffer = self._buffer, []
-        if not entries:
-            return False
-        try:
-            if not self.store.put_as_leader(_seq_key(self.store, self.seq + 1), msgspec.msgpack.encode(entries),
-                                            self.term):
-                raise Deposed(f"etcd refused journal batch {self.seq + 1}: term {self.term} no longer leads")
-        except EtcdUnavailable as e:
-            logger.warning("journal: %s; %d entries wait for the next flush", e, len(entries))
-            with self._lock:
-                self._buffer[:0] = entries
-            return False
-        self.seq += 1
-        self.shipped_entries += len(entries)
-        apply(self.requests, entries)
+        batches = bounded_batches(entries)
+        for i, (batch, body) in enumerate(batches):
+            try:
+                if not self.store.put_as_leader(_seq_key(self.store, self.seq + 1), body, self.term):
+                    raise Deposed(f"etcd refused journal batch {self.seq + 1}: term {self.term} no longer leads")
+            except EtcdUnavailable as e:
+                rest = [entry for left, _ in batches[i:] for entry in left]
+                logger.warning("journal: %s; %d entries wait for the next flush", e, len(rest))
+                with self._lock:
+                    self._buffer[:0] = rest
+                return i > 0
+            self.seq += 1
+            self.shipped_entries += len(batch)
+            apply(self.requests, batch)
+            if self.seq % self.snapshot_every == 0:
+                self._snapshot()
         if self._orphans_until is not None and self._clock() > self._orphans_until:
             for request_id in self._orphans:
                 self.requests.pop(request_id, None)
             self._orphans_until = None
-        if self.seq % self.snapshot_every == 0:
-            self._snapshot()
-        return True
+        return bool(batches)
 
     def _snapshot(self) -> None:
         if not self.store.put_as_leader(self.store.prefix + "journal-snapshot",
