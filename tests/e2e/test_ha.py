@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -187,3 +188,43 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
 
 
 pytestmark = pytest.mark.timeout(400)
+
+
+def test_a_leader_stopped_past_its_lease_is_replaced_and_exits_when_it_resumes(tmp_path):
+    """SIGSTOP of the leader's process (a partition or a stall as seen by etcd) past its lease: the
+    standby leads in a higher term; on SIGCONT the old leader's watchdog finds its leadership lapsed
+    and the process exits (code 3) instead of serving as a second leader."""
+    etcd = EtcdProcess()
+    started: list[ServerProcess] = []
+    try:
+        args = ["--model", MODEL, "--ep-size", "2", "--local-ranks", "0", "--etcd", etcd.url, "--ha-group", "p",
+                "--ha-lease-s", str(LEASE_S), "--startup-timeout-s", "300"]
+        old = ServerProcess([*args, "--node", "c0"], tmp_path / "c0.log", ready_timeout_s=None)
+        started.append(old)
+        deadline = time.monotonic() + 60
+        while role(old) != "leader":
+            assert time.monotonic() < deadline and old.proc.poll() is None, old.log()[-2000:]
+            time.sleep(0.1)
+        term = old.cluster()["group"]["term"]
+        new = ServerProcess([*args, "--node", "c1", "--cluster-key-file", str(old.key_file)], tmp_path / "c1.log",
+                            ready_timeout_s=None)
+        started.append(new)
+        while role(new) != "standby":
+            assert time.monotonic() < deadline and new.proc.poll() is None, new.log()[-2000:]
+            time.sleep(0.1)
+        old.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        while role(new) != "leader":
+            assert time.monotonic() - stopped < LEASE_S + 10, new.log()[-2000:]
+            time.sleep(0.05)
+        assert new.cluster()["group"]["term"] > term
+        old.proc.send_signal(signal.SIGCONT)
+        assert old.proc.wait(20) == 3
+        assert "no longer leads its group" in old.log()
+        assert role(new) == "leader"
+    finally:
+        for proc in started:
+            if proc.proc.poll() is None:
+                proc.proc.send_signal(signal.SIGCONT)
+            proc.stop()
+        etcd.stop()
