@@ -1,8 +1,9 @@
 """Leader election of the controller group through one etcd lease.
 
 Each controller holds a lease of `ttl_s` seconds, renewed every quarter of it, and keeps its `Seat`
-under `members/<name>` with it. Every `tick_s` it campaigns: one transaction puts its seat at the
-leader key under its lease if nobody holds the key, and reads the key either way. The controller
+under `members/<name>` with it. Every `tick_s` a standby campaigns (the leader with each keepalive):
+one transaction puts its seat at the leader key under its lease if nobody holds the key, and reads
+the key either way. The controller
 whose lease holds the key leads; its **term** is the key's create revision, which etcd never
 hands out twice and only ever raises, so a later leader always has the higher term.
 
@@ -103,19 +104,22 @@ class Election:
 
     def _tick(self) -> None:
         now = self.clock()
+        renewed = False
         if not self._lease:
             self._lease, self._renewed_sent, self._put_seat = self.store.grant(self.ttl_s), now, None
         elif now - self._renewed_sent >= self.ttl_s / 4:
             if self.store.keepalive(self._lease) <= 0:
                 self._lease_lost("its etcd lease expired")
                 return
-            self._renewed_sent = now
+            self._renewed_sent, renewed = now, True
             self._set(seats=tuple(sorted(self.store.seats().values(), key=lambda s: s.name)))
         with self._lock:
             seat = self._seat
             if self._state.role == Role.LEADER:
                 self._valid_until = self._renewed_sent + self.ttl_s - self.margin_s
         seat = msgspec.structs.replace(seat, role=self.state.role.value)
+        if self.state.role == Role.LEADER and not renewed and seat == self._put_seat:
+            return  # a leader checks its key with each keepalive, not every tick: less etcd traffic
         if seat != self._put_seat:
             self.store.put(self.store.prefix + "members/" + seat.name, msgspec.json.encode(seat), self._lease)
             self._put_seat = seat
