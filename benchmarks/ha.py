@@ -92,7 +92,7 @@ def run_alone(tmp: Path, seconds: float, threads: int) -> dict:
 
 def run_group(tmp: Path, seconds: float, threads: int, takeover: bool, with_standby: bool = True) -> dict:
     etcd = EtcdProcess()
-    group = ["--etcd", etcd.url, "--ha-group", "bench", "--ha-lease-s", "3"]
+    group = ["--etcd", etcd.url, "--ha-group", "bench", "--ha-lease-s", "5"]
     leader = ServerProcess([*MODEL, *group, "--node", "c0"], tmp / "c0.log", ready_timeout_s=None)
     standby = ag = None
     try:

@@ -27,7 +27,7 @@ from elastic_ep.harness.router_process import RouterProcess
 from elastic_ep.harness.server_process import ServerProcess, terminate
 
 MODEL = "tiny-deepseek-v3"
-LEASE_S = 3
+LEASE_S = 5  # the default: a shorter lease loses its leader to a loaded machine (keepalives starved)
 MAX_TOKENS = 32
 
 

@@ -1,8 +1,8 @@
 """`elastic-ep serve --etcd URL --ha-group NAME`: this controller in a group (group/election.py).
 
-The HTTP server starts at once behind a `GroupGate` (serve/group_gate.py): a standby answers
-/health, /ready, /cluster and 503 for the rest. Once elected, the controller is built and started
-in the term it won (every frame it sends carries it), its agent address is published in its seat
+The controller is built first (sockets bound, not started), then the election and the HTTP server
+start, behind a `GroupGate` (serve/group_gate.py): a standby answers /health, /ready, /cluster and
+503 for the rest. Once elected, the controller starts in the term it won (every frame it sends carries it), its agent address is published in its seat
 for `elastic-ep agent --etcd`, and the gate hands every request to the real app. Deposed (its
 lease lapsed, or another holds the leader key), the process exits at once with EXIT_DEPOSED,
 sending nothing more: its agents and workers outlive it, and a supervisor starts it again as a
@@ -86,8 +86,11 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         return group_view(args.ha_group, args.etcd, args.node, election.state, reader.record)
 
     gate = GroupGate(view, lambda: standby_reason(args.ha_group, election.state), registry)
-    stop, standing_by = threading.Event(), threading.Event()
-    holder: list[Controller] = []
+    stop, standing_by, started = threading.Event(), threading.Event(), threading.Event()
+
+    # built before the election (sockets bound, nobody told of them yet): a takeover only starts it,
+    # and the CPU this takes is not spent while a new leader must keep its lease
+    controller = Controller(cfg, key, registry)
 
     def lead() -> None:
         while not elected.wait(0.2):
@@ -95,20 +98,20 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
                 return
         standing_by.set()  # the reader stops; one last catch-up below
         term = election.state.term
+        controller.set_term(term)
         try:
             reader.catch_up()
         except EtcdUnavailable as e:
             logger.warning("group %s: the journal could not be read at takeover (%s): requests of the last "
                            "leader resume only through the router", args.ha_group, e)
         writer = JournalWriter(GroupStore(args.etcd, args.ha_group), term, reader.applied, reader.requests)
-        controller = Controller(cfg, key, registry, term=term)
-        holder.append(controller)
         controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
         engine = JournaledEngine(controller.engine, writer)
         app = create_app(engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard,
                          group=view)
         add_journal_route(app, writer)
         controller.start()
+        started.set()
         threading.Thread(target=writer.run, args=(stop, args.ha_journal_flush_s,
                                                   lambda seq: election.set_seat(journal_seq=seq), _deposed),
                          name="journal", daemon=True).start()
@@ -132,11 +135,11 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
     try:
         run_http(gate, http_socket, args.request_timeout_s)
     finally:
-        for controller in holder:  # then the lease is revoked: a standby leads at once
+        if started.is_set():  # then the lease is revoked: a standby leads at once
             controller.stop()
         stop.set()
         for t in threads:
             t.join(5)
-    if holder and holder[0].fatal:
-        raise ElasticEPError(f"the cluster stopped: {holder[0].fatal}")
+    if controller.fatal:
+        raise ElasticEPError(f"the cluster stopped: {controller.fatal}")
     return 0 if election.state.role != Role.DEPOSED else EXIT_DEPOSED

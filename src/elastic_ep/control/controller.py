@@ -218,6 +218,11 @@ class Controller:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    def set_term(self, term: int) -> None:
+        """Lead in `term` from now on (serve --etcd builds its controller while it stands by, then
+        sets the term it won before `start`): every frame sent carries it."""
+        self.plane.term = term
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="control-loop", daemon=True)
         self._thread.start()
@@ -238,7 +243,8 @@ class Controller:
             try:
                 self.nodes.wait_for_ranks(self._stopping)
                 self.detector.clear()
-                self._start()
+                if not self._stopping.is_set():  # stopped while waiting: there is nothing to start
+                    self._start()
             except RecoveryNeeded:
                 pass
             while not self._stopping.is_set():

@@ -159,7 +159,7 @@ class Election:
                 lapsed = state.role == Role.LEADER and self.clock() >= self._valid_until
             if lapsed:
                 self._depose(f"no keepalive of its etcd lease reached etcd for {self.ttl_s - self.margin_s:g}s "
-                             f"({state.etcd_error or 'etcd slow'})")
+                             f"({state.etcd_error or 'etcd or this process too slow'})")
 
     def _depose(self, reason: str) -> None:
         with self._lock:
