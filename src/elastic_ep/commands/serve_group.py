@@ -2,11 +2,11 @@
 
 The controller is built first (sockets bound, not started), then the election and the HTTP server
 start, behind a `GroupGate` (serve/group_gate.py): a standby answers /health, /ready, /cluster and
-503 for the rest. Once elected, the controller starts in the term it won (every frame it sends carries it), its agent address is published in its seat
-for `elastic-ep agent --etcd`, and the gate hands every request to the real app. Deposed (its
-lease lapsed, or another holds the leader key), the process exits at once with EXIT_DEPOSED,
-sending nothing more: its agents and workers outlive it, and a supervisor starts it again as a
-standby."""
+503 for the rest. Once elected, the controller starts in the term it won (every frame it sends
+carries it), its agent address is published in its seat for `elastic-ep agent --etcd`, and the gate
+hands every request to the real app. Deposed (its lease lapsed, or another holds the leader key),
+the process exits at once with EXIT_DEPOSED, sending nothing more: its agents and workers outlive
+it, and a supervisor starts it again as a standby."""
 
 from __future__ import annotations
 
