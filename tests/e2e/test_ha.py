@@ -39,6 +39,24 @@ def role(server: ServerProcess) -> str | None:
         return None
 
 
+def wait_role(server: ServerProcess, wanted: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while role(server) != wanted:
+        assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-2000:]
+        time.sleep(0.05)
+
+
+def leader_then_standby(args: list[str], tmp_path, started: list) -> tuple[ServerProcess, ServerProcess]:
+    """c0 started and leading, then c1 (with c0's cluster key) started; both in `started`."""
+    leader = ServerProcess([*args, "--node", "c0"], tmp_path / "c0.log", ready_timeout_s=None)
+    started.append(leader)
+    wait_role(leader, "leader")
+    standby = ServerProcess([*args, "--node", "c1", "--cluster-key-file", str(leader.key_file)], tmp_path / "c1.log",
+                            ready_timeout_s=None)
+    started.append(standby)
+    return leader, standby
+
+
 def expected_ids(server: ServerProcess, prompt: str) -> list[int]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
     return server.http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
@@ -81,15 +99,7 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
     try:
         args = ["--model", MODEL, "--ep-size", "2", "--max-model-len", "256", "--etcd", etcd.url,
                 "--ha-group", "g", "--ha-lease-s", str(LEASE_S)]
-        leader = ServerProcess([*args, "--node", "c0"], tmp_path / "c0.log", ready_timeout_s=None)
-        started.append(leader)
-        deadline = time.monotonic() + 60
-        while role(leader) != "leader":
-            assert time.monotonic() < deadline and leader.proc.poll() is None, leader.log()[-2000:]
-            time.sleep(0.1)
-        standby = ServerProcess([*args, "--node", "c1", "--cluster-key-file", str(leader.key_file)],
-                                tmp_path / "c1.log", ready_timeout_s=None)
-        started.append(standby)
+        leader, standby = leader_then_standby(args, tmp_path, started)
         with open(tmp_path / "agent.log", "w") as log:
             agent = subprocess.Popen(
                 [sys.executable, "-m", "elastic_ep.cli", "agent", "--etcd", etcd.url, "--ha-group", "g", "--node",
@@ -148,8 +158,7 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
         led_at: list[float] = []
 
         def watch_standby() -> None:
-            while role(standby) != "leader":
-                time.sleep(0.02)
+            wait_role(standby, "leader", 120)
             led_at.append(time.monotonic())
 
         watcher = threading.Thread(target=watch_standby, daemon=True)
@@ -199,24 +208,13 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_exits_when_it_resumes(t
     try:
         args = ["--model", MODEL, "--ep-size", "2", "--local-ranks", "0", "--etcd", etcd.url, "--ha-group", "p",
                 "--ha-lease-s", str(LEASE_S), "--startup-timeout-s", "300"]
-        old = ServerProcess([*args, "--node", "c0"], tmp_path / "c0.log", ready_timeout_s=None)
-        started.append(old)
-        deadline = time.monotonic() + 60
-        while role(old) != "leader":
-            assert time.monotonic() < deadline and old.proc.poll() is None, old.log()[-2000:]
-            time.sleep(0.1)
+        old, new = leader_then_standby(args, tmp_path, started)
         term = old.cluster()["group"]["term"]
-        new = ServerProcess([*args, "--node", "c1", "--cluster-key-file", str(old.key_file)], tmp_path / "c1.log",
-                            ready_timeout_s=None)
-        started.append(new)
-        while role(new) != "standby":
-            assert time.monotonic() < deadline and new.proc.poll() is None, new.log()[-2000:]
-            time.sleep(0.1)
+        wait_role(new, "standby")
         old.proc.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        while role(new) != "leader":
-            assert time.monotonic() - stopped < LEASE_S + 10, new.log()[-2000:]
-            time.sleep(0.05)
+        wait_role(new, "leader", LEASE_S + 10)
+        assert time.monotonic() - stopped < LEASE_S + 10
         assert new.cluster()["group"]["term"] > term
         old.proc.send_signal(signal.SIGCONT)
         assert old.proc.wait(20) == 3

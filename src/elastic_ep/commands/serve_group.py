@@ -51,7 +51,7 @@ def _deposed(reason: str) -> None:
     os._exit(EXIT_DEPOSED)
 
 
-def add_journal_route(app: FastAPI, writer: JournalWriter) -> None:
+def add_journal_route(app: FastAPI, engine: JournaledEngine) -> None:
     """GET /journal/{request_id}: what the journal holds of an unfinished request (of this leader, or of
     the last one, whose client lost its connection): prompt and output token ids, seed, parameters.
     `request_id` is the response's `id` (the chunks' id) for its first choice, or `<id>-<index>` for
@@ -60,7 +60,8 @@ def add_journal_route(app: FastAPI, writer: JournalWriter) -> None:
 
     @app.get("/journal/{request_id}", response_model=dict[str, Any], responses=error_responses(404))
     async def journaled(request_id: str) -> dict[str, Any]:
-        found = writer.requests.get(request_id) or writer.requests.get(f"{request_id}-0")
+        held = engine.writer.requests if engine.writer is not None else {}
+        found = held.get(request_id) or held.get(f"{request_id}-0")
         if found is None:
             raise APIError(404, f"no unfinished request {request_id!r} in the journal: it finished, or its id is "
                            "not a request's `id` (the chunks' id field)", code="not_journaled")
@@ -88,9 +89,13 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
     gate = GroupGate(view, lambda: standby_reason(args.ha_group, election.state), registry)
     stop, standing_by, started = threading.Event(), threading.Event(), threading.Event()
 
-    # built before the election (sockets bound, nobody told of them yet): a takeover only starts it,
-    # and the CPU this takes is not spent while a new leader must keep its lease
+    # the controller and the app are built before the election (sockets bound, nobody told of them
+    # yet): a takeover only starts them, and spends no CPU on them while it must keep its lease
     controller = Controller(cfg, key, registry)
+    controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
+    engine = JournaledEngine(controller.engine)
+    app = create_app(engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard, group=view)
+    add_journal_route(app, engine)
 
     def lead() -> None:
         while not elected.wait(0.2):
@@ -104,12 +109,8 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         except EtcdUnavailable as e:
             logger.warning("group %s: the journal could not be read at takeover (%s): requests of the last "
                            "leader resume only through the router", args.ha_group, e)
-        writer = JournalWriter(GroupStore(args.etcd, args.ha_group), term, reader.applied, reader.requests)
-        controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
-        engine = JournaledEngine(controller.engine, writer)
-        app = create_app(engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard,
-                         group=view)
-        add_journal_route(app, writer)
+        writer = engine.writer = JournalWriter(GroupStore(args.etcd, args.ha_group), term, reader.applied,
+                                               reader.requests)
         controller.start()
         started.set()
         threading.Thread(target=writer.run, args=(stop, args.ha_journal_flush_s,

@@ -49,6 +49,7 @@ class ElectionState:
     etcd_error: str = ""
     deposed_reason: str = ""
     seats: tuple[Seat, ...] = ()  # every controller of the group with a live lease, as last read
+    valid_until: float = float("-inf")  # while leading: when its leadership lapses (the clock's time)
 
 
 class Election:
@@ -117,6 +118,7 @@ class Election:
             seat = self._seat
             if self._state.role == Role.LEADER:
                 self._valid_until = self._renewed_sent + self.ttl_s - self.margin_s
+                self._state = replace(self._state, valid_until=self._valid_until)
         seat = msgspec.structs.replace(seat, role=self.state.role.value)
         if self.state.role == Role.LEADER and not renewed and seat == self._put_seat:
             return  # a leader checks its key with each keepalive, not every tick: less etcd traffic
@@ -134,7 +136,8 @@ class Election:
             if self.state.role == Role.STANDBY:
                 with self._lock:
                     self._valid_until = self._renewed_sent + self.ttl_s - self.margin_s
-                self._set(role=Role.LEADER, term=held.create_revision, leader=leader_seat)
+                self._set(role=Role.LEADER, term=held.create_revision, leader=leader_seat,
+                          valid_until=self._valid_until)
                 logger.info("group %s: %s leads, term %d", self.store.group, seat.name, held.create_revision)
                 self.on_elected(held.create_revision)
             else:

@@ -214,24 +214,27 @@ class JournalWriter:
 
 
 class JournaledEngine:
-    """`engine` whose requests and their tokens go to `writer`; every other call is the engine's."""
+    """`engine` whose requests and their tokens go to `writer` (set once this controller leads, before
+    any request reaches it); every other call is the engine's."""
 
-    def __init__(self, engine: Engine, writer: JournalWriter):
-        self._engine, self._writer = engine, writer
+    def __init__(self, engine: Engine, writer: JournalWriter | None = None):
+        self._engine, self.writer = engine, writer
         self.info = engine.info
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        self._writer.add(Admitted(request.request_id, list(request.prompt_token_ids), request.params, request.seed,
+        writer = self.writer
+        assert writer is not None, "a request reached a controller that does not lead"
+        writer.add(Admitted(request.request_id, list(request.prompt_token_ids), request.params, request.seed,
                                   list(request.resumed_output_token_ids)))
         finished = False
         try:
             async for out in self._engine.generate(request):
                 finished = out.finished
-                self._writer.add(Delivered(request.request_id, list(out.new_token_ids), out.finished))
+                writer.add(Delivered(request.request_id, list(out.new_token_ids), out.finished))
                 yield out
         finally:
             if not finished:
-                self._writer.add(Delivered(request.request_id, [], True))
+                writer.add(Delivered(request.request_id, [], True))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
