@@ -78,12 +78,24 @@ from .epochs.slot_check import SlotSweeper
 from .events import EventKind
 from .facade.engine import EngineFacade, Published
 from .facade.publisher import Publisher
-from .facade.to_loop import AbortRequest, AddRequest, Command, Sleep, StartDrain, StartScale, Uncordon, WakeUp
+from .facade.to_loop import (
+    AbortRequest,
+    AbortRollout,
+    AddRequest,
+    Command,
+    Sleep,
+    StartDrain,
+    StartRollout,
+    StartScale,
+    Uncordon,
+    WakeUp,
+)
 from .faults.detector import Fault, FaultDetector, RecoveryNeeded
 from .faults.recovery import Recovery
 from .faults.straggler_control import StragglerControl
 from .membership.hardware import HardwareSignals
 from .membership.nodes import Nodes
+from .membership.rolling_restart import RollingRestart
 from .membership.scale_driver import ScaleDriver
 from .membership.standbys import Standbys
 from .metrics import ClusterMetrics, RejectedFrames
@@ -177,6 +189,8 @@ class Controller:
                                    take_standbys=lambda n: self.standby.ready()[:n], joiners=self.joiners,
                                    form=self.form, publish=self.publish,
                                    ended=lambda result: self.metrics.scale_operations.labels(result).inc())
+        self.rollout = RollingRestart(c, cfg, self.scaling, self.nodes, standbys=self.standby.ready,
+                                      check_model=self._check_model, publish=self.publish)
         self.sleep = SleepMode(c, self.plane, self.metrics.engine_sleep_state, busy=self._sleep_blocker,
                                publish=self.publish)
         self.hardware = HardwareSignals(registry, c.events)
@@ -359,7 +373,7 @@ class Controller:
             self.streams.drop(cmd.seq_id)
             if self.traces is not None:
                 self.traces.finished(cmd.seq_id, "abort")
-        elif isinstance(cmd, StartScale | StartDrain | Uncordon | Sleep | WakeUp):
+        elif isinstance(cmd, StartScale | StartDrain | Uncordon | StartRollout | AbortRollout | Sleep | WakeUp):
             try:
                 if isinstance(cmd, Sleep):
                     self.sleep.sleep(cmd.level, cmd.reply)
@@ -369,7 +383,13 @@ class Controller:
                     return
                 if self.sleep.blocks_steps and not isinstance(cmd, Uncordon):
                     raise ScaleRejected("the engine is asleep; POST /wake_up first", 409)
-                if isinstance(cmd, StartScale):
+                if isinstance(cmd, StartScale | StartDrain) and self.rollout.active:
+                    raise ScaleRejected(self.rollout.busy(), 409)
+                if isinstance(cmd, StartRollout):
+                    answer = self.rollout.request(cmd.options)
+                elif isinstance(cmd, AbortRollout):
+                    answer = self.rollout.abort()
+                elif isinstance(cmd, StartScale):
                     answer = self.scaling.request(cmd.new_ep_size, cmd.ranks)
                 elif isinstance(cmd, StartDrain):
                     answer = self.scaling.drain(cmd.ranks, cmd.node)
@@ -470,7 +490,14 @@ class Controller:
             return "requests run or wait; let them finish (or abort them) and retry"
         if self.scaling.active:
             return "a scale or drain is in flight"
-        return ""
+        return self.rollout.busy()
+
+    def _check_model(self, path: str) -> str:
+        """Why the checkpoint at `path` cannot replace the one served ("" when it holds the same model)."""
+        try:
+            return self.reader.difference(CheckpointReader(path, MoEConfig.from_pretrained(path), dtype=self.cfg.dtype))
+        except Exception as e:  # an operator's directory: whatever fails to read it (a torn file too) is a 400
+            return f"model {path!r} cannot be read: {type(e).__name__}: {e}"
 
     def _forget_measures(self, rank_id: int) -> None:
         """A rank left the cluster: its series and timings go (a new process given its id starts clean)."""
@@ -479,7 +506,7 @@ class Controller:
 
     def _views(self, now: float) -> dict[str, Any]:
         """The roles' top-level fields of /cluster."""
-        return {"scale": self.scaling.status(), "redundancy": self.redundancy.view(),
+        return {"scale": self.scaling.status(), "rollout": self.rollout.status(), "redundancy": self.redundancy.view(),
                 "straggler_policy": self.stragglers.view(now), "hardware": self.hardware.view(),
                 "standby": {"wanted": self.cfg.standby_ranks, "ready": self.standby.ready()},
                 "sleep": self.sleep.view(),
@@ -510,6 +537,8 @@ class Controller:
             return
         if self.scaling.active and self.scaling.advance():
             return
+        if self.rollout.active and not self.scaling.active:
+            self.rollout.advance()
         joiners = self.joiners()
         if joiners and c.can_serve(c.members + joiners):
             self._rejoin(sorted(c.members + joiners))
