@@ -293,9 +293,11 @@ class Controller:
     def pump(self, timeout_s: float) -> None:
         """Wait up to timeout_s for input, handle everything that arrived, run the detector."""
         times = self.plane.times
-        for inbound in self.plane.receive(timeout_s):
+        received = self.plane.receive(timeout_s)
+        heard = self.plane.heard_clock()  # when all of these were read: one clock read for the batch
+        for inbound in received:
             t0 = time.perf_counter()
-            self._dispatch(inbound)
+            self._dispatch(inbound, heard)
             kind = type(inbound.message).__name__
             times.handled_s[kind] += time.perf_counter() - t0
             times.handled[kind] += 1
@@ -312,12 +314,13 @@ class Controller:
         times.handled_s["(detector)"] += t1 - t0
         times.handled_s["(publish)"] += time.perf_counter() - t1
 
-    def _dispatch(self, inbound: Inbound) -> None:
+    def _dispatch(self, inbound: Inbound, heard: float) -> None:
+        """Hand one message to its role; `heard`: the heard clock when it was read."""
         msg, nodes = inbound.message, self.nodes
         if isinstance(msg, Heartbeat):
             r = self.cluster.ranks.get(msg.rank_id)
             if r is not None and r.pid == msg.pid:
-                self.detector.heartbeat(r, msg, self.cluster.epoch, self.plane.heard_clock())
+                self.detector.heartbeat(r, msg, self.cluster.epoch, heard)
         elif isinstance(msg, AgentAlive):
             nodes.on_agent_alive(inbound.identity, msg)
             agent = self.cluster.agents.get(msg.node)
