@@ -63,10 +63,13 @@ class ListeningClock:
 
 class ControlPlane:
     """Bind both sockets on `host`; `step_addr` and `health_addr` are what workers and agents
-    connect to; `key`: the deployment's cluster key, which every frame in and out carries."""
+    connect to; `key`: the deployment's cluster key, which every frame in and out carries; `term`:
+    the term this controller leads its group in (serve --etcd), which every frame out carries and
+    agents and workers fence on (0 outside a group)."""
 
-    def __init__(self, host: str, key: ClusterKey):
+    def __init__(self, host: str, key: ClusterKey, term: int = 0):
         self.key = key
+        self.term = term
         self.step_inbox = Inbox("step", STEP_TO_CONTROLLER, key)
         self.health_inbox = Inbox("health", HEALTH_TO_CONTROLLER, key)
         self.ctx = zmq.Context.instance()
@@ -143,7 +146,7 @@ class ControlPlane:
 
     def to_worker(self, rank_id: int, message) -> None:
         """To a worker's main thread (step socket)."""
-        self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message)])
+        self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message, self.term)])
 
     def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
         """(rank_id, message) to each worker's main thread, timed as a step's encode and send; the
@@ -154,7 +157,7 @@ class ControlPlane:
         for rank_id, message in plans:
             parts = sealed.get(id(message))
             if parts is None:
-                parts = sealed[id(message)] = self.key.seal(message)
+                parts = sealed[id(message)] = self.key.seal(message, self.term)
             frames.append((f"w{rank_id}".encode(), parts))
         t1 = time.perf_counter()
         send = self.step_sock.send
@@ -169,8 +172,8 @@ class ControlPlane:
     def to_heartbeat(self, rank_id: int, message) -> None:
         """To a worker's heartbeat thread (health socket), which answers even while the main
         thread waits in a collective."""
-        self.health_sock.send_multipart([f"h{rank_id}".encode(), *self.key.seal(message)])
+        self.health_sock.send_multipart([f"h{rank_id}".encode(), *self.key.seal(message, self.term)])
 
     def to_identity(self, identity: bytes, message) -> None:
         """To a peer of the health socket (an agent) by its identity."""
-        self.health_sock.send_multipart([identity, *self.key.seal(message)])
+        self.health_sock.send_multipart([identity, *self.key.seal(message, self.term)])

@@ -139,9 +139,10 @@ def store_on(host: str, timeout_s: float = 30.0) -> dist.TCPStore:
 
 class Controller:
     """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`. `key`: the
-    deployment's cluster key, which every agent and worker must hold."""
+    deployment's cluster key, which every agent and worker must hold; `term`: the term this
+    controller leads its group in (serve --etcd; 0 alone), the fencing token of every frame it sends."""
 
-    def __init__(self, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry | None = None):
+    def __init__(self, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry | None = None, term: int = 0):
         self.cfg = cfg
         self.config = MoEConfig.from_pretrained(cfg.model_dir)
         self.reader = CheckpointReader(cfg.model_dir, self.config, dtype=cfg.dtype)
@@ -166,7 +167,7 @@ class Controller:
         self.traces = _start_tracing(cfg) if cfg.otlp_traces_endpoint else None
         self.streams = Streams(self.scheduler, self.traces)
         self.detector = FaultDetector(cfg)
-        self.plane = ControlPlane(cfg.control_host, key)
+        self.plane = ControlPlane(cfg.control_host, key, term)
         self.store = store_on(cfg.control_host)
         self.store_port = self.store.port
         self.changer = EpochChanger(c, cfg, self.plane, self.store, nbytes, self.pump,
@@ -231,6 +232,11 @@ class Controller:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    def set_term(self, term: int) -> None:
+        """Lead in `term` from now on (serve --etcd builds its controller while it stands by, then
+        sets the term it won before `start`): every frame sent carries it."""
+        self.plane.term = term
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="control-loop", daemon=True)
         self._thread.start()
@@ -251,7 +257,8 @@ class Controller:
             try:
                 self.nodes.wait_for_ranks(self._stopping)
                 self.detector.clear()
-                self._start()
+                if not self._stopping.is_set():  # stopped while waiting: there is nothing to start
+                    self._start()
             except RecoveryNeeded:
                 pass
             while not self._stopping.is_set():
