@@ -10,7 +10,9 @@ Threads:
   It blocks inside collectives.
 - heartbeat: its own ZeroMQ socket; sends `Heartbeat` with the main thread's progress every
   `heartbeat_interval_s`, so the controller sees which collective the rank waits in even
-  while the main thread is blocked, and sees nothing once the process is stopped.
+  while the main thread is blocked, and sees nothing once the process is stopped. It runs
+  under SCHED_RR where the rank may (priority.py): a CPU saturated by loading ranks no longer
+  keeps it off the run queue for seconds.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
 Messages of an epoch other than the current one are dropped, and so is any frame without the
@@ -86,6 +88,7 @@ from .group import (
 )
 from .kv_move import move_kv
 from .overlap import forward_micro_batches
+from .priority import prioritize_this_thread
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)  # a StepResult whose plan did not ask for the load
 
@@ -481,6 +484,9 @@ class Worker:
     def _heartbeats(self) -> None:
         """Say where the main thread is every heartbeat_interval_s, and abort the epoch the
         controller gave up on (its collectives may wait on a peer that will never answer)."""
+        if not prioritize_this_thread():
+            print(f"elastic-ep rank {self.args.rank_id}: the heartbeat thread keeps an ordinary priority (no "
+                  "CAP_SYS_NICE): a saturated CPU may delay it", file=sys.stderr, flush=True)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
