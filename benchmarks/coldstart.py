@@ -1,7 +1,7 @@
 """Cold start: time to ready against the number of ranks, with and without read once, copy many,
 under a storage throttle; and wake (from sleep) to first token against a cold start.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/coldstart.py [--ranks 2,4] [--rate-mb-s 20] [--model DIR]
+    PYTHONPATH=src .venv/bin/python benchmarks/coldstart.py [--ranks 2,4] [--rate-mb-s 50] [--model DIR]
 
 One node (the agent inside `elastic-ep serve`). The model: --model, else the checkpoint of
 tests/e2e/test_cold_start.py (DeepSeek-V3-shaped, 64 experts of 3 x 512 x 256 in 3 MoE layers,
@@ -56,7 +56,7 @@ def first_token_s(server: ServerProcess, model: str) -> float:
 
 def cold_start(model: Path, ranks: int, read_once: bool, rate: float, log: Path) -> tuple[dict, ServerProcess]:
     flags = ["--model", str(model), "--ep-size", str(ranks), "--restart-delay-s", "-1",
-             "--load-read-rate-mb-s", str(rate), "--startup-timeout-s", "600",
+             "--load-read-rate-mb-s", str(rate), "--startup-timeout-s", "600", "--epoch-timeout-s", "600",
              *([] if read_once else ["--no-read-once"])]
     t0 = time.monotonic()
     server = ServerProcess(flags, log, ready_timeout_s=900)
@@ -83,7 +83,7 @@ def wake_to_first_token(server: ServerProcess, model: str, level: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
-    parser.add_argument("--rate-mb-s", type=float, default=20.0, help="--load-read-rate-mb-s of every start")
+    parser.add_argument("--rate-mb-s", type=float, default=50.0, help="--load-read-rate-mb-s of every start")
     parser.add_argument("--model", default="", help="a checkpoint directory (default: the test's, made once)")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "elastic-ep"))
     parser.add_argument("--json", action="store_true", help="one JSON line per result")

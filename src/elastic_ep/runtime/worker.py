@@ -12,7 +12,7 @@ Threads:
 - heartbeat: its own ZeroMQ socket; sends `Heartbeat` with the main thread's progress every
   `heartbeat_interval_s`, so the controller sees which collective the rank waits in even
   while the main thread is blocked, and sees nothing once the process is stopped. It runs
-  under SCHED_RR where the rank may (priority.py): a CPU saturated by loading ranks no longer
+  under SCHED_RR where the rank may (node/priority.py): a CPU saturated by loading ranks no longer
   keeps it off the run queue for seconds.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
@@ -45,6 +45,7 @@ from elastic_ep.model.memory import return_freed_memory
 from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.read_throttle import ReadThrottle
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
+from elastic_ep.node.priority import ordinary_priority, prioritize_this_thread
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
     CONTROLLER_TO_HEARTBEAT,
@@ -92,7 +93,6 @@ from .group import (
 )
 from .kv_move import move_kv
 from .overlap import forward_micro_batches
-from .priority import prioritize_this_thread
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)  # a StepResult whose plan did not ask for the load
 
@@ -563,6 +563,7 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
+    ordinary_priority()
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     args = WorkerArgs.from_json(argv[0])
