@@ -7,7 +7,9 @@ One node (the agent inside `elastic-ep serve`). The model: --model, else the che
 tests/e2e/test_cold_start.py (DeepSeek-V3-shaped, 64 experts of 3 x 512 x 256 in 3 MoE layers,
 ~330 MB in float32), written once to --cache-dir. Every start runs under
 --load-read-rate-mb-s (all the processes of this machine share that rate, as ranks share one
-storage), with the redundant experts serve chooses (auto) and the readiness gate on. Per (ranks, mode): the seconds from
+storage), with the redundant experts serve chooses (auto), the readiness gate on and
+--agent-timeout-s 10 (on this loaded machine the in-process agent was seen silent for the default
+1 s while ranks started). Per (ranks, mode): the seconds from
 the server process's start to /ready and to the first token of a greedy request, the
 server's own time to ready and its parts (/cluster `cold_start`), and the bytes read from storage
 and copied from shared memory. Modes: "read once" (default serve) and "per rank"
@@ -57,6 +59,7 @@ def first_token_s(server: ServerProcess, model: str) -> float:
 def cold_start(model: Path, ranks: int, read_once: bool, rate: float, log: Path) -> tuple[dict, ServerProcess]:
     flags = ["--model", str(model), "--ep-size", str(ranks), "--restart-delay-s", "-1",
              "--load-read-rate-mb-s", str(rate), "--startup-timeout-s", "600", "--epoch-timeout-s", "600",
+             "--agent-timeout-s", "10",
              *([] if read_once else ["--no-read-once"])]
     t0 = time.monotonic()
     server = ServerProcess(flags, log, ready_timeout_s=900)

@@ -71,7 +71,6 @@ from .hardware import HardwareReader
 from .host_backup import HostBackup
 from .lease import Lease
 from .netcut import NetCut, NetCutUnavailable
-from .priority import prioritize_this_thread
 
 logger = logging.getLogger(__name__)
 FETCH_MAX_FRAME_BYTES = 1 << 20  # a fetch request is a list of (layer, expert): a bigger frame disconnects its peer
@@ -168,8 +167,6 @@ class NodeAgent:
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve until AgentShutdown or `stop` is set; then stop every worker."""
         stop = stop or threading.Event()
-        if not prioritize_this_thread():  # its lease and AgentAlive, ahead of its ranks' loading (priority.py)
-            logger.info("node %s: the agent's loop keeps an ordinary priority (no CAP_SYS_NICE)", self.node)
         for path in reap_stale_backups():
             logger.warning("node %s: removed %s, the backup file of an owner that is gone", self.node, path)
         poller = zmq.Poller()

@@ -8,10 +8,7 @@ the CRC, releases it). Under the real-time policy SCHED_RR at the lowest priorit
 waits at most 0.09 s; at nice -10 at most 0.16 s. Both need CAP_SYS_NICE (root has it; a
 Kubernetes pod gets it with `securityContext.capabilities.add: [SYS_NICE]`); without it the thread
 keeps its priority and the loading deadline (--load-heartbeat-timeout-s) still guards a load.
-The node agent's loop (its lease and `AgentAlive`) is raised the same way: inside `elastic-ep
-serve`, on a loaded machine, it once went 1 s silent while its ranks started, and the controller
-dropped the healthy node. A process started from a raised thread starts at the ordinary policy
-(SCHED_RESET_ON_FORK); one started under the nice fallback calls `ordinary_priority` first.
+A process started from a thread raised to SCHED_RR starts at the ordinary policy (SCHED_RESET_ON_FORK).
 """
 
 from __future__ import annotations
@@ -38,8 +35,3 @@ def prioritize_this_thread() -> str:
     except (OSError, AttributeError):
         return ""
 
-
-def ordinary_priority() -> None:
-    """Back to nice 0 when started from a thread raised by nice (raising a nice value is always allowed)."""
-    if os.getpriority(os.PRIO_PROCESS, 0) < 0:
-        os.setpriority(os.PRIO_PROCESS, 0, 0)

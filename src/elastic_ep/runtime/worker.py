@@ -45,7 +45,7 @@ from elastic_ep.model.memory import return_freed_memory
 from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.read_throttle import ReadThrottle
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
-from elastic_ep.node.priority import ordinary_priority, prioritize_this_thread
+from elastic_ep.node.priority import prioritize_this_thread
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
     CONTROLLER_TO_HEARTBEAT,
@@ -563,7 +563,6 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
-    ordinary_priority()
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     args = WorkerArgs.from_json(argv[0])
