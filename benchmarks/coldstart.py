@@ -46,14 +46,17 @@ def model_dir(args) -> Path:
 
 
 def first_token_s(server: ServerProcess, model: str) -> float:
-    """Seconds until the first streamed chunk of a greedy request."""
-    t0 = time.monotonic()
+    """Seconds until the first streamed chunk of a greedy request (read to its end: a sleep
+    after it finds no request running)."""
+    t0, first = time.monotonic(), None
     body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
     with server.http.stream("POST", "/v1/completions", json=body, timeout=300) as r:
         for line in r.iter_lines():
-            if line.startswith("data:") and "choices" in line:
-                return time.monotonic() - t0
-    raise RuntimeError("the stream ended without a token")
+            if first is None and line.startswith("data:") and "choices" in line:
+                first = time.monotonic() - t0
+    if first is None:
+        raise RuntimeError("the stream ended without a token")
+    return first
 
 
 def cold_start(model: Path, ranks: int, read_once: bool, rate: float, log: Path) -> tuple[dict, ServerProcess]:
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     for ranks, read_once in configs:
         row, server = cold_start(model, ranks, read_once, args.rate_mb_s, logs / f"serve-{ranks}-{read_once}.log")
         rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)  # kept if a later part fails
         if (ranks, read_once) != configs[-1]:
             server.stop()
     cold_row = rows[-1]  # the last server (read once) stays up: its sleep and wake against its cold start
