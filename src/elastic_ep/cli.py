@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("sim", "fleet-scale failure simulation and expert-redundancy analysis"),
     "plan": ("plan", "compare deployment options: EP size, redundancy, backup"),
     "chaos": ("chaos", "inject a fault into a server started with --enable-chaos"),
+    "rollout": ("rollout", "rolling restart of a running server, one rank at a time, with new worker options"),
     "doctor": ("doctor", "diagnose a hang or a straggler on a running server"),
 }
 

@@ -202,3 +202,16 @@ def test_a_field_value_only_another_implementation_serves_is_named(tiny_dirs, ar
     hf = dict(MoEConfig.from_pretrained(tiny_dirs[arch]).hf, **{field: value})
     with pytest.raises(CheckpointError, match=f"{field}={value!r} is not supported for {arch}"):
         MoEConfig.from_dict(hf)
+
+
+def test_difference_names_what_makes_another_directory_another_model(tmp_path):
+    served = CheckpointReader(make_tiny("qwen3_moe", tmp_path / "a", num_shards=1))
+    assert served.difference(CheckpointReader(make_tiny("qwen3_moe", tmp_path / "b", num_shards=3))) == ""
+    assert "another config" in served.difference(CheckpointReader(make_tiny("deepseek_v3", tmp_path / "c")))
+    reshaped = make_tiny("qwen3_moe", tmp_path / "d", num_shards=1)
+    path = next(reshaped.glob("*.safetensors"))
+    tensors = load_file(path)
+    name = "model.embed_tokens.weight"
+    tensors[name] = tensors[name].to(torch.float16)
+    save_file(tensors, path)
+    assert f"tensors ['{name}']" in served.difference(CheckpointReader(reshaped))

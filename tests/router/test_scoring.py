@@ -58,28 +58,61 @@ def test_keys_spread_over_backends():
     assert min(wins.values()) > 400 / len(URLS) * 0.6
 
 
-def test_the_first_backend_in_order_wins_until_its_load_passes_the_bound():
+def test_the_prefix_backend_keeps_its_requests_until_the_load_is_clearly_uneven():
     order = URLS[:3]
     idle = {u: Load() for u in order}
     assert choose(order, idle, Limits()) == order[0]
-    # at low load the prefix's backend keeps it: the bound is at least load_floor (4)
-    assert choose(order, {**idle, order[0]: Load(running=3)}, Limits()) == order[0]
-    # bound: ceil(1.5 x (8 + 1) / 3) = 5 requests; the first would hold 9
+    # 8 above the least loaded (0) with this request is not over balance_abs (8) ...
+    assert choose(order, {**idle, order[0]: Load(running=7)}, Limits()) == order[0]
+    # ... 9 is, and the next in the prefix's order takes it
     assert choose(order, {**idle, order[0]: Load(running=8)}, Limits()) == order[1]
-    # max(4, ceil(1.5 x (4 + 1) / 3)) = 4: 4 + 1 is over, but at 1.5 x more slack it is not
-    assert choose(order, {**idle, order[0]: Load(running=4)}, Limits()) == order[1]
-    assert choose(order, {**idle, order[0]: Load(running=4)}, Limits(load_slack=2.0)) == order[0]
+    # over the absolute gap but not 1.5x the least loaded: it stays
+    busy = {order[0]: Load(running=30), order[1]: Load(running=22), order[2]: Load(running=22)}
+    assert choose(order, busy, Limits()) == order[0]  # 31 - 22 > 8, but 31 < 1.5 x 22
+    assert choose(order, {**busy, order[0]: Load(running=33)}, Limits()) == order[1]
     # this router's own open requests count when the metrics lag behind them
     assert choose(order, {**idle, order[0]: Load(open_here=8)}, Limits()) == order[1]
+    # a spilled request skips a next backend that is over the line too
+    assert choose(order, {**idle, order[0]: Load(running=9), order[1]: Load(running=9)}, Limits()) == order[2]
+    assert choose(order, {**idle, order[0]: Load(running=1)}, Limits(balance_abs=0)) == order[1]
 
 
-def test_saturated_backends_take_nothing_and_a_full_kv_cache_is_passed_over():
-    order = URLS[:2]
+def test_an_interleaved_load_keeps_each_prefix_on_its_backend():
+    """24 prefixes over 4 backends, 16 requests open at a time in shuffled order: almost every
+    request goes to its prefix's backend (6 of 384 move) although the hash gives one backend 11
+    of the prefixes and another 2 (a bound at 1.5x the mean load, the rule before, moved 75)."""
+    import random
+
+    keys = [prefix_key(f"[{k}] {SYSTEM}".encode()) for k in range(24)]
+    homes = {k: rendezvous_order(key, URLS)[0] for k, key in enumerate(keys)}
+    jobs = [k for k in range(24) for _ in range(16)]
+    random.Random(0).shuffle(jobs)
+    open_: list[tuple[int, str]] = []
+    moved = 0
+    for k in jobs:
+        if len(open_) == 16:
+            open_.pop(random.Random(k).randrange(16))
+        loads = {u: Load(open_here=sum(1 for _, w in open_ if w == u)) for u in URLS}
+        url = choose(rendezvous_order(keys[k], URLS), loads, Limits())
+        moved += url != homes[k]
+        open_.append((k, url))
+    shares = Counter(homes.values())
+    assert max(shares.values()) >= 1.5 * min(shares.values())  # the hash is uneven for these keys
+    assert moved <= len(jobs) * 0.02
+
+
+def test_saturated_backends_take_nothing_and_kv_usage_only_orders_the_spill():
+    order = URLS[:3]
     limits = Limits(max_open=2, max_waiting=3)
-    assert choose(order, {order[0]: Load(open_here=2), order[1]: Load()}, limits) == order[1]
-    assert choose(order, {order[0]: Load(waiting=3), order[1]: Load(waiting=3)}, limits) is None
-    assert choose(order, {order[0]: Load(kv_usage=0.97), order[1]: Load()}, limits) == order[1]
-    assert choose(order, {order[0]: Load(kv_usage=0.97), order[1]: Load(kv_usage=0.99)}, limits) == order[0]
+    assert choose(order[:2], {order[0]: Load(open_here=2), order[1]: Load()}, limits) == order[1]
+    assert choose(order[:2], {order[0]: Load(waiting=3), order[1]: Load(waiting=3)}, limits) is None
+    # a full KV cache does not move a request off its prefix's backend ...
+    assert choose(order, {u: Load(kv_usage=0.97 if u == order[0] else 0.0) for u in order}, Limits()) == order[0]
+    # ... but a spilled one goes past the next backend when that one's KV cache is full
+    loads = {order[0]: Load(running=9), order[1]: Load(kv_usage=0.97), order[2]: Load()}
+    assert choose(order, loads, Limits()) == order[2]
+    loads[order[2]] = Load(kv_usage=0.99)
+    assert choose(order, loads, Limits()) == order[1]
 
 
 def test_metrics_are_read_by_name_and_missing_ones_are_zero():

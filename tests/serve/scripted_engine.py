@@ -77,6 +77,7 @@ class ScriptedEngine:
         self.scaling_to: int | None = None
         self.cordoned: str | None = None
         self.sleep_level = 0
+        self.rollouts: list[dict] = []  # the options of each rolling restart asked for
         self.chaos_calls: list[tuple[str, int, float]] = []
         self.recording = False
         self.fail_after_events: int | None = None
@@ -210,6 +211,25 @@ class ScriptedEngine:
             raise ScaleRejected(f"node {node!r} is not cordoned", 400, "node")
         self.cordoned = None
         return {"node": node, "cordoned": False}
+
+    async def rolling_restart(self, options: dict) -> dict:
+        if self.rollouts and self.rollouts[-1] is not None:
+            raise ScaleRejected("a rolling restart is in flight; wait for it, or POST /rolling_restart/abort", 409,
+                                "rolling_restart")
+        self.rollouts.append(options)
+        return self.rolling_restart_status()
+
+    async def abort_rolling_restart(self) -> dict:
+        if not self.rollouts or self.rollouts[-1] is None:
+            raise ScaleRejected("no rolling restart is in flight", 409, "rolling_restart")
+        self.rollouts.append(None)
+        return self.rolling_restart_status()
+
+    def rolling_restart_status(self) -> dict:
+        running = bool(self.rollouts) and self.rollouts[-1] is not None
+        state = "running" if running else "aborted" if self.rollouts else "idle"
+        return {"state": state, "active": running, "options": self.rollouts[-1] if running else {}, "total": 4,
+                "replaced_count": 0, "rank_in_flight": None, "replaced": [], "pending": [0, 1, 2, 3]}
 
     async def sleep(self, level: int) -> dict:
         if level not in (1, 2):

@@ -177,6 +177,45 @@ def test_scale_maps_engine_answers_to_status_codes(served):
         served.engine.scaling_to = None
 
 
+def test_rolling_restart_takes_the_worker_options_and_refuses_the_rest(served, tmp_path, monkeypatch):
+    url = f"{served.url}/rolling_restart"
+    for body, param in [({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+                        ({"num_gpu_blocks_override": -1}, "num_gpu_blocks_override"),
+                        ({"max_num_seqs": 4}, "max_num_seqs"), ({"model": ""}, "model")]:
+        refused = httpx.post(url, json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (body, refused.text)
+    monkeypatch.chdir(tmp_path)
+    try:
+        started = httpx.post(url, json={"model": "moved", "kv_cache_memory": 1 << 20})
+        assert started.status_code == 200, started.text
+        assert served.engine.rollouts[-1] == {"model_dir": str(tmp_path / "moved"), "kv_cache_memory": 1 << 20}
+        assert httpx.get(url).json()["state"] == "running"
+        again = httpx.post(url)  # no body: the same options
+        assert again.status_code == 409 and "/rolling_restart/abort" in again.json()["error"]["message"]
+        assert httpx.post(f"{url}/abort").json()["state"] == "aborted"
+        assert httpx.post(f"{url}/abort").status_code == 409
+        assert httpx.post(url).status_code == 200 and served.engine.rollouts[-1] == {}
+    finally:
+        served.engine.rollouts = []
+
+
+def test_the_rollout_command_starts_follows_and_aborts(served, capsys):
+    try:
+        assert main(["rollout", served.url, "--num-gpu-blocks-override", "64", "--no-wait"]) == 0
+        assert served.engine.rollouts[-1] == {"num_gpu_blocks_override": 64}
+        assert "rolling restart of 4 processes with {'num_gpu_blocks_override': 64}" in capsys.readouterr().out
+        assert main(["rollout", served.url]) == 2  # one is in flight: refused with the server's reason
+        assert "refused (HTTP 409): a rolling restart is in flight" in capsys.readouterr().err
+        assert main(["rollout", served.url, "--abort", "--model", "x"]) == 2
+        assert "--abort takes no options" in capsys.readouterr().err
+        assert main(["rollout", served.url, "--abort"]) == 0
+        out = capsys.readouterr().out
+        assert "aborting: no rank in flight" in out and "rolling restart aborted" in out
+        assert "not replaced: ranks [0, 1, 2, 3]" in out
+    finally:
+        served.engine.rollouts = []
+
+
 def test_expert_distribution_recorder(served):
     assert httpx.post(f"{served.url}/start_expert_distribution_record").status_code == 200
     assert served.engine.recording

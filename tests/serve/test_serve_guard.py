@@ -56,6 +56,7 @@ def test_v1_needs_the_api_key(guarded):
 def test_operating_routes_need_the_admin_key_and_probes_stay_open(guarded):
     for method, path, body in (("post", "/scale_elastic_ep", {"new_ep_size": 3}),
                                ("post", "/chaos/kill", {"rank_id": 1}),
+                               ("post", "/rolling_restart", {}), ("get", "/rolling_restart", None),
                                ("post", "/start_expert_distribution_record", None),
                                ("get", "/dump_expert_distribution_record", None)):
         assert httpx.request(method, f"{guarded}{path}", json=body).status_code == 401

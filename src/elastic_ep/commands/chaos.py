@@ -10,7 +10,7 @@ import os
 
 import httpx
 
-from elastic_ep.commands.remote import server_url, unreachable
+from elastic_ep.commands.remote import error_message, server_url, unreachable
 from elastic_ep.control.api import CHAOS_ACTIONS
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.serve.guard import ADMIN_API_KEY_ENV
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         target = f"rank {args.rank}" if args.rank is not None else f"node {args.node}" if args.node else \
             f"request {args.request_id}"
         raise ElasticEPError(
-            f"{args.action} {target} refused (HTTP {response.status_code}): {_message(response)}"
+            f"{args.action} {target} refused (HTTP {response.status_code}): {error_message(response)}"
         )
     print(json.dumps(response.json(), indent=2))
     return 0
@@ -83,10 +83,3 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ElasticEPError(f"--delay-s must be >= 0 seconds, got {args.delay_s}")
     if args.action != "slow" and args.delay_s:
         raise ElasticEPError(f"--delay-s is for slow only; {args.action} takes no delay")
-
-
-def _message(response: httpx.Response) -> str:
-    try:
-        return response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return f"{response.request.url} did not answer as elastic-ep does; check the URL and port"

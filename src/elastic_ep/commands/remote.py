@@ -1,5 +1,5 @@
-"""The running server that `chaos` and `doctor` talk to: its URL as typed, and the error when it
-cannot be reached."""
+"""The running server that `chaos`, `doctor` and `rollout` talk to: its URL as typed, the error
+when it cannot be reached, and the message of an error it answered."""
 
 from __future__ import annotations
 
@@ -34,3 +34,11 @@ def unreachable(url: str, error: httpx.HTTPError) -> ElasticEPError:
     return ElasticEPError(
         f"cannot reach {url} ({type(error).__name__}: {error}); is `elastic-ep serve` running there?"
     )
+
+
+def error_message(response: httpx.Response) -> str:
+    """The message of an elastic-ep error answer, or what to check when the answer is not one."""
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"{response.request.url} did not answer as elastic-ep does; check the URL and port"

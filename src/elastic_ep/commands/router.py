@@ -37,14 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-per-backend", type=int, default=LIMITS.max_waiting,
                         help="a backend whose own queue (elastic_ep_num_requests_waiting) holds this many is "
                              "saturated (0: no limit)")
-    parser.add_argument("--load-slack", type=float, default=LIMITS.load_slack,
-                        help="a backend takes a request while its load is under (1 + this) x the mean; past that "
-                             "the next backend in the prefix's order does")
-    parser.add_argument("--load-floor", type=int, default=LIMITS.load_floor,
-                        help="requests a backend holds before load may send its prefix's requests elsewhere")
+    parser.add_argument("--balance-abs-threshold", type=int, default=LIMITS.balance_abs,
+                        help="requests a backend may hold above the least loaded one before load sends its "
+                             "prefix's requests to the next backend in the prefix's order (SGLang's name)")
+    parser.add_argument("--balance-rel-threshold", type=float, default=LIMITS.balance_rel,
+                        help="... when it also holds more than this times as many as the least loaded one")
     parser.add_argument("--kv-high", type=float, default=LIMITS.kv_high,
-                        help="a backend whose KV cache is this full (elastic_ep_kv_cache_usage_perc) is passed "
-                             "over while another has room")
+                        help="when load moves a request off its prefix's backend, a backend whose KV cache is "
+                             "this full (elastic_ep_kv_cache_usage_perc) is passed over while another has room")
     parser.add_argument("--block-bytes", type=int, default=DEFAULTS.block_bytes,
                         help="prefix block size, bytes of prompt")
     parser.add_argument("--affinity-blocks", type=int, default=DEFAULTS.affinity_blocks,
@@ -85,8 +85,11 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         raise ElasticEPError(f"--migration-limit must be >= 0, got {args.migration_limit}")
     if args.block_bytes < 1 or args.affinity_blocks < 1:
         raise ElasticEPError("--block-bytes and --affinity-blocks must be >= 1")
+    if args.balance_abs_threshold < 0 or args.balance_rel_threshold < 0:
+        raise ElasticEPError("--balance-abs-threshold and --balance-rel-threshold must be >= 0")
     limits = Limits(max_open=args.max_open_per_backend, max_waiting=args.max_waiting_per_backend,
-                    load_slack=args.load_slack, load_floor=args.load_floor, kv_high=args.kv_high)
+                    balance_abs=args.balance_abs_threshold, balance_rel=args.balance_rel_threshold,
+                    kv_high=args.kv_high)
     return RouterConfig(
         backends=backends, backends_file=args.backends_file, api_key=args.api_key,
         backend_api_key=args.backend_api_key, migration_limit=args.migration_limit, limits=limits,

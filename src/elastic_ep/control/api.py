@@ -170,7 +170,8 @@ class Engine(Protocol):
                                   slowness figure), ...numbers} | None,   # members only; policy/straggler_verdict.py
                       "ready": bool,  # ready: serves in a verified epoch
                       "safe_to_terminate": bool,  # not a member and no request: killing it costs nothing
-                      "dense_source": "host_memory" | "peer" | "disk" | None}, ...],
+                      "dense_source": "host_memory" | "peer" | "disk" | None,
+                      "version": str | None}, ...],   # the elastic-ep the rank's process runs
            "ready": bool, "reason": str,   # as GET /ready
            "health": {"status": "ok" | "degraded" | "dead", "reason": str},   # as GET /health
            "load": {"running", "waiting": requests now, "steps_per_s", "tokens_per_s",
@@ -188,6 +189,7 @@ class Engine(Protocol):
                         "ecc_uncorrected", "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "throttle_reasons",
                         "xid_errors", "absent"}], "absent": {signal: why}, "age_s"}},   # node/hardware.py
            "scale": scale_status(), "deadlines": {name: value},   # seconds where the name ends in _s, else a multiple
+           "rollout": rolling_restart_status(),   # the last rolling restart, {"state": "idle"} before any
            "data_plane": {"all2all_backend", "enable_dbo", "dbo_min_tokens", "padded_dispatch_max_tokens",
                           "dp_align", "dp_align_min_chunk", "dp_migrate", "dp_migrate_patience",
                           "nodes": {node: [member rank_ids]}},   # the host groups of this epoch
@@ -226,6 +228,23 @@ class Engine(Protocol):
     async def uncordon(self, node: str) -> dict[str, Any]:
         """Let new ranks start on a drained `node` again; returns {"node", "cordoned": False}.
         Raises ScaleRejected (400 not cordoned)."""
+        ...
+
+    async def rolling_restart(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Replace every worker process (members and standbys), one at a time, by one started with
+        `options` (WorkerLaunch fields: control/membership/rollout_rules.py) in the background;
+        returns the rollout view. Raises ScaleRejected (400 an option it cannot take; 409 a scale
+        or rollout in flight, a group not whole, or no rank could leave without a standby)."""
+        ...
+
+    async def abort_rolling_restart(self) -> dict[str, Any]:
+        """The rank in flight finishes, no other is replaced; returns the rollout view. Raises
+        ScaleRejected 409 when none is in flight."""
+        ...
+
+    def rolling_restart_status(self) -> dict[str, Any]:
+        """JSON for GET /rolling_restart (also /cluster's "rollout"): state, the rank in flight and
+        its phase, replaced and pending ranks (control/membership/rollout_rules.py `rollout_view`)."""
         ...
 
     async def sleep(self, level: int) -> dict[str, Any]:

@@ -83,12 +83,24 @@ from .epochs.slot_check import SlotSweeper
 from .events import EventKind
 from .facade.engine import EngineFacade, Published
 from .facade.publisher import Publisher
-from .facade.to_loop import AbortRequest, AddRequest, Command, Sleep, StartDrain, StartScale, Uncordon, WakeUp
+from .facade.to_loop import (
+    AbortRequest,
+    AbortRollout,
+    AddRequest,
+    Command,
+    Sleep,
+    StartDrain,
+    StartRollout,
+    StartScale,
+    Uncordon,
+    WakeUp,
+)
 from .faults.detector import Fault, FaultDetector, RecoveryNeeded
 from .faults.recovery import Recovery
 from .faults.straggler_control import StragglerControl
 from .membership.hardware import HardwareSignals
 from .membership.nodes import Nodes
+from .membership.rolling_restart import RollingRestart
 from .membership.scale_driver import ScaleDriver
 from .membership.standbys import Standbys
 from .metrics import ClusterMetrics, RejectedFrames
@@ -187,6 +199,8 @@ class Controller:
                                    take_standbys=lambda n: self.standby.ready()[:n], joiners=self.joiners,
                                    form=self.form, publish=self.publish,
                                    ended=lambda result: self.metrics.scale_operations.labels(result).inc())
+        self.rollout = RollingRestart(c, cfg, self.scaling, self.nodes, standbys=self.standby.ready,
+                                      check_model=self._check_model, publish=self.publish)
         self.sleep = SleepMode(c, self.plane, self.metrics.engine_sleep_state, busy=self._sleep_blocker,
                                publish=self.publish)
         self.hardware = HardwareSignals(registry, c.events)
@@ -289,9 +303,11 @@ class Controller:
     def pump(self, timeout_s: float) -> None:
         """Wait up to timeout_s for input, handle everything that arrived, run the detector."""
         times = self.plane.times
-        for inbound in self.plane.receive(timeout_s):
+        received = self.plane.receive(timeout_s)
+        heard = self.plane.heard_clock()  # when all of these were read: one clock read for the batch
+        for inbound in received:
             t0 = time.perf_counter()
-            self._dispatch(inbound)
+            self._dispatch(inbound, heard)
             kind = type(inbound.message).__name__
             times.handled_s[kind] += time.perf_counter() - t0
             times.handled[kind] += 1
@@ -308,12 +324,13 @@ class Controller:
         times.handled_s["(detector)"] += t1 - t0
         times.handled_s["(publish)"] += time.perf_counter() - t1
 
-    def _dispatch(self, inbound: Inbound) -> None:
+    def _dispatch(self, inbound: Inbound, heard: float) -> None:
+        """Hand one message to its role; `heard`: the heard clock when it was read."""
         msg, nodes = inbound.message, self.nodes
         if isinstance(msg, Heartbeat):
             r = self.cluster.ranks.get(msg.rank_id)
             if r is not None and r.pid == msg.pid:
-                self.detector.heartbeat(r, msg, self.cluster.epoch, self.plane.heard_clock())
+                self.detector.heartbeat(r, msg, self.cluster.epoch, heard)
         elif isinstance(msg, AgentAlive):
             nodes.on_agent_alive(inbound.identity, msg)
             agent = self.cluster.agents.get(msg.node)
@@ -375,7 +392,7 @@ class Controller:
             self.streams.drop(cmd.seq_id)
             if self.traces is not None:
                 self.traces.finished(cmd.seq_id, "abort")
-        elif isinstance(cmd, StartScale | StartDrain | Uncordon | Sleep | WakeUp):
+        elif isinstance(cmd, StartScale | StartDrain | Uncordon | StartRollout | AbortRollout | Sleep | WakeUp):
             try:
                 if isinstance(cmd, Sleep):
                     self.sleep.sleep(cmd.level, cmd.reply)
@@ -385,7 +402,13 @@ class Controller:
                     return
                 if self.sleep.blocks_steps and not isinstance(cmd, Uncordon):
                     raise ScaleRejected("the engine is asleep; POST /wake_up first", 409)
-                if isinstance(cmd, StartScale):
+                if isinstance(cmd, StartScale | StartDrain) and self.rollout.active:
+                    raise ScaleRejected(self.rollout.busy(), 409)
+                if isinstance(cmd, StartRollout):
+                    answer = self.rollout.request(cmd.options)
+                elif isinstance(cmd, AbortRollout):
+                    answer = self.rollout.abort()
+                elif isinstance(cmd, StartScale):
                     answer = self.scaling.request(cmd.new_ep_size, cmd.ranks)
                 elif isinstance(cmd, StartDrain):
                     answer = self.scaling.drain(cmd.ranks, cmd.node)
@@ -530,7 +553,14 @@ class Controller:
             return "requests run or wait; let them finish (or abort them) and retry"
         if self.scaling.active:
             return "a scale or drain is in flight"
-        return ""
+        return self.rollout.busy()
+
+    def _check_model(self, path: str) -> str:
+        """Why the checkpoint at `path` cannot replace the one served ("" when it holds the same model)."""
+        try:
+            return self.reader.difference(CheckpointReader(path, MoEConfig.from_pretrained(path), dtype=self.cfg.dtype))
+        except Exception as e:  # an operator's directory: whatever fails to read it (a torn file too) is a 400
+            return f"model {path!r} cannot be read: {type(e).__name__}: {e}"
 
     def _forget_measures(self, rank_id: int) -> None:
         """A rank left the cluster: its series and timings go (a new process given its id starts clean)."""
@@ -539,7 +569,7 @@ class Controller:
 
     def _views(self, now: float) -> dict[str, Any]:
         """The roles' top-level fields of /cluster."""
-        return {"scale": self.scaling.status(), "redundancy": self.redundancy.view(),
+        return {"scale": self.scaling.status(), "rollout": self.rollout.status(), "redundancy": self.redundancy.view(),
                 "straggler_policy": self.stragglers.view(now), "hardware": self.hardware.view(),
                 "standby": {"wanted": self.cfg.standby_ranks, "ready": self.standby.ready()},
                 "sleep": self.sleep.view(),
@@ -573,6 +603,8 @@ class Controller:
             return
         if self.scaling.active and self.scaling.advance():
             return
+        if self.rollout.active and not self.scaling.active:
+            self.rollout.advance()
         joiners = self.joiners()
         if joiners and c.can_serve(c.members + joiners):
             self._rejoin(sorted(c.members + joiners))

@@ -163,6 +163,7 @@ class RankInfo:
             # the per-rank gate: requests go to a rank only once it serves in a verified epoch
             "ready": self.status == RankStatus.SERVING,
             "dense_source": self.hello.dense_source if self.hello is not None else None,
+            "version": self.hello.version if self.hello is not None else None,
             "slow_delay_s": delay_s,
         }
 

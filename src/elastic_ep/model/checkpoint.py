@@ -181,6 +181,24 @@ class CheckpointReader:
         check_shape(name, tensor, shape)
         return tensor
 
+    def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Every tensor's (stored dtype, shape), read from the file headers alone."""
+        return {name: (self.stored_dtype(name), tuple(self._handle(path).get_slice(name).get_shape()))
+                for name, path in self.tensor_files.items()}
+
+    def difference(self, other: CheckpointReader) -> str:
+        """Why `other` is not the same model as this checkpoint ("" when its config and every
+        tensor's name, dtype and shape match; the values are not compared)."""
+        if other.config != self.config:
+            return f"{other.model_dir} has another config than {self.model_dir} (architecture, sizes or experts)"
+        mine, theirs = self.layout(), other.layout()
+        if mine.keys() != theirs.keys():
+            names = sorted(mine.keys() ^ theirs.keys())
+            return f"{other.model_dir} and {self.model_dir} differ in tensors {names[:3]}"
+        wrong = sorted(name for name in mine if mine[name] != theirs[name])
+        return (f"tensors {wrong[:3]} of {other.model_dir} differ from {self.model_dir} in dtype or shape: "
+                f"{[theirs[n] for n in wrong[:3]]} against {[mine[n] for n in wrong[:3]]}") if wrong else ""
+
     @property
     def expert_nbytes(self) -> int:
         """Bytes of one routed expert of one layer as held in memory (gate, up and down in `self.dtype`)."""

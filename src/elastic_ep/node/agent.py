@@ -264,6 +264,8 @@ class NodeAgent:
         elif isinstance(msg, StartWorker):
             with self._lock:
                 self.restart_at.pop(msg.rank_id, None)
+            if msg.launch is not None:
+                self.launch = msg.launch
             if not self._await_dense(msg):
                 self._start(msg.rank_id, msg.join_mode, msg.dense_site)
         elif isinstance(msg, FenceWorker):

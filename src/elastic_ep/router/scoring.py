@@ -10,18 +10,22 @@ with the same loads gets the same backend in every router, so routers need not t
   backend moves only the keys it wins or held.
 - A `user` is a key of its own (a session's turns share their history, and the backend that
   holds it).
-- Load is a bounded tie-breaker: the first backend in key order whose load is below
-  `(1 + load_slack) x` the mean load (plus the request), and never below `load_floor`,
-  takes it (consistent hashing with bounded loads), and a backend whose KV cache is at least
-  `kv_high` full is passed over
-  while another is not. A saturated backend (see `Load.saturated`) takes nothing.
+- Load moves a request off its prefix's backend only when the load is clearly uneven (SGLang's
+  cache-aware rule): the prefix's first backend in key order takes it unless it would hold more
+  than `balance_abs` requests above the least loaded backend and more than `balance_rel` times
+  as many. A request moved off its prefix's backend costs a full prefill elsewhere and evicts a
+  prefix there, so a small imbalance is cheaper to keep. Then the next backend in key order
+  that is not over that line takes it (a prefix spills to the same second backend in every
+  router), one whose KV cache is at least `kv_high` full passed over while another is not. KV
+  usage never moves a request off its prefix's backend (Dynamo's cost ranks prefix overlap
+  above usage): a hit needs few new blocks, and a pool that is really full queues requests,
+  which the load rule sees. A saturated backend (see `Limits.saturated`) takes nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,10 +61,11 @@ class Limits:
 
     max_open: int = 64
     max_waiting: int = 0
-    load_slack: float = 0.5
-    load_floor: int = 4
-    """Requests a backend holds before load may send its prefix elsewhere: at low load the
-    load bound would follow every stale poll (1 request against 0) and routers would part."""
+    balance_abs: int = 8
+    """Requests a backend may hold above the least loaded one before load sends its prefix's
+    requests elsewhere (SGLang's balance_abs_threshold)."""
+    balance_rel: float = 1.5
+    """... and the ratio to the least loaded it must pass too (SGLang's balance_rel_threshold)."""
     kv_high: float = 0.95
 
     def saturated(self, load: Load) -> bool:
@@ -138,17 +143,24 @@ def choose(order: Sequence[str], loads: dict[str, Load], limits: Limits) -> str 
     """The backend for a request whose backends in key order are `order` (all ready), or None
     when every one is saturated.
 
-    The first in order that is not saturated, has KV room (below `kv_high`, unless none has)
-    and whose load is under the bound takes it; when none is under the bound, the least loaded
-    (first in order on a tie), so the order still decides between equals.
+    The first in order that is not saturated takes it unless it is over the balance line (see
+    the module docstring: with this request, more than `balance_abs` requests above the least
+    loaded and more than `balance_rel` times as many); then the next one in order under the line
+    (with KV room, when one has), else the least loaded (first in order on a tie).
     """
     open_ = [u for u in order if not limits.saturated(loads[u])]
     if not open_:
         return None
-    roomy = [u for u in open_ if loads[u].kv_usage < limits.kv_high] or open_
-    total = sum(loads[u].requests for u in order)
-    bound = max(limits.load_floor, math.ceil((1 + limits.load_slack) * (total + 1) / len(order)))
-    for url in roomy:
-        if loads[url].requests + 1 <= bound:
-            return url
-    return min(roomy, key=lambda u: loads[u].requests)
+    least = min(loads[u].requests for u in open_)
+
+    def over(url: str) -> bool:
+        after = loads[url].requests + 1
+        return after - least > limits.balance_abs and after > limits.balance_rel * least
+
+    if not over(open_[0]):
+        return open_[0]
+    under = [u for u in open_[1:] if not over(u)]
+    roomy = [u for u in under if loads[u].kv_usage < limits.kv_high] or under
+    if roomy:
+        return roomy[0]
+    return min(open_, key=lambda u: loads[u].requests)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from elastic_ep import __version__
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
@@ -231,7 +232,7 @@ class Worker:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
                               self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device),
-                              self.kv.num_blocks, self.dense_bytes))
+                              self.kv.num_blocks, __version__, self.dense_bytes))
         while True:
             msg = self._pending.pop(0) if self._pending else self._receive()
             if isinstance(msg, Shutdown):
@@ -574,7 +575,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elastic-ep rank {args.rank_id} on {args.node}: {e}", file=sys.stderr, flush=True)
         return 2
     worker.run()
-    return 0
+    # Out without the interpreter's teardown: a gloo group kept because a peer may never answer
+    # (group.destroy) aborts the process in its destructor, and a context's term waits on linger.
+    worker.sock.close(linger=1000)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

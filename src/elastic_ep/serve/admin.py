@@ -1,6 +1,6 @@
 """Operator routes: liveness (/health, and /ping as vLLM names it) and readiness, /version,
-Prometheus metrics, the cluster view and its dashboard, online scaling, drain and uncordon, sleep
-and wake (vLLM's paths), the expert distribution recorder (SGLang's paths) and fault injection
+Prometheus metrics, the cluster view and its dashboard, online scaling, drain and uncordon, rolling
+restart, sleep and wake (vLLM's paths), the expert distribution recorder (SGLang's paths) and fault injection
 (only when served with --enable-chaos). The routes tagged `operating` are guarded by the admin
 key (serve/guard.py).
 
@@ -10,6 +10,7 @@ them from its own state without waiting on ranks.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from elastic_ep.serve.protocol import (
     HealthResponse,
     ReadyResponse,
     RecorderResponse,
+    RollingRestartRequest,
     ScaleRequest,
     ScaleResponse,
     UncordonRequest,
@@ -115,6 +117,28 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
     async def uncordon(body: UncordonRequest) -> dict[str, Any]:
         """New ranks (a scale-up, a standby, a registering agent) may start on `node` again."""
         return await engine.uncordon(body.node)
+
+    @router.post("/rolling_restart", response_model=dict[str, Any], responses=error_responses(400, 409),
+                 tags=[OPERATING])
+    async def rolling_restart(body: RollingRestartRequest | None = None) -> dict[str, Any]:
+        """Replace every worker process, one rank at a time, by one started with the options given
+        (and the elastic-ep installed now): drain, stop, start, rejoin; a standby takes a rank's place
+        first when there is one. In the background: progress in GET /rolling_restart and /cluster."""
+        options = (body or RollingRestartRequest()).model_dump(exclude_none=True)
+        if "model" in options:
+            options["model_dir"] = os.path.abspath(options.pop("model"))
+        return await engine.rolling_restart(options)
+
+    @router.post("/rolling_restart/abort", response_model=dict[str, Any], responses=error_responses(409),
+                 tags=[OPERATING])
+    async def abort_rolling_restart() -> dict[str, Any]:
+        """The rank in flight finishes (its replacement serves); no other rank is replaced."""
+        return await engine.abort_rolling_restart()
+
+    @router.get("/rolling_restart", response_model=dict[str, Any])
+    async def rolling_restart_status() -> dict[str, Any]:
+        """The rollout's progress (guarded as its path is; /cluster's `rollout` is the same, open)."""
+        return engine.rolling_restart_status()
 
     @router.get("/is_scaling_elastic_ep", response_model=dict[str, Any])
     async def is_scaling() -> dict[str, Any]:

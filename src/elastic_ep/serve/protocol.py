@@ -164,6 +164,17 @@ class DrainRequest(_Body):
     node: str | None = Field(None, max_length=256, description="a node to cordon and drain of every rank")
 
 
+class RollingRestartRequest(_Body):
+    """What the new processes start with; a field left out keeps its value (control/membership/rollout_rules.py)."""
+
+    model: str | None = Field(None, min_length=1, max_length=4096,
+                              description="a checkpoint directory of the same model (config, tensor names, dtypes "
+                                          "and shapes as served) to read from, e.g. after moving it to local disks")
+    kv_cache_memory: int | None = Field(None, ge=0, description="bytes of each rank's KV pool (serve's flag)")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="serve's --gpu-memory-utilization")
+    num_gpu_blocks_override: int | None = Field(None, ge=0, description="serve's --num-gpu-blocks-override")
+
+
 class UncordonRequest(_Body):
     node: str = Field(max_length=256, description="a node drained with POST /drain")
 

@@ -99,11 +99,14 @@ class BackupAssign(Message):
 
 
 class StartWorker(Message):
-    """Start a rank; `dense_site`: an agent holding the dense weights in host memory (None: disk)."""
+    """Start a rank; `dense_site`: an agent holding the dense weights in host memory (None: disk);
+    `launch`: what this worker and every later one of the agent starts with, replacing the
+    welcome's (a rolling restart's new options); None: keep the agent's."""
 
     rank_id: int
     join_mode: str
     dense_site: BackupSite | None = None
+    launch: WorkerLaunch | None = None
 
 
 class WorkerStarted(Message):

@@ -89,6 +89,7 @@ class WorkerHello(Message):
     warmup_s: float = 0.0  # the dummy forward it ran before registering (runtime/worker.py)
     device: str = "cpu"  # where it computes: "cpu", "cuda:0", ...
     kv_blocks: int = 0  # its KV pool's blocks (of WorkerLaunch.block_size positions)
+    version: str = ""  # the elastic-ep it runs (a rolling restart rolls out what is installed on the node)
     dense_bytes: int = 0  # the dense weights it loaded (from `dense_source`)
 
 

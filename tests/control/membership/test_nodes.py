@@ -25,6 +25,7 @@ from elastic_ep.wire import (
     AgentHello,
     AgentShutdown,
     AgentWelcome,
+    BackupSite,
     FenceWorker,
     StartWorker,
     WorkerExited,
@@ -171,3 +172,21 @@ def test_a_rank_that_ends_during_startup_is_reported_with_how_it_ended():
     rig.nodes.on_worker_exited(WorkerExited("n0", 1, 1001, -9))
     with pytest.raises(ElasticEPError, match=r"rank 1 ended during startup \(killed by SIGKILL\)"):
         rig.nodes.wait_for_ranks(threading.Event())
+
+
+def test_a_rolling_restarts_options_go_with_every_start_and_a_new_checkpoint_is_read_from_its_disk():
+    rig = Rig({0: "n0", 1: "n0"})
+    rig.cluster.agents["n0"].backup = BackupSite("n0", "/dev/shm/x", "tcp://f")
+    rig.nodes.start_new_rank(2, "n0")
+    plain = rig.plane.sent(StartWorker)[-1]
+    assert plain.launch is None and plain.dense_site is not None  # no options: the welcome's launch
+    rig.nodes.options.update({"num_gpu_blocks_override": 64})
+    rig.nodes.start_new_rank(3, "n0")
+    sized = rig.plane.sent(StartWorker)[-1]
+    assert sized.launch.num_gpu_blocks_override == 64 and sized.launch.model_dir == "unused"
+    assert sized.dense_site is not None  # the same checkpoint: its host copy serves
+    rig.nodes.options.update({"model_dir": "/moved"})
+    rig.nodes.start_new_rank(4, "n0")
+    moved = rig.plane.sent(StartWorker)[-1]
+    assert moved.launch.model_dir == "/moved" and moved.dense_site is None  # read from the new directory
+    assert rig.nodes.launch().model_dir == "/moved"  # and what a new agent is welcomed with

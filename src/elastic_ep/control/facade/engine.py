@@ -38,6 +38,7 @@ from ..serving.scheduler import Sequence
 from ..serving.streams import Stream
 from .to_loop import (
     AbortRequest,
+    AbortRollout,
     AddRequest,
     Command,
     CorruptExpertSlot,
@@ -48,6 +49,7 @@ from .to_loop import (
     Sleep,
     SlowRank,
     StartDrain,
+    StartRollout,
     StartScale,
     Uncordon,
     WakeUp,
@@ -160,6 +162,15 @@ class EngineFacade:
 
     async def uncordon(self, node: str) -> dict[str, Any]:
         return await self._ask(lambda reply: Uncordon(node, reply))
+
+    async def rolling_restart(self, options: dict[str, Any]) -> dict[str, Any]:
+        return await self._ask(lambda reply: StartRollout(options, reply))
+
+    async def abort_rolling_restart(self) -> dict[str, Any]:
+        return await self._ask(lambda reply: AbortRollout(reply))
+
+    def rolling_restart_status(self) -> dict[str, Any]:
+        return self.published.snapshot.get("rollout", {"state": "idle", "active": False})
 
     async def sleep(self, level: int) -> dict[str, Any]:
         return await self._ask(lambda reply: Sleep(level, reply), self.sleep_answer_timeout_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from ..serving.scheduler import Sequence
 from ..serving.streams import Stream
@@ -50,6 +51,22 @@ class Uncordon:
     """New ranks may start on `node` again; answered with {"node", "cordoned"} or ScaleRejected."""
 
     node: str
+    reply: Future
+
+
+@dataclass(frozen=True)
+class StartRollout:
+    """Replace every worker process, one at a time, by one started with `options` (WorkerLaunch
+    fields, membership/rollout_rules.py); answered with the rollout view or a ScaleRejected exception."""
+
+    options: dict[str, Any]
+    reply: Future
+
+
+@dataclass(frozen=True)
+class AbortRollout:
+    """Replace no rank after the one in flight; answered with the rollout view or ScaleRejected."""
+
     reply: Future
 
 
@@ -124,4 +141,5 @@ class CutNetwork:
 
 
 ChaosCommand = SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest | PoisonRank | CutNetwork
-Command = AddRequest | AbortRequest | StartScale | StartDrain | Uncordon | Sleep | WakeUp | ChaosCommand
+Command = (AddRequest | AbortRequest | StartScale | StartDrain | Uncordon | StartRollout | AbortRollout | Sleep | WakeUp
+           | ChaosCommand)

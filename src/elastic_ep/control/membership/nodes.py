@@ -20,8 +20,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psutil
+from msgspec.structs import replace
 
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.placement.location import ExpertLocation
@@ -98,6 +100,7 @@ class Nodes:
         self.pump = pump
         self.publish = publish
         self.set_pool_size = set_pool_size  # a rank's KV pool blocks, as it says when it registers
+        self.options: dict[str, Any] = {}  # WorkerLaunch fields a rolling restart changed (rollout_rules.py)
         self.restart_at: dict[int, float] = {}  # rank -> monotonic time its restart is due
         self.ended: dict[int, str] = {}  # rank -> how its last process ended ("killed by SIGKILL")
         self.read_rate_path = read_rate_path  # the storage throttle's shared file (--load-read-rate-mb-s)
@@ -158,16 +161,17 @@ class Nodes:
                 self.restart_at.pop(rank_id, None)
                 c.ranks[rank_id].node = agent.node
                 c.events.add(EventKind.REPLACE, f"rank {rank_id} moves to node {agent.node}", rank_id)
-                self.plane.to_identity(agent.identity, StartWorker(rank_id, "recover", c.dense_site(agent.node)))
+                self.plane.to_identity(agent.identity, self._start_worker(rank_id, "recover", agent.node))
             return
         free = [r for r in range(self.target_size()) if r not in c.ranks]
         for rank_id in free[: agent.num_ranks]:
             c.ranks[rank_id] = RankInfo(rank_id, agent.node)
-            self.plane.to_identity(agent.identity, StartWorker(rank_id, "initial"))
+            self.plane.to_identity(agent.identity, self._start_worker(rank_id, "initial"))
 
     def launch(self) -> WorkerLaunch:
+        """What workers start with: the serve flags, with the options of the last rolling restart."""
         cfg, plane = self.cfg, self.plane
-        return WorkerLaunch(
+        return replace(WorkerLaunch(
             cfg.model_dir, plane.step_addr, plane.health_addr, cfg.control_host, self.store_port, cfg.backend,
             cfg.max_num_seqs, cfg.max_model_len, cfg.heartbeat_interval_s if cfg.health_checks else 0.0,
             cfg.backup_fetch_timeout_s, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
@@ -176,7 +180,14 @@ class Nodes:
             expert_slot_bytes=self.cluster.slots_per_rank * self.cluster.num_layers * self.expert_nbytes,
             max_num_batched_tokens=cfg.max_num_batched_tokens, read_once=cfg.read_once and cfg.expert_backup,
             read_rate_mb_s=cfg.load_read_rate_mb_s, read_rate_path=self.read_rate_path,
-        )
+        ), **self.options)
+
+    def _start_worker(self, rank_id: int, join_mode: str, dense_node: str | None = None) -> StartWorker:
+        """The order to start a rank, dense weights from a host-memory copy near `dense_node` (None:
+        disk); it carries the launch once a rolling restart changed it (the agent keeps it)."""
+        site = self.cluster.dense_site(dense_node) if dense_node is not None and "model_dir" not in self.options \
+            else None
+        return StartWorker(rank_id, join_mode, site, self.launch() if self.options else None)
 
     def on_agent_bye(self, msg: AgentBye) -> None:
         self.drop_backup(msg.node, "its agent stopped")
@@ -279,7 +290,7 @@ class Nodes:
         it registers, then joins or, as a `spare`, stands by."""
         c = self.cluster
         c.ranks[rank_id] = RankInfo(rank_id, node, spare=spare)
-        self.send(node, StartWorker(rank_id, "initial", c.dense_site(node)))
+        self.send(node, self._start_worker(rank_id, "initial", node))
 
     def retire(self, rank_id: int, reason: str) -> None:
         """Stop a rank outside the group for good (its exit report removes it), never a fault."""
@@ -333,7 +344,7 @@ class Nodes:
             node = c.ranks[rank_id].node
             if now >= t and node in c.agents:  # an unreachable node restarts its ranks when it registers again
                 del self.restart_at[rank_id]
-                self.send(node, StartWorker(rank_id, "recover", c.dense_site(node)))
+                self.send(node, self._start_worker(rank_id, "recover", node))
 
     def schedule_restart(self, rank_id: int) -> None:
         """After a fault: restart it after --restart-delay-s unless its agent restarts its own ranks."""

@@ -83,11 +83,13 @@ class ScaleDriver:
         self.target_ep_size = cfg.ep_size  # what the last finished scale asked for: new agents fill up to it
 
     def request(self, new_ep_size: int | None, ranks: list[int] | None = None, node: str | None = None,
-                param: str = "ranks") -> dict[str, Any]:
+                param: str = "ranks", start_on: str | None = None) -> dict[str, Any]:
         """Start a scale (control thread): to `new_ep_size`, or retiring the `ranks` named (a
         scale-down that keeps the others), or both when they agree. `node` marks a drain of that
-        node. Raises ScaleRejected: 409 while another scale is in flight or before the first
-        epoch, 400 for a size outside the limits or ranks not in the group."""
+        node; `start_on`: the node a scale-up starts its processes on while it is schedulable (a
+        rolling restart's rank restarts where it ran). Raises ScaleRejected: 409 while another
+        scale is in flight or before the first epoch, 400 for a size outside the limits or ranks
+        not in the group."""
         c = self.cluster
         old = len(c.members)
         limits = scale_limits(c.num_experts, c.slots_per_rank, self.cfg.max_ranks)
@@ -98,7 +100,8 @@ class ScaleDriver:
             new_ep_size = check_retiring(ranks, c.intended_ranks(), new_ep_size, limits[0], param)
         assert new_ep_size is not None
         check_target(new_ep_size, old, limits, self.op)
-        self.op = ScaleOp(old, new_ep_size, chosen=None if ranks is None else list(ranks), node=node)
+        self.op = ScaleOp(old, new_ep_size, chosen=None if ranks is None else list(ranks), node=node,
+                          start_on=start_on)
         return {"old_ep_size": old, "new_ep_size": new_ep_size}
 
     def drain(self, ranks: list[int] | None, node: str | None) -> dict[str, Any]:
@@ -196,7 +199,8 @@ class ScaleDriver:
                 return
             op.new_ranks = standbys + fresh
             for rank_id in fresh:
-                node = agent_for_new_rank(c.schedulable_agents(), rank_nodes)
+                node = op.start_on if op.start_on in c.schedulable_agents() else \
+                    agent_for_new_rank(c.schedulable_agents(), rank_nodes)
                 rank_nodes[rank_id] = node
                 self.processes.start_new_rank(rank_id, node)
             op.phase = "joining"

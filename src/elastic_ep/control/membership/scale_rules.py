@@ -30,12 +30,14 @@ DONE_PHASES = ("serving_expanded", "serving_shrunk", "failed")
 class ScaleOp:
     """One scale from `old_ep_size` to `new_ep_size`; `new_ranks` start (scale-up) or
     `retiring` ranks leave (scale-down): `chosen` by the caller (a drain, or a scale-down given
-    its ranks), else the highest ids; `node` is the node a drain empties."""
+    its ranks), else the highest ids; `node` is the node a drain empties; `start_on` the node a
+    scale-up starts its processes on (None: the agents running the fewest ranks)."""
 
     old_ep_size: int
     new_ep_size: int
     chosen: list[int] | None = None
     node: str | None = None
+    start_on: str | None = None
     started_at: float = field(default_factory=time.monotonic)
     phase: str = "pending"
     new_ranks: list[int] = field(default_factory=list)
