@@ -95,6 +95,9 @@ def test_the_group_forms_across_hosts_each_rank_bound_to_its_hosts_address(bed, 
         for rank in ranks_on(state, node):
             local = local_addresses(host, rank["pid"])
             assert local == {host.addr}, (node, local)  # data and control plane on the host's own address
+    # read once, copy many: each host read from storage and copied the experts the other backs up from it
+    loaded = state["cold_start"]["bytes"]
+    assert all(loaded[node]["storage"] > 0 and loaded[node]["peer"] > 0 for node in ("hostB", "hostC")), loaded
     assert stream_all(server) == expected()
 
 

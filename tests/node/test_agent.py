@@ -128,7 +128,8 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
         pids = list(started.values())
         registered = {m.rank_id: m for m in (ctl.expect(ctl.step, WorkerHello) for _ in range(2))}
         assert {r: m.pid for r, m in registered.items()} == started
-        assert all(m.dense_source == "disk" and m.node == "nodeT" for m in registered.values())
+        # read once, copy many: the agent staged the dense weights in shared memory, the ranks mapped them
+        assert all(m.dense_source == "host_memory" and m.node == "nodeT" for m in registered.values())
 
         ctl.to_agent(FenceWorker(0, started[0], "test fence"))
         fenced = ctl.expect(ctl.health, WorkerFenced)

@@ -107,6 +107,13 @@ HELP = {
     "dp_migrate_patience": "steps a rank must stay the busiest (two decoding sequences above the least loaded) "
                            "before one of its sequences moves",
     "expert_backup": "keep each node's share of the routed experts in host shared memory",
+    "read_once": "read once, copy many at the first start: each node's agent reads the dense weights and its "
+                 "backup share from storage once, and its ranks copy them from shared memory (another node's "
+                 "agent for experts it backs up) instead of each reading the checkpoint",
+    "load_read_rate_mb_s": "hold the storage reads of all the processes of this host, together, to this many MB/s "
+                           "(a read storm measured on one machine; 0: unthrottled)",
+    "warmup_gate": "/ready opens only after warm-up steps ran every batch shape the step loop runs with a token on "
+                   "every expert slot (CUDA graph capture's place on a GPU; the first run of each shape on a CPU)",
     "enable_eplb": "re-place experts from the recorded load while serving",
     "eplb_interval": "steps between EPLB checks",
     "eplb_threshold": "rebalance when max/mean rank load exceeds this",

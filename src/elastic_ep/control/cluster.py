@@ -16,6 +16,7 @@ from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import BackupSite
 
 from .api import Readiness
+from .cold_start import LoadLedger
 from .events import EventLog
 from .ranks import AgentInfo, RankInfo, RankLiveness, RankStatus, safe_to_terminate
 
@@ -85,6 +86,7 @@ class ClusterState:
         # others, with checksums of another kind).
         self.device_kind: str | None = None
         self.cordoned: set[str] = set()  # nodes drained: no new rank starts on them
+        self.loads = LoadLedger()  # bytes each node loaded, by source (cold_start.py)
 
     # ---- queries ---------------------------------------------------------------------------
 

@@ -45,6 +45,9 @@ class ServeConfig:
     dp_migrate: str = "kv"
     dp_migrate_patience: int = 8
     expert_backup: bool = True
+    read_once: bool = True
+    load_read_rate_mb_s: float = 0.0
+    warmup_gate: bool = True
     enable_eplb: bool = False
     eplb_interval: int = 200
     eplb_threshold: float = 1.3

@@ -22,6 +22,7 @@ thread calls, its commands, what is published), and `chaos.py` (installed only w
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
@@ -33,9 +34,11 @@ import numpy as np
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
-from elastic_ep.errors import ElasticEPError
+from elastic_ep.errors import ElasticEPError, PlacementError
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
+from elastic_ep.model.read_throttle import create_rate_file
+from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
     AgentAlive,
     AgentBye,
@@ -51,6 +54,7 @@ from elastic_ep.wire import (
     SlotChecksums,
     StepFailed,
     StepResult,
+    WarmedUp,
     WorkerExited,
     WorkerFenced,
     WorkerHello,
@@ -60,6 +64,7 @@ from elastic_ep.wire import (
 from .api import EngineInfo, RequestOutput, ScaleRejected
 from .chaos import ChaosInjector
 from .cluster import ClusterState
+from .cold_start import TimeToReady
 from .config import ServeConfig, check_config
 from .control_plane import ControlPlane, Inbound
 from .epochs.background_rebalance import BackgroundRebalance
@@ -107,6 +112,7 @@ from .serving.scheduler import Scheduler
 from .serving.sleep_mode import SleepMode
 from .serving.step_loop import StepLoop
 from .serving.streams import Streams
+from .serving.warmup import WarmUpGate, warmup_shapes
 from .tracing import RequestTraces
 
 logger = logging.getLogger(__name__)
@@ -163,6 +169,11 @@ class Controller:
                                              cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step,
                                    block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.cluster = c = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
+        self.ready_clock = TimeToReady()
+        registry.register(c.loads)
+        registry.register(self.ready_clock)
+        # the storage throttle's shared file (model/read_throttle.py), removed when the loop ends
+        self.read_rate_path = create_rate_file() if cfg.load_read_rate_mb_s > 0 else ""
         self.recorder = ExpertRecorder(num_layers, self.config.num_experts, self.config.moe_layers)
         self.traces = _start_tracing(cfg) if cfg.otlp_traces_endpoint else None
         self.streams = Streams(self.scheduler, self.traces)
@@ -176,7 +187,7 @@ class Controller:
                            target_size=lambda: self.scaling.target_ep_size, undrain=self.scheduler.undrain,
                            forget_measures=self._forget_measures, pump=self.pump,
                            publish=lambda: self.publish(throttle_s=0.25),
-                           set_pool_size=self.scheduler.set_pool_size)
+                           set_pool_size=self.scheduler.set_pool_size, read_rate_path=self.read_rate_path)
         self.chaos = (ChaosInjector(c, self.plane, self.nodes, self.changer.after_next_start, self.scheduler.by_id)
                       if cfg.enable_chaos else None)
         self.isolation = Isolation(self.streams, c.events, self.fault, cfg.isolation_max_steps)
@@ -199,6 +210,9 @@ class Controller:
             replace_later=self.standby.replace_later, pending=lambda: self.detector.pending,
             evidence=self.hardware.evidence, load=self.load, form=self.form)
         self.sweeper = SlotSweeper(c, cfg, self.plane, self.changer)
+        self.warmup = WarmUpGate(c, self.plane, warmup_shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens),
+                                 cfg.epoch_timeout_s, self.pump, lambda ranks: any(r in self.detector.faults
+                                                                                   for r in ranks))
         self.rebalancer = BackgroundRebalance(
             c, cfg, nbytes, self.metrics, load=self.load, load_steps=lambda: len(self.steps.load_window),
             speeds=self.stragglers.placement_speeds, form=self.form, scaling=lambda: self.scaling.active,
@@ -256,6 +270,7 @@ class Controller:
         try:
             try:
                 self.nodes.wait_for_ranks(self._stopping)
+                self.ready_clock.mark("ranks_registered_s")
                 self.detector.clear()
                 if not self._stopping.is_set():  # stopped while waiting: there is nothing to start
                     self._start()
@@ -281,6 +296,8 @@ class Controller:
                 raise
         finally:
             self.nodes.shutdown()
+            if self.read_rate_path:
+                os.unlink(self.read_rate_path)
             if self.traces is not None:
                 self.traces.sink.shutdown()  # flush what is sampled
             for seq_id, stream in self.streams:
@@ -331,10 +348,15 @@ class Controller:
             self.steps.on_reply(msg)
         elif isinstance(msg, EpochReady | EpochFailed):
             self.changer.on_reply(msg)
+            r = self.cluster.ranks.get(msg.rank_id)
+            if isinstance(msg, EpochReady) and r is not None:
+                self.cluster.loads.transfers(r.node, msg.transfers)
             if isinstance(msg, EpochFailed) and msg.unreachable_node:
                 nodes.drop_backup(msg.unreachable_node, "its agent does not answer")
         elif isinstance(msg, SlotChecksums):
             self.sweeper.on_checksums(msg)
+        elif isinstance(msg, WarmedUp):
+            self.warmup.on_reply(msg)
         elif isinstance(msg, SleepReply):
             self.sleep.on_reply(msg)
         elif isinstance(msg, WorkerHello):
@@ -351,6 +373,7 @@ class Controller:
             nodes.on_agent_bye(msg)
         elif isinstance(msg, BackupReady):
             nodes.on_backup_ready(msg)
+            self.changer.add_references(msg.experts, msg.checksums)
         elif isinstance(msg, HardwareReport):
             self.hardware.on_report(msg)
         elif isinstance(msg, ChaosFailed):
@@ -459,7 +482,11 @@ class Controller:
         self.standby.admitted(live)
         self.metrics.epoch.set(c.epoch)
         self.metrics.live_ranks.set(len(live))
-        c.set_readiness(True)
+        if first and self.cfg.warmup_gate:
+            c.set_readiness(False, "warming up: every batch shape of the step loop, every expert slot")
+        else:
+            c.set_readiness(True)
+            self.ready_clock.ready()
         c.events.add(EventKind.EPOCH, f"epoch {c.epoch} ({reason}) with ranks {live}", reason=reason,
                      **report.fields())
         if self.traces is not None:
@@ -470,10 +497,50 @@ class Controller:
         return report
 
     def _start(self) -> None:
-        """The first epoch, over every rank that registered."""
-        outcome = self.form(Start(sorted(self.cluster.ranks)), "start")
+        """The first epoch, over every rank that registered (read once, copy many: after the
+        backup of its placement is read)."""
+        live = sorted(self.cluster.ranks)
+        target = self._read_once(live) if self.cfg.read_once and self.cfg.expert_backup else None
+        self.ready_clock.mark("backup_read_s")
+        outcome = self.form(Start(live, target), "start")
+        self.ready_clock.mark("first_epoch_s")
         if isinstance(outcome, NoPlacement):
             self.recovery.degrade(sorted(self.cluster.ranks), outcome.reason)
+        elif self.cfg.warmup_gate:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """The readiness gate (serving/warmup.py): /ready opens once every member ran every shape
+        with a token on each of its slots. A warm-up that fails is recovered from as a failed
+        epoch is (the recovery's epoch then opens /ready)."""
+        c = self.cluster
+        report = self.warmup.run()
+        self.ready_clock.mark("warmup_s")
+        c.events.add(EventKind.WARMUP, f"warm-up of shapes {report.shapes} over ranks {c.members}: "
+                     f"{'every slot computed' if report.complete else report.problem}", **report.view())
+        if not report.complete:
+            if not self.detector.faults:
+                self.detector.error(f"the warm-up did not complete: {report.problem}")
+            raise RecoveryNeeded()
+        c.set_readiness(True)
+        self.ready_clock.ready()
+        self.publish()
+
+    def _read_once(self, live: list[int]) -> ExpertLocation | None:
+        """Read once, copy many: the first epoch's placement, then every node's share of the
+        backup for it, read from storage by the node's agent alone, before the epoch forms: its
+        ranks then fill their slots from host memory (their node's file, or another node's agent)
+        instead of each reading the checkpoint. Waits until every share is written, a fault, or
+        --startup-timeout-s (what is missing then comes from disk). None: no placement here."""
+        try:
+            target = self.changer.balanced(live, self.load())
+        except PlacementError:
+            return None  # the epoch says why
+        self.nodes.start_backup(target)
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while self.cluster.backup_progress and not self.detector.pending and time.monotonic() < deadline:
+            self.pump(0.02)
+        return target
 
     def _rejoin(self, live: list[int]) -> None:
         """Admit registered ranks at a step boundary; the epoch ends a degraded wait when there was one."""
@@ -513,6 +580,9 @@ class Controller:
                 "straggler_policy": self.stragglers.view(now), "hardware": self.hardware.view(),
                 "standby": {"wanted": self.cfg.standby_ranks, "ready": self.standby.ready()},
                 "sleep": self.sleep.view(),
+                "cold_start": {**self.ready_clock.view(), "read_once": self.cfg.read_once and self.cfg.expert_backup,
+                               "warmup": self.warmup.report.view() if self.warmup.report else None,
+                               "read_rate_mb_s": self.cfg.load_read_rate_mb_s, "bytes": self.cluster.loads.by_node()},
                 "rebalance": self.rebalancer.status(),
                 "listening": {"step": self.plane.step_addr, "health": self.plane.health_addr,
                               "store": f"tcp://{self.cfg.control_host}:{self.store_port}"}}

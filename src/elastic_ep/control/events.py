@@ -47,6 +47,7 @@ class EventKind(str, Enum):
     STALLED = "stalled"  # no step progressed for the stall deadline: not ready (reason in the message)
     STALL_ENDED = "stall-ended"  # no step in flight past the stall deadline, no member silent
     SLEEP = "sleep"  # the group fell asleep or woke (memory given back per rank)
+    WARMUP = "warmup"  # the readiness gate's warm-up ran (shapes, slots that computed per rank)
     ROLLOUT = "rollout"  # a rolling restart started, replaced a rank, or ended
     FATAL = "fatal"  # the control loop stopped
 

@@ -84,6 +84,8 @@ from elastic_ep.wire import (
     StepResult,
     SweepSlots,
     TransferStat,
+    WarmedUp,
+    WarmUp,
     WorkerExited,
     WorkerFenced,
     WorkerHello,
@@ -260,6 +262,9 @@ class StandInRank:
                 self._start_epoch(msg)
         elif isinstance(msg, ChaosStep):
             self.delay_s = {(msg.epoch, msg.step): msg.delay_s}
+        elif isinstance(msg, WarmUp):  # every slot of a stand-in "computes" at once
+            if msg.epoch == self.epoch and self.slots is not None:
+                self.send(WarmedUp(msg.epoch, self.rank_id, list(msg.shapes), int(self.slots.size), 0.0))
         elif isinstance(msg, StepPlan):
             if msg.epoch == self.epoch:
                 self._step(msg)
@@ -398,7 +403,8 @@ class StandInAgent:
             self._signal(msg)
         elif isinstance(msg, BackupAssign):
             site = BackupSite(self.node, f"/dev/shm/standin-{self.node}", self.fetch_addr)
-            self.send(BackupReady(self.node, site, list(msg.items), 0, len(msg.items)))
+            self.send(BackupReady(self.node, site, list(msg.items), 0, len(msg.items),
+                                  [expert_checksum(layer, expert) for layer, expert in msg.items]))
 
     def _welcomed(self, launch: WorkerLaunch) -> None:
         self.launch = launch

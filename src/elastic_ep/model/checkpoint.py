@@ -5,6 +5,11 @@ Routed experts use the standard per-expert names
 files that hold the wanted tensors and reads only those tensors (safetensors maps the file), so
 restoring a lost expert after a fault costs the size of that expert, not of the checkpoint.
 
+Every read counts what it takes from storage (`bytes_read`, `files_opened`: what /cluster and
+/metrics report per node) and waits its turn when `--load-read-rate-mb-s` throttles storage
+(model/read_throttle.py). A reader opens a file when it first reads from it (or, without
+`model.safetensors.index.json`, to list its tensors).
+
 Tensors come out in the reader's `dtype` (float32 by default; "auto" is the checkpoint's own, as
 transformers' `dtype="auto"` picks it) on the device a call names.
 """
@@ -21,6 +26,7 @@ from safetensors import safe_open
 from elastic_ep.errors import CheckpointError
 
 from .config import MoEConfig
+from .read_throttle import ReadThrottle
 
 EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,12 +63,16 @@ class CheckpointReader:
     """
 
     def __init__(
-        self, model_dir: str | Path, config: MoEConfig | None = None, dtype: torch.dtype | str = torch.float32
+        self, model_dir: str | Path, config: MoEConfig | None = None, dtype: torch.dtype | str = torch.float32,
+        throttle: ReadThrottle | None = None,
     ):
         self.model_dir = Path(model_dir)
         self.config = config or MoEConfig.from_pretrained(self.model_dir)
-        self.tensor_files: dict[str, Path] = self._index()
+        self.throttle = throttle or ReadThrottle("", 0)
+        self.bytes_read = 0  # of tensor data, as stored
+        self.files_opened = 0
         self._handles: dict[Path, object] = {}
+        self.tensor_files: dict[str, Path] = self._index()
         self.dtype: torch.dtype = self._resolve_dtype(dtype)
 
     def _resolve_dtype(self, dtype: torch.dtype | str) -> torch.dtype:
@@ -111,16 +121,12 @@ class CheckpointReader:
                 f"checkpoint dir {self.model_dir} has no *.safetensors files; "
                 "weights must be in safetensors format (convert .bin files with transformers' save_pretrained)"
             )
-        files: dict[str, Path] = {}
-        for path in paths:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    files[name] = path
-        return files
+        return {name: path for path in paths for name in self._handle(path).keys()}
 
     def _handle(self, path: Path):
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
+            self.files_opened += 1
         return self._handles[path]
 
     def read_tensor(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -129,7 +135,10 @@ class CheckpointReader:
         path = self.tensor_files.get(name)
         if path is None:
             raise missing_tensor(name, self.model_dir)
-        tensor = self._handle(path).get_tensor(name)
+        tensor = self._handle(path).get_tensor(name)  # mapped: its pages are read by the copy below
+        nbytes = tensor.numel() * tensor.element_size()
+        self.throttle.charge(nbytes)
+        self.bytes_read += nbytes
         return tensor.to(device=device, dtype=held_dtype(self.config, name, self.dtype))
 
     def dense_state(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -5,7 +5,9 @@ It reports a worker's exit the moment it begins (a thread polls the workers' /pr
 `exit_poll_s`, see `exits.py`; one thread blocked in `wait()` per worker reaps it and reports an
 exit the poll missed), kills a rank on the controller's `FenceWorker` and confirms once the
 process can no longer run, sends signals for fault injection, and answers `BackupFetch` and
-`DenseFetch` from workers of other nodes on its own ROUTER socket (the backup: host_backup.py). Every
+`DenseFetch` from workers of other nodes on its own ROUTER socket (the backup: host_backup.py). With
+read once, copy many (`WorkerLaunch.read_once`) the first ranks it is asked to start wait until it
+has read the dense weights into shared memory once, then map them from there. Every
 frame in and out carries the cluster key's MAC; a frame without it, undecodable or not of the
 socket is dropped and counted (reported to the controller in `AgentAlive`), never raised; the
 workers it starts get the key in their environment. It holds a lease on the
@@ -163,6 +165,8 @@ class NodeAgent:
         self.local_index: dict[int, int] = {}  # rank -> its place among this node's ranks
         self.launch: WorkerLaunch | None = None
         self.backup = HostBackup(node, self.fetch_addr)
+        self._awaiting_dense: list[StartWorker] = []  # first starts held until the dense weights are staged
+        self._staging: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self.hardware_interval_s = hardware_interval_s
@@ -200,6 +204,7 @@ class NodeAgent:
                     if msg is not None and not self._handle(msg):
                         break
                 self._restart_due()
+                self._start_staged()
         finally:
             self.shutdown()
 
@@ -234,7 +239,7 @@ class NodeAgent:
                 self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available, self.num_ranks,
                 self.join_mode, self.auto_recover, self.lease.session, self.host, self.standalone))
         if self.lease.alive_due(now):
-            self.send(AgentAlive(self.node, self.lease.session, self._rejected()))
+            self.send(AgentAlive(self.node, self.lease.session, self._rejected(), self.backup.storage_bytes))
 
     def send(self, message) -> None:
         """To the controller (main loop thread only; other threads `_notify`)."""
@@ -259,6 +264,7 @@ class NodeAgent:
             for child in children:
                 child.fencing, child.final = True, True
             self.restart_at.clear()
+            self._awaiting_dense.clear()
         for child in children:
             self._signal(child.proc.pid, signal.SIGKILL)
         logger.warning("node %s: fenced its %d ranks: %s; registering again", self.node, len(children), why)
@@ -286,14 +292,16 @@ class NodeAgent:
             return True
         if isinstance(msg, BackupAssign):
             assert self.launch is not None
-            threading.Thread(target=self.backup.build, args=(self.launch, msg.items, self._notify, self._stopped),
+            threading.Thread(target=self.backup.build,
+                             args=(self.launch, msg.items, msg.device_kind, self._notify, self._stopped),
                              daemon=True).start()
         elif isinstance(msg, StartWorker):
             with self._lock:
                 self.restart_at.pop(msg.rank_id, None)
             if msg.launch is not None:
                 self.launch = msg.launch
-            self._start(msg.rank_id, msg.join_mode, msg.dense_site)
+            if not self._await_dense(msg):
+                self._start(msg.rank_id, msg.join_mode, msg.dense_site)
         elif isinstance(msg, FenceWorker):
             self._fence(msg)
         elif isinstance(msg, SignalWorker):
@@ -351,6 +359,34 @@ class NodeAgent:
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
         self.send(WorkerStarted(self.node, rank_id, proc.pid))
         logger.info("node %s: started rank %d (pid %d, %s)", self.node, rank_id, proc.pid, join_mode)
+
+    def _await_dense(self, msg: StartWorker) -> bool:
+        """Read once, copy many: hold a start that would read the dense weights from disk until
+        this agent has staged them in shared memory (the first start). Whether it is held."""
+        assert self.launch is not None
+        if not self.launch.read_once or msg.dense_site is not None or self.backup.site() is not None:
+            return False
+        self._awaiting_dense.append(msg)
+        if self._staging is None:
+            self._staging = threading.Thread(target=self._stage_dense, name="stage-dense", daemon=True)
+            self._staging.start()
+        return True
+
+    def _stage_dense(self) -> None:
+        assert self.launch is not None
+        try:
+            self.backup.stage_dense(self.launch)
+        except Exception as e:  # the ranks then read the checkpoint themselves
+            logger.warning("node %s: could not stage the dense weights in shared memory (%s: %s); its ranks read "
+                           "them from disk", self.node, type(e).__name__, e)
+
+    def _start_staged(self) -> None:
+        """Start the held ranks once the dense weights are staged (or staging failed: from disk)."""
+        if not self._awaiting_dense or self._staging is None or self._staging.is_alive():
+            return
+        held, self._awaiting_dense = self._awaiting_dense, []
+        for msg in held:
+            self._start(msg.rank_id, msg.join_mode, self.backup.site())
 
     def _local_index(self, rank_id: int) -> int:
         """The rank's place among this node's ranks (its GPU): the one it had, else the lowest free."""

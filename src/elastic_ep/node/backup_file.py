@@ -101,15 +101,18 @@ def backup_key(layer: int, expert: int, part: str) -> str:
 
 class BackupWriter:
     """A backup file of `items` (MoE layer index, expert) of `reader`'s checkpoint in `directory`
-    (RAM-backed /dev/shm by default), plus the dense weights when `dense`. The file exists at its
-    full size from the start; `write_dense` and `write_experts` fill it in, and what they wrote
-    can be read at once (by this process or another)."""
+    (RAM-backed /dev/shm by default), plus the dense weights when `dense`: `dense_state` when given
+    (a copy already in host memory, `read_dense`), else read from the checkpoint. The file exists
+    at its full size from the start; `write_dense` and `write_experts` fill it in, and what they
+    wrote can be read at once (by this process or another)."""
 
     def __init__(self, reader: CheckpointReader, items: list[tuple[int, int]], node: str,
-                 directory: str = SHM_DIR, dense: bool = True):
+                 directory: str = SHM_DIR, dense: bool = True, dense_state: dict[str, torch.Tensor] | None = None):
         self.reader = reader
         cfg = reader.config
-        self.dense = {DENSE_PREFIX + name: t.contiguous() for name, t in reader.dense_state().items()} if dense else {}
+        if dense and dense_state is None:
+            dense_state = reader.dense_state()
+        self.dense = {DENSE_PREFIX + name: t.contiguous() for name, t in (dense_state or {}).items()} if dense else {}
         specs = {name: (list(t.shape), t.dtype) for name, t in self.dense.items()}
         for layer, expert in items:
             specs[backup_key(layer, expert, "w13")] = ([2 * cfg.moe_intermediate_size, cfg.hidden_size], reader.dtype)
@@ -125,13 +128,20 @@ class BackupWriter:
         for name, t in self.dense.items():
             self._write(name, [t])
 
-    def write_experts(self, items: list[tuple[int, int]]) -> None:
-        """Copy these experts from the checkpoint into their places in the file."""
+    def write_experts(self, items: list[tuple[int, int]], device_kind: str = "cpu") -> list[int]:
+        """Copy these experts from the checkpoint into their places in the file; returns the
+        checksum of each as read (`expert_checksum` of the kind ranks on `device_kind` take)."""
         moe_layers = self.reader.config.moe_layers
+        checksums = []
         for layer, expert in items:
             gate, up, down = self.reader.expert_projections(moe_layers[layer], expert)
             self._write(backup_key(layer, expert, "w13"), [gate, up])
             self._write(backup_key(layer, expert, "w2"), [down])
+            if device_kind == "cpu":  # CRC32 runs on: no copy of w13
+                checksums.append(zlib.crc32(as_bytes(down), zlib.crc32(as_bytes(up), zlib.crc32(as_bytes(gate)))))
+            else:
+                checksums.append(expert_checksum(torch.cat([gate, up]), down, device_kind))
+        return checksums
 
     def _write(self, name: str, parts: list[torch.Tensor]) -> None:
         offset = self.offsets[name]
@@ -202,6 +212,26 @@ def expert_offsets(path: str, items: list[tuple[int, int]]
             raise KeyError(f"layer {layer} expert {expert} is not in this node's backup")
         out.append(((start + w13["data_offsets"][0], w13["shape"]), (start + w2["data_offsets"][0], w2["shape"])))
     return dtype, out
+
+
+def expert_checksum(w13: torch.Tensor, w2: torch.Tensor, device_kind: str | None = None) -> int:
+    """A checksum of the bytes of one expert (w13 [2I, H], w2 [H, I]), equal iff the same weights
+    in the same dtype, of the kind ranks on `device_kind` take (default: w13's device). On the CPU:
+    CRC32 over the bytes in place (no copy), the same one `read_checked` takes as a slot is filled
+    from a backup file. On an accelerator: taken on the device (nothing is copied to the host),
+    the sum of its 32-bit words, each times its position, mod 2^64; a change of any one word
+    always changes it. Every rank of a group runs on one device kind, so checksums compared
+    within a group are of one kind; an agent takes its reference checksums on the CPU in the
+    kind of the group's device (the same integers)."""
+    if (device_kind or w13.device.type) == "cpu":
+        return zlib.crc32(as_bytes(w2), zlib.crc32(as_bytes(w13)))
+    total = 0
+    for t in (w13, w2):
+        flat = t.contiguous().reshape(-1)
+        words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.uint8)
+        position = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
+        total = (total * 1_000_003 + int((words.to(torch.int64) * position).sum())) % 2**64
+    return total
 
 
 def read_checked(fd: int, offset: int, dst: torch.Tensor, crc: int = 0) -> int:

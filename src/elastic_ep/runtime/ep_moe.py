@@ -134,6 +134,10 @@ class ExpertParallelMoE:
         self.busiest_per_micro_batch = 0  # padded dispatch: tokens bounding every micro-batch of the step, 0 = counted
         self.fail_in_experts = False  # fault injection: raise in the experts of this step's first dispatched layer
         self.fail_local_at = -1  # fault injection: raise before dispatching this MoE layer id
+        # the readiness gate's warm-up (`warm_up`): [L, S] slots of this rank that computed tokens, None when serving
+        self.warmed: np.ndarray | None = None
+        self._group_slots = torch.tensor([r * slots.slots_per_rank + j for r in sorted(members)
+                                          for j in range(slots.slots_per_rank)], dtype=torch.int64, device=device)
 
     def start_step(self, dispatch_rows: int = 0, micro_batches: int = 1) -> None:
         """dispatch_rows: rows per peer of the padded dispatch this step (the busiest rank's tokens
@@ -143,6 +147,21 @@ class ExpertParallelMoE:
         self.fail_in_experts, self.fail_local_at = False, -1
         self.links.remote_messages = self.links.remote_bytes = 0
         self.counters = StepCounters(expert_load=np.zeros((len(self.layer_index), self.num_experts), dtype=np.int64))
+
+    def warm_up(self, on: bool) -> int:
+        """Route every (token, choice) round robin over the group's slots (on), or as the router
+        says again (off: returns how many of this rank's slots, over every MoE layer, computed
+        tokens meanwhile)."""
+        warmed = 0 if self.warmed is None else int(self.warmed.sum())
+        self.warmed = np.zeros((len(self.moe_layers), self.slots.slots_per_rank), dtype=bool) if on else None
+        return warmed
+
+    def _cover(self, num_pairs: int) -> torch.Tensor:
+        """[num_pairs] global slots for a warm-up: this rank's pairs follow those of the members before
+        it, round robin over every slot of the group, so R ranks of T tokens x k cover min(R*T*k, slots)."""
+        start = self.group.members.index(self.group.rank_id) * num_pairs
+        index = (torch.arange(num_pairs, device=self._group_slots.device) + start) % len(self._group_slots)
+        return self._group_slots[index]
 
     def run(self, forwards: list[Forward]) -> list[torch.Tensor]:
         """Drive each micro-batch's forward to its end; returns their logits in order. Raises
@@ -259,7 +278,7 @@ class ExpertParallelMoE:
                                                             minlength=self.num_experts).cpu().numpy()
         s = self.slots.slots_per_rank
         slot = route_to_slots(call.topk_ids, self.log2phy[li], self.logcnt[li], s, self.group.rank_id,
-                              self.host_of_rank)
+                              self.host_of_rank) if self.warmed is None else self._cover(num_tokens * k)
         busiest = self.busiest_per_micro_batch
         if self.links.hierarchical:
             return TwoStageExchange(self.links, call.hidden, slot.view(num_tokens, k), self.host_of_rank,
@@ -281,6 +300,8 @@ class ExpertParallelMoE:
         computed = torch.zeros(received.shape[0], h, dtype=dtype, device=received.device)
         computed[valid] = grouped_expert_forward(received[valid, :h].to(dtype), slot_ids[valid], w13, w2)
         self.counters.slot_tokens += int(valid.sum())
+        if self.warmed is not None:
+            self.warmed[self.layer_index[layer], slot_ids[valid].unique().cpu().numpy()] = True
         return computed
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -23,28 +22,10 @@ import zmq
 
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.memory import huge_zeros
-from elastic_ep.node.backup_file import as_bytes, expert_offsets, read_checked
+from elastic_ep.node.backup_file import expert_checksum, expert_offsets, read_checked
 from elastic_ep.wire import FETCH_REPLY, BackupFetch, BackupSite, ClusterKey, Inbox, SlotSource, TransferStat
 
 from .group import EpochGroup
-
-
-def expert_checksum(w13: torch.Tensor, w2: torch.Tensor) -> int:
-    """A checksum of the bytes of one expert (w13 [2I, H], w2 [H, I]), equal iff the same weights
-    in the same dtype. On the CPU: CRC32 over the bytes in place (no copy), the same one
-    `read_checked` takes as a slot is filled from a backup file. On an accelerator: taken on the
-    device (nothing is copied to the host), the sum of its 32-bit words, each times its position,
-    mod 2^64; a change of any one word always changes it. Every rank of a group runs on one device
-    kind, so checksums compared within a group are of one kind."""
-    if w13.device.type == "cpu":
-        return zlib.crc32(as_bytes(w2), zlib.crc32(as_bytes(w13)))
-    total = 0
-    for t in (w13, w2):
-        flat = t.contiguous().reshape(-1)
-        words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.uint8)
-        position = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
-        total = (total * 1_000_003 + int((words.to(torch.int64) * position).sum())) % 2**64
-    return total
 
 
 @dataclass(frozen=True)

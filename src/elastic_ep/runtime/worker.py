@@ -4,13 +4,16 @@ Threads:
 - main: registers, then runs what the controller sends on the step socket: `EpochStart`
   (form the group or keep it, fill the expert slots, checksum the ones it filled, report),
   `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling),
-  `SweepSlots` (checksum a few slots between steps), `SleepRank` / `WakeRank` (free the KV
+  `SweepSlots` (checksum a few slots between steps), `WarmUp` (the readiness gate: every
+  batch shape through the epoch's MoE, with a token on every slot), `SleepRank` / `WakeRank` (free the KV
   cache, and at level 2 the weights, then build them again), and from a server with
   --enable-chaos `ChaosStep` (the next step's injected delay and failures) and `CorruptSlot`.
   It blocks inside collectives.
 - heartbeat: its own ZeroMQ socket; sends `Heartbeat` with the main thread's progress every
   `heartbeat_interval_s`, so the controller sees which collective the rank waits in even
-  while the main thread is blocked, and sees nothing once the process is stopped.
+  while the main thread is blocked, and sees nothing once the process is stopped. It runs
+  under SCHED_RR where the rank may (node/priority.py): a CPU saturated by loading ranks no longer
+  keeps it off the run queue for seconds.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
 Messages of an epoch other than the current one are dropped, and so is any frame without the
@@ -41,7 +44,9 @@ from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.kv_cache import KVCache, pool_num_blocks
 from elastic_ep.model.memory import return_freed_memory
 from elastic_ep.model.model import MoEForCausalLM, SeqChunk
+from elastic_ep.model.read_throttle import ReadThrottle
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
+from elastic_ep.node.priority import prioritize_this_thread
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
     CONTROLLER_TO_HEARTBEAT,
@@ -67,6 +72,8 @@ from elastic_ep.wire import (
     SweepSlots,
     TermFence,
     WakeRank,
+    WarmedUp,
+    WarmUp,
     WorkerArgs,
     WorkerHello,
     key_from_env,
@@ -117,10 +124,12 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this rank's GPU is the current one for all it does
         self.config = MoEConfig.from_pretrained(launch.model_dir)
-        self.reader = CheckpointReader(launch.model_dir, self.config, dtype=launch.dtype)
+        self.reader = CheckpointReader(launch.model_dir, self.config, dtype=launch.dtype,
+                                       throttle=ReadThrottle(launch.read_rate_path, launch.read_rate_mb_s))
         dense, self.dense_source, self.load_s = load_dense(
             self.reader, args.dense_path, args.dense_addr, launch.dense_fetch_timeout_s, key
         )
+        self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
         self.model = MoEForCausalLM(self.config, dense, dtype=self.reader.dtype, device=self.device)
         self.kv, self.warmup_s = self._kv_pool()
         # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
@@ -169,18 +178,46 @@ class Worker:
               file=sys.stderr, flush=True)
         return self.model.new_kv_cache(num_blocks, block_size), warmup_s
 
-    def _warm_up(self, cache: KVCache, num_tokens: int) -> float:
-        """One forward of a dummy sequence before the rank registers, so the first real step it
-        serves does not pay one-time costs (lazy kernel and allocator set-up). Experts are left
-        out: they arrive with the epoch, and their all-to-all must run in step with the group.
-        Runs on a cache of its own, so no request can read it. Returns seconds."""
+    def _warm_up(self, cache: KVCache, num_tokens: int, moe: ExpertParallelMoE | None = None) -> float:
+        """One forward of a dummy sequence, on a cache of its own (no request can read it), so
+        that real steps do not pay one-time costs (lazy kernel and allocator set-up). Before the
+        rank registers the experts are left out (`moe` None): they arrive with the epoch, whose
+        all-to-all must run in step with the group; the readiness gate runs it through the
+        epoch's `moe`. Returns seconds."""
         t0 = time.perf_counter()
         warmup_seq = -1  # the controller numbers sequences from 0
         cache.set_blocks(warmup_seq, list(range(cache.num_blocks)))
-        tokens = [i % self.config.vocab_size for i in range(num_tokens)]
-        self.model.forward([SeqChunk(warmup_seq, tokens, 0)], cache,
-                           lambda layer, x, topk_ids, topk_weights: torch.zeros_like(x))
+        chunk = SeqChunk(warmup_seq, [i % self.config.vocab_size for i in range(num_tokens)], 0)
+        if moe is None:
+            self.model.forward([chunk], cache, lambda layer, x, topk_ids, topk_weights: torch.zeros_like(x))
+        else:
+            moe.start_step()
+            forward_micro_batches(self.model, cache, [chunk], moe, 1)
         return time.perf_counter() - t0
+
+    def _warm_up_group(self, msg: WarmUp) -> None:
+        """The readiness gate: one forward of each shape in `msg.shapes` (tokens on this rank)
+        through the epoch's MoE with every (token, choice) sent round robin over the group's
+        slots, each on a cache of its own; answers `WarmedUp` with the slots that computed."""
+        moe = self.moe
+        assert moe is not None
+        block_size = self.args.launch.block_size
+        t0, error, done = time.perf_counter(), "", []
+        moe.warm_up(True)
+        try:
+            for num_tokens in msg.shapes:
+                self.progress.enter("compute")
+                self._warm_up(self.model.new_kv_cache(-(-num_tokens // block_size), block_size), num_tokens, moe)
+                done.append(num_tokens)
+        except CollectiveError as e:
+            self.group.destroy()
+            error = f"{type(e).__name__}: {e}"
+        except LocalFailure as failure:
+            error = f"{type(failure.error).__name__}: {failure.error}"
+        finally:
+            warmed = moe.warm_up(False)
+            self.progress.idle()
+        self.send(WarmedUp(msg.epoch, self.args.rank_id, done, warmed, round(time.perf_counter() - t0, 4), error))
 
     def send(self, message) -> None:
         self.sock.send_multipart(self.key.seal(message, self.fence.highest))
@@ -197,7 +234,7 @@ class Worker:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
                               self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device),
-                              self.kv.num_blocks, __version__))
+                              self.kv.num_blocks, __version__, self.dense_bytes))
         while True:
             msg = self._pending.pop(0) if self._pending else self._receive()
             if isinstance(msg, Shutdown):
@@ -212,6 +249,9 @@ class Worker:
             elif isinstance(msg, StepPlan):
                 if self.group is not None and msg.epoch == self.group.epoch and self.group.alive:
                     self._step(msg)
+            elif isinstance(msg, WarmUp):
+                if self.group is not None and msg.epoch == self.group.epoch and self.group.alive:
+                    self._warm_up_group(msg)
             elif isinstance(msg, SleepRank):
                 self._sleep(msg.level)
             elif isinstance(msg, WakeRank):
@@ -484,6 +524,9 @@ class Worker:
     def _heartbeats(self) -> None:
         """Say where the main thread is every heartbeat_interval_s, and abort the epoch the
         controller gave up on (its collectives may wait on a peer that will never answer)."""
+        if not prioritize_this_thread():
+            print(f"elastic-ep rank {self.args.rank_id}: the heartbeat thread keeps an ordinary priority (no "
+                  "CAP_SYS_NICE): a saturated CPU may delay it", file=sys.stderr, flush=True)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)

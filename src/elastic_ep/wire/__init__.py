@@ -6,8 +6,8 @@ a worker process (`worker.py`: launch and step socket; `health.py`: heartbeats a
 Transport: ZeroMQ. The controller binds two ROUTER sockets:
 - the step socket: each worker's main thread (DEALER, identity `w<rank_id>`) receives
   `EpochStart`, `StepPlan`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `SleepRank`,
-  `WakeRank`, `Shutdown` and answers `WorkerHello`, `EpochReady`, `EpochFailed`, `StepResult`,
-  `StepFailed`, `SlotChecksums`, `SleepReply`;
+  `WakeRank`, `WarmUp`, `Shutdown` and answers `WorkerHello`, `EpochReady`, `EpochFailed`, `StepResult`,
+  `StepFailed`, `SlotChecksums`, `SleepReply`, `WarmedUp`;
 - the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
   `Heartbeat` and receives `AbortEpoch`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
   `WorkerStarted`, `WorkerExited`, `WorkerFenced`, `HardwareReport` and receives `AgentWelcome`, `BackupAssign`,
@@ -89,6 +89,8 @@ from .worker import (
     SweepSlots,
     TransferStat,
     WakeRank,
+    WarmedUp,
+    WarmUp,
     WorkerArgs,
     WorkerHello,
     WorkerLaunch,
@@ -141,6 +143,8 @@ __all__ = [
     "SweepSlots",
     "TransferStat",
     "WakeRank",
+    "WarmUp",
+    "WarmedUp",
     "WorkerArgs",
     "WorkerExited",
     "WorkerFenced",
@@ -170,8 +174,10 @@ __all__ = [
 
 
 # What each receiving side accepts (its inbox's union).
-STEP_TO_CONTROLLER = WorkerHello | EpochReady | EpochFailed | StepResult | StepFailed | SlotChecksums | SleepReply
-CONTROLLER_TO_WORKER = EpochStart | StepPlan | ChaosStep | SweepSlots | CorruptSlot | SleepRank | WakeRank | Shutdown
+STEP_TO_CONTROLLER = (WorkerHello | EpochReady | EpochFailed | StepResult | StepFailed | SlotChecksums | SleepReply
+                      | WarmedUp)
+CONTROLLER_TO_WORKER = (EpochStart | StepPlan | ChaosStep | SweepSlots | CorruptSlot | SleepRank | WakeRank | WarmUp
+                        | Shutdown)
 HEALTH_TO_CONTROLLER = (Heartbeat | AgentHello | AgentAlive | WorkerStarted | WorkerExited | WorkerFenced
                         | HardwareReport | ChaosFailed | BackupReady | AgentBye)
 CONTROLLER_TO_HEARTBEAT = AbortEpoch

@@ -71,6 +71,7 @@ class AgentAlive(Message):
     node: str
     session: str
     frames_rejected: list[tuple[str, str, int]] = []
+    storage_bytes: int = 0  # read from the checkpoint by the agent since it started (its backup, the dense stage)
 
 
 class LeaseRenew(Message):
@@ -89,9 +90,12 @@ class SessionEnded(Message):
 
 
 class BackupAssign(Message):
-    """Keep these (MoE layer index, expert) in this node's host-memory backup; answer BackupReady."""
+    """Keep these (MoE layer index, expert) in this node's host-memory backup; answer BackupReady
+    with the checksum of each expert as read from the checkpoint, of the kind the ranks take on
+    `device_kind` ("cpu" or an accelerator's, runtime/experts.py: expert_checksum)."""
 
     items: list[tuple[int, int]]
+    device_kind: str = "cpu"
 
 
 class StartWorker(Message):
@@ -171,6 +175,7 @@ class BackupReady(Message):
     experts: list[tuple[int, int]]
     nbytes: int
     share: int = 0
+    checksums: list[int] = []  # of each of `experts` as read from the checkpoint (the reference for it)
 
 
 class AgentShutdown(Message):

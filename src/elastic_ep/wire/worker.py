@@ -39,6 +39,11 @@ class WorkerLaunch(Record):
     gpu_memory_utilization: float = 0.9
     expert_slot_bytes: int = 0  # every expert slot of a rank (redundant ones included), kept out of the budget
     max_num_batched_tokens: int = 256  # the warm-up forward that measures the activation peak runs this many
+    # read once, copy many at the first start: an agent reads the dense weights into host memory
+    # before its ranks start, and the node's backup before the first epoch (node/host_backup.py)
+    read_once: bool = True
+    read_rate_mb_s: float = 0.0  # storage reads of every process of this host throttled to this, together (0: not)
+    read_rate_path: str = ""  # the file those processes share the throttle through (model/read_throttle.py)
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class WorkerHello(Message):
     device: str = "cpu"  # where it computes: "cpu", "cuda:0", ...
     kv_blocks: int = 0  # its KV pool's blocks (of WorkerLaunch.block_size positions)
     version: str = ""  # the elastic-ep it runs (a rolling restart rolls out what is installed on the node)
+    dense_bytes: int = 0  # the dense weights it loaded (from `dense_source`)
 
 
 class SlotSource(Record):
@@ -317,6 +323,27 @@ class SleepReply(Message):
     level: int
     rss_before_bytes: int
     rss_after_bytes: int
+    seconds: float
+    error: str = ""
+
+
+class WarmUp(Message):
+    """The readiness gate (control/serving/warmup.py): run one forward of each of `shapes` dummy
+    tokens through the epoch's MoE, every (token, choice) sent round robin over the group's
+    slots so that every slot computes; answered `WarmedUp`."""
+
+    epoch: int
+    shapes: list[int]
+
+
+class WarmedUp(Message):
+    """A rank's warm-up: the shapes it ran, how many of its slots (over every MoE layer) got
+    tokens, the seconds it took, and the error when it could not finish."""
+
+    epoch: int
+    rank_id: int
+    shapes: list[int]
+    slots_warmed: int
     seconds: float
     error: str = ""
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from elastic_ep.errors import PlacementError
 from elastic_ep.placement.fault_aware import fault_aware_placement
+from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.restore import restore_placement
 from elastic_ep.placement.transfer import plan_transfers
 from elastic_ep.wire import EpochFailed, EpochReady, EpochStart, SlotSource
@@ -173,7 +174,7 @@ class EpochChanger:
             if restores(request):
                 new = restore_placement(old, load, holding, rank_nodes, backup)
             elif new is None:
-                new = fault_aware_placement(load, holding, rank_nodes, None, s, num_ranks, current=c.location)
+                new = self.balanced(holding, load, num_ranks)
         except PlacementError as e:
             return NoPlacement(f"no placement over ranks {live}: {e}")
         placement_s = time.monotonic() - t0
@@ -222,6 +223,19 @@ class EpochChanger:
             dict(by_source), round(time.monotonic() - t0, 4), sum(len(v) for v in sources.values()),
             c.why_disk() if plan.bytes_by_source["disk"] else "",
         ))
+
+    def balanced(self, holding: list[int], load: np.ndarray, num_ranks: int | None = None) -> ExpertLocation:
+        """The placement a change computes over `holding` for `load` [L, E] when it is given none
+        (num_ranks: the placement's width, default --ep-size or past the highest rank). Raises PlacementError."""
+        c = self.cluster
+        num_ranks = num_ranks or max(self.cfg.ep_size, max(holding) + 1)
+        return fault_aware_placement(load, holding, c.rank_nodes(), None, c.slots_per_rank, num_ranks,
+                                     current=c.location)
+
+    def add_references(self, experts: list[tuple[int, int]], checksums: list[int]) -> None:
+        """Checksums of (layer, expert) as an agent read them from the checkpoint (its backup)."""
+        for item, checksum in zip(experts, checksums, strict=False):
+            self.reference_checksums.setdefault(tuple(item), checksum)
 
     def _wait(self, live: list[int]) -> Interrupted | NotFormed | None:
         """Until every member answered; None when all did with EpochReady."""

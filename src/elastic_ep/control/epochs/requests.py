@@ -27,9 +27,11 @@ Slot = tuple[int, int, int]  # (rank_id, layer, slot within the rank)
 
 @dataclass(frozen=True)
 class Start:
-    """The first epoch, over every rank that registered."""
+    """The first epoch, over every rank that registered; `target`: its placement when it was
+    computed before (read once, copy many: the backup is read for it first)."""
 
     live: list[int]
+    target: ExpertLocation | None = None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import psutil
 from msgspec.structs import replace
 
 from elastic_ep.errors import ElasticEPError
+from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
     AbortEpoch,
     AgentAlive,
@@ -86,7 +87,7 @@ class Nodes:
                  expert_nbytes: int, *, fault: Callable[[Fault], None], target_size: Callable[[], int],
                  undrain: Callable[[list[int]], None], forget_measures: Callable[[int], None],
                  pump: Callable[[float], None], publish: Callable[[], None],
-                 set_pool_size: Callable[[int, int], None]):
+                 set_pool_size: Callable[[int, int], None], read_rate_path: str = ""):
         self.cluster = cluster
         self.cfg = cfg
         self.plane = plane
@@ -102,6 +103,8 @@ class Nodes:
         self.options: dict[str, Any] = {}  # WorkerLaunch fields a rolling restart changed (rollout_rules.py)
         self.restart_at: dict[int, float] = {}  # rank -> monotonic time its restart is due
         self.ended: dict[int, str] = {}  # rank -> how its last process ended ("killed by SIGKILL")
+        self.read_rate_path = read_rate_path  # the storage throttle's shared file (--load-read-rate-mb-s)
+        self.backup_assigned = False
 
     # ---- agents ------------------------------------------------------------------------------
 
@@ -124,6 +127,7 @@ class Nodes:
                                                                            "(unreachable for --agent-timeout-s)"))
             return
         agent.last_alive = self.plane.heard_clock()
+        self.cluster.loads.agent(msg.node, msg.session, msg.storage_bytes)
         self.plane.to_identity(identity, LeaseRenew(msg.session, self.cfg.lease_s))
 
     def check_agents(self, now: float) -> None:
@@ -174,7 +178,8 @@ class Nodes:
             num_gpu_blocks_override=cfg.num_gpu_blocks_override, kv_cache_memory=cfg.kv_cache_memory,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             expert_slot_bytes=self.cluster.slots_per_rank * self.cluster.num_layers * self.expert_nbytes,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, read_once=cfg.read_once and cfg.expert_backup,
+            read_rate_mb_s=cfg.load_read_rate_mb_s, read_rate_path=self.read_rate_path,
         ), **self.options)
 
     def _start_worker(self, rank_id: int, join_mode: str, dense_node: str | None = None) -> StartWorker:
@@ -223,6 +228,7 @@ class Nodes:
             self.stop_rank(msg.rank_id)
             return
         r.hello, r.last_heartbeat = msg, self.plane.heard_clock()
+        c.loads.dense(msg.node, msg.dense_source, msg.dense_bytes)
         self.set_pool_size(msg.rank_id, msg.kv_blocks)
         cfg = self.cfg
         self.cluster.events.add(
@@ -355,9 +361,13 @@ class Nodes:
 
     # ---- host-memory backup --------------------------------------------------------------------
 
-    def start_backup(self) -> None:
-        """Give every agent its share of the expert backup, if memory allows."""
+    def start_backup(self, location: ExpertLocation | None = None) -> None:
+        """Give every agent its share of the expert backup for `location` (default: the current
+        placement), if memory allows; once."""
         c, cfg = self.cluster, self.cfg
+        if self.backup_assigned:
+            return
+        self.backup_assigned = True
         total = self.expert_nbytes * c.num_layers * c.num_experts
         room = psutil.virtual_memory().available
         if not cfg.expert_backup:
@@ -369,10 +379,11 @@ class Nodes:
         if c.backup_off:
             c.events.add(EventKind.BACKUP, c.backup_off)
             return
-        assert c.location is not None
-        for node, items in backup_shares(c.location, c.rank_nodes(), sorted(c.agents)).items():
+        location = location or c.location
+        assert location is not None
+        for node, items in backup_shares(location, c.rank_nodes(), sorted(c.agents)).items():
             c.backup_progress[node] = (0, len(items))
-            self.plane.to_identity(c.agents[node].identity, BackupAssign(items))
+            self.plane.to_identity(c.agents[node].identity, BackupAssign(items, c.device_kind or "cpu"))
 
     def on_backup_ready(self, msg: BackupReady) -> None:
         """A piece of a node's backup is written: plan transfers from it at once."""
