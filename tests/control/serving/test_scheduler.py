@@ -207,13 +207,15 @@ def test_a_request_whose_prefix_another_is_computing_waits_for_it_then_hits_it()
 def test_a_waiter_goes_to_the_rank_computing_its_prefix_when_that_rank_is_not_busier_by_more():
     s = Scheduler(max_num_seqs=8, max_num_batched_tokens=8, block_size=4)
     s.set_ranks([0, 1])
-    shared = list(range(100, 132))  # 32 tokens: worth more than the 33 pending on its rank less the hit
+    shared = list(range(100, 132))
     s.add(prompt_seq(0, shared + [1]))
-    s.add(prompt_seq(1, list(range(200, 230))))
+    s.add(prompt_seq(1, list(range(200, 220))))
     run_step(s)
     home = s.by_id[0].rank
+    # 25 tokens ahead at home, 12 on the other rank; a 33-token request hits 8 cached tokens at home and
+    # 24 more being computed there: 25 + 33 - 32 = 26 against 12 + 33 = 45 (with the cached 8 alone: 50)
     s.add(prompt_seq(2, shared + [2]))
-    while s.by_id[2].rank is None:
+    for _ in range(5):
         run_step(s)
     assert s.by_id[2].rank == home and s.by_id[2].num_cached >= 32
 
