@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import logging
 import math
@@ -36,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -155,8 +157,31 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
+class ControlThreadProfile:
+    """cProfile of the control thread only, from its next step until `stop()` (written to `path`):
+    a profiler is enabled in the thread that calls it, so the step loop's `run` enables it there."""
+
+    def __init__(self, ctl: Controller, path: str):
+        self.ctl, self.path, self.profile, self.on = ctl, path, cProfile.Profile(), True
+        self.run = ctl.steps.run
+        ctl.steps.run = self._run
+
+    def _run(self):
+        if self.on:
+            self.profile.enable()
+        else:
+            self.profile.disable()
+            self.ctl.steps.run = self.run
+        return self.run()
+
+    def stop(self) -> None:
+        self.on = False
+        wait_for(lambda: self.ctl.steps.run == self.run, 10, "the control thread did not stop profiling")
+        self.profile.dump_stats(self.path)
+
+
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
-              before: bool, faults: bool, timeout_s: float) -> dict:
+              before: bool, faults: bool, timeout_s: float, profile: str | None = None) -> dict:
     model = standin_model()
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -186,9 +211,13 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         times = ctl.plane.times
         v0, h0, d0 = times.view(), dict(times.handled_s), dict(times.decode_s)
         n0, w0, s0, parts0 = times.steps, times.wall_s, times.slowest_rank_s, dict(times.part_s)
-        t0 = time.monotonic()
+        profiler = ControlThreadProfile(ctl, profile) if profile else None
+        cpu_clock = time.pthread_getcpuclockid(ctl._thread.ident)
+        cpu0, t0 = time.clock_gettime(cpu_clock), time.monotonic()
         time.sleep(seconds)
-        dt = time.monotonic() - t0
+        dt, cpu_s = time.monotonic() - t0, time.clock_gettime(cpu_clock) - cpu0
+        if profiler is not None:
+            profiler.stop()
         v1, h1, d1 = times.view(), dict(times.handled_s), dict(times.decode_s)
         steps = times.steps - n0
         parts = delta(dict(times.part_s), parts0)
@@ -201,6 +230,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "step_period_ms": round(1000 * dt / max(steps, 1), 2),
             "slowest_rank_ms": round(1000 * (times.slowest_rank_s - s0) / max(steps, 1), 2),
             "added_ms_per_step": round(1000 * ((times.wall_s - w0) - (times.slowest_rank_s - s0)) / max(steps, 1), 2),
+            # the control thread's CPU time: what it would add on a machine of its own (no wait for a core)
+            "control_cpu_ms_per_step": round(1000 * cpu_s / max(steps, 1), 2),
+            "control_cpu_share": round(cpu_s / dt, 3),
             "parts_ms": {p: round(1000 * s / max(steps, 1), 2) for p, s in parts.items()},
             "heartbeats_per_s": round(handled.get("Heartbeat", 0) / dt),
             "heartbeat_load": round((handled_s.get("Heartbeat", 0) + d1.get("health", 0) - d0.get("health", 0))
@@ -243,37 +275,56 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         stop_standins(procs)
 
 
+def baseline_tree(rev: str, into: Path) -> Path:
+    """The repository's `src` and this benchmark as of git revision `rev`, written under `into`."""
+    repo = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "src", "benchmarks/control_plane.py"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
 def table(args) -> None:
+    """Each point before and after, one child process each, side by side. Before: this code with
+    `--before`, or with --baseline REV the code of that revision (its own benchmark, its defaults)."""
     rows = []
     sizes = [int(x) for x in args.table_ranks.split(",")]
-    for ranks, seqs in [(r, s) for r, s in TABLE if r in sizes]:
-        for mode in ("before", "after"):
-            cmd = [sys.executable, __file__, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
-                   "--seconds", str(args.seconds), "--step-ms", str(args.step_ms), "--timeout-s", str(args.timeout_s)]
-            if mode == "before":
-                cmd.append("--before")
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            except subprocess.TimeoutExpired:
-                print(f"{ranks} ranks, {seqs} per rank, {mode}: over 900 s", file=sys.stderr)
-                continue
-            if done.returncode:
-                print(done.stderr[-2000:], file=sys.stderr)
-                continue
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    print("| ranks | seqs/rank | mode | added ms/step | period ms | plan | encode | send | gather | decode | commit "
-          "| metrics | heartbeats/s | hb load | /cluster build ms | /metrics ms | kill detect s | stop detect s "
-          "| hang pause s | placement ms | false faults |")
-    print("|" + "---|" * 21)
+    loads = [int(x) for x in args.table_seqs.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        old = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
+        for ranks, seqs in [(r, s) for r, s in TABLE if r in sizes and s in loads]:
+            for mode in ("before", "after"):
+                script, env = __file__, dict(os.environ)
+                flags = ["--before"] if mode == "before" and old is None else []
+                if mode == "before" and old is not None:
+                    script, env["PYTHONPATH"] = str(old / "benchmarks" / "control_plane.py"), str(old / "src")
+                cmd = [sys.executable, script, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
+                       "--seconds", str(args.seconds), "--step-ms", str(args.step_ms), "--timeout-s",
+                       str(args.timeout_s), *flags, *(["--no-faults"] if args.no_faults else [])]
+                try:
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+                except subprocess.TimeoutExpired:
+                    print(f"{ranks} ranks, {seqs} per rank, {mode}: over 900 s", file=sys.stderr)
+                    continue
+                if done.returncode:
+                    print(done.stderr[-2000:], file=sys.stderr)
+                    continue
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+                row["mode"] = f"before ({args.baseline})" if mode == "before" and old is not None else row["mode"]
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    print("| ranks | seqs/rank | mode | added ms/step | control CPU ms/step | period ms | plan | encode | send "
+          "| gather | decode | commit | metrics | heartbeats/s | hb load | /cluster build ms | /metrics ms "
+          "| kill detect s | stop detect s | hang pause s | placement ms | false faults |")
+    print("|" + "---|" * 22)
     for r in rows:
-        p = r["parts_ms"]
-        print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['added_ms_per_step']} | {r['step_period_ms']} "
+        p, kill, stop = r["parts_ms"], r.get("kill", {}), r.get("stop", {})
+        print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['added_ms_per_step']} "
+              f"| {r.get('control_cpu_ms_per_step', 'n/a')} | {r['step_period_ms']} "
               f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
               f"| {p['metrics']} | {r['heartbeats_per_s']} | {r['heartbeat_load']:.1%} | {r['cluster_snapshot_ms']} "
-              f"| {r['metrics_scrape_ms']} | {r['kill']['detect_s']} | {r['stop']['detect_s']} "
-              f"| {r['stop']['pause_s']} | {r['placement_ms']} | {len(r['false_faults'])} |")
+              f"| {r['metrics_scrape_ms']} | {kill.get('detect_s', '-')} | {stop.get('detect_s', '-')} "
+              f"| {stop.get('pause_s', '-')} | {r['placement_ms']} | {len(r['false_faults'])} |")
 
 
 def main() -> None:
@@ -289,14 +340,19 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1.0,
                         help="--heartbeat-timeout-s and --agent-timeout-s of the controller (the stop's deadline)")
     parser.add_argument("--table-ranks", default="8,64,256,1024", help="the table's sizes (comma-separated)")
+    parser.add_argument("--table-seqs", default="0,64", help="the table's sequences per rank (comma-separated)")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="the table's before: the code of this git revision instead of this code with --before")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="write a cProfile of the control thread over the measured seconds (pstats format)")
     args = parser.parse_args()
     logging.getLogger("elastic_ep").setLevel(logging.ERROR)
     if args.ranks is None:
         table(args)
         return
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
-                    args.before, not args.no_faults, args.timeout_s)
+                    args.before, not args.no_faults, args.timeout_s, args.profile)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

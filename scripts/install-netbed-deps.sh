@@ -26,6 +26,17 @@ if ! command -v chromium >/dev/null; then
     fi
 fi
 
+# Debian's etcd-server: the controller group's tests (tests/group, tests/e2e/test_ha.py) start their own
+# etcd and fail without it.
+if ! command -v etcd >/dev/null; then
+    if [ "$(id -u)" -eq 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
+    else
+        echo "install-netbed-deps: not root, not installing etcd-server (the controller group's tests need etcd)" >&2
+    fi
+fi
+
 declare -A package=([ip]=iproute2 [tc]=iproute2 [nft]=nftables [iptables-legacy]=iptables)
 missing=()
 for tool in "${!package[@]}"; do

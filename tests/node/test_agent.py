@@ -44,6 +44,7 @@ from elastic_ep.wire import (
     WorkerStarted,
     decoder,
 )
+from elastic_ep.wire.codec import HMAC_BYTES
 
 KEY = ClusterKey.generate()
 ANY = decoder(ALL_MESSAGES)
@@ -74,7 +75,7 @@ class StandInController:
         while time.monotonic() < deadline:
             for ready in dict(poller.poll(100)):
                 identity, mac, body = ready.recv_multipart()
-                assert mac == KEY.mac(body)
+                assert mac == KEY.mac(body, int.from_bytes(mac[HMAC_BYTES:], "big"))
                 msg = ANY.decode(body)
                 if isinstance(msg, AgentAlive) and self.renewing:
                     self.health.send_multipart([identity, *KEY.seal(LeaseRenew(msg.session, 5.0))])

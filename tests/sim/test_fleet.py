@@ -113,3 +113,31 @@ def test_the_straggler_policy_serve_runs_decides_what_elastic_groups_lose_to_str
     assert off_report.straggler_policy.startswith("off") and evict_report.straggler_policy.startswith("evict")
     _, capped = run(action=StragglerAction.EVICT, max_evictions=0)
     assert capped.evictions.mean == 0 and capped.slow_gpu_h.mean == pytest.approx(derate.slow_gpu_h.mean)
+
+
+def test_the_fast_loss_check_agrees_with_removing_the_dead_ranks():
+    """The loss test reads each expert's lowest and highest holder (`_Holders`); removing the dead
+    ranks and counting the experts left (the reference, `lost_with`) says the same for every rank
+    and every node of placements with and without redundancy."""
+    from elastic_ep.sim.fleet import _Holders
+    from elastic_ep.sim.placements import random_placement, replica_counts
+
+    rng = np.random.default_rng(0)
+    for live, slots, spread in ((32, 8, 8), (40, 7, 1), (64, 4, 8), (61, 5, 1)):
+        for _ in range(3):
+            placement = random_placement(replica_counts(256, live * slots - 256), live, slots, rng, spread)
+            holders = _Holders.of(placement, live, slots, 256)
+            for r in range(live):
+                assert holders.lost_with_rank(r) == holders.lost_with(np.array([r]))
+            for first in range(0, live, 8):
+                count = min(8, live - first)
+                assert holders.lost_with_range(first, count) == holders.lost_with(np.arange(first, first + count))
+
+
+def test_the_simulation_gives_what_it_gave_before_it_was_made_fast():
+    """The same seed gives the numbers the simulator gave before the loss check was vectorised
+    (recorded from that code: 7 slots per rank, so losses happen)."""
+    report = simulate_fleet(FleetConfig(gpus=2048, slots_per_rank=7), 1, seed=3)
+    got = [(r.policy, r.failures, r.expert_loss_events, r.evictions, r.serving_gpu_h) for r in report.example_runs]
+    assert got == [("restart", 323, 0, 0, 17895124.142531425), ("elastic-disk", 323, 236, 372, 17938206.321869142),
+                   ("elastic-backup", 323, 236, 372, 17939365.66353581)]

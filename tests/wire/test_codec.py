@@ -34,6 +34,7 @@ from elastic_ep.wire import (
     StepFailed,
     StepPlan,
     StepResult,
+    TermFence,
     encode,
     rejected_counts,
 )
@@ -137,3 +138,22 @@ def test_key_file_is_written_private_and_refused_when_others_can_read_it(tmp_pat
         ClusterKey.read(path)
     assert "ClusterKey(...)" == repr(KEY) and KEY.hex() not in repr(KEY)
     assert len(KEY.mac(b"")) == MAC_BYTES
+
+
+def test_a_term_fence_drops_frames_of_a_lower_term_on_every_inbox_that_shares_it():
+    fence = TermFence()
+    step = Inbox("t_fence_step", CONTROLLER_TO_WORKER, KEY, "n", fence)
+    beat = Inbox("t_fence_beat", CONTROLLER_TO_WORKER, KEY, "n", fence)
+    plan = step_plan(1)
+    assert step.read(KEY.seal(plan, 3)) == plan and step.term == 3 and fence.highest == 3
+    assert beat.read(KEY.seal(plan, 2)) is None  # the other thread's socket, an older leader's frame
+    assert beat.read(KEY.seal(plan, 3)) == plan and step.read(KEY.seal(plan, 5)) == plan
+    assert step.read(KEY.seal(plan, 4)) is None
+    counts = rejected_counts()
+    assert counts[("t_fence_beat", "n", "stale_term")] == 1 and counts[("t_fence_step", "n", "stale_term")] == 1
+    head, body = KEY.seal(plan, 1)
+    forged = head[:-8] + (9).to_bytes(8, "big")  # a term raised without the key: the MAC no longer holds
+    assert step.read([forged, body]) is None and fence.highest == 5
+    assert counts.get(("t_fence_step", "n", "unauthenticated"), 0) + 1 == \
+        rejected_counts()[("t_fence_step", "n", "unauthenticated")]
+    assert Inbox("t_nofence", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(plan, 1)) == plan  # the controller's side

@@ -1,4 +1,5 @@
-"""`elastic-ep agent`: a node agent on another host, joining a running controller; with
+"""`elastic-ep agent`: a node agent on another host, joining a running controller (--controller, or
+with --etcd the leader of a controller group, followed to each new leader); with
 `--join-mode recover` a repaired or replacement node that takes over ranks that are down. It
 holds the deployment's cluster key (`--cluster-key-file`, the file `serve` wrote), without which
 the controller drops everything it sends."""
@@ -13,13 +14,20 @@ import time
 
 from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.errors import ElasticEPError
+from elastic_ep.group.leader_watch import LeaderWatch
+from elastic_ep.group.store import GroupStore
 from elastic_ep.node.agent import NodeAgent
 from elastic_ep.wire import ClusterKey, ClusterKeyError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--controller", required=True, metavar="ADDR",
-                        help="the controller's agent address, tcp://HOST:PORT, as `elastic-ep serve` prints it")
+    parser.add_argument("--controller", default=None, metavar="ADDR",
+                        help="the controller's agent address, tcp://HOST:PORT, as `elastic-ep serve` prints it "
+                             "(or --etcd and --ha-group)")
+    parser.add_argument("--etcd", default=None, metavar="URL",
+                        help="instead of --controller: find the leader of the controller group --ha-group through "
+                             "the etcd at URL, and follow it when another controller takes over")
+    parser.add_argument("--ha-group", default=None, metavar="NAME", help="with --etcd: the controller group's name")
     parser.add_argument("--node", required=True, help="this node's name (failure domain), unique per agent")
     parser.add_argument("--cluster-key-file", required=True, metavar="PATH",
                         help="the deployment's cluster key, a copy of the file `elastic-ep serve` wrote (mode 0600)")
@@ -100,15 +108,34 @@ def address_towards(controller: str) -> str:
                              "host's address with --advertise-host") from None
 
 
+def find_leader(args: argparse.Namespace) -> LeaderWatch:
+    """The group's LeaderWatch, once it knows a leader whose controller is up (within
+    --connect-timeout-s, else ElasticEPError naming the group and etcd)."""
+    if args.ha_group is None:
+        raise ElasticEPError("--etcd needs --ha-group NAME, the controller group's name (as given to serve)")
+    try:
+        watch = LeaderWatch(GroupStore(args.etcd, args.ha_group))
+    except ValueError as e:
+        raise ElasticEPError(str(e)) from None
+    if watch.wait_for_leader(args.connect_timeout_s) is None:
+        raise ElasticEPError(f"no leader of group {args.ha_group} in etcd {args.etcd} within --connect-timeout-s "
+                             f"{args.connect_timeout_s:g} ({watch.error or 'no controller has been elected'}): is "
+                             "`elastic-ep serve --etcd ... --ha-group ...` running?")
+    return watch
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
-    controller = controller_address(args.controller)
+    if (args.controller is None) == (args.etcd is None):
+        raise ElasticEPError("give the controller: either --controller tcp://HOST:PORT, or --etcd URL --ha-group NAME")
+    if not args.connect_timeout_s > 0:
+        raise ElasticEPError(f"--connect-timeout-s must be > 0 seconds, got {args.connect_timeout_s}")
+    watch = find_leader(args) if args.etcd else None
+    controller = watch.leader.controller if watch else controller_address(args.controller)
     if args.lease_s <= 0:
         raise ElasticEPError(f"--lease-s must be > 0 seconds, got {args.lease_s}")
     if args.hardware_interval_s <= 0:
         raise ElasticEPError(f"--hardware-interval-s must be > 0 seconds, got {args.hardware_interval_s}")
-    if not args.connect_timeout_s > 0:
-        raise ElasticEPError(f"--connect-timeout-s must be > 0 seconds, got {args.connect_timeout_s}")
     try:
         key = ClusterKey.read(args.cluster_key_file)
     except ClusterKeyError as e:
@@ -118,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     agent = NodeAgent(controller, args.node, key, host, args.ranks, args.stop_grace_s, args.join_mode,
                       args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
                       exit_poll_s=args.exit_poll_interval_s, standalone=True,
-                      hardware_interval_s=args.hardware_interval_s)
+                      hardware_interval_s=args.hardware_interval_s, leader_watch=watch)
     print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

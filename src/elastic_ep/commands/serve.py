@@ -18,9 +18,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-import uvicorn
 from prometheus_client import CollectorRegistry
 
+from elastic_ep.commands.http_server import run_http
 from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.commands.straggler_options import CHOICES as STRAGGLER_CHOICES
 from elastic_ep.commands.straggler_options import STRAGGLER_HELP
@@ -37,7 +37,6 @@ from elastic_ep.serve.guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_REQUEST_TIMEOUT_S,
     HttpGuard,
-    request_timeout_protocol,
 )
 from elastic_ep.wire import ClusterKey, ClusterKeyError
 
@@ -202,6 +201,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="close an HTTP connection that has not sent a whole request (headers and body) this "
                              "long after connecting or after its last response "
                              f"(default {DEFAULT_REQUEST_TIMEOUT_S:g})")
+    parser.add_argument("--etcd", default=None, metavar="URL",
+                        help="join a controller group through the etcd at URL (http://HOST:PORT): one controller of "
+                             "--ha-group leads, the others stand by and take over when it is lost; its ranks come "
+                             "from `elastic-ep agent --etcd` (default: no group, this controller alone)")
+    parser.add_argument("--ha-group", default=None, metavar="NAME",
+                        help="with --etcd: the group's name, the same on every controller of the deployment")
+    parser.add_argument("--ha-lease-s", type=int, default=5,
+                        help="with --etcd: the leader's etcd lease, whole seconds >= 2: a standby takes over this "
+                             "long after the leader is lost (default 5)")
+    parser.add_argument("--ha-journal-flush-s", type=float, default=0.05,
+                        help="with --etcd: the leader ships the request journal (requests and their tokens) to "
+                             "etcd this often, one batch each time (default 0.05)")
     add_log_arguments(parser)
     for f in dataclasses.fields(ServeConfig):
         if f.name not in HELP:
@@ -215,10 +226,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, *ALIASES.get(f.name, []), type=TYPES.get(f.name, type(f.default)),
                                 default=f.default,
                                 help=f"{HELP[f.name]} (default {f.default})", **kwargs)
-
-
-def _interrupt(*_) -> None:
-    raise KeyboardInterrupt
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -282,9 +289,15 @@ def cluster_key(path: str | None) -> tuple[ClusterKey, Path | None]:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     model_dir = resolve_model(args.model)
-    local_ranks = args.ep_size if args.local_ranks is None else args.local_ranks
+    local_ranks = (0 if args.etcd else args.ep_size) if args.local_ranks is None else args.local_ranks
     if local_ranks < 0:
         raise ElasticEPError(f"--local-ranks must be >= 0, got {local_ranks}")
+    if (args.etcd is None) != (args.ha_group is None):
+        raise ElasticEPError("--etcd and --ha-group go together: the etcd URL and the name of the controller group")
+    if args.etcd and local_ranks:
+        raise ElasticEPError(f"--local-ranks {local_ranks} with --etcd: a controller of a group runs no workers "
+                             "(they would die with it); start `elastic-ep agent --etcd URL --ha-group NAME` on each "
+                             "host instead")
     check_node_devices(args.device, args.backend, local_ranks)
     http_socket = bind_http(args.host, args.port)
     if args.max_request_body_bytes <= 0 or args.request_timeout_s <= 0:
@@ -302,8 +315,16 @@ def run(args: argparse.Namespace) -> int:
     )
     check_control_host(cfg)
     registry = CollectorRegistry()
-    controller = Controller(cfg, key, registry)
     tokenizer = load_tokenizer(model_dir)
+    if args.etcd:
+        from elastic_ep.commands.serve_group import serve_in_group
+
+        try:
+            return serve_in_group(args, cfg, key, registry, tokenizer, guard, http_socket)
+        finally:
+            if temp_key is not None:
+                temp_key.unlink(missing_ok=True)
+    controller = Controller(cfg, key, registry)
     from elastic_ep.serve.app import create_app
 
     app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard)
@@ -324,15 +345,8 @@ def run(args: argparse.Namespace) -> int:
     controller.start()
     logger.info("controller at %s (agents connect here), HTTP on http://%s:%d", controller.health_addr, cfg.host,
                 http_socket.getsockname()[1])
-    # uvicorn shuts down on SIGINT/SIGTERM, then re-raises the signal under the handler found at
-    # start: make that an exception here too, so the cluster below is always stopped.
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=2,
-                                http=request_timeout_protocol(args.request_timeout_s))
-        uvicorn.Server(config).run(sockets=[http_socket])
-    except KeyboardInterrupt:
-        pass
+        run_http(app, http_socket, args.request_timeout_s)
     finally:
         controller.stop()
         agent_stop.set()

@@ -63,10 +63,13 @@ class ListeningClock:
 
 class ControlPlane:
     """Bind both sockets on `host`; `step_addr` and `health_addr` are what workers and agents
-    connect to; `key`: the deployment's cluster key, which every frame in and out carries."""
+    connect to; `key`: the deployment's cluster key, which every frame in and out carries; `term`:
+    the term this controller leads its group in (serve --etcd), which every frame out carries and
+    agents and workers fence on (0 outside a group)."""
 
-    def __init__(self, host: str, key: ClusterKey):
+    def __init__(self, host: str, key: ClusterKey, term: int = 0):
         self.key = key
+        self.term = term
         self.step_inbox = Inbox("step", STEP_TO_CONTROLLER, key)
         self.health_inbox = Inbox("health", HEALTH_TO_CONTROLLER, key)
         self.ctx = zmq.Context.instance()
@@ -125,12 +128,14 @@ class ControlPlane:
         times = self.times
         frames = nbytes = 0
         t0 = time.perf_counter()
+        recv = sock.recv_multipart
         for _ in range(MAX_DRAIN):
-            if not sock.poll(0):
+            try:  # no poll per frame: a receive that finds nothing is the end of the drain
+                identity, *parts = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
                 break
-            identity, *parts = sock.recv_multipart(copy=False)
             frames += 1
-            nbytes += sum(len(p) for p in parts)
+            nbytes += sum(map(len, parts))
             message = inbox.read(parts)
             if message is not None:
                 out.append(Inbound(identity.bytes, message))
@@ -141,24 +146,34 @@ class ControlPlane:
 
     def to_worker(self, rank_id: int, message) -> None:
         """To a worker's main thread (step socket)."""
-        self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message)])
+        self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message, self.term)])
 
     def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
-        """(rank_id, message) to each worker's main thread, timed as a step's encode and send."""
+        """(rank_id, message) to each worker's main thread, timed as a step's encode and send; the
+        same message object given for several ranks (an empty plan) is encoded and sealed once."""
         t0 = time.perf_counter()
-        frames = [[f"w{rank_id}".encode(), *self.key.seal(message)] for rank_id, message in plans]
+        sealed: dict[int, list[bytes]] = {}  # id(message) -> its frames: a plan shared by many ranks is sealed once
+        frames = []
+        for rank_id, message in plans:
+            parts = sealed.get(id(message))
+            if parts is None:
+                parts = sealed[id(message)] = self.key.seal(message, self.term)
+            frames.append((f"w{rank_id}".encode(), parts))
         t1 = time.perf_counter()
-        for parts in frames:
-            self.step_sock.send_multipart(parts)
+        send = self.step_sock.send
+        for identity, (mac, body) in frames:
+            send(identity, zmq.SNDMORE)
+            send(mac, zmq.SNDMORE)
+            send(body)
         self.times.add("encode", t1 - t0)
         self.times.add("send", time.perf_counter() - t1)
-        self.times.bytes_out += sum(len(p) for parts in frames for p in parts[1:])
+        self.times.bytes_out += sum(len(mac) + len(body) for _, (mac, body) in frames)
 
     def to_heartbeat(self, rank_id: int, message) -> None:
         """To a worker's heartbeat thread (health socket), which answers even while the main
         thread waits in a collective."""
-        self.health_sock.send_multipart([f"h{rank_id}".encode(), *self.key.seal(message)])
+        self.health_sock.send_multipart([f"h{rank_id}".encode(), *self.key.seal(message, self.term)])
 
     def to_identity(self, identity: bytes, message) -> None:
         """To a peer of the health socket (an agent) by its identity."""
-        self.health_sock.send_multipart([identity, *self.key.seal(message)])
+        self.health_sock.send_multipart([identity, *self.key.seal(message, self.term)])

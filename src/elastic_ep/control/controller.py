@@ -139,9 +139,10 @@ def store_on(host: str, timeout_s: float = 30.0) -> dist.TCPStore:
 
 class Controller:
     """Start with `start()`, stop with `stop()`; the HTTP app talks to `engine`. `key`: the
-    deployment's cluster key, which every agent and worker must hold."""
+    deployment's cluster key, which every agent and worker must hold; `term`: the term this
+    controller leads its group in (serve --etcd; 0 alone), the fencing token of every frame it sends."""
 
-    def __init__(self, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry | None = None):
+    def __init__(self, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry | None = None, term: int = 0):
         self.cfg = cfg
         self.config = MoEConfig.from_pretrained(cfg.model_dir)
         self.reader = CheckpointReader(cfg.model_dir, self.config, dtype=cfg.dtype)
@@ -166,7 +167,7 @@ class Controller:
         self.traces = _start_tracing(cfg) if cfg.otlp_traces_endpoint else None
         self.streams = Streams(self.scheduler, self.traces)
         self.detector = FaultDetector(cfg)
-        self.plane = ControlPlane(cfg.control_host, key)
+        self.plane = ControlPlane(cfg.control_host, key, term)
         self.store = store_on(cfg.control_host)
         self.store_port = self.store.port
         self.changer = EpochChanger(c, cfg, self.plane, self.store, nbytes, self.pump,
@@ -231,6 +232,11 @@ class Controller:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    def set_term(self, term: int) -> None:
+        """Lead in `term` from now on (serve --etcd builds its controller while it stands by, then
+        sets the term it won before `start`): every frame sent carries it."""
+        self.plane.term = term
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="control-loop", daemon=True)
         self._thread.start()
@@ -251,7 +257,8 @@ class Controller:
             try:
                 self.nodes.wait_for_ranks(self._stopping)
                 self.detector.clear()
-                self._start()
+                if not self._stopping.is_set():  # stopped while waiting: there is nothing to start
+                    self._start()
             except RecoveryNeeded:
                 pass
             while not self._stopping.is_set():
@@ -286,9 +293,11 @@ class Controller:
     def pump(self, timeout_s: float) -> None:
         """Wait up to timeout_s for input, handle everything that arrived, run the detector."""
         times = self.plane.times
-        for inbound in self.plane.receive(timeout_s):
+        received = self.plane.receive(timeout_s)
+        heard = self.plane.heard_clock()  # when all of these were read: one clock read for the batch
+        for inbound in received:
             t0 = time.perf_counter()
-            self._dispatch(inbound)
+            self._dispatch(inbound, heard)
             kind = type(inbound.message).__name__
             times.handled_s[kind] += time.perf_counter() - t0
             times.handled[kind] += 1
@@ -305,12 +314,13 @@ class Controller:
         times.handled_s["(detector)"] += t1 - t0
         times.handled_s["(publish)"] += time.perf_counter() - t1
 
-    def _dispatch(self, inbound: Inbound) -> None:
+    def _dispatch(self, inbound: Inbound, heard: float) -> None:
+        """Hand one message to its role; `heard`: the heard clock when it was read."""
         msg, nodes = inbound.message, self.nodes
         if isinstance(msg, Heartbeat):
             r = self.cluster.ranks.get(msg.rank_id)
             if r is not None and r.pid == msg.pid:
-                self.detector.heartbeat(r, msg, self.cluster.epoch, self.plane.heard_clock())
+                self.detector.heartbeat(r, msg, self.cluster.epoch, heard)
         elif isinstance(msg, AgentAlive):
             nodes.on_agent_alive(inbound.identity, msg)
             agent = self.cluster.agents.get(msg.node)

@@ -163,7 +163,7 @@ class FuzzTarget:
             valid.map(_encode),
             valid.map(_encode),
             mutated.map(lambda t: _encode({**t[0], t[1]: t[2]} if isinstance(t[0], dict) else t[0])),
-            dropped.map(lambda t: _encode({k: v for k, v in t[0].items() if k != t[1]})),
+            dropped.map(lambda t: _encode(_without(t[0], t[1]))),
             st.sampled_from(JUNK_BODIES),
         )
 
@@ -267,6 +267,11 @@ def stream_problems(text: str) -> list[str]:
         if error is not None and error.get("type") == "internal_error":
             found.append(f"internal error in the stream: {error.get('message')}")
     return found
+
+
+def _without(body: Any, name: str) -> Any:
+    """The body less its field `name`; a body that is not an object (a null one) as it is."""
+    return {k: v for k, v in body.items() if k != name} if isinstance(body, dict) else body
 
 
 def _encode(value: Any) -> bytes:

@@ -54,6 +54,7 @@ from elastic_ep.wire import (
     SessionEnded,
     SignalWorker,
     StartWorker,
+    TermFence,
     WorkerArgs,
     WorkerExited,
     WorkerFenced,
@@ -94,7 +95,10 @@ class NodeAgent:
     auto_recover: restart dead ranks here, `backoff_s` after the first death, doubling up to
     `backoff_max_s`; a rank that ran `backoff_reset_s` before dying starts the count again;
     exit_poll_s: how often the workers' /proc stat is read for an exit that has begun;
-    key: the deployment's cluster key (its workers get it in $ELASTIC_EP_CLUSTER_KEY)."""
+    key: the deployment's cluster key (its workers get it in $ELASTIC_EP_CLUSTER_KEY);
+    leader_watch: in a controller group (`agent --etcd`), the group's `LeaderWatch` (group/leader_watch.py),
+    whose thread this agent runs: it follows the leader there (see `_follow_leader`), and its lease
+    fences the node only when neither the controller nor the group (etcd) answered for lease_s."""
 
     def __init__(
         self,
@@ -113,10 +117,12 @@ class NodeAgent:
         exit_poll_s: float = 0.005,
         standalone: bool = False,
         hardware_interval_s: float = 1.0,
+        leader_watch=None,
     ):
         self.node = node
         self.key = key
-        self.inbox = Inbox("agent", CONTROLLER_TO_AGENT, key, node)
+        self.fence = TermFence()  # the highest controller term seen: an older leader's frames are dropped
+        self.inbox = Inbox("agent", CONTROLLER_TO_AGENT, key, node, self.fence)
         self.fetch_inbox = Inbox("agent_fetch", FETCH_REQUEST, key, node)
         self.standalone = standalone
         self.netcut = NetCut(str(os.getpid()))
@@ -142,6 +148,9 @@ class NodeAgent:
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)
         self.controller_link = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(controller_addr)
+        self.controller_addr = controller_addr
+        self.leader_watch = leader_watch
+        self.leader_term = leader_watch.leader.term if leader_watch and leader_watch.leader else 0
         self.fetch = self.ctx.socket(zmq.ROUTER)
         self.fetch.setsockopt(zmq.LINGER, 0)
         self.fetch.setsockopt(zmq.MAXMSGSIZE, FETCH_MAX_FRAME_BYTES)
@@ -170,8 +179,11 @@ class NodeAgent:
             poller.register(s, zmq.POLLIN)
         self.hardware = HardwareReader()
         threading.Thread(target=self._watch_exits, name="exit-watch", daemon=True).start()
+        if self.leader_watch is not None:
+            threading.Thread(target=self.leader_watch.run, args=(stop,), name="leader-watch", daemon=True).start()
         try:
             while not stop.is_set():
+                self._follow_leader()
                 self._keep_lease(time.monotonic())
                 self._report_hardware(time.monotonic())
                 self._heal_due(time.monotonic())
@@ -191,9 +203,31 @@ class NodeAgent:
         finally:
             self.shutdown()
 
+    def _follow_leader(self) -> None:
+        """In a group: a leader of a higher term than the one this agent follows takes it over. The
+        agent connects to it and registers there afresh (join_mode initial). A new leader does not
+        adopt running ranks yet (docs/ARCHITECTURE.md, the controller group), so this node's workers
+        are fenced first and the new leader starts them again."""
+        found = self.leader_watch.leader if self.leader_watch is not None else None
+        if found is None or found.term <= self.leader_term:
+            return
+        if self.children:
+            self._fence_node(f"the group has a new leader, {found.name} (term {found.term}), which starts this "
+                             "node's ranks again")
+        logger.info("node %s: following the leader %s (term %d) at %s", self.node, found.name, found.term,
+                    found.controller)
+        if found.controller != self.controller_addr:
+            self.sock.disconnect(self.controller_addr)
+            self.sock.connect(found.controller)
+            self.controller_addr = found.controller
+        self.leader_term, self.join_mode = found.term, "initial"
+        self.lease.restart()
+
     def _keep_lease(self, now: float) -> None:
-        """Register until welcomed, say alive while welcomed, fence this node when the lease ran out."""
-        if self.lease.expired(now):
+        """Register until welcomed, say alive while welcomed, fence this node when the lease ran out (in
+        a group: and etcd did not answer either for as long, so the node is cut off from the group)."""
+        if self.lease.expired(now) and not (self.leader_watch is not None
+                                            and self.leader_watch.group_reached_within(self.lease.lease_s)):
             self._fence_node(f"no word from the controller for {self.lease.lease_s:g}s (--lease-s)")
         if self.lease.hello_due(now):
             self.send(AgentHello(
@@ -204,7 +238,7 @@ class NodeAgent:
 
     def send(self, message) -> None:
         """To the controller (main loop thread only; other threads `_notify`)."""
-        self.sock.send_multipart(self.key.seal(message))
+        self.sock.send_multipart(self.key.seal(message, self.fence.highest))
 
     def _rejected(self) -> list[tuple[str, str, int]]:
         """(socket, reason, frames) this agent dropped, for the controller's /metrics."""
@@ -299,7 +333,7 @@ class NodeAgent:
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
         push.connect(self._events_addr)
-        push.send_multipart(self.key.seal(message))
+        push.send_multipart(self.key.seal(message, self.fence.highest))
         push.close()
 
     def _start(self, rank_id: int, join_mode: str, dense_site: BackupSite | None = None) -> None:

@@ -103,6 +103,9 @@ class Interval:
     start_s: float
     end_s: float
     ranks: Mapping[int, RankInterval]
+    # each rank's part of this interval under a rule, worked out once (`_rows_of`): a closed
+    # interval does not change, and the controller judges the same ones at every snapshot
+    rows: dict[StragglerRule, dict[int, _RankRow]] = field(default_factory=dict, compare=False, repr=False)
 
 
 class IntervalRecorder:
@@ -239,9 +242,24 @@ def _median_without(values: list[float], k: int) -> float:
     return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
-def _tally_interval(interval: Interval, rule: StragglerRule, tallies: dict[int, _Tally]) -> None:
-    """Add one interval to each rank's tally: its medians over the others (own time, tokens) and
-    over its peers (the others that ran at least about as many tokens). n log n in the ranks: the
+@dataclass(frozen=True)
+class _RankRow:
+    """One rank's part of one interval: its sums, its medians over the others (own time, tokens)
+    and over its peers (None where there are none), and whether it ran heavy or slow there."""
+
+    steps: int
+    own_s: float
+    tokens: int
+    others_ms: float | None
+    others_tokens: float | None
+    heavy: bool
+    peer_ms: float | None
+    over: bool
+
+
+def _interval_rows(interval: Interval, rule: StragglerRule) -> dict[int, _RankRow]:
+    """Each rank's part of one interval: its medians over the others (own time, tokens) and over
+    its peers (the others that ran at least about as many tokens). n log n in the ranks: the
     peers of a rank are a suffix of the ranks ordered by tokens (`more_tokens` is monotonic), so
     their medians come from one sorted list grown from the heaviest rank down."""
     ranks = {r: x for r, x in interval.ranks.items() if x.steps > 0}
@@ -274,21 +292,44 @@ def _tally_interval(interval: Interval, rule: StragglerRule, tallies: dict[int, 
                 peer_ms[r] = _median_without(suffix, bisect.bisect_left(suffix, own[r]))
         elif suffix:
             peer_ms[r] = _median_without([*suffix, math.inf], len(suffix))
+    rows = {}
     for r, x in ranks.items():
-        t = tallies.setdefault(r, _Tally())
-        t.steps += x.steps
-        t.own_s += x.own_s
-        t.tokens += x.tokens
-        t.intervals += 1
         if len(ranks) < 2:
+            rows[r] = _RankRow(x.steps, x.own_s, x.tokens, None, None, False, None, False)
             continue
-        t.others_ms.append(_median_without(by_own, bisect.bisect_left(by_own, own[r])))
-        t.others_tokens.append(_median_without(by_tokens, bisect.bisect_left(by_tokens, tokens[r])))
-        t.heavy += rule.more_tokens(tokens[r], t.others_tokens[-1])
-        if r in peer_ms:
+        others_tokens = _median_without(by_tokens, bisect.bisect_left(by_tokens, tokens[r]))
+        peer = peer_ms.get(r)
+        rows[r] = _RankRow(x.steps, x.own_s, x.tokens, _median_without(by_own, bisect.bisect_left(by_own, own[r])),
+                           others_tokens, rule.more_tokens(tokens[r], others_tokens), peer,
+                           peer is not None and rule.slow(own[r], peer))
+    return rows
+
+
+def _rows_of(interval: Interval, rule: StragglerRule) -> dict[int, _RankRow]:
+    """`_interval_rows`, kept on the interval for the next judgement under the same rule."""
+    rows = interval.rows.get(rule)
+    if rows is None:
+        rows = interval.rows[rule] = _interval_rows(interval, rule)
+    return rows
+
+
+def _tally_interval(interval: Interval, rule: StragglerRule, tallies: dict[int, _Tally]) -> None:
+    """Add one interval to each rank's tally."""
+    for r, row in _rows_of(interval, rule).items():
+        t = tallies.setdefault(r, _Tally())
+        t.steps += row.steps
+        t.own_s += row.own_s
+        t.tokens += row.tokens
+        t.intervals += 1
+        if row.others_ms is None:
+            continue
+        t.others_ms.append(row.others_ms)
+        t.others_tokens.append(row.others_tokens)
+        t.heavy += row.heavy
+        if row.peer_ms is not None:
             t.judged += 1
-            t.peer_ms.append(peer_ms[r])
-            t.over += rule.slow(own[r], t.peer_ms[-1])
+            t.peer_ms.append(row.peer_ms)
+            t.over += row.over
 
 
 def judge(intervals: Sequence[Interval], rule: StragglerRule, now_s: float,

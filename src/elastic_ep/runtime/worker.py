@@ -65,6 +65,7 @@ from elastic_ep.wire import (
     StepPlan,
     StepResult,
     SweepSlots,
+    TermFence,
     WakeRank,
     WorkerArgs,
     WorkerHello,
@@ -103,7 +104,8 @@ class Worker:
     def __init__(self, args: WorkerArgs, key: ClusterKey):
         self.args = args
         self.key = key
-        self.inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key, args.node)
+        self.fence = TermFence()  # both threads': a deposed controller's frames are dropped on either socket
+        self.inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key, args.node, self.fence)
         launch = args.launch
         self.progress = ProgressBoard()
         self.ctx = zmq.Context.instance()
@@ -181,7 +183,7 @@ class Worker:
         return time.perf_counter() - t0
 
     def send(self, message) -> None:
-        self.sock.send_multipart(self.key.seal(message))
+        self.sock.send_multipart(self.key.seal(message, self.fence.highest))
 
     def _receive(self):
         """The next message of the step socket; frames the inbox drops are skipped."""
@@ -486,7 +488,7 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.args.launch.health_addr)
-        inbox = Inbox("worker_heartbeat", CONTROLLER_TO_HEARTBEAT, self.key, self.args.node)
+        inbox = Inbox("worker_heartbeat", CONTROLLER_TO_HEARTBEAT, self.key, self.args.node, self.fence)
         pid = os.getpid()
         interval_s = self.args.launch.heartbeat_interval_s
         next_beat = time.monotonic()
@@ -497,7 +499,8 @@ class Worker:
                 if isinstance(msg, AbortEpoch) and group is not None and group.epoch == msg.epoch:
                     group.abort()
                 continue
-            sock.send_multipart(self.key.seal(Heartbeat(self.args.rank_id, pid, self.progress.current)))
+            sock.send_multipart(self.key.seal(Heartbeat(self.args.rank_id, pid, self.progress.current),
+                                                 self.fence.highest))
             next_beat = time.monotonic() + interval_s
         sock.close()
 

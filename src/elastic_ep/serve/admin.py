@@ -11,6 +11,7 @@ them from its own state without waiting on ranks.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,10 @@ DASHBOARD_HTML = Path(__file__).parent / "static" / "dashboard.html"
 DEAD = {503: {"model": HealthResponse, "description": "The engine stopped; restart the server"}}
 
 
-def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool) -> APIRouter:
+def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool,
+                 group: Callable[[], dict[str, Any]] | None = None) -> APIRouter:
+    """`group`: in a controller group (serve --etcd), the group view (group/status.py), which /cluster
+    carries as `group` and whose `role` /health gives."""
     router = APIRouter(responses=error_responses(500))
 
     @router.get(
@@ -54,8 +58,8 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         """200 while the engine runs ("ok", or "degraded" with the reason: a restart would not help),
         503 once it stopped ("dead"). Readiness to take traffic is GET /ready."""
         h = engine.health()
-        body = HealthResponse(status=h.status, reason=h.reason)
-        return JSONResponse(body.model_dump(), status_code=503 if h.status == "dead" else 200)
+        body = HealthResponse(status=h.status, reason=h.reason, role=group()["role"] if group else None)
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=503 if h.status == "dead" else 200)
 
     @router.get("/ping", response_model=HealthResponse, responses=DEAD)
     @router.post("/ping", response_model=HealthResponse, responses=DEAD)
@@ -90,7 +94,8 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         since: int | None = Query(None, ge=0, description="only events with an id above this"),
     ) -> dict[str, Any]:
         """The cluster view; its fields are documented on `Engine.cluster` (control/api.py)."""
-        return engine.cluster(since, events or None)
+        view = engine.cluster(since, events or None)
+        return {**view, "role": "leader", "group": group()} if group else view
 
     @router.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

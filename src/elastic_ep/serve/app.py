@@ -10,6 +10,8 @@ validate with (serve/openapi.py). Every error leaves as an OpenAI error body: ba
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 def create_app(
     engine: Engine, tokenizer: Tokenizer, *, registry: CollectorRegistry, enable_chaos: bool = False,
-    guard: HttpGuard = HttpGuard(),
+    guard: HttpGuard = HttpGuard(), group: Callable[[], dict[str, Any]] | None = None,
 ) -> FastAPI:
     """The FastAPI app over `engine`. HTTP metrics are registered on `registry`, which
     GET /metrics exports whole (so the engine's own metrics belong there too). `guard`: the
@@ -50,7 +52,7 @@ def create_app(
     )
     disable_created_metrics()  # a `_created` series per counter and histogram: a fifth of all series, unused
     metrics = HttpMetrics(registry, engine.info.model_name)
-    routers = [openai_router(engine, tokenizer, metrics), admin_router(engine, registry, enable_chaos)]
+    routers = [openai_router(engine, tokenizer, metrics), admin_router(engine, registry, enable_chaos, group)]
     for router in routers:
         app.include_router(router)
     app.add_middleware(InternalErrorMiddleware)

@@ -359,6 +359,7 @@ class HealthResponse(BaseModel):
 
     status: Literal["ok", "degraded", "dead"] = "ok"
     reason: str = ""
+    role: Literal["leader", "standby", "deposed"] | None = None  # in a controller group (serve --etcd) only
 
 
 class VersionResponse(BaseModel):

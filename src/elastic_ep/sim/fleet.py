@@ -117,10 +117,14 @@ class _Simulation:
 
     def run(self) -> RunResult:
         cfg, tr = self.cfg, self.trace
-        for t, g, c in zip(tr.fail_t, tr.fail_group, tr.fail_class, strict=True):
-            self.push(float(t), "fail", int(g), int(c))
-        for t, g in zip(tr.slow_t, tr.slow_group, strict=True):
-            self.push(float(t), "slow", int(g))
+        # the trace's own events, in the order the heap would give them (time, then as pushed: the
+        # failures first); only the events they cause go through the heap, which stays small
+        fixed = [(t, seq, "fail", g, c) for seq, (t, g, c) in enumerate(
+            zip(tr.fail_t.tolist(), tr.fail_group.tolist(), tr.fail_class.tolist(), strict=True), 1)]
+        fixed += [(t, seq, "slow", g, 1) for seq, (t, g) in enumerate(
+            zip(tr.slow_t.tolist(), tr.slow_group.tolist(), strict=True), len(fixed) + 1)]
+        fixed.sort()
+        self.seq = len(fixed)
         handlers = {
             "fail": self.on_failure,
             "slow": self.on_straggler,
@@ -131,8 +135,17 @@ class _Simulation:
             "repaired": self.on_repaired,
             "wake": lambda t, g, n: None,
         }
-        while self.heap and self.heap[0][0] < cfg.hours:
-            t, _, kind, g, n = heapq.heappop(self.heap)
+        heap, hours, pop, i = self.heap, cfg.hours, heapq.heappop, 0
+        while True:
+            if i < len(fixed) and (not heap or fixed[i] < heap[0]):
+                t, _, kind, g, n = fixed[i]
+                i += 1
+            elif heap:
+                t, _, kind, g, n = pop(heap)
+            else:
+                break
+            if t >= hours:
+                break
             self.integrate(g, t)
             handlers[kind](t, g, n)
             self.refresh(g, t)
@@ -220,16 +233,13 @@ class _Simulation:
         random node of the live ranks laid out node by node) takes every replica of an expert."""
         if live * self.cfg.slots_per_rank < self.cfg.experts:
             return False  # the group already stopped: nothing is served, nothing more to lose
-        placement = self.pool.sample(live, self.loss_rng)
+        holders = self.pool.sample(live, self.loss_rng)
         if whole_node:
             first = int(self.loss_rng.integers(-(-live // self.cfg.gpus_per_node))) * self.cfg.gpus_per_node
-            first = min(first, live - dead)
-            ranks_dead = np.arange(first, first + dead)
-        else:
-            ranks_dead = self.loss_rng.choice(live, size=dead, replace=False)
-        grid = placement.reshape(live, self.cfg.slots_per_rank)
-        alive = np.delete(grid, ranks_dead, axis=0)
-        return len(np.unique(alive[alive >= 0])) < self.cfg.experts
+            return holders.lost_with_range(min(first, live - dead), dead)
+        if dead == 1:  # the same draw as choice(live, size=1, replace=False), without its cost
+            return holders.lost_with_rank(int(self.loss_rng.integers(live)))
+        return holders.lost_with(self.loss_rng.choice(live, size=dead, replace=False))
 
     def take_spares(self, t: float, g: int, needed: int) -> None:
         """Give group g up to `needed` spare GPUs; queue it for the rest."""
@@ -323,22 +333,67 @@ class _Simulation:
         )
 
 
+@dataclass(frozen=True)
+class _Holders:
+    """Who holds each expert in one placement, for the loss test: `placement` [live * slots]
+    (expert per slot, negative when empty), `lowest` and `highest` [E]: the lowest and highest rank
+    holding each expert (an expert no slot holds: lowest +inf, highest -inf: lost whatever dies),
+    `sole` [live]: whether the rank is the only holder of some expert."""
+
+    placement: np.ndarray
+    slots_per_rank: int
+    lowest: np.ndarray
+    highest: np.ndarray
+    sole: np.ndarray
+
+    @classmethod
+    def of(cls, placement: np.ndarray, live: int, slots_per_rank: int, experts: int) -> _Holders:
+        rank = np.repeat(np.arange(live), slots_per_rank)
+        held = placement >= 0
+        lowest = np.full(experts, np.inf)
+        highest = np.full(experts, -np.inf)
+        np.minimum.at(lowest, placement[held], rank[held])
+        np.maximum.at(highest, placement[held], rank[held])
+        sole = np.zeros(live, dtype=bool)
+        alone = lowest == highest
+        sole[lowest[alone].astype(np.int64)] = True
+        if np.isinf(lowest).any():
+            sole[:] = True
+        return cls(placement, slots_per_rank, lowest, highest, sole)
+
+    def lost_with_rank(self, rank: int) -> bool:
+        """Whether rank `rank` dying takes every replica of an expert."""
+        return bool(self.sole[rank])
+
+    def lost_with_range(self, first: int, count: int) -> bool:
+        """Whether ranks [first, first + count) dying at once take every replica of an expert."""
+        return bool(np.any((self.lowest >= first) & (self.highest < first + count)))
+
+    def lost_with(self, ranks_dead: np.ndarray) -> bool:
+        """Whether the ranks `ranks_dead` dying at once take every replica of an expert."""
+        alive = np.delete(self.placement.reshape(-1, self.slots_per_rank), ranks_dead, axis=0)
+        return len(np.unique(alive[alive >= 0])) < len(self.lowest)
+
+
 class _PlacementPool:
     """A few random placements per live-rank count, drawn once and reused (placing is slow).
     Replicas of an expert go to distinct nodes where there are enough nodes, else distinct ranks."""
 
     def __init__(self, cfg: FleetConfig, rng: np.random.Generator, size: int = 4):
         self.cfg, self.rng, self.size = cfg, rng, size
-        self.by_live: dict[int, list[np.ndarray]] = {}
+        self.by_live: dict[int, list[_Holders]] = {}
 
-    def sample(self, live: int, rng: np.random.Generator) -> np.ndarray:
+    def sample(self, live: int, rng: np.random.Generator) -> _Holders:
+        """One of the placements over `live` ranks, drawn with `rng`."""
         if live not in self.by_live:
-            slots = live * self.cfg.slots_per_rank
-            replicas = replica_counts(self.cfg.experts, slots - self.cfg.experts)
-            per_node = min(self.cfg.gpus_per_node, live)
+            cfg = self.cfg
+            slots = live * cfg.slots_per_rank
+            replicas = replica_counts(cfg.experts, slots - cfg.experts)
+            per_node = min(cfg.gpus_per_node, live)
             spread = per_node if int(replicas.max()) <= -(-live // per_node) else 1
             self.by_live[live] = [
-                random_placement(replicas, live, self.cfg.slots_per_rank, self.rng, spread)
+                _Holders.of(random_placement(replicas, live, cfg.slots_per_rank, self.rng, spread), live,
+                            cfg.slots_per_rank, cfg.experts)
                 for _ in range(self.size)
             ]
         pool = self.by_live[live]

@@ -1,18 +1,23 @@
 """The codec of every socket: typed msgpack (msgspec), every frame authenticated by the
 deployment's cluster key.
 
-A message is two ZeroMQ frames, `[mac, body]`: `body` is the msgpack of one `Message` (a
-msgspec struct tagged with its class name), `mac` its HMAC-SHA256 under the cluster key. The
-receiving side of a socket is an `Inbox` that accepts one union of messages: the MAC is checked
-before the body is read at all, then the body decodes into exactly one of the union's types
-(field types checked; numpy arrays and torch tensors as raw bytes with dtype and shape, never
-pickled objects). Anything else is dropped and counted by (socket, node, reason), and logged
-once per peer address: a stray or hostile frame never raises into the loop that reads it.
+A message is two ZeroMQ frames, `[head, body]`: `body` is the msgpack of one `Message` (a msgspec
+struct tagged with its class name), `head` the HMAC-SHA256 under the cluster key of the sender's
+term and the body, followed by that term (8 bytes, big-endian). The term is the fencing token of a
+controller group (serve --etcd, group/election.py): a controller seals with the term it leads in (0
+outside a group), agents and workers with the highest they have seen. The receiving side of a socket
+is an `Inbox` that accepts one union of messages: the MAC is checked before the body is read at all,
+then the body decodes into exactly one of the union's types (field types checked; numpy arrays and
+torch tensors as raw bytes with dtype and shape, never pickled objects). Anything else is dropped
+and counted by (socket, node, reason), and logged once per peer address: a stray or hostile frame
+never raises into the loop that reads it.
 
 Reasons: `unauthenticated` (not two frames, or a MAC that is not the cluster key's: a peer
 without the key, another deployment, a port scanner), `undecodable` (authenticated, but not a
 message of this version), `unexpected` (a valid message that this socket does not take: the
-wrong direction or the wrong socket).
+wrong direction or the wrong socket), `stale_term` (authenticated, from a controller whose term
+is below the highest this process has seen: a deposed or partitioned old leader; only on the
+sockets of agents and workers, whose Inboxes share one `TermFence` per process).
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ logger = logging.getLogger(__name__)
 
 KEY_ENV = "ELASTIC_EP_CLUSTER_KEY"  # hex; how an agent hands the key to the workers it starts
 KEY_BYTES = 32
-MAC_BYTES = 32
-REASONS = ("unauthenticated", "undecodable", "unexpected")
+HMAC_BYTES = 32
+TERM_BYTES = 8
+MAC_BYTES = HMAC_BYTES + TERM_BYTES  # the head frame: HMAC, then the sender's term
+REASONS = ("unauthenticated", "undecodable", "unexpected", "stale_term")
 
 
 class Message(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -97,16 +104,41 @@ class ClusterKey:
     def hex(self) -> str:
         return self._secret.hex()
 
-    def mac(self, body: bytes | memoryview) -> bytes:
-        return hmac.digest(self._secret, body, "sha256")
+    def mac(self, body: bytes | memoryview, term: int = 0) -> bytes:
+        """The head frame of `body` sent in `term`: HMAC(term, body), then the term."""
+        t = term.to_bytes(TERM_BYTES, "big")
+        return _hmac(self._secret, t, body) + t
 
-    def seal(self, message: Message) -> list[bytes]:
-        """The two frames of `message`: [mac, body]."""
+    def seal(self, message: Message, term: int = 0) -> list[bytes]:
+        """The two frames of `message` sent in `term`: [head, body]."""
         body = encode(message)
-        return [self.mac(body), body]
+        return [self.mac(body, term), body]
 
     def __repr__(self) -> str:  # never the secret itself, in a log or a traceback
         return "ClusterKey(...)"
+
+
+def _hmac(secret: bytes, term: bytes, body: bytes | memoryview) -> bytes:
+    h = hmac.new(secret, term, "sha256")
+    h.update(body)
+    return h.digest()
+
+
+class TermFence:
+    """The highest controller term this process has seen; a frame of a lower term is stale. Shared by
+    every Inbox of an agent or a worker (their threads read concurrently)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.highest = 0
+
+    def admit(self, term: int) -> bool:
+        """Whether a frame of `term` may be acted on; a higher term becomes the highest."""
+        with self._lock:
+            if term < self.highest:
+                return False
+            self.highest = term
+            return True
 
 
 def key_from_env(environ: dict[str, str] | None = None) -> ClusterKey:
@@ -233,12 +265,16 @@ def _decodes_as_any(body: Any) -> str | None:
 
 class Inbox:
     """The receiving side of one socket: `read(frames)` is the message, or None for a frame
-    that was dropped (counted under `socket` and `node`, logged once per peer)."""
+    that was dropped (counted under `socket` and `node`, logged once per peer). `fence`: on the
+    sockets of agents and workers, the process's TermFence (frames of a lower term are dropped);
+    `term` is the term of the last frame read."""
 
-    def __init__(self, socket: str, accepts: Any, key: ClusterKey, node: str = ""):
+    def __init__(self, socket: str, accepts: Any, key: ClusterKey, node: str = "", fence: TermFence | None = None):
         self.socket = socket
         self.node = node
         self.key = key
+        self.fence = fence
+        self.term = 0
         self._decoder = decoder(accepts)
 
     def read(self, frames: list[Any]) -> Any | None:
@@ -246,10 +282,15 @@ class Inbox:
         if len(frames) != 2:
             self._reject(frames, "unauthenticated", f"{len(frames)} frames, not [mac, body]")
             return None
-        mac, body = (f.buffer if hasattr(f, "buffer") else f for f in frames)
-        if len(mac) != MAC_BYTES or not hmac.compare_digest(self.key.mac(body), mac):
+        head, body = (f.buffer if hasattr(f, "buffer") else f for f in frames)
+        term = int.from_bytes(head[HMAC_BYTES:], "big") if len(head) == MAC_BYTES else 0
+        if len(head) != MAC_BYTES or not hmac.compare_digest(self.key.mac(body, term), head):
             self._reject(frames, "unauthenticated", "no valid MAC of this deployment's cluster key")
             return None
+        if self.fence is not None and not self.fence.admit(term):
+            self._reject(frames, "stale_term", f"term {term} is below {self.fence.highest}: a deposed controller")
+            return None
+        self.term = term
         try:
             return self._decoder.decode(body)
         except Exception as e:  # noqa: BLE001 - a frame that fails to decode, however, is dropped

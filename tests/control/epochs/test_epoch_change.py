@@ -10,8 +10,8 @@ import numpy as np
 
 from elastic_ep.control.cluster import ClusterState
 from elastic_ep.control.config import ServeConfig
-from elastic_ep.control.epochs.epoch_change import EpochChanger, Formed, NotFormed, VerifyFailed
-from elastic_ep.control.epochs.requests import Recover, Reweight
+from elastic_ep.control.epochs.epoch_change import EpochChanger, Formed, NoPlacement, NotFormed, VerifyFailed
+from elastic_ep.control.epochs.requests import Recover, Rejoin, Reweight, Start
 from elastic_ep.control.ranks import RankInfo, RankStatus
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import EpochFailed, EpochReady, EpochStart
@@ -96,3 +96,15 @@ def test_slots_of_an_epoch_that_did_not_form_are_filled_again_by_the_next():
     ranks.failing, ranks.starts = set(), {}
     outcome = changer.change(Recover([0, 2], [0, 2]), np.ones((1, 4)))
     assert isinstance(outcome, Formed) and unknown <= filled(ranks) and not changer.suspect_slots
+
+
+def test_an_epoch_over_no_live_rank_is_no_placement_not_an_error():
+    """Every rank of the first epoch faulted before it formed: the epoch asked for has no rank
+    (it raised `max()` of an empty sequence) and the cluster degrades instead."""
+    ranks = StandInRanks()
+    changer = changer_with(ranks)
+    changer.cluster.location, changer.cluster.members = None, []
+    for request in (Start([]), Recover([], []), Rejoin([])):
+        outcome = changer.change(request, np.ones((1, 4)))
+        assert isinstance(outcome, NoPlacement) and "no live rank" in outcome.reason
+    assert not ranks.starts and changer.cluster.epoch == -1  # no epoch was announced

@@ -158,6 +158,8 @@ class EpochChanger:
         outcome; on any outcome but `Formed` the slots it was to fill are suspect."""
         c = self.cluster
         live = list(c.members) if same_members(request) else list(request.live)
+        if not live:  # every rank it was for faulted first (before the first epoch: no member either)
+            return NoPlacement("no live rank to form an epoch over")
         holding = holding_of(request, live)
         new = c.location if isinstance(request, Refill) else getattr(request, "target", None)
         t0 = time.monotonic()

@@ -40,13 +40,14 @@ class SlotSweeper:
             return
         self._swept_at = now
         for rank_id in c.members:
-            occupied = [(li, j) for (li, j), e in np.ndenumerate(c.location.experts_of_rank(rank_id)) if e >= 0]
-            if not occupied:
+            occupied = np.argwhere(c.location.experts_of_rank(rank_id) >= 0)  # [n, 2] (layer, slot), row-major
+            n = len(occupied)
+            if not n:
                 continue
             start = self._next.get(rank_id, 0)
-            picked = [occupied[(start + i) % len(occupied)] for i in range(min(cfg.expert_sweep_slots, len(occupied)))]
-            self._next[rank_id] = (start + len(picked)) % len(occupied)
-            self.plane.to_worker(rank_id, SweepSlots(c.epoch, picked))
+            picked = occupied[(start + np.arange(min(cfg.expert_sweep_slots, n))) % n].tolist()
+            self._next[rank_id] = (start + len(picked)) % n
+            self.plane.to_worker(rank_id, SweepSlots(c.epoch, [(li, j) for li, j in picked]))
 
     def on_checksums(self, msg: SlotChecksums) -> None:
         """Mark the slots whose checksum is not their expert's reference as suspect."""

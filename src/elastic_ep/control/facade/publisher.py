@@ -97,6 +97,7 @@ class Publisher:
         self._stalled_since: float | None = None
         self._liveness: dict[int, RankLiveness] | None = None
         self._liveness_at = 0.0
+        self._judged_for: tuple[Readiness, str] | None = None  # (the cluster's readiness, fatal) last judged on
         self.liveness_period_s = cfg.health_check_period_s  # benchmarks/control_plane.py --before: 0
         self.snapshot_share = SNAPSHOT_SHARE  # --before: inf (every throttle_s whatever the build takes)
         self._verdicts: dict[int, Verdict] = {}  # of the members, as the last snapshot judged them
@@ -139,28 +140,35 @@ class Publisher:
         less often rather than delaying steps)."""
         c, steps, sched = self.cluster, self.steps, self.scheduler
         now, heard = time.monotonic(), self.heard()
-        if throttle_s and now - self._liveness_at < self.liveness_period_s and self._liveness is not None:
-            liveness = self._liveness
-        else:
-            liveness = self._liveness = self.liveness(now, heard)
+        fresh = not (throttle_s and now - self._liveness_at < self.liveness_period_s and self._liveness is not None)
+        if fresh:
+            self._liveness = self.liveness(now, heard)
             self._liveness_at = now
-        step_age_s = now - steps.started_at if steps.in_step else None
-        members = {r: lv for r, lv in liveness.items() if r in c.members}
-        stalled = stall_reason(step_age_s, self.stall_deadline_s(), members) if c.readiness.ready else None
-        readiness = Readiness(False, stalled) if stalled else c.readiness
-        self._note_stall(now, stalled)
+        liveness = self._liveness
         snapshot_due = not throttle_s or now - self._published_at >= max(throttle_s, self.times.snapshot_s
                                                                           / self.snapshot_share)
-        t0 = time.perf_counter()  # the snapshot's build, the verdicts included
-        if snapshot_due:  # before health, which names the stragglers
-            verdicts = judge(steps.own_time.intervals(now), self.rule, now, c.members)
-            self._verdicts = {r: v for r, v in verdicts.items() if r in c.members}
-        health = self.health(readiness, liveness)
-        self.published.readiness, self.published.health = readiness, health
-        self.stats.maybe_log(now, c, (c.step, steps.tokens_run, steps.tokens_sampled),
-                             sum(len(seqs) for seqs in sched.running.values()), len(sched.waiting), readiness)
+        # readiness and health are worked out again with the liveness they read (at most every
+        # --health-check-period-s), a snapshot, or a change of the cluster's own readiness; the
+        # pumps in between (every few ms while a step runs) cost no walk over the ranks
+        if fresh or snapshot_due or self._judged_for != (c.readiness, self.published.fatal):
+            self._judged_for = (c.readiness, self.published.fatal)
+            step_age_s = now - steps.started_at if steps.in_step else None
+            members = set(c.members)
+            stalled = stall_reason(step_age_s, self.stall_deadline_s(),
+                                   {r: lv for r, lv in liveness.items() if r in members}) if c.readiness.ready else None
+            readiness = Readiness(False, stalled) if stalled else c.readiness
+            self._note_stall(now, stalled)
+            if snapshot_due:  # before health, which names the stragglers
+                verdicts = judge(steps.own_time.intervals(now), self.rule, now, c.members)
+                self._verdicts = {r: v for r, v in verdicts.items() if r in members}
+            self.published.readiness, self.published.health = readiness, self.health(readiness, liveness)
+        readiness, health = self.published.readiness, self.published.health
+        if self.stats.due(now):
+            self.stats.maybe_log(now, c, (c.step, steps.tokens_run, steps.tokens_sampled),
+                                 sum(len(seqs) for seqs in sched.running.values()), len(sched.waiting), readiness)
         if not snapshot_due:
             return
+        t0 = time.perf_counter()  # the snapshot's build (the verdicts above are not counted)
         self._published_at = now
         self.throughput.add(now, (c.step, steps.tokens_run, steps.tokens_sampled))
         deadlines = {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.detector.watchdog_deadline_s(), 3),
@@ -171,7 +179,7 @@ class Publisher:
             health=vars(health), load=self.load(), straggler_rule=self.rule.to_json(), **self.views(now),
             data_plane={**self.cfg.data_plane(), "nodes": c.member_nodes()},
             kv_cache=sched.pool_view(self.cfg.max_model_len), control_times=self.times.view())
-        self._set_gauges(heard, readiness, health, liveness, {r: v for r, v in verdicts.items() if r in c.members})
+        self._set_gauges(heard, readiness, health, liveness, self._verdicts)
         self.times.snapshot_s = time.perf_counter() - t0
 
     def load(self) -> dict[str, float | int | None]:

@@ -48,10 +48,14 @@ class StatsLog:
         self._counts = (0, 0, 0)  # steps, tokens run, tokens sampled at the last line
         self._last: tuple | None = None  # (idle, epoch, serving, members, readiness) of the last line
 
+    def due(self, now: float) -> bool:
+        """Whether `maybe_log` would write a line now (its arguments need not be counted otherwise)."""
+        return self.interval_s > 0 and now - self._at >= self.interval_s
+
     def maybe_log(self, now: float, c: ClusterState, counts: tuple[int, int, int], running: int, waiting: int,
                   readiness: Readiness) -> None:
         """counts: steps, tokens run and tokens sampled so far; running, waiting: requests now."""
-        if self.interval_s <= 0 or now - self._at < self.interval_s:
+        if not self.due(now):
             return
         d_steps, d_run, d_sampled = (b - a for a, b in zip(self._counts, counts, strict=True))
         elapsed_s = now - self._at

@@ -116,10 +116,17 @@ class StepLoop:
         micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
         if self.chaos is not None:
             self.chaos.before_step(c.epoch, c.step, batch, c.members)
-        plans = [(rank_id, StepPlan(
-            c.epoch, c.step, batch.chunks.get(rank_id, []), batch.free.get(rank_id, []), dispatch_rows,
-            micro_batches, batch.moves, (c.step + rank_id) % self.load_every == 0,  # ranks take turns
-        )) for rank_id in c.members]
+        empty: dict[bool, StepPlan] = {}  # report_load -> the plan of every rank with nothing to run or free
+        plans = []
+        for rank_id in c.members:
+            chunks, free = batch.chunks.get(rank_id, []), batch.free.get(rank_id, [])
+            report_load = (c.step + rank_id) % self.load_every == 0  # ranks take turns
+            if chunks or free:
+                plan = StepPlan(c.epoch, c.step, chunks, free, dispatch_rows, micro_batches, batch.moves, report_load)
+            elif (plan := empty.get(report_load)) is None:  # one object: encoded and sealed once for all of them
+                plan = empty[report_load] = StepPlan(c.epoch, c.step, [], [], dispatch_rows, micro_batches,
+                                                     batch.moves, report_load)
+            plans.append((rank_id, plan))
         start = self._sent_at = time.perf_counter()
         times.add("plan", start - t0)
         self.plane.plans_to_workers(plans)

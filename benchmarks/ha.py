@@ -1,0 +1,197 @@
+"""The controller group's cost on the step loop, and a takeover's breakdown.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/ha.py [--seconds 20] [--repeats 2] [--threads 8] [--json]
+
+Three deployments of the tiny model (--ep-size 2, both ranks under one separate `elastic-ep agent`
+process, so only the group differs), run in turn `--repeats` times under the same streaming load
+(`--threads` clients, greedy, 64 tokens): `alone` (`serve --local-ranks 0` + `agent --controller`),
+`group1` (a real etcd, `serve --etcd --ha-group` leading alone, `agent --etcd`) and `group2` (the
+same with a standby). Everything runs on this one machine: etcd and the standby take CPU from the
+workers here, which they would not on hosts of their own.
+Per run: the mean step wall time at the controller (elastic_ep_step_wall_seconds, plan sent to last
+result), tokens/s delivered, and in the group the journal batches and entries shipped to etcd.
+First, in this process, what the journal costs where it runs, in CPU time of the paying thread
+(not disturbed by a loaded machine as wall time is): `add` per event (the HTTP thread, per token
+of each request) and one batch of 64 entries shipped to a real etcd (the journal thread, once per
+--ha-journal-flush-s). Then, once, the takeover: SIGKILL of the leader's process; the times from the kill to the standby
+leading (the lease running out plus a campaign tick), to its controller up, and to /ready (the
+agent follows it and its ranks start again: no adoption yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from elastic_ep.group.journal import Admitted, Delivered, JournalWriter
+from elastic_ep.group.store import GroupStore, Seat
+from elastic_ep.harness.etcd import EtcdProcess
+from elastic_ep.harness.load import StreamingLoad
+from elastic_ep.harness.server_process import ServerProcess, terminate
+from elastic_ep.model.sampling import SamplingParams
+
+MODEL = ["--model", "tiny-deepseek-v3", "--ep-size", "2", "--max-model-len", "512", "--local-ranks", "0"]
+
+
+def histogram_mean(metrics: str, name: str) -> tuple[float, float]:
+    """(sum, count) of an unlabelled histogram in Prometheus text."""
+    total = count = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(f"{name}_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith(f"{name}_count"):
+            count = float(line.split()[-1])
+    return total, count
+
+
+def agent(args: list[str], key_file: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--node", "n0", "--ranks", "2",
+                             "--cluster-key-file", str(key_file), *args], stdout=open(log, "w"),  # noqa: SIM115
+                            stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def role(server: ServerProcess) -> str | None:
+    try:
+        return server.http.get("/health").json().get("role")
+    except httpx.TransportError:
+        return None
+
+
+def measure(server: ServerProcess, seconds: float, threads: int) -> dict:
+    before = histogram_mean(server.http.get("/metrics").text, "elastic_ep_step_wall_seconds")
+    load = StreamingLoad(server.url, threads, 64)
+    load.start()
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    load.stop()
+    elapsed = time.monotonic() - t0
+    after = histogram_mean(server.http.get("/metrics").text, "elastic_ep_step_wall_seconds")
+    steps = after[1] - before[1]
+    return {"step_ms": round(1000 * (after[0] - before[0]) / max(steps, 1), 3), "steps": int(steps),
+            "tokens_per_s": round(sum(1 for _ in load.gaps) / elapsed, 1), "failures": len(load.failures)}
+
+
+def run_alone(tmp: Path, seconds: float, threads: int) -> dict:
+    server = ServerProcess(MODEL, tmp / "alone.log", ready_timeout_s=None)
+    ag = agent(["--controller", server.controller_addr()], server.key_file, tmp / "alone-agent.log")
+    try:
+        server.wait_ready(300)
+        return measure(server, seconds, threads)
+    finally:
+        server.stop()
+        terminate(ag, 10)
+
+
+def run_group(tmp: Path, seconds: float, threads: int, takeover: bool, with_standby: bool = True) -> dict:
+    etcd = EtcdProcess()
+    group = ["--etcd", etcd.url, "--ha-group", "bench", "--ha-lease-s", "5"]
+    leader = ServerProcess([*MODEL, *group, "--node", "c0"], tmp / "c0.log", ready_timeout_s=None)
+    standby = ag = None
+    try:
+        while role(leader) != "leader":
+            time.sleep(0.1)
+        if with_standby:
+            standby = ServerProcess([*MODEL, *group, "--node", "c1", "--cluster-key-file", str(leader.key_file)],
+                                    tmp / "c1.log", ready_timeout_s=None)
+        ag = agent(["--etcd", etcd.url, "--ha-group", "bench"], leader.key_file, tmp / "group-agent.log")
+        leader.wait_ready(300)
+        out = measure(leader, seconds, threads)
+        members = {m["name"]: m for m in leader.cluster()["group"]["members"]}
+        out["journal_batches"] = members["c0"]["journal_seq"]
+        out["standby_lag"] = members["c1"]["lag"] if with_standby else None
+        if takeover and standby is not None:
+            leader.proc.kill()
+            killed = time.monotonic()
+            leader.proc.wait()
+            while role(standby) != "leader":
+                time.sleep(0.01)
+            led = time.monotonic()
+            while not standby.http.get("/cluster").json().get("listening"):
+                time.sleep(0.01)
+            controller_up = time.monotonic()
+            standby.wait_ready(300)
+            ready = time.monotonic()
+            out["takeover_s"] = {"kill_to_leading": round(led - killed, 2),
+                                 "leading_to_controller_up": round(controller_up - led, 2),
+                                 "controller_up_to_ready": round(ready - controller_up, 2),
+                                 "kill_to_ready": round(ready - killed, 2)}
+        return out
+    finally:
+        for s in (leader, standby):
+            if s is not None:
+                s.stop()
+        if ag is not None:
+            terminate(ag, 10)
+        etcd.stop()
+
+
+def journal_costs(events: int = 100_000, batches: int = 200, per_batch: int = 64) -> dict:
+    """What the journal costs where it runs, in CPU time of the thread that pays it (robust to a
+    loaded machine): `add` per event on the HTTP thread, and one batch of `per_batch` entries (a
+    step's tokens at 64 running sequences) shipped to a real etcd by the journal thread."""
+    etcd = EtcdProcess()
+    try:
+        store = GroupStore(etcd.url, "bench")
+        term = store.campaign(Seat("c0", "http://c0:1"), store.grant(60)).create_revision
+        writer = JournalWriter(store, term, snapshot_every=10**9)
+        entry = Delivered("cmpl-0123456789abcdef-0", [1234], False)
+        t0 = time.thread_time()
+        for _ in range(events):
+            writer.add(entry)
+        add_us = 1e6 * (time.thread_time() - t0) / events
+        writer.flush()
+        for i in range(per_batch):
+            writer.add(Admitted(f"cmpl-{i:016x}-0", list(range(200)), SamplingParams(max_tokens=64), i, []))
+        writer.flush()
+        cpu = wall = 0.0
+        for _ in range(batches):
+            for i in range(per_batch):
+                writer.add(Delivered(f"cmpl-{i:016x}-0", [i], False))
+            c0, w0 = time.thread_time(), time.perf_counter()
+            writer.flush()
+            cpu, wall = cpu + time.thread_time() - c0, wall + time.perf_counter() - w0
+        return {"add_us_per_event": round(add_us, 3), "batch_cpu_ms": round(1000 * cpu / batches, 3),
+                "batch_wall_ms": round(1000 * wall / batches, 3), "entries_per_batch": per_batch}
+    finally:
+        etcd.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    costs = journal_costs()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="elastic-ep-ha-bench-") as tmp:
+        for i in range(args.repeats):
+            rows.append({"mode": "alone", **run_alone(Path(tmp), args.seconds, args.threads)})
+            rows.append({"mode": "group1", **run_group(Path(tmp), args.seconds, args.threads, False, False)})
+            rows.append({"mode": "group2", **run_group(Path(tmp), args.seconds, args.threads,
+                                                       takeover=i == args.repeats - 1)})
+    if args.json:
+        print(json.dumps({"journal": costs, "runs": rows}, indent=1))
+        return
+    print("journal:", costs)
+    print(f"{'mode':6} {'step ms':>8} {'steps':>6} {'tok/s':>7} {'fail':>4} {'batches':>7} {'lag':>4}")
+    for r in rows:
+        lag = r.get("standby_lag")
+        print(f"{r['mode']:6} {r['step_ms']:8.2f} {r['steps']:6d} {r['tokens_per_s']:7.1f} {r['failures']:4d} "
+              f"{r.get('journal_batches', ''):>7} {'' if lag is None else lag:>4}")
+    for r in rows:
+        if "takeover_s" in r:
+            print("takeover (s):", r["takeover_s"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""`elastic-ep serve --etcd URL --ha-group NAME`: this controller in a group (group/election.py).
+
+The controller is built first (sockets bound, not started), then the election and the HTTP server
+start, behind a `GroupGate` (serve/group_gate.py): a standby answers /health, /ready, /cluster and
+503 for the rest. Once elected, the controller starts in the term it won (every frame it sends
+carries it), its agent address is published in its seat for `elastic-ep agent --etcd`, and the gate
+hands every request to the real app. Deposed (its lease lapsed, or another holds the leader key),
+the process exits at once with EXIT_DEPOSED, sending nothing more: its agents and workers outlive
+it, and a supervisor starts it again as a standby."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer
+
+from elastic_ep.commands.http_server import run_http
+from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.controller import Controller
+from elastic_ep.errors import ElasticEPError
+from elastic_ep.group.election import Election, Role
+from elastic_ep.group.journal import JournaledEngine, JournalReader, JournalWriter
+from elastic_ep.group.record import write_records
+from elastic_ep.group.status import group_view, standby_reason
+from elastic_ep.group.store import EtcdUnavailable, GroupStore, Seat
+from elastic_ep.serve.app import create_app
+from elastic_ep.serve.errors import APIError
+from elastic_ep.serve.group_gate import GroupGate
+from elastic_ep.serve.guard import HttpGuard
+from elastic_ep.serve.openapi import error_responses
+from elastic_ep.wire import ClusterKey
+
+logger = logging.getLogger("elastic_ep.serve")
+EXIT_DEPOSED = 3
+
+
+def _deposed(reason: str) -> None:
+    """No longer the leader: stop here, before this process sends another frame (os._exit runs no
+    cleanup, in particular not the controller's shutdown of the agents)."""
+    logger.error("exiting: this controller no longer leads its group (%s); start it again to stand by", reason)
+    logging.shutdown()
+    os._exit(EXIT_DEPOSED)
+
+
+def add_journal_route(app: FastAPI, engine: JournaledEngine) -> None:
+    """GET /journal/{request_id}: what the journal holds of an unfinished request (of this leader, or of
+    the last one, whose client lost its connection): prompt and output token ids, seed, parameters.
+    `request_id` is the response's `id` (the chunks' id) for its first choice, or `<id>-<index>` for
+    choice `index`. Send the prompt again with that `seed` and `resume_output_token_ids` set to
+    `output_token_ids`: it goes on with the tokens the uninterrupted request would have had."""
+
+    @app.get("/journal/{request_id}", response_model=dict[str, Any], responses=error_responses(404))
+    async def journaled(request_id: str) -> dict[str, Any]:
+        held = engine.writer.requests if engine.writer is not None else {}
+        found = held.get(request_id) or held.get(f"{request_id}-0")
+        if found is None:
+            raise APIError(404, f"no unfinished request {request_id!r} in the journal: it finished, or its id is "
+                           "not a request's `id` (the chunks' id field)", code="not_journaled")
+        return msgspec.to_builtins(found)
+
+
+def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry,
+                   tokenizer: Tokenizer, guard: HttpGuard, http_socket: socket.socket) -> int:
+    try:
+        store = GroupStore(args.etcd, args.ha_group)
+    except ValueError as e:
+        raise ElasticEPError(str(e)) from None
+    if args.ha_lease_s < 2:
+        raise ElasticEPError(f"--ha-lease-s {args.ha_lease_s}: etcd leases are whole seconds, at least 2")
+    host = cfg.advertise_host or cfg.host
+    http_url = f"http://{'[' + host + ']' if ':' in host else host}:{http_socket.getsockname()[1]}"
+    elected = threading.Event()
+    reader = JournalReader(GroupStore(args.etcd, args.ha_group))
+    election = Election(store, Seat(args.node, http_url), ttl_s=args.ha_lease_s,
+                        on_elected=lambda term: elected.set(), on_deposed=_deposed)
+
+    def view() -> dict:
+        return group_view(args.ha_group, args.etcd, args.node, election.state, reader.record)
+
+    gate = GroupGate(view, lambda: standby_reason(args.ha_group, election.state), registry)
+    stop, standing_by, started = threading.Event(), threading.Event(), threading.Event()
+
+    # the controller and the app are built before the election (sockets bound, nobody told of them
+    # yet): a takeover only starts them, and spends no CPU on them while it must keep its lease
+    controller = Controller(cfg, key, registry)
+    controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
+    engine = JournaledEngine(controller.engine)
+    app = create_app(engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard, group=view)
+    add_journal_route(app, engine)
+
+    def lead() -> None:
+        while not elected.wait(0.2):
+            if stop.is_set():
+                return
+        standing_by.set()  # the reader stops; one last catch-up below
+        term = election.state.term
+        controller.set_term(term)
+        try:
+            reader.catch_up()
+        except EtcdUnavailable as e:
+            logger.warning("group %s: the journal could not be read at takeover (%s): requests of the last "
+                           "leader resume only through the router", args.ha_group, e)
+        writer = engine.writer = JournalWriter(GroupStore(args.etcd, args.ha_group), term, reader.applied,
+                                               reader.requests)
+        controller.start()
+        started.set()
+        threading.Thread(target=writer.run, args=(stop, args.ha_journal_flush_s,
+                                                  lambda seq: election.set_seat(journal_seq=seq), _deposed),
+                         name="journal", daemon=True).start()
+        threading.Thread(target=write_records, args=(GroupStore(args.etcd, args.ha_group), term,
+                                                     lambda: controller.engine.cluster(None, 1), stop, 0.5, _deposed),
+                         name="cluster-record", daemon=True).start()
+        election.set_seat(controller=controller.health_addr, journal_seq=writer.seq)
+        gate.lead(app)
+        logger.info("group %s: %s leads in term %d; controller at %s; %d journaled requests of the last leader",
+                    args.ha_group, args.node, term, controller.health_addr, len(reader.requests))
+
+    threads = [threading.Thread(target=election.run, args=(stop,), name="election", daemon=True),
+               threading.Thread(target=lead, name="takeover", daemon=True),
+               threading.Thread(target=reader.run, args=(standing_by, 0.2,
+                                                         lambda seq: election.set_seat(journal_seq=seq)),
+                                name="journal-reader", daemon=True)]
+    for t in threads:
+        t.start()
+    logger.info("group %s through etcd %s: %s on %s stands by until elected", args.ha_group, args.etcd, args.node,
+                http_url)
+    try:
+        run_http(gate, http_socket, args.request_timeout_s)
+    finally:
+        if started.is_set():  # then the lease is revoked: a standby leads at once
+            controller.stop()
+        stop.set()
+        for t in threads:
+            t.join(5)
+    if controller.fatal:
+        raise ElasticEPError(f"the cluster stopped: {controller.fatal}")
+    return 0 if election.state.role != Role.DEPOSED else EXIT_DEPOSED

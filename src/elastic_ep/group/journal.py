@@ -1,0 +1,240 @@
+"""The request journal of a controller group, replicated to the standbys through etcd.
+
+The leader's engine is wrapped (`JournaledEngine`): each request is recorded when admitted (its
+prompt token ids, sampling parameters, seed and any resumed output) and each event it yields adds
+its new tokens. Nothing touches the control loop: the HTTP thread appends to an in-memory buffer
+(`JournalWriter.add`, a lock and a list append), and the writer's thread ships what gathered every
+`flush_s` as one etcd put of one batch, under `journal/<seq>` (seq zero-padded, so keys sort by
+seq), written only while this controller's term holds the leader key (a txn: etcd refuses the
+batch of a deposed leader). Every `snapshot_every` batches it writes the state of every unfinished request as
+`journal-snapshot` (at that seq) and deletes the batches it covers, so the journal holds only what
+a new leader needs. A standby's `JournalReader` applies the snapshot and then every newer batch
+(every `interval_s`), and says how far it got in its seat (`journal_seq`): GET /cluster shows each
+standby's lag in batches. The journal survives the leader (no lease: a new leader takes it over and
+goes on numbering after the last batch)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from elastic_ep.control.api import Engine, GenerationRequest, RequestOutput
+from elastic_ep.model.sampling import SamplingParams
+
+from .record import read_record
+from .store import EtcdUnavailable, GroupStore
+
+logger = logging.getLogger(__name__)
+
+
+class Admitted(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int]  # resumed output it started with
+
+
+class Delivered(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+
+
+Entry = Admitted | Delivered
+
+
+class Journaled(msgspec.Struct):
+    """A request as the journal has it: what a new leader needs to resume it from its tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int]
+    finished: bool = False
+
+
+class Snapshot(msgspec.Struct):
+    seq: int
+    requests: list[Journaled]
+
+
+_batch = msgspec.msgpack.Decoder(list[Entry])
+_snapshot = msgspec.msgpack.Decoder(Snapshot)
+
+
+def apply(requests: dict[str, Journaled], entries: list[Entry]) -> None:
+    """Entries in order onto `requests` (request id -> state); finished requests leave it."""
+    for e in entries:
+        if isinstance(e, Admitted):
+            requests[e.request_id] = Journaled(e.request_id, e.prompt_token_ids, e.params, e.seed,
+                                               list(e.output_token_ids))
+        else:
+            r = requests.get(e.request_id)
+            if r is None:
+                continue
+            r.output_token_ids.extend(e.token_ids)
+            if e.finished:
+                del requests[e.request_id]
+
+
+MAX_BATCH_BYTES = 1 << 20  # etcd refuses a request over 1.5 MiB (--max-request-bytes)
+
+
+def bounded_batches(entries: list[Entry], max_bytes: int = MAX_BATCH_BYTES) -> list[tuple[list[Entry], bytes]]:
+    """`entries` in order as batches of at most `max_bytes` encoded (halved until they fit; an entry
+    alone over it, a prompt of some 100,000 tokens, is its own batch)."""
+    if not entries:
+        return []
+    body = msgspec.msgpack.encode(entries)
+    if len(body) <= max_bytes or len(entries) == 1:
+        return [(entries, body)]
+    half = len(entries) // 2
+    return bounded_batches(entries[:half], max_bytes) + bounded_batches(entries[half:], max_bytes)
+
+
+def _seq_key(store: GroupStore, seq: int) -> str:
+    return f"{store.prefix}journal/{seq:016d}"
+
+
+class JournalReader:
+    """The journal as a standby holds it: `requests` (unfinished, with their tokens) up to batch
+    `applied`; and the cluster record."""
+
+    def __init__(self, store: GroupStore):
+        self.store = store
+        self.requests: dict[str, Journaled] = {}
+        self.applied = 0
+        self.record: dict[str, Any] | None = None  # the cluster record (group/record.py) as last read
+
+    def catch_up(self) -> None:
+        """Apply what etcd holds past `applied` (the snapshot first when the batches it needs are gone),
+        and read the cluster record."""
+        self.record = read_record(self.store)
+        held = self.store.get_prefix(self.store.prefix + "journal")
+        snap = held.get(self.store.prefix + "journal-snapshot")
+        if snap is not None:
+            snapshot = _snapshot.decode(snap.value)
+            if snapshot.seq > self.applied:
+                self.requests = {r.request_id: r for r in snapshot.requests}
+                self.applied = snapshot.seq
+        prefix = self.store.prefix + "journal/"
+        for key in sorted(k for k in held if k.startswith(prefix)):
+            seq = int(key[len(prefix):])
+            if seq == self.applied + 1:
+                apply(self.requests, _batch.decode(held[key].value))
+                self.applied = seq
+
+    def run(self, stop: threading.Event, interval_s: float, on_applied: Callable[[int], None]) -> None:
+        while not stop.wait(interval_s):
+            try:
+                self.catch_up()
+            except EtcdUnavailable:
+                continue
+            on_applied(self.applied)
+
+
+class Deposed(Exception):
+    """etcd refused a journal batch: another controller leads now."""
+
+
+class JournalWriter:
+    """The leader's side, in `term`: `add` from any thread; `run` ships batches until `stop`. Starts
+    numbering after `start_seq` (the last batch a reader applied), over the requests it found
+    unfinished."""
+
+    def __init__(self, store: GroupStore, term: int, start_seq: int = 0,
+                 requests: dict[str, Journaled] | None = None, snapshot_every: int = 100,
+                 orphan_ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
+        self.store, self.term, self.seq, self.snapshot_every = store, term, start_seq, snapshot_every
+        self.requests = dict(requests or {})
+        # the last leader's unfinished requests: kept for a resume by id, dropped after orphan_ttl_s
+        self._orphans_until = clock() + orphan_ttl_s if self.requests else None
+        self._orphans, self._clock = set(self.requests), clock
+        self._lock = threading.Lock()
+        self._buffer: list[Entry] = []
+        self.shipped_entries = 0
+
+    def add(self, entry: Entry) -> None:
+        with self._lock:
+            self._buffer.append(entry)
+
+    def flush(self) -> bool:
+        """Ship what gathered, as one batch or, past MAX_BATCH_BYTES (etcd refuses a request over
+        1.5 MiB), as several in order; False when there was nothing or etcd took none (what it did not
+        take stays buffered, in order, for the next flush)."""
+        with self._lock:
+            entries, self._buffer = self._buffer, []
+        batches = bounded_batches(entries)
+        for i, (batch, body) in enumerate(batches):
+            try:
+                if not self.store.put_as_leader(_seq_key(self.store, self.seq + 1), body, self.term):
+                    raise Deposed(f"etcd refused journal batch {self.seq + 1}: term {self.term} no longer leads")
+            except EtcdUnavailable as e:
+                rest = [entry for left, _ in batches[i:] for entry in left]
+                logger.warning("journal: %s; %d entries wait for the next flush", e, len(rest))
+                with self._lock:
+                    self._buffer[:0] = rest
+                return i > 0
+            self.seq += 1
+            self.shipped_entries += len(batch)
+            apply(self.requests, batch)
+            if self.seq % self.snapshot_every == 0:
+                self._snapshot()
+        if self._orphans_until is not None and self._clock() > self._orphans_until:
+            for request_id in self._orphans:
+                self.requests.pop(request_id, None)
+            self._orphans_until = None
+        return bool(batches)
+
+    def _snapshot(self) -> None:
+        if not self.store.put_as_leader(self.store.prefix + "journal-snapshot",
+                                        msgspec.msgpack.encode(Snapshot(self.seq, list(self.requests.values()))),
+                                        self.term):
+            raise Deposed(f"etcd refused the journal snapshot: term {self.term} no longer leads")
+        self.store.delete_range(_seq_key(self.store, 0), _seq_key(self.store, self.seq + 1))
+
+    def run(self, stop: threading.Event, flush_s: float, on_shipped: Callable[[int], None],
+            on_deposed: Callable[[str], None]) -> None:
+        while not stop.wait(flush_s):
+            try:
+                if self.flush():
+                    on_shipped(self.seq)
+            except EtcdUnavailable as e:
+                logger.warning("journal: %s", e)
+            except Deposed as e:
+                on_deposed(str(e))
+                return
+
+
+class JournaledEngine:
+    """`engine` whose requests and their tokens go to `writer` (set once this controller leads, before
+    any request reaches it); every other call is the engine's."""
+
+    def __init__(self, engine: Engine, writer: JournalWriter | None = None):
+        self._engine, self.writer = engine, writer
+        self.info = engine.info
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        writer = self.writer
+        assert writer is not None, "a request reached a controller that does not lead"
+        writer.add(Admitted(request.request_id, list(request.prompt_token_ids), request.params, request.seed,
+                                  list(request.resumed_output_token_ids)))
+        finished = False
+        try:
+            async for out in self._engine.generate(request):
+                finished = out.finished
+                writer.add(Delivered(request.request_id, list(out.new_token_ids), out.finished))
+                yield out
+        finally:
+            if not finished:
+                writer.add(Delivered(request.request_id, [], True))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)

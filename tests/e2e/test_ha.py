@@ -1,0 +1,228 @@
+"""The controller group end to end (real etcd, two `serve --etcd` controllers, one `agent --etcd`,
+the router over both): the standby answers as a standby; streams through the router outlive a
+`kill -9` of the leader's process with outputs identical to a fault-free run; the standby leads
+within the lease plus 2 s, in a higher term; the agent follows it without restarting.
+
+A new leader does not adopt the running ranks yet: the agent restarts its workers under it
+(asserted below, so the day adoption lands this test says so)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+
+from elastic_ep.harness.etcd import EtcdProcess
+from elastic_ep.harness.load import PROMPTS, client_for, stream
+from elastic_ep.harness.router_process import RouterProcess
+from elastic_ep.harness.server_process import ServerProcess, terminate
+
+MODEL = "tiny-deepseek-v3"
+LEASE_S = 5  # the default: a shorter lease loses its leader to a loaded machine (keepalives starved)
+MAX_TOKENS = 32
+
+
+def role(server: ServerProcess) -> str | None:
+    """The role /health gives, None while the server does not answer."""
+    try:
+        return server.http.get("/health").json().get("role")
+    except httpx.TransportError:
+        return None
+
+
+def wait_role(server: ServerProcess, wanted: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while role(server) != wanted:
+        assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-2000:]
+        time.sleep(0.05)
+
+
+def leader_then_standby(args: list[str], tmp_path, started: list) -> tuple[ServerProcess, ServerProcess]:
+    """c0 started and leading, then c1 (with c0's cluster key) started; both in `started`."""
+    leader = ServerProcess([*args, "--node", "c0"], tmp_path / "c0.log", ready_timeout_s=None)
+    started.append(leader)
+    wait_role(leader, "leader")
+    standby = ServerProcess([*args, "--node", "c1", "--cluster-key-file", str(leader.key_file)], tmp_path / "c1.log",
+                            ready_timeout_s=None)
+    started.append(standby)
+    return leader, standby
+
+
+def expected_ids(server: ServerProcess, prompt: str) -> list[int]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    return server.http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+
+class DirectStream:
+    """A client streaming straight from one controller (no router), in a thread: its request id
+    and the token ids it got, and whether the stream broke."""
+
+    def __init__(self, server: ServerProcess, prompt: str):
+        self.request_id, self.ids, self.broken = "", [], False
+        self.body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+                     "return_token_ids": True}
+        self.url = server.url
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=self.body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        self.request_id = chunk["id"]
+                        self.ids += chunk["choices"][0].get("token_ids", []) if chunk["choices"] else []
+        except httpx.HTTPError:
+            self.broken = True
+
+    def wait_for(self, n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.ids) < n:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the direct stream got no tokens"
+            time.sleep(0.01)
+
+
+def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
+    etcd = EtcdProcess()
+    started: list = []
+    agent = None
+    try:
+        args = ["--model", MODEL, "--ep-size", "2", "--max-model-len", "256", "--etcd", etcd.url,
+                "--ha-group", "g", "--ha-lease-s", str(LEASE_S)]
+        leader, standby = leader_then_standby(args, tmp_path, started)
+        with open(tmp_path / "agent.log", "w") as log:
+            agent = subprocess.Popen(
+                [sys.executable, "-m", "elastic_ep.cli", "agent", "--etcd", etcd.url, "--ha-group", "g", "--node",
+                 "n0", "--ranks", "2", "--cluster-key-file", str(leader.key_file)],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        leader.wait_ready(180)
+        first = leader.cluster()
+        assert first["role"] == "leader" and first["group"]["leader"]["name"] == "c0"
+
+        # the standby: alive, not ready, refuses /v1 with Retry-After and the leader's URL
+        health = standby.http.get("/health")
+        assert health.status_code == 200 and health.json()["role"] == "standby"
+        assert standby.http.get("/ready").status_code == 503
+        refused = standby.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        assert refused.headers["X-Elastic-EP-Leader"] == leader.url and refused.json()["error"]["code"] == "standby"
+        group = standby.cluster()["group"]
+        assert group["role"] == "standby" and group["term"] == first["group"]["term"]
+        assert {m["name"]: m["role"] for m in group["members"]} == {"c0": "leader", "c1": "standby"}
+        client, model = client_for(leader.url)
+        expected = {p: stream(client, model, p, MAX_TOKENS, temperature=0).text for p in PROMPTS}
+        # the journal of those requests reached the standby: its lag in /cluster comes to 0
+        synced = leader.wait_for(lambda c: {m["name"]: (m["journal_seq"], m["lag"]) for m in c["group"]["members"]}
+                                 .get("c1", (0, None))[0] > 0, 30, "the standby's journal")
+        assert [m["lag"] for m in synced["group"]["members"] if m["name"] == "c1"][0] is not None
+        # the cluster record the leader keeps in etcd reached the standby: its epoch and members
+        seen = standby.wait_for(lambda c: (c["group"]["record"] or {}).get("epoch") == first["epoch"], 30,
+                                "the cluster record at the standby")
+        assert seen["group"]["record"]["members"] == first["members"] == [0, 1]
+
+        old_ranks = leader.pids()
+        router = RouterProcess(["--backend", leader.url, "--backend", standby.url, "--poll-interval-s", "0.2",
+                                "--queue-timeout-s", "150"], tmp_path / "router.log")
+        started.append(router)
+        assert not router.backends()[standby.url]["ready"]  # a standby gets nothing
+
+        target = expected_ids(leader, PROMPTS[0])
+        direct = DirectStream(leader, PROMPTS[0])
+        rclient, _ = client_for(router.url)
+        barrier = threading.Barrier(len(PROMPTS) + 1, timeout=120)
+        killed: list[float] = []
+
+        def one(prompt: str) -> str:
+            return stream(rclient, model, prompt, MAX_TOKENS, lambda t: barrier.wait() if len(t) == 3 else None,
+                          temperature=0).text
+
+        def kill() -> None:
+            barrier.wait()
+            direct.wait_for(3)
+            leader.proc.kill()  # SIGKILL of the leader's process alone: its agent and workers live elsewhere
+            leader.proc.wait()
+            killed.append(time.monotonic())
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        led_at: list[float] = []
+
+        def watch_standby() -> None:
+            wait_role(standby, "leader", 120)
+            led_at.append(time.monotonic())
+
+        watcher = threading.Thread(target=watch_standby, daemon=True)
+        watcher.start()
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(one, PROMPTS))
+        killer.join()
+        watcher.join(30)
+        assert texts == [expected[p] for p in PROMPTS]  # no request failed, outputs identical
+        assert led_at and led_at[0] - killed[0] < LEASE_S + 2.0
+        after = standby.cluster()
+        assert after["group"]["leader"]["name"] == "c1" and after["group"]["term"] > first["group"]["term"]
+        assert agent.poll() is None  # the agent outlived the leader and follows the new one
+        # the direct client: its stream broke; it resumes from the journal by its request id
+        direct.thread.join(30)
+        assert direct.broken and len(direct.ids) >= 3
+        journaled = standby.http.get(f"/journal/{direct.request_id}")
+        assert journaled.status_code == 200, journaled.text
+        held = journaled.json()["output_token_ids"]
+        assert held and held == target[: len(held)]  # what it had shipped before the kill, the same tokens
+        resumed = standby.http.post("/v1/completions", json={
+            "model": model, "prompt": journaled.json()["prompt_token_ids"], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "resume_output_token_ids": held, "return_token_ids": True})
+        assert held + resumed.json()["choices"][0]["token_ids"] == target
+        assert standby.http.get("/journal/cmpl-none").status_code == 404
+        assert router.metric("elastic_ep_router_migrations_total") >= 1
+        new_ranks = standby.pids()
+        assert len(new_ranks) == 2 and not set(new_ranks.values()) & set(old_ranks.values())  # no adoption yet
+    finally:
+        for proc in started:
+            proc.stop()
+        if agent is not None:
+            terminate(agent, 10)
+            assert not [p for p in psutil.process_iter() if p.ppid() == agent.pid]
+        etcd.stop()
+
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_a_leader_stopped_past_its_lease_is_replaced_and_exits_when_it_resumes(tmp_path):
+    """SIGSTOP of the leader's process (a partition or a stall as seen by etcd) past its lease: the
+    standby leads in a higher term; on SIGCONT the old leader's watchdog finds its leadership lapsed
+    and the process exits (code 3) instead of serving as a second leader."""
+    etcd = EtcdProcess()
+    started: list[ServerProcess] = []
+    try:
+        args = ["--model", MODEL, "--ep-size", "2", "--local-ranks", "0", "--etcd", etcd.url, "--ha-group", "p",
+                "--ha-lease-s", str(LEASE_S), "--startup-timeout-s", "300"]
+        old, new = leader_then_standby(args, tmp_path, started)
+        term = old.cluster()["group"]["term"]
+        wait_role(new, "standby")
+        old.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_role(new, "leader", LEASE_S + 10)
+        assert time.monotonic() - stopped < LEASE_S + 10
+        assert new.cluster()["group"]["term"] > term
+        old.proc.send_signal(signal.SIGCONT)
+        assert old.proc.wait(20) == 3
+        assert "no longer leads its group" in old.log()
+        assert role(new) == "leader"
+    finally:
+        for proc in started:
+            if proc.proc.poll() is None:
+                proc.proc.send_signal(signal.SIGCONT)
+            proc.stop()
+        etcd.stop()
