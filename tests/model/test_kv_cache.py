@@ -94,6 +94,25 @@ def test_freed_blocks_stay_cached_until_the_pool_needs_them_least_recently_freed
     assert pool.allocate(4, a, 5) == 0
 
 
+def test_blocks_held_but_not_computed_yet_are_claimed_until_computed_or_freed():
+    pool = BlockManager(16, 4)
+    prompt = list(range(10))
+    assert pool.computing_prefix(prompt + [50]) == (0, None)
+    pool.allocate(0, prompt, 10)  # two full blocks to compute, claimed by sequence 0
+    assert pool.computing_prefix(prompt[:8] + [50]) == (8, 0)
+    assert pool.computing_prefix(prompt[:4] + [51] * 5) == (4, 0)  # only the first block is shared
+    assert pool.computing_prefix(prompt[:8]) == (4, 0)  # leaves one token to compute, as a hit does
+    pool.cache_computed(0, prompt, 5)  # the first block computed and keyed: the second is still claimed
+    assert pool.cached_prefix_tokens(prompt[:8] + [50]) == 4 and pool.computing_prefix(prompt[:8] + [50]) == (4, 0)
+    pool.allocate(1, [7] * 9, 9)
+    pool.free(0)  # released before its second block was computed (aborted, preempted): nothing is claimed
+    assert pool.computing_prefix(prompt[:8] + [50]) == (0, None)
+    assert pool.computing_prefix([7] * 9) == (8, 1)
+    off = BlockManager(16, 4, enable_prefix_caching=False)
+    off.allocate(0, prompt, 10)
+    assert off.computing_prefix(prompt + [50]) == (0, None)
+
+
 def test_prefix_caching_off_never_shares():
     pool = BlockManager(8, 2, enable_prefix_caching=False)
     pool.allocate(0, [1, 2, 3, 4, 5], 5)

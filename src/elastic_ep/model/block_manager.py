@@ -7,8 +7,12 @@ is keyed by the chained hash of its token prefix (the hash of the previous full 
 tokens), so a later sequence with the same prefix takes the block instead of recomputing it
 (prefix caching). A block is shared by reference count; a freed block keeps its contents and
 its key until the pool needs it, least recently freed first (LRU eviction), so a prefix stays
-cached while the pool has room. Counters follow vLLM's meanings: `queries_tokens` are the tokens
-of the sequences looked up, `hit_tokens` those found cached.
+cached while the pool has room. A full block a sequence holds but has not computed yet is
+claimed by it under the key it will get: `computing_prefix` tells a later sequence with that
+prefix which running sequence is computing it, so the scheduler can let it wait and hit the
+blocks instead of computing them a second time (what SGLang's radix cache and vLLM's prefix
+caching aim at for prefixes in flight). Counters follow vLLM's meanings: `queries_tokens` are
+the tokens of the sequences looked up, `hit_tokens` those found cached.
 
 Pure bookkeeping, no tensors: the offline engine and the controller's scheduler (one manager per
 DP rank) decide with it, and the rank's `KVCache` is told the tables.
@@ -52,6 +56,8 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # hash -> block id
         self.tables: dict[int, list[int]] = {}
         self._hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its leading keyed blocks
+        self._computing: dict[int, int] = {}  # hash -> seq_id holding that block, not yet computed
+        self._claims: dict[int, list[int]] = {}  # seq_id -> the hashes it claimed in _computing
         self.queries_tokens = 0
         self.hit_tokens = 0
 
@@ -75,23 +81,42 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
 
+    def _chain(self, token_ids: list[int], num_blocks: int, start: int = 0, parent: int = -1):
+        """(key, hash) of full blocks start..num_blocks-1 of token_ids, chained from `parent` (the
+        hash of block start-1, -1 for none)."""
+        bs = self.block_size
+        for i in range(start, num_blocks):
+            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            parent = hash(key)
+            yield key, parent
+
     def _match(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """(block ids, hashes) of the longest cached chain of full blocks of token_ids, leaving at
         least one token to compute (its logits give the next token)."""
         if not self.enable_prefix_caching:
             return [], []
-        bs, parent = self.block_size, -1
         found, hashes = [], []
-        for i in range((len(token_ids) - 1) // bs):
-            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
-            h = hash(key)
+        for key, h in self._chain(token_ids, (len(token_ids) - 1) // self.block_size):
             block_id = self._cached.get(h)
             if block_id is None or self.blocks[block_id].key != key:
                 break
             found.append(block_id)
             hashes.append(h)
-            parent = h
         return found, hashes
+
+    def computing_prefix(self, token_ids: list[int]) -> tuple[int, int | None]:
+        """(tokens, seq_id): how many leading tokens of token_ids past its cached prefix lie in
+        full blocks that running sequences hold but have not computed yet (leaving at least one
+        token to compute, as `_match`), and the sequence computing the first of them; (0, None)
+        when none."""
+        found, hashes = self._match(token_ids)
+        parent = hashes[-1] if hashes else -1
+        holders = []
+        for _, h in self._chain(token_ids, (len(token_ids) - 1) // self.block_size, len(found), parent):
+            if h not in self._computing:
+                break
+            holders.append(self._computing[h])
+        return len(holders) * self.block_size, holders[0] if holders else None
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """Leading tokens of token_ids that `allocate` would find cached."""
@@ -113,6 +138,13 @@ class BlockManager:
             self._hold(b)
         self.tables[seq_id] = hits + [self._take() for _ in range(fresh)]
         self._hashes[seq_id] = hashes
+        if self.enable_prefix_caching:
+            parent = hashes[-1] if hashes else -1
+            claims = [h for _, h in self._chain(token_ids, min(len(token_ids), num_tokens) // self.block_size,
+                                                len(hits), parent)
+                      if h not in self._cached and h not in self._computing]
+            self._computing.update(dict.fromkeys(claims, seq_id))
+            self._claims[seq_id] = claims
         cached = len(hits) * self.block_size
         self.queries_tokens += len(token_ids)
         self.hit_tokens += cached
@@ -134,15 +166,16 @@ class BlockManager:
         already has stays unkeyed (two sequences computed the same prefix at once)."""
         if not self.enable_prefix_caching:
             return
-        bs, table, hashes = self.block_size, self.tables[seq_id], self._hashes[seq_id]
-        for i in range(len(hashes), min(num_computed // bs, len(table))):
-            parent = hashes[-1] if hashes else -1
-            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
-            h = hash(key)
+        table, hashes = self.tables[seq_id], self._hashes[seq_id]
+        parent = hashes[-1] if hashes else -1
+        for i, (key, h) in enumerate(self._chain(token_ids, min(num_computed // self.block_size, len(table)),
+                                                 len(hashes), parent), start=len(hashes)):
             block = self.blocks[table[i]]
             if h not in self._cached:
                 self._cached[h] = block.block_id
                 block.hash, block.key = h, key
+            if self._computing.get(h) == seq_id:
+                del self._computing[h]
             hashes.append(h)
 
     def free(self, seq_id: int) -> None:
@@ -150,6 +183,9 @@ class BlockManager:
         first, so they are evicted before the prefix blocks other sequences may share."""
         table = self.tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
+        for h in self._claims.pop(seq_id, []):
+            if self._computing.get(h) == seq_id:
+                del self._computing[h]
         for block_id in reversed(table or []):
             block = self.blocks[block_id]
             block.ref_count -= 1

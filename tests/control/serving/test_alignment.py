@@ -5,7 +5,7 @@ or re-prefill and re-homed only when its step commits)."""
 from __future__ import annotations
 
 import pytest
-from test_scheduler import run_step, seq
+from test_scheduler import prompt_seq, run_step, seq
 
 from elastic_ep.control.serving.alignment import AlignRule, DecodeBalance, imbalance, rank_caps
 from elastic_ep.control.serving.scheduler import Scheduler
@@ -70,7 +70,8 @@ def test_an_unstarted_prefill_leaves_a_draining_rank():
     s.add(seq(0, 40))
     s.add(seq(1, 39))
     run_step(s)
-    s.add(seq(2, 40))  # placed behind a prefill that takes the whole step of its rank
+    # placed behind a prefill that takes the whole step of its rank (a prompt of its own: no prefix to wait for)
+    s.add(prompt_seq(2, list(range(300, 340))))
     batch, _ = run_step(s)
     first = s.by_id[2].rank
     assert 2 not in {c.seq_id for c in batch.chunks[first]}

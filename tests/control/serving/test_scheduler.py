@@ -120,8 +120,8 @@ def prompt_seq(seq_id: int, prompt: list[int], max_tokens: int = 8) -> Sequence:
 def test_requests_wait_for_free_blocks_and_the_newest_is_preempted_when_a_decode_needs_one():
     s = Scheduler(max_num_seqs=8, max_num_batched_tokens=256, num_blocks=6, block_size=4)
     s.set_ranks([0])
-    for i in range(3):
-        s.add(seq(i, 8, max_tokens=20))  # 2 blocks each for the prompt
+    for i in range(3):  # 2 blocks each for the prompt, prompts of their own (no prefix to wait for)
+        s.add(prompt_seq(i, list(range(10 * i + 1, 10 * i + 9)), max_tokens=20))
     batch, _ = run_step(s)
     assert [c.seq_id for c in batch.chunks[0]] == [0, 1, 2] and s.pools[0].num_free_blocks == 0
     s.add(seq(3, 4))
@@ -179,3 +179,110 @@ def test_a_prefix_hit_does_not_outweigh_a_rank_busier_by_more_than_the_hit():
     s.add(prompt_seq(2, shared + [2]))  # an 8-token hit at home, where 1 token is ahead; 32 ahead elsewhere
     run_step(s)
     assert s.by_id[2].rank == home
+
+
+def prefill_starts(batch, seq_id: int) -> list[int]:
+    return [c.start_pos for cs in batch.chunks.values() for c in cs if c.seq_id == seq_id]
+
+
+def test_a_request_whose_prefix_another_is_computing_waits_for_it_then_hits_it():
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=8, block_size=4)
+    s.set_ranks([0])
+    shared = list(range(100, 120))  # 5 blocks, computed over 3 steps of 8 tokens
+    s.add(prompt_seq(0, shared + [1, 3]))  # the longer is placed first
+    s.add(prompt_seq(1, shared + [2]))  # admitted in the same step: it waits while 0 computes the prefix
+    starts = []
+    for _ in range(3):
+        batch, _ = run_step(s)
+        starts.append((prefill_starts(batch, 0), prefill_starts(batch, 1)))
+        assert s.by_id[1].rank is None and list(s.waiting)[0].seq_id == 1
+    assert starts == [([0], []), ([8], []), ([16], [])]
+    batch, _ = run_step(s)
+    chunk = next(c for c in batch.chunks[0] if c.seq_id == 1)
+    assert (chunk.start_pos, chunk.token_ids, chunk.cached_token_ids) == (20, [2], shared)
+    assert chunk.block_ids[:5] == s.pools[0].tables[0][:5]
+    assert (batch.prefix_queried, batch.prefix_hit) == (21, 20)
+
+
+def test_a_waiter_goes_to_the_rank_computing_its_prefix_when_that_rank_is_not_busier_by_more():
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=8, block_size=4)
+    s.set_ranks([0, 1])
+    shared = list(range(100, 132))
+    s.add(prompt_seq(0, shared + [1]))
+    s.add(prompt_seq(1, list(range(200, 220))))
+    run_step(s)
+    home = s.by_id[0].rank
+    # 25 tokens ahead at home, 12 on the other rank; a 33-token request hits 8 cached tokens at home and
+    # 24 more being computed there: 25 + 33 - 32 = 26 against 12 + 33 = 45 (with the cached 8 alone: 50)
+    s.add(prompt_seq(2, shared + [2]))
+    for _ in range(5):
+        run_step(s)
+    assert s.by_id[2].rank == home and s.by_id[2].num_cached >= 32
+
+
+def test_a_waiter_whose_prefix_computer_is_aborted_proceeds_and_computes_it():
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=8, block_size=4)
+    s.set_ranks([0])
+    shared = list(range(100, 120))
+    s.add(prompt_seq(0, shared + [1, 3]))  # the longer is placed first
+    s.add(prompt_seq(1, shared + [2]))
+    batch = s.schedule()
+    assert prefill_starts(batch, 1) == [] and s.by_id[1].prefix_wait == (0, 0)
+    s.abort(0)  # its first 8 tokens ran, but it leaves before their blocks are committed
+    s.commit(batch, {})
+    batch, _ = run_step(s)
+    assert prefill_starts(batch, 1) == [0] and (batch.prefix_queried, batch.prefix_hit) == (21, 0)
+
+
+def test_a_waiter_stops_waiting_when_the_prefix_computer_made_no_progress_or_is_held():
+    shared = list(range(100, 120))
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=8, block_size=4)
+    s.set_ranks([0])
+    s.add(prompt_seq(0, shared + [1, 3]))  # the longer is placed first
+    s.add(prompt_seq(1, shared + [2]))
+    s.step_failed(s.schedule())  # 1 waited; the step failed, so 0 computed nothing
+    batch, _ = run_step(s)  # placed, behind 0 in the rank's 8 tokens
+    assert s.by_id[1].rank == 0 and (batch.prefix_queried, batch.prefix_hit) == (21, 0)
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=8, block_size=4)
+    s.set_ranks([0])
+    s.add(prompt_seq(0, shared + [1, 3]))
+    s.add(prompt_seq(1, shared + [2]))
+    run_step(s)
+    s.hold({0})  # a failed step's suspect, left out of the steps: 1 waits no more, taking what 0 committed
+    batch, _ = run_step(s)
+    assert prefill_starts(batch, 1) == [8] and prefill_starts(batch, 0) == []
+
+
+def test_a_waiter_whose_prefix_computer_is_preempted_is_not_stuck_and_every_request_finishes():
+    # 7 blocks of 4: the decode of 0 takes the last free block in step 3 and preempts 1, the newest
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=9, num_blocks=7, block_size=4)
+    s.set_ranks([0])
+    s.add(prompt_seq(0, list(range(200, 207)), max_tokens=3))
+    run_step(s)
+    shared = list(range(100, 116))
+    s.add(prompt_seq(1, shared + [1], max_tokens=2))
+    s.add(prompt_seq(2, shared + [2], max_tokens=2))
+    batch, _ = run_step(s)
+    assert prefill_starts(batch, 1) == [0] and s.by_id[2].prefix_wait == (1, 0)
+    batch, _ = run_step(s)
+    assert batch.preempted == 1 and s.by_id[1].rank is None
+    assert s.pools[0].computing_prefix(s.by_id[2].tokens) == (0, None)  # its claims went with its blocks
+    first_chunk = {}
+    for _ in range(20):
+        if not s.has_work:
+            break
+        batch, _ = run_step(s)
+        for c in batch.chunks[0]:
+            first_chunk.setdefault(c.seq_id, c.start_pos)
+    assert not s.has_work
+    assert first_chunk[1] == 8 and first_chunk[2] == 16  # 1 kept its 2 computed blocks; 2 hit all 4
+
+
+def test_without_prefix_caching_same_prefix_requests_are_prefilled_together():
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, enable_prefix_caching=False)
+    s.set_ranks([0])
+    shared = list(range(100, 120))
+    s.add(prompt_seq(0, shared + [1, 3]))  # the longer is placed first
+    s.add(prompt_seq(1, shared + [2]))
+    batch, _ = run_step(s)
+    assert prefill_starts(batch, 0) == [0] and prefill_starts(batch, 1) == [0]

@@ -9,7 +9,13 @@ hit of h tokens is worth h tokens of work ahead, the unit the all-to-all wants e
 with the prefix wins unless it is busier by more than the hit; ties go to the rank with more
 free blocks, then fewer sequences. It is admitted when that rank's free blocks hold its tokens
 (the first rank that does, in that order); when none does it waits, and so does every request
-behind it. A decoding sequence that needs a block when none is free takes one from the newest
+behind it. A prefix being computed counts as a hit on its rank: a request whose leading full
+blocks a running sequence there holds but has not computed yet (the prefix pool claims them,
+model/block_manager.py) is not prefilled; it waits at the front of the queue and hits those
+blocks once they are committed (two requests with one new system prompt compute it once). It
+waits only while that sequence advances: a step in which it computed nothing (held out, cut to
+nothing, a failed step), or its end (finished, aborted, preempted, its rank gone), and the
+waiter is placed as any request. A decoding sequence that needs a block when none is free takes one from the newest
 request of its rank, which is preempted: its blocks freed, back at the front of the queue, to be
 recomputed (prompt plus tokens so far); no request is admitted in a step that preempted.
 With an `AlignRule` the step is evened again every step (control/serving/alignment.py: prefill cut to
@@ -52,6 +58,8 @@ class Sequence:
     num_cached: int = 0
     unsent_prefix: int = 0
     finish_reason: str | None = None
+    # waiting for a prefix another sequence computes: (its seq_id, its num_cached then)
+    prefix_wait: tuple[int, int] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -363,23 +371,40 @@ class Scheduler:
     def _place(self, seq: Sequence) -> bool:
         """Put `seq` on the rank where it adds the fewest tokens of work (see the module
         docstring) whose free blocks hold it, taking its cached prefix there; False when no
-        rank with room for one more sequence has the blocks."""
+        rank with room for one more sequence has the blocks, or it waits for a prefix being
+        computed there."""
         tokens = seq.tokens
         candidates = [r for r, seqs in self.running.items()
                       if len(seqs) < self.max_num_seqs and r not in self.draining]
 
         def cost(r: int) -> tuple[int, int, int, int]:
             pool = self.pools[r]
-            work = sum(s.pending for s in self.running[r]) + len(tokens) - pool.cached_prefix_tokens(tokens)
+            hit = pool.cached_prefix_tokens(tokens) + pool.computing_prefix(tokens)[0]
+            work = sum(s.pending for s in self.running[r]) + len(tokens) - hit
             return work, -pool.num_free_blocks, len(self.running[r]), r
 
         for rank in sorted(candidates, key=cost):
+            if self._waits_for_prefix(seq, rank):
+                return False
             cached = self.pools[rank].allocate(seq.seq_id, tokens, len(tokens))
             if cached is not None:
-                seq.rank, seq.num_cached, seq.unsent_prefix = rank, cached, cached
+                seq.rank, seq.num_cached, seq.unsent_prefix, seq.prefix_wait = rank, cached, cached, None
                 self.running[rank].append(seq)
                 return True
         return False
+
+    def _waits_for_prefix(self, seq: Sequence, rank: int) -> bool:
+        """Whether `seq` waits for a sequence on `rank` that is computing its next uncached
+        prefix blocks (see the module docstring): yes while that sequence is running there, not
+        held, and has advanced since `seq` last waited for it."""
+        _, holder_id = self.pools[rank].computing_prefix(seq.tokens)
+        holder = self.by_id.get(holder_id)
+        if holder is None or holder.rank != rank or holder_id in self.held:
+            return False
+        if seq.prefix_wait is not None and seq.prefix_wait[0] == holder_id and holder.num_cached <= seq.prefix_wait[1]:
+            return False
+        seq.prefix_wait = (holder_id, holder.num_cached)
+        return True
 
     @staticmethod
     def _plan(seq: Sequence, out: list[ChunkPlan], room: int, table: list[int]) -> int:
