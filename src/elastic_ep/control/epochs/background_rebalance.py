@@ -64,6 +64,7 @@ class BackgroundRebalance:
         self.reason: str | None = None  # why a walk is wanted; None: none
         self.target: ExpertLocation | None = None
         self.members: list[int] = []  # the members the target was computed for
+        self.target_load: np.ndarray | None = None  # [layers, experts]: the load it was computed for
         self.started_at = 0.0
         self.moves = 0
         self.slots_moved = 0
@@ -81,7 +82,7 @@ class BackgroundRebalance:
                 "slots": self.slots_moved}
 
     def cancel(self) -> None:
-        self.reason, self.target = None, None
+        self.reason, self.target, self.target_load = None, None, None
 
     def check_eplb(self) -> None:
         """Every --eplb-interval steps: when the load is uneven enough, walk to EPLB's placement."""
@@ -112,7 +113,8 @@ class BackgroundRebalance:
         c = self.cluster
         assert c.location is not None and self.reason is not None
         if self.target is None or self.members != c.members:
-            self.target = fault_aware_placement(self.load(), c.members, c.rank_nodes(), self._speeds(),
+            self.target_load = self.load()
+            self.target = fault_aware_placement(self.target_load, c.members, c.rank_nodes(), self._speeds(),
                                                 c.slots_per_rank, c.location.num_ranks, current=c.location)
             self.members = list(c.members)
         if c.location != self.target:
@@ -129,13 +131,17 @@ class BackgroundRebalance:
 
     def _start(self, reason: str, target: ExpertLocation | None) -> None:
         self.reason, self.target, self.members = reason, target, list(self.cluster.members)
+        self.target_load = None if target is None else self.load()  # EPLB planned it for the load of now
         self.started_at = time.monotonic()
         self.moves = self.slots_moved = self.bytes_moved = 0
 
     def _finish(self) -> None:
+        # Both figures under the load the target was computed for: the walk is judged against a
+        # placement made from scratch for the same load, not against a load that moved since.
         c = self.cluster
         assert c.location is not None
-        load, speeds = self.load(), self._speeds()
+        load = self.target_load if self.target_load is not None else self.load()
+        speeds = self._speeds()
         scratch = fault_aware_placement(load, c.members, c.rank_nodes(), speeds, c.slots_per_rank,
                                         c.location.num_ranks)
         c.events.add(EventKind.REBALANCED, f"rebalanced ({self.reason}) in {self.moves} moves, "
