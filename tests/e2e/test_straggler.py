@@ -84,8 +84,8 @@ def test_the_eviction_cap_holds(server_factory):
     server = server_factory(*BASE, "--straggler-evict-after-s", "4", "--straggler-max-evictions", "1")
     with reference_load(server, MODEL, threads=3) as load:
         server.wait_for(lambda c: load.done >= 3, 60, "requests before the slowdown")
-        slow(server, 1, 0.05)
-        slow(server, 2, 0.05)
+        slow(server, 1, 0.12)
+        slow(server, 2, 0.12)
         held = server.wait_for(lambda c: decisions(c, "hold"), 60, "an eviction refused by the cap")
         # the evicted rank's replacement (a cold start: no standby) joins; the other rank stays
         server.wait_for(lambda c: len(c["members"]) == 4 and c["ready"], 60, "the replacement")
