@@ -1,7 +1,7 @@
 """Counting the opens of files by any process, from the kernel (inotify), not from the code that opens them.
 
 `FileOpens(directory)` watches a directory from the moment it is built: every open of a file in
-it, by any process of this machine, is counted by name until `close()`. A test proves with it how
+it, by any process on the host, is counted by name until `close()`. A test proves with it how
 often a checkpoint's shards were really opened (read once, copy many), whatever path the code took.
 """
 
