@@ -14,6 +14,7 @@ from .conftest import reference_load
 
 MODEL = "tiny-deepseek-v3"
 SLOW = 3
+DELAY_S = 0.05
 
 
 def _eplb_epochs(cluster: dict) -> list[dict]:
@@ -27,7 +28,7 @@ def test_slow_rank_gets_less_expert_load_after_rebalance_and_output_stays_exact(
         "--eplb-threshold", "1.01", "--record-dir", str(tmp_path),
     )
     # slowed before any request, so every own-time sample of that rank is a slow one
-    server.http.post("/chaos/slow", json={"rank_id": SLOW, "delay_s": 0.05}).raise_for_status()
+    server.http.post("/chaos/slow", json={"rank_id": SLOW, "delay_s": DELAY_S}).raise_for_status()
     with reference_load(server, MODEL, threads=3) as load:
         server.wait_for(lambda c: _eplb_epochs(c), timeout_s=60, what="a speed-aware EPLB rebalance")
         done_at_rebalance = load.done
@@ -38,7 +39,9 @@ def test_slow_rank_gets_less_expert_load_after_rebalance_and_output_stays_exact(
 
     cluster = server.cluster()
     own_ms = {r["rank_id"]: r["own_ms"]["p50"] for r in cluster["ranks"]}
-    assert own_ms[SLOW] > 3 * max(v for r, v in own_ms.items() if r != SLOW), own_ms
+    # the fault landed on that rank: it is slower than every other by most of the delay (a ratio
+    # is not used: under a loaded machine every rank's own time grows and the ratio shrinks)
+    assert own_ms[SLOW] - max(v for r, v in own_ms.items() if r != SLOW) > 0.6 * DELAY_S * 1000, own_ms
     location = ExpertLocation.from_json(json.dumps(cluster["placement"]))
     recorded = read_load(Path(server.http.post("/dump_expert_distribution_record").json()["path"]))
     per_rank = rank_loads(location, recorded).sum(axis=0)
