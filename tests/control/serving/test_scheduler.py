@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from elastic_ep.control.api import GenerationRequest
+from elastic_ep.control.serving.alignment import AlignRule
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
 from elastic_ep.model.sampling import SamplingParams
 
@@ -286,3 +287,23 @@ def test_without_prefix_caching_same_prefix_requests_are_prefilled_together():
     s.add(prompt_seq(1, shared + [2]))
     batch, _ = run_step(s)
     assert prefill_starts(batch, 0) == [0] and prefill_starts(batch, 1) == [0]
+
+
+def test_a_request_placed_again_before_it_ran_counts_its_prefix_lookup_once():
+    # --dp-align places unstarted prefills again every step: 1 waits behind 0's 8-token chunks
+    # for 3 steps and is placed each time, but is looked up once, from the placement it runs from
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=8, align=AlignRule(min_chunk=1, migrate="off"),
+                  block_size=4)
+    s.set_ranks([0])
+    shared = list(range(100, 116))
+    s.add(prompt_seq(9, shared + [9], max_tokens=1))
+    while s.has_work:
+        run_step(s)
+    s.add(prompt_seq(0, list(range(200, 224)), max_tokens=1))
+    s.add(prompt_seq(1, shared + [1], max_tokens=1))
+    queried = hit = 0
+    for _ in range(10):
+        batch, _ = run_step(s)
+        queried, hit = queried + batch.prefix_queried, hit + batch.prefix_hit
+    assert not s.has_work
+    assert (queried, hit) == (24 + 17, 16)

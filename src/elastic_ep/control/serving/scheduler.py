@@ -100,7 +100,9 @@ class StepBatch:
     `reprefilled`: sequences moved to another rank to be computed again there;
     `unaligned`: tokens per rank before prefill is cut to the step's level; `preempted`:
     requests preempted for blocks; `prefix_queried`, `prefix_hit`: tokens of the requests
-    admitted, and of those found in cached blocks."""
+    whose first chunk on their rank runs in this step, and of those found in cached blocks (a
+    request placed again before it ran, as --dp-align does with unstarted prefills, counts
+    once, for the placement it runs from; a recomputed one counts again)."""
 
     chunks: dict[int, list[ChunkPlan]]
     free: dict[int, list[int]]
@@ -264,13 +266,10 @@ class Scheduler:
         room = sum(max(self.max_num_seqs - len(seqs), 0) for r, seqs in self.running.items() if r not in self.draining)
         taken = 0 if preempted else min(room - len(unstarted), len(self.waiting))
         admitted = unstarted + [self.waiting.popleft() for _ in range(taken)]
-        queried = hit = 0
         unplaced = []
         # Longest first onto the rank where it adds least: the classic greedy for even sums.
         for seq in sorted(admitted, key=lambda q: -q.pending):
-            if self._place(seq):
-                queried, hit = queried + len(seq.tokens), hit + seq.num_cached
-            else:  # no rank has room or blocks for it: it waits, in its place in the queue
+            if not self._place(seq):  # no rank has room or blocks for it: it waits, in its place in the queue
                 unplaced.append(seq)
         order = {seq.seq_id: i for i, seq in enumerate(admitted)}
         self.waiting.extendleft(sorted(unplaced, key=lambda q: -order[q.seq_id]))
@@ -283,6 +282,7 @@ class Scheduler:
             prefill = {r: sum(q.pending for q in qs if not q.decoding) for r, qs in active.items()}
             caps = rank_caps(decode, prefill, budget, align.min_chunk)
         chunks: dict[int, list[ChunkPlan]] = {r: [] for r in self.running}
+        queried = hit = 0
         for rank, seqs in active.items():
             used = 0
             for seq in sorted(seqs, key=lambda q: not q.decoding) if align.enabled else seqs:
@@ -290,11 +290,14 @@ class Scheduler:
                 table = self.pools[rank].tables[seq.seq_id]
                 if len(table) * self.block_size < len(seq.tokens):  # no block for its next token this step
                     continue
+                starts = seq.num_cached == seq.unsent_prefix  # nothing of it computed on this rank yet
                 if seq.output and seq.pending > 1:  # a re-prefill: its rank was lost, it moved or was preempted
                     n = self._plan(seq, chunks[rank], min(room, reprefill_left), table)
                     reprefill_left -= n
                 else:
                     n = self._plan(seq, chunks[rank], room, table)
+                if starts and n:  # its prefix lookup counts once, for the placement it runs from
+                    queried, hit = queried + len(seq.tokens), hit + seq.num_cached
                 used += n
         free = {r: self.to_free[r] for r in self.running}
         self.to_free = {r: [] for r in self.running}
