@@ -242,8 +242,8 @@ def test_a_waiter_stops_waiting_when_the_prefix_computer_made_no_progress_or_is_
     s.add(prompt_seq(0, shared + [1, 3]))  # the longer is placed first
     s.add(prompt_seq(1, shared + [2]))
     s.step_failed(s.schedule())  # 1 waited; the step failed, so 0 computed nothing
-    batch, _ = run_step(s)  # placed, behind 0 in the rank's 8 tokens
-    assert s.by_id[1].rank == 0 and (batch.prefix_queried, batch.prefix_hit) == (21, 0)
+    run_step(s)  # placed, behind 0 in the rank's 8 tokens, with nothing cached
+    assert (s.by_id[1].rank, s.by_id[1].num_cached, s.by_id[1].prefix_wait) == (0, 0, None)
     s = Scheduler(max_num_seqs=8, max_num_batched_tokens=8, block_size=4)
     s.set_ranks([0])
     s.add(prompt_seq(0, shared + [1, 3]))

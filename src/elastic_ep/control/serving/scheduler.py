@@ -102,7 +102,8 @@ class StepBatch:
     requests preempted for blocks; `prefix_queried`, `prefix_hit`: tokens of the requests
     whose first chunk on their rank runs in this step, and of those found in cached blocks (a
     request placed again before it ran, as --dp-align does with unstarted prefills, counts
-    once, for the placement it runs from; a recomputed one counts again)."""
+    once, for the placement it runs from; a recomputed one, and the first chunk of a step
+    that failed and is planned again, count again)."""
 
     chunks: dict[int, list[ChunkPlan]]
     free: dict[int, list[int]]
