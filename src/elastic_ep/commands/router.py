@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--affinity-blocks", type=int, default=DEFAULTS.affinity_blocks,
                         help="leading blocks that name a prompt's prefix: set their total near the shared "
                              "prefix (system prompt) length of the workload")
+    parser.add_argument("--prefix-live-s", type=float, default=DEFAULTS.prefix_live_s,
+                        help="a prefix a backend was sent within this long counts toward its share when a new "
+                             "prefix is placed (on the backend with the fewest)")
     parser.add_argument("--queue-size", type=int, default=DEFAULTS.queue_size,
                         help="requests that may wait while every backend is saturated; beyond, 429")
     parser.add_argument("--queue-timeout-s", type=float, default=DEFAULTS.queue_timeout_s,
@@ -85,6 +88,8 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         raise ElasticEPError(f"--migration-limit must be >= 0, got {args.migration_limit}")
     if args.block_bytes < 1 or args.affinity_blocks < 1:
         raise ElasticEPError("--block-bytes and --affinity-blocks must be >= 1")
+    if args.prefix_live_s <= 0:
+        raise ElasticEPError(f"--prefix-live-s must be > 0, got {args.prefix_live_s}")
     if args.balance_abs_threshold < 0 or args.balance_rel_threshold < 0:
         raise ElasticEPError("--balance-abs-threshold and --balance-rel-threshold must be >= 0")
     limits = Limits(max_open=args.max_open_per_backend, max_waiting=args.max_waiting_per_backend,
@@ -93,7 +98,8 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         backends=backends, backends_file=args.backends_file, api_key=args.api_key,
         backend_api_key=args.backend_api_key, migration_limit=args.migration_limit, limits=limits,
-        block_bytes=args.block_bytes, affinity_blocks=args.affinity_blocks, queue_size=args.queue_size,
+        block_bytes=args.block_bytes, affinity_blocks=args.affinity_blocks, prefix_live_s=args.prefix_live_s,
+        queue_size=args.queue_size,
         queue_timeout_s=args.queue_timeout_s, retry_after_s=args.retry_after_s,
         poll_interval_s=args.poll_interval_s, poll_timeout_s=args.poll_timeout_s,
         connect_timeout_s=args.connect_timeout_s, request_timeout_s=args.request_timeout_s,

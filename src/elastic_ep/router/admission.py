@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection
 
 from elastic_ep.router.backends import Backend, BackendPool
+from elastic_ep.router.placement import DEFAULT_LIVE_S, Placements, place_new
 from elastic_ep.router.scoring import Limits, choose, rendezvous_order
 
 DEFAULT_STICKY_USERS = 65536
@@ -34,10 +35,11 @@ class Saturated(Exception):
 
 class Admission:
     """queue_size: requests that may wait for room; queue_timeout_s: how long one waits;
-    retry_after_s: the Retry-After of a 429 or 503."""
+    retry_after_s: the Retry-After of a 429 or 503; live_s: how long a key this router placed
+    counts toward its backend's share before a poll reads it back (router/placement.py)."""
 
     def __init__(self, pool: BackendPool, limits: Limits, *, queue_size: int = 256, queue_timeout_s: float = 30.0,
-                 retry_after_s: int = 1, sticky_users: int = DEFAULT_STICKY_USERS):
+                 retry_after_s: int = 1, sticky_users: int = DEFAULT_STICKY_USERS, live_s: float = DEFAULT_LIVE_S):
         self.pool = pool
         self.limits = limits
         self.queue_size = queue_size
@@ -47,6 +49,8 @@ class Admission:
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self.waiting = 0
         self._wakeup = asyncio.Event()
+        self.placements = Placements(live_s=live_s)
+        self._polls_seen = -1
 
     def notify(self) -> None:
         """Something changed (a request ended, a poll, the set of backends): waiters look again."""
@@ -55,13 +59,17 @@ class Admission:
     def pick(self, key: bytes, user: str | None = None, exclude: Collection[str] = ()) -> Backend | None:
         """The backend for a request with affinity `key`, or None when all the candidates are
         saturated. Candidates: ready backends not in `exclude` (those that failed this request),
-        or every ready one when that leaves none. A user's earlier backend comes first."""
+        or every ready one when that leaves none, in the key's rendezvous order with its home
+        first (router/placement.py); a user's earlier backend before that."""
         ready = self.pool.ready()
         candidates = [b for b in ready if b.url not in exclude] or ready
         if not candidates:
             return None
         by_url = {b.url: b for b in candidates}
         order = rendezvous_order(key, list(by_url))
+        home = self.home(key, order)
+        order.remove(home)
+        order.insert(0, home)
         sticky = self.sessions.get(user) if user is not None else None
         if sticky in by_url:
             order.remove(sticky)
@@ -75,6 +83,19 @@ class Admission:
             while len(self.sessions) > self.sticky_users:
                 self.sessions.popitem(last=False)
         return by_url[url]
+
+    def home(self, key: bytes, order: list[str]) -> str:
+        """The home of `key` among `order` (candidates in its rendezvous order): the one the
+        backends report, else where this router placed it, else a new placement."""
+        if self._polls_seen != self.pool.polls:
+            self._polls_seen = self.pool.polls
+            self.placements.forget_reported(self.pool.homes)
+        for url in (self.pool.homes.get(key), self.placements.get(key)):
+            if url in order:
+                return url
+        url = place_new(order, Counter(self.pool.live) + self.placements.live)
+        self.placements.put(key, url)
+        return url
 
     async def acquire(self, key: bytes, user: str | None = None, exclude: Collection[str] = (),
                       resuming: bool = False) -> Backend:

@@ -55,6 +55,7 @@ from elastic_ep.router.relay import (
 )
 from elastic_ep.router.scoring import prefix_key, prompt_material, rendezvous_order, user_key
 from elastic_ep.serve.errors import error_body
+from elastic_ep.serve.prefix_keys import HEADER as PREFIX_KEY_HEADER
 from elastic_ep.serve.streaming import EventStreamResponse
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,8 @@ class Router:
         self.metrics = RouterMetrics(registry)
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         self.pool = BackendPool(self.client, poll_interval_s=cfg.poll_interval_s, poll_timeout_s=cfg.poll_timeout_s,
-                                backends_file=cfg.backends_file, on_change=self._changed)
-        self.admission = Admission(self.pool, cfg.limits, queue_size=cfg.queue_size,
+                                backends_file=cfg.backends_file, on_change=self._changed, live_s=cfg.prefix_live_s)
+        self.admission = Admission(self.pool, cfg.limits, queue_size=cfg.queue_size, live_s=cfg.prefix_live_s,
                                    queue_timeout_s=cfg.queue_timeout_s, retry_after_s=cfg.retry_after_s)
         for url in cfg.backends:
             self.pool.add(url, "cli")
@@ -144,6 +145,7 @@ class Router:
         if stream:
             backend_body["return_token_ids"] = True
         key, user = self.key_of(route, body)
+        headers[PREFIX_KEY_HEADER] = key.hex()  # what each backend counts, for every router to read
         failed: set[str] = set()
         while True:
             try:

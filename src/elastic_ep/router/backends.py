@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic_ep.router.placement import DEFAULT_LIVE_S, KeySeen, homes, parse_report
 from elastic_ep.router.scoring import Load
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class Backend:
     ready: bool = False
     reason: str = "not polled yet"
     metrics: BackendMetrics = field(default_factory=BackendMetrics)
+    prefix_keys: dict[bytes, KeySeen] = field(default_factory=dict)
+    """Its GET /prefix_keys at the last poll (router/placement.py); empty when it has none."""
     open_here: int = 0
     sent: int = 0
     """Requests (and moved streams) this router sent here."""
@@ -91,7 +94,8 @@ class Backend:
         m = self.metrics
         return {"url": self.url, "source": self.source, "ready": self.ready, "reason": self.reason,
                 "open_here": self.open_here, "sent": self.sent, "running": m.running, "waiting": m.waiting,
-                "kv_usage": m.kv_usage, "prefix_queries": m.prefix_queries, "prefix_hits": m.prefix_hits}
+                "kv_usage": m.kv_usage, "prefix_queries": m.prefix_queries, "prefix_hits": m.prefix_hits,
+                "prefix_keys": len(self.prefix_keys)}
 
 
 def normalize_url(url: str) -> str:
@@ -107,11 +111,14 @@ class BackendPool:
     poll_interval_s: how often every backend's /ready and /metrics are read (and the backends
     file checked for a change); poll_timeout_s: a backend that does not answer a poll within
     this long is not ready. `on_change` is called after every poll and every change of the set
-    (the request queue wakes on it).
+    (the request queue wakes on it). After every poll `homes` is each key's home and `live` the
+    live keys at home per backend, from the ready backends' reports (router/placement.py, with
+    `live_s`), and `polls` counts the polls.
     """
 
     def __init__(self, client: httpx.AsyncClient, *, poll_interval_s: float = 0.5, poll_timeout_s: float = 2.0,
-                 backends_file: str | None = None, on_change: Callable[[], None] = lambda: None):
+                 backends_file: str | None = None, on_change: Callable[[], None] = lambda: None,
+                 live_s: float = DEFAULT_LIVE_S):
         self.client = client
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
@@ -120,6 +127,10 @@ class BackendPool:
         self.backends: dict[str, Backend] = {}
         self._file_mtime_ns: int | None = None
         self._task: asyncio.Task | None = None
+        self.live_s = live_s
+        self.homes: dict[bytes, str] = {}
+        self.live: dict[str, int] = {}
+        self.polls = 0
 
     def add(self, url: str, source: str) -> Backend:
         url = normalize_url(url)
@@ -170,17 +181,25 @@ class BackendPool:
     async def poll_once(self) -> None:
         self.read_file()
         await asyncio.gather(*(self._poll(b) for b in list(self.backends.values())))
+        self.homes, self.live = homes({b.url: b.prefix_keys for b in self.ready()}, self.live_s)
+        self.polls += 1
         self.on_change()
 
     async def _poll(self, backend: Backend) -> None:
         try:
-            ready, metrics = await asyncio.gather(
+            ready, metrics, keys = await asyncio.gather(
                 self.client.get(f"{backend.url}/ready", timeout=self.poll_timeout_s),
                 self.client.get(f"{backend.url}/metrics", timeout=self.poll_timeout_s),
+                self.client.get(f"{backend.url}/prefix_keys", timeout=self.poll_timeout_s),
             )
         except httpx.HTTPError as e:
             backend.ready, backend.reason = False, f"unreachable: {type(e).__name__}: {e}"
+            backend.prefix_keys = {}
             return
+        try:
+            backend.prefix_keys = parse_report(keys.json()) if keys.status_code == 200 else {}
+        except ValueError:
+            backend.prefix_keys = {}
         if metrics.status_code == 200:
             try:
                 backend.metrics = parse_metrics(metrics.text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from elastic_ep.router.placement import DEFAULT_LIVE_S
 from elastic_ep.router.scoring import DEFAULT_AFFINITY_BLOCKS, DEFAULT_BLOCK_BYTES, Limits
 
 
@@ -23,6 +24,9 @@ class RouterConfig:
     limits: Limits = field(default_factory=Limits)
     block_bytes: int = DEFAULT_BLOCK_BYTES
     affinity_blocks: int = DEFAULT_AFFINITY_BLOCKS
+    prefix_live_s: float = DEFAULT_LIVE_S
+    """A prefix key seen within this long counts toward its backend's share when a new prefix is
+    placed (router/placement.py)."""
     queue_size: int = 256
     queue_timeout_s: float = 30.0
     retry_after_s: int = 1

@@ -30,6 +30,7 @@ from elastic_ep.serve.guard import GuardMiddleware, HttpGuard, operating_paths
 from elastic_ep.serve.metrics import HttpMetrics, RequestCountMiddleware
 from elastic_ep.serve.openai_api import openai_router
 from elastic_ep.serve.openapi import openapi_schema
+from elastic_ep.serve.prefix_keys import PrefixKeys, prefix_keys_router
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ def create_app(
     )
     disable_created_metrics()  # a `_created` series per counter and histogram: a fifth of all series, unused
     metrics = HttpMetrics(registry, engine.info.model_name)
-    routers = [openai_router(engine, tokenizer, metrics), admin_router(engine, registry, enable_chaos, group)]
+    prefix_keys = PrefixKeys()
+    routers = [openai_router(engine, tokenizer, metrics, prefix_keys),
+               admin_router(engine, registry, enable_chaos, group), prefix_keys_router(prefix_keys)]
     for router in routers:
         app.include_router(router)
     app.add_middleware(InternalErrorMiddleware)

@@ -33,6 +33,8 @@ from elastic_ep.serve.generation import (
 )
 from elastic_ep.serve.metrics import HttpMetrics, RequestTimer
 from elastic_ep.serve.openapi import error_responses, event_stream_response
+from elastic_ep.serve.prefix_keys import HEADER as PREFIX_KEY_HEADER
+from elastic_ep.serve.prefix_keys import PrefixKeys
 from elastic_ep.serve.prompts import (
     Prompt,
     chat_prompt,
@@ -78,7 +80,9 @@ CLIENT_CLOSED_STATUS = 499
 """Recorded (nginx's convention) when a client left before its answer started."""
 
 
-def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) -> APIRouter:
+def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics,
+                  prefix_keys: PrefixKeys | None = None) -> APIRouter:
+    """`prefix_keys`: where the prefix key a router names in a generation request is counted."""
     router = APIRouter()
     info = engine.info
     vocab_size = int(info.extra.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True))
@@ -141,6 +145,8 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics) ->
     ) -> Response:
         # vLLM's behaviour: the client may name the request (X-Request-Id), else a fresh id
         response_id = f"{kind.id_prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+        if prefix_keys is not None:
+            prefix_keys.record(request.headers.get(PREFIX_KEY_HEADER))
         gen_requests = generation_requests(response_id, prompts, body, info, vocab_size)
         stops = stop_strings(body.stop)
         hidden = (*info.eos_token_ids, *(body.stop_token_ids or []))
