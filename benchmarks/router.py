@@ -19,8 +19,9 @@ of `elastic_ep_prefix_cache_hits_total` / `elastic_ep_prefix_cache_queries_total
 the instances (tokens; the question after the system prompt is never cached, so 100% is out of
 reach), time to first token at the client (from sending the request to the first streamed
 chunk that carries a token id) p50 / p99, and throughput (requests/s and output tokens/s over
-the mode's wall time). For the router, also how many requests each instance got against the
-share its prefixes' rendezvous order gives it (the difference is what load spilled). The goal
+the mode's wall time). For the router, also how many requests each instance got and how many
+of the mode's prefixes each is home to (what the instances' GET /prefix_keys say,
+router/placement.py; requests beyond a home's share are what load spilled). The goal
 the router is held to: at least 3x round robin's hit rate and at most 0.5x its TTFT p50.
 """
 
@@ -44,7 +45,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ep.harness.router_process import RouterProcess
 from elastic_ep.harness.server_process import ServerProcess
-from elastic_ep.router.scoring import prefix_key, prompt_material, rendezvous_order
+from elastic_ep.router.placement import homes, parse_report
+from elastic_ep.router.scoring import prefix_key, prompt_material
 
 TOPICS = ["rivers", "mountains", "stars", "numbers", "cities", "weather", "code", "music", "ships", "trees"]
 BLOCK_SIZE = 16
@@ -157,14 +159,13 @@ def run_mode(mode: str, urls: list[str], servers: list[ServerProcess], args) -> 
     }
 
 
-def home_shares(mode: str, urls: list[str], args) -> dict[str, int]:
-    """Requests per instance if every request went to its prefix's first backend in rendezvous
-    order (the router's scoring, without load)."""
-    homes = Counter()
-    for k in range(args.prefixes):
-        material = prompt_material("chat", {"messages": messages(mode, k, 0, args.prompt_bytes)})
-        homes[rendezvous_order(prefix_key(material), urls)[0]] += args.requests
-    return {u: homes[u] for u in urls}
+def prefixes_at_home(mode: str, servers: list[ServerProcess], args) -> list[int]:
+    """Per instance, how many of the mode's prefixes it is home to, by its GET /prefix_keys."""
+    keys = {prefix_key(prompt_material("chat", {"messages": messages(mode, k, 0, args.prompt_bytes)}))
+            for k in range(args.prefixes)}
+    home_of, _ = homes({s.url: parse_report(s.http.get("/prefix_keys").json()) for s in servers}, float("inf"))
+    at_home = Counter(url for key, url in home_of.items() if key in keys)
+    return [at_home[s.url] for s in servers]
 
 
 def main() -> None:
@@ -212,7 +213,7 @@ def main() -> None:
         rows.append(run_mode("router", [router.url], servers, args))
         sent = {u: b["sent"] - sent_before[u] for u, b in router.backends().items()}
         rows[-1]["sent"] = [sent[u] for u in urls]
-        rows[-1]["home_share"] = list(home_shares("router", urls, args).values())
+        rows[-1]["prefixes_at_home"] = prefixes_at_home("router", servers, args)
     finally:
         if router is not None:
             router.stop()
@@ -236,7 +237,7 @@ def main() -> None:
         print(f"router / round robin: hit rate {rt['prefix_hit_rate'] / rr['prefix_hit_rate']:.2f}x, "
               f"TTFT p50 {rt['ttft_p50_ms'] / rr['ttft_p50_ms']:.2f}x, "
               f"throughput {rt['requests_per_s'] / rr['requests_per_s']:.2f}x")
-    print(f"router: requests per instance {rt['sent']} against the prefixes' home shares {rt['home_share']}")
+    print(f"router: requests per instance {rt['sent']}, prefixes at home per instance {rt['prefixes_at_home']}")
     for r in rows:
         print(f"{r['mode']}: hit rate per instance {r['hit_rate_per_instance']}, preemptions {r['preemptions']}")
 

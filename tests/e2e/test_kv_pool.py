@@ -1,6 +1,7 @@
 """The KV pool through `elastic-ep serve`: a pool too small for every request at once preempts and
 recomputes with outputs unchanged, a shared prefix is served from cached blocks with the tokens of
-a cold run, and a request no pool can hold is a 400."""
+a cold run (and one in flight is waited for, as /metrics counts), and a request no pool can hold is
+a 400."""
 
 from __future__ import annotations
 
@@ -47,7 +48,18 @@ def test_a_burst_beyond_the_pool_preempts_and_every_output_is_that_of_generate(s
 def test_a_shared_prefix_is_served_from_cached_blocks_with_the_tokens_of_a_cold_run(small_pool):
     prefix = "The quick brown fox jumps over the lazy dog, " * 2
     prompt = prefix + "and then"
-    expected = reference(MODEL, (prompt,), 8)
+    fresh = "A slow green turtle walks under the busy stone bridge, " * 2 + "so"
+    expected = reference(MODEL, (prompt, fresh), 8)
+    # six choices of one new prompt admitted at once: the first computes its prefix, and a later one
+    # placed on that rank waits for it (serve's prefix wait) instead of computing it again
+    waits, waited_s = metric(small_pool, "elastic_ep_prefix_waits_total"), metric(
+        small_pool, "elastic_ep_prefix_wait_seconds_total")
+    body = {"model": small_pool.model, "prompt": fresh, "max_tokens": 8, "temperature": 0, "n": 6}
+    r = small_pool.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == [expected[1]] * 6
+    assert metric(small_pool, "elastic_ep_prefix_waits_total") > waits
+    assert metric(small_pool, "elastic_ep_prefix_wait_seconds_total") > waited_s
     small_pool.complete(prefix + "while", 2, temperature=0)
     hits = metric(small_pool, "elastic_ep_prefix_cache_hits_total")
     queries = metric(small_pool, "elastic_ep_prefix_cache_queries_total")

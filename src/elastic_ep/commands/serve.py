@@ -91,6 +91,8 @@ HELP = {
                        "for --max-num-seqs requests of --max-model-len on a CPU)",
     "num_gpu_blocks_override": "blocks of each rank's KV pool, whatever the budget (0: from the budget; for tests)",
     "enable_prefix_caching": "share the KV blocks of a common token prefix between requests",
+    "prefix_wait": "a request whose prompt's next blocks another request of its rank is computing waits for them and "
+                   "hits them, instead of computing them again (--no-prefix-wait: computes them at once)",
     "padded_dispatch_max_tokens": "steps whose busiest rank runs at most this many tokens dispatch fixed-size "
                                   "blocks, one all-to-all fewer per layer (0: never)",
     "enable_dbo": "two micro-batches per step (vLLM's dual batch overlap): one's dispatch and combine are in "

@@ -36,6 +36,7 @@ class ServeConfig:
     kv_cache_memory: int = 0
     num_gpu_blocks_override: int = 0
     enable_prefix_caching: bool = True
+    prefix_wait: bool = True
     padded_dispatch_max_tokens: int = 16
     enable_dbo: bool = False
     dbo_min_tokens: int = 2

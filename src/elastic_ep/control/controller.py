@@ -167,7 +167,8 @@ class Controller:
         self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    AlignRule(cfg.dp_align, cfg.dp_align_min_chunk, cfg.dp_migrate,
                                              cfg.dp_migrate_patience), cfg.reprefill_tokens_per_step,
-                                   block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+                                   block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                                   prefix_wait=cfg.prefix_wait)
         self.cluster = c = ClusterState(num_layers, self.config.num_experts, slots_per_rank)
         self.ready_clock = TimeToReady()
         registry.register(c.loads)

@@ -96,6 +96,14 @@ class ClusterMetrics:
             "elastic_ep_prefix_cache_hits", "Prompt tokens found in cached KV blocks at admission (vLLM's "
             "prefix_cache_hits, in tokens)", registry=registry,
         )
+        self.prefix_waits = Counter(
+            "elastic_ep_prefix_waits", "Requests that waited for the prefix blocks another request of their rank was "
+            "computing, instead of computing them again (serve --no-prefix-wait turns the wait off)", registry=registry,
+        )
+        self.prefix_wait_seconds = Counter(
+            "elastic_ep_prefix_wait_seconds", "Time requests waited for a prefix in flight, summed over them (each "
+            "waiting request counts each step it waited, planning to results)", registry=registry,
+        )
         self.prefix_cached_blocks = Gauge(
             "elastic_ep_prefix_cache_blocks", "KV blocks keyed by their token prefix, all ranks (held or evictable)",
             registry=registry,
@@ -183,9 +191,10 @@ class ClusterMetrics:
         if reprefilled:
             self.dp_migrations.labels("reprefill").inc(len(reprefilled))
 
-    def kv_step(self, preempted: int, prefix_queried: int, prefix_hit: int) -> None:
+    def kv_step(self, preempted: int, prefix_queried: int, prefix_hit: int, prefix_waits: int) -> None:
         """What one step's scheduling did to the KV pools."""
         self.num_preemptions.inc(preempted)
+        self.prefix_waits.inc(prefix_waits)
         self.prefix_cache_queries.inc(prefix_queried)
         self.prefix_cache_hits.inc(prefix_hit)
 

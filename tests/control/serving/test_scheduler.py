@@ -307,3 +307,23 @@ def test_a_request_placed_again_before_it_ran_counts_its_prefix_lookup_once():
         queried, hit = queried + batch.prefix_queried, hit + batch.prefix_hit
     assert not s.has_work
     assert (queried, hit) == (24 + 17, 16)
+
+
+def test_a_wait_is_counted_once_as_it_begins_and_its_steps_as_it_goes_on_and_the_flag_turns_it_off():
+    shared = list(range(100, 120))
+    waits = []
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=8, block_size=4)
+    s.set_ranks([0])
+    s.add(prompt_seq(0, shared + [1, 3]))  # the longer is placed first and computes 20 tokens in 3 steps
+    s.add(prompt_seq(1, shared + [2]))
+    for _ in range(4):
+        batch, _ = run_step(s)
+        waits.append((batch.prefix_waits, batch.prefix_waiting))
+    assert waits == [(1, 1), (0, 1), (0, 1), (0, 0)] and s.by_id[1].num_cached >= 20
+    off = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, prefix_wait=False)
+    off.set_ranks([0])
+    off.add(prompt_seq(0, shared + [1, 3]))
+    off.add(prompt_seq(1, shared + [2]))
+    batch, _ = run_step(off)  # both prefilled at once: the prefix computed twice, nothing waited
+    assert (prefill_starts(batch, 0), prefill_starts(batch, 1)) == ([0], [0])
+    assert (batch.prefix_waits, batch.prefix_waiting, batch.prefix_hit) == (0, 0, 0)

@@ -15,9 +15,11 @@ model/block_manager.py) is not prefilled; it waits at the front of the queue and
 blocks once they are committed (two requests with one new system prompt compute it once). It
 waits only while that sequence advances: a step in which it computed nothing (held out, cut to
 nothing, a failed step), or its end (finished, aborted, preempted, its rank gone), and the
-waiter is placed as any request. A decoding sequence that needs a block when none is free takes one from the newest
-request of its rank, which is preempted: its blocks freed, back at the front of the queue, to be
-recomputed (prompt plus tokens so far); no request is admitted in a step that preempted.
+waiter is placed as any request. `prefix_wait=False` (serve --no-prefix-wait) turns the wait
+off: such a request is placed at once and computes the prefix a second time. A decoding
+sequence that needs a block when none is free takes one from the newest request of its rank,
+which is preempted: its blocks freed, back at the front of the queue, to be recomputed (prompt
+plus tokens so far); no request is admitted in a step that preempted.
 With an `AlignRule` the step is evened again every step (control/serving/alignment.py: prefill cut to
 the step's level, unstarted prefills placed again, a decoding sequence moved off a rank that
 stays the busiest). Limits: `max_num_seqs` sequences per rank, `max_num_batched_tokens` tokens
@@ -103,7 +105,9 @@ class StepBatch:
     whose first chunk on their rank runs in this step, and of those found in cached blocks (a
     request placed again before it ran, as --dp-align does with unstarted prefills, counts
     once, for the placement it runs from; a recomputed one, and the first chunk of a step
-    that failed and is planned again, count again)."""
+    that failed and is planned again, count again); `prefix_waits`: requests that began to
+    wait for a prefix another sequence is computing; `prefix_waiting`: requests that wait
+    through this step (those that began included)."""
 
     chunks: dict[int, list[ChunkPlan]]
     free: dict[int, list[int]]
@@ -113,6 +117,8 @@ class StepBatch:
     preempted: int = 0
     prefix_queried: int = 0
     prefix_hit: int = 0
+    prefix_waits: int = 0
+    prefix_waiting: int = 0
 
     def tokens_per_rank(self) -> dict[int, int]:
         return {r: sum(len(c.token_ids) for c in cs) for r, cs in self.chunks.items()}
@@ -127,12 +133,15 @@ class Scheduler:
     tokens of re-prefill (a lost rank's requests run again elsewhere) one step may hold, 0 for no
     limit, so that the other requests decode on while a recovery's work is caught up; num_blocks:
     a rank's KV pool until `set_pool_size` says what the rank has; block_size,
-    enable_prefix_caching: the pools' (model/block_manager.py)."""
+    enable_prefix_caching: the pools' (model/block_manager.py); prefix_wait: a request waits for
+    the prefix blocks another sequence of its rank is computing (see the module docstring)."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, align: AlignRule | None = None,
                  reprefill_tokens_per_step: int = 0, num_blocks: int = 4096, block_size: int = 16,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, prefix_wait: bool = True):
         self.max_num_seqs = max_num_seqs
+        self.prefix_wait = prefix_wait
+        self._waits = [0, 0]  # the step being planned: requests that began to wait, that wait
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -267,6 +276,7 @@ class Scheduler:
         room = sum(max(self.max_num_seqs - len(seqs), 0) for r, seqs in self.running.items() if r not in self.draining)
         taken = 0 if preempted else min(room - len(unstarted), len(self.waiting))
         admitted = unstarted + [self.waiting.popleft() for _ in range(taken)]
+        self._waits = [0, 0]
         unplaced = []
         # Longest first onto the rank where it adds least: the classic greedy for even sums.
         for seq in sorted(admitted, key=lambda q: -q.pending):
@@ -304,7 +314,7 @@ class Scheduler:
         self.to_free = {r: [] for r in self.running}
         moves = [moved] if isinstance(moved, KVMove) else []
         reprefilled = [moved.seq_id] if isinstance(moved, Sequence) else []
-        return StepBatch(chunks, free, moves, reprefilled, unaligned, preempted, queried, hit)
+        return StepBatch(chunks, free, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits)
 
     def _make_room(self) -> int:
         """Give every decoding sequence the block of its next token, oldest first on each rank;
@@ -383,12 +393,12 @@ class Scheduler:
 
         def cost(r: int) -> tuple[int, int, int, int]:
             pool = self.pools[r]
-            hit = pool.cached_prefix_tokens(tokens) + pool.computing_prefix(tokens)[0]
+            hit = pool.cached_prefix_tokens(tokens) + (pool.computing_prefix(tokens)[0] if self.prefix_wait else 0)
             work = sum(s.pending for s in self.running[r]) + len(tokens) - hit
             return work, -pool.num_free_blocks, len(self.running[r]), r
 
         for rank in sorted(candidates, key=cost):
-            if self._waits_for_prefix(seq, rank):
+            if self.prefix_wait and self._waits_for_prefix(seq, rank):
                 return False
             cached = self.pools[rank].allocate(seq.seq_id, tokens, len(tokens))
             if cached is not None:
@@ -407,7 +417,9 @@ class Scheduler:
             return False
         if seq.prefix_wait is not None and seq.prefix_wait[0] == holder_id and holder.num_cached <= seq.prefix_wait[1]:
             return False
+        began = seq.prefix_wait is None or seq.prefix_wait[0] != holder_id
         seq.prefix_wait = (holder_id, holder.num_cached)
+        self._waits = [self._waits[0] + began, self._waits[1] + 1]
         return True
 
     @staticmethod

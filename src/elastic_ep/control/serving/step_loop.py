@@ -105,7 +105,7 @@ class StepLoop:
         c, times = self.cluster, self.plane.times
         t0 = time.perf_counter()
         batch = self._plan()
-        self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit)
+        self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit, batch.prefix_waits)
         c.step += 1
         self.replies = {}
         self.in_step = set(c.members)
@@ -140,6 +140,7 @@ class StepLoop:
         self.in_step = set()
         gathered = time.perf_counter()
         wall_s = gathered - start
+        self.metrics.prefix_wait_seconds.inc(batch.prefix_waiting * (gathered - t0))  # they waited the whole step
         times.add("gather", gathered - sent)
         failures = {r: m for r, m in self.replies.items() if isinstance(m, StepFailed)}
         if failures:
