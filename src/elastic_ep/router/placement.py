@@ -28,8 +28,11 @@ from dataclasses import dataclass
 
 from elastic_ep.router.scoring import rendezvous_order
 
-DEFAULT_LIVE_S = 300.0
-"""A key seen within this long counts toward its home's share when a new key is placed."""
+DEFAULT_LIVE_S = 60.0
+"""A key seen within this long counts toward its home's share when a new key is placed: one
+gone quiet for longer is taken to be on its way out of the instance's LRU cache, not to hold
+room there (a count, not a decayed weight, so that two routers polling at different moments
+count alike)."""
 
 
 @dataclass(frozen=True)
