@@ -10,7 +10,8 @@ The regime the router is for: system prompts outnumber what one instance can kee
 instance's KV pool (`--num-gpu-blocks-override`) is sized to hold `--cache-share` x its share
 (P / instances) of the system prompts, plus the own blocks of `--max-num-seqs` requests; round
 robin sends every prefix to every instance, so each instance's LRU cache cycles through all P
-of them, while the router's prefix hashing gives each instance about its share.
+of them, while the router gives each instance its share (a new prefix to the instance with the
+fewest, router/placement.py).
 
 Each mode gets its own system prompts (same sizes), so neither finds the other's prefixes
 cached. Round robin: the client sends request k to instance k mod N. Router: every request to
