@@ -18,8 +18,9 @@ cached. Round robin: the client sends request k to instance k mod N. Router: eve
 one `elastic-ep router` over the same instances. Per mode: prefix cache hit rate = the change
 of `elastic_ep_prefix_cache_hits_total` / `elastic_ep_prefix_cache_queries_total` summed over
 the instances (tokens; the question after the system prompt is never cached, so 100% is out of
-reach), time to first token at the client (from sending the request to the first streamed
-chunk that carries a token id) p50 / p99, and throughput (requests/s and output tokens/s over
+reach: the ceiling printed beside it is each prefix's first request missing and the others
+finding every full block they share), time to first token at the client (from sending the
+request to the first streamed chunk that carries a token id) p50 / p99, and throughput (requests/s and output tokens/s over
 the mode's wall time). For the router, also how many requests each instance got and how many
 of the mode's prefixes each is home to (what the instances' GET /prefix_keys say,
 router/placement.py; requests beyond a home's share are what load spilled). The goal
@@ -112,6 +113,21 @@ def first_token_and_count(http: httpx.Client, url: str, body: dict, start: float
     return first if first is not None else float("nan"), tokens
 
 
+def ceiling(mode: str, server: ServerProcess, args) -> float:
+    """The best hit rate any placement gets for the mode's prompts: each prefix's first request
+    misses, every other one finds the full blocks it shares with the others of its prefix (the
+    question after the system prompt, the chat template's tail and the system prompt's last
+    partial block are never cached), in prompt tokens as the instances count them."""
+    hits = queries = 0
+    for k in range(args.prefixes):
+        bodies = [{"model": args.model, "messages": messages(mode, k, q, args.prompt_bytes)} for q in (1, 2)]
+        ids = [server.http.post("/tokenize", json=body).json()["tokens"] for body in bodies]
+        shared = next((i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b), min(map(len, ids)))
+        hits += (args.requests - 1) * (min(shared, len(ids[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE)
+        queries += args.requests * len(ids[0])
+    return hits / queries
+
+
 def run_mode(mode: str, urls: list[str], servers: list[ServerProcess], args) -> dict:
     jobs = [(k, q) for k in range(args.prefixes) for q in range(args.requests)]
     random.Random(0).shuffle(jobs)
@@ -150,6 +166,7 @@ def run_mode(mode: str, urls: list[str], servers: list[ServerProcess], args) -> 
         "mode": mode,
         "requests": len(jobs),
         "prefix_hit_rate": hit_rate,
+        "hit_rate_ceiling": ceiling(mode, servers[0], args),
         "hit_rate_per_instance": per_instance,
         "preemptions": preempted,
         "ttft_p50_ms": float(np.nanpercentile(ttft_ms, 50)),
@@ -231,12 +248,12 @@ def main() -> None:
     print(f"{args.instances} instances x EP 1, {args.prefixes} prefixes x {args.requests} requests, {arrival}, "
           f"system prompts of {args.prompt_bytes} bytes, KV pool {blocks} blocks of "
           f"{BLOCK_SIZE} per instance, {args.max_tokens} output tokens")
-    print("| mode | prefix hit rate | TTFT p50 ms | TTFT p99 ms | requests/s | output tok/s |")
+    print("| mode | prefix hit rate (ceiling) | TTFT p50 ms | TTFT p99 ms | requests/s | output tok/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         hit = "n/a" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate']:.1%}"
-        print(f"| {r['mode']} | {hit} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
-              f"{r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} |")
+        print(f"| {r['mode']} | {hit} ({r['hit_rate_ceiling']:.1%}) | {r['ttft_p50_ms']:.0f} | "
+              f"{r['ttft_p99_ms']:.0f} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} |")
     rr, rt = rows
     if rr["prefix_hit_rate"] and rt["prefix_hit_rate"] is not None:
         print(f"router / round robin: hit rate {rt['prefix_hit_rate'] / rr['prefix_hit_rate']:.2f}x, "
