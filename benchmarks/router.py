@@ -22,9 +22,10 @@ reach: the ceiling printed beside it is each prefix's first request missing and 
 finding every full block they share), time to first token at the client (from sending the
 request to the first streamed chunk that carries a token id) p50 / p99, and throughput
 (requests/s and output tokens/s over the mode's wall time). For the router, also how many
-requests each instance got and how many of the mode's prefixes each is home to (what the instances' GET /prefix_keys say,
-router/placement.py; requests beyond a home's share are what load spilled). The goal
-the router is held to: at least 3x round robin's hit rate and at most 0.5x its TTFT p50.
+requests each instance got and how many of the mode's prefixes each is home to (what the
+instances' GET /prefix_keys say, router/placement.py; requests beyond a home's share are what
+load spilled). The goal the router is held to: at least 3x round robin's hit rate and at most
+0.5x its TTFT p50.
 """
 
 from __future__ import annotations
