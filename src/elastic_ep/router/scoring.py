@@ -5,9 +5,10 @@ with the same loads gets the same backend in every router, so routers need not t
   cut into blocks of `block_bytes`, each block's hash chains the one before (so a block hash
   names the whole prefix up to it, as the instances' prefix cache keys KV blocks), and the
   hash of the first `affinity_blocks` blocks is the request's key. Each backend's weight for
-  a key is a hash of (key, backend url); backends are tried by falling weight. Requests that
-  share those first blocks (a system prompt) meet on one backend; adding or removing a
-  backend moves only the keys it wins or held.
+  a key is a hash of (key, backend url); backends are tried by falling weight, after the key's
+  home (router/placement.py: where the backends say it went, or, for a new key, the backend
+  with the fewest, which the hash alone splits unevenly when keys are few). Requests that
+  share those first blocks (a system prompt) meet on one backend.
 - A `user` is a key of its own (a session's turns share their history, and the backend that
   holds it).
 - Load moves a request off its prefix's backend only when the load is clearly uneven (SGLang's
