@@ -24,6 +24,7 @@ from elastic_ep.control.api import CHAOS_ACTIONS, ChaosOrder, Engine
 from elastic_ep.serve.errors import APIError
 from elastic_ep.serve.guard import OPERATING
 from elastic_ep.serve.openapi import error_responses
+from elastic_ep.serve.prefix_keys import PrefixKeys, PrefixKeysResponse
 from elastic_ep.serve.protocol import (
     ChaosRequest,
     DrainRequest,
@@ -44,9 +45,11 @@ DEAD = {503: {"model": HealthResponse, "description": "The engine stopped; resta
 
 
 def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool,
-                 group: Callable[[], dict[str, Any]] | None = None) -> APIRouter:
+                 group: Callable[[], dict[str, Any]] | None = None,
+                 prefix_keys: PrefixKeys | None = None) -> APIRouter:
     """`group`: in a controller group (serve --etcd), the group view (group/status.py), which /cluster
-    carries as `group` and whose `role` /health gives."""
+    carries as `group` and whose `role` /health gives; `prefix_keys`: the routers' keys this
+    instance was sent, which GET /prefix_keys lists."""
     router = APIRouter(responses=error_responses(500))
 
     @router.get(
@@ -96,6 +99,15 @@ def admin_router(engine: Engine, registry: CollectorRegistry, enable_chaos: bool
         """The cluster view; its fields are documented on `Engine.cluster` (control/api.py)."""
         view = engine.cluster(since, events or None)
         return {**view, "role": "leader", "group": group()} if group else view
+
+    keys = prefix_keys or PrefixKeys()
+
+    @router.get("/prefix_keys", response_model=PrefixKeysResponse)
+    async def prefix_keys_seen() -> PrefixKeysResponse:
+        """The routers' prefix keys this instance was sent (X-Elastic-EP-Prefix-Key), with the
+        requests of each and the age of the last: what routers read to place prefixes alike
+        (serve/prefix_keys.py)."""
+        return PrefixKeysResponse(keys=keys.view(), capacity=keys.capacity)
 
     @router.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

@@ -30,7 +30,7 @@ from elastic_ep.serve.guard import GuardMiddleware, HttpGuard, operating_paths
 from elastic_ep.serve.metrics import HttpMetrics, RequestCountMiddleware
 from elastic_ep.serve.openai_api import openai_router
 from elastic_ep.serve.openapi import openapi_schema
-from elastic_ep.serve.prefix_keys import PrefixKeys, prefix_keys_router
+from elastic_ep.serve.prefix_keys import PrefixKeys
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def create_app(
     metrics = HttpMetrics(registry, engine.info.model_name)
     prefix_keys = PrefixKeys()
     routers = [openai_router(engine, tokenizer, metrics, prefix_keys),
-               admin_router(engine, registry, enable_chaos, group), prefix_keys_router(prefix_keys)]
+               admin_router(engine, registry, enable_chaos, group, prefix_keys)]
     for router in routers:
         app.include_router(router)
     app.add_middleware(InternalErrorMiddleware)

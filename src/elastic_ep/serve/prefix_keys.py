@@ -1,7 +1,8 @@
 """The prefix keys this instance was sent: each router in front of it names a request's prefix
 (router/scoring.py's affinity key, hex) in the `X-Elastic-EP-Prefix-Key` header, this instance
-counts the requests of each key, and GET /prefix_keys lists them, so that every router reads
-where each prefix went and places it alike (router/placement.py).
+counts the requests of each key, and GET /prefix_keys (serve/admin.py) lists them, so that
+every router reads where each prefix went and places it alike (router/placement.py). The
+router imports the header's name from here: nothing here loads torch.
 
 Bounded: the `capacity` most recently seen keys are kept, least recently seen forgotten first.
 A header that is not a key (a client's own, malformed) is ignored: it names no prefix and
@@ -15,10 +16,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from fastapi import APIRouter
 from pydantic import BaseModel
-
-from elastic_ep.serve.openapi import error_responses
 
 HEADER = "x-elastic-ep-prefix-key"
 DEFAULT_CAPACITY = 4096
@@ -59,15 +57,3 @@ class PrefixKeysResponse(BaseModel):
     keys: list[tuple[str, int, float]]
     """(key in hex, requests sent with it, seconds since the last one), most recent last."""
     capacity: int
-
-
-def prefix_keys_router(keys: PrefixKeys) -> APIRouter:
-    router = APIRouter()
-
-    @router.get("/prefix_keys", response_model=PrefixKeysResponse, responses=error_responses(500))
-    async def prefix_keys() -> PrefixKeysResponse:
-        """The routers' prefix keys this instance was sent (X-Elastic-EP-Prefix-Key), with the
-        requests of each and the age of the last: what routers read to place prefixes alike."""
-        return PrefixKeysResponse(keys=keys.view(), capacity=keys.capacity)
-
-    return router
