@@ -1,15 +1,15 @@
 """The controller group end to end (real etcd, two `serve --etcd` controllers, one `agent --etcd`,
 the router over both): the standby answers as a standby; streams through the router outlive a
 `kill -9` of the leader's process with outputs identical to a fault-free run; the standby leads
-within the lease plus 2 s, in a higher term; the agent follows it without restarting.
-
-A new leader does not adopt the running ranks yet: the agent restarts its workers under it
-(asserted below, so the day adoption lands this test says so)."""
+within the lease plus 2 s, in a higher term; the agent follows it without restarting, and the new
+leader adopts the running workers: the same processes, no checkpoint shard opened again (counted
+by the kernel), an epoch over the same ranks and placement that filled no slot."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,9 +22,11 @@ import psutil
 import pytest
 
 from elastic_ep.harness.etcd import EtcdProcess
+from elastic_ep.harness.file_opens import FileOpens
 from elastic_ep.harness.load import PROMPTS, client_for, stream
 from elastic_ep.harness.router_process import RouterProcess
 from elastic_ep.harness.server_process import ServerProcess, terminate
+from elastic_ep.model.tiny import resolve_model
 
 MODEL = "tiny-deepseek-v3"
 LEASE_S = 5  # the default: a shorter lease loses its leader to a loaded machine (keepalives starved)
@@ -96,9 +98,12 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
     etcd = EtcdProcess()
     started: list = []
     agent = None
+    # a copy of its own: the kernel counts opens of its shards by any process, other tests' included
+    model_dir = shutil.copytree(resolve_model(MODEL), tmp_path / "model")
+    opens = None
     try:
-        args = ["--model", MODEL, "--ep-size", "2", "--max-model-len", "256", "--etcd", etcd.url,
-                "--ha-group", "g", "--ha-lease-s", str(LEASE_S)]
+        args = ["--model", str(model_dir), "--served-model-name", MODEL, "--ep-size", "2", "--max-model-len", "256",
+                "--etcd", etcd.url, "--ha-group", "g", "--ha-lease-s", str(LEASE_S)]
         leader, standby = leader_then_standby(args, tmp_path, started)
         with open(tmp_path / "agent.log", "w") as log:
             agent = subprocess.Popen(
@@ -131,6 +136,7 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
         assert seen["group"]["record"]["members"] == first["members"] == [0, 1]
 
         old_ranks = leader.pids()
+        old_placement = first["placement"]["phy2log"]
         router = RouterProcess(["--backend", leader.url, "--backend", standby.url, "--poll-interval-s", "0.2",
                                 "--queue-timeout-s", "150"], tmp_path / "router.log")
         started.append(router)
@@ -147,8 +153,10 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
                           temperature=0).text
 
         def kill() -> None:
+            nonlocal opens
             barrier.wait()
             direct.wait_for(3)
+            opens = FileOpens(model_dir)  # from the kill on: no process may read a weight again
             leader.proc.kill()  # SIGKILL of the leader's process alone: its agent and workers live elsewhere
             leader.proc.wait()
             killed.append(time.monotonic())
@@ -185,9 +193,20 @@ def test_streams_through_the_router_outlive_a_kill_9_of_the_leader(tmp_path):
         assert held + resumed.json()["choices"][0]["token_ids"] == target
         assert standby.http.get("/journal/cmpl-none").status_code == 404
         assert router.metric("elastic_ep_router_migrations_total") >= 1
-        new_ranks = standby.pids()
-        assert len(new_ranks) == 2 and not set(new_ranks.values()) & set(old_ranks.values())  # no adoption yet
+        # adopted: the same worker processes, in an epoch past the old one over the same ranks and placement,
+        # which filled no slot; no shard of the checkpoint was opened since the kill
+        assert standby.pids() == old_ranks
+        assert after["epoch"] > first["epoch"] and after["members"] == first["members"]
+        assert after["placement"]["phy2log"] == old_placement
+        adopt = [e for e in after["events"] if e["kind"] == "epoch" and e.get("reason") == "adopt"]
+        assert len(adopt) == 1 and adopt[0]["verified_slots"] == 0, adopt
+        assert not any(t["bytes"] for t in adopt[0]["transfers"].values()), adopt
+        assert [e for e in after["events"] if e["kind"] == "adopted" and e["rank_id"] is None][0]["whole"] == [0, 1]
+        shards = {name: n for name, n in opens.close().items() if name.endswith(".safetensors")}
+        assert shards == {}, shards
     finally:
+        if opens is not None:
+            opens.close()
         for proc in started:
             proc.stop()
         if agent is not None:
