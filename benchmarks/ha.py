@@ -176,6 +176,7 @@ def run_outage(tmp: Path, threads: int, lease_s: int = 5) -> dict:
         pids = leader.pids()
         router = RouterProcess(["--backend", leader.url, "--backend", standby.url, "--poll-interval-s", "0.2",
                                 "--queue-timeout-s", "150"], tmp / "outage-router.log")
+        router.wait_ready_backend(leader.url)
         load = StreamingLoad(router.url, threads, 64)
         load.start()
         time.sleep(2)

@@ -211,6 +211,7 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             router = RouterProcess([arg for s in started for arg in ("--backend", s.url)] + [
                 "--poll-interval-s", "0.2", "--queue-timeout-s", "150"], tmp_path / "router.log")
             started.append(router)
+            router.wait_ready_backend(leader.url)
             assert not router.backends()[standby.url]["ready"]  # a standby gets nothing
 
             target = expected_ids(leader, PROMPTS[0])

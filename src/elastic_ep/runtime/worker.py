@@ -302,9 +302,9 @@ class Worker:
             msg = inbox.read(frames)
             if not isinstance(msg, NewLeader):
                 continue
+            group = self.group  # the last leader's: read before the main thread may follow and form another
             self._health_addr = msg.launch.health_addr
             self._new_leader = msg.launch
-            group = self.group
             if group is not None:
                 group.abort()  # a collective of the last leader's epoch gives up: the main thread follows
 
