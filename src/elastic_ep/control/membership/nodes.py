@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psutil
@@ -151,7 +151,7 @@ class Nodes:
                     self.fault(Fault(r.rank_id, FaultCause.NODE_LOST,
                                          f"node {agent.node} unreachable (no agent heartbeat for {timeout_s:g}s)"))
 
-    def _welcome(self, agent: AgentInfo, join_mode: str, running: list[tuple[int, int]] = ()) -> None:
+    def _welcome(self, agent: AgentInfo, join_mode: str, running: Iterable[tuple[int, int]] = ()) -> None:
         """Give a new agent its ranks: free rank ids, or with join_mode recover (a node that comes
         back, or a replacement) ranks that are down, its own first, which it starts again; with
         join_mode adopt the `running` (rank_id, pid) it names, as they are (a new leader's agent)."""
@@ -253,16 +253,15 @@ class Nodes:
             self.stop_rank(msg.rank_id)
             return
         r.hello, r.last_heartbeat = msg, self.plane.heard_clock()
-        if msg.join_mode != "adopt":  # an adopted rank loaded nothing now: its weights are those it ran with
-            c.loads.dense(msg.node, msg.dense_source, msg.dense_bytes)
         self.set_pool_size(msg.rank_id, msg.kv_blocks)
         cfg = self.cfg
-        if msg.join_mode == "adopt":
+        if msg.join_mode == "adopt":  # it loaded nothing now (no load counted): its weights are those it ran with
             self.cluster.events.add(
                 EventKind.REGISTERED, f"rank {msg.rank_id} registered (adopt): it runs on with its weights, slots and "
                 f"KV pool of {msg.kv_blocks} blocks (epoch {msg.held_epoch} held whole)", msg.rank_id,
                 kv_blocks=msg.kv_blocks, held_epoch=msg.held_epoch)
             return
+        c.loads.dense(msg.node, msg.dense_source, msg.dense_bytes)
         self.cluster.events.add(
             EventKind.REGISTERED, f"rank {msg.rank_id} registered ({msg.join_mode}); dense weights from "
             f"{msg.dense_source} in {msg.load_s:.2f}s, warmed up in {msg.warmup_s:.3f}s; KV pool of {msg.kv_blocks} "
