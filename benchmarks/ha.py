@@ -22,7 +22,8 @@ Last, etcd unreachable for longer than the lease (`outage`: etcd SIGSTOPped for 
 under streaming load through the router, the agent on `--lease-s 20`): /health of both controllers polled every
 20 ms: the most that ever answered "leader" at once, when the leader deposed itself (exit code 3),
 when the standby led after etcd came back, when it was ready, whether the ranks kept their
-processes, and whether any stream failed. `--only` runs just one of the two scenarios.
+processes, how many new requests the router refused meanwhile (503 with Retry-After: nothing is
+ready), and any other failure. `--only` runs just one of the two scenarios.
 """
 
 from __future__ import annotations
@@ -205,7 +206,10 @@ def run_outage(tmp: Path, threads: int, lease_s: int = 5) -> dict:
                 "outage_s": round(resumed - paused, 2),
                 "resume_to_leading_s": None if led is None else round(led - resumed, 2),
                 "resume_to_ready_s": round(ready - resumed, 2), "same_pids": standby.pids() == pids,
-                "stream_failures": len(load.failures)}
+                # new requests while no controller leads are refused by the router (503 + Retry-After; the
+                # load retries at once), streams in flight are held and resumed: any other failure is a fault
+                "refused_503": sum("503" in f for f in load.failures),
+                "other_failures": [f for f in load.failures if "503" not in f][:3]}
     finally:
         for s in (router, leader, standby):
             if s is not None:
