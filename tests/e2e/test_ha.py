@@ -188,6 +188,8 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             # a standby: alive, not ready, refuses /v1 with Retry-After and the leader's URL
             standby = standbys[0]
             wait_role(standby, "standby")
+            group = standby.wait_for(lambda c: len(c["group"]["members"]) == 3 and c["group"]["leader"] is not None,
+                                     60, "three controllers seated, the leader known")["group"]
             health = standby.http.get("/health")
             assert health.status_code == 200 and health.json()["role"] == "standby"
             assert standby.http.get("/ready").status_code == 503
@@ -195,7 +197,6 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
             assert refused.headers["X-Elastic-EP-Leader"] == leader.url
             assert refused.json()["error"]["code"] == "standby"
-            group = standby.wait_for(lambda c: len(c["group"]["members"]) == 3, 60, "three controllers seated")["group"]
             assert group["role"] == "standby" and group["term"] == first["group"]["term"]
             assert {m["name"]: m["role"] for m in group["members"]} == {"c0": "leader", "c1": "standby",
                                                                         "c2": "standby"}

@@ -529,7 +529,8 @@ class Controller:
         live, whole, after = adoption.request()
         if not live:  # none came back: the ranks their agents start now form a first epoch
             self.nodes.wait_for_ranks(self._stopping)
-            self._start()
+            if not self._stopping.is_set():
+                self._start()
             return
         outcome = self.form(Adopt(live, whole, adoption.plan.placement, after), "adopt")
         if isinstance(outcome, NoPlacement):
