@@ -40,3 +40,17 @@ def test_json_lines_carry_the_event_fields_and_the_level_filters(capsys, restore
     assert {k: record[k] for k in ("level", "logger", "kind", "rank_id", "pid", "id")} == {
         "level": "WARNING", "logger": "elastic_ep.events", "kind": "chaos", "rank_id": 2, "pid": 99, "id": 2}
     assert record["message"] == "event chaos rank=2: SIGSTOP to rank 2 (pid 99) in epoch 1"
+
+
+def test_httpx_request_lines_stay_out_of_info_but_not_out_of_debug(capsys, restore_logging):
+    httpx_logger = logging.getLogger("httpx")
+    before = httpx_logger.level
+    try:
+        configure_logging("info", "text")
+        httpx_logger.info("HTTP Request: GET http://10.0.0.2:8000/ready \"HTTP/1.1 200 OK\"")
+        assert capsys.readouterr().err == ""
+        configure_logging("debug", "text")
+        httpx_logger.info("HTTP Request: GET http://10.0.0.2:8000/ready")
+        assert "HTTP Request" in capsys.readouterr().err
+    finally:
+        httpx_logger.setLevel(before)

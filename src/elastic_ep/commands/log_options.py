@@ -44,8 +44,12 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str, fmt: str) -> None:
-    """Root logger to stderr at `level` in `fmt` (text or json); Python warnings logged too."""
+    """Root logger to stderr at `level` in `fmt` (text or json); Python warnings logged too.
+
+    httpx's per-request INFO lines (the router polls every backend twice a second) are kept at
+    WARNING unless `level` is debug."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     logging.captureWarnings(True)
+    logging.getLogger("httpx").setLevel(logging.NOTSET if level.lower() == "debug" else logging.WARNING)
