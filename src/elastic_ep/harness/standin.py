@@ -93,6 +93,7 @@ from elastic_ep.wire import (
     WorkerStarted,
     key_from_env,
 )
+from elastic_ep.wire.receive import recv_parts
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)
 PID_BASE = 4_000_000  # stand-in pids: above any real pid, unique per rank and incarnation
@@ -492,7 +493,7 @@ class StandInHost:
                 owner = self.owners.get(sock)
                 while owner is not None and self.owners.get(sock) is owner:  # a message may close it
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = recv_parts(sock, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     msg = self.inboxes[owner.inbox_kind(sock)].read(frames)
