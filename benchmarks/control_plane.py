@@ -264,7 +264,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             except TimeoutError:
                 out["rebalance_after_kill_s"] = None  # still walking after 60 s
             out["stop"] = inject(ctl, c.members[2 * len(c.members) // 3], signal.SIGSTOP, 60)
+            # the bound on the hang's pause (signal to the first step after): the deadline + 0.1 s
             out["hang_pause_bound_s"] = round(cfg.heartbeat_timeout_s + 0.1, 3)
+            out["hang_pause_within_bound"] = out["stop"]["pause_s"] <= out["hang_pause_bound_s"]
         injected = {out[k]["rank_id"] for k in ("kill", "stop") if k in out}
         out["false_faults"] = [e["message"] for e in events_after(ctl, 0, "fault") if e["rank_id"] not in injected]
         return out
@@ -315,7 +317,7 @@ def table(args) -> None:
                 print(json.dumps(row), file=sys.stderr, flush=True)
     print("| ranks | seqs/rank | mode | added ms/step | control CPU ms/step | period ms | plan | encode | send "
           "| gather | decode | commit | metrics | heartbeats/s | hb load | /cluster build ms | /metrics ms "
-          "| kill detect s | stop detect s | hang pause s | placement ms | false faults |")
+          "| kill detect s / pause s | stop detect s (by) | hang pause s (bound) | placement ms | false faults |")
     print("|" + "---|" * 22)
     for r in rows:
         p, kill, stop = r["parts_ms"], r.get("kill", {}), r.get("stop", {})
@@ -323,8 +325,10 @@ def table(args) -> None:
               f"| {r.get('control_cpu_ms_per_step', 'n/a')} | {r['step_period_ms']} "
               f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
               f"| {p['metrics']} | {r['heartbeats_per_s']} | {r['heartbeat_load']:.1%} | {r['cluster_snapshot_ms']} "
-              f"| {r['metrics_scrape_ms']} | {kill.get('detect_s', '-')} | {stop.get('detect_s', '-')} "
-              f"| {stop.get('pause_s', '-')} | {r['placement_ms']} | {len(r['false_faults'])} |")
+              f"| {r['metrics_scrape_ms']} | {kill.get('detect_s', '-')} / {kill.get('pause_s', '-')} "
+              f"| {stop.get('detect_s', '-')} ({stop.get('cause', '-')}) "
+              f"| {stop.get('pause_s', '-')} ({r.get('hang_pause_bound_s', '-')}) | {r['placement_ms']} "
+              f"| {len(r['false_faults'])} |")
 
 
 def main() -> None:

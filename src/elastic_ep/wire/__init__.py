@@ -94,6 +94,7 @@ from .worker import (
     WorkerArgs,
     WorkerHello,
     WorkerLaunch,
+    slot_map_for_wire,
 )
 
 __all__ = [
@@ -150,6 +151,7 @@ __all__ = [
     "WorkerFenced",
     "WorkerHello",
     "WorkerLaunch",
+    "slot_map_for_wire",
     "WorkerStarted",
     "exit_reason",
     "decoder",
