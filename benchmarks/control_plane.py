@@ -21,8 +21,12 @@ placement over all ranks, and every fault that was not injected (a false fault).
 `--before` measures with the control-plane changes of issue 25 turned off in the same code:
 every rank sends its expert load every step (`--load-report-every-steps 1`), liveness is computed
 at every pump, the /cluster snapshot is rebuilt every 0.25 s whatever it costs and its placement
-parts are built again each time. No arguments runs the table, before and after side by side,
-one child process per point.
+parts are built again each time. No arguments runs the table (8, 64, 256 and 1,024 ranks, 0 and
+64 sequences per rank; --table-ranks, --table-seqs), before and after side by side, one child
+process per point, before and after in turn --repeats times; --baseline REV takes the before from
+that git revision's code. The stop's pause is reported against the issue's bound, the heartbeat
+deadline + 0.1 s (`hang_pause_within_bound`). The per-rank parts alone, on the CPU clock:
+benchmarks/control_cpu.py.
 """
 
 from __future__ import annotations
@@ -294,34 +298,37 @@ def table(args) -> None:
     loads = [int(x) for x in args.table_seqs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         old = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
-        for ranks, seqs in [(r, s) for r, s in TABLE if r in sizes and s in loads]:
-            for mode in ("before", "after"):
-                script, env = __file__, dict(os.environ)
-                flags = ["--before"] if mode == "before" and old is None else []
-                if mode == "before" and old is not None:
-                    script, env["PYTHONPATH"] = str(old / "benchmarks" / "control_plane.py"), str(old / "src")
-                cmd = [sys.executable, script, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
-                       "--seconds", str(args.seconds), "--step-ms", str(args.step_ms), "--timeout-s",
-                       str(args.timeout_s), *flags, *(["--no-faults"] if args.no_faults else [])]
-                try:
-                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-                except subprocess.TimeoutExpired:
-                    print(f"{ranks} ranks, {seqs} per rank, {mode}: over 900 s", file=sys.stderr)
-                    continue
-                if done.returncode:
-                    print(done.stderr[-2000:], file=sys.stderr)
-                    continue
-                row = json.loads(done.stdout.strip().splitlines()[-1])
-                row["mode"] = f"before ({args.baseline})" if mode == "before" and old is not None else row["mode"]
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
-    print("| ranks | seqs/rank | mode | added ms/step | control CPU ms/step | period ms | plan | encode | send "
+        points = [(r, s) for r, s in TABLE if r in sizes and s in loads]
+        # before and after in turn, --repeats times: a minute of a shared machine's load lands on both
+        for ranks, seqs, repeat, mode in [(r, s, k, m) for r, s in points for k in range(args.repeats)
+                                          for m in ("before", "after")]:
+            script, env = __file__, dict(os.environ)
+            flags = ["--before"] if mode == "before" and old is None else []
+            if mode == "before" and old is not None:
+                script, env["PYTHONPATH"] = str(old / "benchmarks" / "control_plane.py"), str(old / "src")
+            cmd = [sys.executable, script, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
+                   "--seconds", str(args.seconds), "--step-ms", str(args.step_ms), "--timeout-s",
+                   str(args.timeout_s), *flags, *(["--no-faults"] if args.no_faults else [])]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+            except subprocess.TimeoutExpired:
+                print(f"{ranks} ranks, {seqs} per rank, {mode}: over 900 s", file=sys.stderr)
+                continue
+            if done.returncode:
+                print(done.stderr[-2000:], file=sys.stderr)
+                continue
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            row["mode"] = f"before ({args.baseline})" if mode == "before" and old is not None else row["mode"]
+            row["repeat"] = repeat + 1
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    print("| ranks | seqs/rank | mode | run | added ms/step | control CPU ms/step | period ms | plan | encode | send "
           "| gather | decode | commit | metrics | heartbeats/s | hb load | /cluster build ms | /metrics ms "
           "| kill detect s / pause s | stop detect s (by) | hang pause s (bound) | placement ms | false faults |")
-    print("|" + "---|" * 22)
+    print("|" + "---|" * 23)
     for r in rows:
         p, kill, stop = r["parts_ms"], r.get("kill", {}), r.get("stop", {})
-        print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['added_ms_per_step']} "
+        print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['repeat']} | {r['added_ms_per_step']} "
               f"| {r.get('control_cpu_ms_per_step', 'n/a')} | {r['step_period_ms']} "
               f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
               f"| {p['metrics']} | {r['heartbeats_per_s']} | {r['heartbeat_load']:.1%} | {r['cluster_snapshot_ms']} "
@@ -344,6 +351,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1.0,
                         help="--heartbeat-timeout-s and --agent-timeout-s of the controller (the stop's deadline)")
     parser.add_argument("--table-ranks", default="8,64,256,1024", help="the table's sizes (comma-separated)")
+    parser.add_argument("--repeats", type=int, default=1, help="the table's runs of each point and mode, in turn")
     parser.add_argument("--table-seqs", default="0,64", help="the table's sequences per rank (comma-separated)")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="the table's before: the code of this git revision instead of this code with --before")
