@@ -188,6 +188,8 @@ def _raw_tensor(obj: Any, dtypes: dict) -> tuple[Any, list[int], bytes]:
 def _dec_hook(kind: type, obj: Any) -> Any:
     if kind is np.ndarray:
         dtype, shape, data = _raw_tensor(obj, _NUMPY_DTYPES)
+        if not data:  # most ranks' expert load in most steps: no buffer to read or copy
+            return np.empty(tuple(shape), dtype)
         return np.frombuffer(data, dtype).reshape(shape).copy()
     if kind is torch.Tensor:
         dtype, shape, data = _raw_tensor(obj, _TORCH_DTYPES)
