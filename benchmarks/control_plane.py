@@ -186,7 +186,7 @@ class ControlThreadProfile:
 
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
               before: bool, faults: bool, timeout_s: float, profile: str | None = None) -> dict:
-    model = standin_model()
+    model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
                       max_num_seqs=max(seqs_per_rank, 1), max_model_len=2048, enable_chaos=True, restart_delay_s=-1,
