@@ -205,7 +205,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
     procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model, key)
     load = None
     try:
-        wait_for(lambda: ctl.published.readiness.ready, 300, "the cluster was not ready")
+        wait_for(lambda: ctl.published.readiness.ready or ctl.published.fatal, 300, "the cluster was not ready")
+        if ctl.published.fatal:  # the control loop ended (a rank lost during startup): no point to measure
+            raise RuntimeError(f"the controller stopped: {ctl.published.fatal}")
         seqs = max(ranks * seqs_per_rank, 1)  # 0 per rank: one sequence, so steps run with empty plans elsewhere
         load = Load(ctl, seqs)
         wait_for(lambda: sum(len(s) for s in ctl.scheduler.running.values()) >= seqs, 120,
