@@ -21,8 +21,12 @@ placement over all ranks, and every fault that was not injected (a false fault).
 `--before` measures with the control-plane changes of issue 25 turned off in the same code:
 every rank sends its expert load every step (`--load-report-every-steps 1`), liveness is computed
 at every pump, the /cluster snapshot is rebuilt every 0.25 s whatever it costs and its placement
-parts are built again each time. No arguments runs the table, before and after side by side,
-one child process per point.
+parts are built again each time. No arguments runs the table (8, 64, 256 and 1,024 ranks, 0 and
+64 sequences per rank; --table-ranks, --table-seqs), before and after side by side, one child
+process per point, before and after in turn --repeats times; --baseline REV takes the before from
+that git revision's code. The stop's pause is reported against the issue's bound, the heartbeat
+deadline + 0.1 s (`hang_pause_within_bound`). The per-rank parts alone, on the CPU clock:
+benchmarks/control_cpu.py.
 """
 
 from __future__ import annotations
@@ -182,7 +186,7 @@ class ControlThreadProfile:
 
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
               before: bool, faults: bool, timeout_s: float, profile: str | None = None) -> dict:
-    model = standin_model()
+    model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
                       max_num_seqs=max(seqs_per_rank, 1), max_model_len=2048, enable_chaos=True, restart_delay_s=-1,
@@ -201,7 +205,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
     procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model, key)
     load = None
     try:
-        wait_for(lambda: ctl.published.readiness.ready, 300, "the cluster was not ready")
+        wait_for(lambda: ctl.published.readiness.ready or ctl.published.fatal, 300, "the cluster was not ready")
+        if ctl.published.fatal:  # the control loop ended (a rank lost during startup): no point to measure
+            raise RuntimeError(f"the controller stopped: {ctl.published.fatal}")
         seqs = max(ranks * seqs_per_rank, 1)  # 0 per rank: one sequence, so steps run with empty plans elsewhere
         load = Load(ctl, seqs)
         wait_for(lambda: sum(len(s) for s in ctl.scheduler.running.values()) >= seqs, 120,
@@ -264,7 +270,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             except TimeoutError:
                 out["rebalance_after_kill_s"] = None  # still walking after 60 s
             out["stop"] = inject(ctl, c.members[2 * len(c.members) // 3], signal.SIGSTOP, 60)
+            # the issue's bound on the hang's pause (signal to the first step after): the deadline + 0.1 s
             out["hang_pause_bound_s"] = round(cfg.heartbeat_timeout_s + 0.1, 3)
+            out["hang_pause_within_bound"] = out["stop"]["pause_s"] <= out["hang_pause_bound_s"]
         injected = {out[k]["rank_id"] for k in ("kill", "stop") if k in out}
         out["false_faults"] = [e["message"] for e in events_after(ctl, 0, "fault") if e["rank_id"] not in injected]
         return out
@@ -292,39 +300,44 @@ def table(args) -> None:
     loads = [int(x) for x in args.table_seqs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         old = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
-        for ranks, seqs in [(r, s) for r, s in TABLE if r in sizes and s in loads]:
-            for mode in ("before", "after"):
-                script, env = __file__, dict(os.environ)
-                flags = ["--before"] if mode == "before" and old is None else []
-                if mode == "before" and old is not None:
-                    script, env["PYTHONPATH"] = str(old / "benchmarks" / "control_plane.py"), str(old / "src")
-                cmd = [sys.executable, script, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
-                       "--seconds", str(args.seconds), "--step-ms", str(args.step_ms), "--timeout-s",
-                       str(args.timeout_s), *flags, *(["--no-faults"] if args.no_faults else [])]
-                try:
-                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-                except subprocess.TimeoutExpired:
-                    print(f"{ranks} ranks, {seqs} per rank, {mode}: over 900 s", file=sys.stderr)
-                    continue
-                if done.returncode:
-                    print(done.stderr[-2000:], file=sys.stderr)
-                    continue
-                row = json.loads(done.stdout.strip().splitlines()[-1])
-                row["mode"] = f"before ({args.baseline})" if mode == "before" and old is not None else row["mode"]
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
-    print("| ranks | seqs/rank | mode | added ms/step | control CPU ms/step | period ms | plan | encode | send "
+        points = [(r, s) for r, s in TABLE if r in sizes and s in loads]
+        # before and after in turn, --repeats times: a minute of a shared machine's load lands on both
+        for ranks, seqs, repeat, mode in [(r, s, k, m) for r, s in points for k in range(args.repeats)
+                                          for m in ("before", "after")]:
+            script, env = __file__, dict(os.environ)
+            flags = ["--before"] if mode == "before" and old is None else []
+            if mode == "before" and old is not None:
+                script, env["PYTHONPATH"] = str(old / "benchmarks" / "control_plane.py"), str(old / "src")
+            cmd = [sys.executable, script, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
+                   "--seconds", str(args.seconds), "--step-ms", str(args.step_ms), "--timeout-s",
+                   str(args.timeout_s), *flags, *(["--no-faults"] if args.no_faults else [])]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+            except subprocess.TimeoutExpired:
+                print(f"{ranks} ranks, {seqs} per rank, {mode}: over 900 s", file=sys.stderr)
+                continue
+            if done.returncode:
+                print(done.stderr[-2000:], file=sys.stderr)
+                continue
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            row["mode"] = f"before ({args.baseline})" if mode == "before" and old is not None else row["mode"]
+            row["repeat"] = repeat + 1
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    print("| ranks | seqs/rank | mode | run | added ms/step | control CPU ms/step | period ms | plan | encode | send "
           "| gather | decode | commit | metrics | heartbeats/s | hb load | /cluster build ms | /metrics ms "
-          "| kill detect s | stop detect s | hang pause s | placement ms | false faults |")
-    print("|" + "---|" * 22)
+          "| kill detect s / pause s | stop detect s (by) | hang pause s (bound) | placement ms | false faults |")
+    print("|" + "---|" * 23)
     for r in rows:
         p, kill, stop = r["parts_ms"], r.get("kill", {}), r.get("stop", {})
-        print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['added_ms_per_step']} "
+        print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['repeat']} | {r['added_ms_per_step']} "
               f"| {r.get('control_cpu_ms_per_step', 'n/a')} | {r['step_period_ms']} "
               f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
               f"| {p['metrics']} | {r['heartbeats_per_s']} | {r['heartbeat_load']:.1%} | {r['cluster_snapshot_ms']} "
-              f"| {r['metrics_scrape_ms']} | {kill.get('detect_s', '-')} | {stop.get('detect_s', '-')} "
-              f"| {stop.get('pause_s', '-')} | {r['placement_ms']} | {len(r['false_faults'])} |")
+              f"| {r['metrics_scrape_ms']} | {kill.get('detect_s', '-')} / {kill.get('pause_s', '-')} "
+              f"| {stop.get('detect_s', '-')} ({stop.get('cause', '-')}) "
+              f"| {stop.get('pause_s', '-')} ({r.get('hang_pause_bound_s', '-')}) | {r['placement_ms']} "
+              f"| {len(r['false_faults'])} |")
 
 
 def main() -> None:
@@ -340,6 +353,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1.0,
                         help="--heartbeat-timeout-s and --agent-timeout-s of the controller (the stop's deadline)")
     parser.add_argument("--table-ranks", default="8,64,256,1024", help="the table's sizes (comma-separated)")
+    parser.add_argument("--repeats", type=int, default=1, help="the table's runs of each point and mode, in turn")
     parser.add_argument("--table-seqs", default="0,64", help="the table's sequences per rank (comma-separated)")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="the table's before: the code of this git revision instead of this code with --before")

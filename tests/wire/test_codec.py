@@ -37,6 +37,7 @@ from elastic_ep.wire import (
     TermFence,
     encode,
     rejected_counts,
+    slot_map_for_wire,
 )
 from elastic_ep.wire.codec import MAC_BYTES
 
@@ -69,6 +70,16 @@ def test_step_messages_round_trip_with_their_arrays():
     assert np.array_equal(got.phy2log, start.phy2log) and got.sources == start.sources
     failed = StepFailed(1, 2, 3, "boom", StepErrorKind.LOCAL, True)
     assert Inbox("t_step", STEP_TO_CONTROLLER, KEY).read(KEY.seal(failed)).kind is StepErrorKind.LOCAL
+
+
+def test_an_epoch_start_carries_its_slot_map_in_the_narrowest_type_that_holds_the_experts():
+    phy2log = np.tile(np.append(np.arange(256), -1), (58, 9))  # DeepSeek-V3's 58 x 256, some slots empty
+    wide = EpochStart(1, [0], phy2log, 2, [], [], {}, 30.0, 10.0)
+    narrow = EpochStart(1, [0], slot_map_for_wire(phy2log, 256), 2, [], [], {}, 30.0, 10.0)
+    got = Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(narrow))
+    assert got.phy2log.dtype == np.int16 and np.array_equal(got.phy2log, phy2log)
+    assert len(encode(narrow)) < len(encode(wide)) / 3.9
+    assert slot_map_for_wire(phy2log, 40_000).dtype == np.int32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from elastic_ep.wire import HEALTH_TO_CONTROLLER, STEP_TO_CONTROLLER, ClusterKey, Inbox
+from elastic_ep.wire.receive import recv_routed
 
 from .timing import ControlTimes
 
@@ -128,17 +129,16 @@ class ControlPlane:
         times = self.times
         frames = nbytes = 0
         t0 = time.perf_counter()
-        recv = sock.recv_multipart
         for _ in range(MAX_DRAIN):
             try:  # no poll per frame: a receive that finds nothing is the end of the drain
-                identity, *parts = recv(zmq.NOBLOCK, copy=False)
+                identity, parts = recv_routed(sock, zmq.NOBLOCK)
             except zmq.Again:
                 break
             frames += 1
             nbytes += sum(map(len, parts))
             message = inbox.read(parts)
             if message is not None:
-                out.append(Inbound(identity.bytes, message))
+                out.append(Inbound(identity, message))
         if frames:
             times.frames_in[name] += frames
             times.bytes_in[name] += nbytes

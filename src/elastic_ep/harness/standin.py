@@ -93,18 +93,20 @@ from elastic_ep.wire import (
     WorkerStarted,
     key_from_env,
 )
+from elastic_ep.wire.receive import recv_parts
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)
 PID_BASE = 4_000_000  # stand-in pids: above any real pid, unique per rank and incarnation
 
 
-def standin_model() -> Path:
+def standin_model(experts: int = 256) -> Path:
     """DeepSeek-V3's MoE shape (58 MoE layers after one dense layer, 256 experts, top-8) with tiny
-    tensors: the controller reads only its config and expert size."""
-    path = cache_dir() / "standin-deepseek-v3-shape-v1"
+    tensors: the controller reads only its config and expert size. `experts`: routed experts per
+    layer, more than DeepSeek-V3's for a group of more ranks than 256 (each rank holds one of its own)."""
+    path = cache_dir() / ("standin-deepseek-v3-shape-v1" if experts == 256 else f"standin-deepseek-v3-shape-e{experts}")
     if not (path / "config.json").is_file():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_tiny("deepseek_v3", tmp, layers=59, hidden=8, experts=256, top_k=8, heads=1, num_shards=1)
+        make_tiny("deepseek_v3", tmp, layers=59, hidden=8, experts=experts, top_k=8, heads=1, num_shards=1)
         os.replace(tmp, path)
     return path
 
@@ -492,7 +494,7 @@ class StandInHost:
                 owner = self.owners.get(sock)
                 while owner is not None and self.owners.get(sock) is owner:  # a message may close it
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = recv_parts(sock, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     msg = self.inboxes[owner.inbox_kind(sock)].read(frames)

@@ -96,6 +96,7 @@ from .worker import (
     WorkerArgs,
     WorkerHello,
     WorkerLaunch,
+    slot_map_for_wire,
 )
 
 __all__ = [
@@ -154,6 +155,7 @@ __all__ = [
     "WorkerFenced",
     "WorkerHello",
     "WorkerLaunch",
+    "slot_map_for_wire",
     "WorkerStarted",
     "exit_reason",
     "decoder",

@@ -66,6 +66,7 @@ class ClusterKey:
         if len(secret) < 16:
             raise ClusterKeyError(f"a cluster key needs at least 16 bytes, got {len(secret)}")
         self._secret = secret
+        self._keyed = hmac.new(secret, digestmod="sha256")  # copied per frame: the key is not scheduled again
 
     @classmethod
     def generate(cls) -> ClusterKey:
@@ -107,7 +108,10 @@ class ClusterKey:
     def mac(self, body: bytes | memoryview, term: int = 0) -> bytes:
         """The head frame of `body` sent in `term`: HMAC(term, body), then the term."""
         t = term.to_bytes(TERM_BYTES, "big")
-        return _hmac(self._secret, t, body) + t
+        h = self._keyed.copy()  # thread-safe: the keyed state is only read
+        h.update(t)
+        h.update(body)
+        return h.digest() + t
 
     def seal(self, message: Message, term: int = 0) -> list[bytes]:
         """The two frames of `message` sent in `term`: [head, body]."""
@@ -116,12 +120,6 @@ class ClusterKey:
 
     def __repr__(self) -> str:  # never the secret itself, in a log or a traceback
         return "ClusterKey(...)"
-
-
-def _hmac(secret: bytes, term: bytes, body: bytes | memoryview) -> bytes:
-    h = hmac.new(secret, term, "sha256")
-    h.update(body)
-    return h.digest()
 
 
 class TermFence:
@@ -190,6 +188,8 @@ def _raw_tensor(obj: Any, dtypes: dict) -> tuple[Any, list[int], bytes]:
 def _dec_hook(kind: type, obj: Any) -> Any:
     if kind is np.ndarray:
         dtype, shape, data = _raw_tensor(obj, _NUMPY_DTYPES)
+        if not data:  # most ranks' expert load in most steps: no buffer to read or copy
+            return np.empty(tuple(shape), dtype)
         return np.frombuffer(data, dtype).reshape(shape).copy()
     if kind is torch.Tensor:
         dtype, shape, data = _raw_tensor(obj, _TORCH_DTYPES)

@@ -134,7 +134,10 @@ class EpochStart(Message):
     expects them. `nodes`: the node (host) of each member, in member order (empty: one host);
     `all2all_backend`: "flat" or "hierarchical" (two-stage over those hosts, runtime/hierarchical.py).
     `reuse_group`: same members as the current epoch, whose group is healthy: keep
-    it (no rendezvous); a rank that no longer has it answers `EpochFailed`.
+    it (no rendezvous); a rank that no longer has it answers `EpochFailed`. `phy2log` travels in
+    the narrowest integer type that holds its expert ids (`slot_map_for_wire`: int16 up to 32,767
+    experts), since every member gets all of it: at 1,024 ranks of DeepSeek-V3's 58 x 256 experts
+    that is ~0.25 MB a rank instead of ~1 MB as int64, ~0.25 GB sent per epoch instead of ~1 GB.
     """
 
     epoch: int
@@ -149,6 +152,11 @@ class EpochStart(Message):
     nodes: list[str] = msgspec.field(default_factory=list)
     all2all_backend: str = "flat"
     reuse_group: bool = False
+
+
+def slot_map_for_wire(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
+    """`phy2log` [L, slots] (expert ids, -1 empty) as int16 when the ids fit, else int32."""
+    return np.asarray(phy2log, dtype=np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
 
 
 class TransferStat(Record):

@@ -38,7 +38,7 @@ from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.restore import restore_placement
 from elastic_ep.placement.transfer import plan_transfers
-from elastic_ep.wire import EpochFailed, EpochReady, EpochStart, SlotSource
+from elastic_ep.wire import EpochFailed, EpochReady, EpochStart, SlotSource, slot_map_for_wire
 
 from ..cluster import ClusterState
 from ..config import ServeConfig
@@ -189,9 +189,10 @@ class EpochChanger:
         c.members = list(live)
         self.replies = {}
         self.store.set(f"epoch/{c.epoch}/members", json.dumps(live))
+        slot_map = slot_map_for_wire(new.phy2log, c.num_experts)
         for rank_id in live:
             self.plane.to_worker(rank_id, EpochStart(
-                c.epoch, live, np.asarray(new.phy2log), s, sources[rank_id], sends[rank_id], backups,
+                c.epoch, live, slot_map, s, sources[rank_id], sends[rank_id], backups,
                 self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s, [rank_nodes[r] for r in live],
                 self.cfg.all2all_backend, keeps_group(request),
             ))

@@ -2,10 +2,11 @@
 a slot whose weights changed in place (memory corruption, a bad copy) is found while serving.
 
 Every --expert-sweep-interval-s each member checksums its next --expert-sweep-slots slots
-between steps (`SweepSlots`) and answers `SlotChecksums`; a checksum that differs from the
-expert's reference (taken from the weights as first read from the checkpoint) makes the slot
-suspect, and the control loop refills it from a clean copy in a new epoch. A dead, hung or slow
-rank simply answers late or never: the sweep waits for nothing.
+between steps (`SweepSlots`; the members asked in turn over the interval, not all at once) and
+answers `SlotChecksums`; a checksum that differs from the expert's reference (taken from the
+weights as first read from the checkpoint) makes the slot suspect, and the control loop refills
+it from a clean copy in a new epoch. A dead, hung or slow rank simply answers late or never: the
+sweep waits for nothing.
 """
 
 from __future__ import annotations
@@ -30,17 +31,34 @@ class SlotSweeper:
         self.plane = plane
         self.changer = changer
         self._swept_at = 0.0
+        self._due = 0.0  # members owed a sweep since the last call (a fraction carries over)
+        self._turn = 0  # index into the members of the next one to ask
         self._next: dict[int, int] = {}  # rank -> index of its next occupied slot to check
+        self._occupied: dict[int, np.ndarray] = {}  # rank -> its [n, 2] occupied (layer, slot), for `_location`
+        self._location = None
 
     def sweep(self) -> None:
-        """Ask each member for its next slots' checksums, when the interval has passed."""
+        """Ask the members whose turn has come for their next slots' checksums: each member once
+        per --expert-sweep-interval-s, dealt round robin over the calls in between (between steps),
+        so no step pays for asking every member at once (at 256 ranks that was one burst of 256
+        requests and 256 answers every interval)."""
         c, cfg = self.cluster, self.cfg
         now = time.monotonic()
-        if not cfg.expert_sweep_slots or c.location is None or now - self._swept_at < cfg.expert_sweep_interval_s:
+        if not cfg.expert_sweep_slots or c.location is None or not c.members:
             return
+        if c.location is not self._location:  # a new placement: its occupied slots, once per rank
+            self._location, self._occupied = c.location, {}
+        members = c.members
+        self._due = min(self._due + len(members) * (now - self._swept_at) / cfg.expert_sweep_interval_s,
+                        len(members))
         self._swept_at = now
-        for rank_id in c.members:
-            occupied = np.argwhere(c.location.experts_of_rank(rank_id) >= 0)  # [n, 2] (layer, slot), row-major
+        for _ in range(int(self._due)):
+            self._due -= 1
+            rank_id = members[self._turn % len(members)]
+            self._turn = (self._turn + 1) % len(members)
+            occupied = self._occupied.get(rank_id)
+            if occupied is None:  # [n, 2] (layer, slot), row-major
+                occupied = self._occupied[rank_id] = np.argwhere(c.location.experts_of_rank(rank_id) >= 0)
             n = len(occupied)
             if not n:
                 continue

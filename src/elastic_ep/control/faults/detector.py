@@ -123,8 +123,13 @@ class FaultDetector:
         if not self.cfg.health_checks or now - self._checked_at < self.cfg.health_check_period_s:
             return []
         self._checked_at = now
-        watched = {r.rank_id: r.last_heartbeat for r in ranks.values() if r.watched}
-        loading = {r.rank_id for r in ranks.values() if r.watched and r.progress.phase in LOADING_PHASES}
+        watched: dict[int, float] = {}
+        loading: set[int] = set()
+        for r in ranks.values():  # one pass: at 1,024 ranks this runs 50 times a second
+            if r.watched:
+                watched[r.rank_id] = r.last_heartbeat
+                if r.progress.phase in LOADING_PHASES:
+                    loading.add(r.rank_id)
         timeout_s, load_timeout_s = self.cfg.heartbeat_timeout_s, self.cfg.load_heartbeat_timeout_s
         found = [Fault(r, FaultCause.HEARTBEAT_LOST,
                        f"no heartbeat for {max(timeout_s, load_timeout_s):.2f}s while filling its expert slots "

@@ -50,7 +50,7 @@ def rank_caps(decode: dict[int, int], prefill: dict[int, int], budget: int, min_
     budget: --max-num-batched-tokens. Returns rank -> cap, never below the rank's decode tokens.
     """
     if not any(decode.values()):
-        return {r: max(budget, decode[r]) for r in decode}
+        return dict.fromkeys(decode, budget)
     wanted = [min(decode[r] + prefill[r], budget) for r in decode]
     level = max(-(-sum(wanted) // len(wanted)), max(decode.values()))
     return {r: max(decode[r], min(budget, max(level, decode[r] + min(min_chunk, prefill[r])))) for r in decode}

@@ -285,16 +285,20 @@ class Scheduler:
         order = {seq.seq_id: i for i, seq in enumerate(admitted)}
         self.waiting.extendleft(sorted(unplaced, key=lambda q: -order[q.seq_id]))
         active = {r: [q for q in seqs if q.seq_id not in self.held] for r, seqs in self.running.items()}
-        unaligned = {r: min(sum(q.pending for q in qs), budget) for r, qs in active.items()}
-        moved = self._migrate(active) if align.migrate != "off" else None
+        busy = {r: qs for r, qs in active.items() if qs}  # sums over these only: idle ranks count 0
+        unaligned = _per_rank(active, {r: min(sum(q.pending for q in qs), budget) for r, qs in busy.items()})
+        moved = self._migrate(active, busy) if align.migrate != "off" else None
         caps = dict.fromkeys(active, budget)
         if align.enabled:
-            decode = {r: sum(q.decoding for q in qs) for r, qs in active.items()}
-            prefill = {r: sum(q.pending for q in qs if not q.decoding) for r, qs in active.items()}
+            busy = {r: qs for r, qs in active.items() if qs}  # again: a migration may have given an idle rank one
+            decode = _per_rank(active, {r: sum(q.decoding for q in qs) for r, qs in busy.items()})
+            prefill = _per_rank(active, {r: sum(q.pending for q in qs if not q.decoding) for r, qs in busy.items()})
             caps = rank_caps(decode, prefill, budget, align.min_chunk)
         chunks: dict[int, list[ChunkPlan]] = {r: [] for r in self.running}
         queried = hit = 0
-        for rank, seqs in active.items():
+        for rank, seqs in active.items():  # not `busy`: a migration may have given an idle rank a sequence
+            if not seqs:
+                continue
             used = 0
             for seq in sorted(seqs, key=lambda q: not q.decoding) if align.enabled else seqs:
                 room = caps[rank] - used
@@ -322,6 +326,8 @@ class Scheduler:
         stays). Returns how many were preempted."""
         preempted = 0
         for rank, seqs in self.running.items():
+            if not seqs:
+                continue
             pool = self.pools[rank]
             for seq in list(seqs):
                 if seq.rank != rank or seq.seq_id in self.held:
@@ -347,18 +353,22 @@ class Scheduler:
         placed again (their old rank frees any row a failed step gave them)."""
         taken = []
         for seqs in self.running.values():
+            if not seqs:
+                continue
             for seq in [q for q in seqs if q.num_cached == q.unsent_prefix and q.seq_id not in self.held]:
                 self._release(seq)
                 seq.unplace()
                 taken.append(seq)
         return taken
 
-    def _migrate(self, active: dict[int, list[Sequence]]) -> KVMove | Sequence | None:
+    def _migrate(self, active: dict[int, list[Sequence]],
+                 busy: dict[int, list[Sequence]]) -> KVMove | Sequence | None:
         """Move one decoding sequence off a rank that stays the busiest (control/serving/alignment.py).
         A KV move is planned and returned (its chunk goes to the new rank, `commit` re-homes it);
         a re-prefill moves the sequence now, to run from its first token on the new rank, and
-        returns it."""
-        counts = {r: sum(q.decoding for q in qs) for r, qs in active.items() if r not in self.draining}
+        returns it. `busy`: the ranks of `active` with sequences."""
+        counts = _per_rank({r: None for r in active if r not in self.draining},
+                           {r: sum(q.decoding for q in qs) for r, qs in busy.items() if r not in self.draining})
         takers = {r for r in counts if len(self.running[r]) < self.max_num_seqs}
         pick = self.balance.observe(counts, takers)
         if pick is None:
@@ -468,3 +478,11 @@ class Scheduler:
                     self._release(seq)
                 out.append((seq, [token]))
         return out
+
+
+def _per_rank(ranks: dict[int, object], counts: dict[int, int]) -> dict[int, int]:
+    """`counts` over every rank of `ranks`, in its order, 0 where it has none: a step's sums are
+    worked out over the ranks that run something, not every rank (1,024 at scale, most idle)."""
+    out = dict.fromkeys(ranks, 0)
+    out.update(counts)
+    return out

@@ -1,0 +1,150 @@
+"""CPU time of the control thread's per-rank work, without stand-in processes: the parts of a
+step that grow with the ranks, each timed alone on this process's CPU clock (not wall time), so
+that a shared machine's load moves the figures less than it moves benchmarks/control_plane.py's.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/control_cpu.py [--baseline REV]
+
+- frames: a ControlPlane's `receive` over frames queued by a peer on loopback (heartbeats, and
+  `StepResult`s with an empty expert load as most ranks send in a step), us per frame;
+- schedule: the scheduler's `schedule` + `commit` of a step at N ranks, one decoding sequence
+  in all (the others idle: the benchmark's `--seqs-per-rank 0`), ms per step;
+- detector: one heartbeat and watchdog check over N ranks (50 a second while a step runs), ms.
+
+With --baseline REV the same script runs again on the `src` of git revision REV (a child
+process), and the table has both, side by side. Best of --repeat runs of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from elastic_ep.control.api import GenerationRequest
+from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.control_plane import ControlPlane
+from elastic_ep.control.faults.detector import FaultDetector
+from elastic_ep.control.ranks import RankInfo, RankStatus
+from elastic_ep.control.serving.alignment import AlignRule
+from elastic_ep.control.serving.scheduler import Scheduler, Sequence
+from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.wire import ClusterKey, Heartbeat, Progress, StepResult, WorkerHello
+
+
+def best_of(repeat: int, fn) -> float:
+    return min(fn() for _ in range(repeat))
+
+
+def frames_us(kind: str, n: int) -> float:
+    """CPU us per frame of draining `n` queued frames of `kind` through ControlPlane.receive."""
+    key = ClusterKey.generate()
+    plane = ControlPlane("127.0.0.1", key)
+    peers = []
+    for i in range(8):
+        peer = zmq.Context.instance().socket(zmq.DEALER)
+        peer.setsockopt(zmq.IDENTITY, f"{'h' if kind == 'heartbeat' else 'w'}{i}".encode())
+        peer.setsockopt(zmq.SNDHWM, 0)
+        peer.connect(plane.health_addr if kind == "heartbeat" else plane.step_addr)
+        peers.append(peer)
+    if kind == "heartbeat":
+        message = Heartbeat(3, 1234, Progress(epoch=2, step=17, layer=40, phase="dispatch", seq=1200, since=1e9))
+    else:
+        message = StepResult(2, 17, 3, {}, 0.02, 0.018, 0.001, 0.001, np.zeros((0, 0), np.int32), 0, {})
+    frames = key.seal(message)
+    for i in range(n):
+        peers[i % len(peers)].send_multipart(frames)
+    time.sleep(0.5 + n / 50_000)  # every frame across loopback into the ROUTER's queue
+    got, cpu0 = 0, time.process_time()
+    while got < n:
+        got += len(plane.receive(0.0))
+    cpu = time.process_time() - cpu0
+    for peer in peers:
+        peer.close(0)
+    plane.step_sock.close(0)
+    plane.health_sock.close(0)
+    return 1e6 * cpu / n
+
+
+def schedule_ms(ranks: int, steps: int = 20) -> float:
+    """CPU ms per step of schedule + commit at `ranks` ranks, one decoding sequence in all."""
+    s = Scheduler(max_num_seqs=1, max_num_batched_tokens=2048, align=AlignRule())
+    s.set_ranks(list(range(ranks)))
+    request = GenerationRequest("r0", [2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=100_000, ignore_eos=True), 0)
+    s.add(Sequence(0, request, 200_000, (0,)))
+
+    def step() -> None:
+        batch = s.schedule()
+        s.commit(batch, {c.seq_id: 5 for cs in batch.chunks.values() for c in cs if c.sample})
+
+    for _ in range(5):
+        step()
+    cpu0 = time.process_time()
+    for _ in range(steps):
+        step()
+    return 1000 * (time.process_time() - cpu0) / steps
+
+
+def detector_ms(ranks: int, checks: int = 50) -> float:
+    """CPU ms of one detector check (heartbeats and watchdog) over `ranks` serving ranks."""
+    cfg = ServeConfig(model_dir="unused", model_name="unused", ep_size=ranks)
+    infos = {r: RankInfo(r, f"n{r // 8}", pid=1000 + r, status=RankStatus.SERVING,
+                         hello=WorkerHello(r, f"n{r // 8}", 1000 + r, "initial", device="cpu")) for r in range(ranks)}
+    for info in infos.values():
+        info.last_heartbeat = 100.0
+    detector, members = FaultDetector(cfg), sorted(infos)
+    cpu0 = time.process_time()
+    for i in range(checks):
+        detector._checked_at = 0.0
+        detector.check(100.5 + i * 1e-3, infos, members, True, 0)
+    return 1000 * (time.process_time() - cpu0) / checks
+
+
+def measure(repeat: int) -> dict:
+    return {
+        "heartbeat frame us": best_of(repeat, lambda: frames_us("heartbeat", 20_000)),
+        "empty StepResult frame us": best_of(repeat, lambda: frames_us("step", 20_000)),
+        **{f"schedule + commit ms, {n} ranks": best_of(repeat, lambda n=n: schedule_ms(n)) for n in (256, 1024)},
+        **{f"detector check ms, {n} ranks": best_of(repeat, lambda n=n: detector_ms(n)) for n in (256, 1024)},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--baseline", default=None, metavar="REV", help="also measure git revision REV's src")
+    parser.add_argument("--json", action="store_true", help="print this tree's figures as JSON (for --baseline)")
+    args = parser.parse_args()
+    after = measure(args.repeat)
+    if args.json:
+        print(json.dumps(after))
+        return
+    columns = {"this tree": after}
+    if args.baseline:
+        repo = Path(__file__).resolve().parent.parent
+        with tempfile.TemporaryDirectory() as tmp:
+            archive = subprocess.run(["git", "-C", str(repo), "archive", args.baseline, "src"], capture_output=True,
+                                     check=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+            env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
+            done = subprocess.run([sys.executable, __file__, "--json", "--repeat", str(args.repeat)], check=True,
+                                  capture_output=True, text=True, env=env)
+        columns = {args.baseline: json.loads(done.stdout.strip().splitlines()[-1]), **columns}
+    names = list(columns)
+    print("| what | " + " | ".join(names) + (" | ratio |" if len(names) == 2 else " |"))
+    print("|---|" + "---|" * (len(names) + (len(names) == 2)))
+    for what in after:
+        values = [columns[n][what] for n in names]
+        ratio = f" {values[0] / values[1]:.2f}x |" if len(values) == 2 and values[1] else ""
+        print(f"| {what} | " + " | ".join(f"{v:.2f}" for v in values) + " |" + ratio)
+
+
+if __name__ == "__main__":
+    main()
