@@ -1,6 +1,7 @@
 """The controller group's cost on the step loop, and a takeover's breakdown.
 
     PYTHONPATH=src .venv/bin/python benchmarks/ha.py [--seconds 20] [--repeats 2] [--threads 8] [--json]
+        [--only takeover|outage]
 
 Three deployments of the tiny model (--ep-size 2, both ranks under one separate `elastic-ep agent`
 process, so only the group differs), run in turn `--repeats` times under the same streaming load
@@ -14,8 +15,15 @@ First, in this process, what the journal costs where it runs, in CPU time of the
 (not disturbed by a loaded machine as wall time is): `add` per event (the HTTP thread, per token
 of each request) and one batch of 64 entries shipped to a real etcd (the journal thread, once per
 --ha-journal-flush-s). Then, once, the takeover: SIGKILL of the leader's process; the times from the kill to the standby
-leading (the lease running out plus a campaign tick), to its controller up, and to /ready (the
-agent follows it and its ranks start again: no adoption yet).
+leading (the lease running out plus a campaign tick), to its controller up, to the agent registered
+with it naming its running ranks, to those ranks registered (adopted), to the epoch that adopts
+them formed (/ready), and whether the ranks kept their processes.
+Last, etcd unreachable for longer than the lease (`outage`: etcd SIGSTOPped for --ha-lease-s + 2 s
+under streaming load through the router, the agent on `--lease-s 20`): /health of both controllers polled every
+20 ms: the most that ever answered "leader" at once, when the leader deposed itself (exit code 3),
+when the standby led after etcd came back, when it was ready, whether the ranks kept their
+processes, how many new requests the router refused meanwhile (503 with Retry-After: nothing is
+ready), and any other failure. `--only` runs just one of the two scenarios.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from elastic_ep.group.journal import Admitted, Delivered, JournalWriter
 from elastic_ep.group.store import GroupStore, Seat
 from elastic_ep.harness.etcd import EtcdProcess
 from elastic_ep.harness.load import StreamingLoad
+from elastic_ep.harness.router_process import RouterProcess
 from elastic_ep.harness.server_process import ServerProcess, terminate
 from elastic_ep.model.sampling import SamplingParams
 
@@ -108,24 +117,101 @@ def run_group(tmp: Path, seconds: float, threads: int, takeover: bool, with_stan
         out["journal_batches"] = members["c0"]["journal_seq"]
         out["standby_lag"] = members["c1"]["lag"] if with_standby else None
         if takeover and standby is not None:
-            leader.proc.kill()
-            killed = time.monotonic()
-            leader.proc.wait()
-            while role(standby) != "leader":
-                time.sleep(0.01)
-            led = time.monotonic()
-            while not standby.http.get("/cluster").json().get("listening"):
-                time.sleep(0.01)
-            controller_up = time.monotonic()
-            standby.wait_ready(300)
-            ready = time.monotonic()
-            out["takeover_s"] = {"kill_to_leading": round(led - killed, 2),
-                                 "leading_to_controller_up": round(controller_up - led, 2),
-                                 "controller_up_to_ready": round(ready - controller_up, 2),
-                                 "kill_to_ready": round(ready - killed, 2)}
+            out["takeover_s"] = takeover_breakdown(leader, standby)
         return out
     finally:
         for s in (leader, standby):
+            if s is not None:
+                s.stop()
+        if ag is not None:
+            terminate(ag, 10)
+        etcd.stop()
+
+
+def takeover_breakdown(leader: ServerProcess, standby: ServerProcess) -> dict:
+    """SIGKILL of the leader; seconds from the kill to each step of the standby's takeover (the
+    agent's and the ranks' registrations and the adopting epoch from the new leader's events, on the
+    wall clock of this same machine)."""
+    pids = leader.pids()
+    leader.proc.kill()
+    killed, killed_wall = time.monotonic(), time.time()
+    leader.proc.wait()
+    while role(standby) != "leader":
+        time.sleep(0.01)
+    led = time.monotonic()
+    while not standby.http.get("/cluster").json().get("listening"):
+        time.sleep(0.01)
+    controller_up = time.monotonic()
+    standby.wait_ready(300)
+    ready = time.monotonic()
+    events = standby.cluster()["events"]
+
+    def first(pred) -> float | None:
+        at = next((e["time_s"] for e in events if pred(e)), None)
+        return None if at is None else round(at - killed_wall, 2)
+
+    return {"kill_to_leading": round(led - killed, 2), "kill_to_controller_up": round(controller_up - killed, 2),
+            "kill_to_agent_registered": first(lambda e: e["kind"] == "agent"),
+            "kill_to_ranks_registered": first(lambda e: e["kind"] == "adopted" and e["rank_id"] is None),
+            "kill_to_adopting_epoch": first(lambda e: e["kind"] == "epoch" and e.get("reason") == "adopt"),
+            "kill_to_ready": round(ready - killed, 2), "same_pids": standby.pids() == pids}
+
+
+def run_outage(tmp: Path, threads: int, lease_s: int = 5) -> dict:
+    """etcd unreachable (SIGSTOP) for lease_s + 2 s under streaming load: never two leaders, and
+    what happens meanwhile (see the module's docstring)."""
+    etcd = EtcdProcess()
+    group = ["--etcd", etcd.url, "--ha-group", "outage", "--ha-lease-s", str(lease_s)]
+    leader = ServerProcess([*MODEL, *group, "--node", "c0"], tmp / "o0.log", ready_timeout_s=None)
+    standby = ag = router = None
+    try:
+        while role(leader) != "leader":
+            time.sleep(0.1)
+        standby = ServerProcess([*MODEL, *group, "--node", "c1", "--cluster-key-file", str(leader.key_file)],
+                                tmp / "o1.log", ready_timeout_s=None)
+        ag = agent(["--etcd", etcd.url, "--ha-group", "outage", "--lease-s", "20"], leader.key_file,
+                   tmp / "outage-agent.log")
+        leader.wait_ready(300)
+        while role(standby) != "standby":
+            time.sleep(0.1)
+        pids = leader.pids()
+        router = RouterProcess(["--backend", leader.url, "--backend", standby.url, "--poll-interval-s", "0.2",
+                                "--queue-timeout-s", "150"], tmp / "outage-router.log")
+        router.wait_ready_backend(leader.url)
+        load = StreamingLoad(router.url, threads, 64)
+        load.start()
+        time.sleep(2)
+        most = 0
+        deposed = led = None
+        etcd.pause()
+        paused = time.monotonic()
+        resumed = None
+        while led is None and time.monotonic() - paused < 120:
+            now = time.monotonic()
+            if resumed is None and now - paused >= lease_s + 2:
+                etcd.resume()
+                resumed = now
+            roles = [role(leader), role(standby)]
+            most = max(most, roles.count("leader"))
+            if deposed is None and leader.proc.poll() is not None:
+                deposed = now
+            if resumed is not None and roles[1] == "leader":
+                led = now
+            time.sleep(0.02)
+        standby.wait_ready(300)
+        ready = time.monotonic()
+        load.stop()
+        return {"most_leaders_at_once": most, "leader_exit_code": leader.proc.poll(),
+                "pause_to_deposed_s": None if deposed is None else round(deposed - paused, 2),
+                "outage_s": round(resumed - paused, 2),
+                "resume_to_leading_s": None if led is None else round(led - resumed, 2),
+                "resume_to_ready_s": round(ready - resumed, 2), "same_pids": standby.pids() == pids,
+                # new requests while no controller leads are refused by the router (503 + Retry-After; the
+                # load retries at once), streams in flight are held and resumed: any other failure is a fault
+                "refused_503": sum("503" in f for f in load.failures),
+                "other_failures": [f for f in load.failures if "503" not in f][:3]}
+    finally:
+        for s in (router, leader, standby):
             if s is not None:
                 s.stop()
         if ag is not None:
@@ -170,17 +256,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only", choices=["takeover", "outage"], default=None)
     args = parser.parse_args()
+    if args.only:
+        with tempfile.TemporaryDirectory(prefix="elastic-ep-ha-bench-") as tmp:
+            if args.only == "takeover":
+                result = run_group(Path(tmp), args.seconds, args.threads, takeover=True)["takeover_s"]
+            else:
+                result = run_outage(Path(tmp), args.threads)
+        print(json.dumps({args.only: result}, indent=1))
+        return
     costs = journal_costs()
     rows = []
+    outage = None
     with tempfile.TemporaryDirectory(prefix="elastic-ep-ha-bench-") as tmp:
+        outage = run_outage(Path(tmp), args.threads)
         for i in range(args.repeats):
             rows.append({"mode": "alone", **run_alone(Path(tmp), args.seconds, args.threads)})
             rows.append({"mode": "group1", **run_group(Path(tmp), args.seconds, args.threads, False, False)})
             rows.append({"mode": "group2", **run_group(Path(tmp), args.seconds, args.threads,
                                                        takeover=i == args.repeats - 1)})
     if args.json:
-        print(json.dumps({"journal": costs, "runs": rows}, indent=1))
+        print(json.dumps({"journal": costs, "runs": rows, "outage": outage}, indent=1))
         return
     print("journal:", costs)
     print(f"{'mode':6} {'step ms':>8} {'steps':>6} {'tok/s':>7} {'fail':>4} {'batches':>7} {'lag':>4}")
@@ -191,6 +288,7 @@ def main() -> None:
     for r in rows:
         if "takeover_s" in r:
             print("takeover (s):", r["takeover_s"])
+    print("etcd outage:", outage)
 
 
 if __name__ == "__main__":

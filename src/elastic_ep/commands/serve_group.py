@@ -4,9 +4,10 @@ The controller is built first (sockets bound, not started), then the election an
 start, behind a `GroupGate` (serve/group_gate.py): a standby answers /health, /ready, /cluster and
 503 for the rest. Once elected, the controller starts in the term it won (every frame it sends
 carries it), its agent address is published in its seat for `elastic-ep agent --etcd`, and the gate
-hands every request to the real app. Deposed (its lease lapsed, or another holds the leader key),
-the process exits at once with EXIT_DEPOSED, sending nothing more: its agents and workers outlive
-it, and a supervisor starts it again as a standby."""
+hands every request to the real app. A new leader adopts the ranks the last one ran, as the cluster
+record names them (control/membership/adoption.py). Deposed (its lease lapsed, or another holds the
+leader key), the process exits at once with EXIT_DEPOSED, sending nothing more: its agents and
+workers outlive it, and a supervisor starts it again as a standby."""
 
 from __future__ import annotations
 
@@ -109,6 +110,7 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         except EtcdUnavailable as e:
             logger.warning("group %s: the journal could not be read at takeover (%s): requests of the last "
                            "leader resume only through the router", args.ha_group, e)
+        controller.adopt(reader.record)  # the running ranks of the last leader, as its record names them
         writer = engine.writer = JournalWriter(GroupStore(args.etcd, args.ha_group), term, reader.applied,
                                                reader.requests)
         controller.start()

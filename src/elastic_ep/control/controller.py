@@ -78,7 +78,7 @@ from .epochs.epoch_change import (
     VerifyFailed,
 )
 from .epochs.rebalance_rules import load_estimate
-from .epochs.requests import EpochRequest, Refill, Rejoin, Start, holding_of
+from .epochs.requests import Adopt, EpochRequest, Refill, Rejoin, Start, holding_of
 from .epochs.slot_check import SlotSweeper
 from .events import EventKind
 from .facade.engine import EngineFacade, Published
@@ -98,6 +98,7 @@ from .facade.to_loop import (
 from .faults.detector import Fault, FaultDetector, RecoveryNeeded
 from .faults.recovery import Recovery
 from .faults.straggler_control import StragglerControl
+from .membership.adoption import Adoption, adoption_plan
 from .membership.hardware import HardwareSignals
 from .membership.nodes import Nodes
 from .membership.rolling_restart import RollingRestart
@@ -229,6 +230,7 @@ class Controller:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_fatal = None  # called from the control thread when the loop dies
+        self.adoption: Adoption | None = None  # a new leader's takeover of the running ranks (`adopt`)
         self.publisher = Publisher(c, cfg, self.detector, self.steps, self.scheduler, self.published, self.metrics,
                                    heard=self.plane.heard_clock, controller_addr=self.plane.health_addr,
                                    views=self._views, slow_delays=self.chaos.slow_delays if self.chaos else dict,
@@ -251,6 +253,13 @@ class Controller:
         sets the term it won before `start`): every frame sent carries it."""
         self.plane.term = term
 
+    def adopt(self, record: dict[str, Any] | None) -> None:
+        """Before `start`, in a new leader of a group: take over the ranks of the last leader's cluster
+        record `record` as they run (membership/adoption.py) instead of starting ranks; nothing to
+        adopt (no record, no epoch formed) starts as usual."""
+        plan = adoption_plan(record)
+        self.adoption = Adoption(plan, self.cluster, self.cfg, self.nodes, self.pump) if plan else None
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="control-loop", daemon=True)
         self._thread.start()
@@ -269,11 +278,17 @@ class Controller:
     def _run(self) -> None:
         try:
             try:
-                self.nodes.wait_for_ranks(self._stopping)
-                self.ready_clock.mark("ranks_registered_s")
-                self.detector.clear()
-                if not self._stopping.is_set():  # stopped while waiting: there is nothing to start
-                    self._start()
+                if self.adoption is not None:
+                    self.adoption.wait(self._stopping)
+                    self.detector.clear()
+                    if not self._stopping.is_set():
+                        self._adopt(self.adoption)
+                else:
+                    self.nodes.wait_for_ranks(self._stopping)
+                    self.ready_clock.mark("ranks_registered_s")
+                    self.detector.clear()
+                    if not self._stopping.is_set():  # stopped while waiting: there is nothing to start
+                        self._start()
             except RecoveryNeeded:
                 pass
             while not self._stopping.is_set():
@@ -455,7 +470,7 @@ class Controller:
         report, or `NoPlacement` for the caller to handle. An epoch that did not form leaves its
         culprits (or an error) with the detector and raises RecoveryNeeded: recovery takes it."""
         c = self.cluster
-        first = c.location is None
+        first = c.location is None and not isinstance(request, Adopt)  # adopted ranks are warm, their backup held
         self.detector.new_epoch()
         started_s = time.monotonic()
         outcome = self.changer.change(request, self.load())
@@ -482,9 +497,11 @@ class Controller:
         self.standby.admitted(live)
         self.metrics.epoch.set(c.epoch)
         self.metrics.live_ranks.set(len(live))
-        if first and self.cfg.warmup_gate:
+        # adopted ranks keep the last leader's epoch warm: their group, slots and shapes are the same
+        warm = self.cfg.warmup_gate and not isinstance(request, Adopt)
+        if first and warm:
             c.set_readiness(False, "warming up: every batch shape of the step loop, every expert slot")
-        elif not self.cfg.warmup_gate:
+        elif not warm:
             c.set_readiness(True)
             self.ready_clock.ready()
         c.events.add(EventKind.EPOCH, f"epoch {c.epoch} ({reason}) with ranks {live}", reason=reason,
@@ -494,8 +511,10 @@ class Controller:
         if first:
             self.nodes.start_backup()
         self.publish()
-        if self.cfg.warmup_gate and not first:  # its slots hold other experts: warmed before its first step
+        if warm and not first:  # its slots hold other experts: warmed before its first step
             self._warm_up(first=False)
+        elif self.cfg.warmup_gate:
+            self.warmup.adopted(c.epoch)
         return report
 
     def _start(self) -> None:
@@ -510,6 +529,18 @@ class Controller:
             self.recovery.degrade(sorted(self.cluster.ranks), outcome.reason)
         elif self.cfg.warmup_gate:
             self._warm_up(first=True)
+
+    def _adopt(self, adoption: Adoption) -> None:
+        """The epoch that adopts the ranks of the last leader (membership/adoption.py)."""
+        live, whole, after = adoption.request()
+        if not live:  # none came back: the ranks their agents start now form a first epoch
+            self.nodes.wait_for_ranks(self._stopping)
+            if not self._stopping.is_set():
+                self._start()
+            return
+        outcome = self.form(Adopt(live, whole, adoption.plan.placement, after), "adopt")
+        if isinstance(outcome, NoPlacement):
+            self.recovery.degrade(live, outcome.reason)
 
     def _warm_up(self, first: bool) -> None:
         """The readiness gate (serving/warmup.py): the epoch serves, and /ready opens, once every

@@ -20,6 +20,7 @@ from typing import Any
 class EventKind(str, Enum):
     STARTED = "started"  # the agent started a rank's process
     REGISTERED = "registered"  # the rank loaded its weights, warmed up and registered
+    ADOPTED = "adopted"  # a new leader of the controller group took over a rank as it runs
     FAULT = "fault"  # a rank was named by a detection signal (cause in the message)
     FENCING = "fencing"  # culprits are being killed and the others leave the failed step
     FENCE_TIMEOUT = "fence-timeout"  # an agent did not confirm a kill

@@ -4,8 +4,8 @@
 It is taken from the leader's /cluster snapshot (control/api.py `Engine.cluster`): the epoch, its
 members, every rank's node, pid and state, the expert placement (phy2log), the agents with their
 hosts, fetch sockets and whether they hold a backup (the backup sites), and the scale in flight.
-Standbys read it with the journal and show its epoch in /cluster. A new leader does not act on it
-yet (adoption of running ranks is not built: docs/ARCHITECTURE.md)."""
+Standbys read it with the journal and show its epoch in /cluster. A new leader adopts the ranks it
+names, over its placement (control/membership/adoption.py)."""
 
 from __future__ import annotations
 

@@ -58,7 +58,9 @@ class FileOpens:
             return dict(self.counts)
 
     def close(self) -> dict[str, int]:
-        """Stop counting; the counts so far."""
+        """Stop counting (once; again is a no-op); the counts so far."""
+        if self._stop.is_set():
+            return self.snapshot()
         self._stop.set()
         self._thread.join()
         os.close(self.fd)

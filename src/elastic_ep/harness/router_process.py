@@ -45,6 +45,14 @@ class RouterProcess:
         """url -> the router's view of that backend (GET /backends)."""
         return {b["url"]: b for b in self.http.get("/backends").json()}
 
+    def wait_ready_backend(self, url: str, timeout_s: float = 60.0) -> None:
+        """Until the router has polled the backend at `url` and found it ready."""
+        deadline = time.monotonic() + timeout_s
+        while not self.backends()[url]["ready"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the router found {url} not ready within {timeout_s}s")
+            time.sleep(0.05)
+
     def metric(self, name: str) -> float:
         """The value of an unlabelled sample of the router's /metrics (0 when absent)."""
         for line in self.http.get("/metrics").text.splitlines():

@@ -12,9 +12,12 @@ frame in and out carries the cluster key's MAC; a frame without it, undecodable 
 socket is dropped and counted (reported to the controller in `AgentAlive`), never raised; the
 workers it starts get the key in their environment. It holds a lease on the
 controller (node/lease.py): cut off for `lease_s`, it kills its workers itself and registers
-again in recover mode. `elastic-ep serve` runs one in a thread; `elastic-ep agent` runs
-one alone. With `auto_recover` it starts a rank that died again itself (join_mode recover),
-after a backoff that doubles with every death in a row, up to `backoff_max_s`.
+again in recover mode. In a controller group (`agent --etcd`) the lease holds while etcd answers,
+and a new leader adopts the workers as they run: the agent registers with them and hands them the
+new leader's launch on their stdin (`_follow_leader`, `_welcomed`). `elastic-ep serve` runs one in
+a thread; `elastic-ep agent` runs one alone. With `auto_recover` it starts a rank that died again
+itself (join_mode recover), after a backoff that doubles with every death in a row, up to
+`backoff_max_s`.
 On shutdown it terminates its workers (SIGTERM, then SIGKILL after `stop_grace_s`) and removes
 its backup file; for owners gone without doing so, the next agent that starts on the node
 removes theirs (`backup_file.reap_stale_backups`).
@@ -45,6 +48,7 @@ from elastic_ep.wire import (
     AgentShutdown,
     AgentWelcome,
     BackupAssign,
+    BackupReady,
     BackupSite,
     ChaosFailed,
     ClusterKey,
@@ -53,6 +57,7 @@ from elastic_ep.wire import (
     HealLinks,
     Inbox,
     LeaseRenew,
+    NewLeader,
     SessionEnded,
     SignalWorker,
     StartWorker,
@@ -65,6 +70,7 @@ from elastic_ep.wire import (
     exit_reason,
     rejected_counts,
 )
+from elastic_ep.wire.pipe import write_message
 
 from .backup_file import reap_stale_backups
 from .exits import exit_code, open_stat
@@ -99,8 +105,9 @@ class NodeAgent:
     exit_poll_s: how often the workers' /proc stat is read for an exit that has begun;
     key: the deployment's cluster key (its workers get it in $ELASTIC_EP_CLUSTER_KEY);
     leader_watch: in a controller group (`agent --etcd`), the group's `LeaderWatch` (group/leader_watch.py),
-    whose thread this agent runs: it follows the leader there (see `_follow_leader`), and its lease
-    fences the node only when neither the controller nor the group (etcd) answered for lease_s."""
+    whose thread this agent runs: it follows the leader there with its running workers (see
+    `_follow_leader`), and its lease fences the node only when neither the controller nor the group
+    (etcd) answered for lease_s: losing only the leader never kills a worker."""
 
     def __init__(
         self,
@@ -172,6 +179,7 @@ class NodeAgent:
         self.hardware_interval_s = hardware_interval_s
         self.hardware: HardwareReader | None = None
         self._hardware_at = 0.0
+        self._backup_pieces: list[BackupReady] = []  # announced to the leader; again to a new one that adopts
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve until AgentShutdown or `stop` is set; then stop every worker."""
@@ -193,8 +201,8 @@ class NodeAgent:
                 self._heal_due(time.monotonic())
                 ready = dict(poller.poll(20))
                 if self.controller_link in ready and recv_monitor_message(self.controller_link)["event"] \
-                        == zmq.EVENT_DISCONNECTED:
-                    self.backup.drop("the controller closed its connection (it stopped or died)", warn=True)
+                        == zmq.EVENT_DISCONNECTED and self.leader_watch is None:  # a group's next leader adopts it
+                    self._drop_backup("the controller closed its connection (it stopped or died)", warn=True)
                 if self.events in ready:
                     self.sock.send_multipart(self.events.recv_multipart())
                 if self.fetch in ready:
@@ -210,34 +218,56 @@ class NodeAgent:
 
     def _follow_leader(self) -> None:
         """In a group: a leader of a higher term than the one this agent follows takes it over. The
-        agent connects to it and registers there afresh (join_mode initial). A new leader does not
-        adopt running ranks yet (docs/ARCHITECTURE.md, the controller group), so this node's workers
-        are fenced first and the new leader starts them again."""
+        agent connects to it and registers there again under a new session, naming the workers it
+        runs (join_mode adopt): they keep running. Once welcomed, it hands them the new leader's
+        launch (`NewLeader` on their stdin) and announces its backup again (`_welcomed`)."""
         found = self.leader_watch.leader if self.leader_watch is not None else None
         if found is None or found.term <= self.leader_term:
             return
-        if self.children:
-            self._fence_node(f"the group has a new leader, {found.name} (term {found.term}), which starts this "
-                             "node's ranks again")
-        logger.info("node %s: following the leader %s (term %d) at %s", self.node, found.name, found.term,
-                    found.controller)
+        running = self._running()
+        logger.info("node %s: following the leader %s (term %d) at %s with its %d running ranks", self.node,
+                    found.name, found.term, found.controller, len(running))
         if found.controller != self.controller_addr:
             self.sock.disconnect(self.controller_addr)
             self.sock.connect(found.controller)
             self.controller_addr = found.controller
-        self.leader_term, self.join_mode = found.term, "initial"
+        self.leader_term = found.term
+        self.join_mode = "adopt" if running else "initial"
         self.lease.restart()
+
+    def _running(self) -> list[tuple[int, int]]:
+        """(rank_id, pid) of the workers that run and are not being fenced."""
+        with self._lock:
+            return sorted((c.rank_id, c.proc.pid) for c in self.children.values() if not c.fencing and not c.reported)
+
+    def _welcomed(self) -> None:
+        """A new leader welcomed this node's adopting session: its workers follow it, and the backup this
+        node holds is announced to it again (its pieces with their reference checksums)."""
+        assert self.launch is not None
+        frames = self.key.seal(NewLeader(self.launch), self.fence.highest)
+        with self._lock:
+            children = [c for c in self.children.values() if not c.fencing and not c.reported]
+        for child in children:
+            try:
+                write_message(child.proc.stdin, frames)
+            except (OSError, ValueError):  # it is exiting (its pipe closed): its exit is reported as usual
+                continue
+        if self.backup.path is not None:
+            for piece in self._backup_pieces:
+                self.send(piece)
 
     def _keep_lease(self, now: float) -> None:
         """Register until welcomed, say alive while welcomed, fence this node when the lease ran out (in
-        a group: and etcd did not answer either for as long, so the node is cut off from the group)."""
+        a group: and etcd did not answer either for as long, so the node is cut off from the group;
+        a node that reaches etcd waits for the next leader with its workers running)."""
         if self.lease.expired(now) and not (self.leader_watch is not None
                                             and self.leader_watch.group_reached_within(self.lease.lease_s)):
             self._fence_node(f"no word from the controller for {self.lease.lease_s:g}s (--lease-s)")
         if self.lease.hello_due(now):
             self.send(AgentHello(
                 self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available, self.num_ranks,
-                self.join_mode, self.auto_recover, self.lease.session, self.host, self.standalone))
+                self.join_mode, self.auto_recover, self.lease.session, self.host, self.standalone,
+                self._running() if self.join_mode == "adopt" else []))
         if self.lease.alive_due(now):
             self.send(AgentAlive(self.node, self.lease.session, self._rejected(), self.backup.storage_bytes))
 
@@ -269,15 +299,18 @@ class NodeAgent:
             self._signal(child.proc.pid, signal.SIGKILL)
         logger.warning("node %s: fenced its %d ranks: %s; registering again", self.node, len(children), why)
         # the controller plans no transfer from this node's backup any more
-        self.backup.drop("this node fenced itself")
+        self._drop_backup("this node fenced itself")
         self.join_mode = "recover"
         self.lease.restart()
 
     def _handle(self, msg) -> bool:
         now = time.monotonic()
         if isinstance(msg, AgentWelcome):
+            again = self.lease.welcomed  # a welcome repeated for a repeated hello
             if self.lease.welcome(msg.session, now):
                 self.launch = msg.launch
+                if self.join_mode == "adopt" and not again:
+                    self._welcomed()
             return True
         if isinstance(msg, LeaseRenew):
             self.lease.renew(msg.session, now)
@@ -292,8 +325,10 @@ class NodeAgent:
             return True
         if isinstance(msg, BackupAssign):
             assert self.launch is not None
+            if self.backup.path is not None:
+                self._drop_backup("the controller assigned a new share")
             threading.Thread(target=self.backup.build,
-                             args=(self.launch, msg.items, msg.device_kind, self._notify, self._stopped),
+                             args=(self.launch, msg.items, msg.device_kind, self._announce, self._stopped),
                              daemon=True).start()
         elif isinstance(msg, StartWorker):
             with self._lock:
@@ -336,6 +371,15 @@ class NodeAgent:
             logger.warning("node %s: healed the links of %s", self.node, "the node" if rank_id is None else
                            f"rank {rank_id}")
 
+    def _announce(self, piece: BackupReady) -> None:
+        """A piece of the backup is written (the build's thread): kept, and reported."""
+        self._backup_pieces.append(piece)
+        self._notify(piece)
+
+    def _drop_backup(self, why: str, warn: bool = False) -> None:
+        self._backup_pieces = []
+        self.backup.drop(why, warn=warn)
+
     def _notify(self, message) -> None:
         """Queue a report to the controller from any thread (each gets its own PUSH socket)."""
         push = self.ctx.socket(zmq.PUSH)
@@ -351,7 +395,9 @@ class NodeAgent:
                           dense_path=dense_site.path if dense_site is not None and local else "",
                           dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "")
         env = {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: self.key.hex()}
-        proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env)
+        # stdin: the agent link (`NewLeader` when the controller group's leader changes)
+        proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env,
+                                stdin=subprocess.PIPE)
         # in its own cgroup long before it opens a socket (it imports torch first), so it can be cut
         self.netcut.place(f"rank{rank_id}", proc.pid)
         with self._lock:
@@ -424,6 +470,7 @@ class NodeAgent:
         returncode = child.proc.wait()
         self._report_exit(child, returncode)
         os.close(child.stat_fd)
+        child.proc.stdin.close()
         self.netcut.remove(f"rank{child.rank_id}")
         with self._lock:
             self.children.pop(pid, None)
@@ -495,7 +542,7 @@ class NodeAgent:
             except subprocess.TimeoutExpired:
                 self._signal(p.pid, signal.SIGKILL)
                 p.wait()
-        self.backup.drop("the agent stopped")
+        self._drop_backup("the agent stopped")
         self.netcut.close()
         self.send(AgentBye(self.node))
         self.sock.disable_monitor()

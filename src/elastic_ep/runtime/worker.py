@@ -14,6 +14,11 @@ Threads:
   while the main thread is blocked, and sees nothing once the process is stopped. It runs
   under SCHED_RR where the rank may (node/priority.py): a CPU saturated by loading ranks no longer
   keeps it off the run queue for seconds.
+- agent link: reads its agent's `NewLeader` on stdin (wire/pipe.py). The controller group has a
+  new leader: the epoch in flight is aborted (a collective the dead leader's last step left waiting
+  gives up), the heartbeat thread connects to the new leader at once, and the main thread, back in
+  its loop, connects its step socket and its store there and registers again (join_mode "adopt")
+  with its weights, expert slots and KV pool as they are: the new leader adopts it in a new epoch.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
 Messages of an epoch other than the current one are dropped, and so is any frame without the
@@ -23,6 +28,7 @@ cluster key (which its agent hands it in $ELASTIC_EP_CLUSTER_KEY) or not of its 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import signal
 import sys
@@ -49,6 +55,7 @@ from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.node.priority import prioritize_this_thread
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
+    AGENT_TO_WORKER,
     CONTROLLER_TO_HEARTBEAT,
     CONTROLLER_TO_WORKER,
     AbortEpoch,
@@ -61,6 +68,7 @@ from elastic_ep.wire import (
     EpochStart,
     Heartbeat,
     Inbox,
+    NewLeader,
     Shutdown,
     SleepRank,
     SleepReply,
@@ -76,8 +84,10 @@ from elastic_ep.wire import (
     WarmUp,
     WorkerArgs,
     WorkerHello,
+    WorkerLaunch,
     key_from_env,
 )
+from elastic_ep.wire.pipe import read_message
 
 from .dense import load_dense
 from .devices import rank_devices
@@ -146,6 +156,9 @@ class Worker:
         self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights dropped too
         self._slept_checksums: dict[tuple[int, int], int] = {}
         self._kv_blocks = (self.kv.num_blocks, self.kv.block_size)  # what a wake builds again
+        self.held_epoch = -1  # the epoch whose slots this rank holds whole (-1: none yet, or being changed)
+        self._new_leader: WorkerLaunch | None = None  # set by the agent link, followed by the main thread
+        self._health_addr = launch.health_addr  # where the heartbeat thread sends (the leader's health socket)
 
     def _kv_pool(self) -> tuple[KVCache, float]:
         """The rank's KV pool, sized once (model/kv_cache.py: pool_num_blocks), and the seconds
@@ -227,20 +240,34 @@ class Worker:
         self.sock.send_multipart(self.key.seal(message, self.fence.highest))
 
     def _receive(self):
-        """The next message of the step socket; frames the inbox drops are skipped."""
-        while True:
-            msg = self.inbox.read(self.sock.recv_multipart(copy=False))
-            if msg is not None:
-                return msg
+        """The next message of the step socket (frames the inbox drops are skipped), or None when a
+        new leader is to be followed."""
+        while self._new_leader is None:
+            if self.sock.poll(50):
+                msg = self.inbox.read(self.sock.recv_multipart(copy=False))
+                if msg is not None:
+                    return msg
+        return None
+
+    def _hello(self) -> None:
+        self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
+                              self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device),
+                              (self.kv.num_blocks if self.kv is not None else self._kv_blocks[0])
+                              - len(self.pad_blocks), __version__,
+                              self.dense_bytes, self.progress.current.epoch, self.held_epoch))
 
     def run(self) -> None:
         if self.args.launch.heartbeat_interval_s > 0:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
-        self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
-                              self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device),
-                              self.kv.num_blocks - len(self.pad_blocks), __version__, self.dense_bytes))
+        threading.Thread(target=self._agent_link, name="agent-link", daemon=True).start()
+        self._hello()
         while True:
+            if self._new_leader is not None:
+                self._follow(self._new_leader)
+                continue
             msg = self._pending.pop(0) if self._pending else self._receive()
+            if msg is None:
+                continue
             if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, EpochStart | StepPlan) and self.sleep_level:  # a recovery after a fault while asleep
@@ -271,7 +298,49 @@ class Worker:
         if self.group is not None:
             self.group.destroy()
 
+    def _agent_link(self) -> None:
+        """Read the agent's `NewLeader` orders on stdin until the agent closes it; a frame that is not
+        sealed with the cluster key, or of an older term, is dropped (wire/codec.py Inbox)."""
+        inbox = Inbox("worker_agent", AGENT_TO_WORKER, self.key, self.args.node, self.fence)
+        stdin = sys.stdin.buffer
+        while (frames := read_message(stdin)) is not None:
+            msg = inbox.read(frames)
+            if not isinstance(msg, NewLeader):
+                continue
+            group = self.group  # the last leader's: read before the main thread may follow and form another
+            self._health_addr = msg.launch.health_addr
+            self._new_leader = msg.launch
+            if group is not None:
+                group.abort()  # a collective of the last leader's epoch gives up: the main thread follows
+
+    def _follow(self, launch: WorkerLaunch) -> None:
+        """Connect the step socket and the store to the new leader and register there again, keeping
+        the weights, the slots and the KV pool; the last leader's epoch is left (its group, its pending
+        orders, its sequences: the new leader numbers its own and prefills them again)."""
+        self._new_leader = None
+        self._pending = []
+        if self.group is not None:
+            self.group.destroy()
+        # the new leader numbers its epochs past the record it read, which may lag; whatever it numbers
+        # comes in its term, and nothing of an older term gets through the fence
+        self.group = None
+        old = self.args.launch
+        if launch.step_addr != old.step_addr:
+            self.sock.disconnect(old.step_addr)
+            self.sock.connect(launch.step_addr)
+        self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
+        self.args = dataclasses.replace(self.args, launch=launch, join_mode="adopt")
+        if self.kv is not None:
+            for seq_id in self.tokens:
+                self.kv.free(seq_id)
+        self.tokens = {}
+        print(f"elastic-ep rank {self.args.rank_id}: following the new leader at {launch.step_addr}", file=sys.stderr,
+              flush=True)
+        self._hello()
+
     def _newer_epoch_arrived(self) -> bool:
+        if self._new_leader is not None:  # the leader that announced this epoch is gone
+            return True
         while self.sock.poll(0):
             msg = self.inbox.read(self.sock.recv_multipart(copy=False))
             if isinstance(msg, (EpochStart, Shutdown)):
@@ -302,6 +371,7 @@ class Worker:
                 group.epoch, rendezvous_s, links = msg.epoch, 0.0, self.moe.links
             location = ExpertLocation.from_phy2log(msg.phy2log, msg.slots_per_rank, self.config.num_experts)
             self.progress.enter("transfer")  # from here heartbeats may come late: the controller allows for it
+            self.held_epoch = -1  # until this epoch's slots are whole
             if self.slots is None:
                 self.slots = ExpertSlots(
                     self.config.moe_layers, msg.slots_per_rank, self.config.moe_intermediate_size,
@@ -327,6 +397,7 @@ class Worker:
             self.moe = ExpertParallelMoE(self.slots, location.log2phy, location.logcnt, links, self.progress,
                                          self.config.moe_layers, location.num_ranks, self.config.top_k)
             self.progress.idle()
+            self.held_epoch = msg.epoch
             self.send(EpochReady(msg.epoch, args.rank_id, checksums, filled.source_checksums, filled.stats,
                                  rendezvous_s, transfer_s, verify_s))
         except EpochSuperseded:
@@ -544,12 +615,17 @@ class Worker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.args.launch.health_addr)
+        connected = self._health_addr
+        sock.connect(connected)
         inbox = Inbox("worker_heartbeat", CONTROLLER_TO_HEARTBEAT, self.key, self.args.node, self.fence)
         pid = os.getpid()
         interval_s = self.args.launch.heartbeat_interval_s
         next_beat = time.monotonic()
         while not self._stop.is_set():
+            if self._health_addr != connected:  # a new leader (the agent link): beat there from now on
+                sock.disconnect(connected)
+                connected = self._health_addr
+                sock.connect(connected)
             if sock.poll(max(int((next_beat - time.monotonic()) * 1000), 0)):
                 msg = inbox.read(sock.recv_multipart(copy=False))
                 group = self.group

@@ -13,7 +13,8 @@ Transport: ZeroMQ. The controller binds two ROUTER sockets:
   `WorkerStarted`, `WorkerExited`, `WorkerFenced`, `HardwareReport` and receives `AgentWelcome`, `BackupAssign`,
   `StartWorker`, `FenceWorker`, `SignalWorker`, `AgentShutdown`, and says `AgentBye` when it stops.
 An agent also binds a ROUTER for `BackupFetch` -> `BackupTensors` and `DenseFetch` ->
-`DenseTensors` from workers of other nodes.
+`DenseTensors` from workers of other nodes, and writes `NewLeader` to its own workers on their
+stdin (runtime/agent_link.py) when the controller group's leader changes.
 
 Frames are typed msgspec structs in msgpack, each with an HMAC of the deployment's cluster key
 (`codec.py`): never pickle, since a frame from the network is data, not code. Each receiving side
@@ -77,6 +78,7 @@ from .worker import (
     EpochReady,
     EpochStart,
     KVMove,
+    NewLeader,
     Shutdown,
     SleepRank,
     SleepReply,
@@ -97,6 +99,7 @@ from .worker import (
 )
 
 __all__ = [
+    "AGENT_TO_WORKER",
     "AbortEpoch",
     "AgentAlive",
     "AgentBye",
@@ -126,6 +129,7 @@ __all__ = [
     "HealLinks",
     "Heartbeat",
     "KVMove",
+    "NewLeader",
     "LeaseRenew",
     "Progress",
     "Shutdown",
@@ -181,9 +185,10 @@ CONTROLLER_TO_WORKER = (EpochStart | StepPlan | ChaosStep | SweepSlots | Corrupt
 HEALTH_TO_CONTROLLER = (Heartbeat | AgentHello | AgentAlive | WorkerStarted | WorkerExited | WorkerFenced
                         | HardwareReport | ChaosFailed | BackupReady | AgentBye)
 CONTROLLER_TO_HEARTBEAT = AbortEpoch
+AGENT_TO_WORKER = NewLeader
 CONTROLLER_TO_AGENT = (AgentWelcome | LeaseRenew | SessionEnded | BackupAssign | StartWorker | FenceWorker
                        | SignalWorker | CutLinks | HealLinks | AgentShutdown)
 FETCH_REQUEST = BackupFetch | DenseFetch
 FETCH_REPLY = BackupTensors | DenseTensors
 ALL_MESSAGES = (STEP_TO_CONTROLLER | CONTROLLER_TO_WORKER | HEALTH_TO_CONTROLLER | CONTROLLER_TO_HEARTBEAT
-                | CONTROLLER_TO_AGENT | FETCH_REQUEST | FETCH_REPLY)
+                | CONTROLLER_TO_AGENT | AGENT_TO_WORKER | FETCH_REQUEST | FETCH_REPLY)

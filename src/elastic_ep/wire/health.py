@@ -49,11 +49,13 @@ class AgentHello(Message):
     fetch_addr: str
     backup_capacity_bytes: int
     num_ranks: int
-    join_mode: str = "initial"  # "recover": a replacement node, it takes over ranks that are down
+    join_mode: str = "initial"  # "recover": a replacement node, it takes over ranks that are down; "adopt": below
     auto_recover: bool = False  # the agent restarts its own dead ranks (the controller does not)
     session: str = ""
     host: str = ""  # the address the agent and its workers advertise (--advertise-host)
     standalone: bool = True  # its own process (`elastic-ep agent`), not a thread of `serve`
+    # join_mode "adopt" (a new leader of its group): (rank_id, pid) of the workers it runs, kept for adoption
+    running: list[tuple[int, int]] = []
 
 
 class AgentWelcome(Message):

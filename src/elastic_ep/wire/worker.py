@@ -83,7 +83,7 @@ class WorkerHello(Message):
     rank_id: int
     node: str
     pid: int
-    join_mode: str  # "initial" | "recover"
+    join_mode: str  # "initial" | "recover" | "adopt" (running under the last leader: `NewLeader`)
     dense_source: str = "disk"  # "host_memory" | "peer" | "disk" (runtime/dense.py)
     load_s: float = 0.0
     warmup_s: float = 0.0  # the dummy forward it ran before registering (runtime/worker.py)
@@ -91,6 +91,19 @@ class WorkerHello(Message):
     kv_blocks: int = 0  # its KV pool's blocks (of WorkerLaunch.block_size positions)
     version: str = ""  # the elastic-ep it runs (a rolling restart rolls out what is installed on the node)
     dense_bytes: int = 0  # the dense weights it loaded (from `dense_source`)
+    # adopted ranks: the highest epoch it was told of, and the epoch whose slots it holds whole (-1: none,
+    # or a later epoch began changing them): the placement a new leader may trust for this rank
+    epoch: int = -1
+    held_epoch: int = -1
+
+
+class NewLeader(Message):
+    """Agent -> its worker (the worker's stdin, runtime/agent_link.py): the controller group has a new
+    leader; `launch` holds its sockets and store. The worker leaves the last leader's epoch, connects
+    there and registers again (`WorkerHello` join_mode "adopt") with its weights, slots and KV pool
+    as they are; the frame's term is the new leader's, so the old one's frames are dropped from now on."""
+
+    launch: WorkerLaunch
 
 
 class SlotSource(Record):

@@ -2,7 +2,8 @@
 only the slots of the lost experts and checks only those; a filled slot with the wrong checksum
 fails the epoch, and the slot it was copied from is suspect too; an epoch that does not form
 leaves every slot it was to fill suspect, and the next epoch fills those again instead of
-trusting them."""
+trusting them; a new leader's adoption epoch keeps the last leader's placement and fills nothing
+on the ranks that hold it whole, and restores only the experts of a rank that does not."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 from elastic_ep.control.cluster import ClusterState
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.epochs.epoch_change import EpochChanger, Formed, NoPlacement, NotFormed, VerifyFailed
-from elastic_ep.control.epochs.requests import Recover, Rejoin, Reweight, Start
+from elastic_ep.control.epochs.requests import Adopt, Recover, Rejoin, Reweight, Start
 from elastic_ep.control.ranks import RankInfo, RankStatus
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import EpochFailed, EpochReady, EpochStart
@@ -108,3 +109,23 @@ def test_an_epoch_over_no_live_rank_is_no_placement_not_an_error():
         outcome = changer.change(request, np.ones((1, 4)))
         assert isinstance(outcome, NoPlacement) and "no live rank" in outcome.reason
     assert not ranks.starts and changer.cluster.epoch == -1  # no epoch was announced
+
+
+def test_an_adoption_keeps_the_last_leaders_placement_and_fills_only_a_rank_that_does_not_hold_it():
+    """A new leader knows nothing of the slots but the record's placement: on ranks that hold it whole
+    nothing moves; a rank whose slots an unfinished epoch was changing counts as empty: the experts only
+it held are restored as after its loss."""
+    ranks = StandInRanks()
+    changer = changer_with(ranks)
+    record = changer.cluster.location
+    changer.cluster.location, changer.cluster.members, changer.cluster.epoch = None, [], -1  # a fresh controller
+    outcome = changer.change(Adopt([0, 1, 2], [0, 1, 2], record, after_epoch=5), np.ones((1, 4)))
+    assert isinstance(outcome, Formed) and outcome.report.verified_slots == 0 and not filled(ranks)
+    assert changer.cluster.epoch == 6 and ranks.starts[0].epoch == 6 and not ranks.starts[0].reuse_group
+    assert changer.cluster.location.phy2log.tolist() == record.phy2log.tolist()
+
+    ranks.starts = {}
+    changer.cluster.location, changer.cluster.members = None, []
+    outcome = changer.change(Adopt([0, 1, 2], [0, 2], record, after_epoch=6), np.ones((1, 4)))
+    assert isinstance(outcome, Formed) and outcome.report.verified_slots == 2
+    assert sorted(s.expert for start in ranks.starts.values() for s in start.sources) == [2, 3]  # rank 1's only

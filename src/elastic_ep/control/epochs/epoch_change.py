@@ -45,7 +45,7 @@ from ..config import ServeConfig
 from ..control_plane import ControlPlane
 from ..ranks import RankStatus
 from .epoch_plan import held_placement, split_by_rank
-from .requests import EpochRequest, Refill, Slot, holding_of, keeps_group, restores, same_members
+from .requests import Adopt, EpochRequest, Refill, Slot, holding_of, keeps_group, restores, same_members
 
 
 @dataclass(frozen=True)
@@ -167,8 +167,12 @@ class EpochChanger:
         rank_nodes = c.rank_nodes()
         num_ranks = max(self.cfg.ep_size, max(live) + 1)
         s = c.slots_per_rank
-        serving = [r for r in live if c.ranks[r].status in (RankStatus.SERVING, RankStatus.DRAINING)]
-        old = held_placement(c.location, c.num_layers, c.num_experts, s, num_ranks, serving, self.suspect_slots)
+        if isinstance(request, Adopt):  # what the adopted ranks hold is the last leader's placement
+            c.epoch = max(c.epoch, request.after_epoch)
+            old = held_placement(request.placement, c.num_layers, c.num_experts, s, num_ranks, request.whole)
+        else:
+            serving = [r for r in live if c.ranks[r].status in (RankStatus.SERVING, RankStatus.DRAINING)]
+            old = held_placement(c.location, c.num_layers, c.num_experts, s, num_ranks, serving, self.suspect_slots)
         backup = c.backup_map()
         try:
             if restores(request):

@@ -14,6 +14,7 @@ caller.
 | `Move` | the current members | `target` (one step of the background rebalance) | kept |
 | `Reweight` | the current members | `target` (the straggler policy's speed weights) | new |
 | `ScaleStep` | `live`; `holding` get requests | `target`, else balanced over `holding` | new |
+| `Adopt` | `live` (ranks a new leader adopted) | restore from `placement` on the `whole` ranks | new |
 """
 
 from __future__ import annotations
@@ -81,7 +82,19 @@ class ScaleStep:
     target: ExpertLocation | None = None
 
 
-EpochRequest = Start | Recover | Rejoin | Refill | Move | Reweight | ScaleStep
+@dataclass(frozen=True)
+class Adopt:
+    """A new leader of the controller group takes over running ranks (control/membership/adoption.py):
+    `live` registered with it; `whole` of them hold `placement` (the last leader's) whole in their
+    slots; the epoch is numbered past `after_epoch`, the highest any of them was told of."""
+
+    live: list[int]
+    whole: list[int]
+    placement: ExpertLocation
+    after_epoch: int
+
+
+EpochRequest = Start | Recover | Rejoin | Refill | Move | Reweight | ScaleStep | Adopt
 
 
 def holding_of(request: EpochRequest, live: list[int]) -> list[int]:
@@ -103,4 +116,4 @@ def keeps_group(request: EpochRequest) -> bool:
 
 def restores(request: EpochRequest) -> bool:
     """Every expert stays where it is and only those no live rank holds get a slot."""
-    return isinstance(request, Recover | Rejoin)
+    return isinstance(request, Recover | Rejoin | Adopt)

@@ -13,13 +13,18 @@ once, and since no one can kill them from here they count as down without a conf
 cut-off node fences itself when its lease runs out). When it comes back it registers again,
 in recover mode, and its ranks rejoin; anything from the session given up on is answered
 with `SessionEnded`.
+
+In a controller group a new leader's agents register in adopt mode, naming the workers they
+run: each becomes this controller's rank as it is (`_adopt`), and registers once it follows the
+new leader (`WorkerHello` join_mode adopt, its weights neither loaded nor counted again);
+membership/adoption.py forms the epoch that adopts them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psutil
@@ -118,7 +123,7 @@ class Nodes:
         self.cluster.agents[msg.node] = agent
         self.cluster.events.add(EventKind.AGENT, f"node {msg.node} registered ({msg.join_mode}) at {msg.host or '?'}",
                                 node=msg.node, join_mode=msg.join_mode)
-        self._welcome(agent, msg.join_mode)
+        self._welcome(agent, msg.join_mode, msg.running)
 
     def on_agent_alive(self, identity: bytes, msg: AgentAlive) -> None:
         agent = self.cluster.agents.get(msg.node)
@@ -146,11 +151,16 @@ class Nodes:
                     self.fault(Fault(r.rank_id, FaultCause.NODE_LOST,
                                          f"node {agent.node} unreachable (no agent heartbeat for {timeout_s:g}s)"))
 
-    def _welcome(self, agent: AgentInfo, join_mode: str) -> None:
+    def _welcome(self, agent: AgentInfo, join_mode: str, running: Iterable[tuple[int, int]] = ()) -> None:
         """Give a new agent its ranks: free rank ids, or with join_mode recover (a node that comes
-        back, or a replacement) ranks that are down, its own first, which it starts again."""
+        back, or a replacement) ranks that are down, its own first, which it starts again; with
+        join_mode adopt the `running` (rank_id, pid) it names, as they are (a new leader's agent)."""
         c = self.cluster
         self.plane.to_identity(agent.identity, AgentWelcome(self.launch(), agent.session))
+        if join_mode == "adopt":
+            for rank_id, pid in running:
+                self._adopt(agent, rank_id, pid)
+            return
         if agent.node in c.cordoned:
             c.events.add(EventKind.AGENT, f"node {agent.node} is cordoned: no rank starts there until "
                          "POST /uncordon", node=agent.node)
@@ -167,6 +177,21 @@ class Nodes:
         for rank_id in free[: agent.num_ranks]:
             c.ranks[rank_id] = RankInfo(rank_id, agent.node)
             self.plane.to_identity(agent.identity, self._start_worker(rank_id, "initial"))
+
+    def _adopt(self, agent: AgentInfo, rank_id: int, pid: int) -> None:
+        """A worker an agent runs from the last leader's time becomes this controller's rank (starting
+        until it registers here), unless another process holds that rank id: then it is stopped."""
+        c = self.cluster
+        known = c.ranks.get(rank_id)
+        if known is not None and not known.status.down and known.pid != pid:
+            why = f"rank {rank_id} runs elsewhere (pid {known.pid} on {known.node})"
+            self.plane.to_identity(agent.identity, FenceWorker(rank_id, pid, why, final=True))
+            return
+        heard = self.plane.heard_clock()
+        self.restart_at.pop(rank_id, None)
+        c.ranks[rank_id] = RankInfo(rank_id, agent.node, pid, RankStatus.STARTING, heard, progress_at=heard)
+        c.events.add(EventKind.ADOPTED, f"rank {rank_id} on {agent.node} (pid {pid}) adopted as it runs", rank_id,
+                     pid=pid)
 
     def launch(self) -> WorkerLaunch:
         """What workers start with: the serve flags, with the options of the last rolling restart."""
@@ -228,9 +253,15 @@ class Nodes:
             self.stop_rank(msg.rank_id)
             return
         r.hello, r.last_heartbeat = msg, self.plane.heard_clock()
-        c.loads.dense(msg.node, msg.dense_source, msg.dense_bytes)
         self.set_pool_size(msg.rank_id, msg.kv_blocks)
         cfg = self.cfg
+        if msg.join_mode == "adopt":  # it loaded nothing now (no load counted): its weights are those it ran with
+            self.cluster.events.add(
+                EventKind.REGISTERED, f"rank {msg.rank_id} registered (adopt): it runs on with its weights, slots and "
+                f"KV pool of {msg.kv_blocks} blocks (epoch {msg.held_epoch} held whole)", msg.rank_id,
+                kv_blocks=msg.kv_blocks, held_epoch=msg.held_epoch)
+            return
+        c.loads.dense(msg.node, msg.dense_source, msg.dense_bytes)
         self.cluster.events.add(
             EventKind.REGISTERED, f"rank {msg.rank_id} registered ({msg.join_mode}); dense weights from "
             f"{msg.dense_source} in {msg.load_s:.2f}s, warmed up in {msg.warmup_s:.3f}s; KV pool of {msg.kv_blocks} "

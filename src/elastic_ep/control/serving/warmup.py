@@ -107,6 +107,10 @@ class WarmUpGate:
         if msg.epoch == self.cluster.epoch:
             self.replies[msg.rank_id] = msg
 
+    def adopted(self, epoch: int) -> None:
+        """`epoch` adopts the ranks of the last leader, which warmed them up: their shapes count as warmed."""
+        self.epoch = epoch
+
     def ran(self, epoch: int, shape: int) -> None:
         """A rank ran a step of `epoch` with `shape` tokens (padding included)."""
         self.tally.add(shape, epoch == self.epoch and shape in self.shapes)
