@@ -17,6 +17,14 @@ and copied from shared memory. Modes: "read once" (default serve) and "per rank"
 backup after the first epoch as before). Then, on the last read-once server: POST /sleep at level 1
 and 2, POST /wake_up, and the seconds from the wake request to the first token of a request,
 against the cold start's process start to first token.
+
+The fault check of issue 28, `--repeat N`: N cold starts one after another with serve's defaults
+(no throttle, default deadlines), each to /ready and a first token, counting the fault, fencing,
+degraded, node-lost and epoch-failed events of each start and the ranks fenced; exits 1 when any
+start had one. `--shape issue` is the issue's 2.9 GB DeepSeek-V3 shape (8 layers, hidden 1024, 64
+experts of 512, top-6), where one start in four once fenced two loading ranks:
+
+    PYTHONPATH=src .venv/bin/python benchmarks/coldstart.py --repeat 4 --shape issue --ranks 4
 """
 
 from __future__ import annotations
@@ -33,15 +41,22 @@ from elastic_ep.harness.server_process import ServerProcess
 
 SHAPE = ("--arch", "deepseek_v3", "--layers", "4", "--hidden", "512", "--experts", "64", "--top-k", "6",
          "--heads", "8", "--moe-intermediate", "256")
+# issue 28's checkpoint: 8 layers (7 MoE) of 64 experts of 3 x 1024 x 512 float32, about 2.9 GB
+ISSUE_SHAPE = ("--arch", "deepseek_v3", "--layers", "8", "--hidden", "1024", "--experts", "64", "--top-k", "6",
+               "--heads", "8", "--moe-intermediate", "512")
+SHAPES = {"test": ("coldstart-deepseek-v3", SHAPE), "issue": ("coldstart-deepseek-v3-issue28", ISSUE_SHAPE)}
 PROMPT = "The capital of France is"
+# what a start that starved a loading rank shows in its events
+FAULT_KINDS = ("fault", "fencing", "degraded", "node-lost", "epoch-failed")
 
 
 def model_dir(args) -> Path:
     if args.model:
         return Path(args.model)
-    out = Path(args.cache_dir) / "coldstart-deepseek-v3"
+    name, shape = SHAPES[args.shape]
+    out = Path(args.cache_dir) / name
     if not (out / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "elastic_ep.cli", "make-tiny", *SHAPE, "--out", str(out)], check=True)
+        subprocess.run([sys.executable, "-m", "elastic_ep.cli", "make-tiny", *shape, "--out", str(out)], check=True)
     return out
 
 
@@ -87,6 +102,47 @@ def wake_to_first_token(server: ServerProcess, model: str, level: int) -> dict:
         server, model), 3)}
 
 
+def repeated_start(model: Path, ranks: int, start: int, log: Path) -> dict:
+    """One cold start with serve's defaults, to /ready and a first token; its fault events and
+    fenced ranks (a start that never got ready says why)."""
+    t0 = time.monotonic()
+    server = ServerProcess(["--model", str(model), "--ep-size", str(ranks), "--restart-delay-s", "-1",
+                            "--startup-timeout-s", "900", "--epoch-timeout-s", "900"], log, ready_timeout_s=None)
+    try:
+        row: dict = {"start": start, "ranks": ranks}
+        try:
+            server.wait_ready(1200)
+            row["ready_s"] = round(time.monotonic() - t0, 2)
+            row["first_token_s"] = round(row["ready_s"] + first_token_s(server, str(model)), 2)
+        except (TimeoutError, RuntimeError) as e:
+            row["error"] = str(e).splitlines()[0]
+        events = server.http.get("/cluster", params={"events": 0}).json()["events"]
+        faults = [e for e in events if e["kind"] in FAULT_KINDS]
+        row["faults"] = len(faults)
+        # the ranks a fault named: each was fenced (killed) by the recovery that followed
+        row["fenced_ranks"] = sorted({e["rank_id"] for e in faults if e["kind"] == "fault"})
+        row["fault_messages"] = [e["message"] for e in faults][:4]
+        return row
+    finally:
+        server.stop()
+
+
+def repeat_check(model: Path, ranks: int, repeat: int, logs: Path, as_json: bool) -> int:
+    """`--repeat`: `repeat` cold starts; 1 when any of them faulted or did not get ready."""
+    rows = []
+    for i in range(repeat):
+        rows.append(repeated_start(model, ranks, i, logs / f"serve-repeat-{i}.log"))
+        print(json.dumps(rows[-1]), file=sys.stderr if not as_json else sys.stdout, flush=True)
+    bad = [r for r in rows if r["faults"] or "error" in r]
+    if not as_json:
+        size_gb = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9
+        ready = [r["ready_s"] for r in rows if "ready_s" in r]
+        print(f"model {model} ({size_gb:.2f} GB), {ranks} ranks, serve's defaults: {repeat} cold starts, "
+              f"{len(bad)} with a fault or not ready; ranks fenced: {sum(len(r['fenced_ranks']) for r in rows)}; "
+              f"ready in {min(ready, default=0):.1f}-{max(ready, default=0):.1f} s (logs in {logs})")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
@@ -94,9 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="", help="a checkpoint directory (default: the test's, made once)")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "elastic-ep"))
     parser.add_argument("--json", action="store_true", help="one JSON line per result")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="test",
+                        help="the checkpoint made when --model is not given: the cold-start test's (330 MB) or "
+                             "issue 28's (2.9 GB)")
+    parser.add_argument("--repeat", type=int, default=0,
+                        help="the fault check instead: this many cold starts at the first of --ranks with serve's "
+                             "defaults, counting faults and fenced ranks (exit 1 when any start had one)")
     args = parser.parse_args(argv)
     model = model_dir(args)
     logs = Path(tempfile.mkdtemp(prefix="bench-coldstart-"))
+    if args.repeat > 0:
+        return repeat_check(model, int(args.ranks.split(",")[0]), args.repeat, logs, args.json)
     configs = [(int(r), read_once) for r in args.ranks.split(",") for read_once in (False, True)]
     rows = []
     for ranks, read_once in configs:

@@ -1,5 +1,5 @@
 """Real `elastic-ep serve` processes for end-to-end tests, and reference outputs from
-single-process `elastic-ep generate`.
+single-process `elastic-ep generate` (run in the test process).
 
 Every server listens on a free port, is stopped with SIGTERM (SIGKILL after a grace period)
 and takes its workers with it (they die with their parent); the tests never leave orphans.
@@ -7,9 +7,9 @@ and takes its workers with it (they die with their parent); the tests never leav
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -17,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from elastic_ep.cli import main as cli_main
 from elastic_ep.harness.load import PROMPTS, StreamingLoad, stream
 from elastic_ep.harness.server_process import ServerProcess
 
@@ -44,15 +45,20 @@ class Server(ServerProcess):
 @cache
 def reference(model: str, prompts: tuple[str, ...], max_tokens: int, temperature: float = 0.0,
               seed: int | None = None, dtype: str = "auto") -> tuple[str, ...]:
-    """Completion texts of single-process `elastic-ep generate`."""
-    cmd = [sys.executable, "-m", "elastic_ep.cli", "generate", "--json", "--model", model,
-           "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--dtype", dtype]
+    """Completion texts of single-process `elastic-ep generate`: its command line run in this
+    process (the CLI's own code path, one intra-op thread as in the servers' ranks), without a
+    Python and torch start for each of the suite's ~20 distinct references."""
+    argv = ["generate", "--json", "--model", model, "--max-tokens", str(max_tokens), "--temperature",
+            str(temperature), "--dtype", dtype, "--threads", "1"]
     if seed is not None:
-        cmd += ["--seed", str(seed)]
+        argv += ["--seed", str(seed)]
     for p in prompts:
-        cmd += ["--prompt", p]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300).stdout
-    return tuple(json.loads(line)["text"] for line in out.splitlines() if line.strip())
+        argv += ["--prompt", p]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(argv)
+    assert code == 0, f"elastic-ep generate exited with {code}"
+    return tuple(json.loads(line)["text"] for line in out.getvalue().splitlines() if line.strip())
 
 
 def concurrently(fn, items):

@@ -118,7 +118,7 @@ def test_read_once_copy_many_and_the_readiness_gate(model_dir, tmp_path):
         assert cold["time_to_ready_s"] >= sum(parts.values()) - 0.01
 
         warmup = cold["warmup"]
-        assert warmup["complete"] and warmup["shapes"] == [1, 2, 4, 8, 16, 32, 256], warmup
+        assert warmup["complete"] and warmup["shapes"] == [1, 2, 4, 8, 16, 32, 64, 128, 256], warmup
         assert warmup["slots_warmed"] == {str(r): warmup["slots_per_rank"] for r in range(4)}, warmup
         samples = ready_log.close()
         warming = [t for t, ready, reason in samples if not ready and reason.startswith("warming up")]

@@ -2,7 +2,7 @@
 
 Greedy and seeded outputs must equal single-process `elastic-ep generate` token for token (as
 text), at EP 1, 2 and 4, with redundant experts and after an EPLB rebalance, on both tiny
-architectures.
+architectures; every step runs a batch shape its epoch warmed up (the readiness gate).
 """
 
 from __future__ import annotations
@@ -47,6 +47,16 @@ def test_greedy_and_streaming_match_generate_then_eplb_rebalances_and_output_sta
     assert cluster["epoch"] >= 1
     again = concurrently(lambda p: ep4.complete(p, MAX_TOKENS, temperature=0), PROMPTS)
     assert again == list(expected)
+
+    # the readiness gate covers every step: each rank's tokens padded to a shape it warmed up, and
+    # every epoch the rebalances formed warmed up again before its first step
+    cluster = ep4.cluster()
+    warmup = cluster["cold_start"]["warmup"]
+    assert warmup["epoch"] == cluster["epoch"] and warmup["unwarmed_steps"] == 0, warmup
+    shapes = {int(s) for s in warmup["steps_by_shape"]}
+    assert shapes <= set(warmup["shapes"]) and len(shapes) >= 3, warmup  # decode batches and prefills
+    events = ep4.http.get("/cluster", params={"events": 0}).json()["events"]
+    assert {e["epoch"] for e in events if e["kind"] == "warmup"} == set(range(cluster["epoch"] + 1))
 
 
 def test_seeded_sampling_matches_generate(ep4):

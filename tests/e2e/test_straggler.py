@@ -10,10 +10,13 @@ import statistics
 import threading
 import time
 
+import pytest
+
 from .conftest import reference_load
 
 MODEL = "tiny-deepseek-v3"
 BASE = ("--model", MODEL, "--ep-size", "4", "--max-model-len", "256", "--enable-chaos")
+CAPPED_EVICT_AFTER_S = 4
 
 
 def decisions(cluster: dict, kind: str | None = None) -> list[dict]:
@@ -62,17 +65,32 @@ def test_slow_rank_is_derated_then_evicted_and_replaced_from_a_standby_and_tpot_
     assert 'elastic_ep_hardware_signal_present{node="node0",signal="nvml"} 0.0' in metrics
     assert 'elastic_ep_hardware_signal_present{node="node0",signal="cpu_steal"} 1.0' in metrics
     assert "NVML" in final["hardware"]["node0"]["absent"]["nvml"]
+    server.stop()  # its 4 ranks and standby would take CPU from the other tests' servers until the module ends
 
 
-def test_a_slowdown_of_the_whole_group_evicts_nobody(server_factory):
-    server = server_factory(*BASE, "--straggler-evict-after-s", "3")
+@pytest.fixture(scope="module")
+def capped(server_factory):
+    """One server for the whole-group slowdown and, after it, the eviction cap (a slowdown of the
+    whole group evicts nobody, so the cap's count starts at 0 either way)."""
+    return server_factory(*BASE, "--straggler-evict-after-s", str(CAPPED_EVICT_AFTER_S),
+                          "--straggler-max-evictions", "1")
+
+
+def test_a_slowdown_of_the_whole_group_evicts_nobody(capped):
+    server = capped
     with reference_load(server, MODEL, threads=3) as load:
         server.wait_for(lambda c: load.done >= 3, 60, "requests before the slowdown")
+        slowed_at = time.monotonic()
         for r in range(4):
             slow(server, r, 0.03)
-        # three eviction windows of evidence (verdicts judge the last 5 s)
-        server.wait_for(lambda c: load.done >= 12, 90, "requests while the whole group is slow")
-        cluster = server.cluster()
+        try:
+            # three eviction windows of evidence (verdicts judge the last 5 s)
+            server.wait_for(lambda c: load.done >= 12 and time.monotonic() - slowed_at >= 3 * CAPPED_EVICT_AFTER_S,
+                            90, "requests while the whole group is slow")
+            cluster = server.cluster()
+        finally:
+            for r in range(4):
+                slow(server, r, 0.0)
     assert load.failures == [], load.failures[:3]
     assert decisions(cluster, "evict") == [] and decisions(cluster, "derate") == []
     assert sorted(cluster["members"]) == [0, 1, 2, 3]
@@ -80,8 +98,8 @@ def test_a_slowdown_of_the_whole_group_evicts_nobody(server_factory):
         [r["verdict"] for r in cluster["ranks"]]
 
 
-def test_the_eviction_cap_holds(server_factory):
-    server = server_factory(*BASE, "--straggler-evict-after-s", "4", "--straggler-max-evictions", "1")
+def test_the_eviction_cap_holds(capped):
+    server = capped
     with reference_load(server, MODEL, threads=3) as load:
         server.wait_for(lambda c: load.done >= 3, 60, "requests before the slowdown")
         slow(server, 1, 0.12)

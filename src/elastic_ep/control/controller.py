@@ -193,9 +193,12 @@ class Controller:
         self.chaos = (ChaosInjector(c, self.plane, self.nodes, self.changer.after_next_start, self.scheduler.by_id)
                       if cfg.enable_chaos else None)
         self.isolation = Isolation(self.streams, c.events, self.fault, cfg.isolation_max_steps)
+        self.warmup = WarmUpGate(c, self.plane, warmup_shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens),
+                                 cfg.epoch_timeout_s, self.pump, lambda ranks: any(r in self.detector.faults
+                                                                                   for r in ranks))
         self.steps = StepLoop(c, cfg, self.plane, self.scheduler, self.detector, self.metrics, self.recorder,
                               self.streams, self.isolation, self.config.top_k, self.pump, self.chaos,
-                              traces=self.traces)
+                              traces=self.traces, warmup=self.warmup if cfg.warmup_gate else None)
         self.standby = Standbys(c, cfg.standby_ranks, self.nodes, target_size=lambda: self.scaling.target_ep_size,
                                 joiner=lambda r: self.scaling.joiner(r), faulted=lambda r: r in self.detector.faults)
         self.scaling = ScaleDriver(c, cfg, self.nodes, self.scheduler,
@@ -212,9 +215,6 @@ class Controller:
             replace_later=self.standby.replace_later, pending=lambda: self.detector.pending,
             evidence=self.hardware.evidence, load=self.load, form=self.form)
         self.sweeper = SlotSweeper(c, cfg, self.plane, self.changer)
-        self.warmup = WarmUpGate(c, self.plane, warmup_shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens),
-                                 cfg.epoch_timeout_s, self.pump, lambda ranks: any(r in self.detector.faults
-                                                                                   for r in ranks))
         self.rebalancer = BackgroundRebalance(
             c, cfg, nbytes, self.metrics, load=self.load, load_steps=lambda: len(self.steps.load_window),
             speeds=self.stragglers.placement_speeds, form=self.form, scaling=lambda: self.scaling.active,
@@ -498,9 +498,11 @@ class Controller:
         self.standby.admitted(live)
         self.metrics.epoch.set(c.epoch)
         self.metrics.live_ranks.set(len(live))
-        if first and self.cfg.warmup_gate:
+        # adopted ranks keep the last leader's epoch warm: their group, slots and shapes are the same
+        warm = self.cfg.warmup_gate and not isinstance(request, Adopt)
+        if first and warm:
             c.set_readiness(False, "warming up: every batch shape of the step loop, every expert slot")
-        else:
+        elif not warm:
             c.set_readiness(True)
             self.ready_clock.ready()
         c.events.add(EventKind.EPOCH, f"epoch {c.epoch} ({reason}) with ranks {live}", reason=reason,
@@ -510,6 +512,10 @@ class Controller:
         if first:
             self.nodes.start_backup()
         self.publish()
+        if warm and not first:  # its slots hold other experts: warmed before its first step
+            self._warm_up(first=False)
+        elif self.cfg.warmup_gate:
+            self.warmup.adopted(c.epoch)
         return report
 
     def _start(self) -> None:
@@ -523,7 +529,7 @@ class Controller:
         if isinstance(outcome, NoPlacement):
             self.recovery.degrade(sorted(self.cluster.ranks), outcome.reason)
         elif self.cfg.warmup_gate:
-            self._warm_up()
+            self._warm_up(first=True)
 
     def _adopt(self, adoption: Adoption) -> None:
         """The epoch that adopts the ranks of the last leader (membership/adoption.py)."""
@@ -537,15 +543,17 @@ class Controller:
         if isinstance(outcome, NoPlacement):
             self.recovery.degrade(live, outcome.reason)
 
-    def _warm_up(self) -> None:
-        """The readiness gate (serving/warmup.py): /ready opens once every member ran every shape
-        with a token on each of its slots. A warm-up that fails is recovered from as a failed
-        epoch is (the recovery's epoch then opens /ready)."""
+    def _warm_up(self, first: bool) -> None:
+        """The readiness gate (serving/warmup.py): the epoch serves, and /ready opens, once every
+        member ran every shape with a token on each of its slots. A warm-up that fails is recovered
+        from as a failed epoch is (the recovery's epoch is warmed up in its turn)."""
         c = self.cluster
         report = self.warmup.run()
-        self.ready_clock.mark("warmup_s")
-        c.events.add(EventKind.WARMUP, f"warm-up of shapes {report.shapes} over ranks {c.members}: "
-                     f"{'every slot computed' if report.complete else report.problem}", **report.view())
+        if first:
+            self.ready_clock.mark("warmup_s")
+        c.events.add(EventKind.WARMUP, f"warm-up of epoch {c.epoch}, shapes {report.shapes} over ranks {c.members}: "
+                     f"{'every slot computed' if report.complete else report.problem}", epoch=c.epoch,
+                     **report.view())
         if not report.complete:
             if not self.detector.faults:
                 self.detector.error(f"the warm-up did not complete: {report.problem}")
@@ -609,7 +617,7 @@ class Controller:
                 "standby": {"wanted": self.cfg.standby_ranks, "ready": self.standby.ready()},
                 "sleep": self.sleep.view(),
                 "cold_start": {**self.ready_clock.view(), "read_once": self.cfg.read_once and self.cfg.expert_backup,
-                               "warmup": self.warmup.report.view() if self.warmup.report else None,
+                               "warmup": self.warmup.view(),
                                "read_rate_mb_s": self.cfg.load_read_rate_mb_s, "bytes": self.cluster.loads.by_node()},
                 "rebalance": self.rebalancer.status(),
                 "listening": {"step": self.plane.step_addr, "health": self.plane.health_addr,

@@ -330,7 +330,7 @@ class StandInRank:
             step_s = time.monotonic() - received
             self._set_progress(Progress(plan.epoch, plan.step, -1, "idle", self.seq, time.time()))
             self.send(StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, step_s, 0.0, 0.0, load,
-                                 n_tokens * self.agent.top_k, {}))
+                                 n_tokens * self.agent.top_k, {}, shape=n_tokens + plan.pad_tokens))
         self.agent.host.timers.at(received + due_s, answer)
 
 

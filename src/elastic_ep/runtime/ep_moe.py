@@ -73,6 +73,7 @@ class _TaskState:
     open: tuple | None = None
     in_exchange: bool = False
     finishing: bool = False  # it failed once and runs the rest empty
+    pad_rows: int = 0  # its last rows are the step's padding: computed, not counted in the expert load
 
 
 def route_to_slots(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, slots_per_rank: int,
@@ -163,12 +164,13 @@ class ExpertParallelMoE:
         index = (torch.arange(num_pairs, device=self._group_slots.device) + start) % len(self._group_slots)
         return self._group_slots[index]
 
-    def run(self, forwards: list[Forward]) -> list[torch.Tensor]:
-        """Drive each micro-batch's forward to its end; returns their logits in order. Raises
+    def run(self, forwards: list[Forward], pad_rows: list[int] | None = None) -> list[torch.Tensor]:
+        """Drive each micro-batch's forward to its end; returns their logits in order. pad_rows:
+        per forward, how many of its last tokens are padding (left out of the expert load). Raises
         CollectiveError when a collective fails, LocalFailure after an error in this rank's own
         computation (once the step's collectives have all run)."""
         n = len(forwards)
-        states = [_TaskState() for _ in range(n)]
+        states = [_TaskState(pad_rows=pad) for pad in (pad_rows or [0] * n)]
         tasks = [self._task(f, s) for f, s in zip(forwards, states, strict=True)]
         pending: list = [None] * n
         results: list = [None] * n
@@ -234,7 +236,7 @@ class ExpertParallelMoE:
             if call.layer == self.fail_local_at:
                 self.fail_local_at = -1
                 raise RuntimeError(f"injected fault: local computation of layer {call.layer} failed")
-            exchange = self._exchange(call)
+            exchange = self._exchange(call, state.pad_rows)
             self.progress.enter("dispatch", call.layer)
             state.in_exchange = True
             received = yield from _tagged(exchange.dispatch(), "dispatch")
@@ -269,12 +271,13 @@ class ExpertParallelMoE:
                           torch.empty(0, 1, dtype=torch.int64, device=device), torch.empty(0, 1, device=device))
         return None
 
-    def _exchange(self, call: MoECall):
-        """Route one layer's (token, choice) pairs and pack the exchange that moves them."""
+    def _exchange(self, call: MoECall, pad_rows: int = 0):
+        """Route one layer's (token, choice) pairs and pack the exchange that moves them; the last
+        `pad_rows` tokens (padding) are routed too but left out of the expert load."""
         li = self.layer_index[call.layer]
         num_tokens, k = call.topk_ids.shape
-        if num_tokens:
-            self.counters.expert_load[li] += torch.bincount(call.topk_ids.reshape(-1),
+        if num_tokens > pad_rows:
+            self.counters.expert_load[li] += torch.bincount(call.topk_ids[:num_tokens - pad_rows].reshape(-1),
                                                             minlength=self.num_experts).cpu().numpy()
         s = self.slots.slots_per_rank
         slot = route_to_slots(call.topk_ids, self.log2phy[li], self.logcnt[li], s, self.group.rank_id,

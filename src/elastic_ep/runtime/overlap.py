@@ -41,11 +41,16 @@ def split_chunks(chunks: list[SeqChunk], parts: int) -> tuple[list[list[SeqChunk
 
 @torch.inference_mode()
 def forward_micro_batches(model: MoEForCausalLM, kv: KVCache, chunks: list[SeqChunk], moe: ExpertParallelMoE,
-                          parts: int) -> torch.Tensor:
+                          parts: int, padding: SeqChunk | None = None) -> torch.Tensor:
     """One step's forward over `parts` interleaved micro-batches; logits [len(chunks), V] as
-    `model.forward` returns them. Raises as `ExpertParallelMoE.run`."""
+    `model.forward` returns them. `padding`: the step's padding tokens, run last in the last
+    micro-batch (no logits of theirs are returned). Raises as `ExpertParallelMoE.run`."""
     batches, ends = split_chunks(chunks, parts)
-    logits = moe.run([model.forward_stages(batch, kv) for batch in batches])
+    pad_rows = [0] * len(batches)
+    if padding is not None:
+        batches[-1].append(padding)
+        pad_rows[-1] = len(padding.token_ids)
+    logits = moe.run([model.forward_stages(batch, kv) for batch in batches], pad_rows)
     if not ends:
         return torch.empty(0, model.config.vocab_size, device=model.device)
     return torch.stack([logits[part][row] for part, row in ends])

@@ -107,6 +107,7 @@ from .kv_move import move_kv
 from .overlap import forward_micro_batches
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)  # a StepResult whose plan did not ask for the load
+PAD_SEQ = -2  # the step's padding tokens (the warm-up's dummy sequence is -1; the controller numbers from 0)
 
 
 def _die_with_parent() -> None:
@@ -184,12 +185,15 @@ class Worker:
         num_blocks = pool_num_blocks(
             bytes_per_block, override=launch.num_gpu_blocks_override, budget_bytes=budget,
             fallback_blocks=launch.max_num_seqs * -(-launch.max_model_len // block_size))
+        # the step's padding tokens (StepPlan.pad_tokens) write their KV into blocks of their own
+        # past the pool the controller hands out: at most a full prefill chunk of them
+        self.pad_blocks = list(range(num_blocks, num_blocks + -(-launch.max_num_batched_tokens // block_size)))
         print(f"elastic-ep rank {self.args.rank_id}: KV pool of {num_blocks} blocks of {block_size} tokens "
               f"({num_blocks * block_size} tokens, {num_blocks * bytes_per_block / 2**20:.1f} MiB), "
               f"{num_blocks * block_size // launch.max_model_len} requests of {launch.max_model_len} tokens (a longer "
               "one is refused)",
               file=sys.stderr, flush=True)
-        return self.model.new_kv_cache(num_blocks, block_size), warmup_s
+        return self.model.new_kv_cache(num_blocks + len(self.pad_blocks), block_size), warmup_s
 
     def _warm_up(self, cache: KVCache, num_tokens: int, moe: ExpertParallelMoE | None = None) -> float:
         """One forward of a dummy sequence, on a cache of its own (no request can read it), so
@@ -248,7 +252,8 @@ class Worker:
     def _hello(self) -> None:
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
                               self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device),
-                              self.kv.num_blocks if self.kv is not None else self._kv_blocks[0], __version__,
+                              (self.kv.num_blocks if self.kv is not None else self._kv_blocks[0])
+                              - len(self.pad_blocks), __version__,
                               self.dense_bytes, self.progress.current.epoch, self.held_epoch))
 
     def run(self) -> None:
@@ -468,7 +473,8 @@ class Worker:
         try:
             kv_move_s = self._before_forward(plan, moe, chaos.delay_s)
             logits = forward_micro_batches(self.model, self.kv, [SeqChunk(c.seq_id, c.token_ids, c.start_pos)
-                                                                 for c in plan.chunks], moe, plan.micro_batches)
+                                                                 for c in plan.chunks], moe, plan.micro_batches,
+                                           self._padding(plan.pad_tokens))
         except CollectiveError as e:
             self._fail(plan, StepErrorKind.COLLECTIVE, e)
             return
@@ -485,7 +491,16 @@ class Worker:
             c.dispatch_wait_s, c.combine_wait_s, self._expert_load(c.expert_load, plan.report_load), c.slot_tokens,
             logprobs, errors,
             c.remote_messages, c.remote_bytes, round(kv_move_s, 6),
+            sum(len(chunk.token_ids) for chunk in plan.chunks) + plan.pad_tokens,
         ))
+
+    def _padding(self, num_tokens: int) -> SeqChunk | None:
+        """The step's padding: `num_tokens` dummy tokens of a sequence of their own, on the pool's
+        padding blocks (no request's KV is touched), or None."""
+        if not num_tokens:
+            return None
+        self.kv.set_blocks(PAD_SEQ, self.pad_blocks, num_cached=0)
+        return SeqChunk(PAD_SEQ, [i % self.config.vocab_size for i in range(num_tokens)], 0)
 
     def _expert_load(self, step_load: np.ndarray, report: bool) -> np.ndarray:
         """step_load [L, E] added to the sum; the sum (int32) when the plan asks for it and it is not all

@@ -232,7 +232,10 @@ class StepPlan(Message):
     `kv_moves`: every KV move of the step, the same list to every member (the moves are one
     all-to-all of the group, each member takes its side). `report_load`: answer with the expert
     load summed since the last step that asked (the controller asks every few steps: a [L, E]
-    array per rank per step is 119 KB at DeepSeek-V3's size)."""
+    array per rank per step is 119 KB at DeepSeek-V3's size). `pad_tokens`: dummy tokens run after
+    the chunks so that the rank's step has a shape the readiness gate warmed (its tokens padded to
+    the next warmed bucket, control/serving/warmup.py); their outputs are dropped, their expert
+    load not counted."""
 
     epoch: int
     step: int
@@ -242,13 +245,14 @@ class StepPlan(Message):
     micro_batches: int = 1
     kv_moves: list[KVMove] = msgspec.field(default_factory=list)
     report_load: bool = True
+    pad_tokens: int = 0
 
 
 class StepResult(Message):
     """tokens: seq_id -> sampled token; expert_load: [L, E] int32 tokens this rank routed to each
     logical expert since the last step whose plan had `report_load` (this one included), or an
     empty [0, 0] array when this plan did not ask or the counts are all zero; slot_tokens: tokens
-    its own slots computed (all layers); logprobs:
+    its own slots computed (all layers, padding tokens included); logprobs:
     seq_id -> the sampled token's logprobs, for sequences whose params ask for them."""
 
     epoch: int
@@ -266,6 +270,7 @@ class StepResult(Message):
     remote_messages: int = 0  # point-to-point sends of the all-to-alls to ranks on other hosts
     remote_bytes: int = 0
     kv_move_s: float = 0.0  # time in this step's KV moves (sending or receiving)
+    shape: int = 0  # tokens this rank's forward ran, padding included (the readiness gate's shapes)
 
 
 class StepErrorKind(str, Enum):

@@ -17,11 +17,12 @@ from elastic_ep.control.serving.recorder import ExpertRecorder
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
 from elastic_ep.control.serving.step_loop import MAX_RETRIES_WITHOUT_CULPRIT, StepLoop
 from elastic_ep.control.serving.streams import Streams
+from elastic_ep.control.serving.warmup import WarmUpGate
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.wire import StepPlan
 
 
-def loop_with_one_request():
+def loop_with_one_request(warmed_shapes: list[int] | None = None):
     cfg = config()
     cluster = cluster_of({0: "n0", 1: "n0"})
     scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=64)
@@ -30,8 +31,10 @@ def loop_with_one_request():
     streams = Streams(scheduler)
     detector = FaultDetector(cfg)
     isolation = Isolation(streams, cluster.events, detector.record, cfg.isolation_max_steps)
+    gate = None if warmed_shapes is None else WarmUpGate(cluster, Plane(), warmed_shapes, 1.0, lambda timeout_s: None,
+                                                         lambda ranks: False)
     steps = StepLoop(cluster, cfg, Plane(), scheduler, detector, ClusterMetrics(CollectorRegistry()),
-                     ExpertRecorder(1, 8, [1]), streams, isolation, 2, pump=lambda timeout_s: None)
+                     ExpertRecorder(1, 8, [1]), streams, isolation, 2, pump=lambda timeout_s: None, warmup=gate)
     return steps, scheduler, detector
 
 
@@ -76,3 +79,17 @@ def test_without_chaos_a_step_sends_its_plans_and_nothing_else():
     steps, _, detector = loop_with_one_request()
     interrupt(steps, detector)
     assert [type(m) for _, m in steps.plane.to_workers] == [StepPlan, StepPlan]
+
+
+def test_with_the_readiness_gate_every_rank_runs_a_warmed_shape():
+    """The 3-token prompt on rank 0 is padded to 4, idle rank 1 runs the smallest shape (1 token);
+    the padded dispatch is sized for the padded tokens. Without the gate nothing is padded."""
+    steps, _, detector = loop_with_one_request([1, 2, 4, 8])
+    interrupt(steps, detector)
+    plans = dict(steps.plane.to_workers)
+    assert (len(plans[0].chunks[0].token_ids), plans[0].pad_tokens) == (3, 1)
+    assert (plans[1].chunks, plans[1].pad_tokens) == ([], 1)
+    assert plans[0].dispatch_rows == 4 * 2  # the busiest rank's 4 tokens (3 and a pad) x top-2
+    steps, _, detector = loop_with_one_request()
+    interrupt(steps, detector)
+    assert [p.pad_tokens for _, p in steps.plane.to_workers] == [0, 0]

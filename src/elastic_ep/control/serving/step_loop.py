@@ -40,6 +40,7 @@ from .isolation import Isolation
 from .recorder import ExpertRecorder
 from .scheduler import Scheduler, StepBatch
 from .streams import Streams
+from .warmup import WarmUpGate, padded_tokens
 
 # A step failing with every rank alive (a collective error no fault explains) is recomputed in a
 # re-formed group this many times before its requests end: a deterministic error would otherwise
@@ -60,7 +61,7 @@ class StepLoop:
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, scheduler: Scheduler,
                  detector: FaultDetector, metrics: ClusterMetrics, recorder: ExpertRecorder, streams: Streams,
                  isolation: Isolation, top_k: int, pump: Callable[[float], None], chaos: ChaosHook | None = None,
-                 traces: RequestTraces | None = None):
+                 traces: RequestTraces | None = None, warmup: WarmUpGate | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.plane = plane
@@ -74,6 +75,7 @@ class StepLoop:
         self.pump = pump
         self.chaos = chaos
         self.traces = traces
+        self.warmup = warmup  # the readiness gate: each rank's step padded to a shape it warmed (None: no padding)
         self.replies: dict[int, StepResult | StepFailed] = {}
         self.in_step: set[int] = set()  # members of the step in flight
         self.started_at = 0.0  # monotonic time the step in flight was sent
@@ -111,7 +113,9 @@ class StepLoop:
         self.in_step = set(c.members)
         self.started_at = time.monotonic()
         self._started_ns = time.time_ns()
-        busiest = max(batch.tokens_per_rank().values(), default=0)
+        tokens = batch.tokens_per_rank()
+        pads = self._pads(tokens)
+        busiest = max((tokens.get(r, 0) + pads.get(r, 0) for r in c.members), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
         micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
         if self.chaos is not None:
@@ -122,10 +126,11 @@ class StepLoop:
             chunks, free = batch.chunks.get(rank_id, []), batch.free.get(rank_id, [])
             report_load = (c.step + rank_id) % self.load_every == 0  # ranks take turns
             if chunks or free:
-                plan = StepPlan(c.epoch, c.step, chunks, free, dispatch_rows, micro_batches, batch.moves, report_load)
+                plan = StepPlan(c.epoch, c.step, chunks, free, dispatch_rows, micro_batches, batch.moves, report_load,
+                                pads.get(rank_id, 0))
             elif (plan := empty.get(report_load)) is None:  # one object: encoded and sealed once for all of them
                 plan = empty[report_load] = StepPlan(c.epoch, c.step, [], [], dispatch_rows, micro_batches,
-                                                     batch.moves, report_load)
+                                                     batch.moves, report_load, pads.get(rank_id, 0))
             plans.append((rank_id, plan))
         start = self._sent_at = time.perf_counter()
         times.add("plan", start - t0)
@@ -153,6 +158,13 @@ class StepLoop:
         times.steps += 1
         times.wall_s += time.perf_counter() - t0
         return wall_s
+
+    def _pads(self, tokens: dict[int, int]) -> dict[int, int]:
+        """rank -> padding tokens that make its step a warmed shape (nothing without the gate)."""
+        if self.warmup is None:
+            return {}
+        shapes = self.warmup.shapes
+        return {r: padded_tokens(tokens.get(r, 0), shapes) - tokens.get(r, 0) for r in self.cluster.members}
 
     def _plan(self) -> StepBatch:
         """The next step's batch, without the sequences isolation holds back. After an interrupted
@@ -209,6 +221,8 @@ class StepLoop:
             r.slot_tokens.append(res.slot_tokens)
             if res.expert_load.size:
                 load += res.expert_load
+            if self.warmup is not None:
+                self.warmup.ran(res.epoch, res.shape)
         times.slowest_rank_s += slowest
         self.detector.step_done(wall_s)
         self.uncommitted = None

@@ -1,19 +1,26 @@
 """The readiness gate (--warmup-gate): /ready opens after the first epoch only once every rank ran
-every batch shape of the step loop with a token on every one of its expert slots.
+every batch shape of the step loop with a token on every one of its expert slots, and every later
+epoch is warmed up the same way before its first step.
 
-A GPU server captures a CUDA graph per decode batch size before it serves (vLLM captures sizes
-1, 2, 4, 8, then steps of 8); here the place of that capture is one forward per shape: decode
-batches of 1, 2, 4, ... up to --max-num-seqs tokens on a rank, and a full prefill chunk of
---max-num-batched-tokens. The step loop does not pad a step to these sizes (there is no graph to
-replay on a CPU), so on a CPU they warm the allocator and kernels for those sizes and touch every
-expert slot's weights once. Every (token, choice) of the warm-up goes round robin over the
+A GPU server captures a CUDA graph per batch size before it serves (vLLM captures sizes 1, 2, 4,
+8, then steps of 8) and pads each step to the next captured size; here the place of that capture
+is one forward per shape: 1, 2, 4, ... tokens on a rank up to --max-num-batched-tokens (a full
+prefill chunk), with --max-num-seqs among them. The step loop runs only these shapes: each rank's
+tokens are padded to the next one (`padded_tokens`; a rank with nothing to run runs the smallest,
+as vLLM's idle data-parallel ranks run a dummy batch), on the CPU as on a GPU, so the first run of
+a shape is always the warm-up's. Every (token, choice) of the warm-up goes round robin over the
 group's slots (runtime/ep_moe.py: `ExpertParallelMoE.warm_up`), so each rank reports how many of
-its slots computed, and the gate opens only when that is all of them on every rank.
+its slots computed, and the gate opens only when that is all of them on every rank. An epoch
+change moves experts into slots, so each new epoch is warmed before it serves (a failed warm-up
+is recovered from as a failed epoch is); `ShapeTally` counts the shape of every step each rank
+ran, and the steps that ran a shape their epoch did not warm.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,14 +32,40 @@ from ..control_plane import ControlPlane
 
 
 def warmup_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """Tokens per rank of each warm-up forward: powers of two up to max_num_seqs, max_num_seqs,
-    and max_num_batched_tokens (a full prefill chunk), ascending, once each."""
+    """Tokens per rank of each warm-up forward: powers of two below max_num_batched_tokens,
+    max_num_seqs and max_num_batched_tokens (a full prefill chunk), ascending, once each (a step
+    padded to the next one runs less than twice its tokens)."""
     shapes = {max_num_seqs, max_num_batched_tokens}
     size = 1
-    while size < max_num_seqs:
+    while size < max_num_batched_tokens:
         shapes.add(size)
         size *= 2
-    return sorted(s for s in shapes if s > 0)
+    return sorted(s for s in shapes if 0 < s <= max_num_batched_tokens)
+
+
+def padded_tokens(tokens: int, shapes: list[int]) -> int:
+    """The shape a rank with `tokens` tokens in a step runs: the smallest of `shapes` (ascending)
+    that holds them; `tokens` itself above the largest (the scheduler never plans that many)."""
+    i = bisect.bisect_left(shapes, max(tokens, 1))
+    return shapes[i] if i < len(shapes) else tokens
+
+
+@dataclass
+class ShapeTally:
+    """Steps per shape (tokens a rank's forward ran, padding included) over every rank, and how
+    many of them ran a shape that the warm-up of their epoch did not (`unwarmed`: 0 when the
+    gate covers every step)."""
+
+    steps: Counter = field(default_factory=Counter)
+    unwarmed: int = 0
+
+    def add(self, shape: int, warmed: bool) -> None:
+        self.steps[shape] += 1
+        self.unwarmed += not warmed
+
+    def view(self) -> dict[str, Any]:
+        return {"steps_by_shape": {str(k): v for k, v in sorted(self.steps.items())},
+                "unwarmed_steps": self.unwarmed}
 
 
 @dataclass
@@ -58,7 +91,8 @@ class WarmUpReport:
 
 class WarmUpGate:
     """`pump(timeout_s)` handles input meanwhile (replies come through `on_reply`); `faulted(ranks)`
-    tells whether a member has a pending fault (the wait ends: recovery takes over)."""
+    tells whether a member has a pending fault (the wait ends: recovery takes over). `epoch`: the
+    last epoch whose warm-up completed (-1: none yet); `ran` tallies the shape of each step a rank ran."""
 
     def __init__(self, cluster: ClusterState, plane: ControlPlane, shapes: list[int], timeout_s: float,
                  pump: Callable[[float], None], faulted: Callable[[list[int]], bool]):
@@ -66,10 +100,26 @@ class WarmUpGate:
         self.pump, self.faulted = pump, faulted
         self.replies: dict[int, WarmedUp] = {}
         self.report: WarmUpReport | None = None
+        self.epoch = -1
+        self.tally = ShapeTally()
 
     def on_reply(self, msg: WarmedUp) -> None:
         if msg.epoch == self.cluster.epoch:
             self.replies[msg.rank_id] = msg
+
+    def adopted(self, epoch: int) -> None:
+        """`epoch` adopts the ranks of the last leader, which warmed them up: their shapes count as warmed."""
+        self.epoch = epoch
+
+    def ran(self, epoch: int, shape: int) -> None:
+        """A rank ran a step of `epoch` with `shape` tokens (padding included)."""
+        self.tally.add(shape, epoch == self.epoch and shape in self.shapes)
+
+    def view(self) -> dict[str, Any] | None:
+        """The last warm-up's report, the epoch it warmed, and the shapes the steps ran (None before any)."""
+        if self.report is None:
+            return None
+        return {**self.report.view(), "epoch": self.epoch, **self.tally.view()}
 
     def run(self) -> WarmUpReport:
         """Warm the members of the current epoch up; the report says whether every slot of every
@@ -97,4 +147,6 @@ class WarmUpGate:
                      if n < report.slots]
         problems += [f"rank {r}: ran shapes {s}" for r, s in report.shapes_run.items() if s != self.shapes]
         report.problem = "; ".join(problems)
+        if report.complete:
+            self.epoch = c.epoch
         return report
