@@ -27,24 +27,37 @@ class EtcdProcess:
     """One etcd listening for clients on http://`host`:<free port> (`url`). `popen` starts it (a
     test bed host's, to run it in a network namespace)."""
 
-    def __init__(self, host: str = "127.0.0.1", popen=subprocess.Popen, ready_timeout_s: float = 20.0):
+    def __init__(self, host: str = "127.0.0.1", popen=subprocess.Popen, ready_timeout_s: float = 20.0,
+                 tries: int = 3):
         self.host = host
         self.data_dir = Path(tempfile.mkdtemp(prefix="elastic-ep-etcd-"))
-        client, peer = free_port(host), free_port(host)
-        self.url = f"http://{host}:{client}"
-        peer_url = f"http://{host}:{peer}"
         self._log = open(self.data_dir / "etcd.log", "w")  # noqa: SIM115 - closed in stop()
+        for attempt in range(tries):  # a free port can be taken by another process before etcd binds it
+            self._start(popen)
+            try:
+                self._wait_ready(ready_timeout_s)
+                return
+            except RuntimeError as e:
+                if "address already in use" not in str(e) or attempt == tries - 1:
+                    self.stop()
+                    raise
+                shutil.rmtree(self.data_dir / "data", ignore_errors=True)
+            except BaseException:
+                self.stop()
+                raise
+
+    def _start(self, popen) -> None:
+        client, peer = free_port(self.host), free_port(self.host)
+        self.url = f"http://{self.host}:{client}"
+        peer_url = f"http://{self.host}:{peer}"
+        self._log.truncate(0)
+        self._log.seek(0)
         self.proc = popen(
             [ETCD, "--name", "e0", "--data-dir", str(self.data_dir / "data"),
              "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
              "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
              "--initial-cluster", f"e0={peer_url}", "--initial-cluster-state", "new"],
             stdout=self._log, stderr=subprocess.STDOUT)
-        try:
-            self._wait_ready(ready_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

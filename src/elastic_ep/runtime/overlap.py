@@ -43,13 +43,15 @@ def split_chunks(chunks: list[SeqChunk], parts: int) -> tuple[list[list[SeqChunk
 def forward_micro_batches(model: MoEForCausalLM, kv: KVCache, chunks: list[SeqChunk], moe: ExpertParallelMoE,
                           parts: int, padding: SeqChunk | None = None) -> torch.Tensor:
     """One step's forward over `parts` interleaved micro-batches; logits [len(chunks), V] as
-    `model.forward` returns them. `padding`: the step's padding tokens, run last in the last
-    micro-batch (no logits of theirs are returned). Raises as `ExpertParallelMoE.run`."""
-    batches, ends = split_chunks(chunks, parts)
+    `model.forward` returns them. `padding`: the step's padding tokens, run as the last
+    chunk, cut into the micro-batches with the others so that none runs more than its share of
+    the step's tokens (the padded dispatch is sized by that share); no logits of theirs are
+    returned. Raises as `ExpertParallelMoE.run`."""
+    batches, ends = split_chunks(chunks + ([padding] if padding is not None else []), parts)
     pad_rows = [0] * len(batches)
     if padding is not None:
-        batches[-1].append(padding)
-        pad_rows[-1] = len(padding.token_ids)
+        ends.pop()
+        pad_rows = [sum(len(c.token_ids) for c in batch if c.seq_id == padding.seq_id) for batch in batches]
     logits = moe.run([model.forward_stages(batch, kv) for batch in batches], pad_rows)
     if not ends:
         return torch.empty(0, model.config.vocab_size, device=model.device)
