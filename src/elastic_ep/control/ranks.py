@@ -183,5 +183,6 @@ class AgentInfo:
     host: str = ""
     last_alive: float = 0.0  # its last AgentAlive, on the heard clock (ControlPlane.heard_clock)
     standalone: bool = True
+    stalled: bool = False  # an in-process agent silent past --agent-timeout-s (Nodes.check_agents)
     backup: BackupSite | None = None
     backup_experts: list[tuple[int, int]] = field(default_factory=list)

@@ -22,6 +22,7 @@ from elastic_ep.control.membership.nodes import Nodes, device_kind, wrong_device
 from elastic_ep.control.ranks import RankStatus
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.wire import (
+    AgentAlive,
     AgentHello,
     AgentShutdown,
     AgentWelcome,
@@ -96,6 +97,19 @@ def test_a_silent_agent_makes_every_rank_of_its_node_a_fault():
     assert [(f.rank_id, f.cause) for f in rig.faults] == [(1, FaultCause.NODE_LOST)]
     assert rig.cluster.ranks[2].status == RankStatus.DEAD  # no one is left to confirm its fence
     assert "n1" not in rig.cluster.agents and "n0" in rig.cluster.agents
+
+
+def test_a_silent_in_process_agent_is_a_stall_event_not_a_lost_node():
+    rig = Rig({0: "n0", 1: "n0"}, agent_timeout_s=1.0)
+    agent = rig.cluster.agents["n0"]
+    agent.standalone, agent.last_alive = False, 0.0
+    rig.nodes.check_agents(5.0)
+    rig.nodes.check_agents(6.0)
+    assert rig.faults == [] and "n0" in rig.cluster.agents
+    stalls = [e for e in rig.cluster.events.all() if "in-process agent was silent" in e["message"]]
+    assert len(stalls) == 1  # once per silence
+    rig.nodes.on_agent_alive(agent.identity, AgentAlive("n0", agent.session))
+    assert not agent.stalled
 
 
 def test_a_fence_goes_through_the_agent_and_a_rank_on_an_unreachable_node_is_down_at_once():

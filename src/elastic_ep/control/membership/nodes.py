@@ -131,14 +131,26 @@ class Nodes:
             self.plane.to_identity(identity, SessionEnded(msg.session, "the controller gave up on this session "
                                                                            "(unreachable for --agent-timeout-s)"))
             return
-        agent.last_alive = self.plane.heard_clock()
+        agent.last_alive, agent.stalled = self.plane.heard_clock(), False
         self.cluster.loads.agent(msg.node, msg.session, msg.storage_bytes)
         self.plane.to_identity(identity, LeaseRenew(msg.session, self.cfg.lease_s))
 
     def check_agents(self, now: float) -> None:
-        """Drop every agent silent for --agent-timeout-s; its node's ranks are faults."""
+        """Drop every agent silent for --agent-timeout-s; its node's ranks are faults. Not the
+        in-process agent of `serve`: it is a thread of this process, with no host or link of its own
+        to lose, so its silence is a stall of that thread (seen on a loaded machine while ranks
+        load) and fencing its node for it would be a false fault; its ranks are still judged by
+        their own heartbeats and exits. Such a stall is an event, once per silence."""
         timeout_s = self.cfg.agent_timeout_s
         for agent in [a for a in self.cluster.agents.values() if now - a.last_alive > timeout_s]:
+            if not agent.standalone:
+                if not agent.stalled:
+                    agent.stalled = True
+                    self.cluster.events.add(
+                        EventKind.AGENT, f"node {agent.node}: the in-process agent was silent for more than "
+                        f"{timeout_s:g}s, a stall of its thread in this process (not a node loss: its ranks "
+                        "are judged by their own heartbeats)", node=agent.node)
+                continue
             self.cluster.events.add(EventKind.NODE_LOST, f"node {agent.node} lost: no word from its agent for "
                                     f"{timeout_s:g}s (host down or cut off); its ranks fence themselves within "
                                     "their lease", node=agent.node)
