@@ -7,7 +7,8 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
 - frames: a ControlPlane's `receive` over frames queued by a peer on loopback (heartbeats, and
   `StepResult`s with an empty expert load as most ranks send in a step), us per frame;
 - schedule: the scheduler's `schedule` + `commit` of a step at N ranks, one decoding sequence
-  in all (the others idle: the benchmark's `--seqs-per-rank 0`), ms per step;
+  in all (the others idle: the benchmark's `--seqs-per-rank 0`), then 8 and 64 decoding on every
+  one of 256 ranks with short and 1,024-token prompts (each its own: no prefix hits), ms per step;
 - detector: one heartbeat and watchdog check over N ranks (50 a second while a step runs), ms.
 
 With --baseline REV the same script runs again on the `src` of git revision REV (a child
@@ -73,12 +74,18 @@ def frames_us(kind: str, n: int) -> float:
     return 1e6 * cpu / n
 
 
-def schedule_ms(ranks: int, steps: int = 20) -> float:
-    """CPU ms per step of schedule + commit at `ranks` ranks, one decoding sequence in all."""
-    s = Scheduler(max_num_seqs=1, max_num_batched_tokens=2048, align=AlignRule())
+def schedule_ms(ranks: int, seqs_per_rank: int = 0, prompt_len: int = 6, steps: int = 20) -> float:
+    """CPU ms per step of schedule + commit at `ranks` ranks, decoding: one sequence in all
+    (seqs_per_rank 0), else `seqs_per_rank` on every rank; prompts of `prompt_len` tokens."""
+    n = max(ranks * seqs_per_rank, 1)
+    s = Scheduler(max_num_seqs=max(seqs_per_rank, 1), max_num_batched_tokens=1 << 20, align=AlignRule(),
+                  num_blocks=max(seqs_per_rank, 1) * (prompt_len // 16 + 4) + 16)  # 16-token blocks, 48 tokens to grow
     s.set_ranks(list(range(ranks)))
-    request = GenerationRequest("r0", [2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=100_000, ignore_eos=True), 0)
-    s.add(Sequence(0, request, 200_000, (0,)))
+    for i in range(n):
+        prompt = [2 + (i * 7919 + j) % 30_000 for j in range(prompt_len)]  # its own: no prefix hit
+        request = GenerationRequest(f"r{i}", prompt,
+                                    SamplingParams(max_tokens=100_000, ignore_eos=True), 0)
+        s.add(Sequence(i, request, 200_000, (0,)))
 
     def step() -> None:
         batch = s.schedule()
@@ -112,6 +119,8 @@ def measure(repeat: int) -> dict:
         "heartbeat frame us": best_of(repeat, lambda: frames_us("heartbeat", 20_000)),
         "empty StepResult frame us": best_of(repeat, lambda: frames_us("step", 20_000)),
         **{f"schedule + commit ms, {n} ranks": best_of(repeat, lambda n=n: schedule_ms(n)) for n in (256, 1024)},
+        **{f"schedule + commit ms, 256 ranks x {k} sequences, {p}-token prompts":
+           best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},
         **{f"detector check ms, {n} ranks": best_of(repeat, lambda n=n: detector_ms(n)) for n in (256, 1024)},
     }
 

@@ -90,13 +90,22 @@ class BlockManager:
             parent = hash(key)
             yield key, parent
 
-    def _match(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+    def prefix_chain(self, token_ids: list[int]) -> list[tuple[tuple, int]]:
+        """(key, hash) of the full blocks of token_ids a prefix match looks at (all but the last
+        token). The same in every pool of one block size: a placement that asks every rank's
+        pool computes it once and passes it as `chain` (hashing the prompt once per rank was
+        most of a placement's time with a shared prompt prefix at 64 ranks)."""
+        if not self.enable_prefix_caching:
+            return []
+        return list(self._chain(token_ids, (len(token_ids) - 1) // self.block_size))
+
+    def _match(self, token_ids: list[int], chain: list[tuple[tuple, int]] | None = None) -> tuple[list[int], list[int]]:
         """(block ids, hashes) of the longest cached chain of full blocks of token_ids, leaving at
-        least one token to compute (its logits give the next token)."""
+        least one token to compute (its logits give the next token); `chain`: its `prefix_chain`."""
         if not self.enable_prefix_caching:
             return [], []
         found, hashes = [], []
-        for key, h in self._chain(token_ids, (len(token_ids) - 1) // self.block_size):
+        for key, h in self.prefix_chain(token_ids) if chain is None else chain:
             block_id = self._cached.get(h)
             if block_id is None or self.blocks[block_id].key != key:
                 break
@@ -104,23 +113,26 @@ class BlockManager:
             hashes.append(h)
         return found, hashes
 
-    def computing_prefix(self, token_ids: list[int]) -> tuple[int, int | None]:
+    def computing_prefix(self, token_ids: list[int],
+                         chain: list[tuple[tuple, int]] | None = None) -> tuple[int, int | None]:
         """(tokens, seq_id): how many leading tokens of token_ids past its cached prefix lie in
         full blocks that running sequences hold but have not computed yet (leaving at least one
         token to compute, as `_match`), and the sequence computing the first of them; (0, None)
-        when none."""
-        found, hashes = self._match(token_ids)
-        parent = hashes[-1] if hashes else -1
+        when none. `chain`: its `prefix_chain`, when known."""
+        if not self._computing:
+            return 0, None
+        chain = self.prefix_chain(token_ids) if chain is None else chain
+        found, _ = self._match(token_ids, chain)
         holders = []
-        for _, h in self._chain(token_ids, (len(token_ids) - 1) // self.block_size, len(found), parent):
+        for _, h in chain[len(found):]:
             if h not in self._computing:
                 break
             holders.append(self._computing[h])
         return len(holders) * self.block_size, holders[0] if holders else None
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """Leading tokens of token_ids that `allocate` would find cached."""
-        return len(self._match(token_ids)[0]) * self.block_size
+    def cached_prefix_tokens(self, token_ids: list[int], chain: list[tuple[tuple, int]] | None = None) -> int:
+        """Leading tokens of token_ids that `allocate` would find cached; `chain`: its `prefix_chain`."""
+        return len(self._match(token_ids, chain)[0]) * self.block_size
 
     def allocate(self, seq_id: int, token_ids: list[int], num_tokens: int) -> int | None:
         """Give `seq_id` (holding nothing) blocks for its first num_tokens positions, taking the
