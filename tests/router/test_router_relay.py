@@ -96,6 +96,9 @@ def test_a_stream_whose_instance_fails_goes_on_elsewhere_unchanged(instances, ro
     assert len({e["id"] for e in events}) == 1 and len({e["created"] for e in events}) == 1
     resumed = [r for r in other.engine.requests.values() if r.resumed_output_token_ids]
     assert resumed, "no choice was resumed on the other instance: the failure did not land mid-stream"
+    # each names the request it goes on (a new controller-group leader would attach it to its own run)
+    first_ids = {r.request_id for r in (a if failing == a.url else b).engine.requests.values()}
+    assert all(r.reattach and r.request_id in first_ids for r in resumed), resumed
 
 
 def test_token_ids_stay_inside_the_router_unless_asked_for(instances, routers):
