@@ -199,6 +199,9 @@ class AdoptedRequests:
             sent = len(given)
             attached = True
             self.resumed.labels(by="attach").inc()
+            logger.info("request %s: a client re-attached after %d tokens; %d generated so far%s",
+                        adopted.request.request_id, sent, len(adopted.output),
+                        " (finished)" if adopted.last is not None else "")
             while True:
                 end = len(adopted.output)
                 out = adopted.event(sent, end)

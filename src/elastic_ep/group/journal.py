@@ -243,6 +243,8 @@ class JournaledEngine:
         if self.adopted is not None and (request.reattach or request.resumed_output_token_ids) \
                 and request.request_id not in self.adopted.held:
             self.adopted.resumed.labels(by="client").inc()
+            logger.info("request %s: a client's resume after %d tokens runs anew", request.request_id,
+                        len(request.resumed_output_token_ids))
         self._running.add(request.request_id)
         writer.add(Admitted(request.request_id, list(request.prompt_token_ids), request.params, request.seed,
                             list(request.resumed_output_token_ids)))
