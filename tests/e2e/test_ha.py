@@ -289,6 +289,8 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             assert texts == expected
             assert watch.wait() is last and AGENT_LEASE_S < watch.at - lost < WORKERS_LEASE_S + 2.0
             assert agent.poll() is None
+            # the router's resumed streams attached to the requests the new leader already ran on
+            assert resumed_by(last, "leader") >= 1 and resumed_by(last, "attach") >= 1
 
             # adopted, twice: the same worker processes, in an epoch past the old ones over the same ranks and
             # placement, which filled no slot; no shard of the checkpoint was opened since the first fault
