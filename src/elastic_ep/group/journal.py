@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
@@ -225,7 +226,7 @@ class JournaledEngine:
     def __init__(self, engine: Engine, writer: JournalWriter | None = None, adopted: AdoptedRequests | None = None):
         self._engine, self.writer, self.adopted = engine, writer, adopted
         self.info = engine.info
-        self._running: set[str] = set()
+        self._running: Counter[str] = Counter()  # ids in generate (two clients may name one: X-Request-Id)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         writer = self.writer
@@ -245,7 +246,7 @@ class JournaledEngine:
             self.adopted.resumed.labels(by="client").inc()
             logger.info("request %s: a client's resume after %d tokens runs anew", request.request_id,
                         len(request.resumed_output_token_ids))
-        self._running.add(request.request_id)
+        self._running[request.request_id] += 1
         writer.add(Admitted(request.request_id, list(request.prompt_token_ids), request.params, request.seed,
                             list(request.resumed_output_token_ids)))
         finished = False
@@ -255,7 +256,9 @@ class JournaledEngine:
                 writer.add(Delivered(request.request_id, list(out.new_token_ids), out.finished))
                 yield out
         finally:
-            self._running.discard(request.request_id)
+            self._running[request.request_id] -= 1
+            if not self._running[request.request_id]:
+                del self._running[request.request_id]
             if not finished:
                 writer.add(Delivered(request.request_id, [], True))
 
