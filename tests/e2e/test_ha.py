@@ -5,8 +5,9 @@ host, with outputs identical to a fault-free run; each time a standby leads with
 2 s, in a higher term; the agent follows it without restarting, and keeps its workers though no
 controller spoke to it for longer than its lease (it reached etcd); the new leader adopts the
 running workers: the same processes, no checkpoint shard opened again (counted by the kernel), an
-epoch over the same ranks and placement that filled no slot. A direct client of the dead leader
-resumes from the journal by its request id."""
+epoch over the same ranks and placement that filled no slot. The new leader runs the dead one's
+journaled requests on by itself: a direct client's request reaches its fault-free end with nobody
+attached, and the client re-attaches by its request id for only the tokens it lacks."""
 
 from __future__ import annotations
 
@@ -89,6 +90,26 @@ class FirstToLead:
         self._thread.join(120)
         assert self.server is not None, "no standby leads"
         return self.server
+
+
+def journal_when(server: ServerProcess, request_id: str, predicate, timeout_s: float = 60.0) -> dict:
+    """GET /journal/{request_id} until predicate(answer) holds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = server.http.get(f"/journal/{request_id}")
+        assert r.status_code == 200, r.text
+        if predicate(r.json()):
+            return r.json()
+        assert time.monotonic() < deadline, f"/journal/{request_id}: {r.text[:2000]}"
+        time.sleep(0.05)
+
+
+def resumed_by(server: ServerProcess, by: str) -> float:
+    """elastic_ep_requests_resumed_total{by=...} of the server's /metrics (0 when absent)."""
+    for line in server.http.get("/metrics").text.splitlines():
+        if line.startswith(f'elastic_ep_requests_resumed_total{{by="{by}"}} '):
+            return float(line.split()[1])
+    return 0.0
 
 
 def expected_ids(server: ServerProcess, prompt: str) -> list[int]:
@@ -242,17 +263,21 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             after = new.cluster()
             assert after["group"]["term"] > first["group"]["term"]
             assert agent.poll() is None  # the agent outlived the leader and follows the new one
-            # the direct client: its stream broke; it resumes from the journal by its request id
+            # the direct client: its stream broke. The new leader ran its request on by itself from the
+            # journaled tokens, with nobody attached, to the fault-free end (kept for the orphan window)
             direct.thread.join(30)
             assert direct.broken and len(direct.ids) >= 3
-            journaled = new.http.get(f"/journal/{direct.request_id}")
-            assert journaled.status_code == 200, journaled.text
-            held = journaled.json()["output_token_ids"]
-            assert held and held == target[: len(held)]  # what it had shipped before the kill, the same tokens
+            journaled = journal_when(new, direct.request_id, lambda j: j.get("finished"))
+            assert journaled["resumed_by_leader"] and journaled["output_token_ids"] == target
+            assert resumed_by(new, "leader") >= 1
+            # it re-attaches by its request id with the tokens it got: only the rest comes, nothing runs again
+            attached = resumed_by(new, "attach")
             resumed = new.http.post("/v1/completions", json={
-                "model": model, "prompt": journaled.json()["prompt_token_ids"], "max_tokens": MAX_TOKENS,
-                "temperature": 0, "resume_output_token_ids": held, "return_token_ids": True})
-            assert held + resumed.json()["choices"][0]["token_ids"] == target
+                "model": model, "prompt": journaled["prompt_token_ids"], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "seed": journaled["seed"], "resume_request_id": journaled["request_id"],
+                "resume_output_token_ids": direct.ids, "return_token_ids": True})
+            assert direct.ids + resumed.json()["choices"][0]["token_ids"] == target
+            assert resumed_by(new, "attach") == attached + 1
             assert new.http.get("/journal/cmpl-none").status_code == 404
             assert router.metric("elastic_ep_router_migrations_total") >= 1
 
@@ -264,6 +289,8 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             assert texts == expected
             assert watch.wait() is last and AGENT_LEASE_S < watch.at - lost < WORKERS_LEASE_S + 2.0
             assert agent.poll() is None
+            # the router's resumed streams attached to the requests the new leader already ran on
+            assert resumed_by(last, "leader") >= 1 and resumed_by(last, "attach") >= 1
 
             # adopted, twice: the same worker processes, in an epoch past the old ones over the same ranks and
             # placement, which filled no slot; no shard of the checkpoint was opened since the first fault

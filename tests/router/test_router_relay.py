@@ -96,6 +96,25 @@ def test_a_stream_whose_instance_fails_goes_on_elsewhere_unchanged(instances, ro
     assert len({e["id"] for e in events}) == 1 and len({e["created"] for e in events}) == 1
     resumed = [r for r in other.engine.requests.values() if r.resumed_output_token_ids]
     assert resumed, "no choice was resumed on the other instance: the failure did not land mid-stream"
+    # each names the request it goes on (a new controller-group leader would attach it to its own run)
+    first_ids = {r.request_id for r in (a if failing == a.url else b).engine.requests.values()}
+    assert all(r.reattach and r.request_id in first_ids for r in resumed), resumed
+
+
+def test_a_resume_the_backend_will_not_attach_runs_there_as_a_copy_of_its_own(instances, routers):
+    """A 409 resume_conflict to a resume that names its request: the router sends it again without the
+    name (the tokens alone), and the stream is as the uninterrupted one."""
+    a, b = instances(2)
+    router = routers(RouterConfig(backends=(a.url, b.url), poll_interval_s=0.1))
+    body = {"prompt": "[held] on", "max_tokens": 20, "stream": True, "return_token_ids": True}
+    reference = by_choice(sse(b.url, "/v1/completions", body), False)
+    failing = first_backend(router, "completion", body).url
+    (a if failing == a.url else b).engine.fail_after_events = 2
+    other = b if failing == a.url else a
+    got = by_choice(sse(router.url, "/v1/completions", body), False)
+    assert (got[0]["text"], got[0]["token_ids"]) == (reference[0]["text"], reference[0]["token_ids"])
+    resumed = [r for r in other.engine.requests.values() if r.resumed_output_token_ids]
+    assert resumed and not any(r.reattach for r in resumed)
 
 
 def test_token_ids_stay_inside_the_router_unless_asked_for(instances, routers):

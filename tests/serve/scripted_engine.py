@@ -16,6 +16,7 @@ The prompt text chooses the rest, so tests need no shared switches:
   "[badtoken]" after the first tokens, a token id no tokenizer can decode (an engine bug)
   "[crash]"    generate raises an unexpected exception
   "[busy]"     generate raises ServiceUnavailable(retry_after_s=7)
+  "[held]"     a re-attach (`resume_request_id`) raises ResumeConflict (the request held otherwise)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from elastic_ep.control.api import (
     Health,
     Readiness,
     RequestOutput,
+    ResumeConflict,
     ScaleRejected,
     ServiceUnavailable,
 )
@@ -91,6 +93,8 @@ class ScriptedEngine:
             raise ServiceUnavailable("2 of 4 ranks are recovering; experts 3, 7 have no live replica", 7)
         if "[crash]" in prompt:
             raise RuntimeError("scripted engine crash")
+        if "[held]" in prompt and request.reattach:
+            raise ResumeConflict(f"request {request.request_id} is attached to another client; it runs on there")
         self.requests[request.request_id] = request
         delay_s = 0.05 if "[slow]" in prompt else 0.0
         params, output, stopped = request.params, list(request.resumed_output_token_ids), False

@@ -5,9 +5,11 @@ start, behind a `GroupGate` (serve/group_gate.py): a standby answers /health, /r
 503 for the rest. Once elected, the controller starts in the term it won (every frame it sends
 carries it), its agent address is published in its seat for `elastic-ep agent --etcd`, and the gate
 hands every request to the real app. A new leader adopts the ranks the last one ran, as the cluster
-record names them (control/membership/adoption.py). Deposed (its lease lapsed, or another holds the
-leader key), the process exits at once with EXIT_DEPOSED, sending nothing more: its agents and
-workers outlive it, and a supervisor starts it again as a standby."""
+record names them (control/membership/adoption.py), and runs the last one's unfinished requests on
+from the journal before it lets clients in, who re-attach to them (group/adopted.py). Deposed (its
+lease lapsed, or another holds the leader key), the process exits at once with EXIT_DEPOSED,
+sending nothing more: its agents and workers outlive it, and a supervisor starts it again as a
+standby."""
 
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from elastic_ep.commands.http_server import run_http
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.errors import ElasticEPError
+from elastic_ep.group.adopted import AdoptedRequests
 from elastic_ep.group.election import Election, Role
-from elastic_ep.group.journal import JournaledEngine, JournalReader, JournalWriter
+from elastic_ep.group.journal import Journaled, JournaledEngine, JournalReader, JournalWriter
 from elastic_ep.group.record import write_records
 from elastic_ep.group.status import group_view, standby_reason
 from elastic_ep.group.store import EtcdUnavailable, GroupStore, Seat
@@ -54,19 +57,28 @@ def _deposed(reason: str) -> None:
 
 def add_journal_route(app: FastAPI, engine: JournaledEngine) -> None:
     """GET /journal/{request_id}: what the journal holds of an unfinished request (of this leader, or of
-    the last one, whose client lost its connection): prompt and output token ids, seed, parameters.
-    `request_id` is the response's `id` (the chunks' id) for its first choice, or `<id>-<index>` for
-    choice `index`. Send the prompt again with that `seed` and `resume_output_token_ids` set to
-    `output_token_ids`: it goes on with the tokens the uninterrupted request would have had."""
+    the last one, which this leader runs on), or of one of the last leader's that finished here with
+    nobody attached (kept for the orphan window): prompt and output token ids, seed, parameters,
+    `finished`, and `resumed_by_leader` for those this leader runs on. `request_id` is the response's
+    `id` (the chunks' id) for its first choice, or `<id>-<index>` for choice `index`. Re-attach by
+    sending the prompt again with that `seed`, `resume_request_id` = `request_id` and
+    `resume_output_token_ids` = the tokens already received."""
 
     @app.get("/journal/{request_id}", response_model=dict[str, Any], responses=error_responses(404))
     async def journaled(request_id: str) -> dict[str, Any]:
-        held = engine.writer.requests if engine.writer is not None else {}
-        found = held.get(request_id) or held.get(f"{request_id}-0")
-        if found is None:
-            raise APIError(404, f"no unfinished request {request_id!r} in the journal: it finished, or its id is "
-                           "not a request's `id` (the chunks' id field)", code="not_journaled")
-        return msgspec.to_builtins(found)
+        for candidate in (request_id, f"{request_id}-0"):
+            adopted = engine.adopted.get(candidate) if engine.adopted is not None else None
+            if adopted is not None:
+                r, last = adopted.request, adopted.last
+                return {**msgspec.to_builtins(Journaled(candidate, r.prompt_token_ids, r.params, r.seed,
+                                                        adopted.output, last is not None)),
+                        "finish_reason": last.finish_reason if last else None, "resumed_by_leader": True}
+            held = engine.writer.requests.get(candidate) if engine.writer is not None else None
+            if held is not None:
+                return {**msgspec.to_builtins(held), "finish_reason": None, "resumed_by_leader": False}
+        raise APIError(404, f"no request {request_id!r} in the journal: it finished (and, if the last leader's, "
+                       "the orphan window passed), or its id is not a request's `id` (the chunks' id field)",
+                       code="not_journaled")
 
 
 def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, registry: CollectorRegistry,
@@ -94,7 +106,7 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
     # yet): a takeover only starts them, and spends no CPU on them while it must keep its lease
     controller = Controller(cfg, key, registry)
     controller.on_fatal = lambda: signal.raise_signal(signal.SIGTERM)
-    engine = JournaledEngine(controller.engine)
+    engine = JournaledEngine(controller.engine, adopted=AdoptedRequests(registry))
     app = create_app(engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard, group=view)
     add_journal_route(app, engine)
 
@@ -122,9 +134,13 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
                                                      lambda: controller.engine.cluster(None, 1), stop, 0.5, _deposed),
                          name="cluster-record", daemon=True).start()
         election.set_seat(controller=controller.health_addr, journal_seq=writer.seq)
+        # the last leader's requests go on at once, whether or not their clients come back to attach
+        # (before any client is let in: one that re-attaches finds its request running)
+        engine.adopted.start_threadsafe([r.resumed() for r in reader.requests.values()], engine.generate,
+                                        engine.forget, gate.loop())
         gate.lead(app)
-        logger.info("group %s: %s leads in term %d; controller at %s; %d journaled requests of the last leader",
-                    args.ha_group, args.node, term, controller.health_addr, len(reader.requests))
+        logger.info("group %s: %s leads in term %d; controller at %s; %d journaled requests of the last leader "
+                    "run on", args.ha_group, args.node, term, controller.health_addr, len(reader.requests))
 
     threads = [threading.Thread(target=election.run, args=(stop,), name="election", daemon=True),
                threading.Thread(target=lead, name="takeover", daemon=True),

@@ -33,6 +33,12 @@ class GenerationRequest:
     stream the router moved): the sequence starts with them as its output, so penalties,
     min_tokens, max_tokens and sampling positions are those of the uninterrupted request;
     events carry only the tokens generated after them.
+
+    `reattach`: the client names an earlier request by `request_id` (serve's `resume_request_id`,
+    a stream whose controller died): an engine that runs or holds that request (a new leader of a
+    controller group runs on the last one's journaled requests) answers from it, with the tokens
+    after `resumed_output_token_ids`, instead of starting a second copy; an engine that does not
+    runs it anew under that id. It raises `ResumeConflict` when the request it holds disagrees.
     """
 
     request_id: str
@@ -40,6 +46,7 @@ class GenerationRequest:
     params: SamplingParams
     seed: int
     resumed_output_token_ids: tuple[int, ...] = ()
+    reattach: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,15 @@ class ServiceUnavailable(ElasticEPError):
     def __init__(self, message: str, retry_after_s: int = 5):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class ResumeConflict(ElasticEPError):
+    """A resume that names a request the engine holds otherwise (other tokens, prompt, seed or
+    parameters, or another client attached): the HTTP layer answers 409; `param` names the field."""
+
+    def __init__(self, message: str, param: str = "resume_request_id"):
+        super().__init__(message)
+        self.param = param
 
 
 class ScaleRejected(ElasticEPError):

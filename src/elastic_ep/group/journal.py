@@ -11,23 +11,27 @@ batch of a deposed leader). Every `snapshot_every` batches it writes the state o
 a new leader needs. A standby's `JournalReader` applies the snapshot and then every newer batch
 (every `interval_s`), and says how far it got in its seat (`journal_seq`): GET /cluster shows each
 standby's lag in batches. The journal survives the leader (no lease: a new leader takes it over and
-goes on numbering after the last batch)."""
+goes on numbering after the last batch, and runs its unfinished requests on: group/adopted.py)."""
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from elastic_ep.control.api import Engine, GenerationRequest, RequestOutput
+from elastic_ep.control.api import Engine, GenerationRequest, RequestOutput, ResumeConflict
 from elastic_ep.model.sampling import SamplingParams
 
 from .record import read_record
 from .store import EtcdUnavailable, GroupStore
+
+if TYPE_CHECKING:
+    from .adopted import AdoptedRequests
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,11 @@ class Journaled(msgspec.Struct):
     seed: int
     output_token_ids: list[int]
     finished: bool = False
+
+    def resumed(self) -> GenerationRequest:
+        """The request that goes on from the journaled tokens (as `resume_output_token_ids` does)."""
+        return GenerationRequest(self.request_id, list(self.prompt_token_ids), self.params, self.seed,
+                                 tuple(self.output_token_ids))
 
 
 class Snapshot(msgspec.Struct):
@@ -150,13 +159,11 @@ class JournalWriter:
     unfinished."""
 
     def __init__(self, store: GroupStore, term: int, start_seq: int = 0,
-                 requests: dict[str, Journaled] | None = None, snapshot_every: int = 100,
-                 orphan_ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
+                 requests: dict[str, Journaled] | None = None, snapshot_every: int = 100):
         self.store, self.term, self.seq, self.snapshot_every = store, term, start_seq, snapshot_every
+        # the last leader's unfinished requests, which this one runs on (group/adopted.py): their
+        # entries go on from here, and a snapshot carries them
         self.requests = dict(requests or {})
-        # the last leader's unfinished requests: kept for a resume by id, dropped after orphan_ttl_s
-        self._orphans_until = clock() + orphan_ttl_s if self.requests else None
-        self._orphans, self._clock = set(self.requests), clock
         self._lock = threading.Lock()
         self._buffer: list[Entry] = []
         self.shipped_entries = 0
@@ -187,10 +194,6 @@ class JournalWriter:
             apply(self.requests, batch)
             if self.seq % self.snapshot_every == 0:
                 self._snapshot()
-        if self._orphans_until is not None and self._clock() > self._orphans_until:
-            for request_id in self._orphans:
-                self.requests.pop(request_id, None)
-            self._orphans_until = None
         return bool(batches)
 
     def _snapshot(self) -> None:
@@ -215,17 +218,37 @@ class JournalWriter:
 
 class JournaledEngine:
     """`engine` whose requests and their tokens go to `writer` (set once this controller leads, before
-    any request reaches it); every other call is the engine's."""
+    any request reaches it); every other call is the engine's. A re-attach (`request.reattach`) to a
+    request `adopted` holds (the last leader's, run on here: group/adopted.py) follows that request;
+    one that names a request running here for another client is refused (ResumeConflict), so one id
+    is never two requests in the journal."""
 
-    def __init__(self, engine: Engine, writer: JournalWriter | None = None):
-        self._engine, self.writer = engine, writer
+    def __init__(self, engine: Engine, writer: JournalWriter | None = None, adopted: AdoptedRequests | None = None):
+        self._engine, self.writer, self.adopted = engine, writer, adopted
         self.info = engine.info
+        self._running: Counter[str] = Counter()  # ids in generate (two clients may name one: X-Request-Id)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         writer = self.writer
         assert writer is not None, "a request reached a controller that does not lead"
+        if request.reattach:
+            followed = await self.adopted.attach(request) if self.adopted is not None else None
+            if followed is not None:
+                async with aclosing(followed) as events:
+                    async for out in events:
+                        yield out
+                return
+            if request.request_id in self._running:
+                raise ResumeConflict(f"request {request.request_id} runs on this controller for another client; "
+                                     "it goes on there")
+        if self.adopted is not None and (request.reattach or request.resumed_output_token_ids) \
+                and request.request_id not in self.adopted.held:
+            self.adopted.resumed.labels(by="client").inc()
+            logger.info("request %s: a client's resume after %d tokens runs anew", request.request_id,
+                        len(request.resumed_output_token_ids))
+        self._running[request.request_id] += 1
         writer.add(Admitted(request.request_id, list(request.prompt_token_ids), request.params, request.seed,
-                                  list(request.resumed_output_token_ids)))
+                            list(request.resumed_output_token_ids)))
         finished = False
         try:
             async for out in self._engine.generate(request):
@@ -233,8 +256,17 @@ class JournaledEngine:
                 writer.add(Delivered(request.request_id, list(out.new_token_ids), out.finished))
                 yield out
         finally:
+            self._running[request.request_id] -= 1
+            if not self._running[request.request_id]:
+                del self._running[request.request_id]
             if not finished:
                 writer.add(Delivered(request.request_id, [], True))
+
+    def forget(self, request_id: str) -> None:
+        """The journal's end of a request that ended without reaching `generate` (one of the last
+        leader's, aborted before it began here)."""
+        if request_id not in self._running and self.writer is not None:
+            self.writer.add(Delivered(request_id, [], True))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)

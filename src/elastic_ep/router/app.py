@@ -199,9 +199,15 @@ class Router:
                     target = await self.acquire(key, user, choice.failed_on, resuming=True)
                 except (NoBackend, Saturated) as e:
                     raise StreamFailed(error_body(503, f"the stream cannot go on: {e}", code="no_backend")) from e
+                body = resume_body(route, backend_body, choice)
                 try:
-                    opened = await open_stream(self.client, target, path, resume_body(route, backend_body, choice),
-                                               headers, self.cfg.connect_timeout_s)
+                    opened = await open_stream(self.client, target, path, body, headers, self.cfg.connect_timeout_s)
+                    if _resume_conflict(opened):
+                        # the backend holds that request otherwise (it runs on for a connection it has not
+                        # seen close): a copy of its own from the tokens forwarded, exact all the same
+                        body.pop("resume_request_id")
+                        opened = await open_stream(self.client, target, path, body, headers,
+                                                   self.cfg.connect_timeout_s)
                 except BackendFailed as e:
                     self.admission.release(target)
                     target.mark_broken(str(e))
@@ -259,6 +265,13 @@ class Router:
 def _passed(r: httpx.Response) -> Response:
     headers = {k: v for k, v in r.headers.items() if k.lower() in ("retry-after", "www-authenticate")}
     return Response(r.content, r.status_code, headers, media_type=r.headers.get("content-type"))
+
+
+def _resume_conflict(opened: httpx.Response | ClientError) -> bool:
+    """A 409 `resume_conflict`: the backend will not attach this resume to the request it names."""
+    if not isinstance(opened, ClientError) or opened.status != 409:
+        return False
+    return (_error_of(opened).get("error") or {}).get("code") == "resume_conflict"
 
 
 def _error_of(error: ClientError) -> dict:

@@ -5,12 +5,13 @@ the token ids behind every chunk it forwarded. When a stream's instance fails (i
 is lost, it sends a 5xx error event, or it stops being ready while the stream waits), each of
 its unfinished choices is sent to another backend as a resumed request: the same body for
 that choice alone (its prompt, n=1, its own seed), with `resume_output_token_ids` holding the
-tokens already forwarded. serve then samples as if uninterrupted (the tokens count as output
-for penalties, min_tokens and max_tokens; a draw is seeded by (seed, position)) and starts its
-text where the forwarded text ended, so greedy and seeded choices go on with the tokens the
-dead instance would have produced. The client sees one stream: the first response's id and
-`created`, its own choice indices, no repeated role chunk, text offsets continued, and a usage
-chunk counted here over all the pieces.
+tokens already forwarded and `resume_request_id` its request's id (a new leader of a controller
+group runs that request on already, and the resumed stream attaches to it). serve then samples
+as if uninterrupted (the tokens count as output for penalties, min_tokens and max_tokens; a draw
+is seeded by (seed, position)) and starts its text where the forwarded text ended, so greedy
+and seeded choices go on with the tokens the dead instance would have produced. The client sees
+one stream: the first response's id and `created`, its own choice indices, no repeated role
+chunk, text offsets continued, and a usage chunk counted here over all the pieces.
 
 A choice moves at most `migration_limit` times; past that the stream ends with an error event.
 """
@@ -52,6 +53,9 @@ class ChoiceState:
     finished: bool = False
     moves: int = 0
     failed_on: set[str] = field(default_factory=set)
+    request_id: str | None = None
+    """Its request's id on the backends, `<id>-<index>` as the first backend chunk named it; a
+    resumed choice names it (`resume_request_id`) and keeps it."""
 
 
 def choice_states(route: str, body: dict[str, Any]) -> list[ChoiceState]:
@@ -73,6 +77,10 @@ def resume_body(route: str, backend_body: dict[str, Any], choice: ChoiceState) -
         body["prompt"] = body["prompt"][choice.prompt_index]
     if choice.token_ids:
         body["resume_output_token_ids"] = list(choice.token_ids)
+        body.pop("echo", None)
+    if choice.request_id is not None:
+        # a new leader of a controller group runs the request on already: attach to it
+        body["resume_request_id"] = choice.request_id
         body.pop("echo", None)
     return body
 
@@ -96,6 +104,8 @@ class Rewriter:
         out = []
         for c in chunk.get("choices") or []:
             state = self.choices[index_map[c["index"]]]
+            if state.request_id is None and chunk.get("id"):
+                state.request_id = f"{chunk['id']}-{c['index']}"
             prompt_ids = c.pop("prompt_token_ids", None)
             token_ids = c.pop("token_ids", None) or []
             if prompt_ids is not None:

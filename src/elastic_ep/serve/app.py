@@ -3,8 +3,8 @@
 /openapi.json (and its page /docs) describes every route from the models the handlers
 validate with (serve/openapi.py). Every error leaves as an OpenAI error body: bad input is a
 4xx naming the field (a body that fails validation is a 400, not FastAPI's 422),
-`ServiceUnavailable` a 503 with Retry-After, `ScaleRejected` its own status, any other
-`ElasticEPError` a 400, and anything unexpected a 500 after which the server keeps serving.
+`ServiceUnavailable` a 503 with Retry-After, `ScaleRejected` its own status, `ResumeConflict` a
+409, any other `ElasticEPError` a 400, and anything unexpected a 500 after which the server keeps serving.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from elastic_ep import __version__
-from elastic_ep.control.api import Engine, ScaleRejected, ServiceUnavailable
+from elastic_ep.control.api import Engine, ResumeConflict, ScaleRejected, ServiceUnavailable
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.serve.admin import admin_router
 from elastic_ep.serve.errors import APIError, error_body, error_response, invalid_body
@@ -84,6 +84,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ScaleRejected)
     async def scale_rejected(_: Request, e: ScaleRejected) -> JSONResponse:
         return error_response(APIError(e.status, str(e), param=e.param, code="scale_rejected"))
+
+    @app.exception_handler(ResumeConflict)
+    async def resume_conflict(_: Request, e: ResumeConflict) -> JSONResponse:
+        return error_response(APIError(409, str(e), param=e.param, code="resume_conflict"))
 
     @app.exception_handler(ElasticEPError)
     async def user_error(_: Request, e: ElasticEPError) -> JSONResponse:

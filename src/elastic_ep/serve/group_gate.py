@@ -6,10 +6,13 @@ it answers for itself: GET /health and /ping 200 `{"status": "ok", "role": "stan
 `{"role", "ready": false, "group"}`, GET /metrics, and every other route, /v1 included, 503 with
 `Retry-After` and the leader's URL in `X-Elastic-EP-Leader` and in the message. Once its
 controller runs (`lead(app)`), every request goes to that app, which adds `role` and `group` to
-/health and /cluster itself (serve/admin.py)."""
+/health and /cluster itself (serve/admin.py). `loop()` hands the server's event loop to another
+thread (the takeover runs the last leader's requests on there)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -29,11 +32,22 @@ class GroupGate:
     def __init__(self, view: Callable[[], dict[str, Any]], reason: Callable[[], str], registry: CollectorRegistry):
         self.view, self.reason, self.registry = view, reason, registry
         self.app: ASGIApp | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._serving = threading.Event()
 
     def lead(self, app: ASGIApp) -> None:
         self.app = app
 
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop this app is served on, once the server called it (its lifespan comes first)."""
+        self._serving.wait()
+        assert self._loop is not None
+        return self._loop
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._serving.set()
         if self.app is not None:
             await self.app(scope, receive, send)
             return

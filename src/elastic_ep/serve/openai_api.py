@@ -44,6 +44,7 @@ from elastic_ep.serve.prompts import (
     decode_ids,
     encode_text,
     generation_requests,
+    reattached_response_id,
     render_chat,
     stop_strings,
 )
@@ -145,6 +146,8 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics,
     ) -> Response:
         # vLLM's behaviour: the client may name the request (X-Request-Id), else a fresh id
         response_id = f"{kind.id_prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+        if body.resume_request_id is not None:
+            response_id = reattached_response_id(body.resume_request_id)
         if prefix_keys is not None:
             prefix_keys.record(request.headers.get(PREFIX_KEY_HEADER))
         gen_requests = generation_requests(response_id, prompts, body, info, vocab_size)
@@ -161,7 +164,7 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics,
         )
         if not admitted:
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        echo = getattr(body, "echo", False) and body.resume_output_token_ids is None
+        echo = getattr(body, "echo", False) and body.resume_output_token_ids is None and body.resume_request_id is None
         per_choice = [p for p in prompts for _ in range(body.n)]
         choices = [
             _Choice(i, p.text if echo else "", g, p.token_ids if body.return_token_ids else None)
@@ -189,7 +192,7 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics,
 
 def _answers(event: type[BaseModel]) -> dict[int | str, dict]:
     """The documented answers of a completions route besides its JSON 200."""
-    return {200: event_stream_response(event), **error_responses(400, 404, 500, 503)}
+    return {200: event_stream_response(event), **error_responses(400, 404, 409, 500, 503)}
 
 
 def _chat_text(body: TokenizeChatRequest) -> str:

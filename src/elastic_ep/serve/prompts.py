@@ -132,6 +132,7 @@ def generation_requests(
     and a seeded request is reproducible; greedy choices are identical."""
     _check_request_options(body, vocab_size)
     seed = secrets.randbits(63) if body.seed is None else body.seed
+    named = body.resume_request_id
     requests = []
     for prompt in prompts:
         params = sampling_params(body, len(prompt.token_ids), info.max_model_len)
@@ -140,16 +141,27 @@ def generation_requests(
             index = len(requests)
             requests.append(
                 GenerationRequest(
-                    f"{response_id}-{index}", prompt.token_ids, params, choice_seed(seed, j), resumed
+                    named or f"{response_id}-{index}", prompt.token_ids, params, choice_seed(seed, j), resumed,
+                    reattach=named is not None,
                 )
             )
     return requests
 
 
+def reattached_response_id(request_id: str) -> str:
+    """The response id a re-attach answers under: the named request's own (`<id>-<index>` without
+    its index), so the client sees the id it started with."""
+    head, _, index = request_id.rpartition("-")
+    return head if head and index.isdigit() else request_id
+
+
 def _resumed_output(
     body: CompletionRequest | ChatCompletionRequest, num_prompts: int, params: SamplingParams, vocab_size: int
 ) -> tuple[int, ...]:
-    """`resume_output_token_ids`, checked: one choice, and something left to generate."""
+    """`resume_output_token_ids`, checked: one choice, and something left to generate
+    (`resume_request_id` also resumes one choice, from no tokens when none are given)."""
+    if body.resume_request_id is not None and (body.n != 1 or num_prompts != 1):
+        raise bad_request("resume_request_id re-attaches to one choice: send n=1 and one prompt", "resume_request_id")
     resumed = body.resume_output_token_ids
     if resumed is None:
         return ()

@@ -91,6 +91,18 @@ class _SamplingBody(_Body):
         "as output for penalties, min_tokens and max_tokens, sampling positions follow them, the text starts "
         "after theirs and is not echoed; usage counts only the tokens generated here",
     )
+    resume_request_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        pattern=r"^[A-Za-z0-9._:~-]+$",
+        description="extension: re-attach to a request by its id, `<id>-<index>` (the response's `id`, the "
+        "choice's index; GET /journal/{id} names it `request_id`), with resume_output_token_ids = the tokens "
+        "already received (same prompt, seed and parameters; n=1). A controller that runs or holds that request "
+        "(a new leader of a controller group goes on with the last one's requests) answers from it with the "
+        "tokens after those, instead of a second copy; one that does not runs it anew under that id. 409 when "
+        "the tokens, prompt, seed or parameters disagree with the request it holds",
+    )
 
 
 class CompletionRequest(_SamplingBody):
