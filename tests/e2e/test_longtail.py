@@ -101,9 +101,10 @@ def test_flat_with_dbo_and_kv_moves_is_exact(tmp_path):
         # the readiness gate warmed what DBO runs: every shape in two micro-batches (and 1 token in
         # one, a step where every rank is idle or decodes one), and no step ran anything else
         warmup = cluster["cold_start"]["warmup"]
+        assert warmup["unwarmed_steps"] == 0 and warmup["steps_by_micro_batches"].get("2", 0) > 0, (
+            warmup["unwarmed_steps"], warmup["steps_by_micro_batches"])
         assert list(zip(warmup["shapes"], warmup["micro_batches"], strict=True)) == [
             (1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2)], warmup
-        assert warmup["unwarmed_steps"] == 0 and warmup["steps_by_micro_batches"].get("2", 0) > 0, warmup
     finally:
         stop(server, agent)
 
