@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 def exit_without_teardown(code: int) -> None:
     """End the process once a command has returned, without the interpreter's teardown: its last
     garbage collection over the objects of torch and the server took 1 to 3 s on a loaded host,
-    and every stop of a server or agent (a test's, a rollout's, a pod's) waited for it. Each
+    and every stop of a server or agent (a test's, a pod's) waited for it. Each
     command has cleaned up by then; the logs and the standard streams are flushed first."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
