@@ -16,9 +16,11 @@ import pytest
 from .conftest import Server, reference_load
 
 MODEL = "tiny-deepseek-v3"
-# 16 experts + 24 redundant over 5 ranks: 8 slots per rank, so 2 ranks hold every expert.
+# 16 experts + 24 redundant over 5 ranks: 8 slots per rank, so 2 ranks hold every expert. No
+# readiness gate: each drain forms epochs that would run their warm-up forwards first (the gate
+# is proven in test_cold_start.py and test_serve.py).
 SERVE_ARGS = ["--model", MODEL, "--ep-size", "5", "--local-ranks", "3", "--redundant-experts", "24",
-              "--restart-delay-s", "0.5", "--scale-drain-timeout-s", "1.0"]
+              "--restart-delay-s", "0.5", "--scale-drain-timeout-s", "1.0", "--no-warmup-gate"]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ Every combination of backend and DBO serves greedy and seeded output equal to si
 `elastic-ep generate`, while sequences move between ranks; with DBO and the hierarchical
 backend on, a rank SIGKILLed mid-stream (on either node, the leader of its node included) is
 recovered with every output equal to the fault-free run, and a scale down and up under load loses
-no request; the host groups follow every new membership.
+no request; the host groups follow every new membership. With DBO the readiness gate warms every
+shape in the micro-batches a step runs it in, and no step runs a shape its epoch did not warm.
 """
 
 from __future__ import annotations
@@ -95,7 +96,15 @@ def test_flat_with_dbo_and_kv_moves_is_exact(tmp_path):
         check_exact(server, "tiny-deepseek-v3")
         assert metric(server, "elastic_ep_dp_migrations_total", mode="kv") > 0
         assert metric(server, "elastic_ep_all2all_remote_messages_total") > 0
-        assert server.cluster()["data_plane"]["nodes"] == {"node0": [0, 1], "node1": [2, 3]}
+        cluster = server.cluster()
+        assert cluster["data_plane"]["nodes"] == {"node0": [0, 1], "node1": [2, 3]}
+        # the readiness gate warmed what DBO runs: every shape in two micro-batches (and 1 token in
+        # one, a step where every rank is idle or decodes one), and no step ran anything else
+        warmup = cluster["cold_start"]["warmup"]
+        assert warmup["unwarmed_steps"] == 0 and warmup["steps_by_micro_batches"].get("2", 0) > 0, (
+            warmup["unwarmed_steps"], warmup["steps_by_micro_batches"])
+        assert list(zip(warmup["shapes"], warmup["micro_batches"], strict=True)) == [
+            (1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2)], warmup
     finally:
         stop(server, agent)
 

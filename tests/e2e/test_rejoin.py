@@ -28,9 +28,11 @@ def registered(cluster: dict, rank_id: int) -> list[dict]:
 
 
 def test_auto_recover_then_a_replacement_node_takes_over(tmp_path):
+    # no readiness gate: each of the ~10 epochs would run its warm-up forwards first (the gate is
+    # proven in test_cold_start.py and test_serve.py); the rank's own warm-up forward still runs
     server = Server(["--model", MODEL, "--ep-size", "4", "--local-ranks", "2", "--redundant-experts", "16",
-                     "--restart-delay-s", "-1", "--elastic-ep-scale-timeout", "0.5"], tmp_path / "serve.log",
-                    ready_timeout_s=None)
+                     "--restart-delay-s", "-1", "--elastic-ep-scale-timeout", "0.5", "--no-warmup-gate"],
+                    tmp_path / "serve.log", ready_timeout_s=None)
     agents = [start_agent(server, "node1", "--auto-recover", "--restart-backoff-s", "0.2")]
     try:
         server.wait_ready()

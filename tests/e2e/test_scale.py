@@ -18,8 +18,10 @@ from .conftest import PROMPTS, reference_load
 
 MODEL = "tiny-deepseek-v3"
 # 16 experts + 16 redundant over 4 ranks: 8 slots per rank, so 2 ranks hold every expert.
+# No readiness gate: these ~30 epochs would each run its 9 warm-up forwards first (about 20 s of
+# the module); the gate is proven in test_cold_start.py and, across rebalances, in test_serve.py.
 SERVE_ARGS = ("--model", MODEL, "--ep-size", "4", "--redundant-experts", "16", "--max-ep-size", "6",
-              "--restart-delay-s", "0.5", "--scale-drain-timeout-s", "1.0")
+              "--restart-delay-s", "0.5", "--scale-drain-timeout-s", "1.0", "--no-warmup-gate")
 
 
 @pytest.fixture(scope="module")

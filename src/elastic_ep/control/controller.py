@@ -195,7 +195,8 @@ class Controller:
         self.isolation = Isolation(self.streams, c.events, self.fault, cfg.isolation_max_steps)
         self.warmup = WarmUpGate(c, self.plane, warmup_shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens),
                                  cfg.epoch_timeout_s, self.pump, lambda ranks: any(r in self.detector.faults
-                                                                                   for r in ranks))
+                                                                                   for r in ranks),
+                                 cfg.dbo_min_tokens if cfg.enable_dbo else None)
         self.steps = StepLoop(c, cfg, self.plane, self.scheduler, self.detector, self.metrics, self.recorder,
                               self.streams, self.isolation, self.config.top_k, self.pump, self.chaos,
                               traces=self.traces, warmup=self.warmup if cfg.warmup_gate else None)
@@ -551,8 +552,9 @@ class Controller:
         report = self.warmup.run()
         if first:
             self.ready_clock.mark("warmup_s")
-        c.events.add(EventKind.WARMUP, f"warm-up of epoch {c.epoch}, shapes {report.shapes} over ranks {c.members}: "
-                     f"{'every slot computed' if report.complete else report.problem}", epoch=c.epoch,
+        split = f" in micro-batches {report.micro_batches}" if any(m > 1 for m in report.micro_batches) else ""
+        c.events.add(EventKind.WARMUP, f"warm-up of epoch {c.epoch}, shapes {report.shapes}{split} over ranks "
+                     f"{c.members}: {'every slot computed' if report.complete else report.problem}", epoch=c.epoch,
                      **report.view())
         if not report.complete:
             if not self.detector.faults:

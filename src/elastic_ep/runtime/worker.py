@@ -195,12 +195,13 @@ class Worker:
               file=sys.stderr, flush=True)
         return self.model.new_kv_cache(num_blocks + len(self.pad_blocks), block_size), warmup_s
 
-    def _warm_up(self, cache: KVCache, num_tokens: int, moe: ExpertParallelMoE | None = None) -> float:
+    def _warm_up(self, cache: KVCache, num_tokens: int, moe: ExpertParallelMoE | None = None,
+                 micro_batches: int = 1) -> float:
         """One forward of a dummy sequence, on a cache of its own (no request can read it), so
         that real steps do not pay one-time costs (lazy kernel and allocator set-up). Before the
         rank registers the experts are left out (`moe` None): they arrive with the epoch, whose
         all-to-all must run in step with the group; the readiness gate runs it through the
-        epoch's `moe`. Returns seconds."""
+        epoch's `moe`, in `micro_batches` as a step runs them. Returns seconds."""
         t0 = time.perf_counter()
         warmup_seq = -1  # the controller numbers sequences from 0
         cache.set_blocks(warmup_seq, list(range(cache.num_blocks)))
@@ -208,23 +209,25 @@ class Worker:
         if moe is None:
             self.model.forward([chunk], cache, lambda layer, x, topk_ids, topk_weights: torch.zeros_like(x))
         else:
-            moe.start_step()
-            forward_micro_batches(self.model, cache, [chunk], moe, 1)
+            moe.start_step(micro_batches=micro_batches)
+            forward_micro_batches(self.model, cache, [chunk], moe, micro_batches)
         return time.perf_counter() - t0
 
     def _warm_up_group(self, msg: WarmUp) -> None:
-        """The readiness gate: one forward of each shape in `msg.shapes` (tokens on this rank)
-        through the epoch's MoE with every (token, choice) sent round robin over the group's
-        slots, each on a cache of its own; answers `WarmedUp` with the slots that computed."""
+        """The readiness gate: one forward of each shape in `msg.shapes` (tokens on this rank), in
+        its `msg.micro_batches`, through the epoch's MoE with every (token, choice) sent round
+        robin over the group's slots, each on a cache of its own; answers `WarmedUp` with the
+        slots that computed."""
         moe = self.moe
         assert moe is not None
         block_size = self.args.launch.block_size
         t0, error, done = time.perf_counter(), "", []
         moe.warm_up(True)
         try:
-            for num_tokens in msg.shapes:
+            for num_tokens, micro_batches in zip(msg.shapes, msg.micro_batches, strict=True):
                 self.progress.enter("compute")
-                self._warm_up(self.model.new_kv_cache(-(-num_tokens // block_size), block_size), num_tokens, moe)
+                self._warm_up(self.model.new_kv_cache(-(-num_tokens // block_size), block_size), num_tokens, moe,
+                              micro_batches)
                 done.append(num_tokens)
         except CollectiveError as e:
             self.group.destroy()

@@ -355,11 +355,13 @@ class SleepReply(Message):
 
 class WarmUp(Message):
     """The readiness gate (control/serving/warmup.py): run one forward of each of `shapes` dummy
-    tokens through the epoch's MoE, every (token, choice) sent round robin over the group's
-    slots so that every slot computes; answered `WarmedUp`."""
+    tokens, cut into the same place's `micro_batches` (2 as a step with --enable-dbo runs it),
+    through the epoch's MoE, every (token, choice) sent round robin over the group's slots so that
+    every slot computes; answered `WarmedUp`."""
 
     epoch: int
     shapes: list[int]
+    micro_batches: list[int]
 
 
 class WarmedUp(Message):

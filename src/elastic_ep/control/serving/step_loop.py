@@ -153,7 +153,7 @@ class StepLoop:
             self.metrics.failed_steps.inc()
             self.isolation.step_failed(c.step, batch, failures)
             return None
-        self._finish(batch, wall_s)
+        self._finish(batch, wall_s, micro_batches)
         self.isolation.step_passed(batch)
         times.steps += 1
         times.wall_s += time.perf_counter() - t0
@@ -200,7 +200,7 @@ class StepLoop:
         self.retries_without_culprit = 0
         self.uncommitted = None
 
-    def _finish(self, batch: StepBatch, wall_s: float) -> None:
+    def _finish(self, batch: StepBatch, wall_s: float, micro_batches: int) -> None:
         c, times = self.cluster, self.plane.times
         t0 = time.perf_counter()
         results: dict[int, StepResult] = self.replies  # type: ignore[assignment]
@@ -222,7 +222,7 @@ class StepLoop:
             if res.expert_load.size:
                 load += res.expert_load
             if self.warmup is not None:
-                self.warmup.ran(res.epoch, res.shape)
+                self.warmup.ran(res.epoch, res.shape, micro_batches)
         times.slowest_rank_s += slowest
         self.detector.step_done(wall_s)
         self.uncommitted = None

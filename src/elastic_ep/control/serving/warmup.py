@@ -10,10 +10,12 @@ tokens are padded to the next one (`padded_tokens`; a rank with nothing to run r
 as vLLM's idle data-parallel ranks run a dummy batch), on the CPU as on a GPU, so the first run of
 a shape is always the warm-up's. Every (token, choice) of the warm-up goes round robin over the
 group's slots (runtime/ep_moe.py: `ExpertParallelMoE.warm_up`), so each rank reports how many of
-its slots computed, and the gate opens only when that is all of them on every rank. An epoch
-change moves experts into slots, so each new epoch is warmed before it serves (a failed warm-up
-is recovered from as a failed epoch is); `ShapeTally` counts the shape of every step each rank
-ran, and the steps that ran a shape their epoch did not warm.
+its slots computed, and the gate opens only when that is all of them on every rank. With
+--enable-dbo a step runs its rank's tokens in two micro-batches (`runtime/overlap.py`), so each
+shape is warmed in two micro-batches too, and in one as well where a step can still run one
+(`warmup_steps`). An epoch change moves experts into slots, so each new epoch is warmed before it
+serves (a failed warm-up is recovered from as a failed epoch is); `ShapeTally` counts the shape
+of every step each rank ran, and the steps that ran a (shape, micro-batches) their epoch did not warm.
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def warmup_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
     return sorted(s for s in shapes if 0 < s <= max_num_batched_tokens)
 
 
+def warmup_steps(shapes: list[int], dbo_min_tokens: int | None) -> list[tuple[int, int]]:
+    """(tokens, micro-batches) of every step a rank can run, `shapes` ascending. Without
+    --enable-dbo (dbo_min_tokens None) each shape in one micro-batch. With it a step whose busiest
+    rank runs at least dbo_min_tokens (padding included) runs two on every rank, a smaller or idle
+    rank's shape included, so every shape in two; a step where every rank runs fewer runs one, so
+    the shapes below dbo_min_tokens in one as well."""
+    if dbo_min_tokens is None:
+        return [(s, 1) for s in shapes]
+    two = [(s, 2) for s in shapes] if shapes and shapes[-1] >= dbo_min_tokens else []
+    return sorted([(s, 1) for s in shapes if s < dbo_min_tokens] + two)
+
+
 def padded_tokens(tokens: int, shapes: list[int]) -> int:
     """The shape a rank with `tokens` tokens in a step runs: the smallest of `shapes` (ascending)
     that holds them; `tokens` itself above the largest (the scheduler never plans that many)."""
@@ -52,28 +66,33 @@ def padded_tokens(tokens: int, shapes: list[int]) -> int:
 
 @dataclass
 class ShapeTally:
-    """Steps per shape (tokens a rank's forward ran, padding included) over every rank, and how
-    many of them ran a shape that the warm-up of their epoch did not (`unwarmed`: 0 when the
-    gate covers every step)."""
+    """Steps per shape (tokens a rank's forward ran, padding included) and per number of
+    micro-batches over every rank, and how many of them ran a (shape, micro-batches) that the
+    warm-up of their epoch did not (`unwarmed`: 0 when the gate covers every step)."""
 
     steps: Counter = field(default_factory=Counter)
+    micro_batches: Counter = field(default_factory=Counter)
     unwarmed: int = 0
 
-    def add(self, shape: int, warmed: bool) -> None:
+    def add(self, shape: int, micro_batches: int, warmed: bool) -> None:
         self.steps[shape] += 1
+        self.micro_batches[micro_batches] += 1
         self.unwarmed += not warmed
 
     def view(self) -> dict[str, Any]:
         return {"steps_by_shape": {str(k): v for k, v in sorted(self.steps.items())},
+                "steps_by_micro_batches": {str(k): v for k, v in sorted(self.micro_batches.items())},
                 "unwarmed_steps": self.unwarmed}
 
 
 @dataclass
 class WarmUpReport:
-    """What the gate saw: shapes asked, slots per rank, per rank the slots that computed and the
-    shapes it ran, the slowest rank's seconds, and the errors ("" when complete)."""
+    """What the gate saw: the forwards asked (tokens of each, and its micro-batches), slots per
+    rank, per rank the slots that computed and the shapes it ran, the slowest rank's seconds, and
+    the errors ("" when complete)."""
 
     shapes: list[int]
+    micro_batches: list[int]
     slots: int
     slots_warmed: dict[int, int] = field(default_factory=dict)
     shapes_run: dict[int, list[int]] = field(default_factory=dict)
@@ -85,18 +104,25 @@ class WarmUpReport:
         return not self.problem
 
     def view(self) -> dict[str, Any]:
-        return {"shapes": self.shapes, "slots_per_rank": self.slots, "slots_warmed": self.slots_warmed,
+        return {"shapes": self.shapes, "micro_batches": self.micro_batches, "slots_per_rank": self.slots,
+                "slots_warmed": self.slots_warmed,
                 "seconds": self.seconds, "complete": self.complete, "problem": self.problem}
 
 
 class WarmUpGate:
     """`pump(timeout_s)` handles input meanwhile (replies come through `on_reply`); `faulted(ranks)`
-    tells whether a member has a pending fault (the wait ends: recovery takes over). `epoch`: the
-    last epoch whose warm-up completed (-1: none yet); `ran` tallies the shape of each step a rank ran."""
+    tells whether a member has a pending fault (the wait ends: recovery takes over). `shapes`:
+    tokens per rank the step loop pads to; dbo_min_tokens: --dbo-min-tokens with --enable-dbo
+    (None without), which decides the micro-batches each shape is warmed in (`warmup_steps`).
+    `epoch`: the last epoch whose warm-up completed (-1: none yet); `ran` tallies the shape of each
+    step a rank ran."""
 
     def __init__(self, cluster: ClusterState, plane: ControlPlane, shapes: list[int], timeout_s: float,
-                 pump: Callable[[float], None], faulted: Callable[[list[int]], bool]):
+                 pump: Callable[[float], None], faulted: Callable[[list[int]], bool],
+                 dbo_min_tokens: int | None = None):
         self.cluster, self.plane, self.shapes, self.timeout_s = cluster, plane, shapes, timeout_s
+        self.steps = warmup_steps(shapes, dbo_min_tokens)
+        self._warmed_steps = set(self.steps)
         self.pump, self.faulted = pump, faulted
         self.replies: dict[int, WarmedUp] = {}
         self.report: WarmUpReport | None = None
@@ -111,9 +137,9 @@ class WarmUpGate:
         """`epoch` adopts the ranks of the last leader, which warmed them up: their shapes count as warmed."""
         self.epoch = epoch
 
-    def ran(self, epoch: int, shape: int) -> None:
-        """A rank ran a step of `epoch` with `shape` tokens (padding included)."""
-        self.tally.add(shape, epoch == self.epoch and shape in self.shapes)
+    def ran(self, epoch: int, shape: int, micro_batches: int) -> None:
+        """A rank ran a step of `epoch` with `shape` tokens (padding included) in `micro_batches`."""
+        self.tally.add(shape, micro_batches, epoch == self.epoch and (shape, micro_batches) in self._warmed_steps)
 
     def view(self) -> dict[str, Any] | None:
         """The last warm-up's report, the epoch it warmed, and the shapes the steps ran (None before any)."""
@@ -126,10 +152,11 @@ class WarmUpGate:
         rank computed in every shape (`complete`)."""
         c = self.cluster
         members = list(c.members)
-        report = self.report = WarmUpReport(self.shapes, c.slots_per_rank * c.num_layers)
+        tokens, micro_batches = [t for t, _ in self.steps], [m for _, m in self.steps]
+        report = self.report = WarmUpReport(tokens, micro_batches, c.slots_per_rank * c.num_layers)
         self.replies = {}
         for rank_id in members:
-            self.plane.to_worker(rank_id, WarmUp(c.epoch, self.shapes))
+            self.plane.to_worker(rank_id, WarmUp(c.epoch, tokens, micro_batches))
         deadline = time.monotonic() + self.timeout_s
         while len(self.replies) < len(members):
             if self.faulted(members):
@@ -145,7 +172,7 @@ class WarmUpGate:
         problems = [f"rank {m.rank_id}: {m.error}" for m in self.replies.values() if m.error]
         problems += [f"rank {r}: {n} of {report.slots} slots computed" for r, n in report.slots_warmed.items()
                      if n < report.slots]
-        problems += [f"rank {r}: ran shapes {s}" for r, s in report.shapes_run.items() if s != self.shapes]
+        problems += [f"rank {r}: ran shapes {s}" for r, s in report.shapes_run.items() if s != tokens]
         report.problem = "; ".join(problems)
         if report.complete:
             self.epoch = c.epoch
