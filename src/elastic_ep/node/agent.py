@@ -319,6 +319,8 @@ class NodeAgent:
                 or now - self._node_beat_at < launch.heartbeat_interval_s:
             return
         self._node_beat_at = now
+        self._read_beats()  # whatever came since the last poll (after a stall of this process, all of it)
+        now = time.monotonic()
         with self._lock:
             heard = [c for c in self.children.values() if c.beat is not None and not c.fencing and not c.reported]
         beats = [RankBeat(c.rank_id, c.proc.pid, c.beat.progress, round(now - c.beat_at, 4)) for c in heard]

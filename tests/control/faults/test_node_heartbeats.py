@@ -1,7 +1,7 @@
 """The detector judging the heartbeats an agent gathers for its node (`NodeHeartbeat`): each entry
 is its rank's heartbeat heard at arrival less its age, so a rank whose age grows (stopped) is lost
-at the same deadline as if nothing had come for it, the watchdog sees when a collective was first
-entered as the agent heard it, and a silent agent's ranks time out with it."""
+at the same deadline as if nothing had come for it, and a silent agent's ranks time out with it;
+the watchdog counts a collective from the arrival of the first message that shows it."""
 
 from __future__ import annotations
 
@@ -68,19 +68,22 @@ def test_entries_of_another_node_or_process_are_not_taken():
     assert c.ranks[0].last_heartbeat == 0.0
 
 
-def test_the_watchdog_dates_a_collective_by_when_the_agent_heard_it():
-    """A collective first reported 0.08 s before the node's message left counts from then: the
-    forwarding interval does not push the hang deadline back."""
+def test_a_collective_counts_from_the_arrival_of_the_first_message_that_shows_it():
+    """Only the heartbeat's own time is dated back by its age; a collective first shown in a node's
+    message counts from that message's arrival (at most one forwarding interval after the agent
+    heard it), so an agent that stalled and sends what it read before cannot make it look old."""
     c = cluster_of({0: "n0", 1: "n0"})
     detector = FaultDetector(config(watchdog_floor_s=1.0))
     entered = Progress(epoch=0, step=4, layer=1, phase="dispatch", seq=12)
     behind = Progress(epoch=0, step=4, layer=1, phase="compute", seq=11)
-    detector.node_heartbeat(c.ranks, node_beat("n0", {0: 0.08, 1: 0.02}, {0: entered, 1: behind}), 0, 100.0)
-    assert detector.seq_first_seen[12] == 99.92 and c.ranks[0].progress_at == 99.92
+    # read by the agent 1.5 s before it could send (its process stalled)
+    detector.node_heartbeat(c.ranks, node_beat("n0", {0: 1.5, 1: 1.5}, {0: entered, 1: behind}), 0, 100.0)
+    assert detector.seq_first_seen[12] == 100.0 and c.ranks[0].progress_at == 100.0
+    assert c.ranks[0].last_heartbeat == 98.5
     detector.node_heartbeat(c.ranks, node_beat("n0", {0: 0.01, 1: 0.01}, {0: entered, 1: behind}), 0, 100.5)
-    assert detector.seq_first_seen[12] == 99.92  # the first sighting stays
+    assert detector.seq_first_seen[12] == 100.0  # the first sighting stays
     detector._checked_at = 0.0
     assert detector.check(100.9, c.ranks, c.members, True, 0) == []
     detector._checked_at = 0.0
-    assert [(f.rank_id, f.cause) for f in detector.check(100.93, c.ranks, c.members, True, 0)] == \
+    assert [(f.rank_id, f.cause) for f in detector.check(101.01, c.ranks, c.members, True, 0)] == \
         [(1, FaultCause.HUNG)]

@@ -105,26 +105,29 @@ class FaultDetector:
 
     def node_heartbeat(self, ranks: Mapping[int, RankInfo], msg: NodeHeartbeat, epoch: int, now: float) -> int:
         """The heartbeats of one agent's `NodeHeartbeat` that arrived at `now` (heard clock): each
-        of a rank of that node, of the pid it runs, heard at now - its age. Returns how many were taken."""
+        of a rank of that node, of the pid it runs. Returns how many were taken."""
         taken = 0
         for beat in msg.beats:
             r = ranks.get(beat.rank_id)
             if r is not None and r.pid == beat.pid and r.node == msg.node:
-                self.heartbeat(r, beat.progress, epoch, now - beat.age_s)
+                self.heartbeat(r, beat.progress, epoch, now - beat.age_s, now)
                 taken += 1
         return taken
 
-    def heartbeat(self, rank: RankInfo, progress: Progress, epoch: int, heard_at: float) -> None:
-        """One rank's heartbeat, heard at `heard_at` (heard clock). Its agent sends the last one
-        again with a larger age until a newer comes: that moves nothing back."""
+    def heartbeat(self, rank: RankInfo, progress: Progress, epoch: int, heard_at: float, now: float) -> None:
+        """One rank's heartbeat, heard by its agent at `heard_at` and arriving at `now` (heard
+        clock). Its agent sends the last one again with a larger age until a newer comes: that
+        moves nothing back. What it shows first (a collective entered, a new progress) counts from
+        `now`, as when heartbeats came straight here: an age is on the agent's clock, which goes
+        on through a stall of this process (the heard clock does not), and a stalled agent's first
+        message after it carries what it read before it; dated back by that age, a collective
+        entered then would look entered a stall ago, and the watchdog name the ranks behind it."""
         if heard_at > rank.last_heartbeat:
             rank.last_heartbeat = heard_at
-        if progress.epoch == epoch:
-            first = self.seq_first_seen.get(progress.seq)
-            if first is None or heard_at < first:
-                self.seq_first_seen[progress.seq] = heard_at
+        if progress.epoch == epoch and progress.seq not in self.seq_first_seen:
+            self.seq_first_seen[progress.seq] = now
         if progress != rank.progress:
-            rank.progress, rank.progress_at = progress, heard_at
+            rank.progress, rank.progress_at = progress, now
 
     def new_epoch(self) -> None:
         self.seq_first_seen = {}
