@@ -4,8 +4,9 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
 
     PYTHONPATH=src .venv/bin/python benchmarks/control_cpu.py [--baseline REV]
 
-- frames: a ControlPlane's `receive` over frames queued by a peer on loopback (heartbeats, and
-  `StepResult`s with an empty expert load as most ranks send in a step), us per frame;
+- frames: a ControlPlane's `receive` over frames queued by a peer on loopback (heartbeats: one
+  rank's before node heartbeats, a node's of 8 ranks after; and `StepResult`s with an empty
+  expert load as most ranks send in a step), us per frame;
 - rank heartbeats: a `Controller`'s receive and `_dispatch` (what its pump does with each
   message: the detector's update, the counter) over 64 ranks' heartbeats, us per rank heartbeat:
   one `Heartbeat` frame per rank from its heartbeat thread (the tree before node heartbeats), or
@@ -61,12 +62,15 @@ def frames_us(kind: str, n: int) -> float:
     peers = []
     for i in range(8):
         peer = zmq.Context.instance().socket(zmq.DEALER)
-        peer.setsockopt(zmq.IDENTITY, f"{'h' if kind == 'heartbeat' else 'w'}{i}".encode())
+        peer.setsockopt(zmq.IDENTITY, f"{'a' if kind == 'heartbeat' else 'w'}{i}".encode())
         peer.setsockopt(zmq.SNDHWM, 0)
         peer.connect(plane.health_addr if kind == "heartbeat" else plane.step_addr)
         peers.append(peer)
-    if kind == "heartbeat":
-        message = Heartbeat(3, 1234, Progress(epoch=2, step=17, layer=40, phase="dispatch", seq=1200, since=1e9))
+    progress = Progress(epoch=2, step=17, layer=40, phase="dispatch", seq=1200, since=1e9)
+    if kind == "heartbeat" and NodeHeartbeat is not None:  # the heartbeat frame is a node's, of 8 ranks
+        message = NodeHeartbeat("n0", "s", [RankBeat(r, 1234 + r, progress, 0.05) for r in range(8)])
+    elif kind == "heartbeat":
+        message = Heartbeat(3, 1234, progress)
     else:
         message = StepResult(2, 17, 3, {}, 0.02, 0.018, 0.001, 0.001, np.zeros((0, 0), np.int32), 0, {})
     frames = key.seal(message)
