@@ -4,8 +4,13 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
 
     PYTHONPATH=src .venv/bin/python benchmarks/control_cpu.py [--baseline REV]
 
-- frames: a ControlPlane's `receive` over frames queued by a peer on loopback (heartbeats, and
-  `StepResult`s with an empty expert load as most ranks send in a step), us per frame;
+- frames: a ControlPlane's `receive` over frames queued by a peer on loopback (heartbeats: one
+  rank's before node heartbeats, a node's of 8 ranks after; and `StepResult`s with an empty
+  expert load as most ranks send in a step), us per frame;
+- rank heartbeats: a `Controller`'s receive and `_dispatch` (what its pump does with each
+  message: the detector's update, the counter) over 64 ranks' heartbeats, us per rank heartbeat:
+  one `Heartbeat` frame per rank from its heartbeat thread (the tree before node heartbeats), or
+  one `NodeHeartbeat` per node of 8 ranks from its agent (a tree without that path shows n/a);
 - schedule: the scheduler's `schedule` + `commit` of a step at N ranks, one decoding sequence
   in all (the others idle: the benchmark's `--seqs-per-rank 0`), then 8 and 64 decoding on every
   one of 256 ranks with short and 1,024-token prompts (each its own: no prefix hits), ms per step;
@@ -32,12 +37,19 @@ import zmq
 from elastic_ep.control.api import GenerationRequest
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.control_plane import ControlPlane
+from elastic_ep.control.controller import Controller
 from elastic_ep.control.faults.detector import FaultDetector
-from elastic_ep.control.ranks import RankInfo, RankStatus
+from elastic_ep.control.ranks import AgentInfo, RankInfo, RankStatus
 from elastic_ep.control.serving.alignment import AlignRule
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
+from elastic_ep.harness.standin import standin_model
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.wire import ClusterKey, Heartbeat, Progress, StepResult, WorkerHello
+
+try:  # a tree with node heartbeats (the agent gathers its ranks'); before it, a Heartbeat per rank
+    from elastic_ep.wire import NodeHeartbeat, RankBeat
+except ImportError:
+    NodeHeartbeat = RankBeat = None
 
 
 def best_of(repeat: int, fn) -> float:
@@ -51,12 +63,15 @@ def frames_us(kind: str, n: int) -> float:
     peers = []
     for i in range(8):
         peer = zmq.Context.instance().socket(zmq.DEALER)
-        peer.setsockopt(zmq.IDENTITY, f"{'h' if kind == 'heartbeat' else 'w'}{i}".encode())
+        peer.setsockopt(zmq.IDENTITY, f"{'a' if kind == 'heartbeat' else 'w'}{i}".encode())
         peer.setsockopt(zmq.SNDHWM, 0)
         peer.connect(plane.health_addr if kind == "heartbeat" else plane.step_addr)
         peers.append(peer)
-    if kind == "heartbeat":
-        message = Heartbeat(3, 1234, Progress(epoch=2, step=17, layer=40, phase="dispatch", seq=1200, since=1e9))
+    progress = Progress(epoch=2, step=17, layer=40, phase="dispatch", seq=1200, since=1e9)
+    if kind == "heartbeat" and NodeHeartbeat is not None:  # the heartbeat frame is a node's, of 8 ranks
+        message = NodeHeartbeat("n0", "s", [RankBeat(r, 1234 + r, progress, 0.05) for r in range(8)])
+    elif kind == "heartbeat":
+        message = Heartbeat(3, 1234, progress)
     else:
         message = StepResult(2, 17, 3, {}, 0.02, 0.018, 0.001, 0.001, np.zeros((0, 0), np.int32), 0, {})
     frames = key.seal(message)
@@ -72,6 +87,61 @@ def frames_us(kind: str, n: int) -> float:
     plane.step_sock.close(0)
     plane.health_sock.close(0)
     return 1e6 * cpu / n
+
+
+def has_heartbeat_path(per_node: int) -> bool:
+    """Whether this tree's controller takes heartbeats `per_node` to a frame (1: before node heartbeats)."""
+    return (per_node == 1) == (NodeHeartbeat is None)
+
+
+def rank_heartbeats_us(per_node: int, ranks: int = 64, frames: int = 8_000) -> float:
+    """CPU us per rank heartbeat of draining `frames` queued heartbeat frames through a Controller's
+    receive and `_dispatch`: per_node 1, `Heartbeat`s straight from the ranks; 8, `NodeHeartbeat`s of
+    8 ranks from their agents."""
+    key = ClusterKey.generate()
+    cfg = ServeConfig(model_dir=str(standin_model()), model_name="standin", ep_size=ranks, ranks_per_node=per_node)
+    ctl = Controller(cfg, key)
+    c = ctl.cluster
+    progress = Progress(epoch=0, step=17, layer=40, phase="dispatch", seq=1200, since=1e9)
+    nodes = [f"n{i}" for i in range(ranks // 8)]
+    for node in nodes:
+        c.agents[node] = AgentInfo(node, f"a{node}".encode(), "tcp://x", num_ranks=8, session="s")
+    for r in range(ranks):
+        node = nodes[r // 8]
+        c.ranks[r] = RankInfo(r, node, pid=1000 + r, status=RankStatus.SERVING,
+                              hello=WorkerHello(r, node, 1000 + r, "initial", device="cpu"))
+    c.members, c.epoch = list(range(ranks)), 0
+    peers, messages = [], []
+    senders = [f"h{r}" for r in range(ranks)] if per_node == 1 else [f"a{n}" for n in nodes]
+    for i, identity in enumerate(senders):
+        peer = zmq.Context.instance().socket(zmq.DEALER)
+        peer.setsockopt(zmq.IDENTITY, identity.encode())
+        peer.setsockopt(zmq.SNDHWM, 0)
+        peer.connect(ctl.plane.health_addr)
+        peers.append(peer)
+        if per_node == 1:
+            messages.append(key.seal(Heartbeat(i, 1000 + i, progress)))
+        else:
+            messages.append(key.seal(NodeHeartbeat(nodes[i], "s", [RankBeat(r, 1000 + r, progress, 0.05)
+                                                                    for r in range(8 * i, 8 * i + 8)])))
+    for i in range(frames):
+        peers[i % len(peers)].send_multipart(messages[i % len(peers)])
+    time.sleep(0.5 + frames / 50_000)
+    # this thread's CPU clock (the control thread's work), without ZeroMQ's I/O thread's
+    got, cpu0 = 0, time.thread_time()
+    while got < frames:
+        received = ctl.plane.receive(0.0)
+        heard = ctl.plane.heard_clock()
+        for inbound in received:
+            ctl._dispatch(inbound, heard)
+        got += len(received)
+    cpu = time.thread_time() - cpu0
+    assert all(r.last_heartbeat > 0 for r in c.ranks.values())  # every rank's heartbeats were taken
+    for peer in peers:
+        peer.close(0)
+    ctl.plane.step_sock.close(0)
+    ctl.plane.health_sock.close(0)
+    return 1e6 * cpu / (frames * per_node)
 
 
 def schedule_ms(ranks: int, seqs_per_rank: int = 0, prompt_len: int = 6, steps: int = 20) -> float:
@@ -118,6 +188,8 @@ def measure(repeat: int) -> dict:
     return {
         "heartbeat frame us": best_of(repeat, lambda: frames_us("heartbeat", 20_000)),
         "empty StepResult frame us": best_of(repeat, lambda: frames_us("step", 20_000)),
+        **{f"rank heartbeat through the controller, {n} per frame, us": (
+            best_of(repeat, lambda n=n: rank_heartbeats_us(n)) if has_heartbeat_path(n) else None) for n in (1, 8)},
         **{f"schedule + commit ms, {n} ranks": best_of(repeat, lambda n=n: schedule_ms(n)) for n in (256, 1024)},
         **{f"schedule + commit ms, 256 ranks x {k} sequences, {p}-token prompts":
            best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},
@@ -150,9 +222,16 @@ def main() -> None:
     print("| what | " + " | ".join(names) + (" | ratio |" if len(names) == 2 else " |"))
     print("|---|" + "---|" * (len(names) + (len(names) == 2)))
     for what in after:
-        values = [columns[n][what] for n in names]
-        ratio = f" {values[0] / values[1]:.2f}x |" if len(values) == 2 and values[1] else ""
-        print(f"| {what} | " + " | ".join(f"{v:.2f}" for v in values) + " |" + ratio)
+        values = [columns[n].get(what) for n in names]
+        ratio = f" {values[0] / values[1]:.2f}x |" if len(values) == 2 and None not in values and values[1] else \
+            (" |" if len(values) == 2 else "")
+        print(f"| {what} | " + " | ".join("n/a" if v is None else f"{v:.2f}" for v in values) + " |" + ratio)
+    if len(names) == 2:  # the path per rank heartbeat: the tree before's single frames, this tree's node frames
+        single, node = (columns[n].get(f"rank heartbeat through the controller, {k} per frame, us")
+                        for n, k in zip(names, (1, 8), strict=True))
+        if single and node:
+            print(f"| rank heartbeat through the controller, {names[0]} (1 per frame) / this tree (8 per frame) "
+                  f"| {single:.2f} | {node:.2f} | {single / node:.2f}x |")
 
 
 if __name__ == "__main__":

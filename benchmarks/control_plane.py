@@ -11,8 +11,9 @@ tensors tiny. One point:
 measures, under load (seqs-per-rank decoding sequences per rank; 0: one sequence in all, every
 other rank runs empty plans): the controller's time per step
 by part (control/timing.py) and what it adds to the slowest rank's time (`added_ms_per_step`:
-wall time per step less the slowest member's own step time), the heartbeat load (messages a
-second and the control thread's share of a second spent on them), the /cluster snapshot (built
+wall time per step less the slowest member's own step time), the heartbeat load (rank heartbeats
+and heartbeat frames a second, one per rank heartbeat before node heartbeats and one per node
+after, and the control thread's share of a second spent on them), the /cluster snapshot (built
 on the control thread; serialised by the HTTP thread) and the /metrics scrape, then kills one
 rank and stops another (SIGSTOP) through the chaos path and reports the time to detect each,
 the pause until a step completes again, the recovery epoch's placement and change times, a full
@@ -216,6 +217,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         wait_for(lambda: ctl.cluster.step >= step0 + 10, 120, "ten warm-up steps did not run")
         times = ctl.plane.times
         v0, h0, d0 = times.view(), dict(times.handled_s), dict(times.decode_s)
+        beats0 = rank_heartbeats(ctl)
         n0, w0, s0, parts0 = times.steps, times.wall_s, times.slowest_rank_s, dict(times.part_s)
         profiler = ControlThreadProfile(ctl, profile) if profile else None
         cpu_clock = time.pthread_getcpuclockid(ctl._thread.ident)
@@ -230,6 +232,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         parts["decode"] = d1.get("step", 0) - d0.get("step", 0)
         handled = delta(v1["handled"], v0["handled"])
         handled_s = delta(h1, h0)
+        beat_kinds = ("Heartbeat", "NodeHeartbeat")  # a rank's own; its node's (the agent gathers them)
         out = {
             "ranks": ranks, "seqs_per_rank": seqs_per_rank, "mode": "before" if before else "after",
             "step_ms": step_ms, "steps": steps,
@@ -240,9 +243,11 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "control_cpu_ms_per_step": round(1000 * cpu_s / max(steps, 1), 2),
             "control_cpu_share": round(cpu_s / dt, 3),
             "parts_ms": {p: round(1000 * s / max(steps, 1), 2) for p, s in parts.items()},
-            "heartbeats_per_s": round(handled.get("Heartbeat", 0) / dt),
-            "heartbeat_load": round((handled_s.get("Heartbeat", 0) + d1.get("health", 0) - d0.get("health", 0))
-                                    / dt, 4),
+            "heartbeats_per_s": round((rank_heartbeats(ctl) - beats0 + handled.get("Heartbeat", 0)) / dt),
+            "heartbeat_frames_per_s": round(sum(handled.get(k, 0) for k in beat_kinds) / dt),
+            # handling them plus the health socket's receive (whose other frames, the agents' own, are few)
+            "heartbeat_load": round((sum(handled_s.get(k, 0) for k in beat_kinds) + d1.get("health", 0)
+                                     - d0.get("health", 0)) / dt, 4),
             "publish_ms_per_s": round(1000 * handled_s.get("(publish)", 0) / dt, 1),
             "bytes_in_per_step": round(delta(v1["bytes_in"], v0["bytes_in"]).get("step", 0) / max(steps, 1)),
         }
@@ -281,6 +286,12 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             load.stop()
         ctl.stop()
         stop_standins(procs)
+
+
+def rank_heartbeats(ctl: Controller) -> float:
+    """Rank heartbeats taken from node heartbeats so far (`elastic_ep_rank_heartbeats_total`, every node)."""
+    return sum(s.value for family in ctl.metrics.rank_heartbeats.collect() for s in family.samples
+               if s.name.endswith("_total"))
 
 
 def baseline_tree(rev: str, into: Path) -> Path:
@@ -325,15 +336,17 @@ def table(args) -> None:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     print("| ranks | seqs/rank | mode | run | added ms/step | control CPU ms/step | period ms | plan | encode | send "
-          "| gather | decode | commit | metrics | heartbeats/s | hb load | /cluster build ms | /metrics ms "
+          "| gather | decode | commit | metrics | rank heartbeats/s | heartbeat frames/s | hb load "
+          "| /cluster build ms | /metrics ms "
           "| kill detect s / pause s | stop detect s (by) | hang pause s (bound) | placement ms | false faults |")
-    print("|" + "---|" * 23)
+    print("|" + "---|" * 24)
     for r in rows:
         p, kill, stop = r["parts_ms"], r.get("kill", {}), r.get("stop", {})
         print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['repeat']} | {r['added_ms_per_step']} "
               f"| {r.get('control_cpu_ms_per_step', 'n/a')} | {r['step_period_ms']} "
               f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
-              f"| {p['metrics']} | {r['heartbeats_per_s']} | {r['heartbeat_load']:.1%} | {r['cluster_snapshot_ms']} "
+              f"| {p['metrics']} | {r['heartbeats_per_s']} | {r.get('heartbeat_frames_per_s', r['heartbeats_per_s'])} "
+              f"| {r['heartbeat_load']:.1%} | {r['cluster_snapshot_ms']} "
               f"| {r['metrics_scrape_ms']} | {kill.get('detect_s', '-')} / {kill.get('pause_s', '-')} "
               f"| {stop.get('detect_s', '-')} ({stop.get('cause', '-')}) "
               f"| {stop.get('pause_s', '-')} ({r.get('hang_pause_bound_s', '-')}) | {r['placement_ms']} "

@@ -21,7 +21,6 @@ class Plane:
         self.now = 0.0
         self.to_identities: list[tuple[bytes, object]] = []
         self.to_workers: list[tuple[int, object]] = []
-        self.to_heartbeats: list[tuple[int, object]] = []
         self.times = ControlTimes()
 
     def heard_clock(self) -> float:
@@ -36,12 +35,9 @@ class Plane:
     def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
         self.to_workers.extend(plans)
 
-    def to_heartbeat(self, rank_id: int, msg: object) -> None:
-        self.to_heartbeats.append((rank_id, msg))
-
     def sent(self, kind: type) -> list[object]:
         """Every message of `kind` sent anywhere, in order."""
-        return [m for _, m in self.to_identities + self.to_workers + self.to_heartbeats if isinstance(m, kind)]
+        return [m for _, m in self.to_identities + self.to_workers if isinstance(m, kind)]
 
 
 def config(**flags) -> ServeConfig:

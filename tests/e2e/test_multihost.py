@@ -65,11 +65,23 @@ def start_agent(host, name: str, server: Server, logs, join_mode: str) -> subpro
                       stdout=log, stderr=subprocess.STDOUT)
 
 
+def _addr(field: str) -> tuple[str, int]:
+    addr, _, port = field.rpartition(":")
+    return addr.removeprefix("[::ffff:").rstrip("]"), int(port)
+
+
 def local_addresses(host, pid: int) -> set[str]:
-    """The local addresses of the established TCP connections of `pid`, read inside its host."""
-    lines = host.run(["ss", "-Htnp", "state", "established"]).stdout.splitlines()
-    return {line.split()[2].rsplit(":", 1)[0].removeprefix("[::ffff:").rstrip("]")
-            for line in lines if f"pid={pid}," in line}
+    """The local addresses of the established TCP connections of `pid`, read inside its host, less
+    its heartbeat thread's loopback connection to its own agent's beat socket (node-local by design:
+    checked to go to a port its parent, the agent, listens on)."""
+    lines = [line.split() for line in host.run(["ss", "-Htnp", "state", "established"]).stdout.splitlines()
+             if f"pid={pid}," in line]
+    parent = psutil.Process(pid).ppid()
+    agent_ports = {_addr(line.split()[3])[1] for line in host.run(["ss", "-Htlnp"]).stdout.splitlines()
+                   if f"pid={parent}," in line}
+    to_agent = [f for f in lines if _addr(f[2])[0] == "127.0.0.1" and _addr(f[3])[1] in agent_ports]
+    assert len(to_agent) == 1, lines  # the heartbeat thread's, to its agent
+    return {_addr(f[2])[0] for f in lines if f is not to_agent[0]}
 
 
 def stream_all(server, inject=lambda: None) -> list[str]:

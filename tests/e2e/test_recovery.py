@@ -93,12 +93,25 @@ def test_kill_one_rank_then_it_rejoins(server):
     assert back["ranks"][1]["pid"] != pid
 
 
+def rank_heartbeats(server) -> dict[str, float]:
+    """node -> rank heartbeats the controller took from that node agent's NodeHeartbeats."""
+    families = text_string_to_metric_families(server.http.get("/metrics").text)
+    return {s.labels["node"]: s.value for f in families if f.name == "elastic_ep_rank_heartbeats" for s in f.samples
+            if s.name.endswith("_total")}
+
+
 def test_hung_rank_is_named_fenced_and_replaced(server):
     before = full_group(server)
+    beats = rank_heartbeats(server)
     pid = server.pids()[2]
     texts, _ = streams_with_fault(server, lambda: os.kill(pid, signal.SIGSTOP))
     # Heartbeat loss and the watchdog have the same 1 s bound; either may name it first.
-    check_recovered(server, before, texts, {2}, ("heartbeat", "hung"))
+    cluster = check_recovered(server, before, texts, {2}, ("heartbeat", "hung"))
+    # the heartbeats came by the node's agent (one NodeHeartbeat per interval), none straight from a rank
+    node = before["ranks"][2]["node"]
+    assert rank_heartbeats(server)[node] > beats.get(node, 0)
+    handled = cluster["control_times"]["handled"]
+    assert handled["NodeHeartbeat"] > 0 and "Heartbeat" not in handled
 
 
 def test_a_stall_of_the_serve_process_itself_fences_no_one(server):

@@ -35,6 +35,8 @@ from elastic_ep.wire import (
     ClusterKey,
     FenceWorker,
     LeaseRenew,
+    NodeHeartbeat,
+    RankBeat,
     SignalWorker,
     StartWorker,
     WorkerExited,
@@ -85,6 +87,16 @@ class StandInController:
                     return msg
         raise TimeoutError(f"no {kind.__name__} within {timeout_s}s")
 
+    def expect_beat(self, until, timeout_s: float = 60.0) -> dict[int, RankBeat]:
+        """The ranks' entries (rank -> RankBeat) of the agent's next NodeHeartbeat for which `until` holds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.expect(self.health, NodeHeartbeat, max(deadline - time.monotonic(), 0.1))
+            assert msg.node == "nodeT" and msg.session == self.session
+            beats = {b.rank_id: b for b in msg.beats}
+            if until(beats):
+                return beats
+
     def welcome(self, launch) -> None:
         self.to_agent(AgentWelcome(launch, self.session))
 
@@ -120,7 +132,7 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
         hello = ctl.expect(ctl.health, AgentHello)
         assert (hello.node, hello.num_ranks, hello.fetch_addr) == ("nodeT", 2, agent.fetch_addr)
         launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
-                              ctl.store_port, "gloo", 4, 64, 0.0)
+                              ctl.store_port, "gloo", 4, 64, 0.1)
         ctl.welcome(launch)
         for rank in (0, 1):
             ctl.to_agent(StartWorker(rank, "initial"))
@@ -130,6 +142,15 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
         assert {r: m.pid for r, m in registered.items()} == started
         # read once, copy many: the agent staged the dense weights in shared memory, the ranks mapped them
         assert all(m.dense_source == "host_memory" and m.node == "nodeT" for m in registered.values())
+
+        # the workers' heartbeat threads beat to the agent; it sends one message for both ranks
+        beat = ctl.expect_beat(lambda b: len(b) == 2)
+        assert {r: e.pid for r, e in beat.items()} == started and beat[1].age_s < 1.0
+        ctl.to_agent(SignalWorker(1, started[1], signal.SIGSTOP))  # stopped: its entry stays, ever older
+        stopped = ctl.expect_beat(lambda b: b[1].age_s > 1.0)
+        assert stopped[0].age_s < 1.0 and stopped[1].pid == started[1]
+        ctl.to_agent(SignalWorker(1, started[1], signal.SIGCONT))
+        ctl.expect_beat(lambda b: b[1].age_s < 0.5)
 
         ctl.to_agent(FenceWorker(0, started[0], "test fence"))
         fenced = ctl.expect(ctl.health, WorkerFenced)

@@ -28,7 +28,9 @@ from elastic_ep.wire import (
     Heartbeat,
     Inbox,
     KVMove,
+    NodeHeartbeat,
     Progress,
+    RankBeat,
     SlotSource,
     StepErrorKind,
     StepFailed,
@@ -111,13 +113,15 @@ def test_junk_and_a_pickle_that_runs_code_are_dropped_and_counted(tmp_path):
 
 
 def test_a_frame_of_another_key_or_socket_is_refused_by_reason():
-    beat = Heartbeat(1, 2, Progress(1, 2, 3, "dispatch", 4, 5.0))
+    progress = Progress(1, 2, 3, "dispatch", 4, 5.0)
+    beat = NodeHeartbeat("n0", "s1", [RankBeat(1, 2, progress, 0.03)])
     health = Inbox("t_reason", HEALTH_TO_CONTROLLER, KEY)
     assert health.read(KEY.seal(beat)) == beat
     assert health.read(ClusterKey.generate().seal(beat)) is None
     assert health.read(KEY.seal(step_plan(2))) is None  # a worker's message, not the health socket's
+    assert health.read(KEY.seal(Heartbeat(1, 2, progress))) is None  # a worker's heartbeat goes to its agent
     assert health.read([KEY.seal(beat)[1]]) is None  # no MAC frame
-    assert counted("t_reason") == {"unauthenticated": 2, "unexpected": 1}
+    assert counted("t_reason") == {"unauthenticated": 2, "unexpected": 2}
 
 
 def test_a_rejected_peer_is_logged_once(caplog):

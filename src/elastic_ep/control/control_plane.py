@@ -1,8 +1,8 @@
 """The controller's sockets: it receives typed messages and sends them, and handles none.
 
 Two ZeroMQ ROUTER sockets bound on the controller's host (see `elastic_ep.wire` for who sends
-what on each): the step socket (worker main threads) and the health socket (worker heartbeat
-threads and node agents), plus a wake-up pipe other threads write to so a waiting control thread
+what on each): the step socket (worker main threads) and the health socket (node agents, which
+bring their workers' heartbeats), plus a wake-up pipe other threads write to so a waiting control thread
 returns at once. Sending to a peer that is gone drops the message (no ROUTER_MANDATORY): a dead
 rank's silence is for the fault detector to notice, never an exception here. Every frame is
 sealed with the cluster key, and what arrives goes through each socket's `Inbox`: a frame
@@ -168,11 +168,6 @@ class ControlPlane:
         self.times.add("encode", t1 - t0)
         self.times.add("send", time.perf_counter() - t1)
         self.times.bytes_out += sum(len(mac) + len(body) for _, (mac, body) in frames)
-
-    def to_heartbeat(self, rank_id: int, message) -> None:
-        """To a worker's heartbeat thread (health socket), which answers even while the main
-        thread waits in a collective."""
-        self.health_sock.send_multipart([f"h{rank_id}".encode(), *self.key.seal(message, self.term)])
 
     def to_identity(self, identity: bytes, message) -> None:
         """To a peer of the health socket (an agent) by its identity."""

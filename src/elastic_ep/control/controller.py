@@ -49,7 +49,7 @@ from elastic_ep.wire import (
     EpochFailed,
     EpochReady,
     HardwareReport,
-    Heartbeat,
+    NodeHeartbeat,
     SleepReply,
     SlotChecksums,
     StepFailed,
@@ -351,10 +351,11 @@ class Controller:
     def _dispatch(self, inbound: Inbound, heard: float) -> None:
         """Hand one message to its role; `heard`: the heard clock when it was read."""
         msg, nodes = inbound.message, self.nodes
-        if isinstance(msg, Heartbeat):
-            r = self.cluster.ranks.get(msg.rank_id)
-            if r is not None and r.pid == msg.pid:
-                self.detector.heartbeat(r, msg, self.cluster.epoch, heard)
+        if isinstance(msg, NodeHeartbeat):
+            agent = self.cluster.agents.get(msg.node)
+            if agent is not None and agent.session == msg.session:  # not of a session given up on
+                taken = self.detector.node_heartbeat(self.cluster.ranks, msg, self.cluster.epoch, heard)
+                self.metrics.rank_heartbeats.labels(msg.node).inc(taken)
         elif isinstance(msg, AgentAlive):
             nodes.on_agent_alive(inbound.identity, msg)
             agent = self.cluster.agents.get(msg.node)

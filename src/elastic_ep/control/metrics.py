@@ -146,6 +146,11 @@ class ClusterMetrics:
         self.recoveries = Counter(
             "elastic_ep_recoveries", "Membership changes after a fault", ["cause"], registry=registry
         )
+        self.rank_heartbeats = Counter(
+            "elastic_ep_rank_heartbeats", "Rank heartbeats taken from the NodeHeartbeat of each node's agent (one "
+            "message per node per --heartbeat-interval-s; a stopped rank's last one again, its age growing)",
+            ["node"], registry=registry,
+        )
         self.recovery_seconds = Histogram(
             "elastic_ep_recovery_seconds", "From fault detection to serving again", buckets=RECOVERY_BUCKETS,
             registry=registry,

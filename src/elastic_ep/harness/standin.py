@@ -6,8 +6,10 @@ metrics) runs as in production at sizes one machine cannot run real ranks at.
 runs one stand-in agent per `--node` in this process, each registering like `elastic-ep agent`
 (`AgentHello`, lease, `AgentAlive`, `HardwareReport`, `BackupReady` for its backup share) and
 offering `--ranks-per-node` ranks. For every `StartWorker` the agent starts a stand-in rank (no
-process): it says `WorkerStarted`, and the rank opens its step socket and its heartbeat socket,
-registers (`WorkerHello`), beats every `heartbeat_interval_s` with its progress, forms each epoch
+process): it says `WorkerStarted`, and the rank opens its step socket, registers (`WorkerHello`),
+beats every `heartbeat_interval_s` with its progress (to its agent, in memory: the agent sends the
+controller one `NodeHeartbeat` per interval with each rank's progress and the age of its last
+beat, as `elastic-ep agent` does with its workers' beats), forms each epoch
 (`EpochReady` with the checksums of the slots it filled and the references of what it read from
 disk, or `EpochFailed` when asked to keep a group it has not got), answers `SweepSlots`, and
 answers each `StepPlan` after `--step-ms` (plus `--jitter-ms` drawn per step, plus `--slow
@@ -19,8 +21,8 @@ Faults arrive as they do for real ranks, through the agent (`/chaos/kill`, `/cha
 `/chaos/resume` send `SignalWorker`): SIGKILL stops a rank's messages and its agent reports
 `WorkerExited` (-9), as a real agent reports a worker exit; SIGSTOP silences it (no heartbeats,
 no answers, nothing reported) until SIGCONT; `FenceWorker` kills it and confirms with
-`WorkerFenced`. An `AbortEpoch` makes a rank that has not answered the epoch's step answer
-`StepFailed` (collective), as a real rank's collective gives up.
+`WorkerFenced`. An `AbortEpoch` (to the agent, for one of its ranks) makes a rank that has not
+answered the epoch's step answer `StepFailed` (collective), as a real rank's collective gives up.
 
 Each process is one thread: a rank's tokens and load are worked out when its plan arrives and
 its answer is sent when its set time has passed, so most of the harness's own work overlaps the
@@ -52,7 +54,6 @@ from elastic_ep.model.tiny import cache_dir, make_tiny
 from elastic_ep.node.lease import Lease
 from elastic_ep.wire import (
     CONTROLLER_TO_AGENT,
-    CONTROLLER_TO_HEARTBEAT,
     CONTROLLER_TO_WORKER,
     AbortEpoch,
     AgentAlive,
@@ -70,10 +71,11 @@ from elastic_ep.wire import (
     EpochStart,
     FenceWorker,
     HardwareReport,
-    Heartbeat,
     Inbox,
     LeaseRenew,
+    NodeHeartbeat,
     Progress,
+    RankBeat,
     SessionEnded,
     Shutdown,
     SignalWorker,
@@ -169,7 +171,8 @@ class LoadTemplates:
 
 
 class StandInRank:
-    """One rank: a step socket and a heartbeat socket, the epoch it is in and the slots it holds."""
+    """One rank: a step socket, its heartbeats (a schedule: it beats every interval from
+    `first_beat`, until it is stopped), the epoch it is in and the slots it holds."""
 
     def __init__(self, agent: StandInAgent, rank_id: int, pid: int, join_mode: str):
         self.agent, self.rank_id, self.pid, self.join_mode = agent, rank_id, pid, join_mode
@@ -178,11 +181,12 @@ class StandInRank:
         self.slots: np.ndarray | None = None  # [L, slots_per_rank] experts it holds
         self.seq = 0
         self.progress = Progress()
-        self.beat_frames: list[bytes] = []
+        self.first_beat: float | None = None  # monotonic time of its first heartbeat (None: not beating)
+        self.stopped_at = 0.0
         self.delay_s: dict[tuple[int, int], float] = {}  # (epoch, step) -> injected delay (ChaosStep)
         self.pending: tuple[int, int] | None = None  # (epoch, step) of the step it has not answered yet
         self.load: np.ndarray | None = None  # expert load since it was last reported
-        self.step_sock = self.hb_sock = None
+        self.step_sock = None
 
     # ---- life --------------------------------------------------------------------------------
 
@@ -191,72 +195,74 @@ class StandInRank:
         assert launch is not None
         self.step_sock = ctx.socket(zmq.DEALER)
         self.step_sock.setsockopt(zmq.IDENTITY, f"w{self.rank_id}".encode())
-        self.hb_sock = ctx.socket(zmq.DEALER)
-        self.hb_sock.setsockopt(zmq.IDENTITY, f"h{self.rank_id}".encode())
-        for s, addr in ((self.step_sock, launch.step_addr), (self.hb_sock, launch.health_addr)):
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(addr)
-            self.agent.host.register(s, self)
+        self.step_sock.setsockopt(zmq.LINGER, 0)
+        self.step_sock.connect(launch.step_addr)
+        self.agent.host.register(self.step_sock, self)
         # a KV pool that holds every sequence it may get at full length (a real rank sizes it from memory)
         blocks = launch.max_num_seqs * -(-launch.max_model_len // launch.block_size)
         self.send(WorkerHello(self.rank_id, self.agent.node, self.pid, self.join_mode, "disk", 0.0, 0.0, "cpu",
                               blocks))
-        self._set_progress(Progress())
+        self.progress = Progress()
         if launch.heartbeat_interval_s > 0:
-            self.agent.host.timers.at(time.monotonic() + random.random() * launch.heartbeat_interval_s, self.beat)
+            self.first_beat = time.monotonic() + random.random() * launch.heartbeat_interval_s
 
     def stop(self) -> None:
-        """SIGSTOP: it reads nothing and sends nothing; what arrives waits for SIGCONT."""
+        """SIGSTOP: it reads nothing and sends nothing, beats no more; what arrives waits for SIGCONT."""
         if self.alive and not self.stopped:
-            self.stopped = True
-            for s in (self.step_sock, self.hb_sock):
-                if s is not None:
-                    self.agent.host.unregister(s)
+            self.stopped, self.stopped_at = True, time.monotonic()
+            if self.step_sock is not None:
+                self.agent.host.unregister(self.step_sock)
 
     def resume(self) -> None:
         if self.alive and self.stopped:
             self.stopped = False
-            for s in (self.step_sock, self.hb_sock):
-                if s is not None:
-                    self.agent.host.register(s, self)
+            if self.step_sock is not None:
+                self.agent.host.register(self.step_sock, self)
 
     def close(self) -> None:
         if self.stopped:
             self.resume()
         self.alive = False
-        for s in (self.step_sock, self.hb_sock):
-            if s is not None:
-                self.agent.host.unregister(s)
-                s.close()
-        self.step_sock = self.hb_sock = None
+        if self.step_sock is not None:
+            self.agent.host.unregister(self.step_sock)
+            self.step_sock.close()
+        self.step_sock = None
 
     def send(self, message) -> None:
         if self.alive and not self.stopped and self.step_sock is not None:
             self.step_sock.send_multipart(self.agent.host.key.seal(message))
 
-    def _set_progress(self, progress: Progress) -> None:
-        self.progress = progress
-        self.beat_frames = self.agent.host.key.seal(Heartbeat(self.rank_id, self.pid, progress))
+    def beat(self, now: float, interval_s: float) -> RankBeat | None:
+        """Its last heartbeat as its agent heard it by `now`, with its age; None before its first."""
+        first = self.first_beat
+        if first is None or not self.alive:
+            return None
+        last = self.stopped_at if self.stopped else now
+        if last < first:
+            return None
+        beat_at = last - (last - first) % interval_s  # it beats every interval_s from `first`
+        return RankBeat(self.rank_id, self.pid, self.progress, round(now - beat_at, 4))
 
-    def beat(self) -> None:
+    def abort(self, epoch: int) -> None:
+        """The agent relays the controller's `AbortEpoch`: a step of `epoch` it has not answered fails
+        (collective), once it runs (a stopped process reads it when it resumes)."""
         if not self.alive:
             return
-        if not self.stopped:
-            self.hb_sock.send_multipart(self.beat_frames)
-        self.agent.host.timers.at(time.monotonic() + self.agent.launch.heartbeat_interval_s, self.beat)
+        if self.stopped:
+            self.agent.host.timers.at(time.monotonic() + 0.01, lambda: self.abort(epoch))
+            return
+        if self.pending is not None and self.pending[0] == epoch:
+            step = self.pending[1]
+            self.pending = None
+            self.send(StepFailed(epoch, step, self.rank_id, "CollectiveError: the epoch was aborted"))
 
     # ---- messages ----------------------------------------------------------------------------
 
-    def inbox_kind(self, sock) -> str:
-        return "heartbeat" if sock is self.hb_sock else "worker"
+    @staticmethod
+    def inbox_kind(sock) -> str:
+        return "worker"
 
     def on_message(self, sock, msg) -> None:
-        if sock is self.hb_sock:
-            if isinstance(msg, AbortEpoch) and self.pending is not None and self.pending[0] == msg.epoch:
-                epoch, step = self.pending
-                self.pending = None
-                self.send(StepFailed(epoch, step, self.rank_id, "CollectiveError: the epoch was aborted"))
-            return
         if isinstance(msg, Shutdown):
             self.agent.rank_exited(self, 0)
         elif isinstance(msg, EpochStart):
@@ -281,7 +287,7 @@ class StandInRank:
                                   "longer has"))
             return
         self.epoch, self.members, self.seq, self.pending = msg.epoch, list(msg.members), 0, None
-        self._set_progress(Progress(msg.epoch, -1, -1, "rendezvous", 0, time.time()))
+        self.progress = Progress(msg.epoch, -1, -1, "rendezvous", 0, time.time())
         s = msg.slots_per_rank
         self.slots = np.asarray(msg.phy2log)[:, self.rank_id * s:(self.rank_id + 1) * s]
         checksums = {(src.layer, src.slot): expert_checksum(src.layer, src.expert) for src in msg.sources}
@@ -298,7 +304,7 @@ class StandInRank:
             if self.stopped:  # a stopped process answers once it runs again
                 self.agent.host.timers.at(time.monotonic() + 0.01, ready)
                 return
-            self._set_progress(Progress(msg.epoch, -1, -1, "idle", 0, time.time()))
+            self.progress = Progress(msg.epoch, -1, -1, "idle", 0, time.time())
             self.step_sock.send_multipart(frames)
         self.agent.host.timers.at(time.monotonic() + epoch_s, ready)
 
@@ -309,7 +315,7 @@ class StandInRank:
         if timing.jitter_s:
             due_s += random.random() * timing.jitter_s
         self.seq += 1
-        self._set_progress(Progress(plan.epoch, plan.step, 0, "dispatch", self.seq, time.time()))
+        self.progress = Progress(plan.epoch, plan.step, 0, "dispatch", self.seq, time.time())
         tokens = {c.seq_id: self.agent.token(c.seq_id, c.start_pos + len(c.token_ids)) for c in plan.chunks
                   if c.sample}
         n_tokens = sum(len(c.token_ids) for c in plan.chunks)
@@ -328,7 +334,7 @@ class StandInRank:
                 return
             self.pending = None
             step_s = time.monotonic() - received
-            self._set_progress(Progress(plan.epoch, plan.step, -1, "idle", self.seq, time.time()))
+            self.progress = Progress(plan.epoch, plan.step, -1, "idle", self.seq, time.time())
             self.send(StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, step_s, 0.0, 0.0, load,
                                  n_tokens * self.agent.top_k, {}, shape=n_tokens + plan.pad_tokens))
         self.agent.host.timers.at(received + due_s, answer)
@@ -344,6 +350,7 @@ class StandInAgent:
         self.lease = Lease(lease_s)
         self.hardware_interval_s = hardware_interval_s
         self._hardware_at = 0.0
+        self._node_beat_at = 0.0
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"a{node}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -372,6 +379,12 @@ class StandInAgent:
         if self.lease.welcomed and now - self._hardware_at >= self.hardware_interval_s:
             self._hardware_at = now
             self.send(HardwareReport(self.node, 0.0, None, [], {"nvml": "stand-in node", "xid": "stand-in node"}))
+        interval_s = self.launch.heartbeat_interval_s if self.launch is not None else 0.0
+        if self.lease.welcomed and interval_s > 0 and now - self._node_beat_at >= interval_s:
+            self._node_beat_at = now
+            beats = [b for rank in self.ranks.values() if (b := rank.beat(now, interval_s)) is not None]
+            if beats:
+                self.send(NodeHeartbeat(self.node, self.lease.session, beats))
 
     def send(self, message) -> None:
         self.sock.send_multipart(self.host.key.seal(message))
@@ -403,6 +416,10 @@ class StandInAgent:
             self.send(WorkerFenced(self.node, msg.rank_id, msg.pid))
         elif isinstance(msg, SignalWorker):
             self._signal(msg)
+        elif isinstance(msg, AbortEpoch):
+            rank = self.ranks.get(msg.rank_id)
+            if rank is not None:
+                rank.abort(msg.epoch)
         elif isinstance(msg, BackupAssign):
             site = BackupSite(self.node, f"/dev/shm/standin-{self.node}", self.fetch_addr)
             self.send(BackupReady(self.node, site, list(msg.items), 0, len(msg.items),
@@ -458,7 +475,7 @@ class StandInHost:
     def __init__(self, key: ClusterKey) -> None:
         self.key = key
         self.inboxes = {kind: Inbox(f"standin_{kind}", accepts, key) for kind, accepts in (
-            ("agent", CONTROLLER_TO_AGENT), ("worker", CONTROLLER_TO_WORKER), ("heartbeat", CONTROLLER_TO_HEARTBEAT))}
+            ("agent", CONTROLLER_TO_AGENT), ("worker", CONTROLLER_TO_WORKER))}
         self.ctx = zmq.Context.instance()
         self.poller = zmq.Poller()
         self.owners: dict[zmq.Socket, object] = {}

@@ -35,7 +35,9 @@ from elastic_ep.wire import (
     DenseTensors,
     EpochReady,
     Heartbeat,
+    NodeHeartbeat,
     Progress,
+    RankBeat,
     Shutdown,
     StepPlan,
     StepResult,
@@ -65,7 +67,7 @@ def _valid_of(socket: str) -> object:
     if socket == "step":
         return StepResult(0, 0, 0, {}, 0.0, 0.0, 0.0, 0.0, np.zeros((2, 4), np.int64), 0, {})
     if socket == "health":
-        return Heartbeat(0, 1, Progress())
+        return NodeHeartbeat("x", "y", [RankBeat(0, 1, Progress(), 0.0)])
     return BackupFetch([(0, 0)])
 
 
@@ -75,8 +77,9 @@ def _wrong_for(socket: str) -> list[object]:
     common = [plan, Shutdown(), AbortEpoch(0), DenseTensors({})]
     if socket == "step":
         return [*common, Heartbeat(0, 1, Progress()), AgentAlive("x", "y"), BackupFetch([(0, 0)])]
-    if socket == "health":
-        return [*common, EpochReady(0, 0, {}, {}, [], 0.0, 0.0, 0.0), BackupFetch([(0, 0)])]
+    if socket == "health":  # a worker's heartbeat goes to its agent, never here
+        return [*common, Heartbeat(0, 1, Progress()), EpochReady(0, 0, {}, {}, [], 0.0, 0.0, 0.0),
+                BackupFetch([(0, 0)])]
     return [*common, Heartbeat(0, 1, Progress()), EpochReady(0, 0, {}, {}, [], 0.0, 0.0, 0.0)]
 
 

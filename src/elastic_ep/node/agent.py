@@ -5,7 +5,11 @@ It reports a worker's exit the moment it begins (a thread polls the workers' /pr
 `exit_poll_s`, see `exits.py`; one thread blocked in `wait()` per worker reaps it and reports an
 exit the poll missed), kills a rank on the controller's `FenceWorker` and confirms once the
 process can no longer run, sends signals for fault injection, and answers `BackupFetch` and
-`DenseFetch` from workers of other nodes on its own ROUTER socket (the backup: host_backup.py). With
+`DenseFetch` from workers of other nodes on its own ROUTER socket (the backup: host_backup.py). Its
+workers' heartbeat threads beat to it on a loopback ROUTER (`beat_addr`); every
+heartbeat_interval_s it sends the controller one `NodeHeartbeat` with each running rank's last
+heartbeat and how long ago it heard it (a stopped rank's age grows until the controller's
+deadline names it), and relays the controller's `AbortEpoch` to the rank's heartbeat thread. With
 read once, copy many (`WorkerLaunch.read_once`) the first ranks it is asked to start wait until it
 has read the dense weights into shared memory once, then map them from there. Every
 frame in and out carries the cluster key's MAC; a frame without it, undecodable or not of the
@@ -42,6 +46,8 @@ from elastic_ep.wire import (
     CONTROLLER_TO_AGENT,
     FETCH_REQUEST,
     KEY_ENV,
+    WORKER_TO_AGENT,
+    AbortEpoch,
     AgentAlive,
     AgentBye,
     AgentHello,
@@ -55,9 +61,12 @@ from elastic_ep.wire import (
     CutLinks,
     FenceWorker,
     HealLinks,
+    Heartbeat,
     Inbox,
     LeaseRenew,
     NewLeader,
+    NodeHeartbeat,
+    RankBeat,
     SessionEnded,
     SignalWorker,
     StartWorker,
@@ -81,6 +90,7 @@ from .netcut import NetCut, NetCutUnavailable
 
 logger = logging.getLogger(__name__)
 FETCH_MAX_FRAME_BYTES = 1 << 20  # a fetch request is a list of (layer, expert): a bigger frame disconnects its peer
+BEAT_MAX_FRAME_BYTES = 4096  # a heartbeat is some 60 bytes
 
 @dataclass
 class _Child:
@@ -91,6 +101,8 @@ class _Child:
     fencing: bool = False
     final: bool = False
     reported: bool = False
+    beat: Heartbeat | None = None  # its last heartbeat
+    beat_at: float = 0.0  # when it was read (monotonic)
 
 
 class NodeAgent:
@@ -133,6 +145,9 @@ class NodeAgent:
         self.fence = TermFence()  # the highest controller term seen: an older leader's frames are dropped
         self.inbox = Inbox("agent", CONTROLLER_TO_AGENT, key, node, self.fence)
         self.fetch_inbox = Inbox("agent_fetch", FETCH_REQUEST, key, node)
+        # no term fence on beats: a worker seals with the highest term it has seen, which lags the
+        # agent's just after a takeover; as at the controller, what comes up is not a leader's order
+        self.beat_inbox = Inbox("agent_beats", WORKER_TO_AGENT, key, node)
         self.standalone = standalone
         self.netcut = NetCut(str(os.getpid()))
         self.heal_at: dict[int | None, float] = {}  # cut rank (None: node) -> when it heals
@@ -165,6 +180,12 @@ class NodeAgent:
         self.fetch.setsockopt(zmq.MAXMSGSIZE, FETCH_MAX_FRAME_BYTES)
         port = self.fetch.bind_to_random_port(f"tcp://{advertise_host}")
         self.fetch_addr = f"tcp://{advertise_host}:{port}"
+        # loopback TCP, not ipc: a cut of a rank's links (netcut: its cgroup's packets) silences its beats here too
+        self.beats = self.ctx.socket(zmq.ROUTER)
+        self.beats.setsockopt(zmq.LINGER, 0)
+        self.beats.setsockopt(zmq.MAXMSGSIZE, BEAT_MAX_FRAME_BYTES)
+        self.beat_addr = f"tcp://127.0.0.1:{self.beats.bind_to_random_port('tcp://127.0.0.1')}"
+        self._node_beat_at = 0.0
         self._events_addr = f"inproc://agent-events-{id(self)}"
         self.events = self.ctx.socket(zmq.PULL)
         self.events.bind(self._events_addr)
@@ -187,7 +208,7 @@ class NodeAgent:
         for path in reap_stale_backups():
             logger.warning("node %s: removed %s, the backup file of an owner that is gone", self.node, path)
         poller = zmq.Poller()
-        for s in (self.sock, self.fetch, self.events, self.controller_link):
+        for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats):
             poller.register(s, zmq.POLLIN)
         self.hardware = HardwareReader()
         threading.Thread(target=self._watch_exits, name="exit-watch", daemon=True).start()
@@ -207,6 +228,9 @@ class NodeAgent:
                     self.sock.send_multipart(self.events.recv_multipart())
                 if self.fetch in ready:
                     self._answer_fetch()
+                if self.beats in ready:  # all of them before a node heartbeat: its ages are those of now
+                    self._read_beats()
+                self._send_node_beat(time.monotonic())
                 if self.sock in ready:
                     msg = self.inbox.read(self.sock.recv_multipart(copy=False))
                     if msg is not None and not self._handle(msg):
@@ -270,6 +294,42 @@ class NodeAgent:
                 self._running() if self.join_mode == "adopt" else []))
         if self.lease.alive_due(now):
             self.send(AgentAlive(self.node, self.lease.session, self._rejected(), self.backup.storage_bytes))
+
+    def _read_beats(self) -> None:
+        """Every heartbeat waiting on the beat socket: kept on the child of its pid (one that is not
+        this agent's running child, e.g. an old process of the rank, is dropped)."""
+        while True:
+            try:
+                _, *frames = self.beats.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            beat = self.beat_inbox.read(frames)
+            if beat is None:
+                continue
+            child = self.children.get(beat.pid)
+            if child is not None and child.rank_id == beat.rank_id:
+                child.beat, child.beat_at = beat, time.monotonic()
+
+    def _send_node_beat(self, now: float) -> None:
+        """Every heartbeat_interval_s while welcomed: one `NodeHeartbeat` with the last heartbeat of
+        every running rank heard from and its age (a stopped rank's grows: the controller's deadline
+        names it as if it had heard nothing)."""
+        launch = self.launch
+        if launch is None or launch.heartbeat_interval_s <= 0 or not self.lease.welcomed \
+                or now - self._node_beat_at < launch.heartbeat_interval_s:
+            return
+        self._node_beat_at = now
+        self._read_beats()  # whatever came since the last poll (after a stall of this process, all of it)
+        now = time.monotonic()
+        with self._lock:
+            heard = [c for c in self.children.values() if c.beat is not None and not c.fencing and not c.reported]
+        beats = [RankBeat(c.rank_id, c.proc.pid, c.beat.progress, round(now - c.beat_at, 4)) for c in heard]
+        if beats:
+            self.send(NodeHeartbeat(self.node, self.lease.session, beats))
+
+    def _relay_abort(self, msg: AbortEpoch) -> None:
+        """The controller's `AbortEpoch` to its rank's heartbeat thread (sealed again in the same term)."""
+        self.beats.send_multipart([f"h{msg.rank_id}".encode(), *self.key.seal(msg, self.fence.highest)])
 
     def send(self, message) -> None:
         """To the controller (main loop thread only; other threads `_notify`)."""
@@ -343,6 +403,8 @@ class NodeAgent:
             self._signal(msg.pid, msg.signal)
         elif isinstance(msg, CutLinks | HealLinks):
             self._cut(msg)
+        elif isinstance(msg, AbortEpoch):
+            self._relay_abort(msg)
         return True
 
     def _cut(self, msg: CutLinks | HealLinks) -> None:
@@ -393,7 +455,8 @@ class NodeAgent:
         local = dense_site is not None and dense_site.node == self.node
         args = WorkerArgs(self.launch, rank_id, self.node, self.host, self._local_index(rank_id), join_mode,
                           dense_path=dense_site.path if dense_site is not None and local else "",
-                          dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "")
+                          dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "",
+                          beat_addr=self.beat_addr)
         env = {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: self.key.hex()}
         # stdin: the agent link (`NewLeader` when the controller group's leader changes)
         proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env,
@@ -546,5 +609,5 @@ class NodeAgent:
         self.netcut.close()
         self.send(AgentBye(self.node))
         self.sock.disable_monitor()
-        for s in (self.sock, self.fetch, self.events, self.controller_link):
+        for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats):
             s.close()

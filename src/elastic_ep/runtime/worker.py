@@ -9,16 +9,20 @@ Threads:
   cache, and at level 2 the weights, then build them again), and from a server with
   --enable-chaos `ChaosStep` (the next step's injected delay and failures) and `CorruptSlot`.
   It blocks inside collectives.
-- heartbeat: its own ZeroMQ socket; sends `Heartbeat` with the main thread's progress every
-  `heartbeat_interval_s`, so the controller sees which collective the rank waits in even
-  while the main thread is blocked, and sees nothing once the process is stopped. It runs
-  under SCHED_RR where the rank may (node/priority.py): a CPU saturated by loading ranks no longer
-  keeps it off the run queue for seconds.
+- heartbeat: its own ZeroMQ socket to its agent's beat socket on loopback (`WorkerArgs.beat_addr`);
+  sends `Heartbeat` with the main thread's progress every `heartbeat_interval_s`, which the
+  agent forwards in its node's `NodeHeartbeat`, so the controller sees which collective the rank
+  waits in even while the main thread is blocked, and sees the rank's last heartbeat age once the
+  process is stopped; and takes the `AbortEpoch` the agent relays. Loopback TCP, not ipc: a cut
+  of the rank's links (node/netcut.py, packets of its cgroup) silences it to its agent too. It
+  runs under SCHED_RR where the rank may (node/priority.py): a CPU saturated by loading ranks no
+  longer keeps it off the run queue for seconds.
 - agent link: reads its agent's `NewLeader` on stdin (wire/pipe.py). The controller group has a
   new leader: the epoch in flight is aborted (a collective the dead leader's last step left waiting
-  gives up), the heartbeat thread connects to the new leader at once, and the main thread, back in
-  its loop, connects its step socket and its store there and registers again (join_mode "adopt")
-  with its weights, expert slots and KV pool as they are: the new leader adopts it in a new epoch.
+  gives up), and the main thread, back in its loop, connects its step socket and its store there
+  and registers again (join_mode "adopt") with its weights, expert slots and KV pool as they are:
+  the new leader adopts it in a new epoch. The heartbeat thread beats on to the agent, which
+  follows the leader itself.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
 Messages of an epoch other than the current one are dropped, and so is any frame without the
@@ -158,7 +162,6 @@ class Worker:
         self._kv_blocks = (self.kv.num_blocks, self.kv.block_size)  # what a wake builds again
         self.held_epoch = -1  # the epoch whose slots this rank holds whole (-1: none yet, or being changed)
         self._new_leader: WorkerLaunch | None = None  # set by the agent link, followed by the main thread
-        self._health_addr = launch.health_addr  # where the heartbeat thread sends (the leader's health socket)
 
     def _kv_pool(self) -> tuple[KVCache, float]:
         """The rank's KV pool, sized once (model/kv_cache.py: pool_num_blocks), and the seconds
@@ -311,7 +314,6 @@ class Worker:
             if not isinstance(msg, NewLeader):
                 continue
             group = self.group  # the last leader's: read before the main thread may follow and form another
-            self._health_addr = msg.launch.health_addr
             self._new_leader = msg.launch
             if group is not None:
                 group.abort()  # a collective of the last leader's epoch gives up: the main thread follows
@@ -610,25 +612,21 @@ class Worker:
         self.send(SlotChecksums(msg.epoch, self.args.rank_id, self.slots.checksums(msg.slots)))
 
     def _heartbeats(self) -> None:
-        """Say where the main thread is every heartbeat_interval_s, and abort the epoch the
-        controller gave up on (its collectives may wait on a peer that will never answer)."""
+        """Say where the main thread is every heartbeat_interval_s (to the agent, which forwards
+        it), and abort the epoch the controller gave up on (its collectives may wait on a peer
+        that will never answer)."""
         if not prioritize_this_thread():
             print(f"elastic-ep rank {self.args.rank_id}: the heartbeat thread keeps an ordinary priority (no "
                   "CAP_SYS_NICE): a saturated CPU may delay it", file=sys.stderr, flush=True)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"h{self.args.rank_id}".encode())
         sock.setsockopt(zmq.LINGER, 0)
-        connected = self._health_addr
-        sock.connect(connected)
+        sock.connect(self.args.beat_addr)  # the agent's: it stays the same whoever leads the controller group
         inbox = Inbox("worker_heartbeat", CONTROLLER_TO_HEARTBEAT, self.key, self.args.node, self.fence)
         pid = os.getpid()
         interval_s = self.args.launch.heartbeat_interval_s
         next_beat = time.monotonic()
         while not self._stop.is_set():
-            if self._health_addr != connected:  # a new leader (the agent link): beat there from now on
-                sock.disconnect(connected)
-                connected = self._health_addr
-                sock.connect(connected)
             if sock.poll(max(int((next_beat - time.monotonic()) * 1000), 0)):
                 msg = inbox.read(sock.recv_multipart(copy=False))
                 group = self.group

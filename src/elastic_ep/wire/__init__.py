@@ -8,13 +8,15 @@ Transport: ZeroMQ. The controller binds two ROUTER sockets:
   `EpochStart`, `StepPlan`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `SleepRank`,
   `WakeRank`, `WarmUp`, `Shutdown` and answers `WorkerHello`, `EpochReady`, `EpochFailed`, `StepResult`,
   `StepFailed`, `SlotChecksums`, `SleepReply`, `WarmedUp`;
-- the health socket: each worker's heartbeat thread (DEALER, identity `h<rank_id>`) sends
-  `Heartbeat` and receives `AbortEpoch`; each node agent (DEALER, identity `a<node>`) sends `AgentHello`,
-  `WorkerStarted`, `WorkerExited`, `WorkerFenced`, `HardwareReport` and receives `AgentWelcome`, `BackupAssign`,
-  `StartWorker`, `FenceWorker`, `SignalWorker`, `AgentShutdown`, and says `AgentBye` when it stops.
-An agent also binds a ROUTER for `BackupFetch` -> `BackupTensors` and `DenseFetch` ->
-`DenseTensors` from workers of other nodes, and writes `NewLeader` to its own workers on their
-stdin (runtime/agent_link.py) when the controller group's leader changes.
+- the health socket: each node agent (DEALER, identity `a<node>`) sends `AgentHello`, `NodeHeartbeat`
+  (its ranks' heartbeats, one message per interval), `WorkerStarted`, `WorkerExited`, `WorkerFenced`,
+  `HardwareReport` and receives `AgentWelcome`, `BackupAssign`, `StartWorker`, `FenceWorker`,
+  `SignalWorker`, `AbortEpoch` (for one of its ranks), `AgentShutdown`, and says `AgentBye` when it stops.
+An agent also binds a ROUTER on loopback for its own workers' heartbeat threads (DEALER, identity
+`h<rank_id>`), which send it `Heartbeat` and receive the `AbortEpoch` it relays; a ROUTER for
+`BackupFetch` -> `BackupTensors` and `DenseFetch` -> `DenseTensors` from workers of other nodes;
+and writes `NewLeader` to its own workers on their stdin (wire/pipe.py) when the controller
+group's leader changes.
 
 Frames are typed msgspec structs in msgpack, each with an HMAC of the deployment's cluster key
 (`codec.py`): never pickle, since a frame from the network is data, not code. Each receiving side
@@ -61,7 +63,9 @@ from .health import (
     HealLinks,
     Heartbeat,
     LeaseRenew,
+    NodeHeartbeat,
     Progress,
+    RankBeat,
     SessionEnded,
     SignalWorker,
     StartWorker,
@@ -101,6 +105,7 @@ from .worker import (
 
 __all__ = [
     "AGENT_TO_WORKER",
+    "WORKER_TO_AGENT",
     "AbortEpoch",
     "AgentAlive",
     "AgentBye",
@@ -132,7 +137,9 @@ __all__ = [
     "KVMove",
     "NewLeader",
     "LeaseRenew",
+    "NodeHeartbeat",
     "Progress",
+    "RankBeat",
     "Shutdown",
     "SessionEnded",
     "SignalWorker",
@@ -184,13 +191,14 @@ STEP_TO_CONTROLLER = (WorkerHello | EpochReady | EpochFailed | StepResult | Step
                       | WarmedUp)
 CONTROLLER_TO_WORKER = (EpochStart | StepPlan | ChaosStep | SweepSlots | CorruptSlot | SleepRank | WakeRank | WarmUp
                         | Shutdown)
-HEALTH_TO_CONTROLLER = (Heartbeat | AgentHello | AgentAlive | WorkerStarted | WorkerExited | WorkerFenced
+HEALTH_TO_CONTROLLER = (NodeHeartbeat | AgentHello | AgentAlive | WorkerStarted | WorkerExited | WorkerFenced
                         | HardwareReport | ChaosFailed | BackupReady | AgentBye)
-CONTROLLER_TO_HEARTBEAT = AbortEpoch
+WORKER_TO_AGENT = Heartbeat  # the agent's beat socket
+CONTROLLER_TO_HEARTBEAT = AbortEpoch  # relayed by the agent
 AGENT_TO_WORKER = NewLeader
 CONTROLLER_TO_AGENT = (AgentWelcome | LeaseRenew | SessionEnded | BackupAssign | StartWorker | FenceWorker
-                       | SignalWorker | CutLinks | HealLinks | AgentShutdown)
+                       | SignalWorker | CutLinks | HealLinks | AbortEpoch | AgentShutdown)
 FETCH_REQUEST = BackupFetch | DenseFetch
 FETCH_REPLY = BackupTensors | DenseTensors
-ALL_MESSAGES = (STEP_TO_CONTROLLER | CONTROLLER_TO_WORKER | HEALTH_TO_CONTROLLER | CONTROLLER_TO_HEARTBEAT
+ALL_MESSAGES = (STEP_TO_CONTROLLER | CONTROLLER_TO_WORKER | HEALTH_TO_CONTROLLER | WORKER_TO_AGENT
                 | CONTROLLER_TO_AGENT | AGENT_TO_WORKER | FETCH_REQUEST | FETCH_REPLY)

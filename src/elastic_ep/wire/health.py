@@ -1,5 +1,6 @@
-"""Heartbeats (worker heartbeat thread -> controller) and node agents <-> the controller, both on
-the controller's health socket."""
+"""Heartbeats (a worker's heartbeat thread -> its node's agent, on the agent's beat socket; the
+agent -> the controller, one `NodeHeartbeat` per interval for all its ranks) and node agents <->
+the controller, on the controller's health socket."""
 
 from __future__ import annotations
 
@@ -24,16 +25,40 @@ class Progress(Record):
 
 
 class Heartbeat(Message):
+    """A worker's heartbeat thread -> its agent (loopback), every heartbeat_interval_s."""
+
     rank_id: int
     pid: int
     progress: Progress
 
 
+class RankBeat(Record):
+    """One rank in a `NodeHeartbeat`: its last heartbeat as the agent heard it, `age_s` seconds
+    before the agent sent the node's message (the agent's clock)."""
+
+    rank_id: int
+    pid: int
+    progress: Progress
+    age_s: float
+
+
+class NodeHeartbeat(Message):
+    """An agent -> the controller, every heartbeat_interval_s: the last heartbeat of each of its
+    running ranks it has heard from (a stopped rank stays in it, its age growing). The controller
+    takes each as that rank's heartbeat heard at arrival - age_s."""
+
+    node: str
+    session: str
+    beats: list[RankBeat]
+
+
 class AbortEpoch(Message):
-    """Controller -> a worker's heartbeat thread: the controller gave up on `epoch`; any
-    collective of it that waits (on a peer that is hung or cut off) gives up now."""
+    """Controller -> the agent of rank `rank_id`'s node -> that worker's heartbeat thread (relayed
+    as it came): the controller gave up on `epoch`; any collective of it that waits (on a peer
+    that is hung or cut off) gives up now."""
 
     epoch: int
+    rank_id: int = -1
 
 
 # ---- agent <-> controller, health socket ---------------------------------------------------

@@ -50,8 +50,9 @@ class WorkerLaunch(Record):
 class WorkerArgs:
     """One worker's command-line argument (JSON): the cluster's `WorkerLaunch` plus what its
     agent decides: its rank, node, the address of its host (`host`: the data plane binds it),
-    join mode and where its dense weights come from (`dense_path`: this node's backup file;
-    `dense_addr`: another node's agent; neither: disk)."""
+    join mode, where its dense weights come from (`dense_path`: this node's backup file;
+    `dense_addr`: another node's agent; neither: disk) and where its heartbeat thread beats
+    (`beat_addr`: the agent's loopback beat socket)."""
 
     launch: WorkerLaunch
     rank_id: int
@@ -61,6 +62,7 @@ class WorkerArgs:
     join_mode: str = "initial"
     dense_path: str = ""
     dense_addr: str = ""
+    beat_addr: str = ""
 
     def to_json(self) -> str:
         """Flat JSON (`"rank_id": N,` is how `elastic-ep doctor` finds a rank's process)."""

@@ -5,7 +5,10 @@ reports that a collective raised (gloo fails in milliseconds when a peer's socke
 no rank to blame: an error, not a fault; an error in a rank's own computation is not even that,
 see control/serving/isolation.py); a rank's heartbeats stop for --heartbeat-timeout-s (a
 stopped process or a cut link; heartbeats come from their own thread, so a rank blocked in a
-collective or merely slow keeps beating); the progress watchdog names a rank that has not
+collective or merely slow keeps beating); they come in their agent's `NodeHeartbeat`, each with
+its age at the agent, and count as heard at arrival less that age: a stopped rank's age grows
+and its heard time stays where it was, and a silent agent's ranks are heard from no more (its
+own deadline, --agent-timeout-s, fires too); the progress watchdog names a rank that has not
 entered the collective the others wait in for the adaptive deadline (a hang). A slow rank is
 never a fault here: it enters each collective late but within a deadline that grows with the
 step times it causes. The rules themselves are the pure functions of `control/faults/health_rules.py`.
@@ -22,7 +25,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from elastic_ep.wire import Heartbeat, exit_reason
+from elastic_ep.wire import NodeHeartbeat, Progress, exit_reason
 
 from ..config import ServeConfig
 from ..ranks import RankInfo
@@ -100,12 +103,31 @@ class FaultDetector:
 
     # ---- signals -------------------------------------------------------------------------
 
-    def heartbeat(self, rank: RankInfo, msg: Heartbeat, epoch: int, now: float) -> None:
-        rank.last_heartbeat = now
-        if msg.progress.epoch == epoch and msg.progress.seq not in self.seq_first_seen:
-            self.seq_first_seen[msg.progress.seq] = now
-        if msg.progress != rank.progress:
-            rank.progress, rank.progress_at = msg.progress, now
+    def node_heartbeat(self, ranks: Mapping[int, RankInfo], msg: NodeHeartbeat, epoch: int, now: float) -> int:
+        """The heartbeats of one agent's `NodeHeartbeat` that arrived at `now` (heard clock): each
+        of a rank of that node, of the pid it runs. Returns how many were taken."""
+        taken = 0
+        for beat in msg.beats:
+            r = ranks.get(beat.rank_id)
+            if r is not None and r.pid == beat.pid and r.node == msg.node:
+                self.heartbeat(r, beat.progress, epoch, now - beat.age_s, now)
+                taken += 1
+        return taken
+
+    def heartbeat(self, rank: RankInfo, progress: Progress, epoch: int, heard_at: float, now: float) -> None:
+        """One rank's heartbeat, heard by its agent at `heard_at` and arriving at `now` (heard
+        clock). Its agent sends the last one again with a larger age until a newer comes: that
+        moves nothing back. What it shows first (a collective entered, a new progress) counts from
+        `now`, as when heartbeats came straight here: an age is on the agent's clock, which goes
+        on through a stall of this process (the heard clock does not), and a stalled agent's first
+        message after it carries what it read before it; dated back by that age, a collective
+        entered then would look entered a stall ago, and the watchdog name the ranks behind it."""
+        if heard_at > rank.last_heartbeat:
+            rank.last_heartbeat = heard_at
+        if progress.epoch == epoch and progress.seq not in self.seq_first_seen:
+            self.seq_first_seen[progress.seq] = now
+        if progress != rank.progress:
+            rank.progress, rank.progress_at = progress, now
 
     def new_epoch(self) -> None:
         self.seq_first_seen = {}

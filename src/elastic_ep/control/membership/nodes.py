@@ -321,8 +321,11 @@ class Nodes:
             self.send(r.node, SignalWorker(rank_id, r.pid, sig))
 
     def abort_epoch(self, rank_id: int, epoch: int) -> None:
-        """Tell the rank's heartbeat thread to give up the collectives of `epoch` (a failed epoch)."""
-        self.plane.to_heartbeat(rank_id, AbortEpoch(epoch))
+        """Tell the rank's heartbeat thread, through its agent, to give up the collectives of `epoch`
+        (a failed epoch)."""
+        r = self.cluster.ranks.get(rank_id)
+        if r is not None:
+            self.send(r.node, AbortEpoch(epoch, rank_id))
 
     def confirm_lost(self, rank_id: int) -> None:
         """A fence its agent never confirmed: the rank counts as dead."""

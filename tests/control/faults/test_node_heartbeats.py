@@ -1,0 +1,89 @@
+"""The detector judging the heartbeats an agent gathers for its node (`NodeHeartbeat`): each entry
+is its rank's heartbeat heard at arrival less its age, so a rank whose age grows (stopped) is lost
+at the same deadline as if nothing had come for it, and a silent agent's ranks time out with it;
+the watchdog counts a collective from the arrival of the first message that shows it."""
+
+from __future__ import annotations
+
+import pytest
+from control_standins import cluster_of, config
+
+from elastic_ep.control.faults.detector import FaultCause, FaultDetector
+from elastic_ep.wire import NodeHeartbeat, Progress, RankBeat
+
+INTERVAL_S = 0.1  # the agent's forwarding interval (--heartbeat-interval-s)
+
+
+def node_beat(node: str, ages: dict[int, float], progress: dict[int, Progress] | None = None) -> NodeHeartbeat:
+    """The node's message: rank -> age at the agent (pid 1000 + rank, as cluster_of registers them)."""
+    progress = progress or {}
+    return NodeHeartbeat(node, "s", [RankBeat(r, 1000 + r, progress.get(r, Progress(epoch=0)), age)
+                                     for r, age in ages.items()])
+
+
+def lost(detector: FaultDetector, c, now: float) -> dict[int, FaultCause]:
+    detector._checked_at = 0.0  # every call checks (the period is the control loop's business)
+    return {f.rank_id: f.cause for f in detector.check(now, c.ranks, c.members, False, 0)}
+
+
+def test_a_rank_whose_age_grows_is_lost_at_its_deadline_and_its_node_mates_are_not():
+    c = cluster_of({0: "n0", 1: "n0", 2: "n1"})
+    detector = FaultDetector(config(heartbeat_timeout_s=1.0))
+    stopped_at = 100.0  # rank 1 beat last at 100.0 (agent's hearing), then was SIGSTOPped
+    now = 100.0
+    while now < 101.5:  # the agents forward every interval; rank 1's entry stays, older each time
+        assert detector.node_heartbeat(c.ranks, node_beat("n0", {0: 0.03, 1: round(now - stopped_at, 3)}), 0,
+                                       now) == 2
+        detector.node_heartbeat(c.ranks, node_beat("n1", {2: 0.05}), 0, now)
+        assert c.ranks[1].last_heartbeat == stopped_at  # the same beat again moves nothing
+        assert lost(detector, c, now) == ({1: FaultCause.HEARTBEAT_LOST} if now - stopped_at > 1.0 else {})
+        now = round(now + INTERVAL_S, 3)
+    last = now - INTERVAL_S  # the last node messages' arrival
+    assert (c.ranks[0].last_heartbeat, c.ranks[2].last_heartbeat) == (pytest.approx(last - 0.03),
+                                                                      pytest.approx(last - 0.05))
+
+
+def test_a_silent_agent_hides_nothing_its_ranks_time_out():
+    c = cluster_of({0: "n0", 1: "n0", 2: "n1"})
+    detector = FaultDetector(config(heartbeat_timeout_s=1.0))
+    for now in (100.0, 100.1, 100.2):
+        detector.node_heartbeat(c.ranks, node_beat("n0", {0: 0.01, 1: 0.02}), 0, now)
+        detector.node_heartbeat(c.ranks, node_beat("n1", {2: 0.01}), 0, now)
+    # n0's agent goes silent at 100.2 (lost, stopped, cut off); n1's keeps forwarding
+    for now in (100.3, 100.8, 101.1):
+        detector.node_heartbeat(c.ranks, node_beat("n1", {2: 0.01}), 0, now)
+        assert lost(detector, c, now) == {}
+    detector.node_heartbeat(c.ranks, node_beat("n1", {2: 0.01}), 0, 101.3)
+    assert lost(detector, c, 101.3) == {0: FaultCause.HEARTBEAT_LOST, 1: FaultCause.HEARTBEAT_LOST}
+
+
+def test_entries_of_another_node_or_process_are_not_taken():
+    c = cluster_of({0: "n0", 1: "n1"})
+    detector = FaultDetector(config())
+    wrong_node = node_beat("n1", {0: 0.0})  # rank 0 runs on n0
+    wrong_pid = NodeHeartbeat("n0", "s", [RankBeat(0, 77, Progress(epoch=0), 0.0)])  # an old process of rank 0
+    unknown = NodeHeartbeat("n0", "s", [RankBeat(9, 1009, Progress(epoch=0), 0.0)])
+    for msg in (wrong_node, wrong_pid, unknown):
+        assert detector.node_heartbeat(c.ranks, msg, 0, 100.0) == 0
+    assert c.ranks[0].last_heartbeat == 0.0
+
+
+def test_a_collective_counts_from_the_arrival_of_the_first_message_that_shows_it():
+    """Only the heartbeat's own time is dated back by its age; a collective first shown in a node's
+    message counts from that message's arrival (at most one forwarding interval after the agent
+    heard it), so an agent that stalled and sends what it read before cannot make it look old."""
+    c = cluster_of({0: "n0", 1: "n0"})
+    detector = FaultDetector(config(watchdog_floor_s=1.0))
+    entered = Progress(epoch=0, step=4, layer=1, phase="dispatch", seq=12)
+    behind = Progress(epoch=0, step=4, layer=1, phase="compute", seq=11)
+    # read by the agent 1.5 s before it could send (its process stalled)
+    detector.node_heartbeat(c.ranks, node_beat("n0", {0: 1.5, 1: 1.5}, {0: entered, 1: behind}), 0, 100.0)
+    assert detector.seq_first_seen[12] == 100.0 and c.ranks[0].progress_at == 100.0
+    assert c.ranks[0].last_heartbeat == 98.5
+    detector.node_heartbeat(c.ranks, node_beat("n0", {0: 0.01, 1: 0.01}, {0: entered, 1: behind}), 0, 100.5)
+    assert detector.seq_first_seen[12] == 100.0  # the first sighting stays
+    detector._checked_at = 0.0
+    assert detector.check(100.9, c.ranks, c.members, True, 0) == []
+    detector._checked_at = 0.0
+    assert [(f.rank_id, f.cause) for f in detector.check(101.01, c.ranks, c.members, True, 0)] == \
+        [(1, FaultCause.HUNG)]
