@@ -214,8 +214,8 @@ class RecoveryProfile:
         return self.recover()
 
     def _step(self):
-        out = self.step()
-        if self.profile is not None and not self.armed and not self.ctl.recovery.open:
+        out = self.step()  # a wall time: the step completed (the recovery's record closes next)
+        if self.profile is not None and not self.armed and out is not None:
             self.profile.disable()
             self.done, self.profile = self.profile, None
         return out

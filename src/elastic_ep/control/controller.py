@@ -78,7 +78,7 @@ from .epochs.epoch_change import (
     VerifyFailed,
 )
 from .epochs.rebalance_rules import load_estimate
-from .epochs.requests import Adopt, EpochRequest, Refill, Rejoin, Start, holding_of
+from .epochs.requests import Adopt, EpochRequest, Recover, Refill, Rejoin, Start, holding_of
 from .epochs.slot_check import SlotSweeper
 from .events import EventKind
 from .facade.engine import EngineFacade, Published
@@ -511,7 +511,9 @@ class Controller:
             self.traces.epoch_changed(c.epoch, reason, live, started_s, report.fields())
         if first:
             self.nodes.start_backup()
-        self.publish()
+        # readiness at once; after a fault the /cluster snapshot waits for its usual turn (the
+        # pause lasts until the first step, and a snapshot of a new placement is its biggest)
+        self.publish(throttle_s=0.25 if isinstance(request, Recover) else 0.0)
         if warm and not first:  # its slots hold other experts: warmed before its first step
             self._warm_up(first=False)
         elif self.cfg.warmup_gate:

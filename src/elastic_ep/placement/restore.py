@@ -79,9 +79,12 @@ def restore_placement(
             candidate = ~filled | (copies >= 2)
             home = backup_nodes.get((layer, expert))
             away = (node_of != codes.get(home, -1))[:, None] if home is not None else np.zeros((len(hold), 1), bool)
-            for key in (away, restores, filled, donor, rank_load):
-                key = np.broadcast_to(key, sub.shape)
-                candidate &= key == key[candidate].min()
+            for key in (away, restores, filled, donor, rank_load):  # [H, 1] per rank or [H, s] per slot
+                if key.shape[1] == 1:
+                    per_rank = key[:, 0]
+                    candidate &= (per_rank == per_rank[candidate.any(axis=1)].min())[:, None]
+                else:
+                    candidate &= key == key[candidate].min()
             h, j = divmod(int(np.argmax(candidate)), s)
             if sub[h, j] >= 0:
                 count[sub[h, j]] -= 1

@@ -190,12 +190,17 @@ class EpochChanger:
         self.replies = {}
         self.store.set(f"epoch/{c.epoch}/members", json.dumps(live))
         slot_map = slot_map_for_wire(new.phy2log, c.num_experts)
-        for rank_id in live:
-            self.plane.to_worker(rank_id, EpochStart(
-                c.epoch, live, slot_map, s, sources[rank_id], sends[rank_id], backups,
-                self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s, [rank_nodes[r] for r in live],
-                self.cfg.all2all_backend, keeps_group(request),
-            ))
+        nodes = [rank_nodes[r] for r in live]
+
+        def start(fill: list[SlotSource], send: list[tuple[int, int, int]]) -> EpochStart:
+            return EpochStart(c.epoch, live, slot_map, s, fill, send, backups, self.cfg.collective_timeout_s,
+                              self.cfg.backup_fetch_timeout_s, nodes, self.cfg.all2all_backend, keeps_group(request))
+
+        # the members with nothing to fill or send (most, after a loss) share one message, encoded
+        # and sealed once: the slot map alone is ~118 KB at 1,024 ranks of DeepSeek-V3's shape
+        idle = start([], [])
+        self.plane.to_workers([(r, start(sources[r], sends[r]) if sources.get(r) or sends.get(r) else idle)
+                               for r in live])
         while self._after_start:
             self._after_start.pop()()
         failure = self._wait(live)
