@@ -161,7 +161,7 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
     if profile is not None:
         profile.dump()
     parts = {k: recovered.get(k) for k in ("detect_to_fence_s", "placement_s", "rendezvous_s", "transfer_s",
-                                           "verify_s", "epoch_change_s", "recompute_s")}
+                                           "verify_s", "epoch_change_s", "recompute_s", "restore")}
     return {"parts": parts, "rank_id": rank_id, "detect_s": round(fault["time_s"] - t0, 3), "cause": fault["signal"],
             "pause_s": round(recovered["time_s"] - t0, 3), "recovery_s": recovered["total_s"],
             "placement_s": recovered.get("placement_s"), "epoch_change_s": recovered.get("epoch_change_s")}

@@ -312,6 +312,7 @@ class Controller:
                 raise
         finally:
             self.nodes.shutdown()
+            self.changer.ahead.close()
             if self.read_rate_path:
                 os.unlink(self.read_rate_path)
             if self.traces is not None:
