@@ -36,6 +36,10 @@ class Plane:
     def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
         self.to_workers.extend(plans)
 
+    def messages_to_workers(self, messages: list[tuple[int, object]]) -> tuple[float, float, int]:
+        self.to_workers.extend(messages)
+        return 0.0, 0.0, 0
+
     def to_heartbeat(self, rank_id: int, msg: object) -> None:
         self.to_heartbeats.append((rank_id, msg))
 

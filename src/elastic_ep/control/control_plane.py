@@ -150,13 +150,13 @@ class ControlPlane:
 
     def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
         """(rank_id, message) to each worker's main thread, timed as a step's encode and send
-        (`to_workers`)."""
-        encode_s, send_s, nbytes = self.to_workers(plans)
+        (`messages_to_workers`)."""
+        encode_s, send_s, nbytes = self.messages_to_workers(plans)
         self.times.add("encode", encode_s)
         self.times.add("send", send_s)
         self.times.bytes_out += nbytes
 
-    def to_workers(self, messages: list[tuple[int, object]]) -> tuple[float, float, int]:
+    def messages_to_workers(self, messages: list[tuple[int, object]]) -> tuple[float, float, int]:
         """(rank_id, message) to each worker's main thread; the same message object given for
         several ranks (an empty plan, the `EpochStart` of every member with nothing to fill or
         send) is encoded and sealed once. Returns (encode s, send s, bytes sent)."""

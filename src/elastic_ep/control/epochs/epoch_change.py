@@ -209,7 +209,7 @@ class EpochChanger:
         # the members with nothing to fill or send (most, after a loss) share one message, encoded
         # and sealed once: the slot map alone is ~118 KB at 1,024 ranks of DeepSeek-V3's shape
         idle = start([], [])
-        self.plane.to_workers([(r, start(sources[r], sends[r]) if sources.get(r) or sends.get(r) else idle)
+        self.plane.messages_to_workers([(r, start(sources[r], sends[r]) if sources.get(r) or sends.get(r) else idle)
                                for r in live])
         while self._after_start:
             self._after_start.pop()()
