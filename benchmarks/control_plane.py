@@ -16,7 +16,11 @@ second and the control thread's share of a second spent on them), the /cluster s
 on the control thread; serialised by the HTTP thread) and the /metrics scrape, then kills one
 rank and stops another (SIGSTOP) through the chaos path and reports the time to detect each,
 the pause until a step completes again, the recovery epoch's placement and change times, a full
-placement over all ranks, and every fault that was not injected (a false fault).
+placement over all ranks, and every fault that was not injected (a false fault). Before each fault
+it waits up to 60 s for the restores of the epoch's likely losses, computed ahead in a process
+of their own (`restores_waited_s`; the recovery's `restore` says whether it looked its loss up),
+and `--profile-recovery FILE` profiles the control thread from each recovery's start to its
+first completed step.
 
 `--before` measures with the control-plane changes of issue 25 turned off in the same code:
 every rank sends its expert load every step (`--load-report-every-steps 1`), liveness is computed
@@ -148,6 +152,14 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
     the recovery's parts (the `recovered` event: fence, placement, rendezvous, transfer, verify,
     the epoch change, the first step). `profile`: the control thread profiled from the recovery's
     start to its first completed step."""
+    prepared = ctl.changer.ahead.prepared  # the restores computed ahead: given up to 60 s to be done
+    t = time.monotonic()
+    if prepared is not None:
+        try:
+            wait_for(prepared.result.done, 60, "")
+        except TimeoutError:
+            pass
+    ready_s = round(time.monotonic() - t, 1) if prepared is not None and prepared.result.done() else None
     since = last_event_id(ctl)
     if profile is not None:
         profile.arm()
@@ -162,7 +174,8 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
         profile.dump()
     parts = {k: recovered.get(k) for k in ("detect_to_fence_s", "placement_s", "rendezvous_s", "transfer_s",
                                            "verify_s", "epoch_change_s", "recompute_s", "restore")}
-    return {"parts": parts, "rank_id": rank_id, "detect_s": round(fault["time_s"] - t0, 3), "cause": fault["signal"],
+    return {"parts": parts, "restores_waited_s": ready_s,
+            "rank_id": rank_id, "detect_s": round(fault["time_s"] - t0, 3), "cause": fault["signal"],
             "pause_s": round(recovered["time_s"] - t0, 3), "recovery_s": recovered["total_s"],
             "placement_s": recovered.get("placement_s"), "epoch_change_s": recovered.get("epoch_change_s")}
 

@@ -2,8 +2,8 @@
 
 Once an epoch of at least `MIN_RANKS` members forms, `RestoresAhead.prepare` hands its
 placement, members, nodes, backups and the load estimate of that moment to a process of its own
-(spawned once, at the lowest CPU priority, so it takes neither the control thread's GIL nor, on
-a busy host, its core), which computes the restore placement of every single member's loss and
+(spawned once, at a low CPU priority, so it takes neither the control thread's GIL nor, on a
+busy host, much of its core), which computes the restore placement of every single member's loss and
 of every node's (placement/restore_ahead.py). After a fault, `lookup` returns the precomputed
 placement when the loss and everything the restore reads are as prepared: the same epoch and
 placement, the survivors all serving and nothing suspect, no rank taken in, the same nodes and
@@ -47,9 +47,10 @@ def _compute(epoch: int, *args) -> dict[Loss, np.ndarray | None]:
 
 
 def process_worker(current: Synchronized) -> cf.Executor:
-    """One spawned process at the lowest priority (spawn: the controller's process has threads)."""
+    """One spawned process (spawn: the controller's process has threads) at nice 10: on a busy
+    host it yields the core to the control thread, but is not starved for minutes as at 19."""
     return cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                                  initargs=(current, 19))
+                                  initargs=(current, 10))
 
 
 def thread_worker(current: Synchronized) -> cf.Executor:
