@@ -262,9 +262,8 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
     try:
         wait_for(lambda: ctl.published.readiness.ready or ctl.published.fatal, 300, "the cluster was not ready")
         if ctl.published.fatal:  # the control loop ended (a rank lost during startup): no point to measure
-            for e in events(ctl)[-40:]:  # what led there: agents lost, faults
-                if e["kind"] not in ("rank", "agent"):
-                    print(f"{e['time_s']:.3f} {e['kind']}: {e['message'][:200]}", file=sys.stderr)
+            for e in [e for e in events(ctl) if e["kind"] not in ("registered", "agent")][-40:]:  # agents lost, faults
+                print(f"{e['time_s']:.3f} {e['kind']}: {e['message'][:200]}", file=sys.stderr)
             raise RuntimeError(f"the controller stopped: {ctl.published.fatal}")
         seqs = max(ranks * seqs_per_rank, 1)  # 0 per rank: one sequence, so steps run with empty plans elsewhere
         load = Load(ctl, seqs)
