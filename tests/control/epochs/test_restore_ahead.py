@@ -1,6 +1,8 @@
 """The restores of an epoch's likely losses, computed ahead: the looked-up placement is the one
 the epoch change would compute, and anything not prepared falls back to computing it."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -85,9 +87,10 @@ def test_the_restores_are_computed_in_a_process_of_their_own(epoch):
     location, load, backup = epoch
     ahead = prepared(RestoresAhead(process_worker, min_ranks=2), location, load, backup)
     workers = list(ahead._executor._processes.values())
-    assert len(workers) == 1 and workers[0].pid is not None
+    assert len(workers) == 1 and workers[0].pid != os.getpid(), workers
     held, holding, found = lookup(ahead, location, backup, {4, 5, 6, 7})
+    assert found is not None, ahead.last
     assert found.phy2log.tolist() == restore_placement(held, load, holding, NODES, backup).phy2log.tolist()
     ahead.close()
-    workers[0].join(30)
-    assert workers[0].exitcode is not None  # closed with the controller: no process left behind
+    workers[0].join(60)
+    assert workers[0].exitcode is not None, "the worker outlived close()"  # no process left behind
