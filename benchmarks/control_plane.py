@@ -17,7 +17,11 @@ after, and the control thread's share of a second spent on them), the /cluster s
 on the control thread; serialised by the HTTP thread) and the /metrics scrape, then kills one
 rank and stops another (SIGSTOP) through the chaos path and reports the time to detect each,
 the pause until a step completes again, the recovery epoch's placement and change times, a full
-placement over all ranks, and every fault that was not injected (a false fault).
+placement over all ranks, and every fault that was not injected (a false fault). Before each fault
+it waits up to 60 s for the restores of the epoch's likely losses, computed ahead in a process
+of their own (`restores_waited_s`; the recovery's `restore` says whether it looked its loss up),
+and `--profile-recovery FILE` profiles the control thread from each recovery's start to its
+first completed step.
 
 `--before` measures with the control-plane changes of issue 25 turned off in the same code:
 every rank sends its expert load every step (`--load-report-every-steps 1`), liveness is computed
@@ -143,9 +147,23 @@ def last_event_id(ctl: Controller) -> int:
     return known[-1]["id"] if known else 0
 
 
-def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float) -> dict:
-    """Signal a rank through its agent; time to its fault and until a step completes again."""
+def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
+           profile: RecoveryProfile | None = None) -> dict:
+    """Signal a rank through its agent; time to its fault and until a step completes again, and
+    the recovery's parts (the `recovered` event: fence, placement, rendezvous, transfer, verify,
+    the epoch change, the first step). `profile`: the control thread profiled from the recovery's
+    start to its first completed step."""
+    prepared = ctl.changer.ahead.prepared  # the restores computed ahead: given up to 60 s to be done
+    t = time.monotonic()
+    if prepared is not None:
+        try:
+            wait_for(prepared.result.done, 60, "")
+        except TimeoutError:
+            pass
+    ready_s = round(time.monotonic() - t, 1) if prepared is not None and prepared.result.done() else None
     since = last_event_id(ctl)
+    if profile is not None:
+        profile.arm()
     t0 = time.time()
     ctl.engine.send(SignalRank(rank_id, sig))
     wait_for(lambda: any(e["rank_id"] == rank_id for e in events_after(ctl, since, "fault")), timeout_s,
@@ -153,7 +171,12 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float) -> dict:
     fault = next(e for e in events_after(ctl, since, "fault") if e["rank_id"] == rank_id)
     wait_for(lambda: events_after(ctl, since, "recovered"), timeout_s, "no recovery")
     recovered = events_after(ctl, since, "recovered")[0]
-    return {"rank_id": rank_id, "detect_s": round(fault["time_s"] - t0, 3), "cause": fault["signal"],
+    if profile is not None:
+        profile.dump()
+    parts = {k: recovered.get(k) for k in ("detect_to_fence_s", "placement_s", "rendezvous_s", "transfer_s",
+                                           "verify_s", "epoch_change_s", "recompute_s", "restore")}
+    return {"parts": parts, "restores_waited_s": ready_s,
+            "rank_id": rank_id, "detect_s": round(fault["time_s"] - t0, 3), "cause": fault["signal"],
             "pause_s": round(recovered["time_s"] - t0, 3), "recovery_s": recovered["total_s"],
             "placement_s": recovered.get("placement_s"), "epoch_change_s": recovered.get("epoch_change_s")}
 
@@ -185,8 +208,40 @@ class ControlThreadProfile:
         self.profile.dump_stats(self.path)
 
 
+class RecoveryProfile:
+    """cProfile of the control thread from the start of the next recovery (`Recovery.run`) to
+    the first step that completes after it, written to `path` + "." + the fault's name."""
+
+    def __init__(self, ctl: Controller, path: str):
+        self.ctl, self.path, self.profile, self.armed, self.name = ctl, path, None, False, ""
+        self.done: cProfile.Profile | None = None
+        self.recover, self.step = ctl.recovery.run, ctl.steps.run
+        ctl.recovery.run, ctl.steps.run = self._recover, self._step
+
+    def arm(self) -> None:
+        self.profile, self.armed = cProfile.Profile(), True
+
+    def _recover(self):
+        if self.armed and self.profile is not None:
+            self.armed = False
+            self.profile.enable()
+        return self.recover()
+
+    def _step(self):
+        out = self.step()  # a wall time: the step completed (the recovery's record closes next)
+        if self.profile is not None and not self.armed and out is not None:
+            self.profile.disable()
+            self.done, self.profile = self.profile, None
+        return out
+
+    def dump(self) -> None:
+        wait_for(lambda: self.profile is None, 10, "the recovery's profile did not end")
+        self.done.dump_stats(f"{self.path}.{self.name}")
+
+
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
-              before: bool, faults: bool, timeout_s: float, profile: str | None = None) -> dict:
+              before: bool, faults: bool, timeout_s: float, profile: str | None = None,
+              profile_recovery: str | None = None) -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -208,6 +263,8 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
     try:
         wait_for(lambda: ctl.published.readiness.ready or ctl.published.fatal, 300, "the cluster was not ready")
         if ctl.published.fatal:  # the control loop ended (a rank lost during startup): no point to measure
+            for e in [e for e in events(ctl) if e["kind"] not in ("registered", "agent")][-40:]:  # agents lost, faults
+                print(f"{e['time_s']:.3f} {e['kind']}: {e['message'][:200]}", file=sys.stderr)
             raise RuntimeError(f"the controller stopped: {ctl.published.fatal}")
         seqs = max(ranks * seqs_per_rank, 1)  # 0 per rank: one sequence, so steps run with empty plans elsewhere
         load = Load(ctl, seqs)
@@ -267,14 +324,19 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
                               c.slots_per_rank, max(cfg.ep_size, max(c.members) + 1))
         out["placement_ms"] = round(1000 * (time.perf_counter() - t), 1)
         if faults:
-            out["kill"] = inject(ctl, c.members[len(c.members) // 3], signal.SIGKILL, 60)
+            recovery_profile = RecoveryProfile(ctl, profile_recovery) if profile_recovery else None
+            if recovery_profile is not None:
+                recovery_profile.name = "kill"
+            out["kill"] = inject(ctl, c.members[len(c.members) // 3], signal.SIGKILL, 60, recovery_profile)
             t = time.monotonic()
             try:  # the stop lands in a quiet group where the background rebalance ends in time
                 wait_for(lambda: not ctl.rebalancer.status()["active"], 60, "")
                 out["rebalance_after_kill_s"] = round(time.monotonic() - t, 1)
             except TimeoutError:
                 out["rebalance_after_kill_s"] = None  # still walking after 60 s
-            out["stop"] = inject(ctl, c.members[2 * len(c.members) // 3], signal.SIGSTOP, 60)
+            if recovery_profile is not None:
+                recovery_profile.name = "stop"
+            out["stop"] = inject(ctl, c.members[2 * len(c.members) // 3], signal.SIGSTOP, 60, recovery_profile)
             # the issue's bound on the hang's pause (signal to the first step after): the deadline + 0.1 s
             out["hang_pause_bound_s"] = round(cfg.heartbeat_timeout_s + 0.1, 3)
             out["hang_pause_within_bound"] = out["stop"]["pause_s"] <= out["hang_pause_bound_s"]
@@ -373,13 +435,16 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="write a cProfile of the control thread over the measured seconds (pstats format)")
+    parser.add_argument("--profile-recovery", default=None, metavar="FILE",
+                        help="write cProfiles of the control thread from each recovery's start to its first "
+                             "completed step (FILE.kill, FILE.stop)")
     args = parser.parse_args()
     logging.getLogger("elastic_ep").setLevel(logging.ERROR)
     if args.ranks is None:
         table(args)
         return
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
-                    args.before, not args.no_faults, args.timeout_s, args.profile)
+                    args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

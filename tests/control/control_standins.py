@@ -35,6 +35,10 @@ class Plane:
     def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
         self.to_workers.extend(plans)
 
+    def messages_to_workers(self, messages: list[tuple[int, object]]) -> tuple[float, float, int]:
+        self.to_workers.extend(messages)
+        return 0.0, 0.0, 0
+
     def sent(self, kind: type) -> list[object]:
         """Every message of `kind` sent anywhere, in order."""
         return [m for _, m in self.to_identities + self.to_workers if isinstance(m, kind)]

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from elastic_ep.errors import PlacementError
 from elastic_ep.placement import ExpertLocation, balancedness, fault_aware_placement, plan_transfers
+from elastic_ep.placement.location import EMPTY
 from elastic_ep.placement.restore import restore_placement, step_towards
 
 
@@ -23,6 +24,81 @@ def losses(draw):
     live = sorted(draw(st.lists(st.sampled_from(range(num_ranks)), min_size=min_live, max_size=num_ranks - 1,
                                 unique=True)))
     return placement, load, live, nodes
+
+
+def reference_restore(held, load, holding_ranks, rank_nodes, backup_nodes=None):
+    """restore_placement's definition as first written (a tuple per candidate slot per lost
+    expert, the least taken): the vectorized function must choose the same slots."""
+    w = np.asarray(load, dtype=np.float64)
+    num_layers, num_experts, s = held.num_layers, held.num_experts, held.slots_per_rank
+    if w.shape != (num_layers, num_experts):
+        raise PlacementError(f"load must be [L={num_layers}, E={num_experts}], got {list(w.shape)}")
+    holding = sorted({int(r) for r in holding_ranks if 0 <= int(r) < held.num_ranks})
+    if len(holding) * s < num_experts:
+        raise PlacementError(f"{len(holding)} ranks x {s} slots cannot hold {num_experts} experts")
+    backup_nodes = backup_nodes or {}
+    grid = held.by_rank().copy()
+    outside = np.ones(held.num_ranks, dtype=bool)
+    outside[holding] = False
+    grid[:, outside] = EMPTY
+    restores = dict.fromkeys(holding, 0)
+    for layer in range(num_layers):
+        row = grid[layer]
+        count = np.bincount(row[row >= 0], minlength=num_experts)
+        for expert in sorted(np.nonzero(count == 0)[0].tolist(), key=lambda e: -w[layer, e]):
+            per_copy = np.where(count > 0, w[layer] / np.maximum(count, 1), 0.0)
+            rank_load = {r: float(per_copy[row[r][row[r] >= 0]].sum()) for r in holding}
+            home = backup_nodes.get((layer, expert))
+            options = []
+            for r in holding:
+                for j in range(s):
+                    x = int(row[r, j])
+                    if x >= 0 and count[x] < 2:
+                        continue
+                    donor = 0.0 if x < 0 else w[layer, x] / (count[x] - 1)
+                    away = home is not None and rank_nodes.get(r) != home
+                    options.append((away, restores[r], x >= 0, donor, rank_load[r], r, j))
+            *_, r, j = min(options)
+            if row[r, j] >= 0:
+                count[row[r, j]] -= 1
+            row[r, j] = expert
+            count[expert] += 1
+            restores[r] += 1
+    return ExpertLocation.from_phy2log(grid.reshape(num_layers, -1), s, num_experts)
+
+
+@st.composite
+def restore_inputs(draw):
+    """A loss as recovery meets it: a balanced placement, some ranks lost, some surviving slots
+    suspect (empty), some lost ranks back empty, a backup of some experts on some node, integer
+    or real loads, up to 11 slots a rank."""
+    num_layers, slots, num_ranks = draw(st.integers(1, 3)), draw(st.integers(1, 11)), draw(st.integers(2, 9))
+    num_experts = draw(st.integers(1, slots * (num_ranks - 1)))
+    num_nodes = draw(st.integers(1, 3))
+    nodes = {r: f"n{r % num_nodes}" for r in range(num_ranks)}
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    load = rng.integers(0, 50, (num_layers, num_experts)).astype(float) if seed % 2 else \
+        rng.random((num_layers, num_experts)) * 100
+    placement = fault_aware_placement(load, range(num_ranks), nodes, None, slots, num_ranks)
+    live = sorted(rng.choice(num_ranks, int(rng.integers(-(-num_experts // slots), num_ranks)), replace=False).tolist())
+    phy2log = placement.restricted_to(live).phy2log.copy()
+    phy2log[rng.random(phy2log.shape) < 0.1] = EMPTY
+    held = ExpertLocation.from_phy2log(phy2log, slots, num_experts)
+    holding = sorted(live + [r for r in range(num_ranks) if r not in live and rng.random() < 0.3])
+    backup = {(layer, e): f"n{int(rng.integers(0, num_nodes + 1))}" for layer in range(num_layers)
+              for e in range(num_experts) if rng.random() < 0.7}
+    return held, load, holding, nodes, backup
+
+
+@settings(max_examples=300, deadline=None)
+@given(restore_inputs())
+def test_vectorized_restore_chooses_the_slots_of_its_definition(case):
+    held, load, holding, nodes, backup = case
+    restored = restore_placement(held, load, holding, nodes, backup)
+    expected = reference_restore(held, load, holding, nodes, backup)
+    assert restored.phy2log.tolist() == expected.phy2log.tolist()
+    restored.validate(holding)
 
 
 @settings(max_examples=150, deadline=None)

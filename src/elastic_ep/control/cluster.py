@@ -7,7 +7,6 @@ dies, hangs or is slow nothing here reacts; the detector names it, recovery asks
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -27,7 +26,7 @@ class PlacementView:
 
     def __init__(self, location: ExpertLocation | None):
         self.location = location
-        self.placement = json.loads(location.to_json()) if location is not None else None
+        self.placement = location.to_dict() if location is not None else None
         self._experts: dict[int, list[list[int]]] = {}
 
     def experts_of(self, rank_id: int) -> list[list[int]]:

@@ -149,12 +149,21 @@ class ControlPlane:
         self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message, self.term)])
 
     def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
-        """(rank_id, message) to each worker's main thread, timed as a step's encode and send; the
-        same message object given for several ranks (an empty plan) is encoded and sealed once."""
+        """(rank_id, message) to each worker's main thread, timed as a step's encode and send
+        (`messages_to_workers`)."""
+        encode_s, send_s, nbytes = self.messages_to_workers(plans)
+        self.times.add("encode", encode_s)
+        self.times.add("send", send_s)
+        self.times.bytes_out += nbytes
+
+    def messages_to_workers(self, messages: list[tuple[int, object]]) -> tuple[float, float, int]:
+        """(rank_id, message) to each worker's main thread; the same message object given for
+        several ranks (an empty plan, the `EpochStart` of every member with nothing to fill or
+        send) is encoded and sealed once. Returns (encode s, send s, bytes sent)."""
         t0 = time.perf_counter()
-        sealed: dict[int, list[bytes]] = {}  # id(message) -> its frames: a plan shared by many ranks is sealed once
+        sealed: dict[int, list[bytes]] = {}  # id(message) -> its frames: a message shared by many ranks is sealed once
         frames = []
-        for rank_id, message in plans:
+        for rank_id, message in messages:
             parts = sealed.get(id(message))
             if parts is None:
                 parts = sealed[id(message)] = self.key.seal(message, self.term)
@@ -165,9 +174,7 @@ class ControlPlane:
             send(identity, zmq.SNDMORE)
             send(mac, zmq.SNDMORE)
             send(body)
-        self.times.add("encode", t1 - t0)
-        self.times.add("send", time.perf_counter() - t1)
-        self.times.bytes_out += sum(len(mac) + len(body) for _, (mac, body) in frames)
+        return t1 - t0, time.perf_counter() - t1, sum(len(mac) + len(body) for _, (mac, body) in frames)
 
     def to_identity(self, identity: bytes, message) -> None:
         """To a peer of the health socket (an agent) by its identity."""

@@ -22,6 +22,7 @@ thread calls, its commands, what is published), and `chaos.py` (installed only w
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import socket
@@ -78,7 +79,7 @@ from .epochs.epoch_change import (
     VerifyFailed,
 )
 from .epochs.rebalance_rules import load_estimate
-from .epochs.requests import Adopt, EpochRequest, Refill, Rejoin, Start, holding_of
+from .epochs.requests import Adopt, EpochRequest, Recover, Refill, Rejoin, Start, holding_of
 from .epochs.slot_check import SlotSweeper
 from .events import EventKind
 from .facade.engine import EngineFacade, Published
@@ -117,6 +118,7 @@ from .serving.warmup import WarmUpGate, warmup_shapes
 from .tracing import RequestTraces
 
 logger = logging.getLogger(__name__)
+SNAPSHOT_HOLD_S = 2.0  # after a fault, how long a throttled /cluster snapshot may wait for the first step
 
 
 def _start_tracing(cfg: ServeConfig) -> RequestTraces:
@@ -313,6 +315,7 @@ class Controller:
                 raise
         finally:
             self.nodes.shutdown()
+            self.changer.ahead.close()
             if self.read_rate_path:
                 os.unlink(self.read_rate_path)
             if self.traces is not None:
@@ -513,7 +516,9 @@ class Controller:
             self.traces.epoch_changed(c.epoch, reason, live, started_s, report.fields())
         if first:
             self.nodes.start_backup()
-        self.publish()
+        # readiness at once; after a fault the /cluster snapshot waits for its usual turn (the
+        # pause lasts until the first step, and a snapshot of a new placement is its biggest)
+        self.publish(throttle_s=0.25 if isinstance(request, Recover) else 0.0)
         if warm and not first:  # its slots hold other experts: warmed before its first step
             self._warm_up(first=False)
         elif self.cfg.warmup_gate:
@@ -684,6 +689,14 @@ class Controller:
 
     def publish(self, throttle_s: float = 0.0) -> None:
         """Readiness and health at once; the /cluster snapshot at most every `throttle_s`
-        (facade/publisher.py)."""
+        (facade/publisher.py), and none that may wait while a recovery's group is ready with
+        requests to run: the pause after a fault lasts until its first step, and a snapshot
+        (every rank's view, a new placement's) was most of a 256-rank recovery's control
+        thread. For at most SNAPSHOT_HOLD_S after the fault, so that one whose step never
+        comes still shows."""
         self.published.sleep_level = self.sleep.level or (self.sleep.moving.level if self.sleep.moving else 0)
+        record = self.recovery.record
+        if (throttle_s and record is not None and self.cluster.readiness.ready and self.scheduler.has_work
+                and time.monotonic() - record.detected_at < SNAPSHOT_HOLD_S):
+            throttle_s = math.inf
         self.publisher.publish(throttle_s)

@@ -39,6 +39,7 @@ import heapq
 import itertools
 import os
 import random
+import select
 import signal
 import sys
 import time
@@ -230,7 +231,7 @@ class StandInRank:
 
     def send(self, message) -> None:
         if self.alive and not self.stopped and self.step_sock is not None:
-            self.step_sock.send_multipart(self.agent.host.key.seal(message))
+            self.agent.host.send(self.step_sock, self.agent.host.key.seal(message))
 
     def beat(self, now: float, interval_s: float) -> RankBeat | None:
         """Its last heartbeat as its agent heard it by `now`, with its age; None before its first."""
@@ -305,7 +306,7 @@ class StandInRank:
                 self.agent.host.timers.at(time.monotonic() + 0.01, ready)
                 return
             self.progress = Progress(msg.epoch, -1, -1, "idle", 0, time.time())
-            self.step_sock.send_multipart(frames)
+            self.agent.host.send(self.step_sock, frames)
         self.agent.host.timers.at(time.monotonic() + epoch_s, ready)
 
     def _step(self, plan: StepPlan) -> None:
@@ -387,7 +388,7 @@ class StandInAgent:
                 self.send(NodeHeartbeat(self.node, self.lease.session, beats))
 
     def send(self, message) -> None:
-        self.sock.send_multipart(self.host.key.seal(message))
+        self.host.send(self.sock, self.host.key.seal(message))
 
     @staticmethod
     def inbox_kind(sock) -> str:
@@ -470,15 +471,24 @@ class StandInAgent:
 
 
 class StandInHost:
-    """One process of stand-in nodes: a poller over every socket, timers, one thread."""
+    """One process of stand-in nodes: its sockets watched with epoll, timers, one thread.
+
+    Not `zmq.Poller`: a poll asks every socket for its events (ZMQ_EVENTS), ~20 us each on a
+    loaded host, and a process of 256 stand-in ranks has 512 sockets and wakes for a timer every
+    fraction of a millisecond, so polling alone took a core (12 ms a poll measured here) and the
+    ranks' heartbeats and the agents' alives went out seconds late. ZeroMQ's notification fd of
+    a socket (ZMQ_FD) wakes epoll when its state may have changed; the socket is then read until
+    it has nothing, and after it sent (which may consume the notification) it is read again."""
 
     def __init__(self, key: ClusterKey) -> None:
         self.key = key
         self.inboxes = {kind: Inbox(f"standin_{kind}", accepts, key) for kind, accepts in (
             ("agent", CONTROLLER_TO_AGENT), ("worker", CONTROLLER_TO_WORKER))}
         self.ctx = zmq.Context.instance()
-        self.poller = zmq.Poller()
+        self.epoll = select.epoll()
         self.owners: dict[zmq.Socket, object] = {}
+        self.by_fd: dict[int, zmq.Socket] = {}
+        self.unread: set[zmq.Socket] = set()  # may hold messages without a new notification
         self.timers = Timers()
         self.incarnations = itertools.count()
         self.agents: list[StandInAgent] = []
@@ -493,12 +503,23 @@ class StandInHost:
         return self._models[model_dir]
 
     def register(self, sock, owner) -> None:
+        if sock not in self.owners:
+            fd = sock.getsockopt(zmq.FD)
+            self.by_fd[fd] = sock
+            self.epoll.register(fd, select.EPOLLIN)
         self.owners[sock] = owner
-        self.poller.register(sock, zmq.POLLIN)
+        self.unread.add(sock)  # what arrived while it was not watched raised no notification
 
     def unregister(self, sock) -> None:
-        self.owners.pop(sock, None)
-        self.poller.unregister(sock)
+        if self.owners.pop(sock, None) is not None:
+            fd = sock.getsockopt(zmq.FD)
+            self.by_fd.pop(fd, None)
+            self.epoll.unregister(fd)
+        self.unread.discard(sock)
+
+    def send(self, sock, frames: list[bytes]) -> None:
+        sock.send_multipart(frames)
+        self.unread.add(sock)
 
     def run(self, stop_when_idle: bool = True) -> None:
         """Until every agent was told to shut down (or SIGTERM)."""
@@ -507,7 +528,10 @@ class StandInHost:
             for agent in self.agents:
                 agent.tick(now)
             self.timers.run_due(now)
-            for sock, _ in self.poller.poll(int(self.timers.next_in_s(time.monotonic(), 0.02) * 1000)):
+            wait_s = 0.0 if self.unread else self.timers.next_in_s(time.monotonic(), 0.02)
+            woken = {self.by_fd[fd] for fd, _ in self.epoll.poll(wait_s) if fd in self.by_fd}
+            check, self.unread = woken | self.unread, set()
+            for sock in check:
                 owner = self.owners.get(sock)
                 while owner is not None and self.owners.get(sock) is owner:  # a message may close it
                     try:

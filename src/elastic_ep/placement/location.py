@@ -207,18 +207,20 @@ class ExpertLocation:
             live[r] = True
         return live
 
+    def to_dict(self) -> dict:
+        """The placement file's content: phy2log, log2phy and logcnt as nested lists, plus the slot geometry."""
+        return {
+            "num_ranks": self.num_ranks,
+            "slots_per_rank": self.slots_per_rank,
+            "num_experts": self.num_experts,
+            "phy2log": self.phy2log.tolist(),
+            "log2phy": self.log2phy.tolist(),
+            "logcnt": self.logcnt.tolist(),
+        }
+
     def to_json(self) -> str:
-        """The placement file: phy2log, log2phy and logcnt as nested lists, plus the slot geometry."""
-        return json.dumps(
-            {
-                "num_ranks": self.num_ranks,
-                "slots_per_rank": self.slots_per_rank,
-                "num_experts": self.num_experts,
-                "phy2log": self.phy2log.tolist(),
-                "log2phy": self.log2phy.tolist(),
-                "logcnt": self.logcnt.tolist(),
-            }
-        )
+        """The placement file (`to_dict` as JSON)."""
+        return json.dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str) -> ExpertLocation:

@@ -37,9 +37,14 @@ def restore_placement(
     Each lost expert (heaviest first) takes the slot that, in order: sits on its backup's node
     (a local read), is on the rank with the fewest restores so far (ranks restore in parallel),
     is empty, or else holds the copy whose loss leaves the least load per remaining copy, on the
-    least loaded rank. Every other slot is as in `held`.
+    least loaded rank (its copies' load per copy summed over its slots in slot order), then the
+    lowest rank and slot. Every other slot is as in `held`.
     Returns an ExpertLocation of held's shape. Raises PlacementError when the holding ranks have
     fewer slots than there are experts.
+
+    Vectorized over the candidate slots: one pass of numpy over the [H, s] slots of the H
+    holding ranks per lost expert, keys compared in order (each narrows the candidates to its
+    minimum), instead of a tuple per candidate.
     """
     w = np.asarray(load, dtype=np.float64)
     num_layers, num_experts, s = held.num_layers, held.num_experts, held.slots_per_rank
@@ -53,29 +58,40 @@ def restore_placement(
     outside = np.ones(held.num_ranks, dtype=bool)
     outside[holding] = False
     grid[:, outside] = EMPTY
-    restores = dict.fromkeys(holding, 0)
+    hold = np.asarray(holding, dtype=np.int64)
+    codes: dict[object, int] = {}
+    node_of = np.array([codes.setdefault(rank_nodes.get(r), len(codes)) for r in holding])  # [H]
+    restores = np.zeros((len(holding), 1), dtype=np.int64)  # [H, 1]
     for layer in range(num_layers):
-        row = grid[layer]
-        count = np.bincount(row[row >= 0], minlength=num_experts)
-        for expert in sorted(np.nonzero(count == 0)[0].tolist(), key=lambda e: -w[layer, e]):
-            per_copy = np.where(count > 0, w[layer] / np.maximum(count, 1), 0.0)
-            rank_load = {r: float(per_copy[row[r][row[r] >= 0]].sum()) for r in holding}
+        sub = grid[layer, hold]  # [H, s], a copy written back below
+        wl = w[layer]
+        count = np.bincount(sub[sub >= 0], minlength=num_experts)
+        lost = np.nonzero(count == 0)[0]
+        if not len(lost):
+            continue
+        for expert in lost[np.argsort(-wl[lost], kind="stable")].tolist():
+            filled = sub >= 0
+            x = np.where(filled, sub, 0)
+            copies = count[x]  # [H, s]
+            per_copy = np.where(count > 0, wl / np.maximum(count, 1), 0.0)
+            rank_load = np.where(filled, per_copy[x], 0.0).sum(axis=1, keepdims=True)  # [H, 1]
+            donor = np.where(filled, wl[x] / np.maximum(copies - 1, 1), 0.0)
+            candidate = ~filled | (copies >= 2)
             home = backup_nodes.get((layer, expert))
-            options = []
-            for r in holding:
-                for j in range(s):
-                    x = int(row[r, j])
-                    if x >= 0 and count[x] < 2:
-                        continue
-                    donor = 0.0 if x < 0 else w[layer, x] / (count[x] - 1)
-                    away = home is not None and rank_nodes.get(r) != home
-                    options.append((away, restores[r], x >= 0, donor, rank_load[r], r, j))
-            *_, r, j = min(options)
-            if row[r, j] >= 0:
-                count[row[r, j]] -= 1
-            row[r, j] = expert
+            away = (node_of != codes.get(home, -1))[:, None] if home is not None else np.zeros((len(hold), 1), bool)
+            for key in (away, restores, filled, donor, rank_load):  # [H, 1] per rank or [H, s] per slot
+                if key.shape[1] == 1:
+                    per_rank = key[:, 0]
+                    candidate &= (per_rank == per_rank[candidate.any(axis=1)].min())[:, None]
+                else:
+                    candidate &= key == key[candidate].min()
+            h, j = divmod(int(np.argmax(candidate)), s)
+            if sub[h, j] >= 0:
+                count[sub[h, j]] -= 1
+            sub[h, j] = expert
             count[expert] += 1
-            restores[r] += 1
+            restores[h] += 1
+        grid[layer, hold] = sub
     return ExpertLocation.from_phy2log(grid.reshape(num_layers, -1), s, num_experts)
 
 

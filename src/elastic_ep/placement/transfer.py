@@ -44,10 +44,23 @@ class Transfer:
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """Every filled slot of the new placement on a live rank, with its source and the byte totals."""
+    """Every filled slot of the new placement on a live rank, with its source and the byte totals.
 
-    transfers: tuple[Transfer, ...]
+    moved: the slots that copy anything (every source but keep), in (layer, dst_slot) order.
+    kept: [K, 5] int64 rows (layer, expert, dst_rank, dst_slot, src_slot) of the slots that keep
+        their expert: most slots of most epochs, held as one array rather than an object each.
+    """
+
+    moved: tuple[Transfer, ...]
+    kept: np.ndarray
     bytes_by_source: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def transfers(self) -> list[Transfer]:
+        """Every slot's transfer, keeps included, in (layer, dst_slot) order."""
+        keeps = [Transfer(layer, expert, rank, dst, "keep", rank, src) for layer, expert, rank, dst, src
+                 in self.kept.tolist()]
+        return sorted(keeps + list(self.moved), key=lambda t: (t.layer, t.dst_slot))
 
     @property
     def bytes_moved(self) -> int:
@@ -56,7 +69,7 @@ class TransferPlan:
 
     def moves(self) -> list[Transfer]:
         """The transfers that copy anything (all but keep)."""
-        return [t for t in self.transfers if t.source != "keep"]
+        return list(self.moved)
 
 
 def plan_transfers(
@@ -76,6 +89,8 @@ def plan_transfers(
     rank_nodes: rank -> node, for every live rank and every rank of `new`.
     backup: (layer, expert) -> node holding a reachable host-memory copy; None or missing = none.
     expert_nbytes: bytes of one expert's weights (one slot).
+    The kept slots are found with numpy over [L, S]; only the slots that change are planned one
+    by one (a peer source depends on the bytes each sender has taken on so far).
     """
     if old.num_layers != new.num_layers or old.num_experts != new.num_experts:
         raise PlacementError(
@@ -88,40 +103,36 @@ def plan_transfers(
     if occupied_dead:
         raise PlacementError(f"new placement puts experts on ranks {occupied_dead}, which are not live")
     backup = backup or {}
-    holders = _live_holders(old, live)
+    new_spr, old_spr = new.slots_per_rank, old.slots_per_rank
+    p = new.phy2log  # [L, S]
+    slot = np.arange(p.shape[1])
+    dst_ranks, j = slot // new_spr, slot % new_spr
+    at = dst_ranks * old_spr + j  # the same slot of the same rank in `old`
+    same = (j < old_spr) & (at < old.phy2log.shape[1])
+    held_there = np.full(p.shape, -2, dtype=np.int64)
+    held_there[:, same] = old.phy2log[:, at[same]]
+    keep = (p >= 0) & (held_there == p)
+    layers, dst = np.nonzero(keep)
+    kept = np.stack([layers, p[layers, dst], dst_ranks[dst], dst, at[dst]], axis=1).astype(np.int64)
     sent_bytes: dict[int, int] = defaultdict(int)
     totals = dict.fromkeys(SOURCE_KINDS, 0)
-    transfers = []
-    for layer in range(new.num_layers):
-        layer_holders = holders[layer]
-        for dst_slot in np.nonzero(new.phy2log[layer] >= 0)[0].tolist():
-            expert = int(new.phy2log[layer, dst_slot])
-            dst_rank = dst_slot // new.slots_per_rank
-            t = _source(layer, expert, dst_rank, dst_slot, new.slots_per_rank, old.slots_per_rank,
-                        layer_holders.get(expert, ()), rank_nodes, backup, sent_bytes)
-            if t.source == "peer":
-                sent_bytes[t.src_rank] += expert_nbytes
-            totals[t.source] += expert_nbytes
-            transfers.append(t)
-    return TransferPlan(tuple(transfers), totals)
+    totals["keep"] = len(kept) * expert_nbytes
+    moved = []
+    for layer, dst_slot in np.argwhere((p >= 0) & ~keep).tolist():
+        expert = int(p[layer, dst_slot])
+        holders = [(s // old_spr, s) for s in old.log2phy[layer, expert].tolist() if s >= 0 and s // old_spr in live]
+        t = _source(layer, expert, dst_slot // new_spr, dst_slot, holders, rank_nodes, backup, sent_bytes)
+        if t.source == "peer":
+            sent_bytes[t.src_rank] += expert_nbytes
+        totals[t.source] += expert_nbytes
+        moved.append(t)
+    return TransferPlan(tuple(moved), kept, totals)
 
 
-def _live_holders(old: ExpertLocation, live: set[int]) -> list[dict[int, list[tuple[int, int]]]]:
-    """Per layer: expert -> [(rank, old slot)] on live ranks."""
-    out: list[dict[int, list[tuple[int, int]]]] = [defaultdict(list) for _ in range(old.num_layers)]
-    layers, slots = np.nonzero(old.phy2log >= 0)
-    for layer, slot in zip(layers.tolist(), slots.tolist(), strict=True):
-        rank = slot // old.slots_per_rank
-        if rank in live:
-            out[layer][int(old.phy2log[layer, slot])].append((rank, slot))
-    return out
-
-
-def _source(layer, expert, dst_rank, dst_slot, new_spr, old_spr, holders, rank_nodes, backup, sent_bytes):
+def _source(layer, expert, dst_rank, dst_slot, holders, rank_nodes, backup, sent_bytes):
+    """The source of a slot that does not keep its expert: `holders` are the expert's (rank, old
+    slot) on live ranks, in slot order."""
     on_rank = [slot for rank, slot in holders if rank == dst_rank]
-    j = dst_slot % new_spr
-    if j < old_spr and dst_rank * old_spr + j in on_rank:
-        return Transfer(layer, expert, dst_rank, dst_slot, "keep", dst_rank, dst_rank * old_spr + j)
     if on_rank:
         return Transfer(layer, expert, dst_rank, dst_slot, "local", dst_rank, on_rank[0])
     if holders:

@@ -45,7 +45,8 @@ from ..config import ServeConfig
 from ..control_plane import ControlPlane
 from ..ranks import RankStatus
 from .epoch_plan import held_placement, split_by_rank
-from .requests import Adopt, EpochRequest, Refill, Slot, holding_of, keeps_group, restores, same_members
+from .requests import Adopt, EpochRequest, Recover, Refill, Slot, holding_of, keeps_group, restores, same_members
+from .restore_ahead import RestoresAhead
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class EpochReport:
     epoch_change_s: float
     verified_slots: int  # slots filled, hence checksummed, in this epoch (the others were kept)
     disk_reason: str  # why experts came from disk ("" when none did)
+    restore: str = ""  # a recovery's placement: "looked up" (restore_ahead.py), else why it was computed
 
     def fields(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,8 +119,10 @@ class EpochChanger:
     `faulted(rank_ids)` tells whether any of them has a pending fault."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, store: dist.Store,
-                 expert_nbytes: int, pump: Callable[[float], None], faulted: Callable[[list[int]], bool]):
+                 expert_nbytes: int, pump: Callable[[float], None], faulted: Callable[[list[int]], bool],
+                 ahead: RestoresAhead | None = None):
         self.cluster = cluster
+        self.ahead = ahead or RestoresAhead()  # the restores of the likely losses, computed off this thread
         self.cfg = cfg
         self.plane = plane
         self.store = store
@@ -174,9 +178,15 @@ class EpochChanger:
             serving = [r for r in live if c.ranks[r].status in (RankStatus.SERVING, RankStatus.DRAINING)]
             old = held_placement(c.location, c.num_layers, c.num_experts, s, num_ranks, serving, self.suspect_slots)
         backup = c.backup_map()
+        restore = ""
         try:
             if restores(request):
-                new = restore_placement(old, load, holding, rank_nodes, backup)
+                if isinstance(request, Recover):
+                    new = self.ahead.lookup(c.epoch, c.location, old, holding, serving, rank_nodes, backup,
+                                            bool(self.suspect_slots))
+                    restore = self.ahead.last
+                if new is None:
+                    new = restore_placement(old, load, holding, rank_nodes, backup)
             elif new is None:
                 new = self.balanced(holding, load, num_ranks)
         except PlacementError as e:
@@ -190,12 +200,17 @@ class EpochChanger:
         self.replies = {}
         self.store.set(f"epoch/{c.epoch}/members", json.dumps(live))
         slot_map = slot_map_for_wire(new.phy2log, c.num_experts)
-        for rank_id in live:
-            self.plane.to_worker(rank_id, EpochStart(
-                c.epoch, live, slot_map, s, sources[rank_id], sends[rank_id], backups,
-                self.cfg.collective_timeout_s, self.cfg.backup_fetch_timeout_s, [rank_nodes[r] for r in live],
-                self.cfg.all2all_backend, keeps_group(request),
-            ))
+        nodes = [rank_nodes[r] for r in live]
+
+        def start(fill: list[SlotSource], send: list[tuple[int, int, int]]) -> EpochStart:
+            return EpochStart(c.epoch, live, slot_map, s, fill, send, backups, self.cfg.collective_timeout_s,
+                              self.cfg.backup_fetch_timeout_s, nodes, self.cfg.all2all_backend, keeps_group(request))
+
+        # the members with nothing to fill or send (most, after a loss) share one message, encoded
+        # and sealed once: the slot map alone is ~118 KB at 1,024 ranks of DeepSeek-V3's shape
+        idle = start([], [])
+        self.plane.messages_to_workers([(r, start(sources[r], sends[r]) if sources.get(r) or sends.get(r) else idle)
+                               for r in live])
         while self._after_start:
             self._after_start.pop()()
         failure = self._wait(live)
@@ -213,6 +228,7 @@ class EpochChanger:
             return failure
         c.location = new
         self.suspect_slots.clear()
+        self.ahead.prepare(c.epoch, new, holding, rank_nodes, backup, load)
         for r in live:
             c.ranks[r].status = RankStatus.SERVING if r in holding else RankStatus.DRAINING
         by_source: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0, "seconds": 0.0})
@@ -226,7 +242,7 @@ class EpochChanger:
             round(max(r.transfer_s for r in replies.values()), 4),
             round(max(r.verify_s for r in replies.values()), 4),
             dict(by_source), round(time.monotonic() - t0, 4), sum(len(v) for v in sources.values()),
-            c.why_disk() if plan.bytes_by_source["disk"] else "",
+            c.why_disk() if plan.bytes_by_source["disk"] else "", restore,
         ))
 
     def balanced(self, holding: list[int], load: np.ndarray, num_ranks: int | None = None) -> ExpertLocation:

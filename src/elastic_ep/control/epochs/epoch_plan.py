@@ -45,9 +45,7 @@ def split_by_rank(
     sources: dict[int, list[SlotSource]] = defaultdict(list)
     sends: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     s = slots_per_rank
-    for t in sorted(plan.transfers, key=lambda t: (t.dst_rank, t.layer, t.dst_slot)):
-        if t.source == "keep":
-            continue
+    for t in sorted(plan.moved, key=lambda t: (t.dst_rank, t.layer, t.dst_slot)):
         src_slot = t.src_slot % s if t.src_slot >= 0 else -1
         sources[t.dst_rank].append(
             SlotSource(t.layer, t.dst_slot % s, t.expert, t.source, t.src_rank, src_slot, str(t.src_node or ""))

@@ -1,0 +1,107 @@
+"""The recovery's placement alone (placement/restore.py `restore_placement`, and the transfer plan
+from the held slots to it) at DeepSeek-V3's shape, over large groups, after the loss of a rank
+and of a node of 8.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/restore_placement.py [--baseline REV] [--repeats 3]
+
+Each case: a balanced placement (fault_aware_placement) of 58 layers x E experts over R ranks of
+s slots (s as `--redundant-experts auto` chooses it for nodes of 8: the group outlives a node),
+a Zipf-like load, every expert in some node's host-memory backup; the ranks of the loss leave,
+the rest hold what they held. Times are perf_counter seconds, best of --repeats (one run where a
+run takes over 5 s). --baseline REV runs the same cases with that git revision's `src` in a
+child process and prints both side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from elastic_ep.placement import choose_redundant_experts, fault_aware_placement, plan_transfers
+from elastic_ep.placement.restore import restore_placement
+
+RANKS_PER_NODE = 8
+# (layers, experts, ranks, slots per rank or 0 for the redundancy's choice, what is lost)
+CASES = [(58, 256, 256, 0, "rank"), (58, 256, 256, 0, "node"), (58, 1024, 1024, 0, "rank"),
+         (58, 1024, 1024, 0, "node"), (58, 256, 4, 128, "every rank")]
+
+
+def case_inputs(layers: int, experts: int, ranks: int, slots: int, loss: str):
+    nodes = {r: f"n{r // RANKS_PER_NODE}" for r in range(ranks)}
+    slots = slots or choose_redundant_experts(experts, ranks, layers, 1, nodes).slots_per_rank
+    rng = np.random.default_rng(0)
+    load = np.stack([rng.permutation(1000.0 / np.arange(1, experts + 1)) for _ in range(layers)])
+    placement = fault_aware_placement(load, range(ranks), nodes, None, slots, ranks)
+    lost = {"rank": [ranks // 3], "node": [r for r in range(ranks) if nodes[r] == nodes[ranks // 3]],
+            "every rank": list(range(ranks))}[loss]
+    live = [r for r in range(ranks) if r not in lost]
+    holding = live if live else list(range(ranks))  # every rank lost: all restart empty
+    held = placement.restricted_to(live)
+    backup = {(layer, e): f"n{e % len(set(nodes.values()))}" for layer in range(layers) for e in range(experts)}
+    return held, load, holding, nodes, backup, slots
+
+
+def best_of(fn, repeats: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+        if times[-1] > 5:
+            break
+    return min(times), out
+
+
+def measure(repeats: int) -> list[dict]:
+    rows = []
+    for layers, experts, ranks, slots, loss in CASES:
+        held, load, holding, nodes, backup, s = case_inputs(layers, experts, ranks, slots, loss)
+        restore_s, new = best_of(lambda: restore_placement(held, load, holding, nodes, backup), repeats)  # noqa: B023
+        plan_s, _ = best_of(lambda: plan_transfers(held, new, holding, nodes, backup, 1), repeats)  # noqa: B023
+        rows.append({"case": f"{layers} x {experts} over {ranks} ranks x {s} slots, {loss} lost",
+                     "lost_experts": int((held.restricted_to(holding).logcnt == 0).sum()),
+                     "restore_s": round(restore_s, 4), "plan_s": round(plan_s, 4)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", default=None, metavar="REV", help="also run with this git revision's src")
+    parser.add_argument("--json", action="store_true", help="print this code's rows as JSON (the child's output)")
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps(measure(args.repeats)))
+        return
+    before = None
+    if args.baseline:
+        repo = Path(__file__).resolve().parent.parent
+        with tempfile.TemporaryDirectory() as tmp:
+            archive = subprocess.run(["git", "-C", str(repo), "archive", args.baseline, "src"],
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+            done = subprocess.run([sys.executable, __file__, "--json", "--repeats", str(args.repeats)],
+                                  capture_output=True, text=True, check=True,
+                                  env={**os.environ, "PYTHONPATH": str(Path(tmp) / "src")})
+            before = json.loads(done.stdout.strip().splitlines()[-1])
+    after = measure(args.repeats)
+    print("| case | lost experts | restore s before | restore s after | ratio | transfer plan s before | after |")
+    print("|---|---|---|---|---|---|---|")
+    for i, a in enumerate(after):
+        b = before[i] if before else {}
+        ratio = f"{b['restore_s'] / a['restore_s']:.0f}x" if b and a["restore_s"] else "-"
+        print(f"| {a['case']} | {a['lost_experts']} | {b.get('restore_s', '-')} | {a['restore_s']} | {ratio} "
+              f"| {b.get('plan_s', '-')} | {a['plan_s']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The restores of an epoch's likely losses, computed ahead: the looked-up placement is the one
+the epoch change would compute, and anything not prepared falls back to computing it."""
+
+import os
+
+import numpy as np
+import pytest
+
+from elastic_ep.control.epochs.restore_ahead import RestoresAhead, process_worker, thread_worker
+from elastic_ep.placement import fault_aware_placement
+from elastic_ep.placement.restore import restore_placement
+from elastic_ep.placement.restore_ahead import likely_losses, restores_ahead
+
+RANKS, SLOTS, EXPERTS, LAYERS = 8, 6, 22, 4
+NODES = {r: f"n{r // 4}" for r in range(RANKS)}
+
+
+@pytest.fixture
+def epoch():
+    rng = np.random.default_rng(3)
+    load = rng.random((LAYERS, EXPERTS)) * 100
+    # placed as if on one node, so that a node's loss takes experts with it
+    location = fault_aware_placement(load, range(RANKS), dict.fromkeys(range(RANKS), "n"), None, SLOTS, RANKS)
+    backup = {(layer, e): f"n{e % 2}" for layer in range(LAYERS) for e in range(EXPERTS)}
+    return location, load, backup
+
+
+def prepared(ahead, location, load, backup):
+    ahead.prepare(7, location, list(range(RANKS)), NODES, backup, load)
+    ahead.prepared.result.result(timeout=60)
+    return ahead
+
+
+def lookup(ahead, location, backup, lost, suspect=False, epoch=7, nodes=NODES):
+    holding = [r for r in range(RANKS) if r not in lost]
+    held = location.restricted_to(holding)
+    return held, holding, ahead.lookup(epoch, location, held, holding, holding, nodes, backup, suspect)
+
+
+def test_likely_losses_are_each_member_then_each_node():
+    assert likely_losses([3, 0, 1, 2], {0: "a", 1: "a", 2: "b", 3: "c"}) == [
+        frozenset([0]), frozenset([1]), frozenset([2]), frozenset([3]), frozenset([0, 1])]
+
+
+@pytest.mark.parametrize("lost", [{2}, {4, 5, 6, 7}])
+def test_the_looked_up_restore_is_the_computed_one(epoch, lost):
+    location, load, backup = epoch
+    ahead = prepared(RestoresAhead(thread_worker, min_ranks=2), location, load, backup)
+    held, holding, found = lookup(ahead, location, backup, lost)
+    assert ahead.last == "looked up"
+    expected = restore_placement(held, load, holding, NODES, backup)
+    assert found.phy2log.tolist() == expected.phy2log.tolist()
+    assert (held.logcnt == 0).any()  # the loss took experts that the lookup gave a slot again
+    found.validate(holding)
+    ahead.close()
+
+
+def test_what_was_not_prepared_falls_back_to_computing(epoch):
+    location, load, backup = epoch
+    ahead = prepared(RestoresAhead(thread_worker, min_ranks=2), location, load, backup)
+    assert lookup(ahead, location, backup, {1, 6})[2] is None  # two ranks of two nodes: not a likely loss
+    assert "this loss" in ahead.last
+    assert lookup(ahead, location, backup, {2}, epoch=8)[2] is None  # another epoch
+    assert lookup(ahead, location, backup, {2}, suspect=True)[2] is None  # a slot failed its check
+    assert "not as prepared" in ahead.last
+    assert lookup(ahead, location, {}, {2})[2] is None  # the backups changed
+    assert lookup(ahead, location, backup, {2})[2] is not None
+    ahead.close()
+
+
+def test_a_small_group_prepares_nothing(epoch):
+    location, load, backup = epoch
+    ahead = RestoresAhead(thread_worker, min_ranks=RANKS + 1)
+    ahead.prepare(7, location, list(range(RANKS)), NODES, backup, load)
+    assert lookup(ahead, location, backup, {2})[2] is None and "no restores prepared" in ahead.last
+
+
+def test_the_computation_stops_when_its_epoch_is_over(epoch):
+    location, load, backup = epoch
+    calls = iter([True, True, False])
+    out = restores_ahead(location.phy2log, SLOTS, EXPERTS, load, list(range(RANKS)), NODES, backup,
+                         likely_losses(range(RANKS), NODES), wanted=lambda: next(calls))
+    assert list(out) == [frozenset([0]), frozenset([1])]
+
+
+def test_the_restores_are_computed_in_a_process_of_their_own(epoch):
+    location, load, backup = epoch
+    ahead = prepared(RestoresAhead(process_worker, min_ranks=2), location, load, backup)
+    workers = list(ahead._executor._processes.values())
+    assert len(workers) == 1 and workers[0].pid != os.getpid(), workers
+    held, holding, found = lookup(ahead, location, backup, {4, 5, 6, 7})
+    assert found is not None, ahead.last
+    assert found.phy2log.tolist() == restore_placement(held, load, holding, NODES, backup).phy2log.tolist()
+    ahead.close()
+    workers[0].join(60)
+    assert workers[0].exitcode is not None, "the worker outlived close()"  # no process left behind
