@@ -2,8 +2,12 @@
 the epoch change would compute, and anything not prepared falls back to computing it."""
 
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
+import psutil
 import pytest
 
 from elastic_ep.control.epochs.restore_ahead import RestoresAhead, process_worker, thread_worker
@@ -17,6 +21,10 @@ NODES = {r: f"n{r // 4}" for r in range(RANKS)}
 
 @pytest.fixture
 def epoch():
+    return epoch_of()
+
+
+def epoch_of():
     rng = np.random.default_rng(3)
     load = rng.random((LAYERS, EXPERTS)) * 100
     # placed as if on one node, so that a node's loss takes experts with it
@@ -94,3 +102,33 @@ def test_the_restores_are_computed_in_a_process_of_their_own(epoch):
     ahead.close()
     workers[0].join(60)
     assert workers[0].exitcode is not None, "the worker outlived close()"  # no process left behind
+
+
+def test_the_worker_process_ends_when_the_controller_is_killed(tmp_path):
+    """kill -9 of the controller's process: its restores' worker, idle on its queue, exits too."""
+    script = tmp_path / "controller.py"
+    script.write_text(
+        "import sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from test_restore_ahead import epoch_of, prepared\n"
+        "from elastic_ep.control.epochs.restore_ahead import RestoresAhead, process_worker\n"
+        "if __name__ == '__main__':\n"
+        "    ahead = prepared(RestoresAhead(process_worker, min_ranks=2), *epoch_of())\n"
+        "    print([p.pid for p in ahead._executor._processes.values()][0], flush=True)\n"
+        "    import time; time.sleep(120)\n")
+    controller = subprocess.Popen([sys.executable, str(script), os.path.dirname(__file__)], stdout=subprocess.PIPE,
+                                  text=True)
+    try:
+        worker = int(controller.stdout.readline())
+        controller.kill()
+        controller.wait()
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE:
+            if time.monotonic() > deadline:
+                psutil.Process(worker).kill()
+                pytest.fail(f"the restores' worker {worker} outlived its controller by 30 s")
+            time.sleep(0.1)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait()

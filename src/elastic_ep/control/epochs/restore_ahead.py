@@ -21,6 +21,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
@@ -35,11 +37,22 @@ MIN_RANKS = 16  # below, a restore takes a few ms on the control thread: no proc
 _current: Synchronized | None = None  # in the worker: the epoch the control thread wants restores for
 
 
-def _init_worker(current: Synchronized, niceness: int) -> None:
+def _init_worker(current: Synchronized, niceness: int, parent_pid: int = 0) -> None:
+    """In the worker: the epoch to compute for, its priority, and (a process) its end with the
+    controller's: a pool's idle worker waits on its queue for ever when the controller is killed
+    (kill -9 left it running, its parent gone), so it watches its parent and exits when it is gone."""
     global _current
     _current = current
     if niceness:
         os.nice(niceness)
+    if parent_pid:
+        threading.Thread(target=_exit_with, args=(parent_pid,), name="exit-with-parent", daemon=True).start()
+
+
+def _exit_with(parent_pid: int, interval_s: float = 0.5) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(interval_s)
+    os._exit(0)
 
 
 def _compute(epoch: int, *args) -> dict[Loss, np.ndarray | None]:
@@ -50,7 +63,7 @@ def process_worker(current: Synchronized) -> cf.Executor:
     """One spawned process (spawn: the controller's process has threads) at nice 10: on a busy
     host it yields the core to the control thread, but is not starved for minutes as at 19."""
     return cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                                  initargs=(current, 10))
+                                  initargs=(current, 10, os.getpid()))
 
 
 def thread_worker(current: Synchronized) -> cf.Executor:
