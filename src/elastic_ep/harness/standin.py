@@ -473,12 +473,13 @@ class StandInAgent:
 class StandInHost:
     """One process of stand-in nodes: its sockets watched with epoll, timers, one thread.
 
-    Not `zmq.Poller`: a poll asks every socket for its events (ZMQ_EVENTS), ~20 us each on a
-    loaded host, and a process of 256 stand-in ranks has 512 sockets and wakes for a timer every
-    fraction of a millisecond, so polling alone took a core (12 ms a poll measured here) and the
-    ranks' heartbeats and the agents' alives went out seconds late. ZeroMQ's notification fd of
-    a socket (ZMQ_FD) wakes epoll when its state may have changed; the socket is then read until
-    it has nothing, and after it sent (which may consume the notification) it is read again."""
+    Not `zmq.Poller`: a poll asks every socket for its events (ZMQ_EVENTS), ~20 us each on a loaded
+    host, and a process of 256 stand-in ranks has 512 sockets and wakes for a timer every fraction
+    of a millisecond, so polling alone took a core (a poll of 512 sockets took 12 ms on a loaded
+    2-core host) and the ranks' heartbeats and the agents' alives went out seconds late. ZeroMQ's
+    notification fd of a socket (ZMQ_FD) wakes epoll when its state may have changed; the socket is
+    then read until it has nothing, and after it sent (which may consume the notification) it is
+    read again."""
 
     def __init__(self, key: ClusterKey) -> None:
         self.key = key
