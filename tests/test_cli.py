@@ -1,5 +1,7 @@
 import argparse
 import http.server
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -108,3 +110,12 @@ def test_host_and_port_without_http_reach_the_server(capsys, plain_http_server, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert reached in err and f"http://127.0.0.1:{plain_http_server}" in err
+
+
+@pytest.mark.parametrize("command", ["chaos", "rollout", "doctor"])
+def test_client_commands_import_neither_torch_nor_fastapi(command):
+    """A client command talks HTTP to a server: it must not pay torch's or FastAPI's import (0.5-3 s a call)."""
+    code = (f"import sys; import elastic_ep.commands.{command}; "
+            "heavy = sorted({'torch', 'fastapi'} & set(sys.modules)); assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

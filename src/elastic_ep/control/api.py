@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:  # annotations only: the client commands (chaos) import this module without torch
+    from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
