@@ -11,7 +11,9 @@ epochs/requests.py) is numbered past every epoch any of them was told of (the re
 last leader by one write), keeps the record's placement on every rank that holds it whole, so
 nothing moves and no weight is read again, and restores the experts of the others (a member that
 never came back, a rank whose slots an unfinished epoch was changing) as recovery does. A member
-that did not come back is a down rank, started again after --restart-delay-s by its agent.
+that did not come back is a down rank, started again after --restart-delay-s by its agent. The
+KV each adopted rank still holds (its hello's `held_kv`) goes to the scheduler with the ids of the
+journaled requests, which take it over (control/serving/adopted_kv.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 from elastic_ep.errors import PlacementError
 from elastic_ep.placement.location import ExpertLocation
-from elastic_ep.wire import WorkerHello
+from elastic_ep.wire import HeldKV, WorkerHello
 
 from ..cluster import ClusterState
 from ..config import ServeConfig
@@ -71,11 +73,13 @@ def adopted(plan: AdoptionPlan, hellos: dict[int, WorkerHello]) -> tuple[list[in
 
 
 class Adoption:
-    """The takeover of `plan`'s ranks; `pump(timeout_s)` handles input while it waits."""
+    """The takeover of `plan`'s ranks; `pump(timeout_s)` handles input while it waits; `journaled`:
+    the ids of the last leader's unfinished requests, which this leader runs on."""
 
     def __init__(self, plan: AdoptionPlan, cluster: ClusterState, cfg: ServeConfig, nodes: Nodes,
-                 pump: Callable[[float], None]):
+                 pump: Callable[[float], None], journaled: set[str] | None = None):
         self.plan, self.cluster, self.cfg, self.nodes, self.pump = plan, cluster, cfg, nodes, pump
+        self.journaled = journaled or set()
         self.started_at = time.monotonic()
 
     def hellos(self) -> dict[int, WorkerHello]:
@@ -83,6 +87,11 @@ class Adoption:
         c = self.cluster
         return {r: c.ranks[r].hello for r in self.plan.members
                 if r in c.ranks and c.ranks[r].hello is not None and c.ranks[r].hello.join_mode == "adopt"}
+
+    def held_kv(self, ranks: list[int]) -> dict[int, list[HeldKV]]:
+        """The KV each of `ranks` (the adopting epoch's members) said it holds when it registered."""
+        hellos = self.hellos()
+        return {r: hellos[r].held_kv for r in ranks if r in hellos}
 
     def settled(self) -> bool:
         """Every member registered, or its node's agent registered without naming it (it does not run)."""
