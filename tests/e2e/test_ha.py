@@ -6,8 +6,9 @@ host, with outputs identical to a fault-free run; each time a standby leads with
 controller spoke to it for longer than its lease (it reached etcd); the new leader adopts the
 running workers: the same processes, no checkpoint shard opened again (counted by the kernel), an
 epoch over the same ranks and placement that filled no slot. The new leader runs the dead one's
-journaled requests on by itself: a direct client's request reaches its fault-free end with nobody
-attached, and the client re-attaches by its request id for only the tokens it lacks."""
+journaled requests on by itself, on the KV the adopted ranks kept for them (only what the journal
+confirms; the rest prefilled again, counted): a direct client's request reaches its fault-free end
+with nobody attached, and the client re-attaches by its request id for only the tokens it lacks."""
 
 from __future__ import annotations
 
@@ -110,6 +111,16 @@ def resumed_by(server: ServerProcess, by: str) -> float:
         if line.startswith(f'elastic_ep_requests_resumed_total{{by="{by}"}} '):
             return float(line.split()[1])
     return 0.0
+
+
+def kept_kv(server: ServerProcess, cluster: dict) -> None:
+    """The new leader took over the KV the adopted ranks held: every journaled request kept more positions
+    than it prefilled again (with no KV kept, each would prefill its prompt and tokens, and keep none);
+    /cluster and /metrics agree."""
+    adopted = cluster["kv_cache"]["adopted"]
+    assert adopted["requests_kept"] >= 1 and adopted["reused"] > adopted["reprefilled"], adopted
+    metrics = server.http.get("/metrics").text
+    assert f'elastic_ep_takeover_kv_positions_total{{fate="kept"}} {float(adopted["reused"])}' in metrics, adopted
 
 
 def expected_ids(server: ServerProcess, prompt: str) -> list[int]:
@@ -262,6 +273,7 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             assert watch.at - killed > AGENT_LEASE_S
             after = new.cluster()
             assert after["group"]["term"] > first["group"]["term"]
+            kept_kv(new, after)
             assert agent.poll() is None  # the agent outlived the leader and follows the new one
             # the direct client: its stream broke. The new leader ran its request on by itself from the
             # journaled tokens, with nobody attached, to the fault-free end (kept for the orphan window)
@@ -291,6 +303,7 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             assert agent.poll() is None
             # the router's resumed streams attached to the requests the new leader already ran on
             assert resumed_by(last, "leader") >= 1 and resumed_by(last, "attach") >= 1
+            kept_kv(last, last.cluster())
 
             # adopted, twice: the same worker processes, in an epoch past the old ones over the same ranks and
             # placement, which filled no slot; no shard of the checkpoint was opened since the first fault
