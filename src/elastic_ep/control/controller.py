@@ -555,6 +555,10 @@ class Controller:
             return
         # before any request is placed (requests reach the scheduler only through `pump`)
         self.scheduler.take_over_kv(adoption.held_kv(self.cluster.members), adoption.journaled, KV_HOLD_S)
+        # the last leader's standbys and a scale-up's joiners stand by here; its scale in flight goes on
+        self.scaling.take_target(adoption.plan.scale)
+        self.standby.park()
+        self.scaling.resume(adoption.plan.scale, adoption.plan.rollout)
 
     def _warm_up(self, first: bool) -> None:
         """The readiness gate (serving/warmup.py): the epoch serves, and /ready opens, once every

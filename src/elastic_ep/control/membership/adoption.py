@@ -13,7 +13,9 @@ nothing moves and no weight is read again, and restores the experts of the other
 never came back, a rank whose slots an unfinished epoch was changing) as recovery does. A member
 that did not come back is a down rank, started again after --restart-delay-s by its agent. The
 KV each adopted rank still holds (its hello's `held_kv`) goes to the scheduler with the ids of the
-journaled requests, which take it over (control/serving/adopted_kv.py).
+journaled requests, which take it over (control/serving/adopted_kv.py). The wait covers the ranks
+outside the group too (the last leader's standbys, a scale-up's joiners): they stand by under this
+leader, and the scale the record shows in flight is asked again (membership/scale_driver.py `resume`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_ep.errors import PlacementError
@@ -38,13 +40,15 @@ from .nodes import Nodes
 
 @dataclass(frozen=True)
 class AdoptionPlan:
-    """What the last leader's record says: its `epoch`, the `members` and each one's node, and the
-    placement they hold."""
+    """What the last leader's record says: its `epoch`, the `members` and each one's node, the
+    placement they hold, its `scale` (GET /is_scaling_elastic_ep as it was) and `rollout`."""
 
     epoch: int
     members: list[int]
     nodes: dict[int, str]
     placement: ExpertLocation
+    scale: dict[str, Any] = field(default_factory=dict)
+    rollout: dict[str, Any] = field(default_factory=dict)
 
 
 def adoption_plan(record: dict[str, Any] | None) -> AdoptionPlan | None:
@@ -59,7 +63,8 @@ def adoption_plan(record: dict[str, Any] | None) -> AdoptionPlan | None:
         return None
     nodes = {int(r["rank_id"]): str(r["node"]) for r in record.get("ranks", [])}
     members = [int(r) for r in record["members"]]
-    return AdoptionPlan(int(epoch), members, {r: nodes.get(r, "") for r in members}, placement)
+    return AdoptionPlan(int(epoch), members, {r: nodes.get(r, "") for r in members}, placement,
+                        dict(record.get("scale") or {}), dict(record.get("rollout") or {}))
 
 
 def adopted(plan: AdoptionPlan, hellos: dict[int, WorkerHello]) -> tuple[list[int], list[int], int]:
@@ -94,9 +99,12 @@ class Adoption:
         return {r: hellos[r].held_kv for r in ranks if r in hellos}
 
     def settled(self) -> bool:
-        """Every member registered, or its node's agent registered without naming it (it does not run)."""
+        """Every member registered, or its node's agent registered without naming it (it does not run);
+        and every other rank an agent named registered or ended."""
         c, hellos = self.cluster, self.hellos()
-        return all(r in hellos or (self.plan.nodes[r] in c.agents and r not in c.ranks) for r in self.plan.members)
+        members = all(r in hellos or (self.plan.nodes[r] in c.agents and r not in c.ranks) for r in self.plan.members)
+        return members and all(r.hello is not None for r in c.ranks.values()
+                               if r.rank_id not in self.plan.members and r.status == RankStatus.STARTING)
 
     def wait(self, stopping: threading.Event) -> None:
         """Until `settled` or the agent lease (plus the time to notice a silent agent) passed."""
