@@ -13,9 +13,10 @@ nothing moves and no weight is read again, and restores the experts of the other
 never came back, a rank whose slots an unfinished epoch was changing) as recovery does. A member
 that did not come back is a down rank, started again after --restart-delay-s by its agent. The
 KV each adopted rank still holds (its hello's `held_kv`) goes to the scheduler with the ids of the
-journaled requests, which take it over (control/serving/adopted_kv.py). The wait covers the ranks
-outside the group too (the last leader's standbys, a scale-up's joiners): they stand by under this
-leader, and the scale the record shows in flight is asked again (membership/scale_driver.py `resume`).
+journaled requests, which take it over (control/serving/adopted_kv.py). The ranks outside the group
+an agent named (the last leader's standbys, a scale-up's joiners) stand by once registered (one still
+registering counts as a rank on its way), and the scale the record shows in flight is asked again
+(membership/scale_driver.py `resume`).
 """
 
 from __future__ import annotations
@@ -99,12 +100,9 @@ class Adoption:
         return {r: hellos[r].held_kv for r in ranks if r in hellos}
 
     def settled(self) -> bool:
-        """Every member registered, or its node's agent registered without naming it (it does not run);
-        and every other rank an agent named registered or ended."""
+        """Every member registered, or its node's agent registered without naming it (it does not run)."""
         c, hellos = self.cluster, self.hellos()
-        members = all(r in hellos or (self.plan.nodes[r] in c.agents and r not in c.ranks) for r in self.plan.members)
-        return members and all(r.hello is not None for r in c.ranks.values()
-                               if r.rank_id not in self.plan.members and r.status == RankStatus.STARTING)
+        return all(r in hellos or (self.plan.nodes[r] in c.agents and r not in c.ranks) for r in self.plan.members)
 
     def wait(self, stopping: threading.Event) -> None:
         """Until `settled` or the agent lease (plus the time to notice a silent agent) passed."""
