@@ -6,8 +6,9 @@ host, with outputs identical to a fault-free run; each time a standby leads with
 controller spoke to it for longer than its lease (it reached etcd); the new leader adopts the
 running workers: the same processes, no checkpoint shard opened again (counted by the kernel), an
 epoch over the same ranks and placement that filled no slot. The new leader runs the dead one's
-journaled requests on by itself: a direct client's request reaches its fault-free end with nobody
-attached, and the client re-attaches by its request id for only the tokens it lacks."""
+journaled requests on by itself, on the KV the adopted ranks kept for them (only what the journal
+confirms; the rest prefilled again, counted): a direct client's request reaches its fault-free end
+with nobody attached, and the client re-attaches by its request id for only the tokens it lacks."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import httpx
 import psutil
 import pytest
 
+from elastic_ep.group.record import read_record
+from elastic_ep.group.store import GroupStore
 from elastic_ep.harness.etcd import EtcdProcess
 from elastic_ep.harness.file_opens import FileOpens
 from elastic_ep.harness.load import PROMPTS, client_for, stream
@@ -112,6 +115,16 @@ def resumed_by(server: ServerProcess, by: str) -> float:
     return 0.0
 
 
+def kept_kv(server: ServerProcess, cluster: dict) -> None:
+    """The new leader took over the KV the adopted ranks held: every journaled request kept more positions
+    than it prefilled again (with no KV kept, each would prefill its prompt and tokens, and keep none);
+    /cluster and /metrics agree."""
+    adopted = cluster["kv_cache"]["adopted"]
+    assert adopted["requests_kept"] >= 1 and adopted["reused"] > adopted["reprefilled"], adopted
+    metrics = server.http.get("/metrics").text
+    assert f'elastic_ep_takeover_kv_positions_total{{fate="kept"}} {float(adopted["reused"])}' in metrics, adopted
+
+
 def expected_ids(server: ServerProcess, prompt: str) -> list[int]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
     return server.http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
@@ -121,9 +134,9 @@ class DirectStream:
     """A client streaming straight from one controller (no router), in a thread: its request id
     and the token ids it got, and whether the stream broke."""
 
-    def __init__(self, server: ServerProcess, prompt: str):
+    def __init__(self, server: ServerProcess, prompt: str, max_tokens: int = MAX_TOKENS):
         self.request_id, self.ids, self.broken = "", [], False
-        self.body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+        self.body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                      "return_token_ids": True}
         self.url = server.url
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -262,6 +275,7 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             assert watch.at - killed > AGENT_LEASE_S
             after = new.cluster()
             assert after["group"]["term"] > first["group"]["term"]
+            kept_kv(new, after)
             assert agent.poll() is None  # the agent outlived the leader and follows the new one
             # the direct client: its stream broke. The new leader ran its request on by itself from the
             # journaled tokens, with nobody attached, to the fault-free end (kept for the orphan window)
@@ -291,6 +305,7 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             assert agent.poll() is None
             # the router's resumed streams attached to the requests the new leader already ran on
             assert resumed_by(last, "leader") >= 1 and resumed_by(last, "attach") >= 1
+            kept_kv(last, last.cluster())
 
             # adopted, twice: the same worker processes, in an epoch past the old ones over the same ranks and
             # placement, which filled no slot; no shard of the checkpoint was opened since the first fault
@@ -345,4 +360,61 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_exits_when_it_resumes(t
             if proc.proc.poll() is None:
                 proc.proc.send_signal(signal.SIGCONT)
             proc.stop()
+        etcd.stop()
+
+
+def test_a_drain_in_flight_at_a_takeover_is_resumed_by_the_new_leader(tmp_path):
+    """A drain of rank 2, held in flight by the requests it runs, when the leader is killed (-9): the new
+    leader adopts the three ranks, asks for the drain again from the cluster record, and it ends as the
+    last leader's would have: rank 2 gone, ranks 0 and 1 serving on as the same processes, and every
+    request the dead leader ran reaches its end (run on from the journal)."""
+    etcd = EtcdProcess()
+    started: list[ServerProcess] = []
+    agent = None
+    try:
+        args = ["--model", MODEL, "--ep-size", "3", "--local-ranks", "0", "--redundant-experts", "8",
+                "--max-model-len", "256", "--no-warmup-gate", "--scale-drain-timeout-s", "120", "--etcd", etcd.url,
+                "--ha-group", "d", "--ha-lease-s", str(WORKERS_LEASE_S)]
+        old = ServerProcess([*args, "--node", "c0"], tmp_path / "c0.log", ready_timeout_s=None)
+        started.append(old)
+        log = open(tmp_path / "agent.log", "w")  # noqa: SIM115 - closed with the process
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "elastic_ep.cli", "agent", "--etcd", etcd.url, "--ha-group", "d", "--node", "n0",
+             "--ranks", "3", "--cluster-key-file", str(old.key_file), "--connect-timeout-s", "180"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        old.wait_ready(180)
+        old.wait_full_group(3, 120)
+        new = ServerProcess([*args, "--node", "c1", "--cluster-key-file", str(old.key_file)], tmp_path / "c1.log",
+                            ready_timeout_s=None)
+        started.append(new)
+        wait_role(new, "standby")
+        pids = old.pids()
+        streams = [DirectStream(old, prompt, max_tokens=200) for prompt in PROMPTS[:6]]
+        for s in streams:
+            s.wait_for(1)
+        assert old.http.post("/drain", json={"ranks": [2]}).status_code == 200
+        # the drain waits for rank 2's requests, in flight in the cluster record
+        store, deadline = GroupStore(etcd.url, "d"), time.monotonic() + 30
+        while ((read_record(store) or {}).get("scale") or {}).get("scale_phase") != "draining":
+            assert time.monotonic() < deadline, read_record(store)
+            time.sleep(0.05)
+        old.proc.kill()
+        old.proc.wait()
+        wait_role(new, "leader", WORKERS_LEASE_S + 30)
+        deadline = time.monotonic() + 120
+        while (status := new.http.get("/is_scaling_elastic_ep").json())["scale_phase"] != "serving_shrunk":
+            assert time.monotonic() < deadline and status["scale_phase"] != "failed", status
+            time.sleep(0.1)
+        cluster = new.wait_for(lambda c: [r["rank_id"] for r in c["ranks"]] == [0, 1], 60, "rank 2 gone")
+        assert cluster["members"] == [0, 1] and {r: pids[r] for r in (0, 1)} == new.pids()
+        assert any(e["kind"] == "scale" and e.get("resumed") for e in cluster["events"]), cluster["events"]
+        for s in streams:
+            s.thread.join(30)
+            assert s.broken and s.request_id
+            journal_when(new, s.request_id, lambda j: j.get("finished"), 120)
+    finally:
+        for proc in started:
+            proc.stop()
+        if agent is not None:
+            terminate(agent, 10)
         etcd.stop()

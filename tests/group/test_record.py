@@ -18,7 +18,9 @@ VIEW = {"epoch": 3, "members": [0, 1], "time_s": 1.0, "events": [{"id": 1}],
         "placement": {"phy2log": [[0, 1], [2, 3]]},
         "agents": [{"node": "n0", "host": "10.0.0.1", "fetch": "tcp://10.0.0.1:5", "backup": True, "ranks": 1,
                     "cordoned": False}],
-        "scale": {"is_scaling_elastic_ep": False, "elapsed_s": 4.2}}
+        "scale": {"is_scaling_elastic_ep": False, "elapsed_s": 4.2, "target_ep_size": 2},
+        "rollout": {"state": "running", "active": True, "rank_in_flight": 1, "phase": "starting", "elapsed_s": 2.0,
+                    "options": {"model_dir": "/m"}}}
 
 
 def test_the_record_keeps_what_a_new_leader_needs_and_nothing_that_changes_by_itself():
@@ -28,7 +30,8 @@ def test_the_record_keeps_what_a_new_leader_needs_and_nothing_that_changes_by_it
     assert record["placement"] == VIEW["placement"]
     assert record["agents"] == [{"node": "n0", "host": "10.0.0.1", "fetch": "tcp://10.0.0.1:5", "backup": True,
                                  "ranks": 1}]
-    assert record["scale"] == {"is_scaling_elastic_ep": False}
+    assert record["scale"] == {"is_scaling_elastic_ep": False, "target_ep_size": 2}
+    assert record["rollout"] == {"state": "running", "active": True, "rank_in_flight": 1, "phase": "starting"}
     assert cluster_record({**VIEW, "time_s": 9.0, "scale": {**VIEW["scale"], "elapsed_s": 9}}, 7) == record
 
 

@@ -122,7 +122,8 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         except EtcdUnavailable as e:
             logger.warning("group %s: the journal could not be read at takeover (%s): requests of the last "
                            "leader resume only through the router", args.ha_group, e)
-        controller.adopt(reader.record)  # the running ranks of the last leader, as its record names them
+        # the running ranks of the last leader, as its record names them, and the KV they hold for its requests
+        controller.adopt(reader.record, reader.requests)
         writer = engine.writer = JournalWriter(GroupStore(args.etcd, args.ha_group), term, reader.applied,
                                                reader.requests)
         controller.start()

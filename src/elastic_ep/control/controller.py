@@ -28,6 +28,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -107,6 +108,7 @@ from .membership.scale_driver import ScaleDriver
 from .membership.standbys import Standbys
 from .metrics import ClusterMetrics, RejectedFrames
 from .ranks import RankStatus
+from .serving.adopted_kv import KV_HOLD_S
 from .serving.alignment import AlignRule
 from .serving.isolation import Isolation
 from .serving.recorder import ExpertRecorder
@@ -257,12 +259,13 @@ class Controller:
         sets the term it won before `start`): every frame sent carries it."""
         self.plane.term = term
 
-    def adopt(self, record: dict[str, Any] | None) -> None:
+    def adopt(self, record: dict[str, Any] | None, journaled: Iterable[str] = ()) -> None:
         """Before `start`, in a new leader of a group: take over the ranks of the last leader's cluster
-        record `record` as they run (membership/adoption.py) instead of starting ranks; nothing to
-        adopt (no record, no epoch formed) starts as usual."""
+        record `record` as they run (membership/adoption.py) instead of starting ranks, and the KV they
+        hold for the last leader's unfinished requests `journaled` (their ids; serving/adopted_kv.py);
+        nothing to adopt (no record, no epoch formed) starts as usual."""
         plan = adoption_plan(record)
-        self.adoption = Adoption(plan, self.cluster, self.cfg, self.nodes, self.pump) if plan else None
+        self.adoption = Adoption(plan, self.cluster, self.cfg, self.nodes, self.pump, set(journaled)) if plan else None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="control-loop", daemon=True)
@@ -549,6 +552,13 @@ class Controller:
         outcome = self.form(Adopt(live, whole, adoption.plan.placement, after), "adopt")
         if isinstance(outcome, NoPlacement):
             self.recovery.degrade(live, outcome.reason)
+            return
+        # before any request is placed (requests reach the scheduler only through `pump`)
+        self.scheduler.take_over_kv(adoption.held_kv(self.cluster.members), adoption.journaled, KV_HOLD_S)
+        # the last leader's standbys and a scale-up's joiners stand by here; its scale in flight goes on
+        self.scaling.take_target(adoption.plan.scale)
+        self.standby.park()
+        self.scaling.resume(adoption.plan.scale, adoption.plan.rollout)
 
     def _warm_up(self, first: bool) -> None:
         """The readiness gate (serving/warmup.py): the epoch serves, and /ready opens, once every

@@ -96,6 +96,11 @@ class ClusterMetrics:
             "elastic_ep_prefix_cache_hits", "Prompt tokens found in cached KV blocks at admission (vLLM's "
             "prefix_cache_hits, in tokens)", registry=registry,
         )
+        self.takeover_kv_positions = Counter(
+            "elastic_ep_takeover_kv_positions", "Positions of the journaled requests a new leader of a controller "
+            "group placed: kept (the KV an adopted rank still held for their tokens) or reprefilled (computed again "
+            "before their next token)", ["fate"], registry=registry,
+        )
         self.prefix_waits = Counter(
             "elastic_ep_prefix_waits", "Requests that waited for the prefix blocks another request of their rank was "
             "computing, instead of computing them again (serve --no-prefix-wait turns the wait off)", registry=registry,
@@ -196,8 +201,12 @@ class ClusterMetrics:
         if reprefilled:
             self.dp_migrations.labels("reprefill").inc(len(reprefilled))
 
-    def kv_step(self, preempted: int, prefix_queried: int, prefix_hit: int, prefix_waits: int) -> None:
+    def kv_step(self, preempted: int, prefix_queried: int, prefix_hit: int, prefix_waits: int, kv_kept: int = 0,
+                kv_reprefilled: int = 0) -> None:
         """What one step's scheduling did to the KV pools."""
+        if kv_kept or kv_reprefilled:
+            self.takeover_kv_positions.labels("kept").inc(kv_kept)
+            self.takeover_kv_positions.labels("reprefilled").inc(kv_reprefilled)
         self.num_preemptions.inc(preempted)
         self.prefix_waits.inc(prefix_waits)
         self.prefix_cache_queries.inc(prefix_queried)

@@ -3,9 +3,11 @@
 
 It is taken from the leader's /cluster snapshot (control/api.py `Engine.cluster`): the epoch, its
 members, every rank's node, pid and state, the expert placement (phy2log), the agents with their
-hosts, fetch sockets and whether they hold a backup (the backup sites), and the scale in flight.
+hosts, fetch sockets and whether they hold a backup (the backup sites), the scale in flight (with
+the target size) and whether a rolling restart is.
 Standbys read it with the journal and show its epoch in /cluster. A new leader adopts the ranks it
-names, over its placement (control/membership/adoption.py)."""
+names, over its placement (control/membership/adoption.py), resumes the scale in flight and ends a
+rolling restart (membership/scale_driver.py `resume`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from .store import EtcdUnavailable, GroupStore
 
 RANK_FIELDS = ("rank_id", "node", "pid", "state")
 AGENT_FIELDS = ("node", "host", "fetch", "backup", "ranks")
+ROLLOUT_FIELDS = ("state", "active", "rank_in_flight", "phase")
 
 
 def cluster_record(view: dict[str, Any], term: int) -> dict[str, Any]:
@@ -31,6 +34,7 @@ def cluster_record(view: dict[str, Any], term: int) -> dict[str, Any]:
         "placement": view.get("placement"),
         "agents": [{k: a.get(k) for k in AGENT_FIELDS} for a in view.get("agents", [])],
         "scale": {k: v for k, v in (view.get("scale") or {}).items() if k != "elapsed_s"},
+        "rollout": {k: (view.get("rollout") or {}).get(k) for k in ROLLOUT_FIELDS},
     }
 
 

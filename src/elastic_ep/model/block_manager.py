@@ -162,6 +162,22 @@ class BlockManager:
         self.hit_tokens += cached
         return cached
 
+    def adopt(self, seq_id: int, block_ids: list[int]) -> None:
+        """Give `seq_id` (holding nothing) the table `block_ids`: blocks whose contents the rank held
+        before this manager existed (a new leader of a controller group takes over an adopted rank's
+        KV, control/serving/adopted_kv.py). A block another holder has is shared; a free one that was
+        keyed is no longer (it may be written). `cache_computed` keys its full computed blocks."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0 and block.hash is not None:
+                del self._cached[block.hash]
+                block.hash = block.key = None
+            self._hold(block_id)
+        self.tables[seq_id] = list(block_ids)
+        self._hashes[seq_id] = []
+
     def grow(self, seq_id: int, num_tokens: int) -> bool:
         """Extend the table of `seq_id` to hold num_tokens positions; False, unchanged, when the
         free blocks do not suffice."""

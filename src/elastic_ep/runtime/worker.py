@@ -20,9 +20,11 @@ Threads:
 - agent link: reads its agent's `NewLeader` on stdin (wire/pipe.py). The controller group has a
   new leader: the epoch in flight is aborted (a collective the dead leader's last step left waiting
   gives up), and the main thread, back in its loop, connects its step socket and its store there
-  and registers again (join_mode "adopt") with its weights, expert slots and KV pool as they are:
-  the new leader adopts it in a new epoch. The heartbeat thread beats on to the agent, which
-  follows the leader itself.
+  and registers again (join_mode "adopt") with its weights, expert slots and KV pool as they are,
+  naming the sequences whose KV it holds (`HeldKV`: only positions that steps which completed
+  wrote, since a step that failed is forgotten from its chunks' start): the new leader adopts it in
+  a new epoch and takes that KV over for the journaled requests with those tokens. The heartbeat
+  thread beats on to the agent, which follows the leader itself.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
 Messages of an epoch other than the current one are dropped, and so is any frame without the
@@ -49,6 +51,7 @@ import zmq
 
 from elastic_ep import __version__
 from elastic_ep.errors import ElasticEPError
+from elastic_ep.model.block_manager import blocks_for
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.kv_cache import KVCache, pool_num_blocks
@@ -71,6 +74,7 @@ from elastic_ep.wire import (
     EpochReady,
     EpochStart,
     Heartbeat,
+    HeldKV,
     Inbox,
     NewLeader,
     Shutdown,
@@ -149,6 +153,7 @@ class Worker:
         self.kv, self.warmup_s = self._kv_pool()
         # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
         self.tokens: dict[int, list[int]] = {}
+        self.prompt_lens: dict[int, int] = {}  # seq_id -> its prompt's length (a new leader matches on the prompt)
         self.slots: ExpertSlots | None = None
         self.group: EpochGroup | None = None
         self.moe: ExpertParallelMoE | None = None
@@ -255,12 +260,27 @@ class Worker:
                     return msg
         return None
 
-    def _hello(self) -> None:
+    def _hello(self, held_kv: list[HeldKV] | None = None) -> None:
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,
                               self.dense_source, round(self.load_s, 4), round(self.warmup_s, 4), str(self.device),
                               (self.kv.num_blocks if self.kv is not None else self._kv_blocks[0])
                               - len(self.pad_blocks), __version__,
-                              self.dense_bytes, self.progress.current.epoch, self.held_epoch))
+                              self.dense_bytes, self.progress.current.epoch, self.held_epoch, held_kv or []))
+
+    def _held_kv(self) -> list[HeldKV]:
+        """Every sequence whose KV this rank holds: the positions written whole (a failed step's were
+        forgotten, `_forget_failed`), their tokens and blocks."""
+        if self.kv is None:
+            return []
+        held = []
+        for seq_id, tokens in self.tokens.items():
+            if seq_id < 0 or seq_id not in self.kv or seq_id not in self.prompt_lens:
+                continue
+            n = min(len(tokens), self.kv.length(seq_id))
+            if n:
+                held.append(HeldKV(seq_id, self.prompt_lens[seq_id], tokens[:n],
+                                   self.kv.block_table(seq_id)[:blocks_for(n, self.kv.block_size)]))
+        return held
 
     def run(self) -> None:
         if self.args.launch.heartbeat_interval_s > 0:
@@ -321,7 +341,10 @@ class Worker:
     def _follow(self, launch: WorkerLaunch) -> None:
         """Connect the step socket and the store to the new leader and register there again, keeping
         the weights, the slots and the KV pool; the last leader's epoch is left (its group, its pending
-        orders, its sequences: the new leader numbers its own and prefills them again)."""
+        orders, its sequences' numbers: the new leader numbers its own). The hello names the KV held
+        (`_held_kv`): the new leader gives the blocks of what it takes over to its own sequences (the
+        tokens they already hold come as a prefix hit's do, `ChunkPlan.cached_token_ids`); the rest
+        of the pool is free to it."""
         self._new_leader = None
         self._pending = []
         if self.group is not None:
@@ -335,13 +358,14 @@ class Worker:
             self.sock.connect(launch.step_addr)
         self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
         self.args = dataclasses.replace(self.args, launch=launch, join_mode="adopt")
+        held = self._held_kv()
         if self.kv is not None:
             for seq_id in self.tokens:
                 self.kv.free(seq_id)
-        self.tokens = {}
-        print(f"elastic-ep rank {self.args.rank_id}: following the new leader at {launch.step_addr}", file=sys.stderr,
-              flush=True)
-        self._hello()
+        self.tokens, self.prompt_lens = {}, {}
+        print(f"elastic-ep rank {self.args.rank_id}: following the new leader at {launch.step_addr}; KV held for "
+              f"{len(held)} sequences ({sum(len(h.token_ids) for h in held)} positions)", file=sys.stderr, flush=True)
+        self._hello(held)
 
     def _newer_epoch_arrived(self) -> bool:
         if self._new_leader is not None:  # the leader that announced this epoch is gone
@@ -423,7 +447,7 @@ class Worker:
         error = ""
         try:
             if self.sleep_level == 0:
-                self.kv, self.tokens = None, {}
+                self.kv, self.tokens, self.prompt_lens = None, {}, {}
             if level >= 2 and self.sleep_level < 2:
                 if self.slots is not None:
                     self._slept_checksums = self.slots.checksums()
@@ -481,9 +505,11 @@ class Worker:
                                                                  for c in plan.chunks], moe, plan.micro_batches,
                                            self._padding(plan.pad_tokens))
         except CollectiveError as e:
+            self._forget_failed(plan)
             self._fail(plan, StepErrorKind.COLLECTIVE, e)
             return
         except LocalFailure as failure:
+            self._forget_failed(plan)
             self._fail(plan, StepErrorKind.LOCAL, failure.error, failure.in_experts)
             return
         tokens, logprobs, errors = self._sample(plan, logits,
@@ -498,6 +524,18 @@ class Worker:
             c.remote_messages, c.remote_bytes, round(kv_move_s, 6),
             sum(len(chunk.token_ids) for chunk in plan.chunks) + plan.pad_tokens,
         ))
+
+    def _forget_failed(self, plan: StepPlan) -> None:
+        """A step that failed may have written its chunks' positions in some layers only: each of its
+        sequences holds KV up to its chunk's start from now on (a re-run writes the rest again; a new
+        leader is not offered those positions)."""
+        for c in plan.chunks:
+            tokens = self.tokens.get(c.seq_id)
+            if tokens is None or c.seq_id not in self.kv:
+                continue
+            del tokens[c.start_pos:]
+            self.kv.set_blocks(c.seq_id, self.kv.block_table(c.seq_id),
+                               num_cached=min(c.start_pos, self.kv.length(c.seq_id)))
 
     def _padding(self, num_tokens: int) -> SeqChunk | None:
         """The step's padding: `num_tokens` dummy tokens of a sequence of their own, on the pool's
@@ -547,6 +585,7 @@ class Worker:
         for seq_id in plan.free:
             self.kv.free(seq_id)
             self.tokens.pop(seq_id, None)
+            self.prompt_lens.pop(seq_id, None)
 
     def _allocate(self, plan: StepPlan) -> None:
         """Give every sequence its block table (a new one starts with the positions its shared
@@ -557,6 +596,7 @@ class Worker:
                 self.tokens[c.seq_id] = list(c.cached_token_ids)
             else:
                 self.kv.set_blocks(c.seq_id, c.block_ids)
+            self.prompt_lens[c.seq_id] = c.prompt_len
             held = self.tokens[c.seq_id]
             if len(held) < c.start_pos:
                 raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")

@@ -79,6 +79,19 @@ class WorkerArgs:
 # ---- worker <-> controller, step socket -------------------------------------------------
 
 
+class HeldKV(Record):
+    """A sequence whose KV an adopted rank still holds (`WorkerHello` join_mode adopt): the last
+    leader's `seq_id`, its `prompt_len`, the tokens at its first len(token_ids) positions (written
+    whole, every layer, by steps that completed) and the blocks that hold them (its block table's
+    first blocks_for(len(token_ids)) blocks, ids below the hello's kv_blocks). A new leader takes
+    them over for the journaled request with those tokens (control/serving/adopted_kv.py)."""
+
+    seq_id: int
+    prompt_len: int
+    token_ids: list[int]
+    block_ids: list[int]
+
+
 class WorkerHello(Message):
     """A worker process is up, has its dense weights and waits for an epoch."""
 
@@ -97,6 +110,7 @@ class WorkerHello(Message):
     # or a later epoch began changing them): the placement a new leader may trust for this rank
     epoch: int = -1
     held_epoch: int = -1
+    held_kv: list[HeldKV] = msgspec.field(default_factory=list)  # adopted ranks: the sequences whose KV it kept
 
 
 class NewLeader(Message):

@@ -3,7 +3,8 @@ the cluster record read as a plan, an agent's adopt hello making its running wor
 controller's ranks (another process holding a rank id is stopped), the adopted rank's registration
 counting no weight load, the ranks that hold the record's placement whole told apart from one an
 unfinished epoch was changing, an epoch numbered past every one a rank was told of, and a member
-that never came back left down and restarted by its agent."""
+that never came back left down and restarted by its agent; the plan carries the scale and rollout
+in flight, and a joiner an agent named does not hold the takeover up."""
 
 from __future__ import annotations
 
@@ -96,3 +97,17 @@ def test_the_wait_ends_once_every_member_is_back_and_a_missing_one_is_restarted_
     assert (live, whole, after) == ([0], [0], 3)
     assert rig.cluster.ranks[1].status == RankStatus.DEAD and rig.nodes.restarting(1)
     assert [e for e in rig.cluster.events.all() if e["kind"] == "adopted" and e["rank_id"] is None][0]["adopted"] == [0]
+
+
+
+def test_the_plan_carries_the_scale_and_rollout_in_flight_and_a_joiner_does_not_hold_the_takeover_up():
+    scale = {"is_scaling_elastic_ep": True, "old_ep_size": 2, "new_ep_size": 3, "new_ranks": [2]}
+    plan = adoption_plan({**record(members=(0, 1)), "scale": scale, "rollout": {"active": False}})
+    assert plan.scale == scale and plan.rollout == {"active": False}
+    rig = Rig()
+    adoption = Adoption(plan, rig.cluster, rig.nodes.cfg, rig.nodes, pump=lambda timeout_s: None)
+    rig.agent_adopts([(0, 100), (1, 101), (2, 102)])  # rank 2: started by the last leader's scale-up
+    rig.nodes.on_worker_hello(adopt_hello(0, 100))
+    rig.nodes.on_worker_hello(adopt_hello(1, 101))
+    assert adoption.settled() and adoption.request()[0] == [0, 1]  # the members are back: the epoch forms
+    assert rig.cluster.ranks[2].status == RankStatus.STARTING  # on its way: a resumed scale starts none for it

@@ -212,3 +212,42 @@ def test_a_scale_given_ranks_that_do_not_match_its_size_is_400():
     with pytest.raises(ScaleRejected, match="leaves 3 ranks, not new_ep_size 2") as e:
         Rig().driver.request(2, [1])
     assert e.value.param == "ranks"
+
+
+def in_flight(**fields) -> dict:
+    """A last leader's GET /is_scaling_elastic_ep with a scale in flight, as its cluster record holds it."""
+    return {"is_scaling_elastic_ep": True, "old_ep_size": 4, "new_ep_size": 5, "new_ranks": [], "retiring": [],
+            "drained_node": None, "scale_phase": "waiting_for_cohort", "target_ep_size": 4, **fields}
+
+
+def test_a_new_leader_resumes_a_scale_up_with_the_process_the_last_one_started_and_starts_none():
+    rig = Rig()  # rank 4: the joiner the last leader started, adopted as it runs, stands by here
+    rig.driver.take_target(in_flight(new_ranks=[4]))
+    assert rig.driver.resume(in_flight(new_ranks=[4]), {"active": False}) == "resumed"
+    rig.driver.advance()
+    assert rig.driver.op.new_ranks == [4] and rig.processes.started == []
+    assert rig.driver.advance() is True and rig.formed == [(ScaleStep([0, 1, 2, 3, 4]), "scale-up to 5 ranks")]
+    assert rig.driver.status()["scale_phase"] == "serving_expanded" and rig.driver.target_ep_size == 5
+    assert any(e["kind"] == "scale" and e.get("resumed") for e in rig.cluster.events.all())
+
+
+def test_a_new_leader_resumes_a_scale_down_with_its_leaving_ranks_and_a_drain_with_its_node():
+    rig = Rig(scale_drain_timeout_s=60.0)
+    assert rig.driver.resume(in_flight(new_ep_size=3, retiring=[1], scale_phase="draining"), {}) == "resumed"
+    rig.driver.advance()
+    assert rig.driver.op.retiring == [1] and rig.drains.draining == {1}  # not the highest id: the one it named
+    rig = Rig(scale_drain_timeout_s=60.0)
+    assert rig.driver.resume(in_flight(new_ep_size=2, retiring=[2, 3], drained_node="n1"), {}) == "resumed"
+    rig.driver.advance()
+    assert "n1" in rig.cluster.cordoned and rig.driver.op.retiring == [2, 3] and rig.driver.op.node == "n1"
+
+
+def test_a_rolling_restarts_scale_is_not_resumed_and_one_that_no_longer_applies_is_refused():
+    rig = Rig()
+    rollout = {"state": "running", "active": True, "rank_in_flight": 2, "phase": "starting"}
+    assert rig.driver.resume(in_flight(), rollout) == "ended" and rig.driver.op is None
+    assert any("rolling restart" in e["message"] for e in rig.cluster.events.all() if e["kind"] == "scale-failed")
+    assert rig.driver.resume({"is_scaling_elastic_ep": False, "target_ep_size": 4}, {}) == "none"
+    assert rig.driver.resume(in_flight(new_ep_size=3, retiring=[9]), {}) == "refused" and not rig.driver.active
+    rig.driver.take_target({"target_ep_size": 6})
+    assert rig.driver.target_ep_size == 6 and rig.driver.status()["target_ep_size"] == 6

@@ -11,7 +11,12 @@ epochs/requests.py) is numbered past every epoch any of them was told of (the re
 last leader by one write), keeps the record's placement on every rank that holds it whole, so
 nothing moves and no weight is read again, and restores the experts of the others (a member that
 never came back, a rank whose slots an unfinished epoch was changing) as recovery does. A member
-that did not come back is a down rank, started again after --restart-delay-s by its agent.
+that did not come back is a down rank, started again after --restart-delay-s by its agent. The
+KV each adopted rank still holds (its hello's `held_kv`) goes to the scheduler with the ids of the
+journaled requests, which take it over (control/serving/adopted_kv.py). The ranks outside the group
+an agent named (the last leader's standbys, a scale-up's joiners) stand by once registered (one still
+registering counts as a rank on its way), and the scale the record shows in flight is asked again
+(membership/scale_driver.py `resume`).
 """
 
 from __future__ import annotations
@@ -20,12 +25,12 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_ep.errors import PlacementError
 from elastic_ep.placement.location import ExpertLocation
-from elastic_ep.wire import WorkerHello
+from elastic_ep.wire import HeldKV, WorkerHello
 
 from ..cluster import ClusterState
 from ..config import ServeConfig
@@ -36,13 +41,15 @@ from .nodes import Nodes
 
 @dataclass(frozen=True)
 class AdoptionPlan:
-    """What the last leader's record says: its `epoch`, the `members` and each one's node, and the
-    placement they hold."""
+    """What the last leader's record says: its `epoch`, the `members` and each one's node, the
+    placement they hold, its `scale` (GET /is_scaling_elastic_ep as it was) and `rollout`."""
 
     epoch: int
     members: list[int]
     nodes: dict[int, str]
     placement: ExpertLocation
+    scale: dict[str, Any] = field(default_factory=dict)
+    rollout: dict[str, Any] = field(default_factory=dict)
 
 
 def adoption_plan(record: dict[str, Any] | None) -> AdoptionPlan | None:
@@ -57,7 +64,8 @@ def adoption_plan(record: dict[str, Any] | None) -> AdoptionPlan | None:
         return None
     nodes = {int(r["rank_id"]): str(r["node"]) for r in record.get("ranks", [])}
     members = [int(r) for r in record["members"]]
-    return AdoptionPlan(int(epoch), members, {r: nodes.get(r, "") for r in members}, placement)
+    return AdoptionPlan(int(epoch), members, {r: nodes.get(r, "") for r in members}, placement,
+                        dict(record.get("scale") or {}), dict(record.get("rollout") or {}))
 
 
 def adopted(plan: AdoptionPlan, hellos: dict[int, WorkerHello]) -> tuple[list[int], list[int], int]:
@@ -71,11 +79,13 @@ def adopted(plan: AdoptionPlan, hellos: dict[int, WorkerHello]) -> tuple[list[in
 
 
 class Adoption:
-    """The takeover of `plan`'s ranks; `pump(timeout_s)` handles input while it waits."""
+    """The takeover of `plan`'s ranks; `pump(timeout_s)` handles input while it waits; `journaled`:
+    the ids of the last leader's unfinished requests, which this leader runs on."""
 
     def __init__(self, plan: AdoptionPlan, cluster: ClusterState, cfg: ServeConfig, nodes: Nodes,
-                 pump: Callable[[float], None]):
+                 pump: Callable[[float], None], journaled: set[str] | None = None):
         self.plan, self.cluster, self.cfg, self.nodes, self.pump = plan, cluster, cfg, nodes, pump
+        self.journaled = journaled or set()
         self.started_at = time.monotonic()
 
     def hellos(self) -> dict[int, WorkerHello]:
@@ -83,6 +93,11 @@ class Adoption:
         c = self.cluster
         return {r: c.ranks[r].hello for r in self.plan.members
                 if r in c.ranks and c.ranks[r].hello is not None and c.ranks[r].hello.join_mode == "adopt"}
+
+    def held_kv(self, ranks: list[int]) -> dict[int, list[HeldKV]]:
+        """The KV each of `ranks` (the adopting epoch's members) said it holds when it registered."""
+        hellos = self.hellos()
+        return {r: hellos[r].held_kv for r in ranks if r in hellos}
 
     def settled(self) -> bool:
         """Every member registered, or its node's agent registered without naming it (it does not run)."""

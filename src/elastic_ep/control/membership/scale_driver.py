@@ -13,6 +13,12 @@ joiner that dies or stops before it is a member fails the scale, not the service
 step with no placement over its ranks (the old epoch serves on); a fault of a member during a
 scale is recovered as anywhere else and the scale resumes; a slow joiner only makes the scale
 slower, up to --elastic-ep-scale-timeout.
+
+A new leader of a controller group takes over the last leader's target size and resumes the scale
+its cluster record shows in flight (`resume`): it asks for it again (the same size, leaving ranks
+or drained node) once its adopting epoch formed; the processes a scale-up had started were adopted
+as they run and stand by, so it takes them first and starts none again. A scale that a rolling
+restart had in flight is not resumed: the rollout ends with the takeover.
 """
 
 from __future__ import annotations
@@ -140,7 +146,40 @@ class ScaleDriver:
         return {"node": node, "cordoned": False}
 
     def status(self) -> dict[str, Any]:
-        return status_view(self.op, len(self.cluster.members))
+        return {**status_view(self.op, len(self.cluster.members)), "target_ep_size": self.target_ep_size}
+
+    def take_target(self, last: dict[str, Any]) -> None:
+        """A new leader's target size: the last leader's (its record's `scale`, as `status` gave it)."""
+        if isinstance(last.get("target_ep_size"), int) and last["target_ep_size"] > 0:
+            self.target_ep_size = last["target_ep_size"]
+
+    def resume(self, last: dict[str, Any], rollout: dict[str, Any]) -> str:
+        """A new leader, once its adopting epoch formed: ask again for the scale the last leader's
+        `last` status shows in flight (unless its `rollout` was in flight: that ends here). Returns
+        what became of it: "none", "resumed", "ended" (a rolling restart's) or "refused" (it no
+        longer applies: the ranks it named are gone)."""
+        c = self.cluster
+        if rollout.get("active"):
+            c.events.add(EventKind.SCALE_FAILED, f"the last leader's rolling restart (rank "
+                         f"{rollout.get('rank_in_flight')}, {rollout.get('phase')}) ends with the takeover; its scale "
+                         "is not resumed: POST /rolling_restart again replaces the ranks still on their old processes")
+            return "ended"
+        if not last.get("is_scaling_elastic_ep"):
+            return "none"
+        node, leaving, size = last.get("drained_node"), last.get("retiring") or None, last.get("new_ep_size")
+        try:
+            if node is not None:
+                self.drain(None, node)
+            else:
+                self.request(None if leaving else size, leaving)
+        except ScaleRejected as e:
+            c.events.add(EventKind.SCALE_FAILED, f"the last leader's scale {last.get('old_ep_size')} -> {size} "
+                         f"({last.get('scale_phase')}) cannot be resumed: {e}")
+            return "refused"
+        c.events.add(EventKind.SCALE, f"resuming the last leader's scale {last.get('old_ep_size')} -> {size} (it was "
+                     f"{last.get('scale_phase')})" + (f": draining node {node}" if node else "") +
+                     (f": ranks {leaving} leave" if leaving and not node else ""), resumed=True)
+        return "resumed"
 
     @property
     def active(self) -> bool:

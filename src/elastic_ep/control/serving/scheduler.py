@@ -31,18 +31,25 @@ included, are gone): prompt plus tokens so far, admitted by free blocks as any r
 `reprefill_tokens_per_step` tokens of such sequences per step over all ranks and none in the
 first step after the eviction, so the survivors' decode is not held up by one long step (every
 rank waits for the slowest in each MoE layer).
+A new leader of a controller group takes over the KV its adopted ranks still hold (`take_over_kv`,
+control/serving/adopted_kv.py): those blocks are reserved, and a journaled request is placed on the
+rank that holds the most of its tokens, with those positions kept (told to the rank as a prefix
+hit's are) and only the rest prefilled again.
 Nothing here does I/O; the controller calls `schedule`, runs the step, then `commit`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastic_ep.model.block_manager import BlockManager
-from elastic_ep.wire import ChunkPlan, KVMove
+from elastic_ep.wire import ChunkPlan, HeldKV, KVMove
 
 from ..api import GenerationRequest
+from .adopted_kv import KVOffers
 from .alignment import AlignRule, DecodeBalance, rank_caps, sequence_to_move
 
 
@@ -115,7 +122,9 @@ class StepBatch:
     once, for the placement it runs from; a recomputed one, and the first chunk of a step
     that failed and is planned again, count again); `prefix_waits`: requests that began to
     wait for a prefix another sequence is computing; `prefix_waiting`: requests that wait
-    through this step (those that began included)."""
+    through this step (those that began included); `kv_kept`, `kv_reprefilled`: of the
+    journaled requests a new leader placed in this step, the positions whose KV an adopted rank
+    kept and those computed again (control/serving/adopted_kv.py)."""
 
     chunks: dict[int, list[ChunkPlan]]
     free: dict[int, list[int]]
@@ -127,6 +136,8 @@ class StepBatch:
     prefix_hit: int = 0
     prefix_waits: int = 0
     prefix_waiting: int = 0
+    kv_kept: int = 0
+    kv_reprefilled: int = 0
 
     def tokens_per_rank(self) -> dict[int, int]:
         return {r: sum(len(c.token_ids) for c in cs) for r, cs in self.chunks.items()}
@@ -142,12 +153,16 @@ class Scheduler:
     limit, so that the other requests decode on while a recovery's work is caught up; num_blocks:
     a rank's KV pool until `set_pool_size` says what the rank has; block_size,
     enable_prefix_caching: the pools' (model/block_manager.py); prefix_wait: a request waits for
-    the prefix blocks another sequence of its rank is computing (see the module docstring)."""
+    the prefix blocks another sequence of its rank is computing (see the module docstring); clock:
+    when the KV offers of a takeover expire."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, align: AlignRule | None = None,
                  reprefill_tokens_per_step: int = 0, num_blocks: int = 4096, block_size: int = 16,
-                 enable_prefix_caching: bool = True, prefix_wait: bool = True):
+                 enable_prefix_caching: bool = True, prefix_wait: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
         self.max_num_seqs = max_num_seqs
+        self.clock = clock
+        self.kv_offers: KVOffers | None = None  # a new leader's: the KV its adopted ranks held
         self.prefix_wait = prefix_wait
         self._waits = [0, 0]  # the step being planned: requests that began to wait, that wait
         self.num_blocks = num_blocks
@@ -173,6 +188,12 @@ class Scheduler:
         """Rank `rank`'s KV pool has num_blocks blocks (it says so when it registers); its pool
         here is made that size when it next joins."""
         self.pool_sizes[rank] = num_blocks
+
+    def take_over_kv(self, held: dict[int, list[HeldKV]], journaled: set[str], hold_s: float) -> None:
+        """A new leader's adopted ranks (rank -> the sequences whose KV it holds, from its adopt hello),
+        for the last leader's unfinished requests `journaled` (their ids): the blocks are reserved in
+        the ranks' pools (`set_ranks` made them) for those requests, for at most `hold_s`."""
+        self.kv_offers = KVOffers(self.pools, held, journaled, self.clock() + hold_s)
 
     def drain(self, ranks: list[int]) -> None:
         """`ranks` (leaving with a scale-down) finish what they run but take nothing new."""
@@ -203,6 +224,8 @@ class Scheduler:
         moved = self.running.pop(rank, [])
         self.to_free.pop(rank, None)
         self.pools.pop(rank, None)
+        if self.kv_offers is not None:
+            self.kv_offers.release(rank)
         self._reprefill_held = self._reprefill_held or bool(moved)
         for seq in reversed(moved):
             seq.unplace()
@@ -220,6 +243,8 @@ class Scheduler:
         seq.finish_reason = seq.finish_reason or "abort"
         if seq.rank is None:
             self.waiting.remove(seq)
+            if self.kv_offers is not None:
+                self.kv_offers.left(seq.request.request_id)
         else:
             self._release(seq)
 
@@ -258,13 +283,16 @@ class Scheduler:
 
     def pool_view(self, max_model_len: int) -> dict:
         """The KV pools as /cluster shows them: per rank its blocks, tokens, how many requests of
-        max_model_len fit, free and cached blocks, usage (0..1)."""
-        return {"block_size": self.block_size, "enable_prefix_caching": self.enable_prefix_caching, "ranks": {
-            str(r): {"blocks": p.num_blocks, "tokens": p.num_blocks * self.block_size,
-                     "max_model_len_requests": p.num_blocks * self.block_size // max_model_len,
-                     "free_blocks": p.num_free_blocks, "cached_blocks": p.num_cached_blocks,
-                     "usage": round(p.usage, 4)}
-            for r, p in sorted(self.pools.items())}}
+        max_model_len fit, free and cached blocks, usage (0..1); after a takeover `adopted`, what
+        became of the KV the adopted ranks held (control/serving/adopted_kv.py)."""
+        ranks = {str(r): {"blocks": p.num_blocks, "tokens": p.num_blocks * self.block_size,
+                          "max_model_len_requests": p.num_blocks * self.block_size // max_model_len,
+                          "free_blocks": p.num_free_blocks, "cached_blocks": p.num_cached_blocks,
+                          "usage": round(p.usage, 4)}
+                 for r, p in sorted(self.pools.items())}
+        adopted = {"adopted": self.kv_offers.view()} if self.kv_offers is not None else {}
+        return {"block_size": self.block_size, "enable_prefix_caching": self.enable_prefix_caching, **adopted,
+                "ranks": ranks}
 
     @property
     def has_work(self) -> bool:
@@ -276,6 +304,10 @@ class Scheduler:
     def schedule(self) -> StepBatch:
         """Plan the next step over the ranks given to `set_ranks`."""
         budget, align = self.max_num_batched_tokens, self.align
+        offers = self.kv_offers
+        if offers is not None:
+            offers.expire(self.clock())
+        taken_over = (offers.counts["reused"], offers.counts["reprefilled"]) if offers is not None else (0, 0)
         preempted = self._make_room()
         unstarted = self._take_unstarted() if align.enabled else []
         reprefill_left = 0 if self._reprefill_held else self.reprefill_tokens_per_step or budget * max(
@@ -327,7 +359,10 @@ class Scheduler:
         self.to_free = {r: [] for r in self.running}
         moves = [moved] if isinstance(moved, KVMove) else []
         reprefilled = [moved.seq_id] if isinstance(moved, Sequence) else []
-        return StepBatch(chunks, free, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits)
+        kept, again = ((offers.counts["reused"] - taken_over[0], offers.counts["reprefilled"] - taken_over[1])
+                       if offers is not None else (0, 0))
+        return StepBatch(chunks, free, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits, kept,
+                         again)
 
     def _make_room(self) -> int:
         """Give every decoding sequence the block of its next token, oldest first on each rank;
@@ -342,6 +377,9 @@ class Scheduler:
                 if seq.rank != rank or seq.seq_id in self.held:
                     continue
                 while not pool.grow(seq.seq_id, len(seq.tokens)):
+                    if self.kv_offers is not None and self.kv_offers.holds(rank):  # held KV goes first
+                        self.kv_offers.release(rank)
+                        continue
                     victims = [q for q in seqs if q.seq_id not in self.held]
                     if not victims:
                         break
@@ -411,6 +449,8 @@ class Scheduler:
         tokens = seq.tokens
         candidates = [r for r, seqs in self.running.items()
                       if len(seqs) < self.max_num_seqs and r not in self.draining]
+        if self.kv_offers is not None and self._take_held_kv(seq, set(candidates), ahead):
+            return True
         chain = self.pools[candidates[0]].prefix_chain(tokens) if candidates else []  # hashed once, not per rank
 
         def cost(r: int) -> tuple[int, int, int, int]:
@@ -423,12 +463,30 @@ class Scheduler:
             if self.prefix_wait and self._waits_for_prefix(seq, rank):
                 return False
             cached = self.pools[rank].allocate(seq.seq_id, tokens, len(tokens))
+            if cached is None and self.kv_offers is not None and self.kv_offers.holds(rank):  # held KV goes first
+                self.kv_offers.release(rank)
+                cached = self.pools[rank].allocate(seq.seq_id, tokens, len(tokens))
             if cached is not None:
                 seq.rank, seq.num_cached, seq.unsent_prefix, seq.prefix_wait = rank, cached, cached, None
                 self.running[rank].append(seq)
                 ahead[rank] += seq.pending
                 return True
         return False
+
+    def _take_held_kv(self, seq: Sequence, candidates: set[int], ahead: dict[int, int]) -> bool:
+        """Place a journaled `seq` on the KV an adopted rank among `candidates` held for its tokens
+        (control/serving/adopted_kv.py), the kept positions told to the rank with its first chunk
+        and keyed for prefix hits; False when there is none."""
+        placed = self.kv_offers.take(seq.request.request_id, len(seq.request.prompt_token_ids), seq.tokens,
+                                     seq.seq_id, candidates.__contains__)
+        if placed is None:
+            return False
+        rank, kept = placed
+        seq.rank, seq.num_cached, seq.unsent_prefix, seq.prefix_wait = rank, kept, kept, None
+        self.pools[rank].cache_computed(seq.seq_id, seq.tokens, kept)
+        self.running[rank].append(seq)
+        ahead[rank] += seq.pending
+        return True
 
     def _waits_for_prefix(self, seq: Sequence, rank: int) -> bool:
         """Whether `seq` waits for a sequence on `rank` that is computing its next uncached

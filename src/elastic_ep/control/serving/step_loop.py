@@ -107,7 +107,8 @@ class StepLoop:
         c, times = self.cluster, self.plane.times
         t0 = time.perf_counter()
         batch = self._plan()
-        self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit, batch.prefix_waits)
+        self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit, batch.prefix_waits,
+                             batch.kv_kept, batch.kv_reprefilled)
         c.step += 1
         self.replies = {}
         self.in_step = set(c.members)
