@@ -16,7 +16,7 @@ blocks.
 
 Offers not taken are released: all of them once every journaled request was placed (or aborted),
 those of a rank whose pool runs short of blocks at once, any left `hold_s` after the takeover.
-Counted (`counts`, /cluster `kv_cache.adopted`, elastic_ep_adopted_kv_positions_total): positions
+Counted (`counts`, /cluster `kv_cache.adopted`, elastic_ep_takeover_kv_positions_total): positions
 kept, positions the journaled requests prefilled again before their next token (their known
 tokens but the last, less what was kept), positions held that nothing took.
 """
