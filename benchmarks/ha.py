@@ -17,8 +17,8 @@ First, in this process, what the journal costs where it runs, in CPU time of the
 of each request) and one batch of 64 entries shipped by the journal thread (once per
 --ha-journal-flush-s), to a real etcd and, directly, to one standby following over loopback.
 `--only step` runs just that and the three deployments. Then, once, the takeover: SIGKILL of the
-leader's process; the times from the kill to the standby leading (the lease running out plus a campaign tick), to its controller up, to the agent registered
-with it naming its running ranks, to those ranks registered (adopted), to the epoch that adopts
+leader's process; the times from the kill to the standby leading (the lease running out plus a
+campaign tick), to its controller up, to the agent registered with it naming its running ranks, to those ranks registered (adopted), to the epoch that adopts
 them formed (/ready), and whether the ranks kept their processes.
 Last, etcd unreachable for longer than the lease (`outage`: etcd SIGSTOPped for --ha-lease-s + 2 s
 under streaming load through the router, the agent on `--lease-s 20`): /health of both controllers polled every
