@@ -18,8 +18,9 @@ of each request) and one batch of 64 entries shipped by the journal thread (once
 --ha-journal-flush-s), to a real etcd and, directly, to one standby following over loopback.
 `--only step` runs just that and the three deployments. Then, once, the takeover: SIGKILL of the
 leader's process; the times from the kill to the standby leading (the lease running out plus a
-campaign tick), to its controller up, to the agent registered with it naming its running ranks, to those ranks registered (adopted), to the epoch that adopts
-them formed (/ready), and whether the ranks kept their processes.
+campaign tick), to its controller up, to the agent registered with it naming its running ranks,
+to those ranks registered (adopted), to the epoch that adopts them formed (/ready), and whether
+the ranks kept their processes (`--journal-via` chooses the group's journal for it).
 Last, etcd unreachable for longer than the lease (`outage`: etcd SIGSTOPped for --ha-lease-s + 2 s
 under streaming load through the router, the agent on `--lease-s 20`): /health of both controllers polled every
 20 ms: the most that ever answered "leader" at once, when the leader deposed itself (exit code 3),
