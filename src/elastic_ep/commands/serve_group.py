@@ -6,7 +6,9 @@ start, behind a `GroupGate` (serve/group_gate.py): a standby answers /health, /r
 carries it), its agent address is published in its seat for `elastic-ep agent --etcd`, and the gate
 hands every request to the real app. A new leader adopts the ranks the last one ran, as the cluster
 record names them (control/membership/adoption.py), and runs the last one's unfinished requests on
-from the journal before it lets clients in, who re-attach to them (group/adopted.py). Deposed (its
+from its copy of the journal (read from etcd, or streamed to it by the last leader with
+--ha-journal-via direct: group/journal_stream.py) before it lets clients in, who re-attach to them
+(group/adopted.py). Deposed (its
 lease lapsed, or another holds the leader key), the process exits at once with EXIT_DEPOSED,
 sending nothing more: its agents and workers outlive it, and a supervisor starts it again as a
 standby."""
