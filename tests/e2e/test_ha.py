@@ -25,6 +25,7 @@ import httpx
 import psutil
 import pytest
 
+from elastic_ep.group.store import GroupStore
 from elastic_ep.harness.etcd import EtcdProcess
 from elastic_ep.harness.file_opens import FileOpens
 from elastic_ep.harness.load import PROMPTS, client_for, stream
@@ -232,6 +233,8 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             # the journal of those requests reached both standbys: their lag in /cluster comes to 0
             leader.wait_for(lambda c: [(m["journal_seq"] > 0, m["lag"]) for m in c["group"]["members"]
                                        if m["name"] != "c0"] == [(True, 0), (True, 0)], 30, "the standbys' journal")
+            # and it went the way asked: batches in etcd, or none there (streamed to the standbys)
+            assert bool(GroupStore(etcd.url, "g").get_prefix("/elastic-ep/g/journal")) == (journal_via == "etcd")
             # the cluster record the leader keeps in etcd reached the standby: its epoch and members
             seen = standby.wait_for(lambda c: (c["group"]["record"] or {}).get("epoch") == first["epoch"], 30,
                                     "the cluster record at the standby")
