@@ -167,6 +167,10 @@ class JournalCopy:
         apply(self.requests, self.kept, _batch.decode(body))
         self.applied = seq
 
+    def run(self, stop: threading.Event, on_applied: Callable[[int], None]) -> None:
+        """Keep the copy up to date until `stop`; `on_applied(seq)` when it moved on."""
+        raise NotImplementedError
+
 
 class JournalReader(JournalCopy):
     """A standby's copy of the journal through etcd."""
