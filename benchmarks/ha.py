@@ -1,23 +1,26 @@
 """The controller group's cost on the step loop, and a takeover's breakdown.
 
     PYTHONPATH=src .venv/bin/python benchmarks/ha.py [--seconds 20] [--repeats 2] [--threads 8] [--json]
-        [--only takeover|outage]
+        [--only takeover|outage|step] [--journal-via etcd|direct]
 
 Three deployments of the tiny model (--ep-size 2, both ranks under one separate `elastic-ep agent`
 process, so only the group differs), run in turn `--repeats` times under the same streaming load
-(`--threads` clients, greedy, 64 tokens): `alone` (`serve --local-ranks 0` + `agent --controller`),
-`group1` (a real etcd, `serve --etcd --ha-group` leading alone, `agent --etcd`) and `group2` (the
-same with a standby). Everything runs on this one machine: etcd and the standby take CPU from the
-workers here, which they would not on hosts of their own.
+(`--threads` clients, greedy, 64 tokens): `alone` (`serve --local-ranks 0` + `agent --controller`:
+no group), `etcd` (a real etcd, `serve --etcd --ha-group` leading with one standby, `agent --etcd`,
+the journal through etcd) and `direct` (the same with `--ha-journal-via direct`: the leader streams
+the journal to the standby). Everything runs on this one machine: etcd and the standby take CPU
+from the workers here, which they would not on hosts of their own.
 Per run: the mean step wall time at the controller (elastic_ep_step_wall_seconds, plan sent to last
-result), tokens/s delivered, and in the group the journal batches and entries shipped to etcd.
+result), tokens/s delivered, and in the group the journal batches shipped and the standby's lag.
 First, in this process, what the journal costs where it runs, in CPU time of the paying thread
 (not disturbed by a loaded machine as wall time is): `add` per event (the HTTP thread, per token
-of each request) and one batch of 64 entries shipped to a real etcd (the journal thread, once per
---ha-journal-flush-s). Then, once, the takeover: SIGKILL of the leader's process; the times from the kill to the standby
-leading (the lease running out plus a campaign tick), to its controller up, to the agent registered
-with it naming its running ranks, to those ranks registered (adopted), to the epoch that adopts
-them formed (/ready), and whether the ranks kept their processes.
+of each request) and one batch of 64 entries shipped by the journal thread (once per
+--ha-journal-flush-s), to a real etcd and, directly, to one standby following over loopback.
+`--only step` runs just that and the three deployments. Then, once, the takeover: SIGKILL of the
+leader's process; the times from the kill to the standby leading (the lease running out plus a
+campaign tick), to its controller up, to the agent registered with it naming its running ranks,
+to those ranks registered (adopted), to the epoch that adopts them formed (/ready), and whether
+the ranks kept their processes (`--journal-via` chooses the group's journal for it).
 Last, etcd unreachable for longer than the lease (`outage`: etcd SIGSTOPped for --ha-lease-s + 2 s
 under streaming load through the router, the agent on `--lease-s 20`): /health of both controllers polled every
 20 ms: the most that ever answered "leader" at once, when the leader deposed itself (exit code 3),
@@ -34,18 +37,21 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from elastic_ep.group.journal import Admitted, Delivered, JournalWriter
+from elastic_ep.group.journal import Admitted, Delivered, JournalWriter, LeaderJournal
+from elastic_ep.group.journal_stream import DirectJournalWriter, JournalFollower, bind_journal_socket
 from elastic_ep.group.store import GroupStore, Seat
 from elastic_ep.harness.etcd import EtcdProcess
 from elastic_ep.harness.load import StreamingLoad
 from elastic_ep.harness.router_process import RouterProcess
 from elastic_ep.harness.server_process import ServerProcess, terminate
 from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.wire import ClusterKey
 
 MODEL = ["--model", "tiny-deepseek-v3", "--ep-size", "2", "--max-model-len", "512", "--local-ranks", "0"]
 
@@ -99,9 +105,10 @@ def run_alone(tmp: Path, seconds: float, threads: int) -> dict:
         terminate(ag, 10)
 
 
-def run_group(tmp: Path, seconds: float, threads: int, takeover: bool, with_standby: bool = True) -> dict:
+def run_group(tmp: Path, seconds: float, threads: int, takeover: bool, with_standby: bool = True,
+              journal_via: str = "etcd") -> dict:
     etcd = EtcdProcess()
-    group = ["--etcd", etcd.url, "--ha-group", "bench", "--ha-lease-s", "5"]
+    group = ["--etcd", etcd.url, "--ha-group", "bench", "--ha-lease-s", "5", "--ha-journal-via", journal_via]
     leader = ServerProcess([*MODEL, *group, "--node", "c0"], tmp / "c0.log", ready_timeout_s=None)
     standby = ag = None
     try:
@@ -219,10 +226,26 @@ def run_outage(tmp: Path, threads: int, lease_s: int = 5) -> dict:
         etcd.stop()
 
 
+def batch_costs(writer: LeaderJournal, batches: int, per_batch: int) -> tuple[float, float]:
+    """(CPU ms, wall ms) of the journal thread per batch of `per_batch` entries, after admissions."""
+    for i in range(per_batch):
+        writer.add(Admitted(f"cmpl-{i:016x}-0", list(range(200)), SamplingParams(max_tokens=64), i, []))
+    writer.flush()
+    cpu = wall = 0.0
+    for _ in range(batches):
+        for i in range(per_batch):
+            writer.add(Delivered(f"cmpl-{i:016x}-0", [i], False))
+        c0, w0 = time.thread_time(), time.perf_counter()
+        writer.flush()
+        cpu, wall = cpu + time.thread_time() - c0, wall + time.perf_counter() - w0
+    return round(1000 * cpu / batches, 3), round(1000 * wall / batches, 3)
+
+
 def journal_costs(events: int = 100_000, batches: int = 200, per_batch: int = 64) -> dict:
     """What the journal costs where it runs, in CPU time of the thread that pays it (robust to a
     loaded machine): `add` per event on the HTTP thread, and one batch of `per_batch` entries (a
-    step's tokens at 64 running sequences) shipped to a real etcd by the journal thread."""
+    step's tokens at 64 running sequences) shipped by the journal thread to a real etcd, and
+    directly to one standby (a JournalFollower in a thread of this process, over loopback TCP)."""
     etcd = EtcdProcess()
     try:
         store = GroupStore(etcd.url, "bench")
@@ -234,20 +257,43 @@ def journal_costs(events: int = 100_000, batches: int = 200, per_batch: int = 64
             writer.add(entry)
         add_us = 1e6 * (time.thread_time() - t0) / events
         writer.flush()
-        for i in range(per_batch):
-            writer.add(Admitted(f"cmpl-{i:016x}-0", list(range(200)), SamplingParams(max_tokens=64), i, []))
-        writer.flush()
-        cpu = wall = 0.0
-        for _ in range(batches):
-            for i in range(per_batch):
-                writer.add(Delivered(f"cmpl-{i:016x}-0", [i], False))
-            c0, w0 = time.thread_time(), time.perf_counter()
-            writer.flush()
-            cpu, wall = cpu + time.thread_time() - c0, wall + time.perf_counter() - w0
-        return {"add_us_per_event": round(add_us, 3), "batch_cpu_ms": round(1000 * cpu / batches, 3),
-                "batch_wall_ms": round(1000 * wall / batches, 3), "entries_per_batch": per_batch}
+        etcd_cpu, etcd_wall = batch_costs(writer, batches, per_batch)
     finally:
         etcd.stop()
+    key = ClusterKey.generate()
+    sock, addr = bind_journal_socket("127.0.0.1")
+    direct = DirectJournalWriter(sock, key, term)
+    follower = JournalFollower(key, "c1", lambda: (addr, term))
+    stop = threading.Event()
+    following = threading.Thread(target=follower.run, args=(stop, lambda seq: None), daemon=True)
+    following.start()
+    try:
+        while not direct.followers:
+            direct.answer()
+            time.sleep(0.01)
+        direct_cpu, direct_wall = batch_costs(direct, batches, per_batch)
+        deadline = time.monotonic() + 10
+        while follower.applied < direct.seq and time.monotonic() < deadline:
+            time.sleep(0.01)
+        applied = follower.applied
+    finally:
+        stop.set()
+        following.join(5)
+        sock.close(0)
+    return {"add_us_per_event": round(add_us, 3), "entries_per_batch": per_batch,
+            "etcd_batch_cpu_ms": etcd_cpu, "etcd_batch_wall_ms": etcd_wall,
+            "direct_batch_cpu_ms": direct_cpu, "direct_batch_wall_ms": direct_wall,
+            "direct_standby_applied_all": applied == direct.seq}
+
+
+def step_runs(tmp: Path, seconds: float, threads: int, repeats: int, takeover_last: bool) -> list[dict]:
+    """The three deployments in turn, `repeats` times (the takeover after the last etcd run if asked)."""
+    rows = []
+    for i in range(repeats):
+        rows.append({"mode": "alone", **run_alone(tmp, seconds, threads)})
+        rows.append({"mode": "etcd", **run_group(tmp, seconds, threads, takeover=takeover_last and i == repeats - 1)})
+        rows.append({"mode": "direct", **run_group(tmp, seconds, threads, False, journal_via="direct")})
+    return rows
 
 
 def main() -> None:
@@ -256,26 +302,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--only", choices=["takeover", "outage"], default=None)
+    parser.add_argument("--only", choices=["takeover", "outage", "step"], default=None)
+    parser.add_argument("--journal-via", choices=["etcd", "direct"], default="etcd", help="of --only takeover")
     args = parser.parse_args()
-    if args.only:
+    if args.only in ("takeover", "outage"):
         with tempfile.TemporaryDirectory(prefix="elastic-ep-ha-bench-") as tmp:
             if args.only == "takeover":
-                result = run_group(Path(tmp), args.seconds, args.threads, takeover=True)["takeover_s"]
+                result = run_group(Path(tmp), args.seconds, args.threads, takeover=True,
+                                   journal_via=args.journal_via)["takeover_s"]
             else:
                 result = run_outage(Path(tmp), args.threads)
         print(json.dumps({args.only: result}, indent=1))
         return
     costs = journal_costs()
-    rows = []
     outage = None
     with tempfile.TemporaryDirectory(prefix="elastic-ep-ha-bench-") as tmp:
-        outage = run_outage(Path(tmp), args.threads)
-        for i in range(args.repeats):
-            rows.append({"mode": "alone", **run_alone(Path(tmp), args.seconds, args.threads)})
-            rows.append({"mode": "group1", **run_group(Path(tmp), args.seconds, args.threads, False, False)})
-            rows.append({"mode": "group2", **run_group(Path(tmp), args.seconds, args.threads,
-                                                       takeover=i == args.repeats - 1)})
+        if args.only is None:
+            outage = run_outage(Path(tmp), args.threads)
+        rows = step_runs(Path(tmp), args.seconds, args.threads, args.repeats, takeover_last=args.only is None)
     if args.json:
         print(json.dumps({"journal": costs, "runs": rows, "outage": outage}, indent=1))
         return

@@ -185,10 +185,13 @@ def streams_through(router: RouterProcess, fault) -> tuple[list[str], float]:
 
 
 @pytest.mark.skipif(netbed_unavailable() is not None, reason=str(netbed_unavailable()))
-def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the_ranks_are_adopted(tmp_path):
+@pytest.mark.parametrize("journal_via", ["etcd", "direct"])
+def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the_ranks_are_adopted(tmp_path,
+                                                                                                   journal_via):
     """Three controllers and the agent on hosts of their own (network namespaces; etcd and the router
     on the bridge): `kill -9` of the leader's process, then the loss of the next leader's whole host,
-    each under streaming load through the router."""
+    each under streaming load through the router; the journal through etcd, or streamed by the leader
+    to the standbys (--ha-journal-via direct), each new leader taking it from its own copy."""
     from elastic_ep.harness.netns import TestBed
 
     # a copy of its own: the kernel counts opens of its shards by any process, other tests' included
@@ -201,7 +204,8 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
         agent = None
         try:
             args = ["--model", str(model_dir), "--served-model-name", MODEL, "--ep-size", "2", "--max-model-len",
-                    "256", "--etcd", etcd.url, "--ha-group", "g", "--ha-lease-s", str(WORKERS_LEASE_S)]
+                    "256", "--etcd", etcd.url, "--ha-group", "g", "--ha-lease-s", str(WORKERS_LEASE_S),
+                    "--ha-journal-via", journal_via]
             leader = ServerProcess([*args, "--node", "c0"], tmp_path / "c0.log", ready_timeout_s=None, host=h0.addr,
                                    port=8000, popen=h0.popen)
             started.append(leader)
@@ -238,10 +242,11 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
                                                                         "c2": "standby"}
             client, model = client_for(leader.url)
             expected = [stream(client, model, p, MAX_TOKENS, temperature=0).text for p in PROMPTS]
-            # the journal of those requests reached the standby: its lag in /cluster comes to 0
-            synced = leader.wait_for(lambda c: {m["name"]: m["journal_seq"] for m in c["group"]["members"]}
-                                     .get("c1", 0) > 0, 30, "the standby's journal")
-            assert [m["lag"] for m in synced["group"]["members"] if m["name"] == "c1"][0] is not None
+            # the journal of those requests reached both standbys: their lag in /cluster comes to 0
+            leader.wait_for(lambda c: [(m["journal_seq"] > 0, m["lag"]) for m in c["group"]["members"]
+                                       if m["name"] != "c0"] == [(True, 0), (True, 0)], 30, "the standbys' journal")
+            # and it went the way asked: batches in etcd, or none there (streamed to the standbys)
+            assert bool(GroupStore(etcd.url, "g").get_prefix("/elastic-ep/g/journal")) == (journal_via == "etcd")
             # the cluster record the leader keeps in etcd reached the standby: its epoch and members
             seen = standby.wait_for(lambda c: (c["group"]["record"] or {}).get("epoch") == first["epoch"], 30,
                                     "the cluster record at the standby")
@@ -306,6 +311,10 @@ def test_streams_outlive_a_kill_9_of_the_leader_and_the_loss_of_its_host_and_the
             # the router's resumed streams attached to the requests the new leader already ran on
             assert resumed_by(last, "leader") >= 1 and resumed_by(last, "attach") >= 1
             kept_kv(last, last.cluster())
+            # the direct client's request, finished on the last leader with nobody attached, outlived this
+            # takeover in the journal: a client re-attaching now still gets it
+            kept = journal_when(last, direct.request_id, lambda j: j.get("finished"), 5)
+            assert kept["output_token_ids"] == target and kept["finish_reason"] == journaled["finish_reason"]
 
             # adopted, twice: the same worker processes, in an epoch past the old ones over the same ranks and
             # placement, which filled no slot; no shard of the checkpoint was opened since the first fault

@@ -1,13 +1,29 @@
 """The request journal through a real etcd: batches a standby applies in order, a snapshot that
-compacts them, a deposed leader's batch refused by etcd, and the engine wrapper that records
-each request and its tokens."""
+compacts them, a deposed leader's batch refused by etcd, the engine wrapper that records
+each request and its tokens, and a request finished with nobody attached kept across takeovers."""
 
 import asyncio
 
+import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
 
 from elastic_ep.control.api import GenerationRequest, RequestOutput
-from elastic_ep.group.journal import Admitted, Delivered, Deposed, JournaledEngine, JournalReader, JournalWriter
+from elastic_ep.group.adopted import AdoptedRequests
+from elastic_ep.group.journal import (
+    KEEP_S,
+    Admitted,
+    Delivered,
+    Deposed,
+    Journaled,
+    JournaledEngine,
+    JournalReader,
+    JournalWriter,
+    Kept,
+    Snapshot,
+    apply,
+    unexpired,
+)
 from elastic_ep.group.store import GroupStore, Seat
 from elastic_ep.model.sampling import SamplingParams
 
@@ -99,3 +115,70 @@ def test_a_backlog_over_etcds_request_limit_ships_as_several_batches_in_order(et
     reader.catch_up()
     assert reader.applied == writer.seq and reader.requests["big"].output_token_ids == [i % 50_000
                                                                                       for i in range(60_000)]
+
+
+class Counting:
+    """A stand-in engine: request r's token at position p is (seed + p) % 50, one per event."""
+
+    info = "info"
+
+    def __init__(self):
+        self.generated = 0
+
+    async def generate(self, request):
+        output = list(request.resumed_output_token_ids)
+        while len(output) < request.params.max_tokens:
+            output.append((request.seed + len(output)) % 50)
+            self.generated += 1
+            done = len(output) == request.params.max_tokens
+            yield RequestOutput(request.request_id, [output[-1]], done, "length" if done else None)
+            await asyncio.sleep(0)
+
+
+def test_a_request_finished_with_nobody_attached_outlives_a_second_takeover_for_a_while(etcd):
+    """The first new leader runs a journaled request to its end with nobody attached: the journal keeps
+    it finished (tokens, finish reason); after a second takeover the client re-attaches and gets the
+    tokens it lacks, with nothing generated again. Kept MAX_KEPT at most, KEEP_S at most."""
+    store, term = leading(etcd.url)
+    params = SamplingParams(max_tokens=6)
+    expected = [(9 + p) % 50 for p in range(6)]
+    held = Journaled("cmpl-x-0", [1, 2], params, 9, expected[:2])
+    first = JournalWriter(store, term, requests={held.request_id: held})
+    adopted = AdoptedRequests(CollectorRegistry())
+    engine = JournaledEngine(Counting(), first, adopted)
+
+    async def run_unattended():
+        adopted.start([held.resumed()], engine.generate, engine.forget)
+        while adopted.get(held.request_id).last is None:
+            await asyncio.sleep(0)
+
+    asyncio.run(run_unattended())
+    first.flush()
+    standby = JournalReader(GroupStore(etcd.url, "g"))  # the second new leader's copy
+    standby.catch_up()
+    assert held.request_id not in standby.requests
+    kept = standby.kept[held.request_id]
+    assert (kept.output_token_ids, kept.finished, kept.finish_reason) == (expected, True, "length")
+
+    second_engine, second = Counting(), AdoptedRequests(CollectorRegistry())
+    second.hold_finished(kept.resumed(), kept.finish_reason, 1.0)
+    journaling = JournaledEngine(second_engine, JournalWriter(store, term, standby.applied, standby.requests,
+                                                             kept=standby.kept), second)
+    asked = GenerationRequest(held.request_id, [1, 2], params, 9, tuple(expected[:3]), reattach=True)
+
+    async def reattach():
+        return [out async for out in journaling.generate(asked)]
+
+    events = asyncio.run(reattach())
+    assert [t for e in events for t in e.new_token_ids] == expected[3:]
+    assert events[-1].finished and events[-1].finish_reason == "length" and second_engine.generated == 0
+    # a third leader would find it too: the next snapshot carries it
+    snapshot = msgspec.msgpack.decode(journaling.writer.snapshot(), type=Snapshot)
+    assert [r.request_id for r in snapshot.kept] == [held.request_id]
+
+    # bounded: the oldest go first past max_kept, and none outlives KEEP_S
+    requests = {f"r{i}": Journaled(f"r{i}", [1], params, i, []) for i in range(3)}
+    bounded: dict = {}
+    apply(requests, bounded, [Kept(f"r{i}", [i], "stop", 100.0 + i) for i in range(3)], max_kept=2)
+    assert list(bounded) == ["r1", "r2"] and not requests
+    assert list(unexpired(bounded, 101.0 + KEEP_S + 0.5)) == ["r2"]

@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from elastic_ep.group.journal import JournalReader
-from elastic_ep.group.record import cluster_record, read_record, write_records
+from elastic_ep.group.record import RecordReader, cluster_record, read_record, write_records
 from elastic_ep.group.store import GroupStore, Seat
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,7 +52,7 @@ def test_the_leader_writes_it_when_it_changes_and_a_reader_sees_it(etcd):
         while read_record(store)["epoch"] != 4:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        reader = JournalReader(GroupStore(etcd.url, "g"))
+        reader = RecordReader(GroupStore(etcd.url, "g"))
         reader.catch_up()
         assert reader.record["epoch"] == 4 and reader.record["term"] == term
     finally:

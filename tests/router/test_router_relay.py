@@ -101,6 +101,32 @@ def test_a_stream_whose_instance_fails_goes_on_elsewhere_unchanged(instances, ro
     assert all(r.reattach and r.request_id in first_ids for r in resumed), resumed
 
 
+@pytest.mark.parametrize("case", [(COMPLETION, {"prompt": "before any token", "max_tokens": 12}),
+                                  (CHAT, {"messages": [{"role": "user", "content": "early"}], "max_tokens": 12})],
+                         ids=["completion", "chat"])
+def test_a_stream_broken_before_its_first_chunk_resumes_naming_its_request(instances, routers, case):
+    """The router names the request up front (X-Request-Id), so a stream whose instance fails before
+    any chunk still names the request it goes on (a controller group's new leader attaches it to the
+    run it took over) and the client sees that id."""
+    (route, path), body = case
+    a, b = instances(2)
+    router = routers(RouterConfig(backends=(a.url, b.url), poll_interval_s=0.1))
+    body = {**body, "stream": True, "return_token_ids": True}
+    reference = by_choice(sse(b.url, path, body), route == "chat")
+    failing = a if first_backend(router, route, body).url == a.url else b
+    other = b if failing is a else a
+    failing.engine.fail_after_events = 0
+    events = sse(router.url, path, body, headers={"X-Request-Id": "early-1"})
+    got = by_choice(events, route == "chat")
+    assert (got[0]["text"], got[0]["token_ids"]) == (reference[0]["text"], reference[0]["token_ids"])
+    [first] = [r for r in failing.engine.requests.values() if "early-1" in r.request_id]
+    [resumed] = [r for r in other.engine.requests.values() if "early-1" in r.request_id]
+    assert not resumed.resumed_output_token_ids and resumed.reattach
+    prefix = "chatcmpl" if route == "chat" else "cmpl"
+    assert resumed.request_id == first.request_id == f"{prefix}-early-1-0"
+    assert {e["id"] for e in events} == {f"{prefix}-early-1"}
+
+
 def test_a_resume_the_backend_will_not_attach_runs_there_as_a_copy_of_its_own(instances, routers):
     """A 409 resume_conflict to a resume that names its request: the router sends it again without the
     name (the tokens alone), and the stream is as the uninterrupted one."""

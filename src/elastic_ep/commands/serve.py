@@ -221,7 +221,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "long after the leader is lost (default 5)")
     parser.add_argument("--ha-journal-flush-s", type=float, default=0.05,
                         help="with --etcd: the leader ships the request journal (requests and their tokens) to "
-                             "etcd this often, one batch each time (default 0.05)")
+                             "the standbys this often, one batch each time (default 0.05)")
+    parser.add_argument("--ha-journal-via", choices=["etcd", "direct"], default="etcd",
+                        help="with --etcd: how the journal reaches the standbys: etcd (each batch a write, which "
+                             "outlives every controller) or direct (the leader streams it to each standby over "
+                             "ZeroMQ, sealed with the cluster key; a standby started after the leader died has "
+                             "none); the same on every controller of the group (default etcd)")
     add_log_arguments(parser)
     for f in dataclasses.fields(ServeConfig):
         if f.name not in HELP:

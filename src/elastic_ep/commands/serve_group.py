@@ -6,7 +6,9 @@ start, behind a `GroupGate` (serve/group_gate.py): a standby answers /health, /r
 carries it), its agent address is published in its seat for `elastic-ep agent --etcd`, and the gate
 hands every request to the real app. A new leader adopts the ranks the last one ran, as the cluster
 record names them (control/membership/adoption.py), and runs the last one's unfinished requests on
-from the journal before it lets clients in, who re-attach to them (group/adopted.py). Deposed (its
+from its copy of the journal (read from etcd, or streamed to it by the last leader with
+--ha-journal-via direct: group/journal_stream.py) before it lets clients in, who re-attach to them
+(group/adopted.py). Deposed (its
 lease lapsed, or another holds the leader key), the process exits at once with EXIT_DEPOSED,
 sending nothing more: its agents and workers outlive it, and a supervisor starts it again as a
 standby."""
@@ -19,6 +21,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -32,8 +35,17 @@ from elastic_ep.control.controller import Controller
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.group.adopted import AdoptedRequests
 from elastic_ep.group.election import Election, Role
-from elastic_ep.group.journal import Journaled, JournaledEngine, JournalReader, JournalWriter
-from elastic_ep.group.record import write_records
+from elastic_ep.group.journal import (
+    JournalCopy,
+    Journaled,
+    JournaledEngine,
+    JournalReader,
+    JournalWriter,
+    LeaderJournal,
+    unexpired,
+)
+from elastic_ep.group.journal_stream import DirectJournalWriter, JournalFollower, bind_journal_socket
+from elastic_ep.group.record import RecordReader, write_records
 from elastic_ep.group.status import group_view, standby_reason
 from elastic_ep.group.store import EtcdUnavailable, GroupStore, Seat
 from elastic_ep.serve.app import create_app
@@ -92,15 +104,29 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
     host = cfg.advertise_host or cfg.host
     http_url = f"http://{'[' + host + ']' if ':' in host else host}:{http_socket.getsockname()[1]}"
     elected = threading.Event()
-    reader = JournalReader(GroupStore(args.etcd, args.ha_group))
-    election = Election(store, Seat(args.node, http_url), ttl_s=args.ha_lease_s,
+    records = RecordReader(GroupStore(args.etcd, args.ha_group))
+    direct = args.ha_journal_via == "direct"
+    # direct: every controller binds its journal socket now; the leader's is the one standbys follow
+    journal_sock, journal_addr = bind_journal_socket(cfg.control_host) if direct else (None, "")
+    election = Election(store, Seat(args.node, http_url, journal=journal_addr), ttl_s=args.ha_lease_s,
                         on_elected=lambda term: elected.set(), on_deposed=_deposed)
 
+    def leader_journal() -> tuple[str, int] | None:
+        state = election.state
+        if state.role != Role.STANDBY or state.leader is None or not state.leader.journal:
+            return None
+        return state.leader.journal, state.term
+
+    copy: JournalCopy = (JournalFollower(key, args.node, leader_journal) if direct
+                         else JournalReader(GroupStore(args.etcd, args.ha_group)))
+
     def view() -> dict:
-        return group_view(args.ha_group, args.etcd, args.node, election.state, reader.record)
+        return group_view(args.ha_group, args.etcd, args.node, election.state, records.record)
 
     gate = GroupGate(view, lambda: standby_reason(args.ha_group, election.state), registry)
     stop, standing_by, started = threading.Event(), threading.Event(), threading.Event()
+    copying = threading.Thread(target=copy.run, args=(standing_by, lambda seq: election.set_seat(journal_seq=seq)),
+                               name="journal-copy", daemon=True)
 
     # the controller and the app are built before the election (sockets bound, nobody told of them
     # yet): a takeover only starts them, and spends no CPU on them while it must keep its lease
@@ -114,18 +140,24 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         while not elected.wait(0.2):
             if stop.is_set():
                 return
-        standing_by.set()  # the reader stops; one last catch-up below
+        standing_by.set()  # the copy stops; the etcd path catches up once more below
+        copying.join()
         term = election.state.term
         controller.set_term(term)
         try:
-            reader.catch_up()
+            records.catch_up()
+            if isinstance(copy, JournalReader):
+                copy.catch_up()
         except EtcdUnavailable as e:
-            logger.warning("group %s: the journal could not be read at takeover (%s): requests of the last "
-                           "leader resume only through the router", args.ha_group, e)
+            logger.warning("group %s: the journal or the cluster record could not be read at takeover (%s): "
+                           "requests of the last leader resume only through the router", args.ha_group, e)
         # the running ranks of the last leader, as its record names them, and the KV they hold for its requests
-        controller.adopt(reader.record, reader.requests)
-        writer = engine.writer = JournalWriter(GroupStore(args.etcd, args.ha_group), term, reader.applied,
-                                               reader.requests)
+        controller.adopt(records.record, copy.requests)
+        kept = unexpired(copy.kept, time.time())
+        writer: LeaderJournal = (
+            DirectJournalWriter(journal_sock, key, term, copy.applied, copy.requests, kept) if direct
+            else JournalWriter(GroupStore(args.etcd, args.ha_group), term, copy.applied, copy.requests, kept=kept))
+        engine.writer = writer
         controller.start()
         started.set()
         threading.Thread(target=writer.run, args=(stop, args.ha_journal_flush_s,
@@ -136,18 +168,21 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
                          name="cluster-record", daemon=True).start()
         election.set_seat(controller=controller.health_addr, journal_seq=writer.seq)
         # the last leader's requests go on at once, whether or not their clients come back to attach
-        # (before any client is let in: one that re-attaches finds its request running)
-        engine.adopted.start_threadsafe([r.resumed() for r in reader.requests.values()], engine.generate,
+        # (before any client is let in: one that re-attaches finds its request running, or finished)
+        now_s = time.time()
+        for r in kept.values():
+            engine.adopted.hold_finished(r.resumed(), r.finish_reason or "stop", max(0.0, now_s - r.finished_at_s))
+        engine.adopted.start_threadsafe([r.resumed() for r in copy.requests.values()], engine.generate,
                                         engine.forget, gate.loop())
         gate.lead(app)
         logger.info("group %s: %s leads in term %d; controller at %s; %d journaled requests of the last leader "
-                    "run on", args.ha_group, args.node, term, controller.health_addr, len(reader.requests))
+                    "run on, %d finished ones kept (journal via %s)", args.ha_group, args.node, term,
+                    controller.health_addr, len(copy.requests), len(kept), args.ha_journal_via)
 
     threads = [threading.Thread(target=election.run, args=(stop,), name="election", daemon=True),
-               threading.Thread(target=lead, name="takeover", daemon=True),
-               threading.Thread(target=reader.run, args=(standing_by, 0.2,
-                                                         lambda seq: election.set_seat(journal_seq=seq)),
-                                name="journal-reader", daemon=True)]
+               threading.Thread(target=lead, name="takeover", daemon=True), copying,
+               threading.Thread(target=records.run, args=(standing_by, 0.2), name="cluster-record-reader",
+                                daemon=True)]
     for t in threads:
         t.start()
     logger.info("group %s through etcd %s: %s on %s stands by until elected", args.ha_group, args.etcd, args.node,

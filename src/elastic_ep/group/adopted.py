@@ -121,6 +121,14 @@ class AdoptedRequests:
             adopted.task.add_done_callback(lambda _, a=adopted: None if a.began else forget(a.request.request_id))
             self.resumed.labels(by="leader").inc()
 
+    def hold_finished(self, request: GenerationRequest, finish_reason: str, age_s: float) -> None:
+        """A request a last leader finished with nobody attached, as the journal kept it (its output the
+        request's resumed output): held finished for what is left of `keep_s` `age_s` after it
+        finished, for GET /journal/{id} and a client's re-attach."""
+        self.held[request.request_id] = Adopted(
+            request, list(request.resumed_output_token_ids),
+            last=RequestOutput(request.request_id, [], True, finish_reason), finished_s=self._clock() - age_s)
+
     def start_threadsafe(self, journaled: list[GenerationRequest], generate: Generate, forget: Callable[[str], None],
                          loop: asyncio.AbstractEventLoop) -> None:
         """`start` from another thread, on `loop` (the HTTP server's); returns once they are submitted."""

@@ -5,9 +5,10 @@ It is taken from the leader's /cluster snapshot (control/api.py `Engine.cluster`
 members, every rank's node, pid and state, the expert placement (phy2log), the agents with their
 hosts, fetch sockets and whether they hold a backup (the backup sites), the scale in flight (with
 the target size) and whether a rolling restart is.
-Standbys read it with the journal and show its epoch in /cluster. A new leader adopts the ranks it
-names, over its placement (control/membership/adoption.py), resumes the scale in flight and ends a
-rolling restart (membership/scale_driver.py `resume`)."""
+Standbys read it (`RecordReader`, every 0.2 s, whichever way the journal goes) and show its epoch
+in /cluster. A new leader adopts the ranks it names, over its placement
+(control/membership/adoption.py), resumes the scale in flight and ends a rolling restart
+(membership/scale_driver.py `resume`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,24 @@ def record_key(store: GroupStore) -> str:
 def read_record(store: GroupStore) -> dict[str, Any] | None:
     held = store.get(record_key(store))
     return json.loads(held.value) if held is not None else None
+
+
+class RecordReader:
+    """The cluster record as a standby last read it (`record`; None before one), every `interval_s`."""
+
+    def __init__(self, store: GroupStore):
+        self.store = store
+        self.record: dict[str, Any] | None = None
+
+    def catch_up(self) -> None:
+        self.record = read_record(self.store)
+
+    def run(self, stop: threading.Event, interval_s: float) -> None:
+        while not stop.wait(interval_s):
+            try:
+                self.catch_up()
+            except EtcdUnavailable:
+                continue
 
 
 def write_records(store: GroupStore, term: int, snapshot: Callable[[], dict[str, Any]], stop: threading.Event,

@@ -26,14 +26,16 @@ class EtcdUnavailable(Exception):
 class Seat(msgspec.Struct, frozen=True):
     """What a controller of the group says of itself in etcd. name: its --node; http: its HTTP
     URL (clients and the router); controller: its health socket (agents connect there; "" until
-    its controller is up); role: leader, standby or starting; journal_seq: the last journal entry
-    it holds (standbys) or wrote (the leader)."""
+    its controller is up); role: leader, standby or starting; journal_seq: the last journal batch
+    it holds (standbys) or shipped (the leader); journal: its journal socket, which standbys follow
+    while it leads (serve --ha-journal-via direct; "" on the etcd path)."""
 
     name: str
     http: str
     controller: str = ""
     role: str = "standby"
     journal_seq: int = 0
+    journal: str = ""
 
 
 @dataclass(frozen=True)

@@ -178,12 +178,13 @@ class Router:
                     return Response(result.content, result.status, result.headers, media_type="application/json")
                 return result
             break
-        return self._relay(route, path, body, backend_body, headers, key, user, backend, result, arrived_s)
+        return self._relay(route, path, body, backend_body, headers, key, user, backend, result, arrived_s,
+                           request_id)
 
     def _relay(self, route: str, path: str, body: dict[str, Any], backend_body: dict[str, Any],
                headers: dict[str, str], key: bytes, user: str | None, backend: Backend,
-               response: httpx.Response, arrived_s: float) -> Response:
-        choices = choice_states(route, body)
+               response: httpx.Response, arrived_s: float, request_id: str) -> Response:
+        choices = choice_states(route, body, request_id)
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
 

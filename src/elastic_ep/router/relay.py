@@ -31,6 +31,7 @@ import httpx
 
 from elastic_ep.model.seeds import choice_seed
 from elastic_ep.router.backends import Backend
+from elastic_ep.serve.response_ids import response_id
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +54,21 @@ class ChoiceState:
     finished: bool = False
     moves: int = 0
     failed_on: set[str] = field(default_factory=set)
-    request_id: str | None = None
-    """Its request's id on the backends, `<id>-<index>` as the first backend chunk named it; a
-    resumed choice names it (`resume_request_id`) and keeps it."""
+    request_id: str = ""
+    """Its request's id on the backends, `<response id>-<index>`: known before any backend answers
+    (the router names the request, X-Request-Id), so a stream that breaks even before its first
+    chunk names it when resumed (`resume_request_id`), and a new leader of a controller group that
+    runs it on already attaches the resumed stream to it."""
 
 
-def choice_states(route: str, body: dict[str, Any]) -> list[ChoiceState]:
-    """The choices a request asks for, prompt-major as serve indexes them."""
+def choice_states(route: str, body: dict[str, Any], named: str) -> list[ChoiceState]:
+    """The choices of a request the router named `named` (its X-Request-Id), prompt-major as serve
+    indexes them."""
     n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
     prompt = body.get("prompt")
     prompts = len(prompt) if route == "completion" and _is_prompt_list(prompt) else 1
-    return [ChoiceState(i * n + j, i, j) for i in range(prompts) for j in range(n)]
+    head = response_id(route, named)
+    return [ChoiceState(i * n + j, i, j, request_id=f"{head}-{i * n + j}") for i in range(prompts) for j in range(n)]
 
 
 def _is_prompt_list(prompt: Any) -> bool:
@@ -78,10 +83,9 @@ def resume_body(route: str, backend_body: dict[str, Any], choice: ChoiceState) -
     if choice.token_ids:
         body["resume_output_token_ids"] = list(choice.token_ids)
         body.pop("echo", None)
-    if choice.request_id is not None:
-        # a new leader of a controller group runs the request on already: attach to it
-        body["resume_request_id"] = choice.request_id
-        body.pop("echo", None)
+    # a new leader of a controller group runs the request on already: attach to it
+    body["resume_request_id"] = choice.request_id
+    body.pop("echo", None)
     return body
 
 
@@ -104,8 +108,6 @@ class Rewriter:
         out = []
         for c in chunk.get("choices") or []:
             state = self.choices[index_map[c["index"]]]
-            if state.request_id is None and chunk.get("id"):
-                state.request_id = f"{chunk['id']}-{c['index']}"
             prompt_ids = c.pop("prompt_token_ids", None)
             token_ids = c.pop("token_ids", None) or []
             if prompt_ids is not None:

@@ -7,5 +7,5 @@
 - `streaming`: work and event streams that end when the client disconnects
 - `openapi`: /openapi.json from the protocol models, with the real error responses
 - `admin`: /health, /ready, /metrics, /cluster, /dashboard, scaling, recorder, chaos
-- `metrics`: HTTP metrics; `errors`: the OpenAI error body
+- `metrics`: HTTP metrics; `errors`: the OpenAI error body; `response_ids`: response and request ids
 """

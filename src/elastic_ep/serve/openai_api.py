@@ -73,6 +73,7 @@ from elastic_ep.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from elastic_ep.serve.response_ids import response_id as named_response_id
 from elastic_ep.serve.streaming import EventStreamResponse, until_disconnect
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics,
         request: Request, body: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], kind: _Kind
     ) -> Response:
         # vLLM's behaviour: the client may name the request (X-Request-Id), else a fresh id
-        response_id = f"{kind.id_prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+        response_id = named_response_id(kind.route, request.headers.get("x-request-id") or uuid.uuid4().hex)
         if body.resume_request_id is not None:
             response_id = reattached_response_id(body.resume_request_id)
         if prefix_keys is not None:
@@ -312,7 +313,7 @@ def _chat_logprobs(entries: list[TextLogprob]) -> ChatChoiceLogprobs:
 class _Kind:
     """What differs between completions and chat: ids, response models and choice shapes."""
 
-    id_prefix: str
+    route: str  # "completion" or "chat": its response ids (prompts.py `response_id`)
     chat: bool
     response: type[CompletionResponse] | type[ChatCompletionResponse]
     chunk: type[CompletionStreamResponse] | type[ChatCompletionStreamResponse]
@@ -378,5 +379,5 @@ class _Kind:
         )
 
 
-_COMPLETION = _Kind("cmpl", False, CompletionResponse, CompletionStreamResponse)
-_CHAT = _Kind("chatcmpl", True, ChatCompletionResponse, ChatCompletionStreamResponse)
+_COMPLETION = _Kind("completion", False, CompletionResponse, CompletionStreamResponse)
+_CHAT = _Kind("chat", True, ChatCompletionResponse, ChatCompletionStreamResponse)

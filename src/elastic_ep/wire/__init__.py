@@ -16,7 +16,9 @@ An agent also binds a ROUTER on loopback for its own workers' heartbeat threads 
 `h<rank_id>`), which send it `Heartbeat` and receive the `AbortEpoch` it relays; a ROUTER for
 `BackupFetch` -> `BackupTensors` and `DenseFetch` -> `DenseTensors` from workers of other nodes;
 and writes `NewLeader` to its own workers on their stdin (wire/pipe.py) when the controller
-group's leader changes.
+group's leader changes. With `serve --ha-journal-via direct` the group's leader binds a ROUTER for
+its standbys (DEALER, identity their node), which send `JournalFollow` and receive `JournalState`
+and `JournalBatch` (`journal.py`).
 
 Frames are typed msgspec structs in msgpack, each with an HMAC of the deployment's cluster key
 (`codec.py`): never pickle, since a frame from the network is data, not code. Each receiving side
@@ -74,6 +76,7 @@ from .health import (
     WorkerStarted,
     exit_reason,
 )
+from .journal import JournalBatch, JournalFollow, JournalState
 from .worker import (
     ChaosStep,
     ChunkPlan,
@@ -136,6 +139,9 @@ __all__ = [
     "HealLinks",
     "Heartbeat",
     "HeldKV",
+    "JournalBatch",
+    "JournalFollow",
+    "JournalState",
     "KVMove",
     "NewLeader",
     "LeaseRenew",
@@ -176,6 +182,8 @@ __all__ = [
     "FETCH_REPLY",
     "FETCH_REQUEST",
     "HEALTH_TO_CONTROLLER",
+    "LEADER_TO_STANDBY",
+    "STANDBY_TO_LEADER",
     "KEY_ENV",
     "STEP_TO_CONTROLLER",
     "ClusterKey",
@@ -202,5 +210,8 @@ CONTROLLER_TO_AGENT = (AgentWelcome | LeaseRenew | SessionEnded | BackupAssign |
                        | SignalWorker | CutLinks | HealLinks | AbortEpoch | AgentShutdown)
 FETCH_REQUEST = BackupFetch | DenseFetch
 FETCH_REPLY = BackupTensors | DenseTensors
+STANDBY_TO_LEADER = JournalFollow  # the leader's journal socket (serve --ha-journal-via direct)
+LEADER_TO_STANDBY = JournalState | JournalBatch
 ALL_MESSAGES = (STEP_TO_CONTROLLER | CONTROLLER_TO_WORKER | HEALTH_TO_CONTROLLER | WORKER_TO_AGENT
-                | CONTROLLER_TO_AGENT | AGENT_TO_WORKER | FETCH_REQUEST | FETCH_REPLY)
+                | CONTROLLER_TO_AGENT | AGENT_TO_WORKER | FETCH_REQUEST | FETCH_REPLY | STANDBY_TO_LEADER
+                | LEADER_TO_STANDBY)
