@@ -40,6 +40,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from typing import NamedTuple
 
 import numpy as np
 import psutil
@@ -55,7 +56,7 @@ from elastic_ep.model.kv_cache import KVCache, pool_num_blocks
 from elastic_ep.model.memory import return_freed_memory
 from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.read_throttle import ReadThrottle
-from elastic_ep.model.sampling import TokenHistory, sample_tokens
+from elastic_ep.model.sampling import SamplingParams, TokenHistory, sample_tokens
 from elastic_ep.node.priority import prioritize_this_thread
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
@@ -114,6 +115,45 @@ EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)  # a StepResult whose plan did not
 PAD_SEQ = -2  # the step's padding tokens (the warm-up's dummy sequence is -1; the controller numbers from 0)
 
 
+class Kept(NamedTuple):
+    """What the first `ChunkPlan` of a sequence on this rank said, kept for its decode rows
+    (`DecodeRows`), which say only its token and position: dropped when it is freed, when the
+    epoch changes, and when the rank sleeps or follows a new leader."""
+
+    params: SamplingParams
+    seed: int
+    prompt_len: int
+
+
+class StepRun(NamedTuple):
+    """One sequence's tokens in this step, from a `ChunkPlan` or a decode row."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    sample: bool
+
+
+def step_runs(plan: StepPlan, kept: dict[int, Kept]) -> list[StepRun]:
+    """The plan's chunks, then its decode rows, as the forward runs them. Raises RuntimeError for
+    decode rows that do not fit together (lists of different lengths, a sequence twice in the step)
+    or that name a sequence `kept` does not hold (the step then fails LOCAL, with that error)."""
+    runs = [StepRun(c.seq_id, c.token_ids, c.start_pos, c.sample) for c in plan.chunks]
+    rows = plan.decode
+    if rows is None:
+        return runs
+    if not len(rows.seq_ids) == len(rows.tokens) == len(rows.positions):
+        raise RuntimeError(f"decode rows of {len(rows.seq_ids)} seq_ids, {len(rows.tokens)} tokens and "
+                           f"{len(rows.positions)} positions")
+    unknown = [q for q in rows.seq_ids if q not in kept]
+    if unknown:
+        raise RuntimeError(f"decode rows for sequences {unknown[:5]} this rank does not keep")
+    runs += [StepRun(q, [t], p, True) for q, t, p in zip(rows.seq_ids, rows.tokens, rows.positions, strict=True)]
+    if len({r.seq_id for r in runs}) != len(runs):
+        raise RuntimeError("a sequence appears twice in the step's plan")
+    return runs
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -149,6 +189,8 @@ class Worker:
         self.kv, self.warmup_s = self._kv_pool()
         # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
         self.tokens: dict[int, list[int]] = {}
+        self.kept: dict[int, Kept] = {}  # seq_id -> what its decode rows leave out, for the epoch `kept_epoch`
+        self.kept_epoch = -1
         self.slots: ExpertSlots | None = None
         self.group: EpochGroup | None = None
         self.moe: ExpertParallelMoE | None = None
@@ -338,7 +380,7 @@ class Worker:
         if self.kv is not None:
             for seq_id in self.tokens:
                 self.kv.free(seq_id)
-        self.tokens = {}
+        self.tokens, self.kept = {}, {}
         print(f"elastic-ep rank {self.args.rank_id}: following the new leader at {launch.step_addr}", file=sys.stderr,
               flush=True)
         self._hello()
@@ -423,7 +465,7 @@ class Worker:
         error = ""
         try:
             if self.sleep_level == 0:
-                self.kv, self.tokens = None, {}
+                self.kv, self.tokens, self.kept = None, {}, {}
             if level >= 2 and self.sleep_level < 2:
                 if self.slots is not None:
                     self._slept_checksums = self.slots.checksums()
@@ -471,14 +513,15 @@ class Worker:
         self.progress.enter("compute", step=plan.step)
         moe.start_step(plan.dispatch_rows, plan.micro_batches)
         chaos = self._chaos_for(plan)
-        faults = {chaos.poisoned.get(c.seq_id, "") for c in plan.chunks} | {chaos.fail_at}
+        seq_ids = [c.seq_id for c in plan.chunks] + (plan.decode.seq_ids if plan.decode is not None else [])
+        faults = {chaos.poisoned.get(q, "") for q in seq_ids} | {chaos.fail_at}
         moe.fail_in_experts = "experts" in faults
         if "local" in faults:  # the second MoE layer's local computation raises
             moe.fail_local_at = self.config.moe_layers[min(1, len(self.config.moe_layers) - 1)]
         try:
-            kv_move_s = self._before_forward(plan, moe, chaos.delay_s)
-            logits = forward_micro_batches(self.model, self.kv, [SeqChunk(c.seq_id, c.token_ids, c.start_pos)
-                                                                 for c in plan.chunks], moe, plan.micro_batches,
+            runs, kv_move_s = self._before_forward(plan, moe, chaos.delay_s)
+            logits = forward_micro_batches(self.model, self.kv, [SeqChunk(r.seq_id, r.token_ids, r.start_pos)
+                                                                 for r in runs], moe, plan.micro_batches,
                                            self._padding(plan.pad_tokens))
         except CollectiveError as e:
             self._fail(plan, StepErrorKind.COLLECTIVE, e)
@@ -486,7 +529,7 @@ class Worker:
         except LocalFailure as failure:
             self._fail(plan, StepErrorKind.LOCAL, failure.error, failure.in_experts)
             return
-        tokens, logprobs, errors = self._sample(plan, logits,
+        tokens, logprobs, errors = self._sample(runs, logits,
                                                 {s for s, at in chaos.poisoned.items() if at == "sampling"})
         self.progress.idle()
         c = moe.counters
@@ -496,7 +539,7 @@ class Worker:
             c.dispatch_wait_s, c.combine_wait_s, self._expert_load(c.expert_load, plan.report_load), c.slot_tokens,
             logprobs, errors,
             c.remote_messages, c.remote_bytes, round(kv_move_s, 6),
-            sum(len(chunk.token_ids) for chunk in plan.chunks) + plan.pad_tokens,
+            sum(len(r.token_ids) for r in runs) + plan.pad_tokens,
         ))
 
     def _padding(self, num_tokens: int) -> SeqChunk | None:
@@ -523,19 +566,26 @@ class Worker:
             return chaos
         return ChaosStep(plan.epoch, plan.step)
 
-    def _before_forward(self, plan: StepPlan, moe: ExpertParallelMoE, delay_s: float) -> float:
-        """Frees, KV moves, cache rows, injected delay; returns the KV moves' seconds. An error
-        here runs the step's collectives with no tokens and raises LocalFailure."""
+    def _before_forward(self, plan: StepPlan, moe: ExpertParallelMoE, delay_s: float) -> tuple[list[StepRun], float]:
+        """Frees, KV moves, cache rows, injected delay; returns what the step runs and the KV
+        moves' seconds. An error here (a decode row this rank cannot run among them) runs the
+        step's collectives with no tokens and raises LocalFailure."""
         try:
             kv_move_s = 0.0
+            if plan.epoch != self.kept_epoch:  # the controller forgets in a new epoch what ranks kept
+                self.kept, self.kept_epoch = {}, plan.epoch
             try:
                 self._free(plan)
             finally:  # the peers of a move wait on this rank whatever happened above
                 kv_move_s = move_kv(self.kv, self.group, plan.kv_moves, self.tokens)
+            for move in plan.kv_moves:
+                if move.dst_rank == self.args.rank_id:  # a copy arrived: its first chunk here says the rest
+                    self.kept.pop(move.seq_id, None)
+            runs = step_runs(plan, self.kept)
             self._allocate(plan)
             if delay_s > 0:
                 time.sleep(delay_s)
-            return kv_move_s
+            return runs, kv_move_s
         except CollectiveError:
             raise
         except Exception as e:
@@ -547,27 +597,41 @@ class Worker:
         for seq_id in plan.free:
             self.kv.free(seq_id)
             self.tokens.pop(seq_id, None)
+            self.kept.pop(seq_id, None)
 
     def _allocate(self, plan: StepPlan) -> None:
-        """Give every sequence its block table (a new one starts with the positions its shared
-        prefix blocks hold), track every sequence's tokens."""
+        """Give every sequence of a chunk its block table (a new one starts with the positions its
+        shared prefix blocks hold) and keep its params for its decode rows; grow the tables of the
+        decode rows by their new blocks; track every sequence's tokens. `step_runs` checked that
+        every decode row's sequence is kept."""
         for c in plan.chunks:
             if c.start_pos == 0 or c.seq_id not in self.kv:
                 self.kv.set_blocks(c.seq_id, c.block_ids, num_cached=len(c.cached_token_ids))
                 self.tokens[c.seq_id] = list(c.cached_token_ids)
             else:
                 self.kv.set_blocks(c.seq_id, c.block_ids)
-            held = self.tokens[c.seq_id]
-            if len(held) < c.start_pos:
-                raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")
-            # A re-run step overwrites, as the KV cache does.
-            held[c.start_pos :] = c.token_ids
+            self.kept[c.seq_id] = Kept(c.params, c.seed, c.prompt_len)
+            _extend_held(self.tokens[c.seq_id], c.seq_id, c.start_pos, c.token_ids)
+        rows = plan.decode
+        if rows is None:
+            return
+        if rows.new_blocks:
+            grown: dict[int, list[int]] = {}
+            for seq_id, block_id in rows.new_blocks:
+                grown.setdefault(seq_id, []).append(block_id)
+            decoded = set(rows.seq_ids)
+            for seq_id, block_ids in grown.items():
+                if seq_id not in decoded:
+                    raise RuntimeError(f"new blocks for sequence {seq_id}, which has no decode row in the step")
+                self.kv.set_blocks(seq_id, self.kv.block_table(seq_id) + block_ids)
+        for seq_id, token, position in zip(rows.seq_ids, rows.tokens, rows.positions, strict=True):
+            _extend_held(self.tokens[seq_id], seq_id, position, [token])
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, poisoned: set[int]):
-        """(tokens, logprobs, errors) by seq_id for the chunks that sample (those in `poisoned`
+    def _sample(self, runs: list[StepRun], logits: torch.Tensor, poisoned: set[int]):
+        """(tokens, logprobs, errors) by seq_id for the runs that sample (those in `poisoned`
         raise, as fault injection asked). When sampling the batch raises, each row is sampled
         alone, so only the sequence at fault gets an error."""
-        rows = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
+        rows = [(i, r.seq_id) for i, r in enumerate(runs) if r.sample]
         try:
             return (*self._sample_rows(rows, logits, poisoned), {})
         except Exception:
@@ -576,24 +640,26 @@ class Worker:
                 try:
                     t, lp = self._sample_rows([row], logits, poisoned)
                 except Exception as e:
-                    errors[row[1].seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+                    errors[row[1]] = f"sampling failed: {type(e).__name__}: {e}"
                     continue
                 tokens.update(t)
                 logprobs.update(lp)
             return tokens, logprobs, errors
 
-    def _sample_rows(self, rows: list, logits: torch.Tensor, poisoned: set[int]):
-        """rows: (row of logits [N, V], its ChunkPlan); -> (seq_id -> token, seq_id -> logprobs)."""
+    def _sample_rows(self, rows: list[tuple[int, int]], logits: torch.Tensor, poisoned: set[int]):
+        """rows: (row of logits [N, V], its seq_id), each with what the rank keeps of it;
+        -> (seq_id -> token, seq_id -> logprobs)."""
         if not rows:
             return {}, {}
-        if any(c.seq_id in poisoned for _, c in rows):
+        if any(q in poisoned for _, q in rows):
             raise RuntimeError("injected fault: sampling failed")
-        histories = [TokenHistory(held[: c.prompt_len], held[c.prompt_len :])
-                     for _, c in rows for held in (self.tokens[c.seq_id],)]
-        out = sample_tokens(logits[torch.tensor([i for i, _ in rows])], [c.params for _, c in rows],
-                            [c.seed for _, c in rows], histories, self.config.eos_token_ids)
-        tokens = {c.seq_id: t for (_, c), t in zip(rows, out.tokens, strict=True)}
-        logprobs = {c.seq_id: lp for (_, c), lp in zip(rows, out.logprobs, strict=True) if lp is not None}
+        kept = [self.kept[q] for _, q in rows]
+        histories = [TokenHistory(held[: k.prompt_len], held[k.prompt_len :])
+                     for (_, q), k in zip(rows, kept, strict=True) for held in (self.tokens[q],)]
+        out = sample_tokens(logits[torch.tensor([i for i, _ in rows])], [k.params for k in kept],
+                            [k.seed for k in kept], histories, self.config.eos_token_ids)
+        tokens = {q: t for (_, q), t in zip(rows, out.tokens, strict=True)}
+        logprobs = {q: lp for (_, q), lp in zip(rows, out.logprobs, strict=True) if lp is not None}
         return tokens, logprobs
 
     def _fail(self, plan: StepPlan, kind: StepErrorKind, e: Exception, in_experts: bool = False) -> None:
@@ -637,6 +703,14 @@ class Worker:
                                                  self.fence.highest))
             next_beat = time.monotonic() + interval_s
         sock.close()
+
+
+def _extend_held(held: list[int], seq_id: int, start_pos: int, token_ids: list[int]) -> None:
+    """`token_ids` at `start_pos` of the tokens held for `seq_id` (a re-run step overwrites, as the
+    KV cache does); RuntimeError when positions before start_pos are missing."""
+    if len(held) < start_pos:
+        raise RuntimeError(f"sequence {seq_id}: chunk at {start_pos} but {len(held)} tokens held")
+    held[start_pos:] = token_ids
 
 
 def _rss_bytes() -> int:

@@ -31,6 +31,16 @@ included, are gone): prompt plus tokens so far, admitted by free blocks as any r
 `reprefill_tokens_per_step` tokens of such sequences per step over all ranks and none in the
 first step after the eviction, so the survivors' decode is not held up by one long step (every
 rank waits for the slowest in each MoE layer).
+Compact decode plans: a rank keeps what the first `ChunkPlan` of a sequence on it said (params,
+seed, prompt length, block table: runtime/worker.py), so a decode step of a sequence the rank is
+known to keep goes as one row of its `DecodeRows` (seq_id, token, position, and the block ids
+its table grew by since it was last told), not as a `ChunkPlan` with the whole table. Known to
+keep: the last step that ran a `ChunkPlan` of it on that rank committed, and so did every step
+planned since, with no epoch change between (`forget_kept`, which the step loop calls when the
+epoch changes; a batch planned and not committed, a failed or interrupted step, forgets every
+sequence's the same way), and it has not left the rank since (freed, preempted, moved, evicted).
+Anything else gets a full `ChunkPlan` again: when unsure, the plan is the one that was always sent.
+
 Nothing here does I/O; the controller calls `schedule`, runs the step, then `commit`.
 """
 
@@ -40,7 +50,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from elastic_ep.model.block_manager import BlockManager
-from elastic_ep.wire import ChunkPlan, KVMove
+from elastic_ep.wire import ChunkPlan, DecodeRows, KVMove
 
 from ..api import GenerationRequest
 from .alignment import AlignRule, DecodeBalance, rank_caps, sequence_to_move
@@ -62,6 +72,10 @@ class Sequence:
     finish_reason: str | None = None
     # waiting for a prefix another sequence computes: (its seq_id, its num_cached then)
     prefix_wait: tuple[int, int] | None = None
+    # (rank, the scheduler's kept generation) when that rank keeps its params and block table (see the
+    # module docstring), and how many blocks of its table the rank was told of
+    kept: tuple[int, int] | None = None
+    kept_blocks: int = 0
     # prompt + output as one list, kept as tokens are appended (`append`): a step reads it for
     # every sequence, and building it afresh cost O(its length) each time (a 1k-token prompt
     # tripled the scheduler's time per step)
@@ -87,7 +101,7 @@ class Sequence:
 
     def unplace(self) -> None:
         """Off its rank: nothing of it is cached anywhere."""
-        self.rank, self.num_cached, self.unsent_prefix = None, 0, 0
+        self.rank, self.num_cached, self.unsent_prefix, self.kept = None, 0, 0, None
 
     @property
     def remaining(self) -> int:
@@ -105,7 +119,8 @@ class Sequence:
 
 @dataclass
 class StepBatch:
-    """One step's work: chunks per rank, KV rows to free per rank, tokens per rank; `moves`:
+    """One step's work: chunks per rank, decode rows per rank (`decodes`: sequences the rank keeps,
+    one token each, only ranks with some), KV rows to free per rank, tokens per rank; `moves`:
     sequences whose KV cache goes to another rank first (their chunks are on the new rank);
     `reprefilled`: sequences moved to another rank to be computed again there;
     `unaligned`: tokens per rank before prefill is cut to the step's level; `preempted`:
@@ -119,6 +134,7 @@ class StepBatch:
 
     chunks: dict[int, list[ChunkPlan]]
     free: dict[int, list[int]]
+    decodes: dict[int, DecodeRows] = field(default_factory=dict)
     moves: list[KVMove] = field(default_factory=list)
     reprefilled: list[int] = field(default_factory=list)
     unaligned: dict[int, int] = field(default_factory=dict)
@@ -129,11 +145,28 @@ class StepBatch:
     prefix_waiting: int = 0
 
     def tokens_per_rank(self) -> dict[int, int]:
-        return {r: sum(len(c.token_ids) for c in cs) for r, cs in self.chunks.items()}
+        decodes = self.decodes
+        return {r: sum(len(c.token_ids) for c in cs) + (len(decodes[r].seq_ids) if r in decodes else 0)
+                for r, cs in self.chunks.items()}
 
     @property
     def empty(self) -> bool:
-        return not any(self.chunks.values())
+        return not any(self.chunks.values()) and not self.decodes
+
+    def seq_ids_on(self, rank: int) -> list[int]:
+        """The sequences `rank` runs in this step: its chunks', then its decode rows'."""
+        rows = self.decodes.get(rank)
+        return [c.seq_id for c in self.chunks.get(rank, [])] + (rows.seq_ids if rows is not None else [])
+
+    def seq_ids(self) -> set[int]:
+        """Every sequence the step runs."""
+        return {seq_id for rank in self.chunks for seq_id in self.seq_ids_on(rank)}
+
+    def runs(self, rank: int) -> list[tuple[int, int, int, bool]]:
+        """(seq_id, start_pos, tokens, samples) of what `rank` runs, chunks then decode rows."""
+        rows = self.decodes.get(rank)
+        return [(c.seq_id, c.start_pos, len(c.token_ids), c.sample) for c in self.chunks.get(rank, [])] + (
+            [(q, p, 1, True) for q, p in zip(rows.seq_ids, rows.positions, strict=True)] if rows is not None else [])
 
 
 class Scheduler:
@@ -168,6 +201,14 @@ class Scheduler:
         self.draining: set[int] = set()
         # sequences left out of the next step (suspects of a failed step, control/serving/isolation.py)
         self.held: set[int] = set()
+        # a sequence's `kept` holds only with this generation: bumped to forget what every rank keeps
+        self.kept_generation = 0
+        self._uncommitted = False  # a batch was planned and not committed
+
+    def forget_kept(self) -> None:
+        """No rank is known to keep any sequence any more (a new epoch: the workers drop what they
+        kept): each running sequence's next chunk is a full `ChunkPlan`."""
+        self.kept_generation += 1
 
     def set_pool_size(self, rank: int, num_blocks: int) -> None:
         """Rank `rank`'s KV pool has num_blocks blocks (it says so when it registers); its pool
@@ -252,6 +293,7 @@ class Scheduler:
             self._drop_copy(move)
 
     def _release(self, seq: Sequence) -> None:
+        seq.kept = None
         self.running[seq.rank].remove(seq)
         self.to_free[seq.rank].append(seq.seq_id)
         self.pools[seq.rank].free(seq.seq_id)
@@ -275,6 +317,9 @@ class Scheduler:
 
     def schedule(self) -> StepBatch:
         """Plan the next step over the ranks given to `set_ranks`."""
+        if self._uncommitted:  # the last batch's plans may have been half run, or not at all
+            self.forget_kept()
+        self._uncommitted = True
         budget, align = self.max_num_batched_tokens, self.align
         preempted = self._make_room()
         unstarted = self._take_unstarted() if align.enabled else []
@@ -304,15 +349,30 @@ class Scheduler:
             prefill = _per_rank(active, {r: sum(q.pending for q in qs if not q.decoding) for r, qs in busy.items()})
             caps = rank_caps(decode, prefill, budget, align.min_chunk)
         chunks: dict[int, list[ChunkPlan]] = {r: [] for r in self.running}
+        decodes: dict[int, DecodeRows] = {}
         queried = hit = 0
+        block_size, generation = self.block_size, self.kept_generation
         for rank, seqs in active.items():  # not `busy`: a migration may have given an idle rank a sequence
             if not seqs:
                 continue
             used = 0
+            kept, rows, tables = (rank, generation), None, self.pools[rank].tables
             for seq in sorted(seqs, key=lambda q: not q.decoding) if align.enabled else seqs:
                 room = caps[rank] - used
-                table = self.pools[rank].tables[seq.seq_id]
-                if len(table) * self.block_size < len(seq.tokens):  # no block for its next token this step
+                table = tables[seq.seq_id]
+                if len(table) * block_size < len(seq.tokens):  # no block for its next token this step
+                    continue
+                if seq.kept == kept and room > 0 and seq.decoding:  # one row: the rank keeps the rest
+                    if rows is None:
+                        rows = decodes[rank] = DecodeRows()
+                    position = seq.num_cached
+                    rows.seq_ids.append(seq.seq_id)
+                    rows.tokens.append(seq.tokens[position])
+                    rows.positions.append(position)
+                    if len(table) > seq.kept_blocks:
+                        rows.new_blocks.extend((seq.seq_id, b) for b in table[seq.kept_blocks:])
+                        seq.kept_blocks = len(table)
+                    used += 1
                     continue
                 starts = seq.num_cached == seq.unsent_prefix  # nothing of it computed on this rank yet
                 if seq.output and seq.pending > 1:  # a re-prefill: its rank was lost, it moved or was preempted
@@ -327,7 +387,7 @@ class Scheduler:
         self.to_free = {r: [] for r in self.running}
         moves = [moved] if isinstance(moved, KVMove) else []
         reprefilled = [moved.seq_id] if isinstance(moved, Sequence) else []
-        return StepBatch(chunks, free, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits)
+        return StepBatch(chunks, free, decodes, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits)
 
     def _make_room(self) -> int:
         """Give every decoding sequence the block of its next token, oldest first on each rank;
@@ -469,28 +529,44 @@ class Scheduler:
 
     def commit(self, batch: StepBatch, sampled: dict[int, int]) -> list[tuple[Sequence, list[int]]]:
         """Apply a finished step: advance caches, append sampled tokens, retire finished
-        sequences. Returns (sequence, new tokens) for every sequence that produced tokens."""
+        sequences. Returns (sequence, new tokens) for every sequence that produced tokens. A
+        sequence whose `ChunkPlan` ran on its rank is kept there from now on (module docstring)."""
+        self._uncommitted = False
         for move in batch.moves:
             self._rehome(move)
-        out = []
-        for chunks in batch.chunks.values():
+        out: list[tuple[Sequence, list[int]]] = []
+        generation = self.kept_generation
+        for rank, chunks in batch.chunks.items():
             for c in chunks:
                 seq = self.by_id.get(c.seq_id)
                 if seq is None or seq.rank is None:
                     continue
-                seq.num_cached = c.start_pos + len(c.token_ids)
-                seq.unsent_prefix = 0
-                self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, seq.num_cached)
-                if c.seq_id not in sampled:
-                    continue
-                token = sampled[c.seq_id]
-                seq.append(token)
-                seq.finish_reason = seq.check_finished(token)
-                if seq.finish_reason:
-                    self.by_id.pop(seq.seq_id)
-                    self._release(seq)
-                out.append((seq, [token]))
+                if seq.rank == rank:
+                    seq.kept, seq.kept_blocks = (rank, generation), len(c.block_ids)
+                self._advance(seq, c.start_pos + len(c.token_ids), sampled, out)
+        for rank, rows in batch.decodes.items():
+            for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
+                seq = self.by_id.get(seq_id)
+                if seq is not None and seq.rank == rank:
+                    self._advance(seq, position + 1, sampled, out)
         return out
+
+    def _advance(self, seq: Sequence, num_cached: int, sampled: dict[int, int],
+                 out: list[tuple[Sequence, list[int]]]) -> None:
+        """`seq` computed its first num_cached tokens; its sampled token, if any, is appended to
+        it (and to `out`), and it ends when that token finishes it."""
+        seq.num_cached = num_cached
+        seq.unsent_prefix = 0
+        self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, num_cached)
+        token = sampled.get(seq.seq_id)
+        if token is None:
+            return
+        seq.append(token)
+        seq.finish_reason = seq.check_finished(token)
+        if seq.finish_reason:
+            self.by_id.pop(seq.seq_id)
+            self._release(seq)
+        out.append((seq, [token]))
 
 
 def _per_rank(ranks: dict[int, object], counts: dict[int, int]) -> dict[int, int]:
