@@ -40,7 +40,6 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import NamedTuple
 
 import numpy as np
 import psutil
@@ -56,7 +55,7 @@ from elastic_ep.model.kv_cache import KVCache, pool_num_blocks
 from elastic_ep.model.memory import return_freed_memory
 from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.read_throttle import ReadThrottle
-from elastic_ep.model.sampling import SamplingParams, TokenHistory, sample_tokens
+from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.node.priority import prioritize_this_thread
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
@@ -108,50 +107,12 @@ from .group import (
     ProgressBoard,
     bind_data_plane,
 )
+from .held import HeldSequences, StepRun
 from .kv_move import move_kv
 from .overlap import forward_micro_batches
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)  # a StepResult whose plan did not ask for the load
 PAD_SEQ = -2  # the step's padding tokens (the warm-up's dummy sequence is -1; the controller numbers from 0)
-
-
-class Kept(NamedTuple):
-    """What the first `ChunkPlan` of a sequence on this rank said, kept for its decode rows
-    (`DecodeRows`), which say only its token and position: dropped when it is freed, when the
-    epoch changes, and when the rank sleeps or follows a new leader."""
-
-    params: SamplingParams
-    seed: int
-    prompt_len: int
-
-
-class StepRun(NamedTuple):
-    """One sequence's tokens in this step, from a `ChunkPlan` or a decode row."""
-
-    seq_id: int
-    token_ids: list[int]
-    start_pos: int
-    sample: bool
-
-
-def step_runs(plan: StepPlan, kept: dict[int, Kept]) -> list[StepRun]:
-    """The plan's chunks, then its decode rows, as the forward runs them. Raises RuntimeError for
-    decode rows that do not fit together (lists of different lengths, a sequence twice in the step)
-    or that name a sequence `kept` does not hold (the step then fails LOCAL, with that error)."""
-    runs = [StepRun(c.seq_id, c.token_ids, c.start_pos, c.sample) for c in plan.chunks]
-    rows = plan.decode
-    if rows is None:
-        return runs
-    if not len(rows.seq_ids) == len(rows.tokens) == len(rows.positions):
-        raise RuntimeError(f"decode rows of {len(rows.seq_ids)} seq_ids, {len(rows.tokens)} tokens and "
-                           f"{len(rows.positions)} positions")
-    unknown = [q for q in rows.seq_ids if q not in kept]
-    if unknown:
-        raise RuntimeError(f"decode rows for sequences {unknown[:5]} this rank does not keep")
-    runs += [StepRun(q, [t], p, True) for q, t, p in zip(rows.seq_ids, rows.tokens, rows.positions, strict=True)]
-    if len({r.seq_id for r in runs}) != len(runs):
-        raise RuntimeError("a sequence appears twice in the step's plan")
-    return runs
 
 
 def _die_with_parent() -> None:
@@ -187,10 +148,8 @@ class Worker:
         self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
         self.model = MoEForCausalLM(self.config, dense, dtype=self.reader.dtype, device=self.device)
         self.kv, self.warmup_s = self._kv_pool()
-        # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
-        self.tokens: dict[int, list[int]] = {}
-        self.kept: dict[int, Kept] = {}  # seq_id -> what its decode rows leave out, for the epoch `kept_epoch`
-        self.kept_epoch = -1
+        # each sequence's tokens whose KV this rank holds, and what its decode rows leave out
+        self.held = HeldSequences()
         self.slots: ExpertSlots | None = None
         self.group: EpochGroup | None = None
         self.moe: ExpertParallelMoE | None = None
@@ -378,9 +337,9 @@ class Worker:
         self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
         self.args = dataclasses.replace(self.args, launch=launch, join_mode="adopt")
         if self.kv is not None:
-            for seq_id in self.tokens:
+            for seq_id in self.held.tokens:
                 self.kv.free(seq_id)
-        self.tokens, self.kept = {}, {}
+        self.held.clear()
         print(f"elastic-ep rank {self.args.rank_id}: following the new leader at {launch.step_addr}", file=sys.stderr,
               flush=True)
         self._hello()
@@ -465,7 +424,8 @@ class Worker:
         error = ""
         try:
             if self.sleep_level == 0:
-                self.kv, self.tokens, self.kept = None, {}, {}
+                self.kv = None
+                self.held.clear()
             if level >= 2 and self.sleep_level < 2:
                 if self.slots is not None:
                     self._slept_checksums = self.slots.checksums()
@@ -572,17 +532,15 @@ class Worker:
         step's collectives with no tokens and raises LocalFailure."""
         try:
             kv_move_s = 0.0
-            if plan.epoch != self.kept_epoch:  # the controller forgets in a new epoch what ranks kept
-                self.kept, self.kept_epoch = {}, plan.epoch
+            held = self.held
+            held.start(plan)
             try:
-                self._free(plan)
+                held.free(self.kv, plan.free)
             finally:  # the peers of a move wait on this rank whatever happened above
-                kv_move_s = move_kv(self.kv, self.group, plan.kv_moves, self.tokens)
-            for move in plan.kv_moves:
-                if move.dst_rank == self.args.rank_id:  # a copy arrived: its first chunk here says the rest
-                    self.kept.pop(move.seq_id, None)
-            runs = step_runs(plan, self.kept)
-            self._allocate(plan)
+                kv_move_s = move_kv(self.kv, self.group, plan.kv_moves, held.tokens)
+            held.moved_in(plan.kv_moves, self.args.rank_id)
+            runs = held.runs(plan)
+            held.allocate(self.kv, plan)
             if delay_s > 0:
                 time.sleep(delay_s)
             return runs, kv_move_s
@@ -591,41 +549,6 @@ class Worker:
         except Exception as e:
             moe.run_empty(plan.micro_batches)
             raise LocalFailure(e, False) from e
-
-    def _free(self, plan: StepPlan) -> None:
-        """Free finished sequences (and moved ones: the source's copy)."""
-        for seq_id in plan.free:
-            self.kv.free(seq_id)
-            self.tokens.pop(seq_id, None)
-            self.kept.pop(seq_id, None)
-
-    def _allocate(self, plan: StepPlan) -> None:
-        """Give every sequence of a chunk its block table (a new one starts with the positions its
-        shared prefix blocks hold) and keep its params for its decode rows; grow the tables of the
-        decode rows by their new blocks; track every sequence's tokens. `step_runs` checked that
-        every decode row's sequence is kept."""
-        for c in plan.chunks:
-            if c.start_pos == 0 or c.seq_id not in self.kv:
-                self.kv.set_blocks(c.seq_id, c.block_ids, num_cached=len(c.cached_token_ids))
-                self.tokens[c.seq_id] = list(c.cached_token_ids)
-            else:
-                self.kv.set_blocks(c.seq_id, c.block_ids)
-            self.kept[c.seq_id] = Kept(c.params, c.seed, c.prompt_len)
-            _extend_held(self.tokens[c.seq_id], c.seq_id, c.start_pos, c.token_ids)
-        rows = plan.decode
-        if rows is None:
-            return
-        if rows.new_blocks:
-            grown: dict[int, list[int]] = {}
-            for seq_id, block_id in rows.new_blocks:
-                grown.setdefault(seq_id, []).append(block_id)
-            decoded = set(rows.seq_ids)
-            for seq_id, block_ids in grown.items():
-                if seq_id not in decoded:
-                    raise RuntimeError(f"new blocks for sequence {seq_id}, which has no decode row in the step")
-                self.kv.set_blocks(seq_id, self.kv.block_table(seq_id) + block_ids)
-        for seq_id, token, position in zip(rows.seq_ids, rows.tokens, rows.positions, strict=True):
-            _extend_held(self.tokens[seq_id], seq_id, position, [token])
 
     def _sample(self, runs: list[StepRun], logits: torch.Tensor, poisoned: set[int]):
         """(tokens, logprobs, errors) by seq_id for the runs that sample (those in `poisoned`
@@ -653,9 +576,9 @@ class Worker:
             return {}, {}
         if any(q in poisoned for _, q in rows):
             raise RuntimeError("injected fault: sampling failed")
-        kept = [self.kept[q] for _, q in rows]
+        kept = [self.held.kept[q] for _, q in rows]
         histories = [TokenHistory(held[: k.prompt_len], held[k.prompt_len :])
-                     for (_, q), k in zip(rows, kept, strict=True) for held in (self.tokens[q],)]
+                     for (_, q), k in zip(rows, kept, strict=True) for held in (self.held.tokens[q],)]
         out = sample_tokens(logits[torch.tensor([i for i, _ in rows])], [k.params for k in kept],
                             [k.seed for k in kept], histories, self.config.eos_token_ids)
         tokens = {q: t for (_, q), t in zip(rows, out.tokens, strict=True)}
@@ -703,14 +626,6 @@ class Worker:
                                                  self.fence.highest))
             next_beat = time.monotonic() + interval_s
         sock.close()
-
-
-def _extend_held(held: list[int], seq_id: int, start_pos: int, token_ids: list[int]) -> None:
-    """`token_ids` at `start_pos` of the tokens held for `seq_id` (a re-run step overwrites, as the
-    KV cache does); RuntimeError when positions before start_pos are missing."""
-    if len(held) < start_pos:
-        raise RuntimeError(f"sequence {seq_id}: chunk at {start_pos} but {len(held)} tokens held")
-    held[start_pos:] = token_ids
 
 
 def _rss_bytes() -> int:
