@@ -80,9 +80,11 @@ class Sequence:
     # every sequence, and building it afresh cost O(its length) each time (a 1k-token prompt
     # tripled the scheduler's time per step)
     tokens: list[int] = field(init=False, repr=False)
+    stop_ids: frozenset[int] = field(init=False, repr=False)  # the tokens that end it, worked out once
 
     def __post_init__(self) -> None:
         self.tokens = self.request.prompt_token_ids + self.output
+        self.stop_ids = self.request.params.stop_ids(self.eos_token_ids)
 
     def append(self, token: int) -> None:
         """A generated token."""
@@ -109,10 +111,9 @@ class Sequence:
         return min(self.request.params.max_tokens - len(self.output), self.max_model_len - len(self.tokens))
 
     def check_finished(self, token: int) -> str | None:
-        params = self.request.params
-        if token in params.stop_ids(self.eos_token_ids):
+        if token in self.stop_ids:
             return "stop"
-        if len(self.output) >= params.max_tokens or len(self.tokens) >= self.max_model_len:
+        if len(self.output) >= self.request.params.max_tokens or len(self.tokens) >= self.max_model_len:
             return "length"
         return None
 
@@ -339,14 +340,16 @@ class Scheduler:
         order = {seq.seq_id: i for i, seq in enumerate(admitted)}
         self.waiting.extendleft(sorted(unplaced, key=lambda q: -order[q.seq_id]))
         active = {r: [q for q in seqs if q.seq_id not in self.held] for r, seqs in self.running.items()}
-        busy = {r: qs for r, qs in active.items() if qs}  # sums over these only: idle ranks count 0
-        unaligned = _per_rank(active, {r: min(sum(q.pending for q in qs), budget) for r, qs in busy.items()})
-        moved = self._migrate(active, busy) if align.migrate != "off" else None
+        # one pass over each rank's sequences; sums over the busy ranks only: idle ranks count 0
+        work = {r: _rank_work(qs) for r, qs in active.items() if qs}
+        unaligned = _per_rank(active, {r: min(w[0], budget) for r, w in work.items()})
+        moved = self._migrate(active, {r: len(w[1]) for r, w in work.items()}) if align.migrate != "off" else None
+        if moved is not None:  # again: the moved sequence's ranks changed (an idle one may have got it)
+            work = {r: _rank_work(qs) for r, qs in active.items() if qs}
         caps = dict.fromkeys(active, budget)
         if align.enabled:
-            busy = {r: qs for r, qs in active.items() if qs}  # again: a migration may have given an idle rank one
-            decode = _per_rank(active, {r: sum(q.decoding for q in qs) for r, qs in busy.items()})
-            prefill = _per_rank(active, {r: sum(q.pending for q in qs if not q.decoding) for r, qs in busy.items()})
+            decode = _per_rank(active, {r: len(w[1]) for r, w in work.items()})
+            prefill = _per_rank(active, {r: w[0] - len(w[1]) for r, w in work.items()})  # a decode's pending is 1
             caps = rank_caps(decode, prefill, budget, align.min_chunk)
         chunks: dict[int, list[ChunkPlan]] = {r: [] for r in self.running}
         decodes: dict[int, DecodeRows] = {}
@@ -357,7 +360,7 @@ class Scheduler:
                 continue
             used = 0
             kept, rows, tables = (rank, generation), None, self.pools[rank].tables
-            for seq in sorted(seqs, key=lambda q: not q.decoding) if align.enabled else seqs:
+            for seq in work[rank][1] + work[rank][2] if align.enabled else seqs:  # decodes first
                 room = caps[rank] - used
                 table = tables[seq.seq_id]
                 if len(table) * block_size < len(seq.tokens):  # no block for its next token this step
@@ -398,9 +401,10 @@ class Scheduler:
             if not seqs:
                 continue
             pool = self.pools[rank]
+            tables, size = pool.tables, self.block_size
             for seq in list(seqs):
-                if seq.rank != rank or seq.seq_id in self.held:
-                    continue
+                if seq.rank != rank or seq.seq_id in self.held or len(tables[seq.seq_id]) * size >= len(seq.tokens):
+                    continue  # held out, or its table holds its next token already
                 while not pool.grow(seq.seq_id, len(seq.tokens)):
                     victims = [q for q in seqs if q.seq_id not in self.held]
                     if not victims:
@@ -430,14 +434,13 @@ class Scheduler:
                 taken.append(seq)
         return taken
 
-    def _migrate(self, active: dict[int, list[Sequence]],
-                 busy: dict[int, list[Sequence]]) -> KVMove | Sequence | None:
+    def _migrate(self, active: dict[int, list[Sequence]], decoding: dict[int, int]) -> KVMove | Sequence | None:
         """Move one decoding sequence off a rank that stays the busiest (control/serving/alignment.py).
         A KV move is planned and returned (its chunk goes to the new rank, `commit` re-homes it);
         a re-prefill moves the sequence now, to run from its first token on the new rank, and
-        returns it. `busy`: the ranks of `active` with sequences."""
+        returns it. `decoding`: decoding sequences of each rank of `active` with sequences."""
         counts = _per_rank({r: None for r in active if r not in self.draining},
-                           {r: sum(q.decoding for q in qs) for r, qs in busy.items() if r not in self.draining})
+                           {r: n for r, n in decoding.items() if r not in self.draining})
         takers = {r for r in counts if len(self.running[r]) < self.max_num_seqs}
         pick = self.balance.observe(counts, takers)
         if pick is None:
@@ -544,20 +547,23 @@ class Scheduler:
                 if seq.rank == rank:
                     seq.kept, seq.kept_blocks = (rank, generation), len(c.block_ids)
                 self._advance(seq, c.start_pos + len(c.token_ids), sampled, out)
+        block_size = self.block_size
         for rank, rows in batch.decodes.items():
             for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
                 seq = self.by_id.get(seq_id)
                 if seq is not None and seq.rank == rank:
-                    self._advance(seq, position + 1, sampled, out)
+                    self._advance(seq, position + 1, sampled, out, (position + 1) % block_size == 0)
         return out
 
     def _advance(self, seq: Sequence, num_cached: int, sampled: dict[int, int],
-                 out: list[tuple[Sequence, list[int]]]) -> None:
+                 out: list[tuple[Sequence, list[int]]], filled: bool = True) -> None:
         """`seq` computed its first num_cached tokens; its sampled token, if any, is appended to
-        it (and to `out`), and it ends when that token finishes it."""
+        it (and to `out`), and it ends when that token finishes it. `filled`: a block may have
+        filled, to be keyed for prefix hits (a decode that did not end a block filled none)."""
         seq.num_cached = num_cached
         seq.unsent_prefix = 0
-        self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, num_cached)
+        if filled:
+            self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, num_cached)
         token = sampled.get(seq.seq_id)
         if token is None:
             return
@@ -567,6 +573,17 @@ class Scheduler:
             self.by_id.pop(seq.seq_id)
             self._release(seq)
         out.append((seq, [token]))
+
+
+def _rank_work(seqs: list[Sequence]) -> tuple[int, list[Sequence], list[Sequence]]:
+    """A rank's sequences in one pass: their pending tokens in all, those decoding, the others
+    (each in its order)."""
+    pending, decoding, others = 0, [], []
+    for q in seqs:
+        n = len(q.tokens) - q.num_cached
+        pending += n
+        (decoding if n == 1 and q.num_cached > 0 and not q.unsent_prefix else others).append(q)
+    return pending, decoding, others
 
 
 def _per_rank(ranks: dict[int, object], counts: dict[int, int]) -> dict[int, int]:
