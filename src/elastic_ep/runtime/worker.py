@@ -3,7 +3,8 @@
 Threads:
 - main: registers, then runs what the controller sends on the step socket: `EpochStart`
   (form the group or keep it, fill the expert slots, checksum the ones it filled, report),
-  `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling),
+  `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling; the
+  sequences' state between steps, and the compact decode rows that rely on it, in held.py),
   `SweepSlots` (checksum a few slots between steps), `WarmUp` (the readiness gate: every
   batch shape through the epoch's MoE, with a token on every slot), `SleepRank` / `WakeRank` (free the KV
   cache, and at level 2 the weights, then build them again), and from a server with

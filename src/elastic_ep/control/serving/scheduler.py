@@ -339,7 +339,8 @@ class Scheduler:
                 unplaced.append(seq)
         order = {seq.seq_id: i for i, seq in enumerate(admitted)}
         self.waiting.extendleft(sorted(unplaced, key=lambda q: -order[q.seq_id]))
-        active = {r: [q for q in seqs if q.seq_id not in self.held] for r, seqs in self.running.items()}
+        held = self.held  # a copy per rank either way: a migration changes `active`, never `running`
+        active = {r: [q for q in seqs if q.seq_id not in held] if held else seqs[:] for r, seqs in self.running.items()}
         # one pass over each rank's sequences; sums over the busy ranks only: idle ranks count 0
         work = {r: _rank_work(qs) for r, qs in active.items() if qs}
         unaligned = _per_rank(active, {r: min(w[0], budget) for r, w in work.items()})
@@ -547,10 +548,10 @@ class Scheduler:
                 if seq.rank == rank:
                     seq.kept, seq.kept_blocks = (rank, generation), len(c.block_ids)
                 self._advance(seq, c.start_pos + len(c.token_ids), sampled, out)
-        block_size = self.block_size
+        block_size, by_id = self.block_size, self.by_id
         for rank, rows in batch.decodes.items():
             for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
-                seq = self.by_id.get(seq_id)
+                seq = by_id.get(seq_id)
                 if seq is not None and seq.rank == rank:
                     self._advance(seq, position + 1, sampled, out, (position + 1) % block_size == 0)
         return out
