@@ -63,10 +63,10 @@ def test_a_sequence_off_its_rank_and_back_is_sent_whole():
     run_step(s)
     batch, _ = run_step(s)  # 0's next token needs a block: 2 is preempted
     assert batch.preempted == 1 and s.by_id[2].kept is None
-    while s.by_id[2].rank is None:
-        s.abort(0)
-        batch, _ = run_step(s)
-    assert 2 in {c.seq_id for c in batch.chunks[0]}  # placed again: its whole history in a chunk
+    s.abort(0)  # its blocks free: 2 is placed again
+    batch, _ = run_step(s)
+    assert s.by_id[2].rank == 0 and 2 in {c.seq_id for c in batch.chunks[0]}  # its whole history in a chunk
+    assert 2 not in batch.seq_ids_on(0)[len(batch.chunks[0]):]
 
 
 class Rank:

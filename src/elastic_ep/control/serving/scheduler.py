@@ -32,7 +32,7 @@ included, are gone): prompt plus tokens so far, admitted by free blocks as any r
 first step after the eviction, so the survivors' decode is not held up by one long step (every
 rank waits for the slowest in each MoE layer).
 Compact decode plans: a rank keeps what the first `ChunkPlan` of a sequence on it said (params,
-seed, prompt length, block table: runtime/worker.py), so a decode step of a sequence the rank is
+seed, prompt length, block table: runtime/held.py), so a decode step of a sequence the rank is
 known to keep goes as one row of its `DecodeRows` (seq_id, token, position, and the block ids
 its table grew by since it was last told), not as a `ChunkPlan` with the whole table. Known to
 keep: the last step that ran a `ChunkPlan` of it on that rank committed, and so did every step
