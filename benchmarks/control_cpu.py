@@ -14,6 +14,9 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
 - schedule: the scheduler's `schedule` + `commit` of a step at N ranks, one decoding sequence
   in all (the others idle: the benchmark's `--seqs-per-rank 0`), then 8 and 64 decoding on every
   one of 256 ranks with short and 1,024-token prompts (each its own: no prefix hits), ms per step;
+- plans: at 256 ranks x 64 decoding sequences of 1,024-token prompts, the step's `StepPlan`s built
+  and sealed by the control thread (ms per step), read by the workers (MAC and decode, ms per
+  step summed over the 256: each worker pays 1/256 of it), and their bytes per rank;
 - detector: one heartbeat and watchdog check over N ranks (50 a second while a step runs), ms.
 
 With --baseline REV the same script runs again on the `src` of git revision REV (a child
@@ -44,7 +47,16 @@ from elastic_ep.control.serving.alignment import AlignRule
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
 from elastic_ep.harness.standin import standin_model
 from elastic_ep.model.sampling import SamplingParams
-from elastic_ep.wire import ClusterKey, Heartbeat, Progress, StepResult, WorkerHello
+from elastic_ep.wire import (
+    CONTROLLER_TO_WORKER,
+    ClusterKey,
+    Heartbeat,
+    Inbox,
+    Progress,
+    StepPlan,
+    StepResult,
+    WorkerHello,
+)
 
 try:  # a tree with node heartbeats (the agent gathers its ranks'); before it, a Heartbeat per rank
     from elastic_ep.wire import NodeHeartbeat, RankBeat
@@ -144,9 +156,9 @@ def rank_heartbeats_us(per_node: int, ranks: int = 64, frames: int = 8_000) -> f
     return 1e6 * cpu / (frames * per_node)
 
 
-def schedule_ms(ranks: int, seqs_per_rank: int = 0, prompt_len: int = 6, steps: int = 20) -> float:
-    """CPU ms per step of schedule + commit at `ranks` ranks, decoding: one sequence in all
-    (seqs_per_rank 0), else `seqs_per_rank` on every rank; prompts of `prompt_len` tokens."""
+def decoding_scheduler(ranks: int, seqs_per_rank: int, prompt_len: int) -> Scheduler:
+    """A scheduler over `ranks` ranks, `seqs_per_rank` requests on each (one in all for 0) of
+    `prompt_len`-token prompts of their own, that never finish."""
     n = max(ranks * seqs_per_rank, 1)
     s = Scheduler(max_num_seqs=max(seqs_per_rank, 1), max_num_batched_tokens=1 << 20, align=AlignRule(),
                   num_blocks=max(seqs_per_rank, 1) * (prompt_len // 16 + 4) + 16)  # 16-token blocks, 48 tokens to grow
@@ -156,10 +168,34 @@ def schedule_ms(ranks: int, seqs_per_rank: int = 0, prompt_len: int = 6, steps: 
         request = GenerationRequest(f"r{i}", prompt,
                                     SamplingParams(max_tokens=100_000, ignore_eos=True), 0)
         s.add(Sequence(i, request, 200_000, (0,)))
+    return s
+
+
+def sampled_of(batch) -> dict[int, int]:
+    """A token for every sequence of the batch that samples: its chunks' and (a tree with compact
+    decode plans) its decode rows'."""
+    sampled = {c.seq_id: 5 for cs in batch.chunks.values() for c in cs if c.sample}
+    for rows in getattr(batch, "decodes", {}).values():
+        sampled.update(dict.fromkeys(rows.seq_ids, 5))
+    return sampled
+
+
+def plans_of(batch, step: int) -> list[tuple[int, StepPlan]]:
+    """Each rank's `StepPlan` of `batch`, as the step loop builds it (with its decode rows in a tree
+    that has them)."""
+    decodes = getattr(batch, "decodes", None)
+    return [(r, StepPlan(1, step, batch.chunks[r], batch.free.get(r, []),
+                         **({"decode": decodes.get(r)} if decodes is not None else {}))) for r in batch.chunks]
+
+
+def schedule_ms(ranks: int, seqs_per_rank: int = 0, prompt_len: int = 6, steps: int = 20) -> float:
+    """CPU ms per step of schedule + commit at `ranks` ranks, decoding: one sequence in all
+    (seqs_per_rank 0), else `seqs_per_rank` on every rank; prompts of `prompt_len` tokens."""
+    s = decoding_scheduler(ranks, seqs_per_rank, prompt_len)
 
     def step() -> None:
         batch = s.schedule()
-        s.commit(batch, {c.seq_id: 5 for cs in batch.chunks.values() for c in cs if c.sample})
+        s.commit(batch, sampled_of(batch))
 
     for _ in range(5):
         step()
@@ -167,6 +203,30 @@ def schedule_ms(ranks: int, seqs_per_rank: int = 0, prompt_len: int = 6, steps: 
     for _ in range(steps):
         step()
     return 1000 * (time.process_time() - cpu0) / steps
+
+
+def plans_ms(ranks: int = 256, seqs_per_rank: int = 64, prompt_len: int = 1024, steps: int = 10) -> dict:
+    """CPU ms per decode step of building and sealing every rank's `StepPlan`, of reading them
+    as the workers do (MAC and decode, summed over the ranks), and the plans' bytes per rank."""
+    key = ClusterKey.generate()
+    inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key, "n0")
+    s = decoding_scheduler(ranks, seqs_per_rank, prompt_len)
+    for _ in range(5):
+        batch = s.schedule()
+        s.commit(batch, sampled_of(batch))
+    seal_s = read_s = 0.0
+    nbytes = 0
+    for step in range(steps):
+        batch = s.schedule()
+        cpu0 = time.process_time()
+        sealed = [key.seal(plan) for _, plan in plans_of(batch, step)]
+        cpu1 = time.process_time()
+        assert all(inbox.read(frames) is not None for frames in sealed)
+        cpu2 = time.process_time()
+        seal_s, read_s = seal_s + cpu1 - cpu0, read_s + cpu2 - cpu1
+        nbytes += sum(len(body) for _, body in sealed)
+        s.commit(batch, sampled_of(batch))
+    return {"sealed": 1000 * seal_s / steps, "read": 1000 * read_s / steps, "bytes": nbytes / steps / ranks}
 
 
 def detector_ms(ranks: int, checks: int = 50) -> float:
@@ -194,7 +254,15 @@ def measure(repeat: int) -> dict:
         **{f"schedule + commit ms, 256 ranks x {k} sequences, {p}-token prompts":
            best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},
         **{f"detector check ms, {n} ranks": best_of(repeat, lambda n=n: detector_ms(n)) for n in (256, 1024)},
+        **{f"plans {what}, 256 ranks x 64 decoding, 1,024-token prompts": value
+           for what, value in zip(("built + sealed ms", "read by the workers ms (sum)", "bytes per rank"),
+                                  best_plans(repeat), strict=True)},
     }
+
+
+def best_plans(repeat: int) -> tuple[float, float, float]:
+    runs = [plans_ms() for _ in range(repeat)]
+    return (min(r["sealed"] for r in runs), min(r["read"] for r in runs), min(r["bytes"] for r in runs))
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.wire import KEY_ENV, ClusterKey
 
 RANKS_PER_NODE = 8
-TABLE = [(r, s) for r in (8, 64, 256, 1024) for s in (0, 64)]
+TABLE = [(r, s) for r in (8, 64, 256, 1024) for s in (0, 8, 64)]  # --table-seqs picks (default 0,64)
 
 
 def ranks_per_node(ranks: int) -> int:

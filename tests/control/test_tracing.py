@@ -14,11 +14,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from elastic_ep.control.otel import OtelSink, traces_url
 from elastic_ep.control.tracing import P99_MIN_SAMPLES, RequestTraces
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.wire import ChunkPlan
-
-
-def chunk(seq_id: int) -> ChunkPlan:
-    return ChunkPlan(seq_id, [1, 2], 0, True, None, 0, 2)
 
 
 def traces(ratio: float) -> tuple[RequestTraces, InMemorySpanExporter]:
@@ -30,7 +25,7 @@ def serve(t: RequestTraces, seq_id: int, rank: int = 0, slowest: int = 0) -> Non
     t.arrived(seq_id, f"req-{seq_id}", 2)
     for n in (1, 2):
         now = time.time_ns()
-        t.step({rank: [chunk(seq_id)]}, now, now + 1000, slowest, [(seq_id, n)], [])
+        t.step({rank: [seq_id]}, now, now + 1000, slowest, [(seq_id, n)], [])
     t.finished(seq_id, "length")
 
 
@@ -47,11 +42,11 @@ def test_a_request_that_crossed_a_fault_is_traced_whatever_the_ratio():
     assert exporter.get_finished_spans() == ()
     t.arrived(2, "req-2", 2)
     now = time.time_ns()
-    t.step({1: [chunk(2)]}, now, now + 1000, 1, [(2, 1)], [])
+    t.step({1: [2]}, now, now + 1000, 1, [(2, 1)], [])
     t.recovery_began(time.monotonic(), "rank 1: process exited", [1], evicted=False)
     t.moved(2, "fault", 1, None, time.time_ns())
     t.recovery_ended(epoch=4)
-    t.step({3: [chunk(2)]}, time.time_ns(), time.time_ns(), 3, [(2, 2)], [])
+    t.step({3: [2]}, time.time_ns(), time.time_ns(), 3, [(2, 2)], [])
     t.finished(2, "stop")
     spans = spans_by_name(exporter)
     (root,) = spans["llm_request"]

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from elastic_ep.model.kv_cache import KVCache, KVShape
 from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.runtime.held import HeldSequences
 from elastic_ep.runtime.worker import Worker
-from elastic_ep.wire import ChunkPlan, HeldKV, StepPlan
+from elastic_ep.wire import ChunkPlan, DecodeRows, HeldKV, StepPlan
 
 PARAMS = SamplingParams(max_tokens=8)
 
@@ -16,17 +17,17 @@ PARAMS = SamplingParams(max_tokens=8)
 def worker() -> Worker:
     w = Worker.__new__(Worker)  # the bookkeeping alone: a KV pool, the tokens it holds
     w.kv = KVCache(num_layers=1, shape=KVShape(1, 4, 4), num_blocks=8, block_size=4)
-    w.tokens, w.prompt_lens = {}, {}
+    w.held = HeldSequences()
     return w
 
 
-def step(w: Worker, chunks: list[ChunkPlan], fails: bool = False) -> None:
+def step(w: Worker, chunks: list[ChunkPlan], fails: bool = False, decode: DecodeRows | None = None) -> None:
     """A step's allocation and its forward's writes (begin_chunk, as the model does); `fails`: it
     raised mid-way, as the worker's step handles it."""
-    plan = StepPlan(0, 1, chunks, [])
-    w._allocate(plan)
-    for c in chunks:
-        w.kv.begin_chunk(c.seq_id, c.start_pos, len(c.token_ids))
+    plan = StepPlan(0, 1, chunks, [], decode=decode)
+    w.held.allocate(w.kv, plan)
+    for run in w.held.runs(plan):
+        w.kv.begin_chunk(run.seq_id, run.start_pos, len(run.token_ids))
     if fails:
         w._forget_failed(plan)
 
@@ -51,3 +52,15 @@ def test_a_sequence_whose_first_chunk_failed_and_a_prefix_hit_offer_only_what_th
     assert w._held_kv() == [HeldKV(2, 6, [1, 2, 3, 4, 6, 7], [0, 3])]
     w.kv = None  # asleep: nothing held
     assert w._held_kv() == []
+
+
+def test_a_failed_step_of_decode_rows_is_forgotten_from_each_rows_position():
+    w = worker()
+    prompt = [11, 12, 13, 14, 15, 16]
+    step(w, [ChunkPlan(3, prompt, 0, True, PARAMS, 7, 6, [5, 2])])
+    step(w, [], decode=DecodeRows([3], [40], [6]))  # a decode row: the rank keeps the sequence
+    assert w._held_kv() == [HeldKV(3, 6, prompt + [40], [5, 2])]
+    step(w, [], fails=True, decode=DecodeRows([3], [41], [7]))  # aborted by the takeover
+    assert w._held_kv() == [HeldKV(3, 6, prompt + [40], [5, 2])]
+    step(w, [], decode=DecodeRows([3], [41], [7]))
+    assert w._held_kv() == [HeldKV(3, 6, prompt + [40, 41], [5, 2])]

@@ -69,8 +69,8 @@ class ChaosInjector:
             broken = self._broken.get(rank_id)
             delay_s = slow[1] if slow is not None and self._current(rank_id, slow[0]) else 0.0
             fail_at = broken[1] if broken is not None and self._current(rank_id, broken[0]) else ""
-            poisoned = {c.seq_id: phase for c in batch.chunks.get(rank_id, [])
-                        if (phase := self._poison_of(c.seq_id))}
+            poisoned = {seq_id: phase for seq_id in batch.seq_ids_on(rank_id)
+                        if (phase := self._poison_of(seq_id))}
             if delay_s or fail_at or poisoned:
                 self.plane.to_worker(rank_id, ChaosStep(epoch, step, delay_s, fail_at, poisoned))
 

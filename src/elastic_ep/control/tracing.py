@@ -144,14 +144,14 @@ class RequestTraces:
         self.open[seq_id] = RequestTrace(seq_id, request_id, prompt_tokens, time.time_ns(),
                                          self._rng.random() < self.sample_ratio)
 
-    def step(self, chunks: Mapping[int, Iterable[Any]], started_ns: int, ended_ns: int, slowest_rank: int | None,
+    def step(self, seq_ids: Mapping[int, Iterable[int]], started_ns: int, ended_ns: int, slowest_rank: int | None,
              outputs: Iterable[tuple[int, int]], migrations: Iterable[tuple[int, str, int | None, int | None]]) -> None:
-        """A completed step: `chunks` rank -> its ChunkPlans, the rank with the longest own time,
+        """A completed step: `seq_ids` rank -> the sequences it ran, the rank with the longest own time,
         (seq_id, tokens generated so far) of the sequences that sampled a token, and (seq_id, kind,
         src, dst) of the moves it made."""
-        for rank, planned in chunks.items():
-            for chunk in planned:
-                t = self.open.get(chunk.seq_id)
+        for rank, planned in seq_ids.items():
+            for seq_id in planned:
+                t = self.open.get(seq_id)
                 if t is None:
                     continue
                 if not t.scheduled_ns:

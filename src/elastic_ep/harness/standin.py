@@ -320,6 +320,10 @@ class StandInRank:
         tokens = {c.seq_id: self.agent.token(c.seq_id, c.start_pos + len(c.token_ids)) for c in plan.chunks
                   if c.sample}
         n_tokens = sum(len(c.token_ids) for c in plan.chunks)
+        rows = plan.decode
+        if rows is not None:  # decode rows: one token each, all sampling
+            tokens.update((q, self.agent.token(q, p + 1)) for q, p in zip(rows.seq_ids, rows.positions, strict=True))
+            n_tokens += len(rows.seq_ids)
         step_load = self.agent.loads.load(n_tokens)
         self.load = step_load.copy() if self.load is None else self.load + step_load
         load = EMPTY_LOAD

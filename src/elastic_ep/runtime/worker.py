@@ -3,7 +3,8 @@
 Threads:
 - main: registers, then runs what the controller sends on the step socket: `EpochStart`
   (form the group or keep it, fill the expert slots, checksum the ones it filled, report),
-  `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling),
+  `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling; the
+  sequences' state between steps, and the compact decode rows that rely on it, in held.py),
   `SweepSlots` (checksum a few slots between steps), `WarmUp` (the readiness gate: every
   batch shape through the epoch's MoE, with a token on every slot), `SleepRank` / `WakeRank` (free the KV
   cache, and at level 2 the weights, then build them again), and from a server with
@@ -111,6 +112,7 @@ from .group import (
     ProgressBoard,
     bind_data_plane,
 )
+from .held import HeldSequences, StepRun
 from .kv_move import move_kv
 from .overlap import forward_micro_batches
 
@@ -151,9 +153,8 @@ class Worker:
         self.dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
         self.model = MoEForCausalLM(self.config, dense, dtype=self.reader.dtype, device=self.device)
         self.kv, self.warmup_s = self._kv_pool()
-        # seq_id -> the tokens whose KV this rank holds, at the same positions (the sampler's history)
-        self.tokens: dict[int, list[int]] = {}
-        self.prompt_lens: dict[int, int] = {}  # seq_id -> its prompt's length (a new leader matches on the prompt)
+        # each sequence's tokens whose KV this rank holds, and what its decode rows leave out
+        self.held = HeldSequences()
         self.slots: ExpertSlots | None = None
         self.group: EpochGroup | None = None
         self.moe: ExpertParallelMoE | None = None
@@ -273,12 +274,13 @@ class Worker:
         if self.kv is None:
             return []
         held = []
-        for seq_id, tokens in self.tokens.items():
-            if seq_id < 0 or seq_id not in self.kv or seq_id not in self.prompt_lens:
+        prompt_lens = self.held.prompt_lens
+        for seq_id, tokens in self.held.tokens.items():
+            if seq_id < 0 or seq_id not in self.kv or seq_id not in prompt_lens:
                 continue
             n = min(len(tokens), self.kv.length(seq_id))
             if n:
-                held.append(HeldKV(seq_id, self.prompt_lens[seq_id], tokens[:n],
+                held.append(HeldKV(seq_id, prompt_lens[seq_id], tokens[:n],
                                    self.kv.block_table(seq_id)[:blocks_for(n, self.kv.block_size)]))
         return held
 
@@ -360,9 +362,9 @@ class Worker:
         self.args = dataclasses.replace(self.args, launch=launch, join_mode="adopt")
         held = self._held_kv()
         if self.kv is not None:
-            for seq_id in self.tokens:
+            for seq_id in self.held.tokens:
                 self.kv.free(seq_id)
-        self.tokens, self.prompt_lens = {}, {}
+        self.held.clear()
         print(f"elastic-ep rank {self.args.rank_id}: following the new leader at {launch.step_addr}; KV held for "
               f"{len(held)} sequences ({sum(len(h.token_ids) for h in held)} positions)", file=sys.stderr, flush=True)
         self._hello(held)
@@ -447,7 +449,8 @@ class Worker:
         error = ""
         try:
             if self.sleep_level == 0:
-                self.kv, self.tokens, self.prompt_lens = None, {}, {}
+                self.kv = None
+                self.held.clear()
             if level >= 2 and self.sleep_level < 2:
                 if self.slots is not None:
                     self._slept_checksums = self.slots.checksums()
@@ -495,14 +498,15 @@ class Worker:
         self.progress.enter("compute", step=plan.step)
         moe.start_step(plan.dispatch_rows, plan.micro_batches)
         chaos = self._chaos_for(plan)
-        faults = {chaos.poisoned.get(c.seq_id, "") for c in plan.chunks} | {chaos.fail_at}
+        seq_ids = [c.seq_id for c in plan.chunks] + (plan.decode.seq_ids if plan.decode is not None else [])
+        faults = {chaos.poisoned.get(q, "") for q in seq_ids} | {chaos.fail_at}
         moe.fail_in_experts = "experts" in faults
         if "local" in faults:  # the second MoE layer's local computation raises
             moe.fail_local_at = self.config.moe_layers[min(1, len(self.config.moe_layers) - 1)]
         try:
-            kv_move_s = self._before_forward(plan, moe, chaos.delay_s)
-            logits = forward_micro_batches(self.model, self.kv, [SeqChunk(c.seq_id, c.token_ids, c.start_pos)
-                                                                 for c in plan.chunks], moe, plan.micro_batches,
+            runs, kv_move_s = self._before_forward(plan, moe, chaos.delay_s)
+            logits = forward_micro_batches(self.model, self.kv, [SeqChunk(r.seq_id, r.token_ids, r.start_pos)
+                                                                 for r in runs], moe, plan.micro_batches,
                                            self._padding(plan.pad_tokens))
         except CollectiveError as e:
             self._forget_failed(plan)
@@ -512,7 +516,7 @@ class Worker:
             self._forget_failed(plan)
             self._fail(plan, StepErrorKind.LOCAL, failure.error, failure.in_experts)
             return
-        tokens, logprobs, errors = self._sample(plan, logits,
+        tokens, logprobs, errors = self._sample(runs, logits,
                                                 {s for s, at in chaos.poisoned.items() if at == "sampling"})
         self.progress.idle()
         c = moe.counters
@@ -522,20 +526,22 @@ class Worker:
             c.dispatch_wait_s, c.combine_wait_s, self._expert_load(c.expert_load, plan.report_load), c.slot_tokens,
             logprobs, errors,
             c.remote_messages, c.remote_bytes, round(kv_move_s, 6),
-            sum(len(chunk.token_ids) for chunk in plan.chunks) + plan.pad_tokens,
+            sum(len(r.token_ids) for r in runs) + plan.pad_tokens,
         ))
 
     def _forget_failed(self, plan: StepPlan) -> None:
-        """A step that failed may have written its chunks' positions in some layers only: each of its
-        sequences holds KV up to its chunk's start from now on (a re-run writes the rest again; a new
-        leader is not offered those positions)."""
-        for c in plan.chunks:
-            tokens = self.tokens.get(c.seq_id)
-            if tokens is None or c.seq_id not in self.kv:
+        """A step that failed may have written its chunks' and decode rows' positions in some layers
+        only: each of its sequences holds KV up to its chunk's (row's) start from now on (a re-run
+        writes the rest again; a new leader is not offered those positions)."""
+        starts = [(c.seq_id, c.start_pos) for c in plan.chunks]
+        if plan.decode is not None:
+            starts += zip(plan.decode.seq_ids, plan.decode.positions, strict=False)
+        for seq_id, start_pos in starts:
+            tokens = self.held.tokens.get(seq_id)
+            if tokens is None or seq_id not in self.kv:
                 continue
-            del tokens[c.start_pos:]
-            self.kv.set_blocks(c.seq_id, self.kv.block_table(c.seq_id),
-                               num_cached=min(c.start_pos, self.kv.length(c.seq_id)))
+            del tokens[start_pos:]
+            self.kv.set_blocks(seq_id, self.kv.block_table(seq_id), num_cached=min(start_pos, self.kv.length(seq_id)))
 
     def _padding(self, num_tokens: int) -> SeqChunk | None:
         """The step's padding: `num_tokens` dummy tokens of a sequence of their own, on the pool's
@@ -561,53 +567,35 @@ class Worker:
             return chaos
         return ChaosStep(plan.epoch, plan.step)
 
-    def _before_forward(self, plan: StepPlan, moe: ExpertParallelMoE, delay_s: float) -> float:
-        """Frees, KV moves, cache rows, injected delay; returns the KV moves' seconds. An error
-        here runs the step's collectives with no tokens and raises LocalFailure."""
+    def _before_forward(self, plan: StepPlan, moe: ExpertParallelMoE, delay_s: float) -> tuple[list[StepRun], float]:
+        """Frees, KV moves, cache rows, injected delay; returns what the step runs and the KV
+        moves' seconds. An error here (a decode row this rank cannot run among them) runs the
+        step's collectives with no tokens and raises LocalFailure."""
         try:
             kv_move_s = 0.0
+            held = self.held
+            held.start(plan)
             try:
-                self._free(plan)
+                held.free(self.kv, plan.free)
             finally:  # the peers of a move wait on this rank whatever happened above
-                kv_move_s = move_kv(self.kv, self.group, plan.kv_moves, self.tokens)
-            self._allocate(plan)
+                kv_move_s = move_kv(self.kv, self.group, plan.kv_moves, held.tokens)
+            held.moved_in(plan.kv_moves, self.args.rank_id)
+            runs = held.runs(plan)
+            held.allocate(self.kv, plan)
             if delay_s > 0:
                 time.sleep(delay_s)
-            return kv_move_s
+            return runs, kv_move_s
         except CollectiveError:
             raise
         except Exception as e:
             moe.run_empty(plan.micro_batches)
             raise LocalFailure(e, False) from e
 
-    def _free(self, plan: StepPlan) -> None:
-        """Free finished sequences (and moved ones: the source's copy)."""
-        for seq_id in plan.free:
-            self.kv.free(seq_id)
-            self.tokens.pop(seq_id, None)
-            self.prompt_lens.pop(seq_id, None)
-
-    def _allocate(self, plan: StepPlan) -> None:
-        """Give every sequence its block table (a new one starts with the positions its shared
-        prefix blocks hold), track every sequence's tokens."""
-        for c in plan.chunks:
-            if c.start_pos == 0 or c.seq_id not in self.kv:
-                self.kv.set_blocks(c.seq_id, c.block_ids, num_cached=len(c.cached_token_ids))
-                self.tokens[c.seq_id] = list(c.cached_token_ids)
-            else:
-                self.kv.set_blocks(c.seq_id, c.block_ids)
-            self.prompt_lens[c.seq_id] = c.prompt_len
-            held = self.tokens[c.seq_id]
-            if len(held) < c.start_pos:
-                raise RuntimeError(f"sequence {c.seq_id}: chunk at {c.start_pos} but {len(held)} tokens held")
-            # A re-run step overwrites, as the KV cache does.
-            held[c.start_pos :] = c.token_ids
-
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, poisoned: set[int]):
-        """(tokens, logprobs, errors) by seq_id for the chunks that sample (those in `poisoned`
+    def _sample(self, runs: list[StepRun], logits: torch.Tensor, poisoned: set[int]):
+        """(tokens, logprobs, errors) by seq_id for the runs that sample (those in `poisoned`
         raise, as fault injection asked). When sampling the batch raises, each row is sampled
         alone, so only the sequence at fault gets an error."""
-        rows = [(i, c) for i, c in enumerate(plan.chunks) if c.sample]
+        rows = [(i, r.seq_id) for i, r in enumerate(runs) if r.sample]
         try:
             return (*self._sample_rows(rows, logits, poisoned), {})
         except Exception:
@@ -616,24 +604,26 @@ class Worker:
                 try:
                     t, lp = self._sample_rows([row], logits, poisoned)
                 except Exception as e:
-                    errors[row[1].seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+                    errors[row[1]] = f"sampling failed: {type(e).__name__}: {e}"
                     continue
                 tokens.update(t)
                 logprobs.update(lp)
             return tokens, logprobs, errors
 
-    def _sample_rows(self, rows: list, logits: torch.Tensor, poisoned: set[int]):
-        """rows: (row of logits [N, V], its ChunkPlan); -> (seq_id -> token, seq_id -> logprobs)."""
+    def _sample_rows(self, rows: list[tuple[int, int]], logits: torch.Tensor, poisoned: set[int]):
+        """rows: (row of logits [N, V], its seq_id), each with what the rank keeps of it;
+        -> (seq_id -> token, seq_id -> logprobs)."""
         if not rows:
             return {}, {}
-        if any(c.seq_id in poisoned for _, c in rows):
+        if any(q in poisoned for _, q in rows):
             raise RuntimeError("injected fault: sampling failed")
-        histories = [TokenHistory(held[: c.prompt_len], held[c.prompt_len :])
-                     for _, c in rows for held in (self.tokens[c.seq_id],)]
-        out = sample_tokens(logits[torch.tensor([i for i, _ in rows])], [c.params for _, c in rows],
-                            [c.seed for _, c in rows], histories, self.config.eos_token_ids)
-        tokens = {c.seq_id: t for (_, c), t in zip(rows, out.tokens, strict=True)}
-        logprobs = {c.seq_id: lp for (_, c), lp in zip(rows, out.logprobs, strict=True) if lp is not None}
+        kept = [self.held.kept[q] for _, q in rows]
+        histories = [TokenHistory(held[: k.prompt_len], held[k.prompt_len :])
+                     for (_, q), k in zip(rows, kept, strict=True) for held in (self.held.tokens[q],)]
+        out = sample_tokens(logits[torch.tensor([i for i, _ in rows])], [k.params for k in kept],
+                            [k.seed for k in kept], histories, self.config.eos_token_ids)
+        tokens = {q: t for (_, q), t in zip(rows, out.tokens, strict=True)}
+        logprobs = {q: lp for (_, q), lp in zip(rows, out.logprobs, strict=True) if lp is not None}
         return tokens, logprobs
 
     def _fail(self, plan: StepPlan, kind: StepErrorKind, e: Exception, in_experts: bool = False) -> None:

@@ -227,6 +227,22 @@ class ChunkPlan(Record):
     cached_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
+class DecodeRows(Record):
+    """A step's decode tokens on one rank, as flat lists (one row per sequence, no record each):
+    row i runs token `tokens[i]` of sequence `seq_ids[i]` at position `positions[i]` and samples
+    its next token. Only for sequences the rank keeps: their sampling params, seed, prompt length
+    and block table came with a `ChunkPlan` of this epoch on this rank and were not freed since
+    (runtime/worker.py `Kept`). `new_blocks`: (seq_id, block_id) appended to the block table of a
+    row's sequence, in order, when its token crosses into a block the rank has not been told of.
+    At 256 ranks x 64 decoding sequences this is 256 of these a step instead of 16,384 `ChunkPlan`s
+    of ~64 block ids each."""
+
+    seq_ids: list[int] = msgspec.field(default_factory=list)
+    tokens: list[int] = msgspec.field(default_factory=list)
+    positions: list[int] = msgspec.field(default_factory=list)
+    new_blocks: list[tuple[int, int]] = msgspec.field(default_factory=list)
+
+
 class KVMove(Record):
     """Copy the KV cache of `seq_id` (its first len(token_ids) positions, which hold
     `token_ids`) from rank `src_rank` to rank `dst_rank` at the start of the step (DP alignment
@@ -251,7 +267,8 @@ class StepPlan(Message):
     array per rank per step is 119 KB at DeepSeek-V3's size). `pad_tokens`: dummy tokens run after
     the chunks so that the rank's step has a shape the readiness gate warmed (its tokens padded to
     the next warmed bucket, control/serving/warmup.py); their outputs are dropped, their expert
-    load not counted."""
+    load not counted. `decode`: the decode rows of sequences the rank keeps, run after `chunks`
+    (None: none)."""
 
     epoch: int
     step: int
@@ -262,6 +279,7 @@ class StepPlan(Message):
     kv_moves: list[KVMove] = msgspec.field(default_factory=list)
     report_load: bool = True
     pad_tokens: int = 0
+    decode: DecodeRows | None = None
 
 
 class StepResult(Message):

@@ -61,7 +61,8 @@ def test_scheduler_cuts_a_prefill_to_the_level_and_runs_decodes_first():
     tokens = batch.tokens_per_rank()
     assert batch.unaligned == {0: 102, 1: 2} and sorted(tokens.values()) == [2, 52]
     busy = next(r for r, n in tokens.items() if n == 52)
-    assert [len(c.token_ids) for c in batch.chunks[busy]] == [1, 1, 50]  # decodes first
+    # the decodes are rows of the rank's DecodeRows, the prefill a chunk of 50
+    assert [n for _, _, n, _ in batch.runs(busy)] == [50, 1, 1] and len(batch.decodes[busy].seq_ids) == 2
 
 
 def test_an_unstarted_prefill_leaves_a_draining_rank():

@@ -17,7 +17,7 @@ def seq(seq_id: int, prompt_len: int, max_tokens: int = 4, max_model_len: int = 
 
 def run_step(s: Scheduler, token: int = 5):
     batch = s.schedule()
-    sampled = {c.seq_id: token for cs in batch.chunks.values() for c in cs if c.sample}
+    sampled = {q: token for r in batch.chunks for q, _, _, sample in batch.runs(r) if sample}
     return batch, s.commit(batch, sampled)
 
 
@@ -37,12 +37,15 @@ def test_long_prompt_is_prefilled_in_chunks_then_decoded():
     s.add(seq(1, 40, max_tokens=2))
     starts = []
     outputs = []
+    rows = []
     for _ in range(6):
         batch, out = run_step(s)
-        starts += [(c.start_pos, len(c.token_ids), c.sample) for c in batch.chunks[0]]
+        starts += [(start, n, sample) for _, start, n, sample in batch.runs(0)]
+        rows += [batch.decodes[0].positions] if 0 in batch.decodes else []
         outputs += out
     assert starts[:3] == [(0, 16, False), (16, 16, False), (32, 8, True)]
     assert starts[3] == (40, 1, True)
+    assert rows == [[40]]  # its decode went as a row of the rank's DecodeRows, its chunks' table kept there
     assert [tokens for _, tokens in outputs] == [[5], [5]]
     assert outputs[-1][0].finish_reason == "length"
     assert not s.has_work
@@ -78,7 +81,7 @@ def test_sequences_of_a_dead_rank_are_re_prefilled_with_their_tokens_so_far():
     s.set_ranks([r for r in (0, 1) if r != victim])
     first, _ = run_step(s)  # the survivors' first step after the loss: their decode alone
     survivor = next(iter(first.chunks))
-    assert [(c.seq_id, len(c.token_ids)) for c in first.chunks[survivor]] == [(2, 1)]
+    assert [(q, n) for q, _, n, _ in first.runs(survivor)] == [(2, 1)]
     batch = s.schedule()
     moved = next(c for c in batch.chunks[survivor] if c.seq_id == 1)
     assert moved.start_pos == 0 and moved.token_ids == [1, 2, 3, 9, 8] and moved.sample
@@ -107,7 +110,7 @@ def test_a_lost_ranks_requests_are_re_prefilled_a_budget_per_step_while_the_othe
     moved_ids = {q.seq_id for q in moved}
     for _ in range(5):
         batch, _ = run_step(s)
-        per_seq = {c.seq_id: len(c.token_ids) for cs in batch.chunks.values() for c in cs}
+        per_seq = {q: n for r in batch.chunks for q, _, n, _ in batch.runs(r)}
         assert [n for i, n in per_seq.items() if i not in moved_ids] == [1, 1, 1, 1]  # the others decode on
         assert sum(n for i, n in per_seq.items() if i in moved_ids and n > 1) <= 8
     assert all(q.pending == 1 and len(q.output) > 4 for q in moved)  # 28 tokens re-run, 8 a step: caught up
@@ -127,9 +130,11 @@ def test_requests_wait_for_free_blocks_and_the_newest_is_preempted_when_a_decode
     assert [c.seq_id for c in batch.chunks[0]] == [0, 1, 2] and s.pools[0].num_free_blocks == 0
     s.add(seq(3, 4))
     batch, _ = run_step(s)  # the oldest's next token needs a block: the newest running request gives its up
-    assert batch.preempted == 1 and [c.seq_id for c in batch.chunks[0]] == [0, 1]
+    assert batch.preempted == 1 and batch.seq_ids_on(0) == [0, 1]
     assert [q.seq_id for q in s.waiting] == [2, 3] and s.by_id[2].rank is None
-    assert batch.free[0] == [2] and all(len(c.block_ids) == 3 for c in batch.chunks[0])
+    # decode rows of sequences rank 0 keeps: only the block each grew by goes, not the whole table
+    assert batch.free[0] == [2] and not batch.chunks[0] and all(len(s.pools[0].tables[q]) == 3 for q in (0, 1))
+    assert batch.decodes[0].new_blocks == [(q, s.pools[0].tables[q][2]) for q in (0, 1)]
 
 
 def test_a_preempted_request_is_recomputed_with_its_tokens_so_far_once_blocks_free():
@@ -162,8 +167,8 @@ def test_a_new_request_goes_to_the_rank_holding_its_prefix_and_starts_after_the_
     assert (chunk.start_pos, chunk.token_ids, chunk.cached_token_ids) == (20, [2, 3], shared)
     assert chunk.block_ids[:5] == s.pools[home].tables[0][:5]
     assert (batch.prefix_queried, batch.prefix_hit) == (22, 20)
-    batch, _ = run_step(s)  # the rank now holds those tokens: not sent again
-    assert next(c for c in batch.chunks[home] if c.seq_id == 1).cached_token_ids == []
+    batch, _ = run_step(s)  # the rank now holds those tokens: not sent again, it decodes in a row
+    assert batch.seq_ids_on(home) == [0, 1] and not batch.chunks[home]
 
 
 def test_a_prefix_hit_does_not_outweigh_a_rank_busier_by_more_than_the_hit():

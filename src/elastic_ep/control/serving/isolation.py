@@ -53,7 +53,7 @@ class Isolation:
         if not self.suspects:
             return
         self.steps += 1
-        self.cleared |= _seqs(batch)
+        self.cleared |= batch.seq_ids()
         self.suspects -= self.testing
         self.narrowed -= self.testing
         self._next_test()
@@ -63,7 +63,7 @@ class Isolation:
         name a rank that failed with nothing to blame."""
         self.steps += 1
         in_experts = any(f.in_experts for f in failures.values())
-        candidates = _seqs(batch) if in_experts else {c.seq_id for r in failures for c in batch.chunks.get(r, [])}
+        candidates = batch.seq_ids() if in_experts else {q for r in failures for q in batch.seq_ids_on(r)}
         candidates -= self.cleared
         detail = "; ".join(f"rank {r}: {f.error}" for r, f in sorted(failures.items()))
         if not candidates:
@@ -122,7 +122,3 @@ class Isolation:
     def _end_round(self) -> None:
         self.suspects, self.testing, self.narrowed, self.cleared = set(), set(), set(), set()
         self.steps = 0
-
-
-def _seqs(batch: StepBatch) -> set[int]:
-    return {c.seq_id for chunks in batch.chunks.values() for c in chunks}

@@ -35,6 +35,16 @@ A new leader of a controller group takes over the KV its adopted ranks still hol
 control/serving/adopted_kv.py): those blocks are reserved, and a journaled request is placed on the
 rank that holds the most of its tokens, with those positions kept (told to the rank as a prefix
 hit's are) and only the rest prefilled again.
+Compact decode plans: a rank keeps what the first `ChunkPlan` of a sequence on it said (params,
+seed, prompt length, block table: runtime/held.py), so a decode step of a sequence the rank is
+known to keep goes as one row of its `DecodeRows` (seq_id, token, position, and the block ids
+its table grew by since it was last told), not as a `ChunkPlan` with the whole table. Known to
+keep: the last step that ran a `ChunkPlan` of it on that rank committed, and so did every step
+planned since, with no epoch change between (`forget_kept`, which the step loop calls when the
+epoch changes; a batch planned and not committed, a failed or interrupted step, forgets every
+sequence's the same way), and it has not left the rank since (freed, preempted, moved, evicted).
+Anything else gets a full `ChunkPlan` again: when unsure, the plan is the one that was always sent.
+
 Nothing here does I/O; the controller calls `schedule`, runs the step, then `commit`.
 """
 
@@ -46,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastic_ep.model.block_manager import BlockManager
-from elastic_ep.wire import ChunkPlan, HeldKV, KVMove
+from elastic_ep.wire import ChunkPlan, DecodeRows, HeldKV, KVMove
 
 from ..api import GenerationRequest
 from .adopted_kv import KVOffers
@@ -69,13 +79,19 @@ class Sequence:
     finish_reason: str | None = None
     # waiting for a prefix another sequence computes: (its seq_id, its num_cached then)
     prefix_wait: tuple[int, int] | None = None
+    # (rank, the scheduler's kept generation) when that rank keeps its params and block table (see the
+    # module docstring), and how many blocks of its table the rank was told of
+    kept: tuple[int, int] | None = None
+    kept_blocks: int = 0
     # prompt + output as one list, kept as tokens are appended (`append`): a step reads it for
     # every sequence, and building it afresh cost O(its length) each time (a 1k-token prompt
     # tripled the scheduler's time per step)
     tokens: list[int] = field(init=False, repr=False)
+    stop_ids: frozenset[int] = field(init=False, repr=False)  # the tokens that end it, worked out once
 
     def __post_init__(self) -> None:
         self.tokens = self.request.prompt_token_ids + self.output
+        self.stop_ids = self.request.params.stop_ids(self.eos_token_ids)
 
     def append(self, token: int) -> None:
         """A generated token."""
@@ -94,7 +110,7 @@ class Sequence:
 
     def unplace(self) -> None:
         """Off its rank: nothing of it is cached anywhere."""
-        self.rank, self.num_cached, self.unsent_prefix = None, 0, 0
+        self.rank, self.num_cached, self.unsent_prefix, self.kept = None, 0, 0, None
 
     @property
     def remaining(self) -> int:
@@ -102,17 +118,17 @@ class Sequence:
         return min(self.request.params.max_tokens - len(self.output), self.max_model_len - len(self.tokens))
 
     def check_finished(self, token: int) -> str | None:
-        params = self.request.params
-        if token in params.stop_ids(self.eos_token_ids):
+        if token in self.stop_ids:
             return "stop"
-        if len(self.output) >= params.max_tokens or len(self.tokens) >= self.max_model_len:
+        if len(self.output) >= self.request.params.max_tokens or len(self.tokens) >= self.max_model_len:
             return "length"
         return None
 
 
 @dataclass
 class StepBatch:
-    """One step's work: chunks per rank, KV rows to free per rank, tokens per rank; `moves`:
+    """One step's work: chunks per rank, decode rows per rank (`decodes`: sequences the rank keeps,
+    one token each, only ranks with some), KV rows to free per rank, tokens per rank; `moves`:
     sequences whose KV cache goes to another rank first (their chunks are on the new rank);
     `reprefilled`: sequences moved to another rank to be computed again there;
     `unaligned`: tokens per rank before prefill is cut to the step's level; `preempted`:
@@ -128,6 +144,7 @@ class StepBatch:
 
     chunks: dict[int, list[ChunkPlan]]
     free: dict[int, list[int]]
+    decodes: dict[int, DecodeRows] = field(default_factory=dict)
     moves: list[KVMove] = field(default_factory=list)
     reprefilled: list[int] = field(default_factory=list)
     unaligned: dict[int, int] = field(default_factory=dict)
@@ -140,11 +157,28 @@ class StepBatch:
     kv_reprefilled: int = 0
 
     def tokens_per_rank(self) -> dict[int, int]:
-        return {r: sum(len(c.token_ids) for c in cs) for r, cs in self.chunks.items()}
+        decodes = self.decodes
+        return {r: sum(len(c.token_ids) for c in cs) + (len(decodes[r].seq_ids) if r in decodes else 0)
+                for r, cs in self.chunks.items()}
 
     @property
     def empty(self) -> bool:
-        return not any(self.chunks.values())
+        return not any(self.chunks.values()) and not self.decodes
+
+    def seq_ids_on(self, rank: int) -> list[int]:
+        """The sequences `rank` runs in this step: its chunks', then its decode rows'."""
+        rows = self.decodes.get(rank)
+        return [c.seq_id for c in self.chunks.get(rank, [])] + (rows.seq_ids if rows is not None else [])
+
+    def seq_ids(self) -> set[int]:
+        """Every sequence the step runs."""
+        return {seq_id for rank in self.chunks for seq_id in self.seq_ids_on(rank)}
+
+    def runs(self, rank: int) -> list[tuple[int, int, int, bool]]:
+        """(seq_id, start_pos, tokens, samples) of what `rank` runs, chunks then decode rows."""
+        rows = self.decodes.get(rank)
+        return [(c.seq_id, c.start_pos, len(c.token_ids), c.sample) for c in self.chunks.get(rank, [])] + (
+            [(q, p, 1, True) for q, p in zip(rows.seq_ids, rows.positions, strict=True)] if rows is not None else [])
 
 
 class Scheduler:
@@ -183,6 +217,14 @@ class Scheduler:
         self.draining: set[int] = set()
         # sequences left out of the next step (suspects of a failed step, control/serving/isolation.py)
         self.held: set[int] = set()
+        # a sequence's `kept` holds only with this generation: bumped to forget what every rank keeps
+        self.kept_generation = 0
+        self._uncommitted = False  # a batch was planned and not committed
+
+    def forget_kept(self) -> None:
+        """No rank is known to keep any sequence any more (a new epoch: the workers drop what they
+        kept): each running sequence's next chunk is a full `ChunkPlan`."""
+        self.kept_generation += 1
 
     def set_pool_size(self, rank: int, num_blocks: int) -> None:
         """Rank `rank`'s KV pool has num_blocks blocks (it says so when it registers); its pool
@@ -277,6 +319,7 @@ class Scheduler:
             self._drop_copy(move)
 
     def _release(self, seq: Sequence) -> None:
+        seq.kept = None
         self.running[seq.rank].remove(seq)
         self.to_free[seq.rank].append(seq.seq_id)
         self.pools[seq.rank].free(seq.seq_id)
@@ -303,6 +346,9 @@ class Scheduler:
 
     def schedule(self) -> StepBatch:
         """Plan the next step over the ranks given to `set_ranks`."""
+        if self._uncommitted:  # the last batch's plans may have been half run, or not at all
+            self.forget_kept()
+        self._uncommitted = True
         budget, align = self.max_num_batched_tokens, self.align
         offers = self.kv_offers
         if offers is not None:
@@ -325,26 +371,44 @@ class Scheduler:
                 unplaced.append(seq)
         order = {seq.seq_id: i for i, seq in enumerate(admitted)}
         self.waiting.extendleft(sorted(unplaced, key=lambda q: -order[q.seq_id]))
-        active = {r: [q for q in seqs if q.seq_id not in self.held] for r, seqs in self.running.items()}
-        busy = {r: qs for r, qs in active.items() if qs}  # sums over these only: idle ranks count 0
-        unaligned = _per_rank(active, {r: min(sum(q.pending for q in qs), budget) for r, qs in busy.items()})
-        moved = self._migrate(active, busy) if align.migrate != "off" else None
+        held = self.held  # a copy per rank either way: a migration changes `active`, never `running`
+        active = {r: [q for q in seqs if q.seq_id not in held] if held else seqs[:] for r, seqs in self.running.items()}
+        # one pass over each rank's sequences; sums over the busy ranks only: idle ranks count 0
+        work = {r: _rank_work(qs) for r, qs in active.items() if qs}
+        unaligned = _per_rank(active, {r: min(w[0], budget) for r, w in work.items()})
+        moved = self._migrate(active, {r: len(w[1]) for r, w in work.items()}) if align.migrate != "off" else None
+        if moved is not None:  # again: the moved sequence's ranks changed (an idle one may have got it)
+            work = {r: _rank_work(qs) for r, qs in active.items() if qs}
         caps = dict.fromkeys(active, budget)
         if align.enabled:
-            busy = {r: qs for r, qs in active.items() if qs}  # again: a migration may have given an idle rank one
-            decode = _per_rank(active, {r: sum(q.decoding for q in qs) for r, qs in busy.items()})
-            prefill = _per_rank(active, {r: sum(q.pending for q in qs if not q.decoding) for r, qs in busy.items()})
+            decode = _per_rank(active, {r: len(w[1]) for r, w in work.items()})
+            prefill = _per_rank(active, {r: w[0] - len(w[1]) for r, w in work.items()})  # a decode's pending is 1
             caps = rank_caps(decode, prefill, budget, align.min_chunk)
         chunks: dict[int, list[ChunkPlan]] = {r: [] for r in self.running}
+        decodes: dict[int, DecodeRows] = {}
         queried = hit = 0
+        block_size, generation = self.block_size, self.kept_generation
         for rank, seqs in active.items():  # not `busy`: a migration may have given an idle rank a sequence
             if not seqs:
                 continue
             used = 0
-            for seq in sorted(seqs, key=lambda q: not q.decoding) if align.enabled else seqs:
+            kept, rows, tables = (rank, generation), None, self.pools[rank].tables
+            for seq in work[rank][1] + work[rank][2] if align.enabled else seqs:  # decodes first
                 room = caps[rank] - used
-                table = self.pools[rank].tables[seq.seq_id]
-                if len(table) * self.block_size < len(seq.tokens):  # no block for its next token this step
+                table = tables[seq.seq_id]
+                if len(table) * block_size < len(seq.tokens):  # no block for its next token this step
+                    continue
+                if seq.kept == kept and room > 0 and seq.decoding:  # one row: the rank keeps the rest
+                    if rows is None:
+                        rows = decodes[rank] = DecodeRows()
+                    position = seq.num_cached
+                    rows.seq_ids.append(seq.seq_id)
+                    rows.tokens.append(seq.tokens[position])
+                    rows.positions.append(position)
+                    if len(table) > seq.kept_blocks:
+                        rows.new_blocks.extend((seq.seq_id, b) for b in table[seq.kept_blocks:])
+                        seq.kept_blocks = len(table)
+                    used += 1
                     continue
                 starts = seq.num_cached == seq.unsent_prefix  # nothing of it computed on this rank yet
                 if seq.output and seq.pending > 1:  # a re-prefill: its rank was lost, it moved or was preempted
@@ -361,8 +425,8 @@ class Scheduler:
         reprefilled = [moved.seq_id] if isinstance(moved, Sequence) else []
         kept, again = ((offers.counts["reused"] - taken_over[0], offers.counts["reprefilled"] - taken_over[1])
                        if offers is not None else (0, 0))
-        return StepBatch(chunks, free, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits, kept,
-                         again)
+        return StepBatch(chunks, free, decodes, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits,
+                         kept, again)
 
     def _make_room(self) -> int:
         """Give every decoding sequence the block of its next token, oldest first on each rank;
@@ -373,9 +437,10 @@ class Scheduler:
             if not seqs:
                 continue
             pool = self.pools[rank]
+            tables, size = pool.tables, self.block_size
             for seq in list(seqs):
-                if seq.rank != rank or seq.seq_id in self.held:
-                    continue
+                if seq.rank != rank or seq.seq_id in self.held or len(tables[seq.seq_id]) * size >= len(seq.tokens):
+                    continue  # held out, or its table holds its next token already
                 while not pool.grow(seq.seq_id, len(seq.tokens)):
                     if self.kv_offers is not None and self.kv_offers.holds(rank):  # held KV goes first
                         self.kv_offers.release(rank)
@@ -408,14 +473,13 @@ class Scheduler:
                 taken.append(seq)
         return taken
 
-    def _migrate(self, active: dict[int, list[Sequence]],
-                 busy: dict[int, list[Sequence]]) -> KVMove | Sequence | None:
+    def _migrate(self, active: dict[int, list[Sequence]], decoding: dict[int, int]) -> KVMove | Sequence | None:
         """Move one decoding sequence off a rank that stays the busiest (control/serving/alignment.py).
         A KV move is planned and returned (its chunk goes to the new rank, `commit` re-homes it);
         a re-prefill moves the sequence now, to run from its first token on the new rank, and
-        returns it. `busy`: the ranks of `active` with sequences."""
+        returns it. `decoding`: decoding sequences of each rank of `active` with sequences."""
         counts = _per_rank({r: None for r in active if r not in self.draining},
-                           {r: sum(q.decoding for q in qs) for r, qs in busy.items() if r not in self.draining})
+                           {r: n for r, n in decoding.items() if r not in self.draining})
         takers = {r for r in counts if len(self.running[r]) < self.max_num_seqs}
         pick = self.balance.observe(counts, takers)
         if pick is None:
@@ -527,28 +591,58 @@ class Scheduler:
 
     def commit(self, batch: StepBatch, sampled: dict[int, int]) -> list[tuple[Sequence, list[int]]]:
         """Apply a finished step: advance caches, append sampled tokens, retire finished
-        sequences. Returns (sequence, new tokens) for every sequence that produced tokens."""
+        sequences. Returns (sequence, new tokens) for every sequence that produced tokens. A
+        sequence whose `ChunkPlan` ran on its rank is kept there from now on (module docstring)."""
+        self._uncommitted = False
         for move in batch.moves:
             self._rehome(move)
-        out = []
-        for chunks in batch.chunks.values():
+        out: list[tuple[Sequence, list[int]]] = []
+        generation = self.kept_generation
+        for rank, chunks in batch.chunks.items():
             for c in chunks:
                 seq = self.by_id.get(c.seq_id)
                 if seq is None or seq.rank is None:
                     continue
-                seq.num_cached = c.start_pos + len(c.token_ids)
-                seq.unsent_prefix = 0
-                self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, seq.num_cached)
-                if c.seq_id not in sampled:
-                    continue
-                token = sampled[c.seq_id]
-                seq.append(token)
-                seq.finish_reason = seq.check_finished(token)
-                if seq.finish_reason:
-                    self.by_id.pop(seq.seq_id)
-                    self._release(seq)
-                out.append((seq, [token]))
+                if seq.rank == rank:
+                    seq.kept, seq.kept_blocks = (rank, generation), len(c.block_ids)
+                self._advance(seq, c.start_pos + len(c.token_ids), sampled, out)
+        block_size, by_id = self.block_size, self.by_id
+        for rank, rows in batch.decodes.items():
+            for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
+                seq = by_id.get(seq_id)
+                if seq is not None and seq.rank == rank:
+                    self._advance(seq, position + 1, sampled, out, (position + 1) % block_size == 0)
         return out
+
+    def _advance(self, seq: Sequence, num_cached: int, sampled: dict[int, int],
+                 out: list[tuple[Sequence, list[int]]], filled: bool = True) -> None:
+        """`seq` computed its first num_cached tokens; its sampled token, if any, is appended to
+        it (and to `out`), and it ends when that token finishes it. `filled`: a block may have
+        filled, to be keyed for prefix hits (a decode that did not end a block filled none)."""
+        seq.num_cached = num_cached
+        seq.unsent_prefix = 0
+        if filled:
+            self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, num_cached)
+        token = sampled.get(seq.seq_id)
+        if token is None:
+            return
+        seq.append(token)
+        seq.finish_reason = seq.check_finished(token)
+        if seq.finish_reason:
+            self.by_id.pop(seq.seq_id)
+            self._release(seq)
+        out.append((seq, [token]))
+
+
+def _rank_work(seqs: list[Sequence]) -> tuple[int, list[Sequence], list[Sequence]]:
+    """A rank's sequences in one pass: their pending tokens in all, those decoding, the others
+    (each in its order)."""
+    pending, decoding, others = 0, [], []
+    for q in seqs:
+        n = len(q.tokens) - q.num_cached
+        pending += n
+        (decoding if n == 1 and q.num_cached > 0 and not q.unsent_prefix else others).append(q)
+    return pending, decoding, others
 
 
 def _per_rank(ranks: dict[int, object], counts: dict[int, int]) -> dict[int, int]:

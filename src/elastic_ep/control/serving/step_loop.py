@@ -90,6 +90,7 @@ class StepLoop:
         self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
         self._sent_at = 0.0
         self._started_ns = 0  # wall-clock ns the step in flight was sent (request traces)
+        self._planned_epoch: int | None = None  # the epoch of the last step planned
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
@@ -125,10 +126,11 @@ class StepLoop:
         plans = []
         for rank_id in c.members:
             chunks, free = batch.chunks.get(rank_id, []), batch.free.get(rank_id, [])
+            decode = batch.decodes.get(rank_id)
             report_load = (c.step + rank_id) % self.load_every == 0  # ranks take turns
-            if chunks or free:
+            if chunks or free or decode is not None:
                 plan = StepPlan(c.epoch, c.step, chunks, free, dispatch_rows, micro_batches, batch.moves, report_load,
-                                pads.get(rank_id, 0))
+                                pads.get(rank_id, 0), decode)
             elif (plan := empty.get(report_load)) is None:  # one object: encoded and sealed once for all of them
                 plan = empty[report_load] = StepPlan(c.epoch, c.step, [], [], dispatch_rows, micro_batches,
                                                      batch.moves, report_load, pads.get(rank_id, 0))
@@ -170,7 +172,12 @@ class StepLoop:
     def _plan(self) -> StepBatch:
         """The next step's batch, without the sequences isolation holds back. After an interrupted
         step this is its recompute: nothing of that batch was committed, so the same tokens are
-        planned again (a lost rank's sequences now on other ranks)."""
+        planned again (a lost rank's sequences now on other ranks). In a new epoch the workers
+        keep nothing of the last one's sequences (runtime/worker.py): the scheduler forgets what
+        they kept, so each sequence goes as a full `ChunkPlan` once more."""
+        if self.cluster.epoch != self._planned_epoch:
+            self.scheduler.forget_kept()
+            self._planned_epoch = self.cluster.epoch
         self.scheduler.hold(self.isolation.held)
         return self.scheduler.schedule()
 
@@ -193,9 +200,8 @@ class StepLoop:
         batch = self.uncommitted
         if self.retries_without_culprit < MAX_RETRIES_WITHOUT_CULPRIT or batch is None:
             return
-        for chunks in batch.chunks.values():
-            for chunk in chunks:
-                self.streams.end_with_error(chunk.seq_id, error)
+        for seq_id in batch.seq_ids():
+            self.streams.end_with_error(seq_id, error)
         self.cluster.events.add(EventKind.REQUEST_ERROR, f"failed the requests of a step that failed "
                                 f"{self.retries_without_culprit} times: {error}")
         self.retries_without_culprit = 0
@@ -280,5 +286,5 @@ class StepLoop:
         moves = [(m.seq_id, "kv", m.src_rank, m.dst_rank) for m in batch.moves]
         moves += [(seq_id, "reprefill", None, self.scheduler.by_id[seq_id].rank)
                   for seq_id in batch.reprefilled if seq_id in self.scheduler.by_id]
-        self.traces.step(batch.chunks, self._started_ns, time.time_ns(), slowest,
+        self.traces.step({r: batch.seq_ids_on(r) for r in batch.chunks}, self._started_ns, time.time_ns(), slowest,
                          [(seq.seq_id, len(seq.output)) for seq, _ in committed], moves)
