@@ -86,10 +86,6 @@ class KVOffers:
                 self.index.setdefault(_key(h.prompt_len, h.token_ids), []).append(offer)
                 owner -= 1
 
-    @property
-    def open(self) -> bool:
-        return bool(self.offers)
-
     def holds(self, rank: int) -> bool:
         return rank in self.offers
 

@@ -423,10 +423,10 @@ class Scheduler:
         self.to_free = {r: [] for r in self.running}
         moves = [moved] if isinstance(moved, KVMove) else []
         reprefilled = [moved.seq_id] if isinstance(moved, Sequence) else []
-        kept, again = ((offers.counts["reused"] - taken_over[0], offers.counts["reprefilled"] - taken_over[1])
-                       if offers is not None else (0, 0))
+        kv_kept, kv_reprefilled = ((offers.counts["reused"] - taken_over[0],
+                                    offers.counts["reprefilled"] - taken_over[1]) if offers is not None else (0, 0))
         return StepBatch(chunks, free, decodes, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits,
-                         kept, again)
+                         kv_kept, kv_reprefilled)
 
     def _make_room(self) -> int:
         """Give every decoding sequence the block of its next token, oldest first on each rank;
@@ -639,9 +639,8 @@ def _rank_work(seqs: list[Sequence]) -> tuple[int, list[Sequence], list[Sequence
     (each in its order)."""
     pending, decoding, others = 0, [], []
     for q in seqs:
-        n = len(q.tokens) - q.num_cached
-        pending += n
-        (decoding if n == 1 and q.num_cached > 0 and not q.unsent_prefix else others).append(q)
+        pending += q.pending
+        (decoding if q.decoding else others).append(q)
     return pending, decoding, others
 
 
