@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -148,7 +149,7 @@ def _seq_key(store: GroupStore, seq: int) -> str:
     return f"{store.prefix}journal/{seq:016d}"
 
 
-class JournalCopy:
+class JournalCopy(ABC):
     """The journal as a standby holds it: `requests` (unfinished, with their tokens) and `kept` (finished
     ones kept) up to batch `applied`."""
 
@@ -167,9 +168,9 @@ class JournalCopy:
         apply(self.requests, self.kept, _batch.decode(body))
         self.applied = seq
 
+    @abstractmethod
     def run(self, stop: threading.Event, on_applied: Callable[[int], None]) -> None:
         """Keep the copy up to date until `stop`; `on_applied(seq)` when it moved on."""
-        raise NotImplementedError
 
 
 class JournalReader(JournalCopy):
@@ -207,7 +208,7 @@ class Deposed(Exception):
     """etcd refused a journal batch: another controller leads now."""
 
 
-class LeaderJournal:
+class LeaderJournal(ABC):
     """The leader's side, in `term`, whichever way it ships: `add` from any thread; `run` ships
     batches until `stop`. Starts numbering after `start_seq` (the last batch this controller applied
     as a standby), over the requests it found unfinished and kept."""
@@ -227,11 +228,11 @@ class LeaderJournal:
         with self._lock:
             self._buffer.append(entry)
 
+    @abstractmethod
     def _ship(self, seq: int, body: bytes) -> None:
         """Batch `seq` to the standbys (raises EtcdUnavailable: not shipped; Deposed)."""
-        raise NotImplementedError
 
-    def _shipped(self) -> None:
+    def _shipped(self) -> None:  # noqa: B027 - a hook: only the etcd path does something here
         """After each batch shipped (the etcd path's snapshot)."""
 
     def _wait(self, stop: threading.Event, seconds: float) -> bool:
