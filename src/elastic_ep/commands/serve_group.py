@@ -195,7 +195,8 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         recorder = RecordWriter(GroupStore(args.etcd, args.ha_group), term, lambda: controller.engine.cluster(None, 1),
                                 _deposed)
         engine.record = recorder.write  # an accepted scale, drain, uncordon or rollout is recorded before its answer
-        threading.Thread(target=recorder.run, args=(stop, RECORD_INTERVAL_S), name="cluster-record", daemon=True).start()
+        threading.Thread(target=recorder.run, args=(stop, RECORD_INTERVAL_S), name="cluster-record",
+                         daemon=True).start()
         election.set_seat(controller=controller.health_addr, journal_seq=writer.seq)
         # the last leader's requests go on at once, whether or not their clients come back to attach
         # (before any client is let in: one that re-attaches finds its request running, or finished)
