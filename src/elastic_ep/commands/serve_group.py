@@ -11,7 +11,8 @@ from its copy of the journal (read from etcd, or streamed to it by the last lead
 (group/adopted.py). Deposed (its
 lease lapsed, or another holds the leader key), the process exits at once with EXIT_DEPOSED,
 sending nothing more: its agents and workers outlive it, and a supervisor starts it again as a
-standby."""
+standby. A controller whose --ha-journal-via is not its group's exits with code 2 before it takes a
+seat, or as soon as it sees such a leader while standing by (`journal_via_conflict`)."""
 
 from __future__ import annotations
 
