@@ -1,5 +1,6 @@
 """Leader election against a real etcd (harness/etcd.py): one leader, terms that only rise, a
-takeover once the leader's lease runs out, and no second leader while etcd is unreachable."""
+takeover once the leader's lease runs out, and no second leader while etcd is unreachable; a
+controller whose --ha-journal-via is not its group's refused."""
 
 import os
 import subprocess
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+from elastic_ep.commands.serve_group import journal_via_conflict
 from elastic_ep.group.election import Election, Role
 from elastic_ep.group.status import group_view
 from elastic_ep.group.store import GroupStore, Seat
@@ -137,3 +139,30 @@ def test_a_deposed_leader_whose_key_was_taken_steps_down(etcd):
         b.halt()
     finally:
         a.halt()
+
+
+def test_the_journal_way_of_a_controller_must_be_its_groups():
+    direct, etcd_way = Seat("c0", "http://c0:1", role="leader", journal="tcp://c0:7"), Seat("c1", "http://c1:1")
+    assert direct.journal_via == "direct" and etcd_way.journal_via == "etcd"
+    conflict = journal_via_conflict("etcd", "g", "c2", [direct, etcd_way])
+    assert conflict is not None and "controller c0 of group g (leader) runs with --ha-journal-via direct" in conflict
+    assert "start this controller with --ha-journal-via direct" in conflict
+    assert "--ha-journal-via etcd" in journal_via_conflict("direct", "g", "c2", [etcd_way])
+    assert journal_via_conflict("direct", "g", "c2", [direct]) is None
+    assert journal_via_conflict("etcd", "g", "c0", [direct]) is None  # its own seat, from before a restart
+
+
+def test_serve_journaling_another_way_than_its_groups_leader_exits_2_saying_which_flag(etcd, tmp_path):
+    leader = Running(etcd.url, "c0")  # a leader that streams its journal (a seat with a journal socket)
+    leader.election.set_seat(journal="tcp://127.0.0.1:9")
+    try:
+        wait_until(lambda: leader.election.state.role == Role.LEADER and leader.election.state.leader.journal)
+        proc = subprocess.run(
+            [sys.executable, "-m", "elastic_ep.cli", "serve", "--model", "tiny-deepseek-v3", "--ep-size", "2",
+             "--port", "0", "--etcd", etcd.url, "--ha-group", "g", "--node", "c1"],
+            capture_output=True, text=True, timeout=50, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "start this controller with --ha-journal-via direct" in proc.stderr
+        assert [s.name for s in GroupStore(etcd.url, "g").seats().values()] == ["c0"]  # it never took a seat
+    finally:
+        leader.halt()

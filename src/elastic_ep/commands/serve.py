@@ -226,7 +226,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --etcd: how the journal reaches the standbys: etcd (each batch a write, which "
                              "outlives every controller) or direct (the leader streams it to each standby over "
                              "ZeroMQ, sealed with the cluster key; a standby started after the leader died has "
-                             "none); the same on every controller of the group (default etcd)")
+                             "none); the same on every controller of the group: one that differs from the group's "
+                             "exits with code 2 (default etcd)")
     add_log_arguments(parser)
     for f in dataclasses.fields(ServeConfig):
         if f.name not in HELP:

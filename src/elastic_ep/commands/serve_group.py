@@ -11,7 +11,8 @@ from its copy of the journal (read from etcd, or streamed to it by the last lead
 (group/adopted.py). Deposed (its
 lease lapsed, or another holds the leader key), the process exits at once with EXIT_DEPOSED,
 sending nothing more: its agents and workers outlive it, and a supervisor starts it again as a
-standby."""
+standby. A controller whose --ha-journal-via is not its group's exits with code 2 before it takes a
+seat, or as soon as it sees such a leader while standing by (`journal_via_conflict`)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from elastic_ep.group.journal import (
     unexpired,
 )
 from elastic_ep.group.journal_stream import DirectJournalWriter, JournalFollower, bind_journal_socket
-from elastic_ep.group.record import RecordReader, write_records
+from elastic_ep.group.record import RecordReader, RecordWriter
 from elastic_ep.group.status import group_view, standby_reason
 from elastic_ep.group.store import EtcdUnavailable, GroupStore, Seat
 from elastic_ep.serve.app import create_app
@@ -57,6 +58,8 @@ from elastic_ep.wire import ClusterKey
 
 logger = logging.getLogger("elastic_ep.serve")
 EXIT_DEPOSED = 3
+EXIT_MISCONFIGURED = 2  # as any ElasticEPError (cli.py)
+RECORD_INTERVAL_S = 0.5  # the cluster record's periodic write (what changes by itself: epochs, ranks, phases)
 
 
 def _deposed(reason: str) -> None:
@@ -65,6 +68,19 @@ def _deposed(reason: str) -> None:
     logger.error("exiting: this controller no longer leads its group (%s); start it again to stand by", reason)
     logging.shutdown()
     os._exit(EXIT_DEPOSED)
+
+
+def journal_via_conflict(ours: str, group: str, node: str, seats: list[Seat]) -> str | None:
+    """What is wrong when this controller (`node`, started with --ha-journal-via `ours`) would join
+    `group` whose controllers `seats` (the leader's first) take the journal the other way; None when
+    they agree. A standby whose way differs from the leader's copies nothing, and leads without the
+    last leader's requests."""
+    for seat in seats:
+        if seat.name != node and seat.journal_via != ours:  # its own seat may outlive a restart by a lease
+            return (f"--ha-journal-via {ours}, but controller {seat.name} of group {group} ({seat.role}) runs with "
+                    f"--ha-journal-via {seat.journal_via}: start this controller with --ha-journal-via "
+                    f"{seat.journal_via}, the same on every controller of the group")
+    return None
 
 
 def add_journal_route(app: FastAPI, engine: JournaledEngine) -> None:
@@ -101,6 +117,14 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         raise ElasticEPError(str(e)) from None
     if args.ha_lease_s < 2:
         raise ElasticEPError(f"--ha-lease-s {args.ha_lease_s}: etcd leases are whole seconds, at least 2")
+    try:
+        leader = store.leader()
+        conflict = journal_via_conflict(args.ha_journal_via, args.ha_group, args.node,
+                                        ([leader[0]] if leader else []) + list(store.seats().values()))
+    except EtcdUnavailable:
+        conflict = None  # checked again against the leader while standing by
+    if conflict:
+        raise ElasticEPError(conflict)
     host = cfg.advertise_host or cfg.host
     http_url = f"http://{'[' + host + ']' if ':' in host else host}:{http_socket.getsockname()[1]}"
     elected = threading.Event()
@@ -140,6 +164,12 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         while not elected.wait(0.2):
             if stop.is_set():
                 return
+            leader = election.state.leader  # one started with ours at the same time may lead
+            conflict = journal_via_conflict(args.ha_journal_via, args.ha_group, args.node, [leader] if leader else [])
+            if conflict:
+                logger.error("exiting: %s", conflict)
+                logging.shutdown()
+                os._exit(EXIT_MISCONFIGURED)
         standing_by.set()  # the copy stops; the etcd path catches up once more below
         copying.join()
         term = election.state.term
@@ -163,9 +193,11 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
         threading.Thread(target=writer.run, args=(stop, args.ha_journal_flush_s,
                                                   lambda seq: election.set_seat(journal_seq=seq), _deposed),
                          name="journal", daemon=True).start()
-        threading.Thread(target=write_records, args=(GroupStore(args.etcd, args.ha_group), term,
-                                                     lambda: controller.engine.cluster(None, 1), stop, 0.5, _deposed),
-                         name="cluster-record", daemon=True).start()
+        recorder = RecordWriter(GroupStore(args.etcd, args.ha_group), term, lambda: controller.engine.cluster(None, 1),
+                                _deposed)
+        engine.record = recorder.write  # an accepted scale, drain, uncordon or rollout is recorded before its answer
+        threading.Thread(target=recorder.run, args=(stop, RECORD_INTERVAL_S), name="cluster-record",
+                         daemon=True).start()
         election.set_seat(controller=controller.health_addr, journal_seq=writer.seq)
         # the last leader's requests go on at once, whether or not their clients come back to attach
         # (before any client is let in: one that re-attaches finds its request running, or finished)

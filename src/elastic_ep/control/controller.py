@@ -100,7 +100,7 @@ from .facade.to_loop import (
 from .faults.detector import Fault, FaultDetector, RecoveryNeeded
 from .faults.recovery import Recovery
 from .faults.straggler_control import StragglerControl
-from .membership.adoption import Adoption, adoption_plan
+from .membership.adoption import Adoption, adoption_plan, cordoned_nodes
 from .membership.hardware import HardwareSignals
 from .membership.nodes import Nodes
 from .membership.rolling_restart import RollingRestart
@@ -263,7 +263,9 @@ class Controller:
         """Before `start`, in a new leader of a group: take over the ranks of the last leader's cluster
         record `record` as they run (membership/adoption.py) instead of starting ranks, and the KV they
         hold for the last leader's unfinished requests `journaled` (their ids; serving/adopted_kv.py);
-        nothing to adopt (no record, no epoch formed) starts as usual."""
+        nothing to adopt (no record, no epoch formed) starts as usual. The nodes the record has
+        cordoned stay cordoned either way (a drained node takes no rank until POST /uncordon)."""
+        self.cluster.cordoned.update(cordoned_nodes(record))
         plan = adoption_plan(record)
         self.adoption = Adoption(plan, self.cluster, self.cfg, self.nodes, self.pump, set(journaled)) if plan else None
 

@@ -21,12 +21,13 @@ oldest go first), so a client that re-attaches after a second takeover still get
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -306,10 +307,16 @@ class JournaledEngine:
     any request reaches it); every other call is the engine's. A re-attach (`request.reattach`) to a
     request `adopted` holds (the last leader's, run on here: group/adopted.py) follows that request;
     one that names a request running here for another client is refused (ResumeConflict), so one id
-    is never two requests in the journal."""
+    is never two requests in the journal. A scale, drain, uncordon or rolling restart the engine
+    accepted is answered once `record()` (the cluster record's write: group/record.py, set as
+    `writer` is) returned, run in a thread so that the event loop does not wait on etcd: a
+    takeover right after the answer finds the operation in the record. The answer waits for that
+    one etcd write, at most the store's timeout; an etcd that could not be reached does not turn
+    an accepted operation into an error (it runs; the periodic write records it once etcd answers)."""
 
-    def __init__(self, engine: Engine, writer: LeaderJournal | None = None, adopted: AdoptedRequests | None = None):
-        self._engine, self.writer, self.adopted = engine, writer, adopted
+    def __init__(self, engine: Engine, writer: LeaderJournal | None = None, adopted: AdoptedRequests | None = None,
+                 record: Callable[[], bool] | None = None):
+        self._engine, self.writer, self.adopted, self.record = engine, writer, adopted, record
         self.info = engine.info
         self._running: Counter[str] = Counter()  # ids in generate (two clients may name one: X-Request-Id)
 
@@ -364,6 +371,25 @@ class JournaledEngine:
         leader's, aborted before it began here)."""
         if request_id not in self._running and self.writer is not None:
             self.writer.add(Delivered(request_id, [], True))
+
+    async def _recorded(self, accepted: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+        answer = await accepted  # a refusal raises here: nothing changed, nothing to record
+        if self.record is not None and not await asyncio.to_thread(self.record):
+            logger.warning("the cluster record could not be written at once after an accepted operation (%s); "
+                           "the periodic write retries", answer)
+        return answer
+
+    async def scale(self, new_ep_size: int, ranks: list[int] | None = None) -> dict[str, Any]:
+        return await self._recorded(self._engine.scale(new_ep_size, ranks))
+
+    async def drain(self, ranks: list[int] | None = None, node: str | None = None) -> dict[str, Any]:
+        return await self._recorded(self._engine.drain(ranks, node))
+
+    async def uncordon(self, node: str) -> dict[str, Any]:
+        return await self._recorded(self._engine.uncordon(node))
+
+    async def rolling_restart(self, options: dict[str, Any]) -> dict[str, Any]:
+        return await self._recorded(self._engine.rolling_restart(options))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)

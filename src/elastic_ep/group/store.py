@@ -37,6 +37,11 @@ class Seat(msgspec.Struct, frozen=True):
     journal_seq: int = 0
     journal: str = ""
 
+    @property
+    def journal_via(self) -> str:
+        """Its --ha-journal-via: direct controllers name their journal socket from the start."""
+        return "direct" if self.journal else "etcd"
+
 
 @dataclass(frozen=True)
 class Held:

@@ -4,22 +4,29 @@ controller's ranks (another process holding a rank id is stopped), the adopted r
 counting no weight load, the ranks that hold the record's placement whole told apart from one an
 unfinished epoch was changing, an epoch numbered past every one a rank was told of, and a member
 that never came back left down and restarted by its agent; the plan carries the scale and rollout
-in flight, and a joiner an agent named does not hold the takeover up."""
+in flight, and a joiner an agent named does not hold the takeover up; a new leader (a real
+Controller) keeps the nodes the record names cordoned."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
 
 import numpy as np
 from control_standins import Plane, config
+from prometheus_client import CollectorRegistry
 
 from elastic_ep.control.cluster import ClusterState
+from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.controller import Controller
 from elastic_ep.control.membership.adoption import Adoption, adopted, adoption_plan
 from elastic_ep.control.membership.nodes import Nodes
 from elastic_ep.control.ranks import RankStatus
+from elastic_ep.model.tiny import resolve_model
 from elastic_ep.placement.location import ExpertLocation
-from elastic_ep.wire import AgentHello, AgentWelcome, FenceWorker, StartWorker, WorkerHello
+from elastic_ep.wire import AgentHello, AgentWelcome, ClusterKey, FenceWorker, StartWorker, WorkerHello
 
 PLACEMENT = ExpertLocation.from_phy2log(np.array([[0, 1, 2, 3, 4, 5, 6, 7]]), 4, 8)
 
@@ -111,3 +118,19 @@ def test_the_plan_carries_the_scale_and_rollout_in_flight_and_a_joiner_does_not_
     rig.nodes.on_worker_hello(adopt_hello(1, 101))
     assert adoption.settled() and adoption.request()[0] == [0, 1]  # the members are back: the epoch forms
     assert rig.cluster.ranks[2].status == RankStatus.STARTING  # on its way: a resumed scale starts none for it
+
+
+def test_a_new_leader_keeps_the_nodes_the_last_one_cordoned_until_uncordoned():
+    ctl = Controller(ServeConfig(model_dir=str(resolve_model("tiny-deepseek-v3")), model_name="t", ep_size=2),
+                     ClusterKey.generate(), CollectorRegistry())
+    ctl.adopt({**record(), "cordoned": ["n1"]})
+    ctl.start()
+    try:
+        deadline = time.monotonic() + 30
+        while ctl.engine.cluster().get("cordoned") != ["n1"]:  # /cluster, as the operator sees it
+            assert time.monotonic() < deadline, ctl.engine.cluster().get("cordoned")
+            time.sleep(0.05)
+        # cordoned here, not only shown: POST /uncordon lifts it (a node not cordoned is a 400)
+        assert asyncio.run(ctl.engine.uncordon("n1")) == {"node": "n1", "cordoned": False}
+    finally:
+        ctl.stop()

@@ -251,3 +251,13 @@ def test_a_rolling_restarts_scale_is_not_resumed_and_one_that_no_longer_applies_
     assert rig.driver.resume(in_flight(new_ep_size=3, retiring=[9]), {}) == "refused" and not rig.driver.active
     rig.driver.take_target({"target_ep_size": 6})
     assert rig.driver.target_ep_size == 6 and rig.driver.status()["target_ep_size"] == 6
+
+
+def test_a_scale_down_recorded_before_it_began_is_resumed_with_the_ranks_it_named():
+    last = Rig(scale_drain_timeout_s=60.0)
+    last.driver.request(None, [1])
+    recorded = last.driver.status()  # what the record written with its answer holds: not begun yet
+    rig = Rig(scale_drain_timeout_s=60.0)
+    assert rig.driver.resume(recorded, {}) == "resumed"
+    rig.driver.advance()
+    assert rig.driver.op.retiring == [1] and rig.drains.draining == {1}  # the one named, not the highest id

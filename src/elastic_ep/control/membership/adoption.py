@@ -16,7 +16,8 @@ KV each adopted rank still holds (its hello's `held_kv`) goes to the scheduler w
 journaled requests, which take it over (control/serving/adopted_kv.py). The ranks outside the group
 an agent named (the last leader's standbys, a scale-up's joiners) stand by once registered (one still
 registering counts as a rank on its way), and the scale the record shows in flight is asked again
-(membership/scale_driver.py `resume`).
+(membership/scale_driver.py `resume`). The nodes it names cordoned stay cordoned (`cordoned_nodes`),
+so a drained node takes no rank under the new leader either.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def adoption_plan(record: dict[str, Any] | None) -> AdoptionPlan | None:
     members = [int(r) for r in record["members"]]
     return AdoptionPlan(int(epoch), members, {r: nodes.get(r, "") for r in members}, placement,
                         dict(record.get("scale") or {}), dict(record.get("rollout") or {}))
+
+
+def cordoned_nodes(record: dict[str, Any] | None) -> list[str]:
+    """The nodes the last leader had cordoned (a drain's, until POST /uncordon), as its record names them."""
+    return [str(node) for node in (record or {}).get("cordoned") or []]
 
 
 def adopted(plan: AdoptionPlan, hellos: dict[int, WorkerHello]) -> tuple[list[int], list[int], int]:

@@ -166,7 +166,8 @@ class ScaleDriver:
             return "ended"
         if not last.get("is_scaling_elastic_ep"):
             return "none"
-        node, leaving, size = last.get("drained_node"), last.get("retiring") or None, last.get("new_ep_size")
+        node, size = last.get("drained_node"), last.get("new_ep_size")
+        leaving = last.get("retiring") or last.get("chosen") or None  # `chosen` alone: recorded before it began
         try:
             if node is not None:
                 self.drain(None, node)

@@ -151,6 +151,8 @@ def status_view(op: ScaleOp | None, effective_ep_size: int) -> dict[str, Any]:
         "new_ep_size": op.new_ep_size if op is not None else None,
         "new_ranks": list(op.new_ranks) if op is not None else [],
         "retiring": list(op.retiring) if op is not None else [],
+        # the ranks the caller named to leave, before `retiring` is set (a cluster record written at once keeps them)
+        "chosen": sorted(op.chosen) if op is not None and op.chosen is not None else None,
         "drained_node": op.node if op is not None else None,
         "elapsed_s": (op.finished_s if op.finished_s is not None else round(time.monotonic() - op.started_at, 4))
         if op is not None else None,
