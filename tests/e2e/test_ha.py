@@ -8,7 +8,9 @@ running workers: the same processes, no checkpoint shard opened again (counted b
 epoch over the same ranks and placement that filled no slot. The new leader runs the dead one's
 journaled requests on by itself, on the KV the adopted ranks kept for them (only what the journal
 confirms; the rest prefilled again, counted): a direct client's request reaches its fault-free end
-with nobody attached, and the client re-attaches by its request id for only the tokens it lacks."""
+with nobody attached, and the client re-attaches by its request id for only the tokens it lacks. A
+drain, and a scale-up whose joiner still loads its weights, in flight at a takeover are resumed and
+end as the last leader's would have."""
 
 from __future__ import annotations
 
