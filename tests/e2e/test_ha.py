@@ -8,7 +8,9 @@ running workers: the same processes, no checkpoint shard opened again (counted b
 epoch over the same ranks and placement that filled no slot. The new leader runs the dead one's
 journaled requests on by itself, on the KV the adopted ranks kept for them (only what the journal
 confirms; the rest prefilled again, counted): a direct client's request reaches its fault-free end
-with nobody attached, and the client re-attaches by its request id for only the tokens it lacks."""
+with nobody attached, and the client re-attaches by its request id for only the tokens it lacks. A
+drain, and a scale-up whose joiner still loads its weights, in flight at a takeover are resumed and
+end as the last leader's would have."""
 
 from __future__ import annotations
 
@@ -432,4 +434,61 @@ def test_a_drain_in_flight_at_a_takeover_is_resumed_by_the_new_leader(tmp_path):
         for proc in (agent, spare):
             if proc is not None:
                 terminate(proc, 10)
+        etcd.stop()
+
+
+def test_a_scale_up_in_flight_at_a_takeover_completes_with_its_joiner_still_loading(tmp_path):
+    """A scale-up 2 -> 3 whose joiner still reads its dense weights from disk (--no-expert-backup, and
+    --load-read-rate-mb-s makes the read last seconds) when the leader is killed (-9): the joiner, not
+    registered with the dead leader, follows the new one once loaded, as the same process, and the
+    resumed scale admits it: three ranks serve, each the process the last leader started."""
+    etcd = EtcdProcess()
+    started: list[ServerProcess] = []
+    agent = None
+    try:
+        args = ["--model", MODEL, "--ep-size", "2", "--local-ranks", "0", "--no-warmup-gate", "--no-expert-backup",
+                "--load-read-rate-mb-s", "0.12", "--etcd", etcd.url, "--ha-group", "j",
+                "--ha-lease-s", str(WORKERS_LEASE_S)]
+        old = ServerProcess([*args, "--node", "c0"], tmp_path / "c0.log", ready_timeout_s=None)
+        started.append(old)
+        log = open(tmp_path / "agent.log", "w")  # noqa: SIM115 - closed with the process
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "elastic_ep.cli", "agent", "--etcd", etcd.url, "--ha-group", "j", "--node", "n0",
+             "--ranks", "3", "--cluster-key-file", str(old.key_file), "--connect-timeout-s", "180"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        old.wait_ready(240)
+        old.wait_full_group(2, 120)
+        new = ServerProcess([*args, "--node", "c1", "--cluster-key-file", str(old.key_file)], tmp_path / "c1.log",
+                            ready_timeout_s=None)
+        started.append(new)
+        wait_role(new, "standby")
+        pids = old.pids()
+        assert old.http.post("/scale_elastic_ep", json={"new_ep_size": 3}).status_code == 200
+        store, deadline = GroupStore(etcd.url, "j"), time.monotonic() + 30
+        while ((read_record(store) or {}).get("scale") or {}).get("new_ranks") != [2]:
+            assert time.monotonic() < deadline, read_record(store)
+            time.sleep(0.05)
+        cluster = old.wait_for(lambda c: any(r["rank_id"] == 2 and r["pid"] for r in c["ranks"]), 30, "rank 2 started")
+        joiner_pid = next(r["pid"] for r in cluster["ranks"] if r["rank_id"] == 2)
+        registered = [e for e in old.cluster()["events"] if e["kind"] == "registered" and e["rank_id"] == 2]
+        old.proc.kill()
+        old.proc.wait()
+        assert not registered, "the joiner had loaded before the leader died"
+        wait_role(new, "leader", WORKERS_LEASE_S + 30)
+        deadline = time.monotonic() + 180
+        # 503 while its controller still starts (serve/group_gate.py)
+        while (status := new.http.get("/is_scaling_elastic_ep").json()).get("scale_phase") != "serving_expanded":
+            assert time.monotonic() < deadline and status.get("scale_phase") != "failed", status
+            time.sleep(0.1)
+        assert status["effective_ep_size"] == 3, status  # the scale admitted its joiner, not a later rejoin
+        cluster = new.wait_full_group(3, 120)
+        assert new.pids() == {**pids, 2: joiner_pid}
+        assert any(e["kind"] == "registered" and e["rank_id"] == 2 and "adopt" in e["message"]
+                   for e in cluster["events"]), cluster["events"]
+        assert any(e["kind"] == "scale" and e.get("resumed") for e in cluster["events"]), cluster["events"]
+    finally:
+        for proc in started:
+            proc.stop()
+        if agent is not None:
+            terminate(agent, 10)
         etcd.stop()

@@ -18,14 +18,17 @@ Threads:
   of the rank's links (node/netcut.py, packets of its cgroup) silences it to its agent too. It
   runs under SCHED_RR where the rank may (node/priority.py): a CPU saturated by loading ranks no
   longer keeps it off the run queue for seconds.
-- agent link: reads its agent's `NewLeader` on stdin (wire/pipe.py). The controller group has a
-  new leader: the epoch in flight is aborted (a collective the dead leader's last step left waiting
-  gives up), and the main thread, back in its loop, connects its step socket and its store there
-  and registers again (join_mode "adopt") with its weights, expert slots and KV pool as they are,
+- agent link: reads its agent's `NewLeader` on stdin (wire/pipe.py), from before the weights load.
+  The controller group has a new leader: the epoch in flight is aborted (a collective the dead
+  leader's last step left waiting gives up), and the main thread, back in its loop, connects its
+  step socket and its store there and registers again (join_mode "adopt") with its weights, expert
+  slots and KV pool as they are,
   naming the sequences whose KV it holds (`HeldKV`: only positions that steps which completed
   wrote, since a step that failed is forgotten from its chunks' start): the new leader adopts it in
   a new epoch and takes that KV over for the journaled requests with those tokens. The heartbeat
-  thread beats on to the agent, which follows the leader itself.
+  thread beats on to the agent, which follows the leader itself. A rank still loading when its
+  leader died (a scale-up's joiner) tries the dead leader's store every `STORE_RETRY_S` until the
+  new leader is announced, then registers with that one instead: its load is not lost.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
 Messages of an epoch other than the current one are dropped, and so is any frame without the
@@ -38,10 +41,12 @@ import ctypes
 import dataclasses
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 
 import numpy as np
@@ -117,6 +122,8 @@ from .kv_move import move_kv
 from .overlap import forward_micro_batches
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)  # a StepResult whose plan did not ask for the load
+# between tries at a leader's store the worker sees a new leader announced (`NewLeader`) and goes there
+STORE_RETRY_S = 1.0
 PAD_SEQ = -2  # the step's padding tokens (the warm-up's dummy sequence is -1; the controller numbers from 0)
 
 
@@ -134,6 +141,10 @@ class Worker:
         self.key = key
         self.fence = TermFence()  # both threads': a deposed controller's frames are dropped on either socket
         self.inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key, args.node, self.fence)
+        self.group: EpochGroup | None = None
+        self._new_leader: WorkerLaunch | None = None  # set by the agent link, followed by the main thread
+        # before the load: a leader that changes while the weights load is followed from the store on
+        threading.Thread(target=self._agent_link, name="agent-link", daemon=True).start()
         launch = args.launch
         self.progress = ProgressBoard()
         self.ctx = zmq.Context.instance()
@@ -156,9 +167,9 @@ class Worker:
         # each sequence's tokens whose KV this rank holds, and what its decode rows leave out
         self.held = HeldSequences()
         self.slots: ExpertSlots | None = None
-        self.group: EpochGroup | None = None
         self.moe: ExpertParallelMoE | None = None
-        self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
+        # None: a new leader was announced before this one's store was reached; `run` follows it
+        self.store = self._connect_store(launch)
         self._pending: list = []
         self._load: np.ndarray | None = None  # expert load summed since it was last reported
         self._chaos: ChaosStep | None = None  # fault injection for the next step (--enable-chaos)
@@ -167,7 +178,6 @@ class Worker:
         self._slept_checksums: dict[tuple[int, int], int] = {}
         self._kv_blocks = (self.kv.num_blocks, self.kv.block_size)  # what a wake builds again
         self.held_epoch = -1  # the epoch whose slots this rank holds whole (-1: none yet, or being changed)
-        self._new_leader: WorkerLaunch | None = None  # set by the agent link, followed by the main thread
 
     def _kv_pool(self) -> tuple[KVCache, float]:
         """The rank's KV pool, sized once (model/kv_cache.py: pool_num_blocks), and the seconds
@@ -287,8 +297,8 @@ class Worker:
     def run(self) -> None:
         if self.args.launch.heartbeat_interval_s > 0:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
-        threading.Thread(target=self._agent_link, name="agent-link", daemon=True).start()
-        self._hello()
+        if self._new_leader is None:  # else the hello goes to the leader announced during the load
+            self._hello()
         while True:
             if self._new_leader is not None:
                 self._follow(self._new_leader)
@@ -358,8 +368,10 @@ class Worker:
         if launch.step_addr != old.step_addr:
             self.sock.disconnect(old.step_addr)
             self.sock.connect(launch.step_addr)
-        self.store = connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s)
         self.args = dataclasses.replace(self.args, launch=launch, join_mode="adopt")
+        self.store = self._connect_store(launch)
+        if self.store is None:  # a newer leader already: the main loop follows that one
+            return
         held = self._held_kv()
         if self.kv is not None:
             for seq_id in self.held.tokens:
@@ -368,6 +380,13 @@ class Worker:
         print(f"elastic-ep rank {self.args.rank_id}: following the new leader at {launch.step_addr}; KV held for "
               f"{len(held)} sequences ({sum(len(h.token_ids) for h in held)} positions)", file=sys.stderr, flush=True)
         self._hello(held)
+
+    def _connect_store(self, launch: WorkerLaunch) -> dist.TCPStore | None:
+        """The store of the leader `launch` names (`connect_store`), or None once a newer leader is
+        announced before it is reached: a joiner still loading when its leader died reaches the new
+        leader's store instead of waiting out the dead one's."""
+        return connect_store(launch.store_host, launch.store_port, launch.connect_timeout_s,
+                             superseded=lambda: self._new_leader is not None)
 
     def _newer_epoch_arrived(self) -> bool:
         if self._new_leader is not None:  # the leader that announced this epoch is gone
@@ -673,16 +692,30 @@ def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """The controller's TCPStore (every epoch's rendezvous). Raises ConnectionError naming the
-    address and the flag behind it when it cannot be reached within timeout_s."""
-    try:
-        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
-    except (RuntimeError, OSError) as e:
-        raise ConnectionError(
-            f"cannot reach the controller's store at {host}:{port} within {timeout_s:g}s ({e}); this host must "
-            "reach the address `elastic-ep serve` binds (--host / --advertise-host)") from None
+def connect_store(host: str, port: int, timeout_s: float, superseded: Callable[[], bool] = lambda: False,
+                  retry_s: float = STORE_RETRY_S) -> dist.TCPStore | None:
+    """The controller's TCPStore (every epoch's rendezvous; its operations time out after timeout_s),
+    tried every retry_s for up to timeout_s; None when `superseded()` holds before it is reached (that
+    controller is no longer the one to reach). Raises ConnectionError naming the address and the flag
+    behind it when it cannot be reached within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not superseded():
+        tried_at = time.monotonic()
+        try:
+            # a plain connect first: a store that is not there costs one quiet try of retry_s, where
+            # TCPStore's own retries back off for seconds (and log each one) before it gives up
+            socket.create_connection((host, port), timeout=max(min(retry_s, deadline - tried_at), 0.01)).close()
+            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=max(deadline - time.monotonic(), retry_s)))
+            store.set_timeout(timedelta(seconds=timeout_s))
+            return store
+        except (RuntimeError, OSError) as e:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"cannot reach the controller's store at {host}:{port} within {timeout_s:g}s ({e}); this host "
+                    "must reach the address `elastic-ep serve` binds (--host / --advertise-host)") from None
+            time.sleep(max(min(tried_at + retry_s, deadline) - time.monotonic(), 0))
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

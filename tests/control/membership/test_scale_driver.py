@@ -231,6 +231,23 @@ def test_a_new_leader_resumes_a_scale_up_with_the_process_the_last_one_started_a
     assert any(e["kind"] == "scale" and e.get("resumed") for e in rig.cluster.events.all())
 
 
+def test_a_resumed_scale_up_waits_for_the_joiner_still_loading_and_admits_it():
+    """Rank 5, started by the last leader's scale, still loads its weights (adopted as it runs, not
+    registered yet): the resumed scale takes it as its joiner, starts nothing and forms no epoch until
+    it registers, then admits it (not finished at the old size, the joiner left for a later rejoin)."""
+    rig = Rig()
+    rig.cluster.ranks[5] = RankInfo(5, "n0", pid=1005, status=RankStatus.STARTING)
+    last = in_flight(new_ep_size=6, new_ranks=[4, 5])
+    rig.driver.take_target(last)
+    assert rig.driver.resume(last, {"active": False}) == "resumed"
+    assert rig.driver.advance() is False and rig.driver.advance() is False
+    assert sorted(rig.driver.op.new_ranks) == [4, 5] and rig.processes.started == [] and rig.formed == []
+    assert rig.driver.status()["scale_phase"] == "waiting_for_cohort"
+    rig.register(5)
+    assert rig.driver.advance() is True and rig.formed == [(ScaleStep([0, 1, 2, 3, 4, 5]), "scale-up to 6 ranks")]
+    assert rig.driver.status()["scale_phase"] == "serving_expanded" and rig.driver.target_ep_size == 6
+
+
 def test_a_new_leader_resumes_a_scale_down_with_its_leaving_ranks_and_a_drain_with_its_node():
     rig = Rig(scale_drain_timeout_s=60.0)
     assert rig.driver.resume(in_flight(new_ep_size=3, retiring=[1], scale_phase="draining"), {}) == "resumed"

@@ -17,7 +17,9 @@ slower, up to --elastic-ep-scale-timeout.
 A new leader of a controller group takes over the last leader's target size and resumes the scale
 its cluster record shows in flight (`resume`): it asks for it again (the same size, leaving ranks
 or drained node) once its adopting epoch formed; the processes a scale-up had started were adopted
-as they run and stand by, so it takes them first and starts none again. A scale that a rolling
+as they run and stand by, so it takes them first and starts none again; one still loading its
+weights (it follows the new leader once loaded, runtime/worker.py) is a joiner of the resumed
+scale, which waits for it to register. A scale that a rolling
 restart had in flight is not resumed: the rollout ends with the takeover.
 """
 
@@ -173,6 +175,9 @@ class ScaleDriver:
                 self.drain(None, node)
             else:
                 self.request(None if leaving else size, leaving)
+                if self.op.up:  # its joiners still loading, adopted as they run, are this scale's
+                    self.op.new_ranks = [r for r in last.get("new_ranks") or [] if r in c.ranks
+                                         and r not in c.members and c.ranks[r].status == RankStatus.STARTING]
         except ScaleRejected as e:
             c.events.add(EventKind.SCALE_FAILED, f"the last leader's scale {last.get('old_ep_size')} -> {size} "
                          f"({last.get('scale_phase')}) cannot be resumed: {e}")
@@ -231,21 +236,23 @@ class ScaleDriver:
         intended = c.intended_ranks()
         if op.up:
             rank_nodes = c.rank_nodes()
+            coming = op.new_ranks  # on their way already (counted in `intended`): a resumed scale's
             count = max(op.new_ep_size - len(intended), 0)
             standbys = self.take_standbys(count)  # registered and warm: they join without a process start
             fresh = new_rank_ids(c.ranks, count - len(standbys))
             if fresh and not c.schedulable_agents():
                 self.fail(f"every node is cordoned ({sorted(c.cordoned)}); POST /uncordon one to start ranks on it")
                 return
-            op.new_ranks = standbys + fresh
+            op.new_ranks = coming + standbys + fresh
             for rank_id in fresh:
                 node = op.start_on if op.start_on in c.schedulable_agents() else \
                     agent_for_new_rank(c.schedulable_agents(), rank_nodes)
                 rank_nodes[rank_id] = node
                 self.processes.start_new_rank(rank_id, node)
             op.phase = "joining"
-            c.events.add(EventKind.SCALE, f"scale-up {op.old_ep_size} -> {op.new_ep_size}: standby ranks {standbys}, "
-                         f"starting ranks {op.new_ranks[len(standbys):]}", standbys=standbys)
+            c.events.add(EventKind.SCALE, f"scale-up {op.old_ep_size} -> {op.new_ep_size}: "
+                         + (f"ranks {coming} on their way, " if coming else "")
+                         + f"standby ranks {standbys}, starting ranks {fresh}", standbys=standbys)
         else:
             op.retiring = ranks_leaving(op, intended)
             for rank_id in op.retiring:

@@ -31,7 +31,9 @@ class ScaleOp:
     """One scale from `old_ep_size` to `new_ep_size`; `new_ranks` start (scale-up) or
     `retiring` ranks leave (scale-down): `chosen` by the caller (a drain, or a scale-down given
     its ranks), else the highest ids; `node` is the node a drain empties; `start_on` the node a
-    scale-up starts its processes on (None: the agents running the fewest ranks)."""
+    scale-up starts its processes on (None: the agents running the fewest ranks). A scale-up
+    resumed by a new leader begins with `new_ranks` set to the last leader's joiners still on
+    their way (loading); it takes standbys and starts processes only for the rest."""
 
     old_ep_size: int
     new_ep_size: int
