@@ -28,6 +28,7 @@ import httpx
 import psutil
 import pytest
 
+from elastic_ep.group.record import read_record
 from elastic_ep.group.store import GroupStore
 from elastic_ep.harness.etcd import EtcdProcess
 from elastic_ep.harness.file_opens import FileOpens

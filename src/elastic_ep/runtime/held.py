@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from elastic_ep.model.block_manager import blocks_for
 from elastic_ep.model.kv_cache import KVCache
 from elastic_ep.model.sampling import SamplingParams
-from elastic_ep.wire import KVMove, StepPlan
+from elastic_ep.wire import HeldKV, KVMove, StepPlan
 
 
 class Kept(NamedTuple):
@@ -72,6 +73,35 @@ class HeldSequences:
         for move in moves:
             if move.dst_rank == rank_id:
                 self.kept.pop(move.seq_id, None)
+
+    def held_kv(self, kv: KVCache | None) -> list[HeldKV]:
+        """Every sequence whose KV this rank holds in `kv` (None: asleep, nothing): the positions
+        written whole (a failed step's were forgotten, `forget_failed`), their tokens and blocks."""
+        if kv is None:
+            return []
+        held = []
+        for seq_id, tokens in self.tokens.items():
+            if seq_id < 0 or seq_id not in kv or seq_id not in self.prompt_lens:
+                continue
+            n = min(len(tokens), kv.length(seq_id))
+            if n:
+                held.append(HeldKV(seq_id, self.prompt_lens[seq_id], tokens[:n],
+                                   kv.block_table(seq_id)[:blocks_for(n, kv.block_size)]))
+        return held
+
+    def forget_failed(self, kv: KVCache, plan: StepPlan) -> None:
+        """A step that failed may have written its chunks' and decode rows' positions in some layers
+        only: each of its sequences holds KV up to its chunk's (row's) start from now on (a re-run
+        writes the rest again; a new leader is not offered those positions)."""
+        starts = [(c.seq_id, c.start_pos) for c in plan.chunks]
+        if plan.decode is not None:
+            starts += zip(plan.decode.seq_ids, plan.decode.positions, strict=False)
+        for seq_id, start_pos in starts:
+            tokens = self.tokens.get(seq_id)
+            if tokens is None or seq_id not in kv:
+                continue
+            del tokens[start_pos:]
+            kv.set_blocks(seq_id, kv.block_table(seq_id), num_cached=min(start_pos, kv.length(seq_id)))
 
     def runs(self, plan: StepPlan) -> list[StepRun]:
         """The plan's chunks, then its decode rows, as the forward runs them. Raises RuntimeError

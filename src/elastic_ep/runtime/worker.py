@@ -57,7 +57,6 @@ import zmq
 
 from elastic_ep import __version__
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.model.block_manager import blocks_for
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.kv_cache import KVCache, pool_num_blocks
@@ -278,22 +277,6 @@ class Worker:
                               - len(self.pad_blocks), __version__,
                               self.dense_bytes, self.progress.current.epoch, self.held_epoch, held_kv or []))
 
-    def _held_kv(self) -> list[HeldKV]:
-        """Every sequence whose KV this rank holds: the positions written whole (a failed step's were
-        forgotten, `_forget_failed`), their tokens and blocks."""
-        if self.kv is None:
-            return []
-        held = []
-        prompt_lens = self.held.prompt_lens
-        for seq_id, tokens in self.held.tokens.items():
-            if seq_id < 0 or seq_id not in self.kv or seq_id not in prompt_lens:
-                continue
-            n = min(len(tokens), self.kv.length(seq_id))
-            if n:
-                held.append(HeldKV(seq_id, prompt_lens[seq_id], tokens[:n],
-                                   self.kv.block_table(seq_id)[:blocks_for(n, self.kv.block_size)]))
-        return held
-
     def run(self) -> None:
         if self.args.launch.heartbeat_interval_s > 0:
             threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
@@ -354,7 +337,7 @@ class Worker:
         """Connect the step socket and the store to the new leader and register there again, keeping
         the weights, the slots and the KV pool; the last leader's epoch is left (its group, its pending
         orders, its sequences' numbers: the new leader numbers its own). The hello names the KV held
-        (`_held_kv`): the new leader gives the blocks of what it takes over to its own sequences (the
+        (`HeldSequences.held_kv`): the new leader gives the blocks of what it takes over to its own sequences (the
         tokens they already hold come as a prefix hit's do, `ChunkPlan.cached_token_ids`); the rest
         of the pool is free to it."""
         self._new_leader = None
@@ -372,7 +355,7 @@ class Worker:
         self.store = self._connect_store(launch)
         if self.store is None:  # a newer leader already: the main loop follows that one
             return
-        held = self._held_kv()
+        held = self.held.held_kv(self.kv)
         if self.kv is not None:
             for seq_id in self.held.tokens:
                 self.kv.free(seq_id)
@@ -528,11 +511,11 @@ class Worker:
                                                                  for r in runs], moe, plan.micro_batches,
                                            self._padding(plan.pad_tokens))
         except CollectiveError as e:
-            self._forget_failed(plan)
+            self.held.forget_failed(self.kv, plan)
             self._fail(plan, StepErrorKind.COLLECTIVE, e)
             return
         except LocalFailure as failure:
-            self._forget_failed(plan)
+            self.held.forget_failed(self.kv, plan)
             self._fail(plan, StepErrorKind.LOCAL, failure.error, failure.in_experts)
             return
         tokens, logprobs, errors = self._sample(runs, logits,
@@ -547,20 +530,6 @@ class Worker:
             c.remote_messages, c.remote_bytes, round(kv_move_s, 6),
             sum(len(r.token_ids) for r in runs) + plan.pad_tokens,
         ))
-
-    def _forget_failed(self, plan: StepPlan) -> None:
-        """A step that failed may have written its chunks' and decode rows' positions in some layers
-        only: each of its sequences holds KV up to its chunk's (row's) start from now on (a re-run
-        writes the rest again; a new leader is not offered those positions)."""
-        starts = [(c.seq_id, c.start_pos) for c in plan.chunks]
-        if plan.decode is not None:
-            starts += zip(plan.decode.seq_ids, plan.decode.positions, strict=False)
-        for seq_id, start_pos in starts:
-            tokens = self.held.tokens.get(seq_id)
-            if tokens is None or seq_id not in self.kv:
-                continue
-            del tokens[start_pos:]
-            self.kv.set_blocks(seq_id, self.kv.block_table(seq_id), num_cached=min(start_pos, self.kv.length(seq_id)))
 
     def _padding(self, num_tokens: int) -> SeqChunk | None:
         """The step's padding: `num_tokens` dummy tokens of a sequence of their own, on the pool's
