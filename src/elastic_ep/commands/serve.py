@@ -26,6 +26,7 @@ from elastic_ep.commands.straggler_options import CHOICES as STRAGGLER_CHOICES
 from elastic_ep.commands.straggler_options import STRAGGLER_HELP
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
+from elastic_ep.control.gc_policy import tune_for_serving
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
@@ -346,6 +347,9 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("--enable-chaos: fault injection is open: anyone who reaches http://%s:%d can kill, stop, slow "
                        "and corrupt ranks through POST /chaos/*; never serve traffic like this", cfg.host,
                        http_socket.getsockname()[1])
+    # the controller and the app are built, nothing runs yet: start-up's objects are frozen, out of
+    # every collection, and the control thread's full collections stay rare (control/gc_policy.py)
+    tune_for_serving()
     agent_stop = threading.Event()
     agent_thread = threading.Thread(name="agent", daemon=True)
     if local_ranks:
