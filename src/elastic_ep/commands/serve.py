@@ -131,6 +131,11 @@ HELP = {
                                 "exit is still seen at once)",
     "watchdog_floor_s": "least time a rank may lag the others into a collective",
     "watchdog_multiple": "lag allowed as a multiple of the median recent step time",
+    "result_timeout_floor_s": "least time after a step was sent before a member's missing answer (with its "
+                              "heartbeats saying it is not inside the step) is asked for again",
+    "result_timeout_multiple": "a missing answer is asked for again after this multiple of the median recent step "
+                               "time, and never before the result timeout floor",
+    "resend_timeout_s": "a rank asked to send its answer again that does not answer within this is a fault",
     "fence_timeout_s": "wait for an agent to confirm a kill",
     "drain_timeout_s": "wait for the other ranks to leave a failed step",
     "epoch_timeout_s": "wait for a new epoch to form and move its experts",

@@ -62,6 +62,12 @@ class ServeConfig:
     load_heartbeat_timeout_s: float = 30.0
     watchdog_floor_s: float = 1.0
     watchdog_multiple: float = 10.0
+    # a member's answer to a step, missing this long after the step was sent (with its heartbeats
+    # saying it is not inside the step), is asked for again: max(floor, multiple x median recent
+    # step); twice the watchdog's floor, so that a slow step is never taken for a lost answer
+    result_timeout_floor_s: float = 2.0
+    result_timeout_multiple: float = 10.0
+    resend_timeout_s: float = 1.0  # a rank asked to resend that does not answer within this is a fault
     fence_timeout_s: float = 5.0
     drain_timeout_s: float = 5.0
     epoch_timeout_s: float = 30.0
