@@ -22,9 +22,9 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
 --gc default|tuned sets this process's garbage collector before anything is built: CPython's
 defaults, or what `elastic-ep serve` sets at start-up (control/gc_policy.py). --gc-tail instead
 runs schedule + commit at 256 ranks x 64 decoding sequences of 1,024-token prompts step after step
-with each policy (a child process each, one after the other) and prints, side by side, the p50,
-p99 and max CPU ms per step and the full collections run: a full collection walks every sequence
-in flight on the control thread, and shows in the tail, not in the mean.
+with each policy (a child process each, one after the other) and prints, side by side, the mean,
+p50, p99 and max CPU ms per step and the full collections run: a full collection walks every
+sequence in flight on the control thread, so it shows in the tail, not in the median.
 
 With --baseline REV the same script runs again on the `src` of git revision REV (a child
 process), and the table has both, side by side. Best of --repeat runs of each.
@@ -165,12 +165,13 @@ def rank_heartbeats_us(per_node: int, ranks: int = 64, frames: int = 8_000) -> f
     return 1e6 * cpu / (frames * per_node)
 
 
-def decoding_scheduler(ranks: int, seqs_per_rank: int, prompt_len: int) -> Scheduler:
+def decoding_scheduler(ranks: int, seqs_per_rank: int, prompt_len: int, grow_tokens: int = 48) -> Scheduler:
     """A scheduler over `ranks` ranks, `seqs_per_rank` requests on each (one in all for 0) of
-    `prompt_len`-token prompts of their own, that never finish."""
+    `prompt_len`-token prompts of their own, that never finish, with KV blocks for `grow_tokens`
+    more tokens each (past them the pool is full and preemptions begin)."""
     n = max(ranks * seqs_per_rank, 1)
     s = Scheduler(max_num_seqs=max(seqs_per_rank, 1), max_num_batched_tokens=1 << 20, align=AlignRule(),
-                  num_blocks=max(seqs_per_rank, 1) * (prompt_len // 16 + 4) + 16)  # 16-token blocks, 48 tokens to grow
+                  num_blocks=max(seqs_per_rank, 1) * (prompt_len // 16 + 1 + grow_tokens // 16) + 16)  # 16-token blocks
     s.set_ranks(list(range(ranks)))
     for i in range(n):
         prompt = [2 + (i * 7919 + j) % 30_000 for j in range(prompt_len)]  # its own: no prefix hit
@@ -239,9 +240,10 @@ def plans_ms(ranks: int = 256, seqs_per_rank: int = 64, prompt_len: int = 1024, 
 
 
 def step_tail_ms(steps: int, ranks: int = 256, seqs_per_rank: int = 64, prompt_len: int = 1024) -> dict:
-    """CPU ms per step of schedule + commit (p50, p99, max over `steps` decode steps after 5 of
-    warm-up) and the full (generation 2) collections run during them."""
-    s = decoding_scheduler(ranks, seqs_per_rank, prompt_len)
+    """CPU ms per step of schedule + commit (mean, p50, p99, max over `steps` decode steps after 5 of
+    warm-up, every one a decode: the pool holds them all) and the full (generation 2) collections
+    run during them."""
+    s = decoding_scheduler(ranks, seqs_per_rank, prompt_len, grow_tokens=steps + 5 + 16)
     for _ in range(5):
         batch = s.schedule()
         s.commit(batch, sampled_of(batch))
@@ -251,8 +253,9 @@ def step_tail_ms(steps: int, ranks: int = 256, seqs_per_rank: int = 64, prompt_l
         batch = s.schedule()
         s.commit(batch, sampled_of(batch))
         times.append(1000 * (time.process_time() - cpu0))
+        assert not batch.preempted, "the pool filled: the steps are no longer all decodes"
     p50, p99 = np.percentile(times, [50, 99])
-    return {"p50 ms": p50, "p99 ms": p99, "max ms": max(times),
+    return {"mean ms": float(np.mean(times)), "p50 ms": p50, "p99 ms": p99, "max ms": max(times),
             "full collections": gc.get_stats()[2]["collections"] - full0}
 
 
