@@ -2,8 +2,8 @@
 
 The control thread holds every sequence in flight (its prompt, its tokens, its blocks): at 256
 ranks x 64 sequences that is millions of long-lived objects. CPython's full collection walks all
-of them, and with the default thresholds it runs every few dozen steps, each time on the control
-thread in the middle of a step, so that step takes about twice as long as the others
+of them, and with the default thresholds it ran about every 13 steps there, each time on the
+control thread in the middle of a step, which then took several times a median step
 (docs/BENCHMARKS.md, "The controller's garbage collector"). Almost nothing the control plane
 allocates forms reference cycles (messages, plans and tokens are freed by reference counting), so
 collecting rarely loses little memory and takes the pause off the step path.
