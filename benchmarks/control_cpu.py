@@ -19,6 +19,13 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   step summed over the 256: each worker pays 1/256 of it), and their bytes per rank;
 - detector: one heartbeat and watchdog check over N ranks (50 a second while a step runs), ms.
 
+--gc default|tuned sets this process's garbage collector before anything is built: CPython's
+defaults, or what `elastic-ep serve` sets at start-up (control/gc_policy.py). --gc-tail instead
+runs schedule + commit at 256 ranks x 64 decoding sequences of 1,024-token prompts step after step
+with each policy (a child process each, one after the other) and prints, side by side, the mean,
+p50, p99 and max CPU ms per step and the full collections run: a full collection walks every
+sequence in flight on the control thread, so it shows in the tail, not in the median.
+
 With --baseline REV the same script runs again on the `src` of git revision REV (a child
 process), and the table has both, side by side. Best of --repeat runs of each.
 """
@@ -26,6 +33,7 @@ process), and the table has both, side by side. Best of --repeat runs of each.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -42,6 +50,7 @@ from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.control_plane import ControlPlane
 from elastic_ep.control.controller import Controller
 from elastic_ep.control.faults.detector import FaultDetector
+from elastic_ep.control.gc_policy import tune_for_serving
 from elastic_ep.control.ranks import AgentInfo, RankInfo, RankStatus
 from elastic_ep.control.serving.alignment import AlignRule
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
@@ -156,12 +165,13 @@ def rank_heartbeats_us(per_node: int, ranks: int = 64, frames: int = 8_000) -> f
     return 1e6 * cpu / (frames * per_node)
 
 
-def decoding_scheduler(ranks: int, seqs_per_rank: int, prompt_len: int) -> Scheduler:
+def decoding_scheduler(ranks: int, seqs_per_rank: int, prompt_len: int, grow_tokens: int = 48) -> Scheduler:
     """A scheduler over `ranks` ranks, `seqs_per_rank` requests on each (one in all for 0) of
-    `prompt_len`-token prompts of their own, that never finish."""
+    `prompt_len`-token prompts of their own, that never finish, with KV blocks for `grow_tokens`
+    more tokens each (past them the pool is full and preemptions begin)."""
     n = max(ranks * seqs_per_rank, 1)
     s = Scheduler(max_num_seqs=max(seqs_per_rank, 1), max_num_batched_tokens=1 << 20, align=AlignRule(),
-                  num_blocks=max(seqs_per_rank, 1) * (prompt_len // 16 + 4) + 16)  # 16-token blocks, 48 tokens to grow
+                  num_blocks=max(seqs_per_rank, 1) * (prompt_len // 16 + 1 + grow_tokens // 16) + 16)  # 16-token blocks
     s.set_ranks(list(range(ranks)))
     for i in range(n):
         prompt = [2 + (i * 7919 + j) % 30_000 for j in range(prompt_len)]  # its own: no prefix hit
@@ -229,6 +239,26 @@ def plans_ms(ranks: int = 256, seqs_per_rank: int = 64, prompt_len: int = 1024, 
     return {"sealed": 1000 * seal_s / steps, "read": 1000 * read_s / steps, "bytes": nbytes / steps / ranks}
 
 
+def step_tail_ms(steps: int, ranks: int = 256, seqs_per_rank: int = 64, prompt_len: int = 1024) -> dict:
+    """CPU ms per step of schedule + commit (mean, p50, p99, max over `steps` decode steps after 5 of
+    warm-up, every one a decode: the pool holds them all) and the full (generation 2) collections
+    run during them."""
+    s = decoding_scheduler(ranks, seqs_per_rank, prompt_len, grow_tokens=steps + 5 + 16)
+    for _ in range(5):
+        batch = s.schedule()
+        s.commit(batch, sampled_of(batch))
+    full0, times = gc.get_stats()[2]["collections"], []
+    for _ in range(steps):
+        cpu0 = time.process_time()
+        batch = s.schedule()
+        s.commit(batch, sampled_of(batch))
+        times.append(1000 * (time.process_time() - cpu0))
+        assert not batch.preempted, "the pool filled: the steps are no longer all decodes"
+    p50, p99 = np.percentile(times, [50, 99])
+    return {"mean ms": float(np.mean(times)), "p50 ms": p50, "p99 ms": p99, "max ms": max(times),
+            "full collections": gc.get_stats()[2]["collections"] - full0}
+
+
 def detector_ms(ranks: int, checks: int = 50) -> float:
     """CPU ms of one detector check (heartbeats and watchdog) over `ranks` serving ranks."""
     cfg = ServeConfig(model_dir="unused", model_name="unused", ep_size=ranks)
@@ -270,7 +300,20 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--baseline", default=None, metavar="REV", help="also measure git revision REV's src")
     parser.add_argument("--json", action="store_true", help="print this tree's figures as JSON (for --baseline)")
+    parser.add_argument("--gc", choices=["default", "tuned"], default="default",
+                        help="this process's garbage collector: CPython's defaults or serve's (control/gc_policy.py)")
+    parser.add_argument("--gc-tail", type=int, default=0, metavar="STEPS",
+                        help="instead of the table: STEPS steps of schedule + commit at 256 x 64 with each --gc, "
+                             "side by side (0: the table)")
     args = parser.parse_args()
+    if args.gc == "tuned":
+        tune_for_serving()
+    if args.gc_tail and args.json:
+        print(json.dumps(step_tail_ms(args.gc_tail)))
+        return
+    if args.gc_tail:
+        print_gc_tail(args.gc_tail)
+        return
     after = measure(args.repeat)
     if args.json:
         print(json.dumps(after))
@@ -300,6 +343,22 @@ def main() -> None:
         if single and node:
             print(f"| rank heartbeat through the controller, {names[0]} (1 per frame) / this tree (8 per frame) "
                   f"| {single:.2f} | {node:.2f} | {single / node:.2f}x |")
+
+
+def print_gc_tail(steps: int) -> None:
+    """The step tail with each collector policy, each measured in a child process of its own."""
+    columns = {}
+    for policy in ("default", "tuned"):
+        done = subprocess.run([sys.executable, __file__, "--json", "--gc", policy, "--gc-tail", str(steps)],
+                              check=True, capture_output=True, text=True)
+        columns[policy] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"| schedule + commit, 256 ranks x 64 decoding, {steps} steps | default GC | tuned GC | ratio |")
+    print("|---|---|---|---|")
+    for what, default in columns["default"].items():
+        tuned = columns["tuned"][what]
+        ratio = f"{default / tuned:.2f}x" if tuned and what != "full collections" else ""
+        print(f"| {what} | {default:.1f} | {tuned:.1f} | {ratio} |" if what != "full collections"
+              else f"| {what} | {default} | {tuned} | |")
 
 
 if __name__ == "__main__":

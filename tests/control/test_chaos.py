@@ -1,6 +1,7 @@
 """Fault injection (control/chaos.py) as the step loop's hook: a step gets a `ChaosStep` only on a
 rank that has something injected, with the delay, the rank's failure and the poisoned sequences
-of that rank's chunks; a rank fenced and started again comes back clean."""
+of that rank's chunks; a lost answer is one step's only; a rank fenced and started again comes
+back clean."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 from control_standins import Plane, cluster_of
 
 from elastic_ep.control.chaos import ChaosInjector
-from elastic_ep.control.facade.to_loop import PoisonRank, PoisonRequest, SignalRank, SlowRank
+from elastic_ep.control.facade.to_loop import LoseResult, PoisonRank, PoisonRequest, SignalRank, SlowRank
 from elastic_ep.control.serving.scheduler import StepBatch
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.wire import ChaosStep, ChunkPlan
@@ -52,6 +53,14 @@ def test_only_ranks_with_something_injected_get_a_chaos_step():
                                                    1: ChaosStep(0, 2, delay_s=0.5),
                                                    2: ChaosStep(0, 2, fail_at="local")}
     assert chaos.slow_delays() == {1: 0.5}
+
+
+def test_a_lost_answer_is_of_the_next_step_only():
+    _, plane, _, _, chaos = rig()
+    chaos.run(LoseResult(2))
+    for step in (1, 2):
+        chaos.before_step(0, step, StepBatch({}, {}), [0, 1, 2])
+    assert plane.to_workers == [(2, ChaosStep(0, 1, lose_result=True))]
 
 
 def test_a_rank_started_again_comes_back_clean():

@@ -230,6 +230,29 @@ def test_slow_rank_and_a_short_stop_are_not_declared_dead(server):
     assert not [e for e in after["events"] if e["kind"] == "fault" and e["time_s"] > before["events"][-1]["time_s"]]
 
 
+def lost_results(server, outcome: str) -> float:
+    families = text_string_to_metric_families(server.http.get("/metrics").text)
+    return sum(s.value for f in families if f.name == "elastic_ep_lost_step_results" for s in f.samples
+               if s.name.endswith("_total") and s.labels["outcome"] == outcome)
+
+
+def test_a_lost_step_answer_is_asked_for_again_and_the_output_is_exact(server):
+    """Rank 2 runs a step but its StepResult never reaches the controller, every rank heartbeating:
+    past the result deadline the controller asks for it again, the rank sends the answer it kept,
+    and the streams go on in the same epoch with the fault-free output."""
+    before = full_group(server)
+    resent = lost_results(server, "resent")
+    texts, _ = streams_with_fault(server, lambda: server.http.post("/chaos/lose", json={"rank_id": 2})
+                                  .raise_for_status())
+    assert texts == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    assert lost_results(server, "resent") == resent + 1
+    after = server.cluster()
+    assert after["epoch"] == before["epoch"]  # no recovery: nothing was recomputed
+    since = before["events"][-1]["time_s"]
+    assert [e["ranks"] for e in after["events"] if e["kind"] == "resend" and e["time_s"] > since] == [[2]]
+    assert not [e for e in after["events"] if e["kind"] == "fault" and e["time_s"] > since]
+
+
 def test_too_few_ranks_not_ready_then_503_then_service_returns_by_itself(server):
     full_group(server)
     pids = server.pids()

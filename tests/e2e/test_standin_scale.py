@@ -1,15 +1,16 @@
 """A real `elastic-ep serve` controller with 192 stand-in ranks (harness/standin.py: 24 nodes in 3
-processes, the real wire protocol, no model; a DeepSeek-V3-shaped config with tiny tensors):
-while it streams completions, one rank is killed and another stopped (SIGSTOP) through /chaos;
-each is named by the signal that should catch it (the agent's exit report for the kill, the
-heartbeats or the watchdog for the stop, only after the stop was sent), the group forms a new
-epoch without them, the streams finish, and no other rank is ever named (no false fault at this
-size). How fast each is found is the benchmark's to say (benchmarks/control_plane.py), not this
-test's: on this shared 2-core machine a stand-in process can wait seconds for a core. The
-deadlines leave room for that wait (--heartbeat-timeout-s 2, --agent-timeout-s 5,
---watchdog-floor-s 5: with the watchdog's 1 s floor, the ranks of a stand-in process that waited
-over a second for a core were all named hung at once), so that a starved stand-in process is less
-often a false fault."""
+processes, the real wire protocol, no model; a DeepSeek-V3-shaped config with tiny tensors): while
+it streams completions, one rank is killed and another stopped (SIGSTOP) through /chaos; each is
+named by the signal that should catch it (the agent's exit report for the kill, the heartbeats or
+the watchdog for the stop, only after the stop was sent), the group forms a new epoch without them,
+the streams finish, and no other rank is ever named (no false fault at this size); the answers of
+two ranks to a step are lost on the way (/chaos/lose) and asked for again, and the streams go on in
+the same epoch, with no fault. How fast each is found is the benchmark's to say
+(benchmarks/control_plane.py), not this test's: on this shared 2-core machine a stand-in process can
+wait seconds for a core. The deadlines leave room for that wait (--heartbeat-timeout-s 2,
+--agent-timeout-s 5, --watchdog-floor-s 5: with the watchdog's 1 s floor, the ranks of a stand-in
+process that waited over a second for a core were all named hung at once), so that a starved
+stand-in process is less often a false fault."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ep.harness.load import StreamingLoad
 from elastic_ep.harness.standin import standin_model
@@ -130,3 +132,35 @@ def test_kill_and_stop_among_192_standins(cluster):
         load.stop()
     assert load.done > 0 and not load.failures, load.failures[:3]
     assert sorted(e["rank_id"] for e in faults(server)) == [killed, stopped]
+
+
+def lost_results(server: Server, outcome: str) -> float:
+    families = text_string_to_metric_families(server.http.get("/metrics").text)
+    return sum(s.value for f in families if f.name == "elastic_ep_lost_step_results" for s in f.samples
+               if s.name.endswith("_total") and s.labels["outcome"] == outcome)
+
+
+def test_lost_step_answers_are_asked_for_again_among_the_standins(cluster):
+    server = cluster
+    before = server.cluster()
+    lose = [before["members"][5], before["members"][-3]]
+    resent = lost_results(server, "resent")
+    load = StreamingLoad(server.url, threads=4, max_tokens=24)
+    load.start()
+    try:
+        time.sleep(1.0)
+        t0 = time.time()
+        for rank_id in lose:
+            assert server.http.post("/chaos/lose", json={"rank_id": rank_id}).status_code == 200
+        deadline = time.monotonic() + 60
+        while not set(lose) <= {r for e in events(server, "resend") if e["time_s"] > t0 for r in e["ranks"]}:
+            assert time.monotonic() < deadline, "the lost answers were not asked for again within 60 s"
+            time.sleep(0.1)
+        time.sleep(1.0)
+    finally:
+        load.stop()
+    assert load.done > 0 and not load.failures, load.failures[:3]
+    after = server.cluster()
+    assert after["epoch"] == before["epoch"] and after["members"] == before["members"]  # no recovery
+    assert lost_results(server, "resent") >= resent + len(lose)
+    assert not [e for e in faults(server) if e["time_s"] > t0]

@@ -31,6 +31,7 @@ from elastic_ep.wire import (
     NodeHeartbeat,
     Progress,
     RankBeat,
+    ResendResult,
     SlotSource,
     StepErrorKind,
     StepFailed,
@@ -72,6 +73,9 @@ def test_step_messages_round_trip_with_their_arrays():
     assert np.array_equal(got.phy2log, start.phy2log) and got.sources == start.sources
     failed = StepFailed(1, 2, 3, "boom", StepErrorKind.LOCAL, True)
     assert Inbox("t_step", STEP_TO_CONTROLLER, KEY).read(KEY.seal(failed)).kind is StepErrorKind.LOCAL
+    not_run = StepFailed(1, 2, 3, "never ran epoch 1 step 2", StepErrorKind.NOT_RUN)
+    assert Inbox("t_step", STEP_TO_CONTROLLER, KEY).read(KEY.seal(not_run)).kind is StepErrorKind.NOT_RUN
+    assert Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(ResendResult(1, 2))) == ResendResult(1, 2)
 
 
 def test_an_epoch_start_carries_its_slot_map_in_the_narrowest_type_that_holds_the_experts():

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kill (SIGKILL), hang (SIGSTOP), resume (SIGCONT), slow (add delay_s per step), corrupt (overwrite "
              "one of its expert slots: --layer, --slot, default its first), poison (with --request-id: that "
              "request's steps raise on its rank; with RANK: every step of the rank raises), cut (drop every packet "
-             "of the rank's process, or with --node of a whole node; --duration-s to heal by itself), heal",
+             "of the rank's process, or with --node of a whole node; --duration-s to heal by itself), heal, lose (the "
+             "rank's answer to the next step is lost on the way: the controller asks for it again)",
     )
     parser.add_argument("rank", type=int, nargs="?", help="rank_id, as listed by GET /cluster")
     parser.add_argument("--delay-s", type=float, default=None,

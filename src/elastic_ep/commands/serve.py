@@ -26,6 +26,7 @@ from elastic_ep.commands.straggler_options import CHOICES as STRAGGLER_CHOICES
 from elastic_ep.commands.straggler_options import STRAGGLER_HELP
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
+from elastic_ep.control.gc_policy import tune_for_serving
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.model.tiny import resolve_model
 from elastic_ep.model.tokenizer import load_tokenizer
@@ -130,6 +131,11 @@ HELP = {
                                 "exit is still seen at once)",
     "watchdog_floor_s": "least time a rank may lag the others into a collective",
     "watchdog_multiple": "lag allowed as a multiple of the median recent step time",
+    "result_timeout_floor_s": "least time after a step was sent before a member's missing answer (with its "
+                              "heartbeats saying it is not inside the step) is asked for again",
+    "result_timeout_multiple": "a missing answer is asked for again after this multiple of the median recent step "
+                               "time, and never before the result timeout floor",
+    "resend_timeout_s": "a rank asked to send its answer again that does not answer within this is a fault",
     "fence_timeout_s": "wait for an agent to confirm a kill",
     "drain_timeout_s": "wait for the other ranks to leave a failed step",
     "epoch_timeout_s": "wait for a new epoch to form and move its experts",
@@ -347,6 +353,9 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("--enable-chaos: fault injection is open: anyone who reaches http://%s:%d can kill, stop, slow "
                        "and corrupt ranks through POST /chaos/*; never serve traffic like this", cfg.host,
                        http_socket.getsockname()[1])
+    # the controller and the app are built, nothing runs yet: start-up's objects are frozen, out of
+    # every collection, and the control thread's full collections stay rare (control/gc_policy.py)
+    tune_for_serving()
     agent_stop = threading.Event()
     agent_thread = threading.Thread(name="agent", daemon=True)
     if local_ranks:

@@ -33,6 +33,7 @@ from tokenizers import Tokenizer
 from elastic_ep.commands.http_server import run_http
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
+from elastic_ep.control.gc_policy import tune_for_serving
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.group.adopted import AdoptedRequests
 from elastic_ep.group.election import Election, Role
@@ -215,6 +216,7 @@ def serve_in_group(args: argparse.Namespace, cfg: ServeConfig, key: ClusterKey, 
                threading.Thread(target=lead, name="takeover", daemon=True), copying,
                threading.Thread(target=records.run, args=(standing_by, 0.2), name="cluster-record-reader",
                                 daemon=True)]
+    tune_for_serving()  # the controller and the app are built, no thread runs yet (control/gc_policy.py)
     for t in threads:
         t.start()
     logger.info("group %s through etcd %s: %s on %s stands by until elected", args.ha_group, args.etcd, args.node,

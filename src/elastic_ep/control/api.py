@@ -125,7 +125,9 @@ class ChaosOrder:
     `request_id`, running or yet to come, raises on its rank, in `phase`: its local computation,
     its experts, or its sampling; without `request_id` every step of rank `rank_id` raises: a
     broken rank), cut (drop every packet of the rank's process, or with `node` of a whole
-    `elastic-ep agent` node, healing by itself after `duration_s`), heal (undo a cut).
+    `elastic-ep agent` node, healing by itself after `duration_s`), heal (undo a cut), lose (the
+    rank's answer to the next step is lost on the way: it runs the step, keeps the answer and sends
+    it only when the controller asks again).
     `at_next_epoch`: for kill and hang, act
     right after the next epoch is announced, so the fault lands while that epoch forms."""
 
@@ -141,7 +143,7 @@ class ChaosOrder:
     duration_s: float = 0.0
 
 
-CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt", "poison", "cut", "heal")
+CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt", "poison", "cut", "heal", "lose")
 
 
 @dataclass

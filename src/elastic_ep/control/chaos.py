@@ -7,7 +7,8 @@ the next epoch is announced (a fault that lands during a recovery); slowness is 
 step of the rank; corruption overwrites an expert slot in place; a poisoned request makes each
 step it runs in raise on its rank, as a request that breaks a step would, and a poisoned rank
 raises in every step; a cut drops every packet of a rank's process, or of a whole node, in the
-kernel (node/netcut.py). Slowness and a poisoned rank hold for the process they were set on: a
+kernel (node/netcut.py); a lost answer is one step's `StepResult` the rank keeps but does not
+send (the controller's resend finds it). Slowness and a poisoned rank hold for the process they were set on: a
 rank fenced and started again comes back clean. They reach the rank as a `ChaosStep` sent just
 before the step's plan, only to the ranks that have something injected.
 """
@@ -27,6 +28,7 @@ from .facade.to_loop import (
     ChaosCommand,
     CorruptExpertSlot,
     CutNetwork,
+    LoseResult,
     PoisonRank,
     PoisonRequest,
     SignalRank,
@@ -57,6 +59,7 @@ class ChaosInjector:
         self.poisons: list[PoisonRequest] = []  # also for requests that arrive later
         self._slow: dict[int, tuple[int | None, float]] = {}  # rank -> (pid it was set on, seconds per step)
         self._broken: dict[int, tuple[int | None, str]] = {}  # rank -> (pid, where every step of it raises)
+        self._lose: set[int] = set()  # ranks whose answer to the next step is lost
 
     def slow_delays(self) -> dict[int, float]:
         """Injected seconds per step of each rank's current process, for /cluster."""
@@ -71,8 +74,10 @@ class ChaosInjector:
             fail_at = broken[1] if broken is not None and self._current(rank_id, broken[0]) else ""
             poisoned = {seq_id: phase for seq_id in batch.seq_ids_on(rank_id)
                         if (phase := self._poison_of(seq_id))}
-            if delay_s or fail_at or poisoned:
-                self.plane.to_worker(rank_id, ChaosStep(epoch, step, delay_s, fail_at, poisoned))
+            lose = rank_id in self._lose
+            self._lose.discard(rank_id)
+            if delay_s or fail_at or poisoned or lose:
+                self.plane.to_worker(rank_id, ChaosStep(epoch, step, delay_s, fail_at, poisoned, lose))
 
     def run(self, cmd: ChaosCommand) -> None:
         c = self.cluster
@@ -91,6 +96,9 @@ class ChaosInjector:
             self.plane.to_worker(cmd.rank_id, CorruptSlot(c.epoch, cmd.layer, cmd.slot))
             c.events.add(EventKind.CHAOS, f"corrupted layer {cmd.layer} slot {cmd.slot} of rank {cmd.rank_id}",
                          cmd.rank_id, layer=cmd.layer, slot=cmd.slot)
+        elif isinstance(cmd, LoseResult):
+            self._lose.add(cmd.rank_id)
+            c.events.add(EventKind.CHAOS, f"rank {cmd.rank_id}'s answer to the next step will be lost", cmd.rank_id)
         elif isinstance(cmd, PoisonRank):
             self._broken[cmd.rank_id] = (self._pid(cmd.rank_id), cmd.phase)
             c.events.add(EventKind.CHAOS, f"every step of rank {cmd.rank_id} raises in {cmd.phase}", cmd.rank_id)

@@ -62,6 +62,13 @@ class ServeConfig:
     load_heartbeat_timeout_s: float = 30.0
     watchdog_floor_s: float = 1.0
     watchdog_multiple: float = 10.0
+    # a member's answer to a step, missing this long after the step was sent (with its heartbeats
+    # saying it is not inside the step), is asked for again: max(floor, multiple x median recent
+    # step), well above a slow step, whose ranks are inside it anyway and never asked; the floor is
+    # what a lost answer pauses the group
+    result_timeout_floor_s: float = 2.0
+    result_timeout_multiple: float = 10.0
+    resend_timeout_s: float = 1.0  # a rank asked to resend that does not answer within this is a fault
     fence_timeout_s: float = 5.0
     drain_timeout_s: float = 5.0
     epoch_timeout_s: float = 30.0

@@ -50,13 +50,14 @@ class EventKind(str, Enum):
     SLEEP = "sleep"  # the group fell asleep or woke (memory given back per rank)
     WARMUP = "warmup"  # the readiness gate's warm-up ran (shapes, slots that computed per rank)
     ROLLOUT = "rollout"  # a rolling restart started, replaced a rank, or ended
+    RESEND = "resend"  # a step's answer missing past the result deadline was asked for again (ResendResult)
     FATAL = "fatal"  # the control loop stopped
 
 
 WARNING_KINDS = frozenset({
     EventKind.FAULT, EventKind.FENCING, EventKind.FENCE_TIMEOUT, EventKind.EPOCH_FAILED, EventKind.VERIFY_FAILED,
     EventKind.DEGRADED, EventKind.REQUEST_ERROR, EventKind.BACKUP_LOST, EventKind.SCALE_FAILED, EventKind.CHAOS,
-    EventKind.STALLED, EventKind.STRAGGLER, EventKind.HARDWARE, EventKind.REFUSED,
+    EventKind.STALLED, EventKind.STRAGGLER, EventKind.HARDWARE, EventKind.REFUSED, EventKind.RESEND,
 })
 logger = logging.getLogger("elastic_ep.events")
 

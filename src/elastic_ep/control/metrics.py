@@ -164,6 +164,13 @@ class ClusterMetrics:
             "elastic_ep_failed_steps", "Steps dropped because a rank's own computation failed (ranks alive)",
             registry=registry,
         )
+        self.lost_results = Counter(
+            "elastic_ep_lost_step_results", "Step answers missing past the result deadline with the rank not "
+            "inside the step, by outcome: resent (an answer came after the ask: the kept one sent again, or the "
+            "first one late), not_run (its plan was lost: the step is run again), unanswered (no answer to the "
+            "resend either: a fault of the rank)",
+            ["outcome"], registry=registry,
+        )
         self.epoch = Gauge("elastic_ep_epoch", "Current membership epoch", registry=registry)
         self.live_ranks = Gauge("elastic_ep_live_ranks", "Ranks serving in the current epoch", registry=registry)
         self.eplb_rebalances = Counter(

@@ -14,8 +14,9 @@ beat, as `elastic-ep agent` does with its workers' beats), forms each epoch
 disk, or `EpochFailed` when asked to keep a group it has not got), answers `SweepSlots`, and
 answers each `StepPlan` after `--step-ms` (plus `--jitter-ms` drawn per step, plus `--slow
 RANK:MS`) with a `StepResult` of the real shape: a token per sampled chunk, timings, and the
-expert load of its tokens at the model's size. There is no data plane and no model: the
-checkpoint is only read for its config.
+expert load of its tokens at the model's size; it keeps that answer and sends it again on
+`ResendResult` (a `ChaosStep` with `lose_result` has it not sent the first time). There is no
+data plane and no model: the checkpoint is only read for its config.
 
 Faults arrive as they do for real ranks, through the agent (`/chaos/kill`, `/chaos/hang`,
 `/chaos/resume` send `SignalWorker`): SIGKILL stops a rank's messages and its agent reports
@@ -77,11 +78,13 @@ from elastic_ep.wire import (
     NodeHeartbeat,
     Progress,
     RankBeat,
+    ResendResult,
     SessionEnded,
     Shutdown,
     SignalWorker,
     SlotChecksums,
     StartWorker,
+    StepErrorKind,
     StepFailed,
     StepPlan,
     StepResult,
@@ -185,6 +188,8 @@ class StandInRank:
         self.first_beat: float | None = None  # monotonic time of its first heartbeat (None: not beating)
         self.stopped_at = 0.0
         self.delay_s: dict[tuple[int, int], float] = {}  # (epoch, step) -> injected delay (ChaosStep)
+        self.lose: tuple[int, int] | None = None  # (epoch, step) whose answer is lost on the way (ChaosStep)
+        self.answer: StepResult | StepFailed | None = None  # of its last step, sent again on ResendResult
         self.pending: tuple[int, int] | None = None  # (epoch, step) of the step it has not answered yet
         self.load: np.ndarray | None = None  # expert load since it was last reported
         self.step_sock = None
@@ -255,7 +260,20 @@ class StandInRank:
         if self.pending is not None and self.pending[0] == epoch:
             step = self.pending[1]
             self.pending = None
-            self.send(StepFailed(epoch, step, self.rank_id, "CollectiveError: the epoch was aborted"))
+            self.answer = StepFailed(epoch, step, self.rank_id, "CollectiveError: the epoch was aborted")
+            self.send(self.answer)
+
+    def _resend(self, msg: ResendResult) -> None:
+        """As a real rank: its kept answer when it is of (epoch, step), `StepFailed` NOT_RUN when it
+        never got that plan; nothing while it still runs that step (it answers when done)."""
+        if self.pending == (msg.epoch, msg.step):
+            return
+        last = self.answer
+        if last is not None and (last.epoch, last.step) == (msg.epoch, msg.step):
+            self.send(last)
+        else:
+            self.send(StepFailed(msg.epoch, msg.step, self.rank_id, f"never ran epoch {msg.epoch} step {msg.step} "
+                                 "(its plan did not arrive)", StepErrorKind.NOT_RUN))
 
     # ---- messages ----------------------------------------------------------------------------
 
@@ -271,6 +289,9 @@ class StandInRank:
                 self._start_epoch(msg)
         elif isinstance(msg, ChaosStep):
             self.delay_s = {(msg.epoch, msg.step): msg.delay_s}
+            self.lose = (msg.epoch, msg.step) if msg.lose_result else None
+        elif isinstance(msg, ResendResult):
+            self._resend(msg)
         elif isinstance(msg, WarmUp):  # every slot of a stand-in "computes" at once
             if msg.epoch == self.epoch and self.slots is not None:
                 self.send(WarmedUp(msg.epoch, self.rank_id, list(msg.shapes), int(self.slots.size), 0.0))
@@ -340,8 +361,10 @@ class StandInRank:
             self.pending = None
             step_s = time.monotonic() - received
             self.progress = Progress(plan.epoch, plan.step, -1, "idle", self.seq, time.time())
-            self.send(StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, step_s, 0.0, 0.0, load,
-                                 n_tokens * self.agent.top_k, {}, shape=n_tokens + plan.pad_tokens))
+            self.answer = StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, step_s, 0.0, 0.0, load,
+                                     n_tokens * self.agent.top_k, {}, shape=n_tokens + plan.pad_tokens)
+            if self.lose != (plan.epoch, plan.step):
+                self.send(self.answer)
         self.agent.host.timers.at(received + due_s, answer)
 
 

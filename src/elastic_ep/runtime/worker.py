@@ -5,6 +5,7 @@ Threads:
   (form the group or keep it, fill the expert slots, checksum the ones it filled, report),
   `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling; the
   sequences' state between steps, and the compact decode rows that rely on it, in held.py),
+  `ResendResult` (the answer of its last step sent again, when the controller never got it),
   `SweepSlots` (checksum a few slots between steps), `WarmUp` (the readiness gate: every
   batch shape through the epoch's MoE, with a token on every slot), `SleepRank` / `WakeRank` (free the KV
   cache, and at level 2 the weights, then build them again), and from a server with
@@ -82,6 +83,7 @@ from elastic_ep.wire import (
     HeldKV,
     Inbox,
     NewLeader,
+    ResendResult,
     Shutdown,
     SleepRank,
     SleepReply,
@@ -172,6 +174,7 @@ class Worker:
         self._pending: list = []
         self._load: np.ndarray | None = None  # expert load summed since it was last reported
         self._chaos: ChaosStep | None = None  # fault injection for the next step (--enable-chaos)
+        self._answer: StepResult | StepFailed | None = None  # of the last step run, sent again on ResendResult
         self._stop = threading.Event()
         self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights dropped too
         self._slept_checksums: dict[tuple[int, int], int] = {}
@@ -301,6 +304,8 @@ class Worker:
             elif isinstance(msg, StepPlan):
                 if self.group is not None and msg.epoch == self.group.epoch and self.group.alive:
                     self._step(msg)
+            elif isinstance(msg, ResendResult):
+                self._resend(msg)
             elif isinstance(msg, WarmUp):
                 if self.group is not None and msg.epoch == self.group.epoch and self.group.alive:
                     self._warm_up_group(msg)
@@ -523,13 +528,27 @@ class Worker:
         self.progress.idle()
         c = moe.counters
         step_s = time.perf_counter() - start
-        self.send(StepResult(
+        self._answer = StepResult(
             plan.epoch, plan.step, self.args.rank_id, tokens, step_s, step_s - c.dispatch_wait_s - c.combine_wait_s,
             c.dispatch_wait_s, c.combine_wait_s, self._expert_load(c.expert_load, plan.report_load), c.slot_tokens,
             logprobs, errors,
             c.remote_messages, c.remote_bytes, round(kv_move_s, 6),
             sum(len(r.token_ids) for r in runs) + plan.pad_tokens,
-        ))
+        )
+        if not chaos.lose_result:
+            self.send(self._answer)
+
+    def _resend(self, msg: ResendResult) -> None:
+        """The controller never got this rank's answer to (epoch, step): the one kept of the last step
+        when it is that step, else `StepFailed` NOT_RUN (its plan never came, so the step must be run
+        again by all)."""
+        last = self._answer
+        if last is not None and (last.epoch, last.step) == (msg.epoch, msg.step):
+            self.send(last)
+            return
+        ran = f"epoch {last.epoch} step {last.step}" if last is not None else "no step"
+        self.send(StepFailed(msg.epoch, msg.step, self.args.rank_id, f"never ran epoch {msg.epoch} step {msg.step} "
+                             f"(its plan did not arrive; the last step it ran was {ran})", StepErrorKind.NOT_RUN))
 
     def _padding(self, num_tokens: int) -> SeqChunk | None:
         """The step's padding: `num_tokens` dummy tokens of a sequence of their own, on the pool's
@@ -619,8 +638,9 @@ class Worker:
             self.group.destroy()  # this epoch is over for this rank; the controller aborts it for the others
         self.progress.idle()
         detail = "" if isinstance(e, RuntimeError) else traceback.format_exc(limit=3)
-        self.send(StepFailed(plan.epoch, plan.step, self.args.rank_id, f"{type(e).__name__}: {e}{detail}", kind,
-                             in_experts))
+        self._answer = StepFailed(plan.epoch, plan.step, self.args.rank_id, f"{type(e).__name__}: {e}{detail}", kind,
+                                  in_experts)
+        self.send(self._answer)
 
     def _slot_request(self, msg: SweepSlots | CorruptSlot) -> None:
         assert self.slots is not None

@@ -5,7 +5,7 @@ a worker process (`worker.py`: launch and step socket; `health.py`: heartbeats a
 
 Transport: ZeroMQ. The controller binds two ROUTER sockets:
 - the step socket: each worker's main thread (DEALER, identity `w<rank_id>`) receives
-  `EpochStart`, `StepPlan`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `SleepRank`,
+  `EpochStart`, `StepPlan`, `ResendResult`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `SleepRank`,
   `WakeRank`, `WarmUp`, `Shutdown` and answers `WorkerHello`, `EpochReady`, `EpochFailed`, `StepResult`,
   `StepFailed`, `SlotChecksums`, `SleepReply`, `WarmedUp`;
 - the health socket: each node agent (DEALER, identity `a<node>`) sends `AgentHello`, `NodeHeartbeat`
@@ -88,6 +88,7 @@ from .worker import (
     HeldKV,
     KVMove,
     NewLeader,
+    ResendResult,
     Shutdown,
     SleepRank,
     SleepReply,
@@ -124,6 +125,7 @@ __all__ = [
     "BackupTensors",
     "ChaosFailed",
     "ChaosStep",
+    "ResendResult",
     "ChunkPlan",
     "CorruptSlot",
     "CutLinks",
@@ -201,8 +203,8 @@ __all__ = [
 # What each receiving side accepts (its inbox's union).
 STEP_TO_CONTROLLER = (WorkerHello | EpochReady | EpochFailed | StepResult | StepFailed | SlotChecksums | SleepReply
                       | WarmedUp)
-CONTROLLER_TO_WORKER = (EpochStart | StepPlan | ChaosStep | SweepSlots | CorruptSlot | SleepRank | WakeRank | WarmUp
-                        | Shutdown)
+CONTROLLER_TO_WORKER = (EpochStart | StepPlan | ResendResult | ChaosStep | SweepSlots | CorruptSlot | SleepRank
+                        | WakeRank | WarmUp | Shutdown)
 HEALTH_TO_CONTROLLER = (NodeHeartbeat | AgentHello | AgentAlive | WorkerStarted | WorkerExited | WorkerFenced
                         | HardwareReport | ChaosFailed | BackupReady | AgentBye)
 WORKER_TO_AGENT = Heartbeat  # the agent's beat socket

@@ -310,10 +310,12 @@ class StepResult(Message):
 class StepErrorKind(str, Enum):
     """COLLECTIVE: a collective raised (a peer died or the group broke); the rank left the
     group. LOCAL: the rank's own computation raised (its requests, its experts); it still ran
-    every collective of the step, so the group is intact and the step can be re-run."""
+    every collective of the step, so the group is intact and the step can be re-run. NOT_RUN: the
+    answer to a `ResendResult` for a step the rank never ran (its plan was lost on the way)."""
 
     COLLECTIVE = "collective"
     LOCAL = "local"
+    NOT_RUN = "not_run"
 
 
 class StepFailed(Message):
@@ -326,6 +328,15 @@ class StepFailed(Message):
     error: str
     kind: StepErrorKind = StepErrorKind.COLLECTIVE
     in_experts: bool = False
+
+
+class ResendResult(Message):
+    """The controller heard no answer to (epoch, step) past its deadline while the rank's heartbeats
+    say it is not running that step: the rank sends again the answer it kept of its last step (a
+    `StepResult` or `StepFailed`) when that is (epoch, step), else `StepFailed` NOT_RUN."""
+
+    epoch: int
+    step: int
 
 
 class SweepSlots(Message):
@@ -346,13 +357,16 @@ class ChaosStep(Message):
     """Fault injection (only from a server started with --enable-chaos), sent just before the
     `StepPlan` of (epoch, step) and applied to that step only: `delay_s` slept before its first
     collective; `fail_at` makes the whole step raise there ("local", "experts" or "sampling");
-    `poisoned`: seq_id -> where the steps of that sequence raise."""
+    `poisoned`: seq_id -> where the steps of that sequence raise; `lose_result`: the rank runs the
+    step and keeps its answer but does not send it, as if it were lost on the way (it is sent on
+    `ResendResult`)."""
 
     epoch: int
     step: int
     delay_s: float = 0.0
     fail_at: str = ""
     poisoned: dict[int, str] = msgspec.field(default_factory=dict)
+    lose_result: bool = False
 
 
 class CorruptSlot(Message):

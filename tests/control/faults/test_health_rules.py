@@ -1,5 +1,5 @@
 """Detection rules: lost heartbeats, the progress watchdog that names a hung rank but not a slow one,
-and the liveness an operator sees before any deadline acts."""
+the lost step answers asked for again, and the liveness an operator sees before any deadline acts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from elastic_ep.control.faults.health_rules import (
     lost_heartbeats,
     rank_liveness,
     relative_speeds,
+    resends_unanswered,
+    results_to_ask,
     stall_reason,
 )
 from elastic_ep.control.ranks import Liveness
@@ -100,3 +102,20 @@ def test_in_a_stalled_step_the_rank_outside_the_collectives_is_stalled_the_other
     assert reason.startswith("stalled: the step in flight has run 3.0s") and "rank 1 in compute" in reason
     assert "ranks [0] wait in a collective" in reason
     assert stall_reason(1.0, 2.0, {0: liveness(1.0, True, "dispatch")}) is None
+
+
+def test_a_missing_answer_is_asked_for_only_past_the_deadline_and_never_of_a_rank_inside_the_step():
+    progress = {1: Progress(3, 10, -1, "idle", 40),  # ran step 10 and is idle: its answer was lost
+                2: Progress(3, 9, -1, "idle", 36),  # idle at step 9: the plan of step 10 never came
+                3: Progress(3, 10, 4, "dispatch", 41),  # still inside step 10: slow or hung, not lost
+                4: Progress(3, 10, 2, "compute", 40)}
+    assert results_to_ask([1, 2, 3, 4], progress, 3, 10, waited_s=1.9, deadline_s=2.0) == []
+    assert results_to_ask([1, 2, 3, 4, 5], progress, 3, 10, waited_s=2.1, deadline_s=2.0) == [1, 2, 5]  # 5: unheard
+    assert results_to_ask([1], {1: Progress(2, 10, 4, "dispatch", 41)}, 3, 10, 2.1, 2.0) == [1]  # an older epoch's
+
+
+def test_a_rank_asked_to_resend_is_named_after_the_resend_deadline_unless_its_plan_came_late():
+    progress = {1: Progress(3, 10, -1, "idle", 40), 2: Progress(3, 10, 1, "combine", 41)}
+    asked = {1: 100.0, 2: 100.0}
+    assert resends_unanswered(asked, progress, 3, 10, now=100.9, timeout_s=1.0) == []
+    assert resends_unanswered(asked, progress, 3, 10, now=101.1, timeout_s=1.0) == [1]  # 2 is running it now

@@ -1,10 +1,15 @@
 """The step loop's recompute (control/serving/step_loop.py): an interrupted step is planned again
 from what the scheduler holds, since nothing of it was committed; a step that keeps failing with
 every rank alive is recomputed `MAX_RETRIES_WITHOUT_CULPRIT` times, then its requests end with
-the error, and a fault with a culprit never counts towards that."""
+the error, and a fault with a culprit never counts towards that. An answer lost on the way is
+asked for again past the result deadline: sent again, the step completes; a rank that never ran
+the step, or says nothing, fails it."""
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 from control_standins import Plane, cluster_of, config
 from prometheus_client import CollectorRegistry
@@ -19,11 +24,12 @@ from elastic_ep.control.serving.step_loop import MAX_RETRIES_WITHOUT_CULPRIT, St
 from elastic_ep.control.serving.streams import Streams
 from elastic_ep.control.serving.warmup import WarmUpGate
 from elastic_ep.model.sampling import SamplingParams
-from elastic_ep.wire import StepPlan
+from elastic_ep.wire import Progress, ResendResult, StepErrorKind, StepFailed, StepPlan, StepResult
 
 
-def loop_with_one_request(warmed_shapes: list[int] | None = None):
-    cfg = config()
+def loop_with_one_request(warmed_shapes: list[int] | None = None, registry: CollectorRegistry | None = None,
+                          **flags):
+    cfg = config(**flags)
     cluster = cluster_of({0: "n0", 1: "n0"})
     scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=64)
     scheduler.set_ranks([0, 1])
@@ -33,7 +39,7 @@ def loop_with_one_request(warmed_shapes: list[int] | None = None):
     isolation = Isolation(streams, cluster.events, detector.record, cfg.isolation_max_steps)
     gate = None if warmed_shapes is None else WarmUpGate(cluster, Plane(), warmed_shapes, 1.0, lambda timeout_s: None,
                                                          lambda ranks: False)
-    steps = StepLoop(cluster, cfg, Plane(), scheduler, detector, ClusterMetrics(CollectorRegistry()),
+    steps = StepLoop(cluster, cfg, Plane(), scheduler, detector, ClusterMetrics(registry or CollectorRegistry()),
                      ExpertRecorder(1, 8, [1]), streams, isolation, 2, pump=lambda timeout_s: None, warmup=gate)
     return steps, scheduler, detector
 
@@ -93,3 +99,82 @@ def test_with_the_readiness_gate_every_rank_runs_a_warmed_shape():
     steps, _, detector = loop_with_one_request()
     interrupt(steps, detector)
     assert [p.pad_tokens for _, p in steps.plane.to_workers] == [0, 0]
+
+
+def answer_of(rank_id: int, plan: StepPlan) -> StepResult:
+    """A rank's answer to `plan`: token 7 for every sequence it samples."""
+    return StepResult(plan.epoch, plan.step, rank_id, {c.seq_id: 7 for c in plan.chunks if c.sample}, 0.01, 0.01,
+                      0.0, 0.0, np.zeros((0, 0), np.int32), 0, {})
+
+
+def losing_rank_1(steps, on_resend, in_step_for_pumps: int = 0):
+    """The step loop's pump as the ranks answer: rank 0 at once; rank 1 runs its plan but its answer
+    is lost, then answers each `ResendResult` with on_resend(its kept answer) (None: silence). With
+    `in_step_for_pumps`, rank 1's heartbeat shows it inside the step that long, then it answers."""
+    seen, kept, pumps = 0, {}, [0]
+
+    def pump(timeout_s: float) -> None:
+        nonlocal seen
+        time.sleep(timeout_s)
+        pumps[0] += 1
+        assert pumps[0] < 2_500, "the step still waits for rank 1's answer after 5 s (100 result deadlines)"
+        for rank_id, msg in steps.plane.to_workers[seen:]:
+            if isinstance(msg, StepPlan) and rank_id == 0:
+                steps.on_reply(answer_of(0, msg))
+            elif isinstance(msg, StepPlan):
+                kept[msg.step] = answer_of(1, msg)
+                steps.cluster.ranks[1].progress = Progress(msg.epoch, msg.step, 0, "dispatch" if in_step_for_pumps
+                                                           else "idle", 1)
+            elif isinstance(msg, ResendResult) and (reply := on_resend(kept[msg.step])) is not None:
+                steps.on_reply(reply)
+        seen = len(steps.plane.to_workers)
+        if in_step_for_pumps and pumps[0] == in_step_for_pumps:
+            steps.on_reply(kept[steps.cluster.step])
+    return pump
+
+
+def lost(registry: CollectorRegistry, outcome: str) -> float:
+    return registry.get_sample_value("elastic_ep_lost_step_results_total", {"outcome": outcome}) or 0.0
+
+
+FAST = {"result_timeout_floor_s": 0.05, "resend_timeout_s": 0.05}  # deadlines of a unit test, not of a server
+
+
+def test_a_lost_answer_is_asked_for_again_and_the_step_completes_with_its_token():
+    registry = CollectorRegistry()
+    steps, scheduler, _ = loop_with_one_request(registry=registry, **FAST)
+    steps.pump = losing_rank_1(steps, on_resend=lambda kept: kept)
+    assert steps.run() is not None
+    assert scheduler.by_id[5].output == [7]
+    assert [(r, m) for r, m in steps.plane.to_workers if isinstance(m, ResendResult)] == [(1, ResendResult(0, 1))]
+    assert lost(registry, "resent") == 1 and "asked to send it again" in steps.cluster.events.all()[-1]["message"]
+
+
+def test_a_rank_that_never_ran_the_step_fails_it_and_nothing_is_committed():
+    registry = CollectorRegistry()
+    steps, scheduler, detector = loop_with_one_request(registry=registry, **FAST)
+    steps.pump = losing_rank_1(steps, on_resend=lambda kept: StepFailed(
+        kept.epoch, kept.step, 1, "never ran epoch 0 step 1", StepErrorKind.NOT_RUN))
+    with pytest.raises(RecoveryNeeded):
+        steps.run()
+    assert detector.errors == ["rank 1: never ran epoch 0 step 1"] and not detector.faults
+    assert scheduler.by_id[5].output == [] and steps.uncommitted is not None  # recomputed by the next step
+    assert lost(registry, "not_run") == 1
+
+
+def test_a_rank_silent_to_the_resend_is_a_fault_of_its_own():
+    registry = CollectorRegistry()
+    steps, scheduler, detector = loop_with_one_request(registry=registry, **FAST)
+    steps.pump = losing_rank_1(steps, on_resend=lambda kept: None)
+    with pytest.raises(RecoveryNeeded):
+        steps.run()
+    assert list(detector.faults) == [1] and detector.faults[1].cause == FaultCause.NO_ANSWER
+    assert scheduler.by_id[5].output == [] and lost(registry, "unanswered") == 1
+
+
+def test_a_rank_inside_the_step_past_the_deadline_is_never_asked():
+    """Slow, not lost: its heartbeat shows it in the step's collective; its answer comes late."""
+    steps, scheduler, _ = loop_with_one_request(**FAST)
+    steps.pump = losing_rank_1(steps, on_resend=lambda kept: kept, in_step_for_pumps=100)  # 100 pumps: >= 0.2 s
+    assert steps.run() is not None and scheduler.by_id[5].output == [7]
+    assert not [m for _, m in steps.plane.to_workers if isinstance(m, ResendResult)]

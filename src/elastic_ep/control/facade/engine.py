@@ -43,6 +43,7 @@ from .to_loop import (
     Command,
     CorruptExpertSlot,
     CutNetwork,
+    LoseResult,
     PoisonRank,
     PoisonRequest,
     SignalRank,
@@ -224,6 +225,9 @@ class EngineFacade:
         if order.action == "poison":
             self.send(PoisonRank(order.rank_id, order.phase))
             return {**done, "phase": order.phase}
+        if order.action == "lose":
+            self.send(LoseResult(order.rank_id))
+            return done
         if order.action in ("cut", "heal"):
             self.send(CutNetwork(rank["node"], order.rank_id, order.duration_s, order.action == "heal"))
             return {**done, "node": rank["node"], "duration_s": order.duration_s}

@@ -172,7 +172,9 @@ class Publisher:
         self._published_at = now
         self.throughput.add(now, (c.step, steps.tokens_run, steps.tokens_sampled))
         deadlines = {**self.cfg.deadlines(), "watchdog_deadline_s": round(self.detector.watchdog_deadline_s(), 3),
-                     "stall_deadline_s": round(self.stall_deadline_s(), 3), "stall_multiple": self.cfg.stall_multiple}
+                     "stall_deadline_s": round(self.stall_deadline_s(), 3), "stall_multiple": self.cfg.stall_multiple,
+                     "result_deadline_s": round(self.detector.result_deadline_s(), 3),
+                     "result_timeout_multiple": self.cfg.result_timeout_multiple}
         self.published.snapshot = c.snapshot(
             sched.num_requests, self.slow_delays(), self.controller_addr, deadlines, readiness, liveness, heard,
             {r: v.to_json() for r, v in self._verdicts.items()},

@@ -140,6 +140,13 @@ class CutNetwork:
     heal: bool = False
 
 
-ChaosCommand = SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest | PoisonRank | CutNetwork
+@dataclass(frozen=True)
+class LoseResult:
+    """Chaos: the rank's answer to the next step is lost on the way (it runs the step and keeps the answer)."""
+
+    rank_id: int
+
+
+ChaosCommand = SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest | PoisonRank | CutNetwork | LoseResult
 Command = (AddRequest | AbortRequest | StartScale | StartDrain | Uncordon | StartRollout | AbortRollout | Sleep | WakeUp
            | ChaosCommand)

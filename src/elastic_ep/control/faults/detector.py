@@ -42,7 +42,7 @@ class FaultCause(str, Enum):
     EXITED = "exited"  # its agent saw the process exit
     HEARTBEAT_LOST = "heartbeat"  # no heartbeat for --heartbeat-timeout-s
     HUNG = "hung"  # the progress watchdog
-    NO_ANSWER = "no_answer"  # did not leave a failed step within --drain-timeout-s
+    NO_ANSWER = "no_answer"  # did not leave a failed step within --drain-timeout-s, or answer a resend
     NOT_JOINED = "did_not_join"  # did not join a new epoch within --epoch-timeout-s
     STEP_ERRORS = "step_errors"  # its computation fails with no request to blame (control/serving/isolation.py)
     NODE_LOST = "node_lost"  # its node's agent went silent for --agent-timeout-s (host lost or cut off)
@@ -137,6 +137,16 @@ class FaultDetector:
 
     def watchdog_deadline_s(self) -> float:
         return adaptive_deadline_s(self.recent_step_s, self.cfg.watchdog_multiple, self.cfg.watchdog_floor_s)
+
+    def result_deadline_s(self) -> float:
+        """How long after a step was sent a missing answer is asked for again (health_rules.results_to_ask)."""
+        return adaptive_deadline_s(self.recent_step_s, self.cfg.result_timeout_multiple,
+                                   self.cfg.result_timeout_floor_s)
+
+    def resend_unanswered(self, rank_id: int, epoch: int, step: int) -> Fault:
+        return Fault(rank_id, FaultCause.NO_ANSWER,
+                     f"no answer to epoch {epoch} step {step}, nor to a resend within {self.cfg.resend_timeout_s}s "
+                     "although it heartbeats (its step link is lost)")
 
     def check(self, now: float, ranks: Mapping[int, RankInfo], members: Collection[int], in_step: bool,
               epoch: int) -> list[Fault]:

@@ -12,6 +12,12 @@
   adaptive deadline (a multiple of recent step times, with a floor), the one that has not is
   hung and is named. A slow rank enters k late but within the deadline, and the deadline grows
   with the step times it causes, so slowness alone does not get a rank killed.
+- lost results: a step whose answer (`StepResult` or `StepFailed`) from a member has not come
+  past the result deadline (a multiple of recent step times, with a floor), while that rank's
+  heartbeats say it is not inside the step, lost the answer or the plan on the way: the rank is
+  asked to send it again (`ResendResult`), and one that says it never ran the step (its plan was
+  lost) or does not answer within the resend deadline is a fault of the step. A rank still inside
+  the step is slow or hung, which is the watchdog's to judge, never asked.
 - liveness: what an operator sees before any deadline above acts (`Liveness`): a late heartbeat
   makes a rank suspect; a step that runs past the stall deadline names the rank that holds it
   stalled and the ranks blocked in its collectives waiting. The stall deadline only informs
@@ -70,6 +76,28 @@ def hung_ranks(
     if furthest == 0 or now - first_seen.get(furthest, now) <= deadline_s:
         return []
     return sorted(r for r, s in seqs.items() if s < furthest and progress[r].phase not in COLLECTIVE_PHASES)
+
+
+def running_step(progress: Progress | None, epoch: int, step: int) -> bool:
+    """The rank's last heartbeat shows it inside step `step` of `epoch` (computing or in a collective)."""
+    return progress is not None and (progress.epoch, progress.step) == (epoch, step) and progress.phase != "idle"
+
+
+def results_to_ask(unanswered: Iterable[int], progress: Mapping[int, Progress], epoch: int, step: int,
+                   waited_s: float, deadline_s: float) -> list[int]:
+    """Members to ask for their answer to (epoch, step) again: the step was sent `waited_s` ago, past
+    `deadline_s`, they have not answered, and their last heartbeat does not show them inside the step."""
+    if waited_s <= deadline_s:
+        return []
+    return sorted(r for r in unanswered if not running_step(progress.get(r), epoch, step))
+
+
+def resends_unanswered(asked_at: Mapping[int, float], progress: Mapping[int, Progress], epoch: int, step: int,
+                       now: float, timeout_s: float) -> list[int]:
+    """Ranks asked to resend (asked_at: rank -> when, of those still without an answer) more than
+    `timeout_s` ago, unless their heartbeat now shows them inside the step (its plan came late)."""
+    return sorted(r for r, at in asked_at.items()
+                  if now - at > timeout_s and not running_step(progress.get(r), epoch, step))
 
 
 def rank_liveness(heartbeat_age_s: float, step_age_s: float | None, in_step: bool, phase: str,

@@ -12,6 +12,13 @@ requests end with the error (`after_fault`). When a rank's own computation fails
 alive, the step is dropped and isolation (serving/isolation.py) finds the request at fault, in
 the same epoch. A slow rank only makes the step slower; its time shows in the per-rank metrics
 and the radar.
+
+An answer lost on the way, with every rank alive, would leave the step waiting for ever: past
+the result deadline (--result-timeout-floor-s, --result-timeout-multiple) a member that has not
+answered and whose heartbeats say it is not inside the step is sent `ResendResult`. Workers keep
+their last step's answer and send it again, and the step goes on; a rank that never ran the step
+(its plan was lost) says so, an error of the step, recomputed as any other; one that does not
+answer within --resend-timeout-s is a fault (its step link is lost) and is replaced.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import numpy as np
 
 from elastic_ep.model.sampling import TokenLogprobs
 from elastic_ep.policy.straggler_verdict import IntervalRecorder
-from elastic_ep.wire import StepErrorKind, StepFailed, StepPlan, StepResult
+from elastic_ep.wire import ResendResult, StepErrorKind, StepFailed, StepPlan, StepResult
 
 from ..api import RequestOutput
 from ..cluster import ClusterState
@@ -33,6 +40,7 @@ from ..config import ServeConfig
 from ..control_plane import ControlPlane
 from ..events import EventKind
 from ..faults.detector import FaultDetector, RecoveryNeeded
+from ..faults.health_rules import resends_unanswered, results_to_ask
 from ..metrics import ClusterMetrics
 from ..tracing import RequestTraces
 from .alignment import imbalance
@@ -78,6 +86,8 @@ class StepLoop:
         self.warmup = warmup  # the readiness gate: each rank's step padded to a shape it warmed (None: no padding)
         self.replies: dict[int, StepResult | StepFailed] = {}
         self.in_step: set[int] = set()  # members of the step in flight
+        self.asked: dict[int, float] = {}  # members asked to resend their answer to the step in flight -> when
+        self._result_deadline_s = 0.0  # of the step in flight (detector.result_deadline_s at its start)
         self.started_at = 0.0  # monotonic time the step in flight was sent
         self.own_time = IntervalRecorder(cfg.straggler_window_s)  # per rank: tokens and own time per step
         self.tokens_run = 0  # tokens (prefill and decode) run, all steps and ranks
@@ -93,12 +103,15 @@ class StepLoop:
         self._planned_epoch: int | None = None  # the epoch of the last step planned
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
-        if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step:
-            return
+        if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step or msg.rank_id in self.replies:
+            return  # of another step, or an answer sent again that came after the first
         self.replies[msg.rank_id] = msg
+        if msg.rank_id in self.asked:
+            not_run = isinstance(msg, StepFailed) and msg.kind == StepErrorKind.NOT_RUN
+            self.metrics.lost_results.labels("not_run" if not_run else "resent").inc()
         if isinstance(msg, StepResult):  # the control plane's round trip to this rank, its step time left out
             self.cluster.ranks[msg.rank_id].link_s.append(max(time.perf_counter() - self._sent_at - msg.step_s, 0.0))
-        if isinstance(msg, StepFailed) and msg.kind == StepErrorKind.COLLECTIVE:
+        if isinstance(msg, StepFailed) and msg.kind != StepErrorKind.LOCAL:  # the group broke, or a plan was lost
             self.detector.error(f"rank {msg.rank_id}: {msg.error}")
 
     def run(self) -> float | None:
@@ -111,8 +124,9 @@ class StepLoop:
         self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit, batch.prefix_waits,
                              batch.kv_kept, batch.kv_reprefilled)
         c.step += 1
-        self.replies = {}
+        self.replies, self.asked = {}, {}
         self.in_step = set(c.members)
+        self._result_deadline_s = self.detector.result_deadline_s()
         self.started_at = time.monotonic()
         self._started_ns = time.time_ns()
         tokens = batch.tokens_per_rank()
@@ -141,6 +155,8 @@ class StepLoop:
         sent = time.perf_counter()
         while len(self.replies) < len(c.members):
             self.pump(0.002)
+            if time.monotonic() - self.started_at > self._result_deadline_s:
+                self._chase_answers()
             if self.detector.pending:
                 self.scheduler.step_failed(batch)
                 self.uncommitted = batch
@@ -161,6 +177,25 @@ class StepLoop:
         times.steps += 1
         times.wall_s += time.perf_counter() - t0
         return wall_s
+
+    def _chase_answers(self) -> None:
+        """Past the result deadline: ask the members whose answer is missing, and which are not inside
+        the step, to send it again; name those asked that stayed silent past --resend-timeout-s."""
+        c, now = self.cluster, time.monotonic()
+        missing = self.unanswered(self.asked)
+        progress = {r: c.ranks[r].progress for r in [*missing, *self.asked] if r in c.ranks}
+        ask = results_to_ask(missing, progress, c.epoch, c.step, now - self.started_at, self._result_deadline_s)
+        for rank_id in ask:
+            self.plane.to_worker(rank_id, ResendResult(c.epoch, c.step))
+            self.asked[rank_id] = now
+        if ask:
+            c.events.add(EventKind.RESEND, f"no answer to step {c.step} from ranks {ask} after "
+                         f"{now - self.started_at:.2f}s, none of them inside the step: asked to send it again",
+                         ranks=ask)
+        waiting = {r: at for r, at in self.asked.items() if r not in self.replies}
+        for rank_id in resends_unanswered(waiting, progress, c.epoch, c.step, now, self.cfg.resend_timeout_s):
+            if self.detector.record(self.detector.resend_unanswered(rank_id, c.epoch, c.step)):
+                self.metrics.lost_results.labels("unanswered").inc()
 
     def _pads(self, tokens: dict[int, int]) -> dict[int, int]:
         """rank -> padding tokens that make its step a warmed shape (nothing without the gate)."""
