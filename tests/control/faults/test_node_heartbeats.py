@@ -1,14 +1,15 @@
 """The detector judging the heartbeats an agent gathers for its node (`NodeHeartbeat`): each entry
 is its rank's heartbeat heard at arrival less its age, so a rank whose age grows (stopped) is lost
 at the same deadline as if nothing had come for it, and a silent agent's ranks time out with it;
-the watchdog counts a collective from the arrival of the first message that shows it."""
+the watchdog counts a collective from the arrival of the first message that shows it, and keeps
+the first sightings of the last SIGHTINGS_KEPT collectives only."""
 
 from __future__ import annotations
 
 import pytest
 from control_standins import cluster_of, config
 
-from elastic_ep.control.faults.detector import FaultCause, FaultDetector
+from elastic_ep.control.faults.detector import SIGHTINGS_KEPT, FaultCause, FaultDetector
 from elastic_ep.wire import NodeHeartbeat, Progress, RankBeat
 
 INTERVAL_S = 0.1  # the agent's forwarding interval (--heartbeat-interval-s)
@@ -86,4 +87,28 @@ def test_a_collective_counts_from_the_arrival_of_the_first_message_that_shows_it
     assert detector.check(100.9, c.ranks, c.members, True, 0) == []
     detector._checked_at = 0.0
     assert [(f.rank_id, f.cause) for f in detector.check(101.01, c.ranks, c.members, True, 0)] == \
+        [(1, FaultCause.HUNG)]
+
+
+def test_first_sightings_stay_bounded_over_a_long_epoch_and_the_watchdog_still_names_a_hang():
+    c = cluster_of({0: "n0", 1: "n0"})
+    detector = FaultDetector(config(watchdog_floor_s=1.0, heartbeat_timeout_s=10.0))
+    now = 100.0
+    for seq in range(1, 20_001):  # both ranks through 20,000 collectives, one sighting each
+        p = Progress(epoch=0, step=seq // 116, layer=0, phase="dispatch", seq=seq)
+        detector.node_heartbeat(c.ranks, node_beat("n0", {0: 0.0, 1: 0.0}, {0: p, 1: p}), 0, now)
+        now = round(now + 0.001, 3)
+    assert len(detector.seq_first_seen) <= SIGHTINGS_KEPT
+    # rank 0 enters collective 20,001, rank 1 stops short of it (a hang), a late sighting of an old
+    # collective arrives: the newest sighting stays and dates the hang
+    entered = Progress(epoch=0, step=200, layer=1, phase="dispatch", seq=20_001)
+    behind = Progress(epoch=0, step=200, layer=1, phase="compute", seq=20_000)
+    detector.node_heartbeat(c.ranks, node_beat("n0", {0: 0.0, 1: 0.0}, {0: entered, 1: behind}), 0, now)
+    detector.heartbeat(c.ranks[1], Progress(epoch=0, step=1, layer=0, phase="dispatch", seq=5), 0, now, now)
+    c.ranks[1].progress = behind
+    assert len(detector.seq_first_seen) <= SIGHTINGS_KEPT and detector.seq_first_seen[20_001] == now
+    detector._checked_at = 0.0
+    assert detector.check(now + 0.9, c.ranks, c.members, True, 0) == []
+    detector._checked_at = 0.0
+    assert [(f.rank_id, f.cause) for f in detector.check(now + 1.01, c.ranks, c.members, True, 0)] == \
         [(1, FaultCause.HUNG)]

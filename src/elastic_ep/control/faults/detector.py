@@ -56,6 +56,13 @@ class Fault:
     detail: str  # for people: "process killed by SIGKILL"
 
 
+# First sightings kept per epoch: the watchdog reads only the furthest collective's (`hung_ranks`),
+# which is always the newest; the rest is slack. Without a bound an entry per collective a heartbeat
+# showed stayed for the whole epoch (a dispatch and a combine per MoE layer: up to 116 a step at
+# 58 layers), millions over hours of serving.
+SIGHTINGS_KEPT = 64
+
+
 class FaultDetector:
     """Detection state of the control thread: pending faults, errors with no culprit, and what the
     watchdog needs (first sighting of each collective, recent step times)."""
@@ -126,6 +133,8 @@ class FaultDetector:
             rank.last_heartbeat = heard_at
         if progress.epoch == epoch and progress.seq not in self.seq_first_seen:
             self.seq_first_seen[progress.seq] = now
+            if len(self.seq_first_seen) > SIGHTINGS_KEPT:  # the oldest collective (a late rank's may come last)
+                del self.seq_first_seen[min(self.seq_first_seen)]
         if progress != rank.progress:
             rank.progress, rank.progress_at = progress, now
 
