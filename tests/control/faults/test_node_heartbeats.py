@@ -2,14 +2,15 @@
 is its rank's heartbeat heard at arrival less its age, so a rank whose age grows (stopped) is lost
 at the same deadline as if nothing had come for it, and a silent agent's ranks time out with it;
 the watchdog counts a collective from the arrival of the first message that shows it, and keeps
-the first sightings of the last SIGHTINGS_KEPT collectives only."""
+the first sightings of the last SIGHTINGS_KEPT collectives only; of an agent's several messages
+read in one batch, its newest dates its ranks."""
 
 from __future__ import annotations
 
 import pytest
 from control_standins import cluster_of, config
 
-from elastic_ep.control.faults.detector import SIGHTINGS_KEPT, FaultCause, FaultDetector
+from elastic_ep.control.faults.detector import SIGHTINGS_KEPT, FaultCause, FaultDetector, superseded_node_beats
 from elastic_ep.wire import NodeHeartbeat, Progress, RankBeat
 
 INTERVAL_S = 0.1  # the agent's forwarding interval (--heartbeat-interval-s)
@@ -25,6 +26,14 @@ def node_beat(node: str, ages: dict[int, float], progress: dict[int, Progress] |
 def lost(detector: FaultDetector, c, now: float) -> dict[int, FaultCause]:
     detector._checked_at = 0.0  # every call checks (the period is the control loop's business)
     return {f.rank_id: f.cause for f in detector.check(now, c.ranks, c.members, False, 0)}
+
+
+def take_batch(detector: FaultDetector, c, batch: list[NodeHeartbeat], now: float) -> None:
+    """One received batch, as the control loop takes it (controller.py `pump`)."""
+    superseded = superseded_node_beats(batch)
+    for k, msg in enumerate(batch):
+        if k not in superseded:
+            detector.node_heartbeat(c.ranks, msg, 0, now)
 
 
 def test_a_rank_whose_age_grows_is_lost_at_its_deadline_and_its_node_mates_are_not():
@@ -112,3 +121,21 @@ def test_first_sightings_stay_bounded_over_a_long_epoch_and_the_watchdog_still_n
     detector._checked_at = 0.0
     assert [(f.rank_id, f.cause) for f in detector.check(now + 1.01, c.ranks, c.members, True, 0)] == \
         [(1, FaultCause.HUNG)]
+
+
+def test_of_an_agents_messages_read_in_one_batch_the_newest_dates_its_ranks():
+    """The controller read nothing for 2 s (an epoch change): n0's agent sent 20 messages meanwhile,
+    rank 1 stopped before the first, and all of them arrive at one heard time. Dated by the oldest
+    (the smallest age), the stopped rank would look heard 1.9 s after it stopped."""
+    c = cluster_of({0: "n0", 1: "n0", 2: "n1"})
+    detector = FaultDetector(config(heartbeat_timeout_s=1.0))
+    stopped_at, arrival = 100.0, 102.05
+    sent = [round(100.1 + INTERVAL_S * i, 3) for i in range(20)]  # the agent's clock, in send order
+    batch = [node_beat("n0", {0: 0.02, 1: round(t - stopped_at, 3)}) for t in sent]
+    batch.insert(5, node_beat("n1", {2: 0.01}))
+    assert superseded_node_beats(batch) == set(range(21)) - {5, 20} and \
+        superseded_node_beats([node_beat("n0", {0: 0.0}), NodeHeartbeat("n0", "s2", [])]) == set()
+    take_batch(detector, c, batch, arrival)
+    assert c.ranks[1].last_heartbeat == pytest.approx(arrival - (sent[-1] - stopped_at))
+    assert lost(detector, c, arrival) == {1: FaultCause.HEARTBEAT_LOST}
+    assert c.ranks[0].last_heartbeat == pytest.approx(arrival - 0.02)

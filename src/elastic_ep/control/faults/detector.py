@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -61,6 +61,17 @@ class Fault:
 # showed stayed for the whole epoch (a dispatch and a combine per MoE layer: up to 116 a step at
 # 58 layers), millions over hours of serving.
 SIGHTINGS_KEPT = 64
+
+
+def superseded_node_beats(batch: Sequence[object]) -> set[int]:
+    """Indices of the `NodeHeartbeat`s in one received batch that a later one of the same agent
+    (node and session) replaces. An agent's messages arrive in the order it sent them (one
+    connection), and each lists every running rank of its node, so its last one in the batch is its
+    newest and dates the ranks: all of a batch arrive at one heard time, and an older one, whose
+    ages were read earlier, would date a stopped rank (whose age grows) later than it beat, by as
+    long as the controller took to read them (heartbeats queued behind an epoch change)."""
+    last = {(m.node, m.session): i for i, m in enumerate(batch) if isinstance(m, NodeHeartbeat)}
+    return {i for i, m in enumerate(batch) if isinstance(m, NodeHeartbeat) and last[(m.node, m.session)] != i}
 
 
 class FaultDetector:
