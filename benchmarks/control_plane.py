@@ -365,8 +365,12 @@ def sample_memory(ctl: Controller, seconds: float, sample_s: float | None) -> li
     me, t0, out = psutil.Process(), time.monotonic(), []
     while True:
         elapsed = time.monotonic() - t0
+        snapshot, location = ctl.engine.cluster(), ctl.cluster.location
         out.append({"t_s": round(elapsed, 1), "step": ctl.cluster.step, "rss_bytes": me.memory_info().rss,
-                    "cluster_bytes": len(json.dumps(ctl.engine.cluster())),
+                    "cluster_bytes": len(json.dumps(snapshot)),
+                    "placement_bytes": len(json.dumps(snapshot.get("placement"))),
+                    # log2phy's padding: the hottest expert's replicas (what the snapshot's size followed)
+                    "max_replicas": int(location.logcnt.max()) if location is not None else 0,
                     "first_sightings": len(ctl.detector.seq_first_seen),
                     "faults": len(events_after(ctl, 0, "fault"))})
         print(json.dumps(out[-1]), file=sys.stderr, flush=True)

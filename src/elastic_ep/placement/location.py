@@ -209,9 +209,8 @@ class ExpertLocation:
 
     def slot_map_dict(self) -> dict:
         """phy2log and logcnt as nested lists, plus the slot geometry: everything `from_json` needs,
-        of a size set by the slots. log2phy is left out: it is padded to the hottest expert's number
-        of replicas (at 1,024 ranks [58, 256, 1,024] once one expert has a slot on every rank), and
-        `from_phy2log` rebuilds it."""
+        of a size set by the slots. log2phy is left out: `[L, E, R]` padded to the hottest expert's
+        number of replicas R (up to one per rank), and `from_phy2log` rebuilds it."""
         return {
             "num_ranks": self.num_ranks,
             "slots_per_rank": self.slots_per_rank,

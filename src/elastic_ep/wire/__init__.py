@@ -188,6 +188,8 @@ __all__ = [
     "STANDBY_TO_LEADER",
     "KEY_ENV",
     "STEP_TO_CONTROLLER",
+    "ZMQ_HEARTBEAT_IVL_MS",
+    "ZMQ_HEARTBEAT_TIMEOUT_MS",
     "ClusterKey",
     "ClusterKeyError",
     "Inbox",
@@ -198,7 +200,6 @@ __all__ = [
 ]
 
 
-# What each receiving side accepts (its inbox's union).
 # ZeroMQ's own peer heartbeat (HEARTBEAT_IVL / HEARTBEAT_TIMEOUT on the controller's ROUTERs and
 # the agent's DEALER) only closes a connection that died silently (a cut link), so that the
 # reconnection once it heals is clean. It detects no dead rank or agent: --heartbeat-timeout-s and
@@ -208,6 +209,7 @@ __all__ = [
 ZMQ_HEARTBEAT_IVL_MS = 1000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 10_000
 
+# What each receiving side accepts (its inbox's union).
 STEP_TO_CONTROLLER = (WorkerHello | EpochReady | EpochFailed | StepResult | StepFailed | SlotChecksums | SleepReply
                       | WarmedUp)
 CONTROLLER_TO_WORKER = (EpochStart | StepPlan | ChaosStep | SweepSlots | CorruptSlot | SleepRank | WakeRank | WarmUp
