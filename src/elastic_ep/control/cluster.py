@@ -22,7 +22,7 @@ from .ranks import AgentInfo, RankInfo, RankLiveness, RankStatus, safe_to_termin
 
 class PlacementView:
     """A placement's JSON parts for /cluster: the slot map (`ExpertLocation.slot_map_dict`: no
-    log2phy, whose padding to the hottest expert's replicas made /cluster 62 MB at 1,024 ranks;
+    log2phy, whose padding to the hottest expert's replicas made /cluster 64 MB after 10 minutes at 1,024 ranks;
     a reader rebuilds it with `ExpertLocation.from_json`), and each rank's experts per MoE layer
     (built when first asked for)."""
 
