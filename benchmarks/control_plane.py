@@ -21,7 +21,9 @@ placement over all ranks, and every fault that was not injected (a false fault).
 it waits up to 60 s for the restores of the epoch's likely losses, computed ahead in a process
 of their own (`restores_waited_s`; the recovery's `restore` says whether it looked its loss up),
 and `--profile-recovery FILE` profiles the control thread from each recovery's start to its
-first completed step.
+first completed step. `--sample-s S` samples the controller's RSS, the /cluster body's size, the
+watchdog's first sightings and the faults so far every S seconds of a point's --seconds: a run of
+minutes shows whether memory stays flat.
 
 `--before` measures with the control-plane changes of issue 25 turned off in the same code:
 every rank sends its expert load every step (`--load-report-every-steps 1`), liveness is computed
@@ -52,6 +54,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 from prometheus_client import CollectorRegistry, generate_latest
 
 from elastic_ep.control.api import GenerationRequest
@@ -241,7 +244,7 @@ class RecoveryProfile:
 
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
               before: bool, faults: bool, timeout_s: float, profile: str | None = None,
-              profile_recovery: str | None = None) -> dict:
+              profile_recovery: str | None = None, sample_s: float | None = None) -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -279,7 +282,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         profiler = ControlThreadProfile(ctl, profile) if profile else None
         cpu_clock = time.pthread_getcpuclockid(ctl._thread.ident)
         cpu0, t0 = time.clock_gettime(cpu_clock), time.monotonic()
-        time.sleep(seconds)
+        samples = sample_memory(ctl, seconds, sample_s)
         dt, cpu_s = time.monotonic() - t0, time.clock_gettime(cpu_clock) - cpu0
         if profiler is not None:
             profiler.stop()
@@ -308,6 +311,8 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "publish_ms_per_s": round(1000 * handled_s.get("(publish)", 0) / dt, 1),
             "bytes_in_per_step": round(delta(v1["bytes_in"], v0["bytes_in"]).get("step", 0) / max(steps, 1)),
         }
+        if samples:
+            out["samples"] = samples
         snap = times.snapshot_s
         out["cluster_snapshot_ms"] = round(1000 * snap, 2)
         t = time.perf_counter()
@@ -348,6 +353,30 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             load.stop()
         ctl.stop()
         stop_standins(procs)
+
+
+def sample_memory(ctl: Controller, seconds: float, sample_s: float | None) -> list[dict]:
+    """Sleep `seconds`; every `sample_s` (None: never) the controller's RSS (this process: the
+    stand-ins run in others), the /cluster body's size and the watchdog's first sightings, so a
+    long run shows whether any of them grows."""
+    if not sample_s:
+        time.sleep(seconds)
+        return []
+    me, t0, out = psutil.Process(), time.monotonic(), []
+    while True:
+        elapsed = time.monotonic() - t0
+        snapshot, location = ctl.engine.cluster(), ctl.cluster.location
+        out.append({"t_s": round(elapsed, 1), "step": ctl.cluster.step, "rss_bytes": me.memory_info().rss,
+                    "cluster_bytes": len(json.dumps(snapshot)),
+                    "placement_bytes": len(json.dumps(snapshot.get("placement"))),
+                    # log2phy's padding: the hottest expert's replicas (what the snapshot's size followed)
+                    "max_replicas": int(location.logcnt.max()) if location is not None else 0,
+                    "first_sightings": len(ctl.detector.seq_first_seen),
+                    "faults": len(events_after(ctl, 0, "fault"))})
+        print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+        if elapsed >= seconds:
+            return out
+        time.sleep(min(sample_s, seconds - elapsed))
 
 
 def rank_heartbeats(ctl: Controller) -> float:
@@ -432,6 +461,9 @@ def main() -> None:
     parser.add_argument("--table-seqs", default="0,64", help="the table's sequences per rank (comma-separated)")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="the table's before: the code of this git revision instead of this code with --before")
+    parser.add_argument("--sample-s", type=float, default=None, metavar="S",
+                        help="one point: every S seconds of --seconds, the controller's RSS, the /cluster size, the "
+                             "watchdog's first sightings and the faults so far (`samples`; each also on stderr)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="write a cProfile of the control thread over the measured seconds (pstats format)")
@@ -444,7 +476,8 @@ def main() -> None:
         table(args)
         return
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
-                    args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery)
+                    args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
+                    args.sample_s)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

@@ -9,6 +9,7 @@ restarted (--restart-delay-s) and the group is back to 4 before it injects its f
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ep.harness.load import streams_with_fault as harness_streams_with_fault
 from elastic_ep.node.netcut import cut_unavailable
+from elastic_ep.placement.location import ExpertLocation
 
 from .conftest import PROMPTS, Server, concurrently, reference
 
@@ -293,11 +295,12 @@ def test_backup_off_restores_lost_experts_from_disk(server_factory):
 
 def _pair_holding_only_replicas(placement: dict) -> tuple[int, int]:
     """Two ranks that together hold every replica of at least one expert."""
-    s = placement["slots_per_rank"]
+    location = ExpertLocation.from_json(json.dumps(placement))  # /cluster sends the slot map alone
+    s = location.slots_per_rank
     best, best_lost = (0, 1), -1
-    for a, b in itertools.combinations(range(placement["num_ranks"]), 2):
+    for a, b in itertools.combinations(range(location.num_ranks), 2):
         lost = 0
-        for layer in placement["log2phy"]:
+        for layer in location.log2phy.tolist():
             for slots in layer:
                 holders = {slot // s for slot in slots if slot >= 0}
                 lost += holders <= {a, b}

@@ -11,6 +11,7 @@ and every output equals the fault-free run.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -18,6 +19,7 @@ import pytest
 
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.tiny import resolve_model
+from elastic_ep.placement.location import ExpertLocation
 
 from .conftest import reference_load
 
@@ -44,9 +46,10 @@ def all_events(server) -> list[dict]:
 
 def only_on(placement: dict, rank: int) -> int:
     """How many (layer, expert) have every replica on `rank`."""
-    s = placement["slots_per_rank"]
+    location = ExpertLocation.from_json(json.dumps(placement))  # /cluster sends the slot map alone
+    s = location.slots_per_rank
     return sum({slot // s for slot in slots if slot >= 0} == {rank}
-               for layer in placement["log2phy"] for slots in layer)
+               for layer in location.log2phy.tolist() for slots in layer)
 
 
 def epochs(events: list[dict], reason: str, moves: bool = False) -> list[dict]:

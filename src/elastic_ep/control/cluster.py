@@ -21,12 +21,14 @@ from .ranks import AgentInfo, RankInfo, RankLiveness, RankStatus, safe_to_termin
 
 
 class PlacementView:
-    """A placement's JSON parts for /cluster: the whole placement, and each rank's experts per MoE
-    layer (built when first asked for)."""
+    """A placement's JSON parts for /cluster: the slot map (`ExpertLocation.slot_map_dict`: no
+    log2phy, whose padding to the hottest expert's replicas made /cluster 64 MB after 10 minutes at 1,024 ranks;
+    a reader rebuilds it with `ExpertLocation.from_json`), and each rank's experts per MoE layer
+    (built when first asked for)."""
 
     def __init__(self, location: ExpertLocation | None):
         self.location = location
-        self.placement = location.to_dict() if location is not None else None
+        self.placement = location.slot_map_dict() if location is not None else None
         self._experts: dict[int, list[list[int]]] = {}
 
     def experts_of(self, rank_id: int) -> list[list[int]]:

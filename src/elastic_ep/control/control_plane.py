@@ -24,7 +24,14 @@ from typing import Any
 
 import zmq
 
-from elastic_ep.wire import HEALTH_TO_CONTROLLER, STEP_TO_CONTROLLER, ClusterKey, Inbox
+from elastic_ep.wire import (
+    HEALTH_TO_CONTROLLER,
+    STEP_TO_CONTROLLER,
+    ZMQ_HEARTBEAT_IVL_MS,
+    ZMQ_HEARTBEAT_TIMEOUT_MS,
+    ClusterKey,
+    Inbox,
+)
 from elastic_ep.wire.receive import recv_routed
 
 from .timing import ControlTimes
@@ -86,8 +93,12 @@ class ControlPlane:
             # memory instead until the loop drains them (MAX_DRAIN per receive, dropped cheaply).
             s.setsockopt(zmq.RCVHWM, 0)
             # drop a connection whose peer went silent (a cut link) so its reconnection is clean
-            s.setsockopt(zmq.HEARTBEAT_IVL, 250)
-            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)
+            s.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
+            # a peer that reconnects under its identity (a worker or agent whose old connection is
+            # not closed yet: a cut link, a ZeroMQ heartbeat still counting) takes its name over;
+            # without it the ROUTER keeps routing to the old, dead connection
+            s.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.step_addr = f"tcp://{host}:{self.step_sock.bind_to_random_port(f'tcp://{host}')}"
         self.health_addr = f"tcp://{host}:{self.health_sock.bind_to_random_port(f'tcp://{host}')}"
         self._wake_r, self._wake_w = os.pipe()

@@ -97,7 +97,7 @@ from .facade.to_loop import (
     Uncordon,
     WakeUp,
 )
-from .faults.detector import Fault, FaultDetector, RecoveryNeeded
+from .faults.detector import Fault, FaultDetector, RecoveryNeeded, superseded_node_beats
 from .faults.recovery import Recovery
 from .faults.straggler_control import StragglerControl
 from .membership.adoption import Adoption, adoption_plan, cordoned_nodes
@@ -337,7 +337,10 @@ class Controller:
         times = self.plane.times
         received = self.plane.receive(timeout_s)
         heard = self.plane.heard_clock()  # when all of these were read: one clock read for the batch
-        for inbound in received:
+        superseded = superseded_node_beats([inbound.message for inbound in received])
+        for k, inbound in enumerate(received):
+            if k in superseded:  # an agent's newer NodeHeartbeat in this batch dates its ranks
+                continue
             t0 = time.perf_counter()
             self._dispatch(inbound, heard)
             kind = type(inbound.message).__name__

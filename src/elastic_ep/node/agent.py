@@ -47,6 +47,8 @@ from elastic_ep.wire import (
     FETCH_REQUEST,
     KEY_ENV,
     WORKER_TO_AGENT,
+    ZMQ_HEARTBEAT_IVL_MS,
+    ZMQ_HEARTBEAT_TIMEOUT_MS,
     AbortEpoch,
     AgentAlive,
     AgentBye,
@@ -168,8 +170,8 @@ class NodeAgent:
         self.sock.setsockopt(zmq.IDENTITY, f"a{node}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         # notice a connection that died silently (a cut link) and connect again once it heals
-        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 250)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 1000)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
         self.controller_link = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(controller_addr)
         self.controller_addr = controller_addr

@@ -207,16 +207,21 @@ class ExpertLocation:
             live[r] = True
         return live
 
-    def to_dict(self) -> dict:
-        """The placement file's content: phy2log, log2phy and logcnt as nested lists, plus the slot geometry."""
+    def slot_map_dict(self) -> dict:
+        """phy2log and logcnt as nested lists, plus the slot geometry: everything `from_json` needs,
+        of a size set by the slots. log2phy is left out: `[L, E, R]` padded to the hottest expert's
+        number of replicas R (up to one per rank), and `from_phy2log` rebuilds it."""
         return {
             "num_ranks": self.num_ranks,
             "slots_per_rank": self.slots_per_rank,
             "num_experts": self.num_experts,
             "phy2log": self.phy2log.tolist(),
-            "log2phy": self.log2phy.tolist(),
             "logcnt": self.logcnt.tolist(),
         }
+
+    def to_dict(self) -> dict:
+        """The placement file's content: `slot_map_dict` and log2phy as nested lists."""
+        return {**self.slot_map_dict(), "log2phy": self.log2phy.tolist()}
 
     def to_json(self) -> str:
         """The placement file (`to_dict` as JSON)."""

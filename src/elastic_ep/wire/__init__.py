@@ -190,6 +190,8 @@ __all__ = [
     "STANDBY_TO_LEADER",
     "KEY_ENV",
     "STEP_TO_CONTROLLER",
+    "ZMQ_HEARTBEAT_IVL_MS",
+    "ZMQ_HEARTBEAT_TIMEOUT_MS",
     "ClusterKey",
     "ClusterKeyError",
     "Inbox",
@@ -199,6 +201,16 @@ __all__ = [
     "rejected_counts",
 ]
 
+
+# ZeroMQ's own peer heartbeat (HEARTBEAT_IVL / HEARTBEAT_TIMEOUT on the controller's ROUTERs and
+# the agent's DEALER) only closes a connection that died silently (a cut link), so that the
+# reconnection once it heals is clean. It detects no dead rank or agent: --heartbeat-timeout-s and
+# --agent-timeout-s do, from the project's own heartbeats. At 250 ms / 1 s a peer whose I/O thread
+# answers late for a second (a loaded host, big frames: an earlier session counted 618 of 1,024
+# stand-in connections dropped at the first EpochStart) lost its connection, and with it the
+# frames sent before it reconnected.
+ZMQ_HEARTBEAT_IVL_MS = 1000
+ZMQ_HEARTBEAT_TIMEOUT_MS = 10_000
 
 # What each receiving side accepts (its inbox's union).
 STEP_TO_CONTROLLER = (WorkerHello | EpochReady | EpochFailed | StepResult | StepFailed | SlotChecksums | SleepReply

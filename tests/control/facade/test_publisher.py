@@ -2,10 +2,12 @@
 one `stalled` event, once the step in flight runs past the stall deadline, and back with one
 `stall-ended`; health names a down rank and says dead once the loop stopped; the /cluster
 snapshot carries the other roles' views and the injected delays, and is rebuilt at most once
-per throttle interval."""
+per throttle interval; its placement is the slot map, whose size does not grow with one expert's
+replicas."""
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -17,6 +19,7 @@ from elastic_ep.control.facade.publisher import Publisher
 from elastic_ep.control.faults.detector import FaultDetector
 from elastic_ep.control.metrics import ClusterMetrics
 from elastic_ep.control.ranks import RankStatus
+from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.policy.straggler_verdict import IntervalRecorder
 
 
@@ -79,3 +82,23 @@ def test_the_snapshot_carries_the_roles_views_and_is_throttled():
     assert {r["rank_id"]: r["slow_delay_s"] for r in snap["ranks"]} == {0: 0.0, 1: 0.25}
     rig.publisher.publish(throttle_s=60.0)
     assert rig.views_asked == 1 and rig.published.snapshot is snap
+
+
+def test_the_snapshots_placement_is_the_slot_map_whatever_one_experts_replicas():
+    """log2phy, padded to the hottest expert's replicas, made /cluster 64 MB after 10 minutes at 1,024 ranks: the
+    snapshot sends phy2log and logcnt, from which a reader rebuilds the same placement."""
+    ranks, slots, experts = 16, 2, 16
+    spread = ExpertLocation.from_phy2log([list(range(experts)) * 2], slots, experts)  # 2 replicas each
+    hot = ExpertLocation.from_phy2log([[0] * ranks + list(range(1, experts)) + [-1]], slots, experts)  # 0 everywhere
+    sizes = {}
+    for name, location in (("spread", spread), ("hot", hot)):
+        rig = Rig()
+        rig.cluster.location = location
+        rig.publisher.publish()
+        placement = rig.published.snapshot["placement"]
+        assert "log2phy" not in placement
+        rebuilt = ExpertLocation.from_json(json.dumps(placement))
+        assert (rebuilt.log2phy == location.log2phy).all() and (rebuilt.logcnt == location.logcnt).all()
+        sizes[name] = len(json.dumps(placement))
+    assert hot.log2phy.shape[2] == ranks and spread.log2phy.shape[2] == 2
+    assert sizes["hot"] <= sizes["spread"]

@@ -1,14 +1,16 @@
 """The detector judging the heartbeats an agent gathers for its node (`NodeHeartbeat`): each entry
 is its rank's heartbeat heard at arrival less its age, so a rank whose age grows (stopped) is lost
 at the same deadline as if nothing had come for it, and a silent agent's ranks time out with it;
-the watchdog counts a collective from the arrival of the first message that shows it."""
+the watchdog counts a collective from the arrival of the first message that shows it, and keeps
+the first sightings of the last SIGHTINGS_KEPT collectives only; of an agent's several messages
+read in one batch, its newest dates its ranks."""
 
 from __future__ import annotations
 
 import pytest
 from control_standins import cluster_of, config
 
-from elastic_ep.control.faults.detector import FaultCause, FaultDetector
+from elastic_ep.control.faults.detector import SIGHTINGS_KEPT, FaultCause, FaultDetector, superseded_node_beats
 from elastic_ep.wire import NodeHeartbeat, Progress, RankBeat
 
 INTERVAL_S = 0.1  # the agent's forwarding interval (--heartbeat-interval-s)
@@ -24,6 +26,14 @@ def node_beat(node: str, ages: dict[int, float], progress: dict[int, Progress] |
 def lost(detector: FaultDetector, c, now: float) -> dict[int, FaultCause]:
     detector._checked_at = 0.0  # every call checks (the period is the control loop's business)
     return {f.rank_id: f.cause for f in detector.check(now, c.ranks, c.members, False, 0)}
+
+
+def take_batch(detector: FaultDetector, c, batch: list[NodeHeartbeat], now: float) -> None:
+    """One received batch, as the control loop takes it (controller.py `pump`)."""
+    superseded = superseded_node_beats(batch)
+    for k, msg in enumerate(batch):
+        if k not in superseded:
+            detector.node_heartbeat(c.ranks, msg, 0, now)
 
 
 def test_a_rank_whose_age_grows_is_lost_at_its_deadline_and_its_node_mates_are_not():
@@ -87,3 +97,45 @@ def test_a_collective_counts_from_the_arrival_of_the_first_message_that_shows_it
     detector._checked_at = 0.0
     assert [(f.rank_id, f.cause) for f in detector.check(101.01, c.ranks, c.members, True, 0)] == \
         [(1, FaultCause.HUNG)]
+
+
+def test_first_sightings_stay_bounded_over_a_long_epoch_and_the_watchdog_still_names_a_hang():
+    c = cluster_of({0: "n0", 1: "n0"})
+    detector = FaultDetector(config(watchdog_floor_s=1.0, heartbeat_timeout_s=10.0))
+    now = 100.0
+    for seq in range(1, 20_001):  # both ranks through 20,000 collectives, one sighting each
+        p = Progress(epoch=0, step=seq // 116, layer=0, phase="dispatch", seq=seq)
+        detector.node_heartbeat(c.ranks, node_beat("n0", {0: 0.0, 1: 0.0}, {0: p, 1: p}), 0, now)
+        now = round(now + 0.001, 3)
+    assert len(detector.seq_first_seen) <= SIGHTINGS_KEPT
+    # rank 0 enters collective 20,001, rank 1 stops short of it (a hang), a late sighting of an old
+    # collective arrives: the newest sighting stays and dates the hang
+    entered = Progress(epoch=0, step=200, layer=1, phase="dispatch", seq=20_001)
+    behind = Progress(epoch=0, step=200, layer=1, phase="compute", seq=20_000)
+    detector.node_heartbeat(c.ranks, node_beat("n0", {0: 0.0, 1: 0.0}, {0: entered, 1: behind}), 0, now)
+    detector.heartbeat(c.ranks[1], Progress(epoch=0, step=1, layer=0, phase="dispatch", seq=5), 0, now, now)
+    c.ranks[1].progress = behind
+    assert len(detector.seq_first_seen) <= SIGHTINGS_KEPT and detector.seq_first_seen[20_001] == now
+    detector._checked_at = 0.0
+    assert detector.check(now + 0.9, c.ranks, c.members, True, 0) == []
+    detector._checked_at = 0.0
+    assert [(f.rank_id, f.cause) for f in detector.check(now + 1.01, c.ranks, c.members, True, 0)] == \
+        [(1, FaultCause.HUNG)]
+
+
+def test_of_an_agents_messages_read_in_one_batch_the_newest_dates_its_ranks():
+    """The controller read nothing for 2 s (an epoch change): n0's agent sent 20 messages meanwhile,
+    rank 1 stopped before the first, and all of them arrive at one heard time. Dated by the oldest
+    (the smallest age), the stopped rank would look heard 1.9 s after it stopped."""
+    c = cluster_of({0: "n0", 1: "n0", 2: "n1"})
+    detector = FaultDetector(config(heartbeat_timeout_s=1.0))
+    stopped_at, arrival = 100.0, 102.05
+    sent = [round(100.1 + INTERVAL_S * i, 3) for i in range(20)]  # the agent's clock, in send order
+    batch = [node_beat("n0", {0: 0.02, 1: round(t - stopped_at, 3)}) for t in sent]
+    batch.insert(5, node_beat("n1", {2: 0.01}))
+    assert superseded_node_beats(batch) == set(range(21)) - {5, 20} and \
+        superseded_node_beats([node_beat("n0", {0: 0.0}), NodeHeartbeat("n0", "s2", [])]) == set()
+    take_batch(detector, c, batch, arrival)
+    assert c.ranks[1].last_heartbeat == pytest.approx(arrival - (sent[-1] - stopped_at))
+    assert lost(detector, c, arrival) == {1: FaultCause.HEARTBEAT_LOST}
+    assert c.ranks[0].last_heartbeat == pytest.approx(arrival - 0.02)

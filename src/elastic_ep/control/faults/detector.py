@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -54,6 +54,24 @@ class Fault:
     rank_id: int
     cause: FaultCause
     detail: str  # for people: "process killed by SIGKILL"
+
+
+# First sightings kept per epoch: the watchdog reads only the furthest collective's (`hung_ranks`),
+# which is always the newest; the rest is slack. Without a bound an entry per collective a heartbeat
+# showed stayed for the whole epoch (a dispatch and a combine per MoE layer: up to 116 a step at
+# 58 layers), millions over hours of serving.
+SIGHTINGS_KEPT = 64
+
+
+def superseded_node_beats(batch: Sequence[object]) -> set[int]:
+    """Indices of the `NodeHeartbeat`s in one received batch that a later one of the same agent
+    (node and session) replaces. An agent's messages arrive in the order it sent them (one
+    connection), and each lists every running rank of its node, so its last one in the batch is its
+    newest and dates the ranks: all of a batch arrive at one heard time, and an older one, whose
+    ages were read earlier, would date a stopped rank (whose age grows) later than it beat, by as
+    long as the controller took to read them (heartbeats queued behind an epoch change)."""
+    last = {(m.node, m.session): i for i, m in enumerate(batch) if isinstance(m, NodeHeartbeat)}
+    return {i for i, m in enumerate(batch) if isinstance(m, NodeHeartbeat) and last[(m.node, m.session)] != i}
 
 
 class FaultDetector:
@@ -126,6 +144,8 @@ class FaultDetector:
             rank.last_heartbeat = heard_at
         if progress.epoch == epoch and progress.seq not in self.seq_first_seen:
             self.seq_first_seen[progress.seq] = now
+            if len(self.seq_first_seen) > SIGHTINGS_KEPT:  # the oldest collective (a late rank's may come last)
+                del self.seq_first_seen[min(self.seq_first_seen)]
         if progress != rank.progress:
             rank.progress, rank.progress_at = progress, now
 
