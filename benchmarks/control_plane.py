@@ -61,6 +61,7 @@ from elastic_ep.control.api import GenerationRequest
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.control.facade.to_loop import SignalRank
+from elastic_ep.control.gc_policy import tune_for_serving
 from elastic_ep.harness.standin import standin_model
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.placement.fault_aware import fault_aware_placement
@@ -260,6 +261,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
     if before:
         ctl.publisher.liveness_period_s, ctl.publisher.snapshot_share = 0.0, math.inf
         ctl.cluster.cache_placement_view = False
+    tune_for_serving()  # the collector as `elastic-ep serve` sets it before its controller starts
     ctl.start()
     procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model, key)
     load = None
