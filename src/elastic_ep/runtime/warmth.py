@@ -5,7 +5,7 @@ an epoch that fills a slot (from a peer, the backup, disk or another slot of the
 cold again, and a level-2 sleep, which drops every slot, makes all of them cold. A step shape
 (tokens, micro-batches) is warm once this process has run it through the readiness gate
 (control/serving/warmup.py); the gate asks a group for only the shapes one of its members has
-not run. Pure functions: the worker holds the state, the stand-ins model the same rule.
+not run. A pure function: the worker holds the state, the stand-ins model the same rule.
 """
 
 from __future__ import annotations
