@@ -25,6 +25,12 @@ first completed step. `--sample-s S` samples the controller's RSS, the /cluster 
 watchdog's first sightings and the faults so far every S seconds of a point's --seconds: a run of
 minutes shows whether memory stays flat.
 
+`--warm-all` measures with the readiness gate's old rule: every epoch runs every batch shape on
+every member (`WarmUpGate.every_step`), not only what it changed (the slots it filled, each on its
+rank as the epoch forms, and the shapes a member has not run); with the table it is the before
+(this code with `--warm-all`). A stand-in runs a gate forward in a step's time and a filled
+slot in 0.1 ms (harness/standin.py). Each fault's `warmup` says what its recovery warmed.
+
 `--before` measures with the control-plane changes of issue 25 turned off in the same code:
 every rank sends its expert load every step (`--load-report-every-steps 1`), liveness is computed
 at every pump, the /cluster snapshot is rebuilt every 0.25 s whatever it costs and its placement
@@ -179,6 +185,13 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
         profile.dump()
     parts = {k: recovered.get(k) for k in ("detect_to_fence_s", "placement_s", "rendezvous_s", "transfer_s",
                                            "verify_s", "epoch_change_s", "recompute_s", "restore")}
+    # the recovery epoch's warm-up: from its `epoch` event to its `warmup` event, and what it ran
+    epoch = next((e for e in events_after(ctl, since, "epoch") if e.get("epoch") == recovered.get("epoch")), None)
+    warmup = next((e for e in events_after(ctl, since, "warmup") if e.get("epoch") == recovered.get("epoch")), None)
+    if epoch is not None and warmup is not None:
+        parts["warmup_s"] = round(warmup["time_s"] - epoch["time_s"], 3)
+        parts["warmup_forwards"] = len(warmup["shapes"])
+        parts["warmup_filled_slots_run"] = warmup["filled_slots_warmed"]
     return {"parts": parts, "restores_waited_s": ready_s,
             "rank_id": rank_id, "detect_s": round(fault["time_s"] - t0, 3), "cause": fault["signal"],
             "pause_s": round(recovered["time_s"] - t0, 3), "recovery_s": recovered["total_s"],
@@ -245,7 +258,7 @@ class RecoveryProfile:
 
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
               before: bool, faults: bool, timeout_s: float, profile: str | None = None,
-              profile_recovery: str | None = None, sample_s: float | None = None) -> dict:
+              profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False) -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -258,6 +271,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
     registry = CollectorRegistry()
     key = ClusterKey.generate()
     ctl = Controller(cfg, key, registry)
+    ctl.warmup.every_step = warm_all
     if before:
         ctl.publisher.liveness_period_s, ctl.publisher.snapshot_share = 0.0, math.inf
         ctl.cluster.cache_placement_view = False
@@ -296,7 +310,8 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         handled_s = delta(h1, h0)
         beat_kinds = ("Heartbeat", "NodeHeartbeat")  # a rank's own; its node's (the agent gathers them)
         out = {
-            "ranks": ranks, "seqs_per_rank": seqs_per_rank, "mode": "before" if before else "after",
+            "ranks": ranks, "seqs_per_rank": seqs_per_rank,
+            "mode": ("before" if before else "after") + (", warm-all" if warm_all else ""),
             "step_ms": step_ms, "steps": steps,
             "step_period_ms": round(1000 * dt / max(steps, 1), 2),
             "slowest_rank_ms": round(1000 * (times.slowest_rank_s - s0) / max(steps, 1), 2),
@@ -409,7 +424,7 @@ def table(args) -> None:
         for ranks, seqs, repeat, mode in [(r, s, k, m) for r, s in points for k in range(args.repeats)
                                           for m in ("before", "after")]:
             script, env = __file__, dict(os.environ)
-            flags = ["--before"] if mode == "before" and old is None else []
+            flags = [("--warm-all" if args.warm_all else "--before")] if mode == "before" and old is None else []
             if mode == "before" and old is not None:
                 script, env["PYTHONPATH"] = str(old / "benchmarks" / "control_plane.py"), str(old / "src")
             cmd = [sys.executable, script, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
@@ -456,6 +471,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4, help="stand-in processes")
     parser.add_argument("--before", action="store_true", help="the control-plane changes of issue 25 turned off")
     parser.add_argument("--no-faults", action="store_true", help="skip the kill and stop")
+    parser.add_argument("--warm-all", action="store_true",
+                        help="the readiness gate's old rule: every shape on every member in every epoch "
+                             "(with the table: its before)")
     parser.add_argument("--timeout-s", type=float, default=1.0,
                         help="--heartbeat-timeout-s and --agent-timeout-s of the controller (the stop's deadline)")
     parser.add_argument("--table-ranks", default="8,64,256,1024", help="the table's sizes (comma-separated)")
@@ -479,7 +497,7 @@ def main() -> None:
         return
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
                     args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
-                    args.sample_s)
+                    args.sample_s, args.warm_all)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

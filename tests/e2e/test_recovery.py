@@ -66,6 +66,11 @@ def recovery_events(cluster: dict, since_epoch: int) -> list[dict]:
     return [e for e in cluster["events"] if e["kind"] == "recovered" and e.get("epoch", -1) > since_epoch]
 
 
+def warmups(cluster: dict, after_epoch: int) -> dict[int, dict]:
+    """epoch -> its readiness gate's `warmup` event, for the epochs after `after_epoch`."""
+    return {e["epoch"]: e for e in cluster["events"] if e["kind"] == "warmup" and e["epoch"] > after_epoch}
+
+
 def check_recovered(server, before: dict, texts: list[str], culprits: set[int], cause: str | tuple[str, ...],
                     expected: tuple[str, ...] | None = None) -> dict:
     """Outputs equal the fault-free run; a newer epoch names `culprits`, each fault event with
@@ -93,6 +98,10 @@ def test_kill_one_rank_then_it_rejoins(server):
     assert recoveries(server) > count
     back = full_group(server)
     assert back["ranks"][1]["pid"] != pid
+    # the restarted process has run no shape: the epoch it joins runs every one, on every member
+    every_shape = back["cold_start"]["warmup"]["shapes"]
+    joined = [w for epoch, w in warmups(back, event["epoch"]).items() if w["shapes"]]
+    assert joined and all(w["shapes"] == every_shape for w in joined), joined
 
 
 def rank_heartbeats(server) -> dict[str, float]:
@@ -169,10 +178,17 @@ def test_two_ranks_at_once_losing_every_replica_of_some_experts_restores_from_ba
     texts, _ = streams_with_fault(server, kill_both)
     cluster = check_recovered(server, before, texts, set(pair), EXITED)
     moved = {}
+    warmed = warmups(cluster, before["epoch"])
     for e in recovery_events(cluster, before["epoch"]):
         for source, stat in e["transfers"].items():
             moved[source] = moved.get(source, 0) + stat["bytes"]
+        # its warm-up ran the slots it filled, each once on its rank, and no forward: every
+        # survivor had run every shape, and the slots it kept were warm from earlier epochs
+        warm = warmed[e["epoch"]]
+        assert warm["shapes"] == [] and warm["filled_slots_warmed"] == warm["slots_filled"] == e["verified_slots"], (
+            warm, e["verified_slots"])
     assert moved.get("backup", 0) > 0 and moved.get("disk", 0) == 0
+    assert sum(warmed[e["epoch"]]["filled_slots_warmed"] for e in recovery_events(cluster, before["epoch"])) > 0
 
 
 def test_second_fault_lands_during_the_recovery_of_the_first(server):

@@ -567,16 +567,19 @@ class Controller:
 
     def _warm_up(self, first: bool) -> None:
         """The readiness gate (serving/warmup.py): the epoch serves, and /ready opens, once every
-        member ran every shape with a token on each of its slots. A warm-up that fails is recovered
-        from as a failed epoch is (the recovery's epoch is warmed up in its turn)."""
+        member ran each slot it filled and the group ran every shape one of its members had not,
+        with a token on each slot (on the first start: every shape, every slot). A warm-up that
+        fails is recovered from as a failed epoch is (the recovery's epoch is warmed up in its turn)."""
         c = self.cluster
-        report = self.warmup.run()
+        report = self.warmup.run(self.changer.replies, self.changer.filled)  # type: ignore[arg-type]
         if first:
             self.ready_clock.mark("warmup_s")
         split = f" in micro-batches {report.micro_batches}" if any(m > 1 for m in report.micro_batches) else ""
-        c.events.add(EventKind.WARMUP, f"warm-up of epoch {c.epoch}, shapes {report.shapes}{split} over ranks "
-                     f"{c.members}: {'every slot computed' if report.complete else report.problem}", epoch=c.epoch,
-                     **report.view())
+        done = ("every slot computed" if report.shapes else "nothing else to warm") if report.complete \
+            else report.problem
+        c.events.add(EventKind.WARMUP, f"warm-up of epoch {c.epoch}: {report.filled_slots_warmed} slots run on their "
+                     f"ranks as filled ({report.slots_filled} filled), shapes {report.shapes}{split} over ranks "
+                     f"{c.members}: {done}", epoch=c.epoch, **report.view())
         if not report.complete:
             if not self.detector.faults:
                 self.detector.error(f"the warm-up did not complete: {report.problem}")

@@ -11,7 +11,10 @@ beats every `heartbeat_interval_s` with its progress (to its agent, in memory: t
 controller one `NodeHeartbeat` per interval with each rank's progress and the age of its last
 beat, as `elastic-ep agent` does with its workers' beats), forms each epoch
 (`EpochReady` with the checksums of the slots it filled and the references of what it read from
-disk, or `EpochFailed` when asked to keep a group it has not got), answers `SweepSlots`, and
+disk, or `EpochFailed` when asked to keep a group it has not got), warms up as a real rank does
+(runtime/warmth.py: each slot an epoch fills, or not yet warm in this stand-in's life, takes
+`--warm-slot-ms` before `EpochReady`, which names the shapes it has run; each forward a `WarmUp`
+asks takes a step's set time, every slot computing), answers `SweepSlots`, and
 answers each `StepPlan` after `--step-ms` (plus `--jitter-ms` drawn per step, plus `--slow
 RANK:MS`) with a `StepResult` of the real shape: a token per sampled chunk, timings, and the
 expert load of its tokens at the model's size; it keeps that answer and sends it again on
@@ -54,6 +57,7 @@ import zmq
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.tiny import cache_dir, make_tiny
 from elastic_ep.node.lease import Lease
+from elastic_ep.runtime.warmth import slots_to_warm
 from elastic_ep.wire import (
     CONTROLLER_TO_AGENT,
     CONTROLLER_TO_WORKER,
@@ -127,13 +131,16 @@ def expert_checksum(layer: int, expert: int) -> int:
 class StandInTiming:
     """step_s: a step's set time; jitter_s: up to this much more, drawn per rank and step;
     slow_s: rank_id -> extra time per step; epoch_s: time to form an epoch; start_s: from
-    `StartWorker` to `WorkerHello` (a real rank loads its weights then)."""
+    `StartWorker` to `WorkerHello` (a real rank loads its weights then); warm_slot_s: running one
+    slot's new expert once (a grouped GEMM of one token and the first touch of its weights);
+    a readiness-gate forward takes step_s."""
 
     step_s: float = 0.02
     jitter_s: float = 0.0
     slow_s: dict[int, float] = field(default_factory=dict)
     epoch_s: float = 0.005
     start_s: float = 0.1
+    warm_slot_s: float = 0.0001
 
 
 class Timers:
@@ -183,6 +190,8 @@ class StandInRank:
         self.alive, self.stopped = True, False
         self.epoch, self.members = -1, []
         self.slots: np.ndarray | None = None  # [L, slots_per_rank] experts it holds
+        self.warm: np.ndarray | None = None  # [L, slots_per_rank] slots warm since filled (runtime/warmth.py)
+        self.steps_run: set[tuple[int, int]] = set()  # the readiness gate's shapes it has run
         self.seq = 0
         self.progress = Progress()
         self.first_beat: float | None = None  # monotonic time of its first heartbeat (None: not beating)
@@ -292,9 +301,12 @@ class StandInRank:
             self.lose = (msg.epoch, msg.step) if msg.lose_result else None
         elif isinstance(msg, ResendResult):
             self._resend(msg)
-        elif isinstance(msg, WarmUp):  # every slot of a stand-in "computes" at once
+        elif isinstance(msg, WarmUp):  # a step's time per forward, every slot computing
             if msg.epoch == self.epoch and self.slots is not None:
-                self.send(WarmedUp(msg.epoch, self.rank_id, list(msg.shapes), int(self.slots.size), 0.0))
+                self.steps_run |= set(zip(msg.shapes, msg.micro_batches, strict=True))
+                warm_s = len(msg.shapes) * self.agent.timing.step_s
+                self._send_in(msg.epoch, warm_s, self.agent.host.key.seal(
+                    WarmedUp(msg.epoch, self.rank_id, list(msg.shapes), int(self.slots.size), warm_s)))
         elif isinstance(msg, StepPlan):
             if msg.epoch == self.epoch:
                 self._step(msg)
@@ -315,20 +327,30 @@ class StandInRank:
         checksums = {(src.layer, src.slot): expert_checksum(src.layer, src.expert) for src in msg.sources}
         read = {(src.layer, src.expert): expert_checksum(src.layer, src.expert) for src in msg.sources
                 if src.kind == "disk"}
-        epoch_s = self.agent.timing.epoch_s
-        stats = [TransferStat(kind, 0, epoch_s) for kind in sorted({src.kind for src in msg.sources})]
-        frames = self.agent.host.key.seal(EpochReady(msg.epoch, self.rank_id, checksums, read, stats, 0.0, epoch_s,
-                                                     0.0))
+        timing = self.agent.timing
+        occupied = self.slots >= 0
+        warmed = self.warm if self.warm is not None else np.zeros_like(occupied)
+        cold = slots_to_warm(warmed, occupied, [(src.layer, src.slot) for src in msg.sources])
+        self.warm = occupied & (warmed | cold)
+        warm_s = int(cold.sum()) * timing.warm_slot_s
+        stats = [TransferStat(kind, 0, timing.epoch_s) for kind in sorted({src.kind for src in msg.sources})]
+        frames = self.agent.host.key.seal(EpochReady(msg.epoch, self.rank_id, checksums, read, stats, 0.0,
+                                                     timing.epoch_s, 0.0, int(cold.sum()), round(warm_s, 4),
+                                                     sorted(self.steps_run)))
+        self._send_in(msg.epoch, timing.epoch_s + warm_s, frames)
 
-        def ready() -> None:
-            if not self.alive or self.epoch != msg.epoch:
+    def _send_in(self, epoch: int, delay_s: float, frames) -> None:
+        """Send `frames` (an answer of `epoch`) after `delay_s`, unless it is gone or in another epoch
+        by then; a stopped process answers once it runs again."""
+        def send() -> None:
+            if not self.alive or self.epoch != epoch:
                 return
-            if self.stopped:  # a stopped process answers once it runs again
-                self.agent.host.timers.at(time.monotonic() + 0.01, ready)
+            if self.stopped:
+                self.agent.host.timers.at(time.monotonic() + 0.01, send)
                 return
-            self.progress = Progress(msg.epoch, -1, -1, "idle", 0, time.time())
+            self.progress = Progress(epoch, -1, -1, "idle", 0, time.time())
             self.agent.host.send(self.step_sock, frames)
-        self.agent.host.timers.at(time.monotonic() + epoch_s, ready)
+        self.agent.host.timers.at(time.monotonic() + delay_s, send)
 
     def _step(self, plan: StepPlan) -> None:
         received = time.monotonic()
@@ -589,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-ms", type=float, default=20.0, help="a step's set time")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="up to this much more per rank and step")
     parser.add_argument("--slow", action="append", default=[], metavar="RANK:MS", help="a rank's extra time per step")
+    parser.add_argument("--warm-slot-ms", type=float, default=StandInTiming.warm_slot_s * 1000,
+                        help="running one newly filled slot once before the epoch serves")
     parser.add_argument("--lease-s", type=float, default=5.0)
     parser.add_argument("--model", default=None, help="the served checkpoint dir, read before registering")
     parser.add_argument("--cluster-key-file", default=None,
@@ -602,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     host = StandInHost(ClusterKey.read(args.cluster_key_file) if args.cluster_key_file else key_from_env())
     if args.model:
         host.model(args.model)
-    timing = StandInTiming(args.step_ms / 1000, args.jitter_ms / 1000, parse_slow(args.slow))
+    timing = StandInTiming(args.step_ms / 1000, args.jitter_ms / 1000, parse_slow(args.slow),
+                           warm_slot_s=args.warm_slot_ms / 1000)
     host.agents = [StandInAgent(host, args.controller, node, args.ranks_per_node, timing, args.lease_s)
                    for node in args.node]
     try:

@@ -22,6 +22,7 @@ import zmq
 
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.memory import huge_zeros
+from elastic_ep.model.moe import grouped_expert_forward
 from elastic_ep.node.backup_file import expert_checksum, expert_offsets, read_checked
 from elastic_ep.wire import FETCH_REPLY, BackupFetch, BackupSite, ClusterKey, Inbox, SlotSource, TransferStat
 
@@ -93,6 +94,20 @@ class ExpertSlots:
             slots = [(li, j) for li in range(len(self.moe_layers)) for j in range(self.slots_per_rank)]
         return {(li, j): expert_checksum(self.w13[li][j], self.w2[li][j])
                 for li, j in slots if self.experts[li, j] >= 0}
+
+    def run_each(self, slots: np.ndarray) -> int:
+        """One token through the expert of each slot `slots` [L, S] bool marks (warming the slots an
+        epoch filled: their weights compute once before a step needs them, as the readiness gate's
+        forwards make every slot compute on the first start). Local: no collective, so only the
+        ranks that filled slots spend anything. Returns how many slots computed."""
+        computed = 0
+        for li in np.flatnonzero(slots.any(axis=1)).tolist():
+            ids = torch.from_numpy(np.flatnonzero(slots[li])).to(self.device)
+            x = torch.ones(len(ids), self.hidden, dtype=self.dtype, device=self.device)
+            w13, w2 = self.layer(li)
+            grouped_expert_forward(x, ids, w13, w2)
+            computed += len(ids)
+        return computed
 
     def corrupt(self, layer: int, slot: int) -> None:
         """Fault injection: flip the sign of the slot's down projection in place."""

@@ -6,8 +6,9 @@ Threads:
   `StepPlan` (attention on its own sequences, EP MoE with the epoch's group, sampling; the
   sequences' state between steps, and the compact decode rows that rely on it, in held.py),
   `ResendResult` (the answer of its last step sent again, when the controller never got it),
-  `SweepSlots` (checksum a few slots between steps), `WarmUp` (the readiness gate: every
-  batch shape through the epoch's MoE, with a token on every slot), `SleepRank` / `WakeRank` (free the KV
+  `SweepSlots` (checksum a few slots between steps), `WarmUp` (the readiness gate: the batch
+  shapes it asks through the epoch's MoE, with a token on every slot; the slots an epoch fills
+  each compute once as the epoch forms, runtime/warmth.py), `SleepRank` / `WakeRank` (free the KV
   cache, and at level 2 the weights, then build them again), and from a server with
   --enable-chaos `ChaosStep` (the next step's injected delay and failures) and `CorruptSlot`.
   It blocks inside collectives.
@@ -88,6 +89,7 @@ from elastic_ep.wire import (
     SleepRank,
     SleepReply,
     SlotChecksums,
+    SlotSource,
     StepErrorKind,
     StepFailed,
     StepPlan,
@@ -121,6 +123,7 @@ from .group import (
 from .held import HeldSequences, StepRun
 from .kv_move import move_kv
 from .overlap import forward_micro_batches
+from .warmth import slots_to_warm
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)  # a StepResult whose plan did not ask for the load
 # between tries at a leader's store the worker sees a new leader announced (`NewLeader`) and goes there
@@ -169,6 +172,10 @@ class Worker:
         self.held = HeldSequences()
         self.slots: ExpertSlots | None = None
         self.moe: ExpertParallelMoE | None = None
+        # runtime/warmth.py: [L, S] slots whose weights computed since written (None: no slots yet),
+        # and the step shapes (tokens, micro-batches) the readiness gate ran in this process
+        self.warm_slots: np.ndarray | None = None
+        self.steps_run: set[tuple[int, int]] = set()
         # None: a new leader was announced before this one's store was reached; `run` follows it
         self.store = self._connect_store(launch)
         self._pending: list = []
@@ -250,6 +257,7 @@ class Worker:
                 self._warm_up(self.model.new_kv_cache(-(-num_tokens // block_size), block_size), num_tokens, moe,
                               micro_batches)
                 done.append(num_tokens)
+                self.steps_run.add((num_tokens, micro_batches))
         except CollectiveError as e:
             self.group.destroy()
             error = f"{type(e).__name__}: {e}"
@@ -432,12 +440,16 @@ class Worker:
             unchecked = [(src.layer, src.slot) for src in msg.sources if (src.layer, src.slot) not in filled.checked]
             checksums = {**filled.checked, **self.slots.checksums(unchecked)}
             verify_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            slots_warmed = self._warm_filled(msg.sources)
+            warm_s = time.perf_counter() - t0
             self.moe = ExpertParallelMoE(self.slots, location.log2phy, location.logcnt, links, self.progress,
                                          self.config.moe_layers, location.num_ranks, self.config.top_k)
             self.progress.idle()
             self.held_epoch = msg.epoch
             self.send(EpochReady(msg.epoch, args.rank_id, checksums, filled.source_checksums, filled.stats,
-                                 rendezvous_s, transfer_s, verify_s))
+                                 rendezvous_s, transfer_s, verify_s, slots_warmed, round(warm_s, 4),
+                                 sorted(self.steps_run)))
         except EpochSuperseded:
             group.destroy()
         except BackupUnreachable as e:
@@ -446,6 +458,18 @@ class Worker:
         except Exception as e:  # any failure to form: the controller decides what next
             group.destroy()
             self.send(EpochFailed(msg.epoch, args.rank_id, f"{type(e).__name__}: {e}"))
+
+    def _warm_filled(self, sources: list[SlotSource]) -> int:
+        """Run each slot the epoch filled, and any other occupied slot not warm yet, once, on this
+        rank alone (runtime/warmth.py), so that no step is the first to run new weights. Returns
+        how many slots computed."""
+        assert self.slots is not None
+        occupied = self.slots.experts >= 0
+        warmed = self.warm_slots if self.warm_slots is not None else np.zeros_like(occupied)
+        cold = slots_to_warm(warmed, occupied, [(src.layer, src.slot) for src in sources])
+        computed = self.slots.run_each(cold)
+        self.warm_slots = occupied & (warmed | cold)
+        return computed
 
     def _sleep(self, level: int) -> None:
         """Free the KV cache (level 1; the weights stay in host memory: on the CPU they are
@@ -463,6 +487,7 @@ class Worker:
                     self._slept_checksums = self.slots.checksums()
                     self.slots.release()
                 self.model = None
+                self.warm_slots, self.steps_run = None, set()  # built again on wake: cold
             self.sleep_level = max(self.sleep_level, level)
             return_freed_memory()
         except Exception as e:  # the controller reports it; the rank wakes as usual

@@ -188,6 +188,10 @@ class EpochReady(Message):
     slots kept as they were are left to the background check; see runtime.experts).
     source_checksums: (layer, expert) -> checksum of the weights as read from the checkpoint,
     for every expert this rank read from disk: the controller's reference for that expert.
+    slots_warmed: slots that computed once, on this rank alone, before this answer (every slot the
+    epoch filled and any other not warm in this process yet: runtime/warmth.py), in `warm_s`.
+    steps_run: (tokens, micro-batches) of every step shape the readiness gate ran in this process
+    (control/serving/warmup.py asks the group for the ones a member lacks).
     """
 
     epoch: int
@@ -198,6 +202,9 @@ class EpochReady(Message):
     rendezvous_s: float
     transfer_s: float
     verify_s: float
+    slots_warmed: int = 0
+    warm_s: float = 0.0
+    steps_run: list[tuple[int, int]] = []
 
 
 class EpochFailed(Message):

@@ -130,6 +130,7 @@ class EpochChanger:
         self.pump = pump
         self.faulted = faulted
         self.replies: dict[int, EpochReady | EpochFailed] = {}
+        self.filled: dict[int, int] = {}  # the current epoch's slots filled per rank (the gate checks each ran)
         self.reference_checksums: dict[tuple[int, int], int] = {}  # (layer, expert) -> as read from disk
         self.suspect_slots: set[Slot] = set()
         self._after_start: list[Callable[[], None]] = []  # one-shot hooks (chaos: a fault mid-change)
@@ -198,6 +199,7 @@ class EpochChanger:
         c.epoch += 1
         c.members = list(live)
         self.replies = {}
+        self.filled = {r: len(v) for r, v in sources.items()}
         self.store.set(f"epoch/{c.epoch}/members", json.dumps(live))
         slot_map = slot_map_for_wire(new.phy2log, c.num_experts)
         nodes = [rank_nodes[r] for r in live]

@@ -1,6 +1,6 @@
 """The readiness gate (--warmup-gate): /ready opens after the first epoch only once every rank ran
-every batch shape of the step loop with a token on every one of its expert slots, and every later
-epoch is warmed up the same way before its first step.
+every batch shape of the step loop with a token on every one of its expert slots; a later epoch
+serves once what it changed is warm: the slots it filled and the shapes a member has not run.
 
 A GPU server captures a CUDA graph per batch size before it serves (vLLM captures sizes 1, 2, 4,
 8, then steps of 8) and pads each step to the next captured size; here the place of that capture
@@ -14,8 +14,13 @@ its slots computed, and the gate opens only when that is all of them on every ra
 --enable-dbo a step runs its rank's tokens in two micro-batches (`runtime/overlap.py`), so each
 shape is warmed in two micro-batches too, and in one as well where a step can still run one
 (`warmup_steps`). An epoch change moves experts into slots, so each new epoch is warmed before it
-serves (a failed warm-up is recovered from as a failed epoch is); `ShapeTally` counts the shape
-of every step each rank ran, and the steps that ran a (shape, micro-batches) their epoch did not warm.
+serves (a failed warm-up is recovered from as a failed epoch is), but only what changed: each
+rank runs every slot it filled once on its own as the epoch forms (runtime/warmth.py; `EpochReady`
+says how many), and the gate's forwards, which every member must run together (each is an
+all-to-all of the group), run only the shapes some member has not run in its process
+(`steps_to_warm`: none after a loss, all of them when a new process joins). `ShapeTally` counts
+the shape of every step each rank ran, and the steps that ran a (shape, micro-batches) their
+epoch did not warm.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_ep.wire import WarmedUp, WarmUp
+from elastic_ep.wire import EpochReady, WarmedUp, WarmUp
 
 from ..cluster import ClusterState
 from ..control_plane import ControlPlane
@@ -55,6 +60,13 @@ def warmup_steps(shapes: list[int], dbo_min_tokens: int | None) -> list[tuple[in
         return [(s, 1) for s in shapes]
     two = [(s, 2) for s in shapes] if shapes and shapes[-1] >= dbo_min_tokens else []
     return sorted([(s, 1) for s in shapes if s < dbo_min_tokens] + two)
+
+
+def steps_to_warm(steps: list[tuple[int, int]], runs: list[set[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """The (tokens, micro-batches) of `steps` that a group's forwards must run: those at least one
+    member (`runs`: per member, the steps its process ran) has not, in the order of `steps`. A
+    member that has run one runs it again with the others: the forward is collective."""
+    return [step for step in steps if any(step not in ran for ran in runs)]
 
 
 def padded_tokens(tokens: int, shapes: list[int]) -> int:
@@ -87,13 +99,17 @@ class ShapeTally:
 
 @dataclass
 class WarmUpReport:
-    """What the gate saw: the forwards asked (tokens of each, and its micro-batches), slots per
-    rank, per rank the slots that computed and the shapes it ran, the slowest rank's seconds, and
-    the errors ("" when complete)."""
+    """What the gate saw: the forwards asked (tokens of each, and its micro-batches; none when every
+    member has run every shape), slots per rank, the slots the epoch filled and those its ranks
+    ran on their own as it formed (`EpochReady.slots_warmed`, summed), per rank the slots that
+    computed in the forwards and the shapes it ran, the slowest rank's seconds, and the errors
+    ("" when complete)."""
 
     shapes: list[int]
     micro_batches: list[int]
     slots: int
+    slots_filled: int = 0
+    filled_slots_warmed: int = 0
     slots_warmed: dict[int, int] = field(default_factory=dict)
     shapes_run: dict[int, list[int]] = field(default_factory=dict)
     seconds: float = 0.0
@@ -105,6 +121,7 @@ class WarmUpReport:
 
     def view(self) -> dict[str, Any]:
         return {"shapes": self.shapes, "micro_batches": self.micro_batches, "slots_per_rank": self.slots,
+                "slots_filled": self.slots_filled, "filled_slots_warmed": self.filled_slots_warmed,
                 "slots_warmed": self.slots_warmed,
                 "seconds": self.seconds, "complete": self.complete, "problem": self.problem}
 
@@ -115,7 +132,9 @@ class WarmUpGate:
     tokens per rank the step loop pads to; dbo_min_tokens: --dbo-min-tokens with --enable-dbo
     (None without), which decides the micro-batches each shape is warmed in (`warmup_steps`).
     `epoch`: the last epoch whose warm-up completed (-1: none yet); `ran` tallies the shape of each
-    step a rank ran."""
+    step a rank ran. `every_step`: run every shape on every member in every epoch, what each
+    member has run regardless (the rule before warming only what changed; benchmarks/control_plane.py
+    --warm-all measures the two side by side)."""
 
     def __init__(self, cluster: ClusterState, plane: ControlPlane, shapes: list[int], timeout_s: float,
                  pump: Callable[[float], None], faulted: Callable[[list[int]], bool],
@@ -126,8 +145,10 @@ class WarmUpGate:
         self.pump, self.faulted = pump, faulted
         self.replies: dict[int, WarmedUp] = {}
         self.report: WarmUpReport | None = None
+        self.first: WarmUpReport | None = None  # the first that completed: the cold start's, every shape
         self.epoch = -1
         self.tally = ShapeTally()
+        self.every_step = False
 
     def on_reply(self, msg: WarmedUp) -> None:
         if msg.epoch == self.cluster.epoch:
@@ -142,18 +163,31 @@ class WarmUpGate:
         self.tally.add(shape, micro_batches, epoch == self.epoch and (shape, micro_batches) in self._warmed_steps)
 
     def view(self) -> dict[str, Any] | None:
-        """The last warm-up's report, the epoch it warmed, and the shapes the steps ran (None before any)."""
+        """The first complete warm-up's report (the cold start's: every shape, every slot), the last
+        one's (`last`), the epoch last warmed, and the shapes the steps ran (None before any)."""
         if self.report is None:
             return None
-        return {**self.report.view(), "epoch": self.epoch, **self.tally.view()}
+        return {**(self.first or self.report).view(), "epoch": self.epoch, "last": self.report.view(),
+                **self.tally.view()}
 
-    def run(self) -> WarmUpReport:
-        """Warm the members of the current epoch up; the report says whether every slot of every
-        rank computed in every shape (`complete`)."""
+    def run(self, ready: dict[int, EpochReady], filled: dict[int, int]) -> WarmUpReport:
+        """Warm what the current epoch changed: `ready` holds each member's `EpochReady` (the slots
+        it ran as the epoch formed, the shapes its process has run), `filled` the slots the
+        epoch filled per rank. The report says whether every rank ran each slot it filled and,
+        when forwards ran, whether every slot of every rank computed in each (`complete`)."""
         c = self.cluster
         members = list(c.members)
-        tokens, micro_batches = [t for t, _ in self.steps], [m for _, m in self.steps]
-        report = self.report = WarmUpReport(tokens, micro_batches, c.slots_per_rank * c.num_layers)
+        runs = [{tuple(step) for step in ready[r].steps_run} for r in members]
+        steps = self.steps if self.every_step else steps_to_warm(self.steps, runs)
+        tokens, micro_batches = [t for t, _ in steps], [m for _, m in steps]
+        report = self.report = WarmUpReport(tokens, micro_batches, c.slots_per_rank * c.num_layers,
+                                            sum(filled.values()), sum(ready[r].slots_warmed for r in members))
+        unwarmed = [f"rank {r}: ran {ready[r].slots_warmed} of the {n} slots it filled" for r, n in filled.items()
+                    if r in ready and ready[r].slots_warmed < n]
+        report.seconds = max((ready[r].warm_s for r in members), default=0.0)
+        if not steps:
+            report.problem = "; ".join(unwarmed)
+            return self._completed(report)
         self.replies = {}
         for rank_id in members:
             self.plane.to_worker(rank_id, WarmUp(c.epoch, tokens, micro_batches))
@@ -168,12 +202,16 @@ class WarmUpGate:
             self.pump(0.005)
         for rank_id, msg in sorted(self.replies.items()):
             report.slots_warmed[rank_id], report.shapes_run[rank_id] = msg.slots_warmed, msg.shapes
-        report.seconds = max(m.seconds for m in self.replies.values())
-        problems = [f"rank {m.rank_id}: {m.error}" for m in self.replies.values() if m.error]
+        report.seconds += max(m.seconds for m in self.replies.values())
+        problems = unwarmed + [f"rank {m.rank_id}: {m.error}" for m in self.replies.values() if m.error]
         problems += [f"rank {r}: {n} of {report.slots} slots computed" for r, n in report.slots_warmed.items()
                      if n < report.slots]
         problems += [f"rank {r}: ran shapes {s}" for r, s in report.shapes_run.items() if s != tokens]
         report.problem = "; ".join(problems)
+        return self._completed(report)
+
+    def _completed(self, report: WarmUpReport) -> WarmUpReport:
         if report.complete:
-            self.epoch = c.epoch
+            self.epoch = self.cluster.epoch
+            self.first = self.first or report
         return report
