@@ -23,7 +23,13 @@ of their own (`restores_waited_s`; the recovery's `restore` says whether it look
 and `--profile-recovery FILE` profiles the control thread from each recovery's start to its
 first completed step. `--sample-s S` samples the controller's RSS, the /cluster body's size, the
 watchdog's first sightings and the faults so far every S seconds of a point's --seconds: a run of
-minutes shows whether memory stays flat.
+minutes shows whether memory stays flat. With it, each sample also has what the RSS is made of:
+glibc's heap in use (`malloc_bytes`: Python's objects over 512 bytes, numpy's arrays, ZeroMQ's
+queued frames), Python's small-object blocks, and with `--tracemalloc FRAMES` the bytes Python
+allocated since the first sample (tracemalloc, which slows Python: fewer steps), whose top growing
+sites the point reports (`tracemalloc_top`); right after the samples the stand-ins are stopped
+(SIGSTOP) for up to 3 s, and the frames the control thread still reads then (`backlog`) are what
+sat queued for it (benchmarks/zmq_queue_cost.py: what one costs).
 
 `--warm-all` measures with the readiness gate's old rule: every epoch runs every batch shape on
 every member (`WarmUpGate.every_step`), not only what it changed (the slots it filled, each on its
@@ -47,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import ctypes
 import json
 import logging
 import math
@@ -57,6 +64,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -258,7 +266,8 @@ class RecoveryProfile:
 
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
               before: bool, faults: bool, timeout_s: float, profile: str | None = None,
-              profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False) -> dict:
+              profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False,
+              trace_frames: int = 0) -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -297,8 +306,8 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         n0, w0, s0, parts0 = times.steps, times.wall_s, times.slowest_rank_s, dict(times.part_s)
         profiler = ControlThreadProfile(ctl, profile) if profile else None
         cpu_clock = time.pthread_getcpuclockid(ctl._thread.ident)
-        cpu0, t0 = time.clock_gettime(cpu_clock), time.monotonic()
-        samples = sample_memory(ctl, seconds, sample_s)
+        cpu0, t0, t0_wall = time.clock_gettime(cpu_clock), time.monotonic(), time.time()
+        samples = sample_memory(ctl, seconds, sample_s, trace_frames)
         dt, cpu_s = time.monotonic() - t0, time.clock_gettime(cpu_clock) - cpu0
         if profiler is not None:
             profiler.stop()
@@ -330,6 +339,10 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         }
         if samples:
             out["samples"] = samples
+            # what else ran on the control thread in those minutes (epochs, stalls, resends)
+            out["events"] = [f"{e['time_s'] - t0_wall:.1f}s {e['kind']}: {e['message'][:160]}" for e in events(ctl)
+                             if e["kind"] not in ("registered", "agent", "started") and e["time_s"] >= t0_wall]
+            out["backlog"] = queued_backlog(ctl, procs)  # before this thread's own work below takes the GIL
         snap = times.snapshot_s
         out["cluster_snapshot_ms"] = round(1000 * snap, 2)
         t = time.perf_counter()
@@ -372,28 +385,91 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         stop_standins(procs)
 
 
-def sample_memory(ctl: Controller, seconds: float, sample_s: float | None) -> list[dict]:
+def malloc_in_use_bytes() -> int:
+    """glibc's heap in use in this process, every thread's arena and mmap'd chunks (mallinfo2):
+    where ZeroMQ's queued frames, numpy's arrays and Python's objects over 512 bytes live."""
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def sample_memory(ctl: Controller, seconds: float, sample_s: float | None, trace_frames: int = 0) -> list[dict]:
     """Sleep `seconds`; every `sample_s` (None: never) the controller's RSS (this process: the
-    stand-ins run in others), the /cluster body's size and the watchdog's first sightings, so a
-    long run shows whether any of them grows."""
+    stand-ins run in others), glibc's heap in use, Python's small-object blocks, the frames and
+    bytes each socket read so far, the /cluster body's size and the watchdog's first sightings, so
+    a long run shows whether any of them grows and which. `trace_frames` > 0: tracemalloc traces
+    from the first sample on (that many frames a site) and each sample has its traced bytes; the
+    last sample carries the snapshots' difference under "tracemalloc_top"."""
     if not sample_s:
         time.sleep(seconds)
         return []
-    me, t0, out = psutil.Process(), time.monotonic(), []
+    if trace_frames:
+        tracemalloc.start(trace_frames)
+    me, t0, out, first = psutil.Process(), time.monotonic(), [], None
     while True:
         elapsed = time.monotonic() - t0
-        snapshot, location = ctl.engine.cluster(), ctl.cluster.location
+        snapshot, location, times = ctl.engine.cluster(), ctl.cluster.location, ctl.plane.times
         out.append({"t_s": round(elapsed, 1), "step": ctl.cluster.step, "rss_bytes": me.memory_info().rss,
+                    "malloc_bytes": malloc_in_use_bytes(), "py_blocks": sys.getallocatedblocks(),
+                    "frames_in": dict(times.frames_in), "bytes_in": dict(times.bytes_in),
                     "cluster_bytes": len(json.dumps(snapshot)),
                     "placement_bytes": len(json.dumps(snapshot.get("placement"))),
                     # log2phy's padding: the hottest expert's replicas (what the snapshot's size followed)
                     "max_replicas": int(location.logcnt.max()) if location is not None else 0,
                     "first_sightings": len(ctl.detector.seq_first_seen),
                     "faults": len(events_after(ctl, 0, "fault"))})
+        if trace_frames:
+            out[-1]["py_traced_bytes"] = tracemalloc.get_traced_memory()[0]
+            if first is None:
+                first = tracemalloc.take_snapshot()
         print(json.dumps(out[-1]), file=sys.stderr, flush=True)
         if elapsed >= seconds:
+            if trace_frames:
+                out[-1]["tracemalloc_top"] = growing_sites(first, tracemalloc.take_snapshot(), trace_frames)
+                tracemalloc.stop()
             return out
         time.sleep(min(sample_s, seconds - elapsed))
+
+
+def growing_sites(first: tracemalloc.Snapshot, last: tracemalloc.Snapshot, frames: int, top: int = 15) -> list[dict]:
+    """The allocation sites whose live bytes grew most from `first` to `last` (innermost frame, and
+    with `frames` > 1 the whole traceback of the top few)."""
+    ignore = [tracemalloc.Filter(False, tracemalloc.__file__)]
+    first, last = first.filter_traces(ignore), last.filter_traces(ignore)
+    out = [{"site": f"{s.traceback[0].filename}:{s.traceback[0].lineno}", "grew_bytes": s.size_diff,
+            "bytes": s.size, "grew_blocks": s.count_diff} for s in last.compare_to(first, "lineno")[:top]]
+    if frames > 1:
+        out += [{"traceback": [f"{f.filename}:{f.lineno}" for f in s.traceback], "grew_bytes": s.size_diff,
+                 "bytes": s.size} for s in last.compare_to(first, "traceback")[:5]]
+    return out
+
+
+def queued_backlog(ctl: Controller, procs: list[subprocess.Popen], quiet_s: float = 0.5,
+                   limit_s: float = 3.0) -> dict:
+    """Stop the stand-ins (SIGSTOP) and count what the control thread still reads until it reads
+    nothing for `quiet_s` (at most `limit_s`, under the deadlines), then continue them: the frames
+    and bytes that were queued for it (ZeroMQ's pipes in this process, the kernel's socket
+    buffers). A fault this causes is counted with the false faults."""
+    for p in procs:
+        p.send_signal(signal.SIGSTOP)
+    times = ctl.plane.times
+    frames0, bytes0 = dict(times.frames_in), dict(times.bytes_in)
+    t0 = last_t = time.monotonic()
+    seen = sum(frames0.values())
+    while time.monotonic() - last_t < quiet_s and time.monotonic() - t0 < limit_s:
+        time.sleep(0.05)
+        now = sum(times.frames_in.values())
+        if now != seen:
+            seen, last_t = now, time.monotonic()
+    for p in procs:
+        p.send_signal(signal.SIGCONT)
+    return {"frames": delta(dict(times.frames_in), frames0), "bytes": delta(dict(times.bytes_in), bytes0),
+            "drain_s": round(last_t - t0, 2), "drained": time.monotonic() - last_t >= quiet_s}
 
 
 def rank_heartbeats(ctl: Controller) -> float:
@@ -484,6 +560,9 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=None, metavar="S",
                         help="one point: every S seconds of --seconds, the controller's RSS, the /cluster size, the "
                              "watchdog's first sightings and the faults so far (`samples`; each also on stderr)")
+    parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                        help="with --sample-s: trace Python's allocations from the first sample (FRAMES frames a "
+                             "site) and report the sites that grew most (slows Python)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="write a cProfile of the control thread over the measured seconds (pstats format)")
@@ -497,7 +576,7 @@ def main() -> None:
         return
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
                     args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
-                    args.sample_s, args.warm_all)
+                    args.sample_s, args.warm_all, args.tracemalloc)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

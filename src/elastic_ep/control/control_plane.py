@@ -89,8 +89,12 @@ class ControlPlane:
             s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             # No receive high-water mark: with ZeroMQ heartbeats on, libzmq 4.3.5 aborts the process
             # (`!_io_error`, stream_engine_base.cpp out_event) when a heartbeat fires on a connection
-            # whose input stopped at a full pipe, which a peer's flood brings about. Frames queue in
-            # memory instead until the loop drains them (MAX_DRAIN per receive, dropped cheaply).
+            # whose input stopped at a full pipe, which a peer's flood brings about, and a connection
+            # stopped at its mark misses its peer's heartbeats and is closed with its frames in
+            # flight. Frames queue in memory instead until the loop drains them (MAX_DRAIN per
+            # receive, dropped cheaply): ~18 KB of heap each (libzmq's zero-copy receive buffer, kept
+            # whole by a small frame read alone; benchmarks/zmq_queue_cost.py), so the memory is the
+            # loop's lateness, ~23 MB a second at 1,024 stand-in ranks.
             s.setsockopt(zmq.RCVHWM, 0)
             # drop a connection whose peer went silent (a cut link) so its reconnection is clean
             s.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
