@@ -22,7 +22,8 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   loop, as serve's uvicorn runs; each stream awaited by a task of its own, as each request's
   handler awaits it) at 256 ranks x 8 and x 64 sequences, the `RequestOutput`s built as the step
   loop builds them: the control thread's CPU ms per step, and the loop thread's (what it spends
-  putting the tokens on their queues and waking the handlers; the handlers do nothing more).
+  putting the tokens on their queues and waking the handlers; the handlers do nothing more);
+  and 16,384 `RequestOutput`s built alone against the plain tuples `deliver_step` takes.
   `--deliver` measures only these rows.
 
 --gc default|tuned sets this process's garbage collector before anything is built: CPython's
@@ -315,6 +316,7 @@ def deliver_ms(n: int, steps: int = 30) -> dict:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    request_ids = [f"r{i}" for i in range(n)]  # the sequences' own, as the step loop reads them
     tasks = asyncio.run_coroutine_threadsafe(open_streams(), loop).result()
     time.sleep(0.1)  # every handler awaiting its queue
     batched = getattr(streams, "deliver_step", None)  # a tree that hands a step over at once
@@ -325,8 +327,8 @@ def deliver_ms(n: int, steps: int = 30) -> dict:
         if batched is not None:  # as its step loop hands them: tuples, the loop builds the RequestOutputs
             batched((i, [5], None, None) for i in range(n))
         else:  # the tree before: a RequestOutput built and handed over per sequence
-            for i in range(n):
-                streams.deliver(i, RequestOutput(f"r{i}", [5], False, None, logprobs=None))
+            for i, request_id in enumerate(request_ids):
+                streams.deliver(i, RequestOutput(request_id, [5], False, None, logprobs=None))
         cpu1 = time.thread_time()
         assert taken.wait(30), "the loop did not take every token"
         if step >= 3:  # past the warm-up
@@ -339,12 +341,27 @@ def deliver_ms(n: int, steps: int = 30) -> dict:
     return {"control": 1000 * control_s / steps, "loop": 1000 * loop_s / steps}
 
 
+def built_ms(n: int, what: str) -> float:
+    """CPU ms of building `n` of `what` alone: the `RequestOutput`s a step loop built per sequence,
+    or the plain tuples one hands to `deliver_step`."""
+    request_ids = [f"r{i}" for i in range(n)]
+    cpu0 = time.thread_time()
+    if what == "RequestOutput":
+        built = [RequestOutput(request_id, [5], False, None, logprobs=None) for request_id in request_ids]
+    else:
+        built = [(i, [5], None, None) for i in range(n)]
+    assert len(built) == n
+    return 1000 * (time.thread_time() - cpu0)
+
+
 def deliver_rows(repeat: int) -> dict:
     rows = {}
     for k in (8, 64):
         runs = [deliver_ms(256 * k) for _ in range(repeat)]
         rows[f"deliver, 256 ranks x {k} streams: control thread ms"] = min(r["control"] for r in runs)
         rows[f"deliver, 256 ranks x {k} streams: event loop thread ms"] = min(r["loop"] for r in runs)
+    for what in ("RequestOutput", "tuple"):
+        rows[f"16,384 {what}s built alone ms"] = best_of(3 * repeat, lambda what=what: built_ms(16_384, what))
     return rows
 
 
