@@ -60,6 +60,20 @@ class Streams:
     def deliver_step(self, tokens: Iterable[StepTokens]) -> None:
         """Hand one step's tokens to their requests' event loops, one hand-over per loop; a stream
         whose loop is gone aborts its request."""
+        self._deliver(tokens, None)
+
+    def end_with_error(self, seq_id: int, error: str) -> None:
+        """Abort the sequence and finish its stream with `error`, handed over at once."""
+        if seq_id in self.scheduler.by_id:
+            self.scheduler.abort(seq_id)
+            self._deliver([(seq_id, [], "error", None)], error)
+
+    def end_all(self, error: str) -> None:
+        """Finish every stream with `error` (the server shutting down)."""
+        self._deliver([(seq_id, [], "error", None) for seq_id in self._streams], error)
+
+    def _deliver(self, tokens: Iterable[StepTokens], error: str | None) -> None:
+        """`tokens` onto their streams, each output with `error` (None: a step's tokens)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[_Handed]] = {}
         streams = self._streams
         for seq_id, new_token_ids, finish_reason, logprobs in tokens:
@@ -73,28 +87,7 @@ class Streams:
             if handed is None:
                 handed = by_loop[stream.loop] = []
             handed.append((seq_id, stream.queue,
-                           (stream.request_id, new_token_ids, finished, finish_reason, None, logprobs)))
-        self._hand_over(by_loop)
-
-    def end_with_error(self, seq_id: int, error: str) -> None:
-        """Abort the sequence and finish its stream with `error`, handed over at once."""
-        if seq_id in self.scheduler.by_id:
-            self.scheduler.abort(seq_id)
-            self._end_now([seq_id], error)
-
-    def end_all(self, error: str) -> None:
-        """Finish every stream with `error` (the server shutting down)."""
-        self._end_now(list(self._streams), error)
-
-    def _end_now(self, seq_ids: list[int], error: str) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[_Handed]] = {}
-        for seq_id in seq_ids:
-            stream = self._streams.get(seq_id)
-            if stream is None:
-                continue
-            self._ended(seq_id, "error")
-            by_loop.setdefault(stream.loop, []).append(
-                (seq_id, stream.queue, (stream.request_id, [], True, "error", error, None)))
+                           (stream.request_id, new_token_ids, finished, finish_reason, error, logprobs)))
         self._hand_over(by_loop)
 
     def _ended(self, seq_id: int, finish_reason: str) -> None:
