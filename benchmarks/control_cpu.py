@@ -17,7 +17,14 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
 - plans: at 256 ranks x 64 decoding sequences of 1,024-token prompts, the step's `StepPlan`s built
   and sealed by the control thread (ms per step), read by the workers (MAC and decode, ms per
   step summed over the 256: each worker pays 1/256 of it), and their bytes per rank;
-- detector: one heartbeat and watchdog check over N ranks (50 a second while a step runs), ms.
+- detector: one heartbeat and watchdog check over N ranks (50 a second while a step runs), ms;
+- deliver: one step's tokens handed from the control thread to the HTTP side's event loop (one
+  loop, as serve's uvicorn runs; each stream awaited by a task of its own, as each request's
+  handler awaits it) at 256 ranks x 8 and x 64 sequences, the `RequestOutput`s built as the step
+  loop builds them: the control thread's CPU ms per step, and the loop thread's (what it spends
+  putting the tokens on their queues and waking the handlers; the handlers do nothing more);
+  and 16,384 `RequestOutput`s built alone against the plain tuples `deliver_step` takes.
+  `--deliver` measures only these rows.
 
 --gc default|tuned sets this process's garbage collector before anything is built: CPython's
 defaults, or what `elastic-ep serve` sets at start-up (control/gc_policy.py). --gc-tail instead
@@ -33,19 +40,21 @@ process), and the table has both, side by side. Best of --repeat runs of each.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import zmq
 
-from elastic_ep.control.api import GenerationRequest
+from elastic_ep.control.api import GenerationRequest, RequestOutput
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.control_plane import ControlPlane
 from elastic_ep.control.controller import Controller
@@ -54,6 +63,7 @@ from elastic_ep.control.gc_policy import tune_for_serving
 from elastic_ep.control.ranks import AgentInfo, RankInfo, RankStatus
 from elastic_ep.control.serving.alignment import AlignRule
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
+from elastic_ep.control.serving.streams import Stream, Streams
 from elastic_ep.harness.standin import standin_model
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.wire import (
@@ -274,7 +284,90 @@ def detector_ms(ranks: int, checks: int = 50) -> float:
     return 1000 * (time.process_time() - cpu0) / checks
 
 
-def measure(repeat: int) -> dict:
+def deliver_ms(n: int, steps: int = 30) -> dict:
+    """CPU ms per step of delivering one token to each of `n` streams of one event loop (its own
+    thread, a task awaiting each stream's queue): the control thread's (the `RequestOutput`s built
+    and handed over as the step loop does) and the loop thread's (until every task has its token)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    loop_clock = time.pthread_getcpuclockid(thread.ident)
+    streams = Streams(Scheduler(max_num_seqs=1, max_num_batched_tokens=1))
+    got, taken = [0], threading.Event()
+
+    async def handler(queue: asyncio.Queue) -> None:
+        while True:
+            await queue.get()
+            got[0] += 1
+            if got[0] == n:
+                got[0] = 0
+                taken.set()
+
+    async def open_streams() -> list[asyncio.Task]:
+        tasks = []
+        for i in range(n):
+            stream = Stream(f"r{i}", loop, asyncio.Queue())
+            streams.add(i, stream)
+            tasks.append(loop.create_task(handler(stream.queue)))
+        return tasks
+
+    async def close_streams() -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    request_ids = [f"r{i}" for i in range(n)]  # the sequences' own, as the step loop reads them
+    tasks = asyncio.run_coroutine_threadsafe(open_streams(), loop).result()
+    time.sleep(0.1)  # every handler awaiting its queue
+    batched = getattr(streams, "deliver_step", None)  # a tree that hands a step over at once
+    control_s = loop_s = 0.0
+    for step in range(steps + 3):
+        taken.clear()
+        loop0, cpu0 = time.clock_gettime(loop_clock), time.thread_time()
+        if batched is not None:  # as its step loop hands them: tuples, the loop builds the RequestOutputs
+            batched((i, [5], None, None) for i in range(n))
+        else:  # the tree before: a RequestOutput built and handed over per sequence
+            for i, request_id in enumerate(request_ids):
+                streams.deliver(i, RequestOutput(request_id, [5], False, None, logprobs=None))
+        cpu1 = time.thread_time()
+        assert taken.wait(30), "the loop did not take every token"
+        if step >= 3:  # past the warm-up
+            control_s += cpu1 - cpu0
+            loop_s += time.clock_gettime(loop_clock) - loop0
+    asyncio.run_coroutine_threadsafe(close_streams(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+    return {"control": 1000 * control_s / steps, "loop": 1000 * loop_s / steps}
+
+
+def built_ms(n: int, what: str) -> float:
+    """CPU ms of building `n` of `what` alone: the `RequestOutput`s a step loop built per sequence,
+    or the plain tuples one hands to `deliver_step`."""
+    request_ids = [f"r{i}" for i in range(n)]
+    cpu0 = time.thread_time()
+    if what == "RequestOutput":
+        built = [RequestOutput(request_id, [5], False, None, logprobs=None) for request_id in request_ids]
+    else:
+        built = [(i, [5], None, None) for i in range(n)]
+    assert len(built) == n
+    return 1000 * (time.thread_time() - cpu0)
+
+
+def deliver_rows(repeat: int) -> dict:
+    rows = {}
+    for k in (8, 64):
+        runs = [deliver_ms(256 * k) for _ in range(repeat)]
+        rows[f"deliver, 256 ranks x {k} streams: control thread ms"] = min(r["control"] for r in runs)
+        rows[f"deliver, 256 ranks x {k} streams: event loop thread ms"] = min(r["loop"] for r in runs)
+    for what in ("RequestOutput", "tuple"):
+        rows[f"16,384 {what}s built alone ms"] = best_of(3 * repeat, lambda what=what: built_ms(16_384, what))
+    return rows
+
+
+def measure(repeat: int, deliver_only: bool = False) -> dict:
+    if deliver_only:
+        return deliver_rows(repeat)
     return {
         "heartbeat frame us": best_of(repeat, lambda: frames_us("heartbeat", 20_000)),
         "empty StepResult frame us": best_of(repeat, lambda: frames_us("step", 20_000)),
@@ -287,6 +380,7 @@ def measure(repeat: int) -> dict:
         **{f"plans {what}, 256 ranks x 64 decoding, 1,024-token prompts": value
            for what, value in zip(("built + sealed ms", "read by the workers ms (sum)", "bytes per rank"),
                                   best_plans(repeat), strict=True)},
+        **deliver_rows(repeat),
     }
 
 
@@ -305,6 +399,7 @@ def main() -> None:
     parser.add_argument("--gc-tail", type=int, default=0, metavar="STEPS",
                         help="instead of the table: STEPS steps of schedule + commit at 256 x 64 with each --gc, "
                              "side by side (0: the table)")
+    parser.add_argument("--deliver", action="store_true", help="only the deliver rows")
     args = parser.parse_args()
     if args.gc == "tuned":
         tune_for_serving()
@@ -314,7 +409,7 @@ def main() -> None:
     if args.gc_tail:
         print_gc_tail(args.gc_tail)
         return
-    after = measure(args.repeat)
+    after = measure(args.repeat, args.deliver)
     if args.json:
         print(json.dumps(after))
         return
@@ -326,7 +421,8 @@ def main() -> None:
                                      check=True).stdout
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
-            done = subprocess.run([sys.executable, __file__, "--json", "--repeat", str(args.repeat)], check=True,
+            done = subprocess.run([sys.executable, __file__, "--json", "--repeat", str(args.repeat), "--gc", args.gc,
+                                   *(["--deliver"] if args.deliver else [])], check=True,
                                   capture_output=True, text=True, env=env)
         columns = {args.baseline: json.loads(done.stdout.strip().splitlines()[-1]), **columns}
     names = list(columns)

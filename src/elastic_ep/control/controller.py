@@ -63,7 +63,7 @@ from elastic_ep.wire import (
     WorkerStarted,
 )
 
-from .api import EngineInfo, RequestOutput, ScaleRejected
+from .api import EngineInfo, ScaleRejected
 from .chaos import ChaosInjector
 from .cluster import ClusterState
 from .cold_start import TimeToReady
@@ -325,9 +325,7 @@ class Controller:
                 os.unlink(self.read_rate_path)
             if self.traces is not None:
                 self.traces.sink.shutdown()  # flush what is sampled
-            for seq_id, stream in self.streams:
-                self.streams.deliver(seq_id, RequestOutput(stream.request_id, [], True, "error",
-                                                           "server shutting down"))
+            self.streams.end_all("server shutting down")
             time.sleep(0.1)
 
     # ---- waiting -----------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from elastic_ep.model.sampling import TokenLogprobs
 from elastic_ep.policy.straggler_verdict import IntervalRecorder
 from elastic_ep.wire import ResendResult, StepErrorKind, StepFailed, StepPlan, StepResult
 
-from ..api import RequestOutput
 from ..cluster import ClusterState
 from ..config import ServeConfig
 from ..control_plane import ControlPlane
@@ -283,12 +282,9 @@ class StepLoop:
         committed = self.scheduler.commit(batch, sampled)
         if self.traces is not None:
             self._trace(batch, results, committed)
-        for seq, new_tokens in committed:
-            token_logprobs = [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None
-            self.streams.deliver(seq.seq_id, RequestOutput(
-                seq.request.request_id, new_tokens, seq.finish_reason is not None, seq.finish_reason,
-                logprobs=token_logprobs,
-            ))
+        self.streams.deliver_step((seq.seq_id, new_tokens, seq.finish_reason,
+                                   [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None)
+                                  for seq, new_tokens in committed)
         times.add("commit", (t1 - t0) + (time.perf_counter() - t2))
         times.add("metrics", t2 - t1)
 

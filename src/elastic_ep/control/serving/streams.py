@@ -1,6 +1,11 @@
 """The request streams the control thread feeds: a request's tokens go from the step that sampled
 them to the HTTP handler awaiting them on its event loop.
 
+A step's tokens cross to each event loop in one hand-over (one `call_soon_threadsafe`: one lock
+and one write to the loop's self-pipe per loop per step, not per sequence), and the loop builds
+the `RequestOutput`s: the control thread only gathers tuples. Hand-overs to a loop run in the
+order they were made, so a stream's outputs keep their order across steps.
+
 A rank's death never ends a stream: its sequences move to another rank and the stream only
 pauses. A stream ends with an error only when its request cannot be served (the cluster stayed
 too small for --degraded-timeout-s, or its step keeps failing with every rank alive).
@@ -9,11 +14,20 @@ too small for --degraded-timeout-s, or its step keeps failing with every rank al
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from elastic_ep.model.sampling import TokenLogprobs
 
 from ..api import RequestOutput
 from ..tracing import RequestTraces
 from .scheduler import Scheduler
+
+# One sequence's part of a step: (seq_id, new token ids, finish reason (None: still running),
+# one TokenLogprobs per new token or None); a plain tuple, cheaper to build than a RequestOutput.
+StepTokens = tuple[int, list[int], str | None, list[TokenLogprobs] | None]
+# What a loop is handed per output: (seq_id, its queue, RequestOutput's fields in order).
+_Handed = tuple[int, asyncio.Queue, tuple]
 
 
 @dataclass
@@ -21,6 +35,12 @@ class Stream:
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+
+
+def _put_all(handed: list[_Handed]) -> None:
+    """On the loop: each output onto its stream's queue, in the order handed."""
+    for _, queue, fields in handed:
+        queue.put_nowait(RequestOutput(*fields))
 
 
 class Streams:
@@ -37,26 +57,50 @@ class Streams:
     def drop(self, seq_id: int) -> None:
         self._streams.pop(seq_id, None)
 
-    def __iter__(self):
-        return iter(list(self._streams.items()))
-
-    def deliver(self, seq_id: int, out: RequestOutput) -> None:
-        """Hand `out` to the request's event loop; a stream whose loop is gone aborts its request."""
-        stream = self._streams.get(seq_id)
-        if stream is None:
-            return
-        if out.finished:
-            del self._streams[seq_id]
-            if self.traces is not None:
-                self.traces.finished(seq_id, out.finish_reason or "stop")
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-        except RuntimeError:
-            self.scheduler.abort(seq_id)
+    def deliver_step(self, tokens: Iterable[StepTokens]) -> None:
+        """Hand one step's tokens to their requests' event loops, one hand-over per loop; a stream
+        whose loop is gone aborts its request."""
+        self._deliver(tokens, None)
 
     def end_with_error(self, seq_id: int, error: str) -> None:
-        """Abort the sequence and finish its stream with `error`."""
-        seq = self.scheduler.by_id.get(seq_id)
-        if seq is not None:
+        """Abort the sequence and finish its stream with `error`, handed over at once."""
+        if seq_id in self.scheduler.by_id:
             self.scheduler.abort(seq_id)
-            self.deliver(seq_id, RequestOutput(seq.request.request_id, [], True, "error", error))
+            self._deliver([(seq_id, [], "error", None)], error)
+
+    def end_all(self, error: str) -> None:
+        """Finish every stream with `error` (the server shutting down)."""
+        self._deliver([(seq_id, [], "error", None) for seq_id in self._streams], error)
+
+    def _deliver(self, tokens: Iterable[StepTokens], error: str | None) -> None:
+        """`tokens` onto their streams, each output with `error` (None: a step's tokens)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Handed]] = {}
+        streams = self._streams
+        for seq_id, new_token_ids, finish_reason, logprobs in tokens:
+            stream = streams.get(seq_id)
+            if stream is None:
+                continue
+            finished = finish_reason is not None
+            if finished:
+                self._ended(seq_id, finish_reason)
+            handed = by_loop.get(stream.loop)
+            if handed is None:
+                handed = by_loop[stream.loop] = []
+            handed.append((seq_id, stream.queue,
+                           (stream.request_id, new_token_ids, finished, finish_reason, error, logprobs)))
+        self._hand_over(by_loop)
+
+    def _ended(self, seq_id: int, finish_reason: str) -> None:
+        del self._streams[seq_id]
+        if self.traces is not None:
+            self.traces.finished(seq_id, finish_reason)
+
+    def _hand_over(self, by_loop: dict[asyncio.AbstractEventLoop, list[_Handed]]) -> None:
+        for loop, handed in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, handed)
+            except RuntimeError:  # the loop is closed: nobody reads these streams any more
+                for seq_id, _, (_, _, finished, _, _, _) in handed:
+                    self.scheduler.abort(seq_id)
+                    if not finished:
+                        self._ended(seq_id, "abort")

@@ -1,0 +1,141 @@
+"""The streams' delivery (control/serving/streams.py): a step's tokens reach each event loop in one
+hand-over, every stream's outputs in the order of the steps, a finished stream gets nothing more,
+a closed loop aborts the requests it held, and an error end reaches its stream at once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from elastic_ep.control.api import GenerationRequest, RequestOutput
+from elastic_ep.control.serving.scheduler import Scheduler, Sequence
+from elastic_ep.control.serving.streams import Stream, Streams
+from elastic_ep.control.tracing import RequestTraces
+from elastic_ep.model.sampling import SamplingParams
+
+
+class CountingLoop(asyncio.SelectorEventLoop):
+    """An event loop that counts what other threads hand it."""
+
+    handed = 0
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        self.handed += 1
+        return super().call_soon_threadsafe(callback, *args, context=context)
+
+
+@contextmanager
+def running_loop() -> Iterator[CountingLoop]:
+    loop = CountingLoop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+class Sink:
+    def __init__(self):
+        self.requests = []
+
+    def request(self, trace) -> None:
+        self.requests.append(trace)
+
+    def epoch(self, span) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def streams_of(seq_ids: list[int], loops: list[asyncio.AbstractEventLoop]) -> tuple[Streams, Scheduler, Sink]:
+    """Streams over a scheduler holding `seq_ids`, each on the loop of its position (round robin),
+    every request traced."""
+    scheduler = Scheduler(max_num_seqs=16, max_num_batched_tokens=256)
+    scheduler.set_ranks([0])
+    sink = Sink()
+    traces = RequestTraces(sink, 1.0)
+    streams = Streams(scheduler, traces)
+    for k, seq_id in enumerate(seq_ids):
+        scheduler.add(Sequence(seq_id, GenerationRequest(f"r{seq_id}", [1, 2, 3], SamplingParams(max_tokens=8), 0),
+                               64, (0,)))
+        traces.arrived(seq_id, f"r{seq_id}", 3)
+        streams.add(seq_id, Stream(f"r{seq_id}", loops[k % len(loops)], asyncio.Queue()))
+    return streams, scheduler, sink
+
+
+def queue_of(streams: Streams, seq_id: int) -> asyncio.Queue:
+    return streams._streams[seq_id].queue
+
+
+def drained(loop: asyncio.AbstractEventLoop, queues: dict[int, asyncio.Queue]) -> dict[int, list[RequestOutput]]:
+    """What each queue holds once its loop ran everything handed to it so far."""
+    async def take() -> dict[int, list[RequestOutput]]:
+        return {seq_id: [q.get_nowait() for _ in range(q.qsize())] for seq_id, q in queues.items()}
+    return asyncio.run_coroutine_threadsafe(take(), loop).result(5)
+
+
+def test_each_loop_gets_one_hand_over_per_step_and_every_stream_its_tokens_in_order():
+    with running_loop() as a, running_loop() as b:
+        seq_ids = list(range(10))
+        streams, _, sink = streams_of(seq_ids, [a, b])
+        queues = {s: queue_of(streams, s) for s in seq_ids}
+        for step in range(5):
+            streams.deliver_step((s, [100 * step + s], "length" if step == 4 and s == 3 else None, None)
+                                 for s in seq_ids)
+        assert a.handed == b.handed == 5  # not 25 each: one per step, whatever the streams
+        got = {**drained(a, {s: q for s, q in queues.items() if s % 2 == 0}),
+               **drained(b, {s: q for s, q in queues.items() if s % 2 == 1})}
+    for s in seq_ids:
+        assert [o.new_token_ids for o in got[s]] == [[100 * step + s] for step in range(5)]
+        assert all(o.request_id == f"r{s}" for o in got[s])
+    assert got[3][-1] == RequestOutput("r3", [403], True, "length")
+    assert not any(o.finished for s in seq_ids if s != 3 for o in got[s])
+    assert [(t.seq_id, t.finish_reason) for t in sink.requests] == [(3, "length")]
+
+
+def test_a_finished_stream_gets_nothing_more():
+    with running_loop() as loop:
+        streams, _, _ = streams_of([1, 2], [loop])
+        queues = {s: queue_of(streams, s) for s in (1, 2)}
+        streams.deliver_step([(1, [7], "stop", None), (2, [8], None, None)])
+        streams.deliver_step([(1, [9], None, None), (2, [10], None, None)])
+        got = drained(loop, queues)
+    assert got[1] == [RequestOutput("r1", [7], True, "stop")]
+    assert [o.new_token_ids for o in got[2]] == [[8], [10]]
+
+
+def test_a_closed_loop_aborts_its_requests_and_the_other_loops_streams_go_on():
+    with running_loop() as live:
+        gone = asyncio.new_event_loop()
+        gone.close()
+        streams, scheduler, sink = streams_of([1, 2, 3], [gone, live])  # 1 and 3 on the closed loop
+        queue = queue_of(streams, 2)
+        streams.deliver_step((s, [5], None, None) for s in (1, 2, 3))
+        streams.deliver_step((s, [6], None, None) for s in (1, 2, 3))
+        assert live.handed == 2
+        got = drained(live, {2: queue})
+    assert set(scheduler.by_id) == {2}  # the requests nobody reads any more are aborted, their KV freed
+    assert sorted((t.seq_id, t.finish_reason) for t in sink.requests) == [(1, "abort"), (3, "abort")]
+    assert [o.new_token_ids for o in got[2]] == [[5], [6]]
+
+
+def test_an_error_end_reaches_its_stream_at_once_after_what_was_handed_before():
+    with running_loop() as loop:
+        streams, scheduler, sink = streams_of([1, 2], [loop])
+        queues = {s: queue_of(streams, s) for s in (1, 2)}
+        streams.deliver_step([(1, [7], None, None), (2, [8], None, None)])
+        streams.end_with_error(1, "this request failed on rank 0: boom")
+        assert loop.handed == 2  # not waiting for a step: there may be no next one
+        streams.deliver_step([(1, [9], None, None), (2, [10], None, None)])
+        streams.end_all("server shutting down")
+        got = drained(loop, queues)
+    assert got[1] == [RequestOutput("r1", [7]),
+                      RequestOutput("r1", [], True, "error", "this request failed on rank 0: boom")]
+    assert got[2] == [RequestOutput("r2", [8]), RequestOutput("r2", [10]),
+                      RequestOutput("r2", [], True, "error", "server shutting down")]
+    assert 1 not in scheduler.by_id
+    assert [(t.seq_id, t.finish_reason) for t in sink.requests] == [(1, "error"), (2, "error")]
