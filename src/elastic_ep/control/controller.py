@@ -376,14 +376,8 @@ class Controller:
                 self.rejected_frames.report(msg.node, msg.frames_rejected)
         elif isinstance(msg, StepResult | StepFailed):
             self.steps.on_reply(msg)
-        elif isinstance(msg, NodeStepResults):  # an agent's gather of its ranks' results (--step-results-via agent)
-            agent = self.cluster.agents.get(msg.node)
-            if agent is not None and agent.session == msg.session:
-                ranks = self.cluster.ranks
-                for result in msg.results:
-                    rank = ranks.get(result.rank_id)
-                    if rank is not None and rank.node == msg.node:  # an agent speaks for its own ranks only
-                        self.steps.on_reply(result)
+        elif isinstance(msg, NodeStepResults):
+            self.steps.on_node_results(msg)
         elif isinstance(msg, EpochReady | EpochFailed):
             self.changer.on_reply(msg)
             r = self.cluster.ranks.get(msg.rank_id)
