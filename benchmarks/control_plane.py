@@ -31,7 +31,9 @@ at every pump, the /cluster snapshot is rebuilt every 0.25 s whatever it costs a
 parts are built again each time. No arguments runs the table (8, 64, 256 and 1,024 ranks, 0 and
 64 sequences per rank; --table-ranks, --table-seqs), before and after side by side, one child
 process per point, before and after in turn --repeats times; --baseline REV takes the before from
-that git revision's code. The stop's pause is reported against the issue's bound, the heartbeat
+that git revision's code; --table-results-via direct,agent runs this code with each
+--step-results-via instead (the stand-ins' results by each rank, or per node by its agent:
+`result_frames_per_step` shows which). The stop's pause is reported against the issue's bound, the heartbeat
 deadline + 0.1 s (`hang_pause_within_bound`). The per-rank parts alone, on the CPU clock:
 benchmarks/control_cpu.py.
 """
