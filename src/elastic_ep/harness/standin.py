@@ -405,8 +405,7 @@ class StandInAgent:
         if self.gather is None:
             rank.send(result)
             return
-        now = time.monotonic()
-        self.gather.add(result, now)
+        self.gather.add(result, time.monotonic())
         self._forward_results()
 
     def _forward_results(self) -> None:
