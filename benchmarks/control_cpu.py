@@ -11,6 +11,10 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   message: the detector's update, the counter) over 64 ranks' heartbeats, us per rank heartbeat:
   one `Heartbeat` frame per rank from its heartbeat thread (the tree before node heartbeats), or
   one `NodeHeartbeat` per node of 8 ranks from its agent (a tree without that path shows n/a);
+- rank step results: a `Controller`'s receive, `_dispatch` and step loop (`on_reply`) over 64
+  ranks' results of 125 steps (an empty expert load), us per rank result: a `StepResult` frame from
+  each rank (`--step-results-via direct`), or one `NodeStepResults` per node of 8 ranks from its
+  agent (`--step-results-via agent`; a tree without it shows n/a);
 - schedule: the scheduler's `schedule` + `commit` of a step at N ranks, one decoding sequence
   in all (the others idle: the benchmark's `--seqs-per-rank 0`), then 8 and 64 decoding on every
   one of 256 ranks with short and 1,024-token prompts (each its own: no prefix hits), ms per step;
@@ -81,6 +85,10 @@ try:  # a tree with node heartbeats (the agent gathers its ranks'); before it, a
     from elastic_ep.wire import NodeHeartbeat, RankBeat
 except ImportError:
     NodeHeartbeat = RankBeat = None
+try:  # a tree with step results gathered per node (--step-results-via agent)
+    from elastic_ep.wire import NodeStepResults
+except ImportError:
+    NodeStepResults = None
 
 
 def best_of(repeat: int, fn) -> float:
@@ -129,11 +137,25 @@ def rank_heartbeats_us(per_node: int, ranks: int = 64, frames: int = 8_000) -> f
     """CPU us per rank heartbeat of draining `frames` queued heartbeat frames through a Controller's
     receive and `_dispatch`: per_node 1, `Heartbeat`s straight from the ranks; 8, `NodeHeartbeat`s of
     8 ranks from their agents."""
-    key = ClusterKey.generate()
-    cfg = ServeConfig(model_dir=str(standin_model()), model_name="standin", ep_size=ranks, ranks_per_node=per_node)
-    ctl = Controller(cfg, key)
-    c = ctl.cluster
     progress = Progress(epoch=0, step=17, layer=40, phase="dispatch", seq=1200, since=1e9)
+    ctl, nodes = controller_of(ranks, per_node)
+    if per_node == 1:
+        messages = [(f"h{r}", Heartbeat(r, 1000 + r, progress)) for r in range(ranks)]
+    else:
+        messages = [(f"a{node}", NodeHeartbeat(node, "s", [RankBeat(r, 1000 + r, progress, 0.05)
+                                                          for r in range(8 * i, 8 * i + 8)]))
+                    for i, node in enumerate(nodes)]
+    cpu = dispatched_cpu_s(ctl, ctl.plane.health_addr, messages, frames)
+    assert all(r.last_heartbeat > 0 for r in ctl.cluster.ranks.values())  # every rank's heartbeats were taken
+    return 1e6 * cpu / (frames * per_node)
+
+
+def controller_of(ranks: int, per_node: int) -> tuple[Controller, list[str]]:
+    """A Controller (not started) whose `ranks` members in epoch 0 are registered on nodes of 8 with
+    their agents (session "s"), and the nodes' names."""
+    cfg = ServeConfig(model_dir=str(standin_model()), model_name="standin", ep_size=ranks, ranks_per_node=per_node)
+    ctl = Controller(cfg, ClusterKey.generate())
+    c = ctl.cluster
     nodes = [f"n{i}" for i in range(ranks // 8)]
     for node in nodes:
         c.agents[node] = AgentInfo(node, f"a{node}".encode(), "tcp://x", num_ranks=8, session="s")
@@ -142,37 +164,69 @@ def rank_heartbeats_us(per_node: int, ranks: int = 64, frames: int = 8_000) -> f
         c.ranks[r] = RankInfo(r, node, pid=1000 + r, status=RankStatus.SERVING,
                               hello=WorkerHello(r, node, 1000 + r, "initial", device="cpu"))
     c.members, c.epoch = list(range(ranks)), 0
-    peers, messages = [], []
-    senders = [f"h{r}" for r in range(ranks)] if per_node == 1 else [f"a{n}" for n in nodes]
-    for i, identity in enumerate(senders):
+    return ctl, nodes
+
+
+def dispatched_cpu_s(ctl: Controller, addr: str, messages: list[tuple[str, object]], frames: int,
+                     each_frame=lambda: None) -> float:
+    """This thread's CPU seconds (the control thread's work, without ZeroMQ's I/O thread's) to receive
+    and `_dispatch` `frames` frames queued on loopback to `addr`, the (sender identity, message) of
+    `messages` in turn; `each_frame()` runs after each one's dispatch."""
+    peers = []
+    for identity, _ in messages:
         peer = zmq.Context.instance().socket(zmq.DEALER)
         peer.setsockopt(zmq.IDENTITY, identity.encode())
         peer.setsockopt(zmq.SNDHWM, 0)
-        peer.connect(ctl.plane.health_addr)
+        peer.connect(addr)
         peers.append(peer)
-        if per_node == 1:
-            messages.append(key.seal(Heartbeat(i, 1000 + i, progress)))
-        else:
-            messages.append(key.seal(NodeHeartbeat(nodes[i], "s", [RankBeat(r, 1000 + r, progress, 0.05)
-                                                                    for r in range(8 * i, 8 * i + 8)])))
+    sealed = [ctl.plane.key.seal(message) for _, message in messages]
     for i in range(frames):
-        peers[i % len(peers)].send_multipart(messages[i % len(peers)])
+        peers[i % len(peers)].send_multipart(sealed[i % len(peers)])
     time.sleep(0.5 + frames / 50_000)
-    # this thread's CPU clock (the control thread's work), without ZeroMQ's I/O thread's
-    got, cpu0 = 0, time.thread_time()
+    got = cpu = 0
     while got < frames:
+        cpu0 = time.thread_time()
         received = ctl.plane.receive(0.0)
         heard = ctl.plane.heard_clock()
         for inbound in received:
             ctl._dispatch(inbound, heard)
+            each_frame()
         got += len(received)
-    cpu = time.thread_time() - cpu0
-    assert all(r.last_heartbeat > 0 for r in c.ranks.values())  # every rank's heartbeats were taken
+        if received:  # a receive that found nothing yet (frames still crossing loopback) is not the work
+            cpu += time.thread_time() - cpu0
     for peer in peers:
         peer.close(0)
     ctl.plane.step_sock.close(0)
     ctl.plane.health_sock.close(0)
-    return 1e6 * cpu / (frames * per_node)
+    return cpu
+
+
+def has_node_results_path() -> bool:
+    return NodeStepResults is not None
+
+
+def rank_results_us(per_node: int, ranks: int = 64, steps: int = 125) -> float:
+    """CPU us per rank result of `steps` steps' results (empty expert load, as most ranks send in a
+    step) through a Controller's receive, `_dispatch` and step loop: per_node 1, a `StepResult`
+    frame from each rank; 8, one `NodeStepResults` of 8 ranks from each node's agent."""
+    ctl, nodes = controller_of(ranks, per_node)
+    results = [StepResult(0, 0, r, {}, 0.02, 0.018, 0.001, 0.001, np.zeros((0, 0), np.int32), 0, {})
+               for r in range(ranks)]
+    if per_node == 1:
+        messages = [(f"w{r}", results[r]) for r in range(ranks)]
+        addr = ctl.plane.step_addr
+    else:
+        messages = [(f"a{node}", NodeStepResults(node, "s", results[8 * i:8 * i + 8])) for i, node in enumerate(nodes)]
+        addr = ctl.plane.health_addr
+    steps_loop, completed = ctl.steps, [0]
+
+    def each_frame() -> None:  # a step's last result: the next step's come
+        if len(steps_loop.replies) == ranks:
+            steps_loop.replies = {}
+            completed[0] += 1
+    cpu = dispatched_cpu_s(ctl, addr, messages, steps * len(messages), each_frame)
+    assert completed[0] == steps  # every rank's result of every step was taken
+    return 1e6 * cpu / (steps * ranks)
 
 
 def decoding_scheduler(ranks: int, seqs_per_rank: int, prompt_len: int, grow_tokens: int = 48) -> Scheduler:
@@ -373,6 +427,9 @@ def measure(repeat: int, deliver_only: bool = False) -> dict:
         "empty StepResult frame us": best_of(repeat, lambda: frames_us("step", 20_000)),
         **{f"rank heartbeat through the controller, {n} per frame, us": (
             best_of(repeat, lambda n=n: rank_heartbeats_us(n)) if has_heartbeat_path(n) else None) for n in (1, 8)},
+        **{f"rank step result through the controller, {n} per frame, us": (
+            best_of(repeat, lambda n=n: rank_results_us(n)) if n == 1 or has_node_results_path() else None)
+           for n in (1, 8)},
         **{f"schedule + commit ms, {n} ranks": best_of(repeat, lambda n=n: schedule_ms(n)) for n in (256, 1024)},
         **{f"schedule + commit ms, 256 ranks x {k} sequences, {p}-token prompts":
            best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},

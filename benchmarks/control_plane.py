@@ -43,7 +43,9 @@ at every pump, the /cluster snapshot is rebuilt every 0.25 s whatever it costs a
 parts are built again each time. No arguments runs the table (8, 64, 256 and 1,024 ranks, 0 and
 64 sequences per rank; --table-ranks, --table-seqs), before and after side by side, one child
 process per point, before and after in turn --repeats times; --baseline REV takes the before from
-that git revision's code. The stop's pause is reported against the issue's bound, the heartbeat
+that git revision's code; --table-results-via direct,agent runs this code with each
+--step-results-via instead (the stand-ins' results by each rank, or per node by its agent:
+`result_frames_per_step` shows which). The stop's pause is reported against the issue's bound, the heartbeat
 deadline + 0.1 s (`hang_pause_within_bound`). The per-rank parts alone, on the CPU clock:
 benchmarks/control_cpu.py.
 """
@@ -91,7 +93,7 @@ def ranks_per_node(ranks: int) -> int:
 
 
 def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter_ms: float,
-                   model: Path, key: ClusterKey) -> list[subprocess.Popen]:
+                   model: Path, key: ClusterKey, step_results_via: str = "direct") -> list[subprocess.Popen]:
     per_node = ranks_per_node(ranks)
     nodes = [f"n{i}" for i in range(math.ceil(ranks / per_node))]
     procs = []
@@ -99,7 +101,8 @@ def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter
         args = [a for n in nodes[p::processes] for a in ("--node", n)]
         procs.append(subprocess.Popen([sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,
                                        "--ranks-per-node", str(per_node), "--step-ms", str(step_ms),
-                                       "--jitter-ms", str(jitter_ms), "--model", str(model), *args],
+                                       "--jitter-ms", str(jitter_ms), "--model", str(model),
+                                       "--step-results-via", step_results_via, *args],
                                       env={**os.environ, KEY_ENV: key.hex()}))
     return procs
 
@@ -267,7 +270,7 @@ class RecoveryProfile:
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
               before: bool, faults: bool, timeout_s: float, profile: str | None = None,
               profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False,
-              trace_frames: int = 0) -> dict:
+              trace_frames: int = 0, step_results_via: str = "direct") -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -286,7 +289,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         ctl.cluster.cache_placement_view = False
     tune_for_serving()  # the collector as `elastic-ep serve` sets it before its controller starts
     ctl.start()
-    procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model, key)
+    procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model, key, step_results_via)
     load = None
     try:
         wait_for(lambda: ctl.published.readiness.ready or ctl.published.fatal, 300, "the cluster was not ready")
@@ -321,7 +324,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         out = {
             "ranks": ranks, "seqs_per_rank": seqs_per_rank,
             "mode": ("before" if before else "after") + (", warm-all" if warm_all else ""),
-            "step_ms": step_ms, "steps": steps,
+            "step_results_via": step_results_via, "step_ms": step_ms, "steps": steps,
             "step_period_ms": round(1000 * dt / max(steps, 1), 2),
             "slowest_rank_ms": round(1000 * (times.slowest_rank_s - s0) / max(steps, 1), 2),
             "added_ms_per_step": round(1000 * ((times.wall_s - w0) - (times.slowest_rank_s - s0)) / max(steps, 1), 2),
@@ -336,6 +339,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
                                      - d0.get("health", 0)) / dt, 4),
             "publish_ms_per_s": round(1000 * handled_s.get("(publish)", 0) / dt, 1),
             "bytes_in_per_step": round(delta(v1["bytes_in"], v0["bytes_in"]).get("step", 0) / max(steps, 1)),
+            # frames the control thread read for the steps' results: one per rank, or one per node and step
+            "result_frames_per_step": round((handled.get("StepResult", 0) + handled.get("NodeStepResults", 0))
+                                            / max(steps, 1), 1),
         }
         if samples:
             out["samples"] = samples
@@ -496,11 +502,16 @@ def table(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         old = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
         points = [(r, s) for r, s in TABLE if r in sizes and s in loads]
-        # before and after in turn, --repeats times: a minute of a shared machine's load lands on both
+        # before and after (or each --table-results-via) in turn, --repeats times: a minute of a shared
+        # machine's load lands on all
+        modes = [f"after, results {v}" for v in args.table_results_via.split(",")] if args.table_results_via \
+            else ["before", "after"]
         for ranks, seqs, repeat, mode in [(r, s, k, m) for r, s in points for k in range(args.repeats)
-                                          for m in ("before", "after")]:
+                                          for m in modes]:
             script, env = __file__, dict(os.environ)
             flags = [("--warm-all" if args.warm_all else "--before")] if mode == "before" and old is None else []
+            if mode.startswith("after, results "):
+                flags = ["--step-results-via", mode.removeprefix("after, results ")]
             if mode == "before" and old is not None:
                 script, env["PYTHONPATH"] = str(old / "benchmarks" / "control_plane.py"), str(old / "src")
             cmd = [sys.executable, script, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
@@ -515,7 +526,7 @@ def table(args) -> None:
                 print(done.stderr[-2000:], file=sys.stderr)
                 continue
             row = json.loads(done.stdout.strip().splitlines()[-1])
-            row["mode"] = f"before ({args.baseline})" if mode == "before" and old is not None else row["mode"]
+            row["mode"] = f"before ({args.baseline})" if mode == "before" and old is not None else mode
             row["repeat"] = repeat + 1
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -555,6 +566,12 @@ def main() -> None:
     parser.add_argument("--table-ranks", default="8,64,256,1024", help="the table's sizes (comma-separated)")
     parser.add_argument("--repeats", type=int, default=1, help="the table's runs of each point and mode, in turn")
     parser.add_argument("--table-seqs", default="0,64", help="the table's sequences per rank (comma-separated)")
+    parser.add_argument("--step-results-via", choices=["direct", "agent"], default="direct",
+                        help="one point: the stand-ins' step results to the controller by each rank, or per node by "
+                             "its agent (`NodeStepResults`)")
+    parser.add_argument("--table-results-via", default=None, metavar="MODES",
+                        help="the table: instead of before and after, this code with each of these "
+                             "--step-results-via (e.g. direct,agent), in turn")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="the table's before: the code of this git revision instead of this code with --before")
     parser.add_argument("--sample-s", type=float, default=None, metavar="S",
@@ -576,7 +593,7 @@ def main() -> None:
         return
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
                     args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
-                    args.sample_s, args.warm_all, args.tracemalloc)
+                    args.sample_s, args.warm_all, args.tracemalloc, args.step_results_via)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

@@ -2,7 +2,8 @@
 
 Greedy and seeded outputs must equal single-process `elastic-ep generate` token for token (as
 text), at EP 1, 2 and 4, with redundant experts and after an EPLB rebalance, on both tiny
-architectures; every step runs a batch shape its epoch warmed up (the readiness gate).
+architectures; every step runs a batch shape its epoch warmed up (the readiness gate); with
+--step-results-via agent too.
 """
 
 from __future__ import annotations
@@ -152,3 +153,17 @@ def test_bfloat16_serving_agrees_with_generate_in_bfloat16(server_factory):
     served = concurrently(lambda p: server.complete(p, 8, temperature=0), PROMPTS)
     assert served == list(reference("tiny-deepseek-v3", tuple(PROMPTS), 8, dtype="bfloat16"))
     assert served != list(reference("tiny-deepseek-v3", tuple(PROMPTS), 8))  # it did not run in float32
+
+
+def test_step_results_gathered_by_the_agent_are_exact_and_none_is_lost(server_factory):
+    """--step-results-via agent: the ranks' results reach the controller in their node's
+    `NodeStepResults`, none on its own, none asked for again (a lost one would be resent after the
+    result deadline and the output still exact), and the output is generate's."""
+    server = server_factory("--model", "tiny-qwen3-moe", "--ep-size", "4", "--step-results-via", "agent")
+    texts = concurrently(lambda p: server.complete(p, MAX_TOKENS, temperature=0), PROMPTS[:4])
+    assert texts == list(reference("tiny-qwen3-moe", tuple(PROMPTS[:4]), MAX_TOKENS))
+    handled = server.cluster()["control_times"]["handled"]
+    assert handled.get("NodeStepResults", 0) >= MAX_TOKENS and handled.get("StepResult", 0) == 0, handled
+    families = {f.name: f for f in text_string_to_metric_families(server.http.get("/metrics").text)}
+    lost = families.get("elastic_ep_lost_step_results")
+    assert lost is None or sum(s.value for s in lost.samples if s.name.endswith("_total")) == 0

@@ -5,7 +5,8 @@ named by the signal that should catch it (the agent's exit report for the kill, 
 the watchdog for the stop, only after the stop was sent), the group forms a new epoch without them,
 the streams finish, and no other rank is ever named (no false fault at this size); the answers of
 two ranks to a step are lost on the way (/chaos/lose) and asked for again, and the streams go on in
-the same epoch, with no fault. How fast each is found is the benchmark's to say
+the same epoch, with no fault; all of it with each rank sending its own step results and with each
+node's agent gathering them (--step-results-via agent). How fast each is found is the benchmark's to say
 (benchmarks/control_plane.py), not this test's: on this shared 2-core machine a stand-in process can
 wait seconds for a core. The deadlines leave room for that wait (--heartbeat-timeout-s 2,
 --agent-timeout-s 5, --watchdog-floor-s 5: with the watchdog's 1 s floor, the ranks of a stand-in
@@ -41,8 +42,9 @@ AGENT_TIMEOUT_S = 5.0
 WATCHDOG_FLOOR_S = 5.0
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@pytest.fixture(scope="module", params=["direct", "agent"])
+def cluster(request, tmp_path_factory):
+    """The server and its stand-ins, whose results go to it by each rank (direct) or per node (agent)."""
     tmp = tmp_path_factory.mktemp("standin")
     log, key_file = tmp / "serve.log", tmp / "cluster.key"
     model = str(standin_model())  # DeepSeek-V3's 256 experts per layer: room for 192 ranks
@@ -59,7 +61,7 @@ def cluster(tmp_path_factory):
             procs.append(subprocess.Popen([
                 sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,
                 "--ranks-per-node", str(PER_NODE), "--step-ms", "20", "--jitter-ms", "5", "--model", model,
-                "--cluster-key-file", str(key_file),
+                "--cluster-key-file", str(key_file), "--step-results-via", request.param,
                 *[a for n in nodes[p::PROCESSES] for a in ("--node", n)]]))
         server.wait_ready(300)  # the stand-in processes import torch first: slow on a busy machine
         server.wait_full_group(RANKS, 60)

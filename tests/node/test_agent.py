@@ -1,7 +1,8 @@
 """A real node agent with real worker processes, driven by a stand-in controller (two ZeroMQ
 ROUTER sockets and a TCPStore): it starts ranks and reports them, fences one and confirms,
 reports another's death with its exit code, writes its backup and serves it to another node, and
-on shutdown stops everything and removes the backup file."""
+on shutdown stops everything and removes the backup file; with --step-results-via agent it forwards
+its ranks' step results in one node frame and drops what is not theirs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 from datetime import timedelta
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -36,15 +38,18 @@ from elastic_ep.wire import (
     FenceWorker,
     LeaseRenew,
     NodeHeartbeat,
+    NodeStepResults,
     RankBeat,
     SignalWorker,
     StartWorker,
+    StepResult,
     WorkerExited,
     WorkerFenced,
     WorkerHello,
     WorkerLaunch,
     WorkerStarted,
     decoder,
+    rejected_counts,
 )
 from elastic_ep.wire.codec import HMAC_BYTES
 
@@ -236,4 +241,46 @@ def test_an_agent_that_stops_hearing_the_controller_fences_its_ranks_and_registe
         thread.join(10)
         if pid is not None and psutil.pid_exists(pid):
             os.kill(pid, signal.SIGKILL)
+        ctl.close()
+
+
+@pytest.mark.e2e
+def test_agent_forwards_its_ranks_step_results_in_one_node_frame_and_drops_the_rest():
+    """--step-results-via agent: a result on the agent's result socket for a rank it runs goes to the
+    controller in a `NodeStepResults` of its session; one for a rank it does not run is not
+    forwarded, and a junk frame is dropped and counted."""
+    ctl = StandInController()
+    agent = NodeAgent(ctl.health_addr, "nodeR", KEY, num_ranks=1, stop_grace_s=2.0, step_results_via="agent")
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(agent.result_addr)
+    pids: list[int] = []
+    try:
+        ctl.expect(ctl.health, AgentHello)
+        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
+                              ctl.store_port, "gloo", 4, 64, 0.1)
+        ctl.welcome(launch)
+        ctl.to_agent(StartWorker(0, "initial"))
+        pids.append(ctl.expect(ctl.health, WorkerStarted).pid)
+        rejected = rejected_counts().get(("agent_results", "nodeR", "unauthenticated"), 0)
+
+        def result(rank_id: int) -> StepResult:
+            return StepResult(1, 9, rank_id, {3: 5}, 0.02, 0.02, 0.0, 0.0, np.zeros((0, 0), np.int32), 0, {})
+        push.send_multipart([b"junk"])
+        push.send_multipart(KEY.seal(result(7)))  # not a rank of this agent
+        push.send_multipart(KEY.seal(result(0)))
+        forwarded = ctl.expect(ctl.health, NodeStepResults)
+        assert (forwarded.node, forwarded.session) == ("nodeR", ctl.session)
+        assert [(r.rank_id, r.tokens) for r in forwarded.results] == [(0, {3: 5})]
+        assert rejected_counts().get(("agent_results", "nodeR", "unauthenticated"), 0) == rejected + 1
+    finally:
+        push.close()
+        stop.set()
+        thread.join(10)
+        for pid in pids:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
         ctl.close()

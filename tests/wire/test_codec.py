@@ -8,6 +8,7 @@ import os
 import random
 import stat
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -29,6 +30,7 @@ from elastic_ep.wire import (
     Inbox,
     KVMove,
     NodeHeartbeat,
+    NodeStepResults,
     Progress,
     RankBeat,
     ResendResult,
@@ -126,6 +128,26 @@ def test_a_frame_of_another_key_or_socket_is_refused_by_reason():
     assert health.read(KEY.seal(Heartbeat(1, 2, progress))) is None  # a worker's heartbeat goes to its agent
     assert health.read([KEY.seal(beat)[1]]) is None  # no MAC frame
     assert counted("t_reason") == {"unauthenticated": 2, "unexpected": 2}
+
+
+def test_a_nodes_step_results_round_trip_and_one_bad_result_drops_the_frame():
+    """`NodeStepResults` (an agent's gather of its ranks' results) on the health socket, loads and
+    all; a result of the wrong type inside drops the whole frame, counted; on the step socket it is
+    not a message of that socket."""
+    load = np.arange(58 * 256, dtype=np.int32).reshape(58, 256)
+    results = [StepResult(3, 17, r, {r: r + 7}, 0.01, 0.005, 0.002, 0.001, load if r else np.zeros((0, 0), np.int32),
+                          1234, {}) for r in (0, 1)]
+    msg = NodeStepResults("n0", "s1", results)
+    health = Inbox("t_node_results", HEALTH_TO_CONTROLLER, KEY)
+    got = health.read(KEY.seal(msg))
+    assert (got.node, got.session, [r.rank_id for r in got.results]) == ("n0", "s1", [0, 1])
+    assert [r.tokens for r in got.results] == [{0: 7}, {1: 8}] and np.array_equal(got.results[1].expert_load, load)
+    raw = msgspec.msgpack.decode(encode(msg))
+    raw[3][1][3] = "one"  # rank 1's rank_id as a string
+    bad = msgspec.msgpack.encode(raw)
+    assert health.read([KEY.mac(bad), bad]) is None
+    assert Inbox("t_node_results", STEP_TO_CONTROLLER, KEY).read(KEY.seal(msg)) is None
+    assert counted("t_node_results") == {"undecodable": 1, "unexpected": 1}
 
 
 def test_a_rejected_peer_is_logged_once(caplog):

@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware-interval-s", type=float, default=1.0,
                         help="read this node's hardware signals (CPU steal and frequency; NVML ECC, clocks, "
                              "throttle reasons, Xid where present) this often (default 1.0)")
+    parser.add_argument("--step-results-via", choices=["direct", "agent"], default="direct",
+                        help="where the workers' step results go: direct (each to the controller) or agent (to "
+                             "their node's agent on loopback, which sends the controller one frame per step for its "
+                             "ranks: fewer frames for the control thread; default direct)")
     parser.add_argument("--connect-timeout-s", type=float, default=30.0,
                         help="at start, wait this long for the controller to accept a connection, then give up "
                              "naming the address (default 30)")
@@ -145,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     agent = NodeAgent(controller, args.node, key, host, args.ranks, args.stop_grace_s, args.join_mode,
                       args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
                       exit_poll_s=args.exit_poll_interval_s, standalone=True,
-                      hardware_interval_s=args.hardware_interval_s, leader_watch=watch)
+                      hardware_interval_s=args.hardware_interval_s, leader_watch=watch,
+                      step_results_via=args.step_results_via)
     print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

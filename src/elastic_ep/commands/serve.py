@@ -228,6 +228,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ha-journal-flush-s", type=float, default=0.05,
                         help="with --etcd: the leader ships the request journal (requests and their tokens) to "
                              "the standbys this often, one batch each time (default 0.05)")
+    parser.add_argument("--step-results-via", choices=["direct", "agent"], default="direct",
+                        help="where the workers' step results go: direct (each to the controller) or agent (to "
+                             "their node's agent on loopback, which sends the controller one frame per step for its "
+                             "ranks: fewer frames for the control thread; default direct)")
     parser.add_argument("--ha-journal-via", choices=["etcd", "direct"], default="etcd",
                         help="with --etcd: how the journal reaches the standbys: etcd (each batch a write, which "
                              "outlives every controller) or direct (the leader streams it to each standby over "
@@ -361,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
     if local_ranks:
         agent = NodeAgent(controller.health_addr, args.node, key, cfg.control_host, local_ranks, lease_s=cfg.lease_s,
                           hardware_interval_s=cfg.hardware_interval_s,
-                          exit_poll_s=cfg.exit_poll_interval_s)
+                          exit_poll_s=cfg.exit_poll_interval_s, step_results_via=args.step_results_via)
         agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
         agent_thread.start()
     # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.

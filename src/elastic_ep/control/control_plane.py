@@ -2,13 +2,14 @@
 
 Two ZeroMQ ROUTER sockets bound on the controller's host (see `elastic_ep.wire` for who sends
 what on each): the step socket (worker main threads) and the health socket (node agents, which
-bring their workers' heartbeats), plus a wake-up pipe other threads write to so a waiting control thread
-returns at once. Sending to a peer that is gone drops the message (no ROUTER_MANDATORY): a dead
-rank's silence is for the fault detector to notice, never an exception here. Every frame is
-sealed with the cluster key, and what arrives goes through each socket's `Inbox`: a frame
-without the key, not decodable or not of that socket is dropped and counted (wire/codec.py),
-so no peer can stop the control loop; at most `MAX_DRAIN` frames per socket are read per
-receive, so a flood cannot hold the loop either.
+bring their workers' heartbeats, and with --step-results-via agent their step results), plus
+a wake-up pipe other threads write to so a waiting control thread returns at once. Sending to a
+peer that is gone drops the message (no ROUTER_MANDATORY): a dead rank's silence is for the
+fault detector to notice, never an exception here. Every frame is sealed with the cluster key,
+and what arrives goes through each socket's `Inbox`: a frame without the key, not decodable or
+not of that socket is dropped and counted (wire/codec.py), so no peer can stop the control loop;
+at most `MAX_DRAIN` frames per socket are read per receive, so a flood cannot hold the loop
+either.
 
 A peer's silence is measured on `heard_clock`, which stops while this process could not listen:
 a stall of the whole serve process (a thread holding the GIL while the OS runs others) freezes

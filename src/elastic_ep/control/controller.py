@@ -52,6 +52,7 @@ from elastic_ep.wire import (
     EpochReady,
     HardwareReport,
     NodeHeartbeat,
+    NodeStepResults,
     SleepReply,
     SlotChecksums,
     StepFailed,
@@ -373,6 +374,8 @@ class Controller:
                 self.rejected_frames.report(msg.node, msg.frames_rejected)
         elif isinstance(msg, StepResult | StepFailed):
             self.steps.on_reply(msg)
+        elif isinstance(msg, NodeStepResults):
+            self.steps.on_node_results(msg)
         elif isinstance(msg, EpochReady | EpochFailed):
             self.changer.on_reply(msg)
             r = self.cluster.ranks.get(msg.rank_id)

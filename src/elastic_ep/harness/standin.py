@@ -18,8 +18,12 @@ asks takes a step's set time, every slot computing), answers `SweepSlots`, and
 answers each `StepPlan` after `--step-ms` (plus `--jitter-ms` drawn per step, plus `--slow
 RANK:MS`) with a `StepResult` of the real shape: a token per sampled chunk, timings, and the
 expert load of its tokens at the model's size; it keeps that answer and sends it again on
-`ResendResult` (a `ChaosStep` with `lose_result` has it not sent the first time). There is no
-data plane and no model: the checkpoint is only read for its config.
+`ResendResult` (a `ChaosStep` with `lose_result` has it not sent the first time). With
+`--step-results-via agent` a rank hands its `StepResult` to its agent (in memory), which sends the
+controller its node's results of a step as one `NodeStepResults`, gathered as `elastic-ep agent
+--step-results-via agent` gathers them (node/step_gather.py); resent answers and `StepFailed` go
+from the rank directly, as a real rank's do. There is no data plane and no model: the checkpoint
+is only read for its config.
 
 Faults arrive as they do for real ranks, through the agent (`/chaos/kill`, `/chaos/hang`,
 `/chaos/resume` send `SignalWorker`): SIGKILL stops a rank's messages and its agent reports
@@ -57,6 +61,7 @@ import zmq
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.tiny import cache_dir, make_tiny
 from elastic_ep.node.lease import Lease
+from elastic_ep.node.step_gather import StepGather
 from elastic_ep.runtime.warmth import slots_to_warm
 from elastic_ep.wire import (
     CONTROLLER_TO_AGENT,
@@ -80,6 +85,7 @@ from elastic_ep.wire import (
     Inbox,
     LeaseRenew,
     NodeHeartbeat,
+    NodeStepResults,
     Progress,
     RankBeat,
     ResendResult,
@@ -386,7 +392,7 @@ class StandInRank:
             self.answer = StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, step_s, 0.0, 0.0, load,
                                      n_tokens * self.agent.top_k, {}, shape=n_tokens + plan.pad_tokens)
             if self.lose != (plan.epoch, plan.step):
-                self.send(self.answer)
+                self.agent.step_result(self, self.answer)
         self.agent.host.timers.at(received + due_s, answer)
 
 
@@ -394,7 +400,7 @@ class StandInAgent:
     """One node: registers like `elastic-ep agent` and runs stand-in ranks for the controller."""
 
     def __init__(self, host: StandInHost, controller_addr: str, node: str, num_ranks: int, timing: StandInTiming,
-                 lease_s: float = 5.0, hardware_interval_s: float = 1.0):
+                 lease_s: float = 5.0, hardware_interval_s: float = 1.0, step_results_via: str = "direct"):
         self.host, self.node, self.num_ranks, self.timing = host, node, num_ranks, timing
         self.ctx = host.ctx
         self.lease = Lease(lease_s)
@@ -412,6 +418,28 @@ class StandInAgent:
         self.loads: LoadTemplates | None = None
         self.top_k, self.vocab, self.eos = 1, 2, ()
         self.stopped = False
+        self.gather = StepGather() if step_results_via == "agent" else None
+        self._gather_at = 0.0  # when the gather's pending timer fires (0: none pending)
+
+    def step_result(self, rank: StandInRank, result: StepResult) -> None:
+        """A rank's answer: to the controller by the rank itself (direct), or held in this node's
+        gather and forwarded with the others of its step (agent)."""
+        if self.gather is None:
+            rank.send(result)
+            return
+        self.gather.add(result, time.monotonic())
+        self._forward_results()
+
+    def _forward_results(self) -> None:
+        now = time.monotonic()
+        if self._gather_at and now >= self._gather_at:
+            self._gather_at = 0.0
+        for results in self.gather.due(now, list(self.ranks)):
+            self.send(NodeStepResults(self.node, self.lease.session, results))
+        wait_s = self.gather.next_due_s(now)
+        if wait_s is not None and not self._gather_at:
+            self._gather_at = now + wait_s
+            self.host.timers.at(self._gather_at, self._forward_results)
 
     def token(self, seq_id: int, position: int) -> int:
         """A deterministic token that is never EOS, so sequences run to max_tokens."""
@@ -614,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-slot-ms", type=float, default=StandInTiming.warm_slot_s * 1000,
                         help="running one newly filled slot once before the epoch serves")
     parser.add_argument("--lease-s", type=float, default=5.0)
+    parser.add_argument("--step-results-via", choices=["direct", "agent"], default="direct",
+                        help="each rank's results to the controller, or its node's gathered by its agent")
     parser.add_argument("--model", default=None, help="the served checkpoint dir, read before registering")
     parser.add_argument("--cluster-key-file", default=None,
                         help="the deployment's cluster key (as `elastic-ep agent`; default $ELASTIC_EP_CLUSTER_KEY)")
@@ -628,8 +658,8 @@ def main(argv: list[str] | None = None) -> int:
         host.model(args.model)
     timing = StandInTiming(args.step_ms / 1000, args.jitter_ms / 1000, parse_slow(args.slow),
                            warm_slot_s=args.warm_slot_ms / 1000)
-    host.agents = [StandInAgent(host, args.controller, node, args.ranks_per_node, timing, args.lease_s)
-                   for node in args.node]
+    host.agents = [StandInAgent(host, args.controller, node, args.ranks_per_node, timing, args.lease_s,
+                                step_results_via=args.step_results_via) for node in args.node]
     try:
         host.run()
     finally:

@@ -36,6 +36,7 @@ from elastic_ep.wire import (
     EpochReady,
     Heartbeat,
     NodeHeartbeat,
+    NodeStepResults,
     Progress,
     RankBeat,
     Shutdown,
@@ -76,7 +77,8 @@ def _wrong_for(socket: str) -> list[object]:
     plan = StepPlan(0, 0, [ChunkPlan(0, [1, 2, 3], 0, True, SamplingParams(), 0, 3)], [])
     common = [plan, Shutdown(), AbortEpoch(0), DenseTensors({})]
     if socket == "step":
-        return [*common, Heartbeat(0, 1, Progress()), AgentAlive("x", "y"), BackupFetch([(0, 0)])]
+        return [*common, Heartbeat(0, 1, Progress()), AgentAlive("x", "y"), BackupFetch([(0, 0)]),
+                NodeStepResults("x", "y", [])]
     if socket == "health":  # a worker's heartbeat goes to its agent, never here
         return [*common, Heartbeat(0, 1, Progress()), EpochReady(0, 0, {}, {}, [], 0.0, 0.0, 0.0),
                 BackupFetch([(0, 0)])]

@@ -10,6 +10,9 @@ workers' heartbeat threads beat to it on a loopback ROUTER (`beat_addr`); every
 heartbeat_interval_s it sends the controller one `NodeHeartbeat` with each running rank's last
 heartbeat and how long ago it heard it (a stopped rank's age grows until the controller's
 deadline names it), and relays the controller's `AbortEpoch` to the rank's heartbeat thread. With
+`step_results_via="agent"` its workers send their `StepResult`s to it on a loopback PULL socket
+(`result_addr`) and it sends the controller one `NodeStepResults` per step for its ranks (gathered
+as node/step_gather.py says; resent answers and `StepFailed` go from the rank directly). With
 read once, copy many (`WorkerLaunch.read_once`) the first ranks it is asked to start wait until it
 has read the dense weights into shared memory once, then map them from there. Every
 frame in and out carries the cluster key's MAC; a frame without it, undecodable or not of the
@@ -47,6 +50,7 @@ from elastic_ep.wire import (
     FETCH_REQUEST,
     KEY_ENV,
     WORKER_TO_AGENT,
+    WORKER_TO_AGENT_RESULTS,
     ZMQ_HEARTBEAT_IVL_MS,
     ZMQ_HEARTBEAT_TIMEOUT_MS,
     AbortEpoch,
@@ -68,6 +72,7 @@ from elastic_ep.wire import (
     LeaseRenew,
     NewLeader,
     NodeHeartbeat,
+    NodeStepResults,
     RankBeat,
     SessionEnded,
     SignalWorker,
@@ -89,10 +94,14 @@ from .hardware import HardwareReader
 from .host_backup import HostBackup
 from .lease import Lease
 from .netcut import NetCut, NetCutUnavailable
+from .step_gather import StepGather
 
 logger = logging.getLogger(__name__)
 FETCH_MAX_FRAME_BYTES = 1 << 20  # a fetch request is a list of (layer, expert): a bigger frame disconnects its peer
 BEAT_MAX_FRAME_BYTES = 4096  # a heartbeat is some 60 bytes
+# a StepResult carries the rank's [layers, experts] expert load (119 KB at DeepSeek-V3's size) and its tokens
+RESULT_MAX_FRAME_BYTES = 16 << 20
+STEP_RESULTS_VIA = ("direct", "agent")
 
 @dataclass
 class _Child:
@@ -121,7 +130,11 @@ class NodeAgent:
     leader_watch: in a controller group (`agent --etcd`), the group's `LeaderWatch` (group/leader_watch.py),
     whose thread this agent runs: it follows the leader there with its running workers (see
     `_follow_leader`), and its lease fences the node only when neither the controller nor the group
-    (etcd) answered for lease_s: losing only the leader never kills a worker."""
+    (etcd) answered for lease_s: losing only the leader never kills a worker;
+    step_results_via: "agent" gathers its workers' step results into one `NodeStepResults` per step,
+    "direct" has each worker send its own to the controller. A result lost with this agent (it died
+    or stalled) is one the controller asks the rank for again past its result deadline
+    (`ResendResult`, answered directly)."""
 
     def __init__(
         self,
@@ -141,7 +154,10 @@ class NodeAgent:
         standalone: bool = False,
         hardware_interval_s: float = 1.0,
         leader_watch=None,
+        step_results_via: str = "direct",
     ):
+        if step_results_via not in STEP_RESULTS_VIA:
+            raise ValueError(f"step_results_via {step_results_via!r} is not one of {', '.join(STEP_RESULTS_VIA)}")
         self.node = node
         self.key = key
         self.fence = TermFence()  # the highest controller term seen: an older leader's frames are dropped
@@ -188,6 +204,13 @@ class NodeAgent:
         self.beats.setsockopt(zmq.MAXMSGSIZE, BEAT_MAX_FRAME_BYTES)
         self.beat_addr = f"tcp://127.0.0.1:{self.beats.bind_to_random_port('tcp://127.0.0.1')}"
         self._node_beat_at = 0.0
+        self.results = self.ctx.socket(zmq.PULL)
+        self.results.setsockopt(zmq.LINGER, 0)
+        self.results.setsockopt(zmq.MAXMSGSIZE, RESULT_MAX_FRAME_BYTES)
+        self.result_addr = "" if step_results_via == "direct" else \
+            f"tcp://127.0.0.1:{self.results.bind_to_random_port('tcp://127.0.0.1')}"
+        self.result_inbox = Inbox("agent_results", WORKER_TO_AGENT_RESULTS, key, node)
+        self.gather = StepGather()
         self._events_addr = f"inproc://agent-events-{id(self)}"
         self.events = self.ctx.socket(zmq.PULL)
         self.events.bind(self._events_addr)
@@ -210,7 +233,7 @@ class NodeAgent:
         for path in reap_stale_backups():
             logger.warning("node %s: removed %s, the backup file of an owner that is gone", self.node, path)
         poller = zmq.Poller()
-        for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats):
+        for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats, self.results):
             poller.register(s, zmq.POLLIN)
         self.hardware = HardwareReader()
         threading.Thread(target=self._watch_exits, name="exit-watch", daemon=True).start()
@@ -222,7 +245,10 @@ class NodeAgent:
                 self._keep_lease(time.monotonic())
                 self._report_hardware(time.monotonic())
                 self._heal_due(time.monotonic())
-                ready = dict(poller.poll(20))
+                gather_s = self.gather.next_due_s(time.monotonic())
+                ready = dict(poller.poll(20 if gather_s is None else min(20, gather_s * 1000)))
+                if self.results in ready or gather_s is not None:
+                    self._forward_results()
                 if self.controller_link in ready and recv_monitor_message(self.controller_link)["event"] \
                         == zmq.EVENT_DISCONNECTED and self.leader_watch is None:  # a group's next leader adopts it
                     self._drop_backup("the controller closed its connection (it stopped or died)", warn=True)
@@ -311,6 +337,21 @@ class NodeAgent:
             child = self.children.get(beat.pid)
             if child is not None and child.rank_id == beat.rank_id:
                 child.beat, child.beat_at = beat, time.monotonic()
+
+    def _forward_results(self) -> None:
+        """Every step result waiting on the result socket into the gather (one not of a running child of
+        this agent is dropped), then each step's that is due to the controller in one `NodeStepResults`."""
+        running = {rank_id for rank_id, _ in self._running()}
+        while True:
+            try:
+                frames = self.results.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            result = self.result_inbox.read(frames)
+            if result is not None and result.rank_id in running:
+                self.gather.add(result, time.monotonic())
+        for results in self.gather.due(time.monotonic(), running):
+            self.send(NodeStepResults(self.node, self.lease.session, results))
 
     def _send_node_beat(self, now: float) -> None:
         """Every heartbeat_interval_s while welcomed: one `NodeHeartbeat` with the last heartbeat of
@@ -458,7 +499,7 @@ class NodeAgent:
         args = WorkerArgs(self.launch, rank_id, self.node, self.host, self._local_index(rank_id), join_mode,
                           dense_path=dense_site.path if dense_site is not None and local else "",
                           dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "",
-                          beat_addr=self.beat_addr)
+                          beat_addr=self.beat_addr, result_addr=self.result_addr)
         env = {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: self.key.hex()}
         # stdin: the agent link (`NewLeader` when the controller group's leader changes)
         proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env,
@@ -611,5 +652,5 @@ class NodeAgent:
         self.netcut.close()
         self.send(AgentBye(self.node))
         self.sock.disable_monitor()
-        for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats):
+        for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats, self.results):
             s.close()

@@ -11,7 +11,10 @@ Threads:
   each compute once as the epoch forms, runtime/warmth.py), `SleepRank` / `WakeRank` (free the KV
   cache, and at level 2 the weights, then build them again), and from a server with
   --enable-chaos `ChaosStep` (the next step's injected delay and failures) and `CorruptSlot`.
-  It blocks inside collectives.
+  It blocks inside collectives. With a `WorkerArgs.result_addr` (`--step-results-via agent`) its
+  `StepResult`s go to its agent on loopback, which sends the controller its node's results of a
+  step in one frame; an answer sent again on `ResendResult`, and every `StepFailed`, go on the
+  step socket.
 - heartbeat: its own ZeroMQ socket to its agent's beat socket on loopback (`WorkerArgs.beat_addr`);
   sends `Heartbeat` with the main thread's progress every `heartbeat_interval_s`, which the
   agent forwards in its node's `NodeHeartbeat`, so the controller sees which collective the rank
@@ -156,6 +159,12 @@ class Worker:
         self.sock.setsockopt(zmq.IDENTITY, f"w{args.rank_id}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(launch.step_addr)
+        # its step results to its agent, which gathers its node's into one frame (--step-results-via agent)
+        self.result_sock = None
+        if args.result_addr:
+            self.result_sock = self.ctx.socket(zmq.PUSH)
+            self.result_sock.setsockopt(zmq.LINGER, 0)
+            self.result_sock.connect(args.result_addr)
         self.device, self.comm_device = rank_devices(launch.device, launch.backend, args.local_index)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this rank's GPU is the current one for all it does
@@ -560,7 +569,11 @@ class Worker:
             c.remote_messages, c.remote_bytes, round(kv_move_s, 6),
             sum(len(r.token_ids) for r in runs) + plan.pad_tokens,
         )
-        if not chaos.lose_result:
+        if chaos.lose_result:
+            return
+        if self.result_sock is not None:  # the agent stays the same whoever leads the controller group
+            self.result_sock.send_multipart(self.key.seal(self._answer, self.fence.highest))
+        else:
             self.send(self._answer)
 
     def _resend(self, msg: ResendResult) -> None:

@@ -9,11 +9,14 @@ Transport: ZeroMQ. The controller binds two ROUTER sockets:
   `WakeRank`, `WarmUp`, `Shutdown` and answers `WorkerHello`, `EpochReady`, `EpochFailed`, `StepResult`,
   `StepFailed`, `SlotChecksums`, `SleepReply`, `WarmedUp`;
 - the health socket: each node agent (DEALER, identity `a<node>`) sends `AgentHello`, `NodeHeartbeat`
-  (its ranks' heartbeats, one message per interval), `WorkerStarted`, `WorkerExited`, `WorkerFenced`,
+  (its ranks' heartbeats, one message per interval), `NodeStepResults` (its ranks' `StepResult`s
+  of a step, with --step-results-via agent), `WorkerStarted`, `WorkerExited`, `WorkerFenced`,
   `HardwareReport` and receives `AgentWelcome`, `BackupAssign`, `StartWorker`, `FenceWorker`,
   `SignalWorker`, `AbortEpoch` (for one of its ranks), `AgentShutdown`, and says `AgentBye` when it stops.
 An agent also binds a ROUTER on loopback for its own workers' heartbeat threads (DEALER, identity
-`h<rank_id>`), which send it `Heartbeat` and receive the `AbortEpoch` it relays; a ROUTER for
+`h<rank_id>`), which send it `Heartbeat` and receive the `AbortEpoch` it relays; with
+--step-results-via agent a PULL on loopback for its workers' main threads' `StepResult`s (a resent
+answer and every `StepFailed` go to the controller directly); a ROUTER for
 `BackupFetch` -> `BackupTensors` and `DenseFetch` -> `DenseTensors` from workers of other nodes;
 and writes `NewLeader` to its own workers on their stdin (wire/pipe.py) when the controller
 group's leader changes. With `serve --ha-journal-via direct` the group's leader binds a ROUTER for
@@ -66,6 +69,7 @@ from .health import (
     Heartbeat,
     LeaseRenew,
     NodeHeartbeat,
+    NodeStepResults,
     Progress,
     RankBeat,
     SessionEnded,
@@ -112,6 +116,7 @@ from .worker import (
 __all__ = [
     "AGENT_TO_WORKER",
     "WORKER_TO_AGENT",
+    "WORKER_TO_AGENT_RESULTS",
     "AbortEpoch",
     "AgentAlive",
     "AgentBye",
@@ -150,6 +155,7 @@ __all__ = [
     "NewLeader",
     "LeaseRenew",
     "NodeHeartbeat",
+    "NodeStepResults",
     "Progress",
     "RankBeat",
     "Shutdown",
@@ -217,9 +223,10 @@ STEP_TO_CONTROLLER = (WorkerHello | EpochReady | EpochFailed | StepResult | Step
                       | WarmedUp)
 CONTROLLER_TO_WORKER = (EpochStart | StepPlan | ResendResult | ChaosStep | SweepSlots | CorruptSlot | SleepRank
                         | WakeRank | WarmUp | Shutdown)
-HEALTH_TO_CONTROLLER = (NodeHeartbeat | AgentHello | AgentAlive | WorkerStarted | WorkerExited | WorkerFenced
-                        | HardwareReport | ChaosFailed | BackupReady | AgentBye)
+HEALTH_TO_CONTROLLER = (NodeHeartbeat | NodeStepResults | AgentHello | AgentAlive | WorkerStarted | WorkerExited
+                        | WorkerFenced | HardwareReport | ChaosFailed | BackupReady | AgentBye)
 WORKER_TO_AGENT = Heartbeat  # the agent's beat socket
+WORKER_TO_AGENT_RESULTS = StepResult  # the agent's result socket (--step-results-via agent)
 CONTROLLER_TO_HEARTBEAT = AbortEpoch  # relayed by the agent
 AGENT_TO_WORKER = NewLeader
 CONTROLLER_TO_AGENT = (AgentWelcome | LeaseRenew | SessionEnded | BackupAssign | StartWorker | FenceWorker
@@ -229,5 +236,5 @@ FETCH_REPLY = BackupTensors | DenseTensors
 STANDBY_TO_LEADER = JournalFollow  # the leader's journal socket (serve --ha-journal-via direct)
 LEADER_TO_STANDBY = JournalState | JournalBatch
 ALL_MESSAGES = (STEP_TO_CONTROLLER | CONTROLLER_TO_WORKER | HEALTH_TO_CONTROLLER | WORKER_TO_AGENT
-                | CONTROLLER_TO_AGENT | AGENT_TO_WORKER | FETCH_REQUEST | FETCH_REPLY | STANDBY_TO_LEADER
-                | LEADER_TO_STANDBY)
+                | WORKER_TO_AGENT_RESULTS | CONTROLLER_TO_AGENT | AGENT_TO_WORKER | FETCH_REQUEST | FETCH_REPLY
+                | STANDBY_TO_LEADER | LEADER_TO_STANDBY)

@@ -1,5 +1,7 @@
 """Heartbeats (a worker's heartbeat thread -> its node's agent, on the agent's beat socket; the
-agent -> the controller, one `NodeHeartbeat` per interval for all its ranks) and node agents <->
+agent -> the controller, one `NodeHeartbeat` per interval for all its ranks), step results gathered
+per node (`agent --step-results-via agent`: a worker's `StepResult` -> its agent's result socket;
+the agent -> the controller, one `NodeStepResults` per step for its ranks) and node agents <->
 the controller, on the controller's health socket."""
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ import signal
 
 from .codec import Message, Record
 from .fetch import BackupSite
-from .worker import WorkerLaunch
+from .worker import StepResult, WorkerLaunch
 
 
 class Progress(Record):
@@ -50,6 +52,16 @@ class NodeHeartbeat(Message):
     node: str
     session: str
     beats: list[RankBeat]
+
+
+class NodeStepResults(Message):
+    """An agent -> the controller: the `StepResult`s of its ranks for one step, as many as answered
+    within the agent's gather window (node/step_gather.py); the rest follow in later ones. The
+    controller takes each as if its rank had sent it."""
+
+    node: str
+    session: str
+    results: list[StepResult]
 
 
 class AbortEpoch(Message):

@@ -52,7 +52,8 @@ class WorkerArgs:
     agent decides: its rank, node, the address of its host (`host`: the data plane binds it),
     join mode, where its dense weights come from (`dense_path`: this node's backup file;
     `dense_addr`: another node's agent; neither: disk) and where its heartbeat thread beats
-    (`beat_addr`: the agent's loopback beat socket)."""
+    (`beat_addr`: the agent's loopback beat socket) and where its step results go (`result_addr`:
+    the agent's loopback result socket, which gathers them per node; empty: to the controller)."""
 
     launch: WorkerLaunch
     rank_id: int
@@ -63,6 +64,7 @@ class WorkerArgs:
     dense_path: str = ""
     dense_addr: str = ""
     beat_addr: str = ""
+    result_addr: str = ""
 
     def to_json(self) -> str:
         """Flat JSON (`"rank_id": N,` is how `elastic-ep doctor` finds a rank's process)."""

@@ -24,7 +24,7 @@ from elastic_ep.control.serving.step_loop import MAX_RETRIES_WITHOUT_CULPRIT, St
 from elastic_ep.control.serving.streams import Streams
 from elastic_ep.control.serving.warmup import WarmUpGate
 from elastic_ep.model.sampling import SamplingParams
-from elastic_ep.wire import Progress, ResendResult, StepErrorKind, StepFailed, StepPlan, StepResult
+from elastic_ep.wire import NodeStepResults, Progress, ResendResult, StepErrorKind, StepFailed, StepPlan, StepResult
 
 
 def loop_with_one_request(warmed_shapes: list[int] | None = None, registry: CollectorRegistry | None = None,
@@ -178,3 +178,49 @@ def test_a_rank_inside_the_step_past_the_deadline_is_never_asked():
     steps.pump = losing_rank_1(steps, on_resend=lambda kept: kept, in_step_for_pumps=100)  # 100 pumps: >= 0.2 s
     assert steps.run() is not None and scheduler.by_id[5].output == [7]
     assert not [m for _, m in steps.plane.to_workers if isinstance(m, ResendResult)]
+
+
+def answering_per_node(steps, session_of_rank_1: str = "s"):
+    """The pump as the agent of node n0 answers with --step-results-via agent: both ranks' results of
+    a step in one `NodeStepResults` (rank 1's under `session_of_rank_1`: an agent session given up
+    on when not "s"); rank 1 answers `ResendResult` directly with its kept answer."""
+    seen, kept = 0, {}
+
+    def pump(timeout_s: float) -> None:
+        nonlocal seen
+        time.sleep(timeout_s)
+        for rank_id, msg in steps.plane.to_workers[seen:]:
+            if isinstance(msg, StepPlan):
+                kept[rank_id] = answer_of(rank_id, msg)
+                steps.cluster.ranks[rank_id].progress = Progress(msg.epoch, msg.step, 0, "idle", 1)
+            elif isinstance(msg, ResendResult):
+                steps.on_reply(kept[rank_id])
+        if len(kept) == 2 and seen < len(steps.plane.to_workers):
+            steps.on_node_results(NodeStepResults("n0", "s", [kept[0]]))
+            steps.on_node_results(NodeStepResults("n0", session_of_rank_1, [kept[1]]))
+        seen = len(steps.plane.to_workers)
+    return pump
+
+
+def test_a_step_completes_with_the_results_its_nodes_agent_gathered():
+    steps, scheduler, _ = loop_with_one_request(**FAST)
+    steps.pump = answering_per_node(steps)
+    assert steps.run() is not None and scheduler.by_id[5].output == [7]
+    assert not [m for _, m in steps.plane.to_workers if isinstance(m, ResendResult)]
+
+
+def test_results_of_an_agent_session_given_up_on_are_asked_for_again_from_the_rank():
+    steps, scheduler, _ = loop_with_one_request(**FAST)
+    steps.pump = answering_per_node(steps, session_of_rank_1="an older session")
+    assert steps.run() is not None and scheduler.by_id[5].output == [7]
+    assert [(r, m) for r, m in steps.plane.to_workers if isinstance(m, ResendResult)] == [(1, ResendResult(0, 1))]
+
+
+def test_an_agent_speaks_for_its_own_nodes_ranks_only():
+    steps, _, _ = loop_with_one_request()
+    steps.cluster.agents["n1"] = steps.cluster.agents["n0"]
+    plan = StepPlan(steps.cluster.epoch, steps.cluster.step, [], [])
+    steps.on_node_results(NodeStepResults("n1", "s", [answer_of(0, plan)]))  # rank 0 is on n0
+    assert not steps.replies
+    steps.on_node_results(NodeStepResults("n0", "s", [answer_of(0, plan)]))
+    assert list(steps.replies) == [0]

@@ -13,10 +13,13 @@ alive, the step is dropped and isolation (serving/isolation.py) finds the reques
 the same epoch. A slow rank only makes the step slower; its time shows in the per-rank metrics
 and the radar.
 
-An answer lost on the way, with every rank alive, would leave the step waiting for ever: past
-the result deadline (--result-timeout-floor-s, --result-timeout-multiple) a member that has not
-answered and whose heartbeats say it is not inside the step is sent `ResendResult`. Workers keep
-their last step's answer and send it again, and the step goes on; a rank that never ran the step
+Results come from each rank (`StepResult`) or gathered per node by its agent (`NodeStepResults`,
+--step-results-via agent); either way each is one rank's answer. An answer lost on the way (an
+agent that died or stalled loses those it held), with every rank alive, would leave the step
+waiting for ever: past the result deadline (--result-timeout-floor-s, --result-timeout-multiple) a
+member that has not answered and whose heartbeats say it is not inside the step is sent
+`ResendResult`. Workers keep their last step's answer and send it again (to the controller
+directly, whatever --step-results-via), and the step goes on; a rank that never ran the step
 (its plan was lost) says so, an error of the step, recomputed as any other; one that does not
 answer within --resend-timeout-s is a fault (its step link is lost) and is replaced.
 """
@@ -32,7 +35,7 @@ import numpy as np
 
 from elastic_ep.model.sampling import TokenLogprobs
 from elastic_ep.policy.straggler_verdict import IntervalRecorder
-from elastic_ep.wire import ResendResult, StepErrorKind, StepFailed, StepPlan, StepResult
+from elastic_ep.wire import NodeStepResults, ResendResult, StepErrorKind, StepFailed, StepPlan, StepResult
 
 from ..cluster import ClusterState
 from ..config import ServeConfig
@@ -112,6 +115,19 @@ class StepLoop:
             self.cluster.ranks[msg.rank_id].link_s.append(max(time.perf_counter() - self._sent_at - msg.step_s, 0.0))
         if isinstance(msg, StepFailed) and msg.kind != StepErrorKind.LOCAL:  # the group broke, or a plan was lost
             self.detector.error(f"rank {msg.rank_id}: {msg.error}")
+
+    def on_node_results(self, msg: NodeStepResults) -> None:
+        """An agent's gather of its ranks' results (--step-results-via agent): each taken as if its rank
+        had sent it, when the agent's session is the current one (as its heartbeats are) and the rank
+        is of its node. One that is not is dropped, and asked for again past the result deadline."""
+        agent = self.cluster.agents.get(msg.node)
+        if agent is None or agent.session != msg.session:
+            return
+        ranks = self.cluster.ranks
+        for result in msg.results:
+            rank = ranks.get(result.rank_id)
+            if rank is not None and rank.node == msg.node:
+                self.on_reply(result)
 
     def run(self) -> float | None:
         """Run the next step; returns its wall time (s), or None when a rank's own computation
