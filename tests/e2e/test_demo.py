@@ -9,22 +9,15 @@ import json
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from elastic_ep.demo_view import CURSOR_UP_AND_CLEAR, LiveView, StreamState
+from elastic_ep.harness.server_process import running
 
 
 def run_demo(*args: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "elastic_ep.cli", "demo", *args],
                           capture_output=True, text=True, timeout=timeout_s)
-
-
-def running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.parametrize("fault, cause", [([], "killed by SIGKILL"), (["--hang"], "no heartbeat")],

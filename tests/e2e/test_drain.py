@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
+
+from elastic_ep.harness.server_process import processes_left
 
 from .conftest import Server, reference_load
 
@@ -60,19 +61,6 @@ def wait_drained(server, ranks: list[int], timeout_s: float = 90.0) -> dict:
     raise TimeoutError(f"drain of {ranks} not done in {timeout_s}s")
 
 
-def gone(pid: int, timeout_s: float = 10.0) -> bool:
-    """The process exited (and was reaped) within timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_drain_a_middle_rank_then_a_whole_node_under_load(two_nodes):
     server, agent = two_nodes
     before = server.cluster()
@@ -84,7 +72,7 @@ def test_drain_a_middle_rank_then_a_whole_node_under_load(two_nodes):
         load.wait_done(3)
         assert drain(server, {"ranks": [1]}) == {"ranks": [1], "node": None, "old_ep_size": 5, "new_ep_size": 4}
         cluster = wait_drained(server, [1])
-        assert cluster["members"] == [0, 2, 3, 4] and gone(pids[1])
+        assert cluster["members"] == [0, 2, 3, 4] and not processes_left({pids[1]})
         assert any("rank 1 stopped (exited with code 0)" in e["message"] for e in cluster["events"])
         done = load.done
         load.wait_done(done + 3)
@@ -92,7 +80,7 @@ def test_drain_a_middle_rank_then_a_whole_node_under_load(two_nodes):
         cluster = wait_drained(server, [3, 4])
         assert cluster["members"] == [0, 2] and cluster["cordoned"] == ["node1"]
         assert agent.wait(30) == 0  # what a preStop hook waits for
-        assert gone(pids[3]) and gone(pids[4])
+        assert not processes_left({pids[3], pids[4]})
         load.wait_done(load.done + 3)
     assert not load.failures, load.failures[:3]
     assert load.done > 0

@@ -22,12 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import torch
 
 from elastic_ep.demo_view import LiveView, StreamState, fmt_bytes, fmt_ms, format_table
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.harness.server_process import ServerProcess
+from elastic_ep.harness.server_process import ServerProcess, processes_left
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.engine import OfflineEngine, greedy
 from elastic_ep.model.tiny import resolve_model
@@ -270,20 +269,6 @@ def _request_summary(s: StreamState, reference: str) -> dict[str, Any]:
             "text": s.text, "reference": reference,
             "finished": s.error is None and s.finish_reason in ("stop", "length"),
             "identical": s.text == reference}
-
-
-def processes_left(pids: set[int], timeout_s: float = 10.0) -> list[int]:
-    """The pids still running after `timeout_s` (workers exit shortly after their server)."""
-    def alive(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    deadline = time.monotonic() + timeout_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return sorted(p for p in pids if alive(p))
 
 
 def breakdown_rows(recovery: dict) -> list[list[str]]:

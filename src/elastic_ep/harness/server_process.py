@@ -16,8 +16,26 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from elastic_ep.wire import ClusterKey
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` is still running (a zombie, exited but not reaped, is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def processes_left(pids: set[int], timeout_s: float = 10.0) -> list[int]:
+    """The pids still running after up to `timeout_s` (polled; workers exit shortly after their
+    server). By pid, not `Popen.wait`/`Process.join`: another thread may reap the process first."""
+    deadline = time.monotonic() + timeout_s
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sorted(p for p in pids if running(p))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

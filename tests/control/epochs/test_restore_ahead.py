@@ -4,13 +4,13 @@ the epoch change would compute, and anything not prepared falls back to computin
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import psutil
 import pytest
 
 from elastic_ep.control.epochs.restore_ahead import RestoresAhead, process_worker, thread_worker
+from elastic_ep.harness.server_process import processes_left
 from elastic_ep.placement import fault_aware_placement
 from elastic_ep.placement.restore import restore_placement
 from elastic_ep.placement.restore_ahead import likely_losses, restores_ahead
@@ -100,22 +100,7 @@ def test_the_restores_are_computed_in_a_process_of_their_own(epoch):
     assert found is not None, ahead.last
     assert found.phy2log.tolist() == restore_placement(held, load, holding, NODES, backup).phy2log.tolist()
     ahead.close()
-    assert _ended(workers[0].pid, 60), "the worker outlived close()"  # no process left behind
-
-
-def _ended(pid: int, timeout_s: float) -> bool:
-    """Whether the process `pid` is gone (or a zombie) within `timeout_s`. Not `Process.join`: the
-    pool's own thread may reap the process at the same moment, and the loser of that race reads
-    no exit code though the process is gone (seen once in CI)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.1)
-    return False
+    assert not processes_left({workers[0].pid}, 60), "the worker outlived close()"  # no process left behind
 
 
 def test_the_worker_process_ends_when_the_controller_is_killed(tmp_path):
@@ -136,7 +121,7 @@ def test_the_worker_process_ends_when_the_controller_is_killed(tmp_path):
         worker = int(controller.stdout.readline())
         controller.kill()
         controller.wait()
-        if not _ended(worker, 30):
+        if processes_left({worker}, 30):
             psutil.Process(worker).kill()
             pytest.fail(f"the restores' worker {worker} outlived its controller by 30 s")
     finally:
