@@ -80,7 +80,6 @@ from .epochs.epoch_change import (
     NotFormed,
     VerifyFailed,
 )
-from .epochs.rebalance_rules import load_estimate
 from .epochs.requests import Adopt, EpochRequest, Recover, Refill, Rejoin, Start, holding_of
 from .epochs.slot_check import SlotSweeper
 from .events import EventKind
@@ -651,8 +650,7 @@ class Controller:
                               "store": f"tcp://{self.cfg.control_host}:{self.store_port}"}}
 
     def load(self) -> np.ndarray:
-        c = self.cluster
-        return load_estimate(self.steps.load_window, c.num_layers, c.num_experts)
+        return self.steps.load_window.estimate()
 
     def joiners(self, live: list[int] | None = None) -> list[int]:
         """Ranks from outside that recovery or a rejoin admits into an epoch over `live` (default
