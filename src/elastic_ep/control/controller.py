@@ -586,7 +586,9 @@ class Controller:
             raise RecoveryNeeded()
         c.set_readiness(True)
         self.ready_clock.ready()
-        self.publish()
+        # /ready at once; after a fault the /cluster snapshot waits for its turn, after the first
+        # step (the pause lasts until then, and a snapshot of 1,024 ranks is a large build)
+        self.publish(throttle_s=0.25 if self.recovery.open else 0.0)
 
     def _read_once(self, live: list[int]) -> ExpertLocation | None:
         """Read once, copy many: the first epoch's placement, then every node's share of the
