@@ -80,7 +80,6 @@ from .epochs.epoch_change import (
     NotFormed,
     VerifyFailed,
 )
-from .epochs.rebalance_rules import load_estimate
 from .epochs.requests import Adopt, EpochRequest, Recover, Refill, Rejoin, Start, holding_of
 from .epochs.slot_check import SlotSweeper
 from .events import EventKind
@@ -587,7 +586,9 @@ class Controller:
             raise RecoveryNeeded()
         c.set_readiness(True)
         self.ready_clock.ready()
-        self.publish()
+        # /ready at once; after a fault the /cluster snapshot waits for its turn, after the first
+        # step (the pause lasts until then, and a snapshot of 1,024 ranks is a large build)
+        self.publish(throttle_s=0.25 if self.recovery.open else 0.0)
 
     def _read_once(self, live: list[int]) -> ExpertLocation | None:
         """Read once, copy many: the first epoch's placement, then every node's share of the
@@ -651,8 +652,7 @@ class Controller:
                               "store": f"tcp://{self.cfg.control_host}:{self.store_port}"}}
 
     def load(self) -> np.ndarray:
-        c = self.cluster
-        return load_estimate(self.steps.load_window, c.num_layers, c.num_experts)
+        return self.steps.load_window.estimate()
 
     def joiners(self, live: list[int] | None = None) -> list[int]:
         """Ranks from outside that recovery or a rejoin admits into an epoch over `live` (default

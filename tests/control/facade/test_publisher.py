@@ -3,7 +3,7 @@ one `stalled` event, once the step in flight runs past the stall deadline, and b
 `stall-ended`; health names a down rank and says dead once the loop stopped; the /cluster
 snapshot carries the other roles' views and the injected delays, and is rebuilt at most once
 per throttle interval; its placement is the slot map, whose size does not grow with one expert's
-replicas."""
+replicas; after a recovery's warm-up /ready opens at once and the snapshot waits for the first step."""
 
 from __future__ import annotations
 
@@ -14,13 +14,22 @@ from types import SimpleNamespace
 from control_standins import cluster_of, config
 from prometheus_client import CollectorRegistry
 
+from elastic_ep.control.api import GenerationRequest
+from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.controller import Controller
+from elastic_ep.control.events import EventKind
 from elastic_ep.control.facade.engine import Published
 from elastic_ep.control.facade.publisher import Publisher
 from elastic_ep.control.faults.detector import FaultDetector
+from elastic_ep.control.faults.recovery import RecoveryRecord
 from elastic_ep.control.metrics import ClusterMetrics
 from elastic_ep.control.ranks import RankStatus
+from elastic_ep.control.serving.scheduler import Sequence
+from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.model.tiny import resolve_model
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.policy.straggler_verdict import IntervalRecorder
+from elastic_ep.wire import ClusterKey
 
 
 class Rig:
@@ -102,3 +111,29 @@ def test_the_snapshots_placement_is_the_slot_map_whatever_one_experts_replicas()
         sizes[name] = len(json.dumps(placement))
     assert hot.log2phy.shape[2] == ranks and spread.log2phy.shape[2] == 2
     assert sizes["hot"] <= sizes["spread"]
+
+
+def test_a_recoverys_warm_up_opens_ready_and_leaves_the_snapshot_to_after_the_first_step():
+    """The controller's publish after the warm-up of a recovery's epoch, with requests waiting:
+    /ready turns true at once, the /cluster snapshot (a large build at 1,024 ranks) is not built
+    before the first step closes the recovery, and is after it."""
+    ctl = Controller(ServeConfig(model_dir=str(resolve_model("tiny-deepseek-v3")), model_name="t", ep_size=2),
+                     ClusterKey.generate(), CollectorRegistry())
+    ctl.scheduler.add(Sequence(5, GenerationRequest("r5", [1, 2, 3], SamplingParams(max_tokens=4), 0), 64, (0,)))
+    ctl.recovery.record = RecoveryRecord(time.monotonic(), [1], "rank 1 exited", 0.01)
+    ctl.cluster.set_readiness(False, "recovering")
+    ctl.publish()
+    before = ctl.engine.cluster()
+    assert not before["ready"]
+    ctl._warm_up(first=False)  # a group with nothing to warm: ready at once
+    assert ctl.engine.readiness().ready  # what /ready answers
+    assert ctl.engine.cluster()["ready"] is False  # the snapshot waits
+    assert [e["kind"] for e in ctl.cluster.events.all()][-1] == EventKind.WARMUP.value
+    ctl.recovery.step_completed(0.01)  # the first step
+    deadline = time.monotonic() + 30
+    while not ctl.engine.cluster()["ready"]:  # the loop's throttled publish, once its turn comes
+        assert time.monotonic() < deadline
+        ctl.publish(throttle_s=0.25)
+        time.sleep(0.05)
+    kinds = [e["kind"] for e in ctl.engine.cluster()["events"]]
+    assert EventKind.WARMUP.value in kinds and EventKind.RECOVERED.value in kinds

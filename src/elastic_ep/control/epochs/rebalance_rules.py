@@ -1,4 +1,4 @@
-"""EPLB in the loop, as pure decisions: when to look, the load estimate, and whether a new
+"""EPLB in the loop, as pure decisions: when to look, and whether a new
 placement is worth an epoch.
 
 A slow rank is part of the decision when speeds are given: imbalance is judged in time
@@ -9,7 +9,7 @@ rank never appears here: rebalancing runs only between faults, over the current 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,18 +22,6 @@ from elastic_ep.placement.measures import balancedness
 def eplb_due(step: int, interval: int, window_steps: int, last_step: int) -> bool:
     """Every `interval` steps, once the load window holds that many steps."""
     return step > 0 and step % interval == 0 and window_steps >= interval and last_step != step
-
-
-def load_estimate(window: Sequence[np.ndarray], num_layers: int, num_experts: int) -> np.ndarray:
-    """[L, E] tokens per expert over the recorded steps, plus one so an unused expert still
-    gets a slot; all ones before any load was recorded."""
-    if window:
-        total = np.zeros(np.shape(window[0]), dtype=np.float64)
-        for counts in window:  # in place: a stack of the window copied all of it (0.1 s of a recovery at 64 ranks)
-            total += counts
-        if total.sum() > 0:
-            return total + 1.0
-    return np.ones((num_layers, num_experts))
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,12 @@ class ExpertRecorder:
         with self._lock:
             self._recording = False
 
-    def add(self, load: np.ndarray) -> None:
-        """load: [L, E] tokens of one step."""
+    def add(self, load: np.ndarray | None) -> None:
+        """load: [L, E] tokens of one step, None when no rank reported in it (the step still counts)."""
         with self._lock:
             if self._recording and self._load is not None:
-                self._load += load
+                if load is not None:
+                    self._load += load
                 self._steps += 1
 
     def dump(self, directory: str | Path) -> dict[str, Any]:

@@ -27,7 +27,6 @@ answer within --resend-timeout-s is a fault (its step link is lost) and is repla
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -47,6 +46,7 @@ from ..metrics import ClusterMetrics
 from ..tracing import RequestTraces
 from .alignment import imbalance
 from .isolation import Isolation
+from .load_window import LoadWindow
 from .recorder import ExpertRecorder
 from .scheduler import Scheduler, StepBatch
 from .streams import Streams
@@ -96,10 +96,10 @@ class StepLoop:
         self.tokens_sampled = 0
         self.uncommitted: StepBatch | None = None  # the batch of an interrupted step, until a step commits
         self.retries_without_culprit = 0  # recomputes of a step that failed with every rank alive
-        # ranks report their load summed over --load-report-every-steps steps, taking turns: an entry
-        # holds the reports of one step, so a window of W >= load_every steps sums about W steps' load
+        # ranks report their load summed over --load-report-every-steps steps, taking turns: a step
+        # holds the reports sent in it, so a window of W >= load_every steps sums about W steps' load
         self.load_every = max(cfg.load_report_every_steps, 1)
-        self.load_window: deque[np.ndarray] = deque(maxlen=max(cfg.eplb_interval, 1))
+        self.load_window = LoadWindow(max(cfg.eplb_interval, 1), cluster.num_layers, cluster.num_experts)
         self._sent_at = 0.0
         self._started_ns = 0  # wall-clock ns the step in flight was sent (request traces)
         self._planned_epoch: int | None = None  # the epoch of the last step planned
@@ -264,7 +264,7 @@ class StepLoop:
         sampled: dict[int, int] = {}
         logprobs: dict[int, TokenLogprobs] = {}
         slowest = 0.0
-        load = np.zeros((c.num_layers, c.num_experts), dtype=np.int64)
+        load: np.ndarray | None = None  # [L, E] the step's reports, None when no rank sent one
         for rank_id, res in results.items():
             for seq_id, error in res.errors.items():
                 self.streams.end_with_error(seq_id, f"this request failed on rank {rank_id}: {error}")
@@ -277,6 +277,8 @@ class StepLoop:
             r.own_s.append(res.compute_s)
             r.slot_tokens.append(res.slot_tokens)
             if res.expert_load.size:
+                if load is None:
+                    load = np.zeros((c.num_layers, c.num_experts), dtype=np.int64)
                 load += res.expert_load
             if self.warmup is not None:
                 self.warmup.ran(res.epoch, res.shape, micro_batches)
@@ -290,7 +292,7 @@ class StepLoop:
             self.own_time.add(now, rank_id, tokens.get(rank_id, 0), res.compute_s)
         self.tokens_run += sum(tokens.values())
         self.tokens_sampled += len(sampled)
-        self.load_window.append(load)  # over a window of at least load_every steps, about its steps' load
+        self.load_window.add(load)
         self.recorder.add(load)
         t1 = time.perf_counter()
         self._observe(results, batch, tokens, wall_s, slowest)
