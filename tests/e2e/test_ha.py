@@ -374,6 +374,14 @@ def test_a_leader_stopped_past_its_lease_is_replaced_and_exits_when_it_resumes(t
         etcd.stop()
 
 
+def etcd_agent(etcd: EtcdProcess, group: str, node: str, ranks: int, key_file, log) -> subprocess.Popen:
+    """`elastic-ep agent` of `node` finding group `group`'s leader through etcd, its output to `log`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "elastic_ep.cli", "agent", "--etcd", etcd.url, "--ha-group", group, "--node", node,
+         "--ranks", str(ranks), "--cluster-key-file", str(key_file), "--connect-timeout-s", "180"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def test_a_drain_in_flight_at_a_takeover_is_resumed_by_the_new_leader(tmp_path):
     """A drain of rank 2, the leader killed (-9) as soon as it answered it: the drain is in the cluster
     record from its answer on, so the new leader adopts the three ranks, asks for the drain again, and it
@@ -390,17 +398,11 @@ def test_a_drain_in_flight_at_a_takeover_is_resumed_by_the_new_leader(tmp_path):
         old = ServerProcess([*args, "--node", "c0"], tmp_path / "c0.log", ready_timeout_s=None)
         started.append(old)
         log = open(tmp_path / "agent.log", "w")  # noqa: SIM115 - closed with the process
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "elastic_ep.cli", "agent", "--etcd", etcd.url, "--ha-group", "d", "--node", "n0",
-             "--ranks", "3", "--cluster-key-file", str(old.key_file), "--connect-timeout-s", "180"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        agent = etcd_agent(etcd, "d", "n0", 3, old.key_file, log)
         old.wait_ready(180)
         old.wait_full_group(3, 120)
         # a second node, given no rank (the group is full), drained: cordoned, its agent stops
-        spare = subprocess.Popen(
-            [sys.executable, "-m", "elastic_ep.cli", "agent", "--etcd", etcd.url, "--ha-group", "d", "--node", "n1",
-             "--ranks", "1", "--cluster-key-file", str(old.key_file), "--connect-timeout-s", "180"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        spare = etcd_agent(etcd, "d", "n1", 1, old.key_file, log)
         old.wait_for(lambda c: "n1" in [a["node"] for a in c["agents"]], 120, "node n1's agent")
         assert old.http.post("/drain", json={"node": "n1"}).json()["ranks"] == []
         assert spare.wait(30) == 0
@@ -453,10 +455,7 @@ def test_a_scale_up_in_flight_at_a_takeover_completes_with_its_joiner_still_load
         old = ServerProcess([*args, "--node", "c0"], tmp_path / "c0.log", ready_timeout_s=None)
         started.append(old)
         log = open(tmp_path / "agent.log", "w")  # noqa: SIM115 - closed with the process
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "elastic_ep.cli", "agent", "--etcd", etcd.url, "--ha-group", "j", "--node", "n0",
-             "--ranks", "3", "--cluster-key-file", str(old.key_file), "--connect-timeout-s", "180"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        agent = etcd_agent(etcd, "j", "n0", 3, old.key_file, log)
         old.wait_ready(240)
         old.wait_full_group(2, 120)
         new = ServerProcess([*args, "--node", "c1", "--cluster-key-file", str(old.key_file)], tmp_path / "c1.log",

@@ -125,6 +125,16 @@ def can_no_longer_run(pid: int) -> bool:
         os.close(fd)
 
 
+def stop_agent(stop: threading.Event, thread: threading.Thread, pids: list[int], ctl: StandInController) -> None:
+    """A test's teardown: the agent thread stopped, any worker it left SIGKILLed, the controller closed."""
+    stop.set()
+    thread.join(10)
+    for pid in pids:
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGKILL)
+    ctl.close()
+
+
 @pytest.mark.e2e
 def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
     ctl = StandInController()
@@ -178,12 +188,7 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
         thread.join(10)
         assert not thread.is_alive() and not os.path.exists(ready.site.path)
     finally:
-        stop.set()
-        thread.join(10)
-        for pid in pids:
-            if psutil.pid_exists(pid):
-                os.kill(pid, signal.SIGKILL)
-        ctl.close()
+        stop_agent(stop, thread, pids, ctl)
 
 
 @pytest.mark.e2e
@@ -237,11 +242,7 @@ def test_an_agent_that_stops_hearing_the_controller_fences_its_ranks_and_registe
         again = ctl.expect(ctl.health, AgentHello, timeout_s=10)
         assert again.join_mode == "recover" and again.session != first.session
     finally:
-        stop.set()
-        thread.join(10)
-        if pid is not None and psutil.pid_exists(pid):
-            os.kill(pid, signal.SIGKILL)
-        ctl.close()
+        stop_agent(stop, thread, [pid] if pid is not None else [], ctl)
 
 
 @pytest.mark.e2e
@@ -278,9 +279,4 @@ def test_agent_forwards_its_ranks_step_results_in_one_node_frame_and_drops_the_r
         assert rejected_counts().get(("agent_results", "nodeR", "unauthenticated"), 0) == rejected + 1
     finally:
         push.close()
-        stop.set()
-        thread.join(10)
-        for pid in pids:
-            if psutil.pid_exists(pid):
-                os.kill(pid, signal.SIGKILL)
-        ctl.close()
+        stop_agent(stop, thread, pids, ctl)
