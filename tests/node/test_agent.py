@@ -151,7 +151,9 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
         ctl.welcome(launch)
         for rank in (0, 1):
             ctl.to_agent(StartWorker(rank, "initial"))
-        started = {m.rank_id: m.pid for m in (ctl.expect(ctl.health, WorkerStarted) for _ in range(2))}
+        reports = [ctl.expect(ctl.health, WorkerStarted) for _ in range(2)]
+        assert {m.session for m in reports} == {hello.session}  # the controller takes them as this session's
+        started = {m.rank_id: m.pid for m in reports}
         pids = list(started.values())
         registered = {m.rank_id: m for m in (ctl.expect(ctl.step, WorkerHello) for _ in range(2))}
         assert {r: m.pid for r, m in registered.items()} == started

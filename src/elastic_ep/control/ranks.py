@@ -181,8 +181,9 @@ class AgentInfo:
     auto_recover: bool = False
     session: str = ""
     host: str = ""
-    last_alive: float = 0.0  # its last AgentAlive, on the heard clock (ControlPlane.heard_clock)
+    last_alive: float = 0.0  # its last AgentAlive (or hello), on the heard clock (ControlPlane.heard_clock)
     standalone: bool = True
     stalled: bool = False  # an in-process agent silent past --agent-timeout-s (Nodes.check_agents)
+    alive_heard: bool = False  # an AgentAlive of its session came: its welcome reached it
     backup: BackupSite | None = None
     backup_experts: list[tuple[int, int]] = field(default_factory=list)

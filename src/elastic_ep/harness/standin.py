@@ -515,7 +515,7 @@ class StandInAgent:
         if old is not None:
             old.close()
         self.ranks[rank_id] = rank
-        self.send(WorkerStarted(self.node, rank_id, pid))
+        self.send(WorkerStarted(self.node, rank_id, pid, self.lease.session))
         # its hello after its start report, as a real rank's comes seconds after it
         self.host.timers.at(time.monotonic() + self.timing.start_s, lambda: rank.alive and rank.connect())
 

@@ -509,7 +509,7 @@ class NodeAgent:
         with self._lock:
             self.children[proc.pid] = _Child(rank_id, proc, time.monotonic(), open_stat(proc.pid))
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
-        self.send(WorkerStarted(self.node, rank_id, proc.pid))
+        self.send(WorkerStarted(self.node, rank_id, proc.pid, self.lease.session))
         logger.info("node %s: started rank %d (pid %d, %s)", self.node, rank_id, proc.pid, join_mode)
 
     def _await_dense(self, msg: StartWorker) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from elastic_ep.wire import AGENT_HELLO_INTERVAL_S
+
 
 def new_session() -> str:
     return uuid.uuid4().hex[:12]
@@ -27,7 +29,7 @@ class Lease:
 
     lease_s: float
     alive_interval_s: float = 0.1
-    hello_interval_s: float = 1.0
+    hello_interval_s: float = AGENT_HELLO_INTERVAL_S
     session: str = field(default_factory=new_session)
     welcomed: bool = False
     renewed_at: float = 0.0

@@ -54,6 +54,7 @@ from .fetch import (
 )
 from .hardware import IDLE_REASONS, THROTTLE_REASONS, GpuSignals, HardwareReport
 from .health import (
+    AGENT_HELLO_INTERVAL_S,
     AbortEpoch,
     AgentAlive,
     AgentBye,
@@ -117,6 +118,7 @@ __all__ = [
     "AGENT_TO_WORKER",
     "WORKER_TO_AGENT",
     "WORKER_TO_AGENT_RESULTS",
+    "AGENT_HELLO_INTERVAL_S",
     "AbortEpoch",
     "AgentAlive",
     "AgentBye",

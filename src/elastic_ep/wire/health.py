@@ -75,6 +75,11 @@ class AbortEpoch(Message):
 
 # ---- agent <-> controller, health socket ---------------------------------------------------
 
+# An agent not yet welcomed repeats its `AgentHello` this often (node/lease.py); until its first
+# `AgentAlive` of the session (it can send none before the welcome reaches it) the controller
+# allows it this much silence more than --agent-timeout-s.
+AGENT_HELLO_INTERVAL_S = 1.0
+
 
 class AgentHello(Message):
     """An agent (re)registers; `session` names this registration: every lease renewal and the
@@ -149,9 +154,13 @@ class StartWorker(Message):
 
 
 class WorkerStarted(Message):
+    """`session`: the agent's, when it started the process; one of a session the controller gave up
+    on is not taken (that agent fences its processes itself)."""
+
     node: str
     rank_id: int
     pid: int
+    session: str = ""
 
 
 class WorkerExited(Message):

@@ -4,8 +4,9 @@ with the node and the flag to pass.
 
 The node role (control/membership/nodes.py) built with stand-ins: it gives a new agent free rank
 ids up to the target size, turns a worker's exit into a fault (not for a rank that was leaving),
-drops a silent agent and makes every rank of its node a fault, counts a rank on an unreachable
-node as down at once, and restarts a down rank after --restart-delay-s or hands it to a
+drops a silent agent and makes every rank of its node a fault (not a new session whose welcome
+is slow to reach it), takes no process started in a session it gave up on, counts a rank on an
+unreachable node as down at once, and restarts a down rank after --restart-delay-s or hands it to a
 recover-mode agent. A cordoned node is given no rank, and its standalone agent is told to stop
 once its last rank is gone (the one inside `elastic-ep serve` stays)."""
 
@@ -28,10 +29,13 @@ from elastic_ep.wire import (
     AgentWelcome,
     BackupSite,
     FenceWorker,
+    LeaseRenew,
+    SessionEnded,
     StartWorker,
     WorkerExited,
     WorkerFenced,
     WorkerHello,
+    WorkerStarted,
 )
 
 
@@ -97,6 +101,60 @@ def test_a_silent_agent_makes_every_rank_of_its_node_a_fault():
     assert [(f.rank_id, f.cause) for f in rig.faults] == [(1, FaultCause.NODE_LOST)]
     assert rig.cluster.ranks[2].status == RankStatus.DEAD  # no one is left to confirm its fence
     assert "n1" not in rig.cluster.agents and "n0" in rig.cluster.agents
+
+
+def test_a_new_session_whose_welcome_is_slow_to_arrive_is_not_given_up_on():
+    # after a heal the link held the welcome back for more than --agent-timeout-s (seen: 1.04 s),
+    # while the agent's repeated hello came through: its first alive must renew, not end, the session
+    rig = Rig({0: "n0", 1: "n0"}, agent_timeout_s=1.0)
+    rig.cluster.agents["n0"].last_alive = 100.0
+    comeback = AgentHello("n1", 7, "tcp://f", 0, num_ranks=2, join_mode="recover", session="s2")
+    rig.plane.now = 10.0
+    rig.nodes.on_agent_hello(b"an1", comeback)
+    rig.plane.now = 10.9
+    rig.nodes.on_agent_hello(b"an1", comeback)  # repeated: our welcome has not reached it yet
+    rig.nodes.check_agents(11.6)
+    assert "n1" in rig.cluster.agents
+    rig.plane.now = 11.7
+    rig.nodes.on_agent_alive(b"an1", AgentAlive("n1", "s2"))
+    assert rig.plane.sent(SessionEnded) == [] and rig.plane.sent(LeaseRenew)[-1].session == "s2"
+    rig.nodes.check_agents(12.8)  # once it has said alive, --agent-timeout-s alone
+    assert "n1" not in rig.cluster.agents
+
+
+def test_a_new_session_silent_past_the_hello_interval_is_given_up_on():
+    rig = Rig({0: "n0"}, agent_timeout_s=1.0)
+    rig.cluster.agents["n0"].last_alive = 100.0
+    rig.nodes.on_agent_hello(b"an1", AgentHello("n1", 7, "tcp://f", 0, num_ranks=2, session="s2"))
+    rig.nodes.check_agents(1.9)
+    assert "n1" in rig.cluster.agents
+    rig.nodes.check_agents(2.1)  # neither an alive nor its repeated hello (every AGENT_HELLO_INTERVAL_S)
+    assert "n1" not in rig.cluster.agents
+
+
+def test_a_process_started_in_a_session_given_up_on_is_not_taken_and_the_next_session_gets_its_ranks():
+    # the order seen across hosts: n1's agent comes back (s2) and is given its down ranks; the
+    # controller gives up on s2 before s2's WorkerStarted arrive; s2's alive is answered with
+    # SessionEnded, so that agent kills those processes and registers again (s3)
+    rig = Rig({0: "n0", 1: "n0", 2: "n1", 3: "n1"}, agent_timeout_s=1.0)
+    rig.cluster.agents["n0"].last_alive = 100.0
+    del rig.cluster.agents["n1"]  # lost at the cut: its ranks are down
+    for rank_id in (2, 3):
+        rig.cluster.ranks[rank_id].status = RankStatus.DEAD
+    rig.nodes.on_agent_hello(b"an1", AgentHello("n1", 7, "tcp://f", 0, num_ranks=2, join_mode="recover",
+                                                session="s2"))
+    rig.nodes.check_agents(2.5)
+    assert "n1" not in rig.cluster.agents
+    for rank_id in (2, 3):
+        rig.nodes.on_worker_started(b"an1", WorkerStarted("n1", rank_id, 3000 + rank_id, "s2"))
+    assert all(rig.cluster.ranks[r].status == RankStatus.DEAD for r in (2, 3))
+    rig.nodes.on_agent_alive(b"an1", AgentAlive("n1", "s2"))
+    assert [m.session for m in rig.plane.sent(SessionEnded)] == ["s2"]
+    rig.nodes.on_agent_hello(b"an1", AgentHello("n1", 7, "tcp://f", 0, num_ranks=2, join_mode="recover",
+                                                session="s3"))
+    assert [(m.rank_id, m.join_mode) for m in rig.plane.sent(StartWorker)] == [(2, "recover"), (3, "recover")] * 2
+    rig.nodes.on_worker_started(b"an1", WorkerStarted("n1", 2, 4002, "s3"))
+    assert (rig.cluster.ranks[2].status, rig.cluster.ranks[2].pid) == (RankStatus.STARTING, 4002)
 
 
 def test_a_silent_in_process_agent_is_a_stall_event_not_a_lost_node():

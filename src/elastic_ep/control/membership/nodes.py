@@ -12,7 +12,10 @@ Agents say they are alive every 0.1 s and each answer renews their lease. An age
 once, and since no one can kill them from here they count as down without a confirmation (a
 cut-off node fences itself when its lease runs out). When it comes back it registers again,
 in recover mode, and its ranks rejoin; anything from the session given up on is answered
-with `SessionEnded`.
+with `SessionEnded`, and a process it reports started is not taken. Until the first alive of a
+session (which waits for the welcome: after a heal the link may hold that back for a second or
+more) the agent's repeated hellos are its word, and it is allowed `AGENT_HELLO_INTERVAL_S` more
+silence, so a session is not given up on before its welcome could reach it.
 
 In a controller group a new leader's agents register in adopt mode, naming the workers they
 run: each becomes this controller's rank as it is (`_adopt`), and registers once it follows the
@@ -33,6 +36,7 @@ from msgspec.structs import replace
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
+    AGENT_HELLO_INTERVAL_S,
     AbortEpoch,
     AgentAlive,
     AgentBye,
@@ -116,6 +120,7 @@ class Nodes:
     def on_agent_hello(self, identity: bytes, msg: AgentHello) -> None:
         known = self.cluster.agents.get(msg.node)
         if known is not None and known.session == msg.session:  # a hello repeated before our welcome arrived
+            known.last_alive = self.plane.heard_clock()
             self.plane.to_identity(identity, AgentWelcome(self.launch(), msg.session))
             return
         agent = AgentInfo(msg.node, identity, msg.fetch_addr, msg.num_ranks, msg.auto_recover, msg.session, msg.host,
@@ -131,7 +136,7 @@ class Nodes:
             self.plane.to_identity(identity, SessionEnded(msg.session, "the controller gave up on this session "
                                                                            "(unreachable for --agent-timeout-s)"))
             return
-        agent.last_alive, agent.stalled = self.plane.heard_clock(), False
+        agent.last_alive, agent.stalled, agent.alive_heard = self.plane.heard_clock(), False, True
         self.cluster.loads.agent(msg.node, msg.session, msg.storage_bytes)
         self.plane.to_identity(identity, LeaseRenew(msg.session, self.cfg.lease_s))
 
@@ -140,9 +145,12 @@ class Nodes:
         in-process agent of `serve`: it is a thread of this process, with no host or link of its own
         to lose, so its silence is a stall of that thread (seen on a loaded machine while ranks
         load) and fencing its node for it would be a false fault; its ranks are still judged by
-        their own heartbeats and exits. Such a stall is an event, once per silence."""
+        their own heartbeats and exits. Such a stall is an event, once per silence. An agent that has
+        not said alive in its session yet is waiting for its welcome and only repeats its hello:
+        it is allowed AGENT_HELLO_INTERVAL_S more."""
         timeout_s = self.cfg.agent_timeout_s
-        for agent in [a for a in self.cluster.agents.values() if now - a.last_alive > timeout_s]:
+        for agent in [a for a in self.cluster.agents.values()
+                      if now - a.last_alive > timeout_s + (0.0 if a.alive_heard else AGENT_HELLO_INTERVAL_S)]:
             if not agent.standalone:
                 if not agent.stalled:
                     agent.stalled = True
@@ -238,6 +246,9 @@ class Nodes:
     # ---- rank processes ------------------------------------------------------------------------
 
     def on_worker_started(self, identity: bytes, msg: WorkerStarted) -> None:
+        agent = self.cluster.agents.get(msg.node)
+        if agent is None or agent.session != msg.session:  # started in a session given up on: it fences it
+            return
         r = self.cluster.ranks.get(msg.rank_id)
         if r is None or r.status == RankStatus.RETIRING:  # it left the cluster (its scale ended) before it started
             self.plane.to_identity(identity, FenceWorker(msg.rank_id, msg.pid, "it left the cluster", final=True))
