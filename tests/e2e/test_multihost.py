@@ -4,7 +4,8 @@ with two ranks each, every process bound to its own host's address. Under stream
 every output equal to the fault-free run and no failed request: the group forms; delay and loss
 on C's link cause no false fault (C's ranks show a slower link); a cut of C's link makes C fence
 itself within its lease while B serves, and healing it brings C's ranks back by themselves; the
-loss of every process of C is recovered on B. Only C's ranks are ever dropped.
+loss of every process of C is recovered on B. Only C's ranks are ever dropped. The agents gather
+their ranks' step results (--step-results-via agent), so a cut host loses those with its link.
 
 The tests share one test bed and run in file order.
 """
@@ -61,7 +62,7 @@ def start_agent(host, name: str, server: Server, logs, join_mode: str) -> subpro
     log = open(logs / f"{name}.log", "a")  # noqa: SIM115 - the bed stops the process, the file closes with it
     return host.popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", server.controller_addr(),
                        "--node", name, "--cluster-key-file", str(server.key_file), "--ranks", "2",
-                       "--lease-s", str(LEASE_S), "--join-mode", join_mode],
+                       "--lease-s", str(LEASE_S), "--join-mode", join_mode, "--step-results-via", "agent"],
                       stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -72,16 +73,17 @@ def _addr(field: str) -> tuple[str, int]:
 
 def local_addresses(host, pid: int) -> set[str]:
     """The local addresses of the established TCP connections of `pid`, read inside its host, less
-    its heartbeat thread's loopback connection to its own agent's beat socket (node-local by design:
-    checked to go to a port its parent, the agent, listens on)."""
+    its loopback connections to its own agent (node-local by design: checked to go to ports its
+    parent, the agent, listens on): its heartbeat thread's to the beat socket, its main thread's to
+    the result socket (the agents run with --step-results-via agent)."""
     lines = [line.split() for line in host.run(["ss", "-Htnp", "state", "established"]).stdout.splitlines()
              if f"pid={pid}," in line]
     parent = psutil.Process(pid).ppid()
     agent_ports = {_addr(line.split()[3])[1] for line in host.run(["ss", "-Htlnp"]).stdout.splitlines()
                    if f"pid={parent}," in line}
     to_agent = [f for f in lines if _addr(f[2])[0] == "127.0.0.1" and _addr(f[3])[1] in agent_ports]
-    assert len(to_agent) == 1, lines  # the heartbeat thread's, to its agent
-    return {_addr(f[2])[0] for f in lines if f is not to_agent[0]}
+    assert len(to_agent) == 2, lines  # the heartbeat thread's and the step results', to its agent
+    return {_addr(f[2])[0] for f in lines if f not in to_agent}
 
 
 def stream_all(server, inject=lambda: None) -> list[str]:
