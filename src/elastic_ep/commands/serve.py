@@ -163,7 +163,8 @@ HELP = {
     "isolation_max_steps": "a step that fails with every rank alive is re-run without suspect requests to find the "
                            "one at fault; after this many steps the remaining suspects end with an error",
     "agent_timeout_s": "a node whose agent is silent this long is lost (host down or cut off): its ranks are "
-                       "dropped at once",
+                       "dropped at once (an agent that registered and has not said alive yet: 1 s more, for its "
+                       "welcome to reach it)",
     "lease_s": "an agent that has not heard the controller this long kills its workers and registers again "
                "(the same for the agent of this node)",
     "heartbeat_suspect_s": "a rank whose heartbeat is this old shows as suspect (nothing is done to it)",
