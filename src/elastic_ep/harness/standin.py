@@ -478,7 +478,7 @@ class StandInAgent:
                 self._welcomed(msg.launch)
         elif isinstance(msg, LeaseRenew):
             self.lease.renew(msg.session, now)
-        elif isinstance(msg, SessionEnded):
+        elif isinstance(msg, SessionEnded) and msg.session == self.lease.session:  # not an older session's
             for rank in list(self.ranks.values()):
                 self.rank_exited(rank, -9)
             self.lease.restart()
