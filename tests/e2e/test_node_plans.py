@@ -1,0 +1,66 @@
+"""--step-plans-via agent end to end: 4 real ranks whose step plans come as their node's one
+`NodeStepPlans` through the node's agent (and their results go back the same way,
+--step-results-via agent). Under concurrent streaming the output equals single-process
+`elastic-ep generate` token for token, as direct plans give; a rank killed mid-stream is recovered
+with exact output, and the plans go through the agent again in the new epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic_ep.harness.load import streams_with_fault
+
+from .conftest import PROMPTS, reference
+
+MAX_TOKENS = 32
+MODEL = "tiny-qwen3-moe"
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory("--model", MODEL, "--ep-size", "4", "--redundant-experts", "4", "--restart-delay-s", "1.0",
+                          "--step-plans-via", "agent", "--step-results-via", "agent")
+
+
+def plans_out(server) -> dict[str, int]:
+    return server.cluster()["control_times"]["plans_out"]
+
+
+def lost_results(server) -> dict[str, float]:
+    """outcome -> answers asked for again (`resent`, `not_run`: a plan that never arrived)."""
+    families = text_string_to_metric_families(server.http.get("/metrics").text)
+    return {s.labels["outcome"]: s.value for f in families if f.name == "elastic_ep_lost_step_results"
+            for s in f.samples if s.name.endswith("_total")}
+
+
+def test_streams_through_the_agent_relay_are_exact_and_no_plan_is_lost(server):
+    server.wait_full_group(4)
+    before = plans_out(server)
+    results = streams_with_fault(server.url, lambda: None, PROMPTS, MAX_TOKENS, temperature=0)
+    assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    after = plans_out(server)
+    # every plan of these steps went in the node's frame through the agent, none to a rank directly
+    assert after["relayed"] - before["relayed"] >= 4 * MAX_TOKENS and after["direct"] == before["direct"], after
+    assert not any(lost_results(server).values()), lost_results(server)
+
+
+def test_a_killed_rank_is_recovered_with_exact_output_and_plans_relayed_again(server):
+    before = server.wait_full_group(4)
+    pid = server.pids()[1]
+    results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGKILL), PROMPTS, MAX_TOKENS,
+                                 temperature=0)
+    assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    cluster = server.wait_for(lambda c: any(e["kind"] == "recovered" and e.get("epoch", -1) > before["epoch"]
+                                            for e in c["events"]), timeout_s=10, what="a recovery")
+    assert 1 in {r for e in cluster["events"] if e["kind"] == "recovered" for r in e["culprits"]}
+    back = server.wait_full_group(4)
+    assert back["ranks"][1]["pid"] != pid
+    relayed = plans_out(server)["relayed"]
+    results = streams_with_fault(server.url, lambda: None, PROMPTS[:3], MAX_TOKENS, temperature=0)
+    assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS[:3]), MAX_TOKENS))
+    assert plans_out(server)["relayed"] > relayed  # the restarted rank's agent relays its plans too
