@@ -35,7 +35,7 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   loop builds them: the control thread's CPU ms per step, and the loop thread's (what it spends
   putting the tokens on their queues and waking the handlers; the handlers do nothing more);
   and 16,384 `RequestOutput`s built alone against the plain tuples `deliver_step` takes.
-  `--deliver` measures only these rows.
+  `--deliver` measures only these rows, `--plans` only the plan rows.
 
 --gc default|tuned sets this process's garbage collector before anything is built: CPython's
 defaults, or what `elastic-ep serve` sets at start-up (control/gc_policy.py). --gc-tail instead
@@ -503,9 +503,11 @@ def deliver_rows(repeat: int) -> dict:
     return rows
 
 
-def measure(repeat: int, deliver_only: bool = False) -> dict:
+def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False) -> dict:
     if deliver_only:
         return deliver_rows(repeat)
+    if plans_only:
+        return {**plan_rows(repeat), **plans_sent_rows(repeat)}
     return {
         "heartbeat frame us": best_of(repeat, lambda: frames_us("heartbeat", 20_000)),
         "empty StepResult frame us": best_of(repeat, lambda: frames_us("step", 20_000)),
@@ -518,9 +520,7 @@ def measure(repeat: int, deliver_only: bool = False) -> dict:
         **{f"schedule + commit ms, 256 ranks x {k} sequences, {p}-token prompts":
            best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},
         **{f"detector check ms, {n} ranks": best_of(repeat, lambda n=n: detector_ms(n)) for n in (256, 1024)},
-        **{f"plans {what}, 256 ranks x 64 decoding, 1,024-token prompts": value
-           for what, value in zip(("built + sealed ms", "read by the workers ms (sum)", "bytes per rank"),
-                                  best_plans(repeat), strict=True)},
+        **plan_rows(repeat),
         **plans_sent_rows(repeat),
         **deliver_rows(repeat),
     }
@@ -538,9 +538,12 @@ def plans_sent_rows(repeat: int) -> dict:
     return rows
 
 
-def best_plans(repeat: int) -> tuple[float, float, float]:
+def plan_rows(repeat: int) -> dict:
     runs = [plans_ms() for _ in range(repeat)]
-    return (min(r["sealed"] for r in runs), min(r["read"] for r in runs), min(r["bytes"] for r in runs))
+    best = (min(r["sealed"] for r in runs), min(r["read"] for r in runs), min(r["bytes"] for r in runs))
+    return {f"plans {what}, 256 ranks x 64 decoding, 1,024-token prompts": value
+            for what, value in zip(("built + sealed ms", "read by the workers ms (sum)", "bytes per rank"), best,
+                                   strict=True)}
 
 
 def main() -> None:
@@ -554,6 +557,7 @@ def main() -> None:
                         help="instead of the table: STEPS steps of schedule + commit at 256 x 64 with each --gc, "
                              "side by side (0: the table)")
     parser.add_argument("--deliver", action="store_true", help="only the deliver rows")
+    parser.add_argument("--plans", action="store_true", help="only the plan rows")
     args = parser.parse_args()
     if args.gc == "tuned":
         tune_for_serving()
@@ -563,7 +567,7 @@ def main() -> None:
     if args.gc_tail:
         print_gc_tail(args.gc_tail)
         return
-    after = measure(args.repeat, args.deliver)
+    after = measure(args.repeat, args.deliver, args.plans)
     if args.json:
         print(json.dumps(after))
         return
@@ -576,7 +580,8 @@ def main() -> None:
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
             done = subprocess.run([sys.executable, __file__, "--json", "--repeat", str(args.repeat), "--gc", args.gc,
-                                   *(["--deliver"] if args.deliver else [])], check=True,
+                                   *(["--deliver"] if args.deliver else []), *(["--plans"] if args.plans else [])],
+                                  check=True,
                                   capture_output=True, text=True, env=env)
         columns = {args.baseline: json.loads(done.stdout.strip().splitlines()[-1]), **columns}
     names = list(columns)
