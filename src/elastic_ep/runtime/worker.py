@@ -39,8 +39,10 @@ Threads:
   new leader is announced, then registers with that one instead: its load is not lost.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
-Messages of an epoch other than the current one are dropped, and so is any frame without the
-cluster key (which its agent hands it in $ELASTIC_EP_CLUSTER_KEY) or not of its socket.
+Messages of an epoch other than the current one are dropped (but a step plan of a later epoch,
+which may come through the agent before its `EpochStart` on the step socket, waits for it:
+plan_order.py), and so is any frame without the cluster key (which its agent hands it in
+$ELASTIC_EP_CLUSTER_KEY) or not of its socket.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ Transport: ZeroMQ. The controller binds three ROUTER sockets:
 An agent also binds a ROUTER on loopback for its own workers' heartbeat threads (DEALER, identity
 `h<rank_id>`), which send it `Heartbeat` and receive the `AbortEpoch` it relays; with
 --step-results-via agent a PULL on loopback for its workers' main threads' `StepResult`s (a resent
-answer and every `StepFailed` go to the controller directly); a ROUTER for
+answer and every `StepFailed` go to the controller directly); with --step-plans-via agent a PUB
+on loopback that relays the controller's `NodeStepPlans` to its workers' SUB sockets; a ROUTER for
 `BackupFetch` -> `BackupTensors` and `DenseFetch` -> `DenseTensors` from workers of other nodes;
 and writes `NewLeader` to its own workers on their stdin (wire/pipe.py) when the controller
 group's leader changes. With `serve --ha-journal-via direct` the group's leader binds a ROUTER for
@@ -30,8 +31,9 @@ Frames are typed msgspec structs in msgpack, each with an HMAC of the deployment
 (`codec.py`): never pickle, since a frame from the network is data, not code. Each receiving side
 accepts one union below (`STEP_TO_CONTROLLER`, ...); a frame that is not authenticated, does not
 decode or is not of that union is dropped and counted, never raised. Every message a worker acts
-on carries its epoch; a worker drops a message of an epoch other than its current or next one,
-which is what keeps a fenced or late process out of a newer epoch.
+on carries its epoch; a worker drops a message of an epoch other than its current or next one
+(a step plan of a later epoch waits for its `EpochStart`: runtime/plan_order.py), which is what
+keeps a fenced or late process out of a newer epoch.
 """
 
 from __future__ import annotations
