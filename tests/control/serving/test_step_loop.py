@@ -228,9 +228,17 @@ def test_an_agent_speaks_for_its_own_nodes_ranks_only():
 
 
 def test_plans_go_through_the_agents_that_are_known_and_not_silent_else_directly():
+    """Relayed: the members of a node whose agent is registered, not stalled, and brought their
+    heartbeats within RELAY_FRESH_BEATS intervals (rank 1's last is older: its agent, or itself, is
+    behind)."""
     for via, agents, relayed in (("direct", {}, None), ("agent", {}, {0: "n0", 1: "n0"}),
-                                 ("agent", {"stalled": True}, {}), ("agent", {"gone": True}, {})):
+                                 ("agent", {"stalled": True}, {}), ("agent", {"gone": True}, {}),
+                                 ("agent", {"rank 1 heard": 9.0}, {0: "n0"})):
         steps, _, _ = loop_with_one_request(step_plans_via=via)
+        steps.plane.now = 10.0
+        for r in (0, 1):
+            steps.cluster.ranks[r].last_heartbeat = 9.9
+        steps.cluster.ranks[1].last_heartbeat = agents.get("rank 1 heard", 9.9)
         agent = steps.cluster.agents["n0"]
         agent.stalled = agents.get("stalled", False)
         if agents.get("gone"):

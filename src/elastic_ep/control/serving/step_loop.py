@@ -59,6 +59,11 @@ from .warmup import WarmUpGate, padded_tokens
 # re-formed group this many times before its requests end: a deterministic error would otherwise
 # loop forever, a transient one passes on the first retry.
 MAX_RETRIES_WITHOUT_CULPRIT = 3
+# --step-plans-via agent: a rank's heartbeats come through its agent, so a rank last heard more than
+# this many heartbeat intervals ago has an agent (or is itself) behind: its plan goes directly, so a
+# stalled agent holds up at most the step in flight (asked for as NOT_RUN), not its recompute too;
+# well below the heartbeat deadline (1 s) and the result deadline (2 s) at the defaults
+RELAY_FRESH_BEATS = 5
 
 
 class ChaosHook(Protocol):
@@ -198,19 +203,23 @@ class StepLoop:
 
     def _relayed(self) -> dict[int, str] | None:
         """rank -> node for the members whose plan goes through their node's agent (--step-plans-via
-        agent): those of a node whose agent is registered and not silent. A rank of a node with no
-        such agent gets its plan directly, as does every rank of a node whose agent has no plan link
-        up at the send (`ControlPlane.plans_to_agents`). None: every plan direct."""
-        if self.cfg.step_plans_via != "agent":
+        agent): those of a node whose agent is registered and not silent, heard from (their
+        heartbeats, which the agent brings) within `RELAY_FRESH_BEATS` intervals. A rank of a node
+        with no such agent gets its plan directly, as does every rank of a node whose agent has no
+        plan link up at the send (`ControlPlane.plans_to_agents`). None: every plan direct."""
+        cfg = self.cfg
+        if cfg.step_plans_via != "agent":
             return None
         c = self.cluster
         agents, ranks = c.agents, c.ranks
+        beats = cfg.health_checks and cfg.heartbeat_interval_s > 0
+        heard_since = self.plane.heard_clock() - RELAY_FRESH_BEATS * cfg.heartbeat_interval_s
         relayed = {}
         for rank_id in c.members:
-            node = ranks[rank_id].node
-            agent = agents.get(node)
-            if agent is not None and not agent.stalled:
-                relayed[rank_id] = node
+            rank = ranks[rank_id]
+            agent = agents.get(rank.node)
+            if agent is not None and not agent.stalled and (not beats or rank.last_heartbeat >= heard_since):
+                relayed[rank_id] = rank.node
         return relayed
 
     def _chase_answers(self) -> None:
