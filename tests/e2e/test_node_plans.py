@@ -2,7 +2,8 @@
 `NodeStepPlans` through the node's agent (and their results go back the same way,
 --step-results-via agent). Under concurrent streaming the output equals single-process
 `elastic-ep generate` token for token, as direct plans give; a rank killed mid-stream is recovered
-with exact output, and the plans go through the agent again in the new epoch.
+with exact output, and the plans go through the agent again in the new epoch; a rank stopped
+mid-stream is named, fenced and replaced, the output exact.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def test_streams_through_the_agent_relay_are_exact_and_no_plan_is_lost(server):
     # the plans of these steps went in the node's frame through the agent (a rank whose heartbeats
     # lag on this loaded machine gets its plan directly for that step)
     relayed, direct = after["relayed"] - before["relayed"], after["direct"] - before["direct"]
-    assert relayed >= 4 * MAX_TOKENS and relayed > 4 * direct, after
+    assert relayed >= 4 * (MAX_TOKENS // 2) and relayed > 4 * direct, after  # ~a step per token, 4 ranks
     assert not any(lost_results(server).values()), lost_results(server)
 
 
@@ -66,3 +67,18 @@ def test_a_killed_rank_is_recovered_with_exact_output_and_plans_relayed_again(se
     results = streams_with_fault(server.url, lambda: None, PROMPTS[:3], MAX_TOKENS, temperature=0)
     assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS[:3]), MAX_TOKENS))
     assert plans_out(server)["relayed"] > relayed  # the restarted rank's agent relays its plans too
+
+
+def test_a_stopped_rank_is_named_fenced_and_replaced_with_exact_output(server):
+    """SIGSTOP: the plan relayed to it waits in its socket; its heartbeats (through the agent) stop,
+    it is named and fenced, the step is recomputed without it, and the output stays exact."""
+    before = server.wait_full_group(4)
+    pid = server.pids()[2]
+    results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGSTOP), PROMPTS, MAX_TOKENS,
+                                 temperature=0)
+    assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    cluster = server.wait_for(lambda c: any(e["kind"] == "recovered" and e.get("epoch", -1) > before["epoch"]
+                                            for e in c["events"]), timeout_s=10, what="a recovery")
+    assert 2 in {r for e in cluster["events"] if e["kind"] == "recovered" and e["epoch"] > before["epoch"]
+                 for r in e["culprits"]}
+    assert server.wait_full_group(4)["ranks"][2]["pid"] != pid
