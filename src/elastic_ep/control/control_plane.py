@@ -12,7 +12,8 @@ comes there as it came, without reading it (everything on it is a node's plans),
 agent's health connection, and the socket routes mandatorily: a node whose agent has no plan link
 up (it runs --step-plans-via direct, it has not connected yet, or its queue is full because it
 stalled) is known at the send, and that node's plans go to its ranks directly instead. Sending to a
-peer that is gone drops the message (no ROUTER_MANDATORY): a dead rank's silence is for the
+peer that is gone on the step or health socket drops the message (no ROUTER_MANDATORY there): a
+dead rank's silence is for the
 fault detector to notice, never an exception here. Every frame is sealed with the cluster key,
 and what arrives goes through each socket's `Inbox`: a frame without the key, not decodable or
 not of that socket is dropped and counted (wire/codec.py), so no peer can stop the control loop;
