@@ -35,7 +35,8 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   loop builds them: the control thread's CPU ms per step, and the loop thread's (what it spends
   putting the tokens on their queues and waking the handlers; the handlers do nothing more);
   and 16,384 `RequestOutput`s built alone against the plain tuples `deliver_step` takes.
-  `--deliver` measures only these rows, `--plans` only the plan rows.
+  `--deliver` measures only these rows, `--plans` only the plan rows (with --baseline, of a tree that
+  has the flag).
 
 --gc default|tuned sets this process's garbage collector before anything is built: CPython's
 defaults, or what `elastic-ep serve` sets at start-up (control/gc_policy.py). --gc-tail instead
