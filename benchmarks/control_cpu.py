@@ -21,6 +21,13 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
 - plans: at 256 ranks x 64 decoding sequences of 1,024-token prompts, the step's `StepPlan`s built
   and sealed by the control thread (ms per step), read by the workers (MAC and decode, ms per
   step summed over the 256: each worker pays 1/256 of it), and their bytes per rank;
+- plans sent: a `ControlPlane`'s `plans_to_workers` of a step at 256 ranks (idle but one decoding
+  sequence in all, so 255 share the empty plan; and x 64 decoding, 1,024-token prompts), on the
+  control thread's own CPU clock: every plan sealed and sent to its rank (`--step-plans-via
+  direct`), or one `NodeStepPlans` per node of 8 ranks sealed once and sent to its agent's plan
+  link (`--step-plans-via agent`; a tree without it shows n/a), ms per step; and what the ranks
+  then read (MAC and decode, ms per step summed over the 256: relayed, each rank reads its
+  node's whole frame);
 - detector: one heartbeat and watchdog check over N ranks (50 a second while a step runs), ms;
 - deliver: one step's tokens handed from the control thread to the HTTP side's event loop (one
   loop, as serve's uvicorn runs; each stream awaited by a task of its own, as each request's
@@ -28,7 +35,8 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   loop builds them: the control thread's CPU ms per step, and the loop thread's (what it spends
   putting the tokens on their queues and waking the handlers; the handlers do nothing more);
   and 16,384 `RequestOutput`s built alone against the plain tuples `deliver_step` takes.
-  `--deliver` measures only these rows.
+  `--deliver` measures only these rows, `--plans` only the plan rows (with --baseline, of a tree that
+  has the flag).
 
 --gc default|tuned sets this process's garbage collector before anything is built: CPython's
 defaults, or what `elastic-ep serve` sets at start-up (control/gc_policy.py). --gc-tail instead
@@ -89,6 +97,10 @@ try:  # a tree with step results gathered per node (--step-results-via agent)
     from elastic_ep.wire import NodeStepResults
 except ImportError:
     NodeStepResults = None
+try:  # a tree with step plans relayed per node (--step-plans-via agent)
+    from elastic_ep.wire import RELAYED_TO_WORKER
+except ImportError:
+    RELAYED_TO_WORKER = None
 
 
 def best_of(repeat: int, fn) -> float:
@@ -303,6 +315,79 @@ def plans_ms(ranks: int = 256, seqs_per_rank: int = 64, prompt_len: int = 1024, 
     return {"sealed": 1000 * seal_s / steps, "read": 1000 * read_s / steps, "bytes": nbytes / steps / ranks}
 
 
+def step_plans(batch, step: int, ranks: int) -> list[tuple[int, StepPlan]]:
+    """Every rank's plan of `batch` as the step loop builds it: a rank with nothing to run gets the
+    one empty plan object all such ranks share (sealed once directly, carried once per node relayed)."""
+    decodes = getattr(batch, "decodes", {})
+    empty = StepPlan(1, step, [], [])
+    return [(r, StepPlan(1, step, batch.chunks.get(r, []), batch.free.get(r, []), decode=decodes.get(r))
+             if batch.chunks.get(r) or batch.free.get(r) or decodes.get(r) is not None else empty)
+            for r in range(ranks)]
+
+
+def plans_sent_ms(seqs_per_rank: int, ranks: int = 256, per_node: int = 8, steps: int = 10) -> dict:
+    """Control-thread CPU ms per step of `plans_to_workers` at `ranks` ranks, each plan to its rank
+    ("direct") or per node of `per_node` to its agent ("relayed", None in a tree without it), to
+    peers connected on loopback; and the ranks' reading of what they got, ms per step summed over
+    the ranks (`direct read`, `relayed read`)."""
+    key = ClusterKey.generate()
+    plane = ControlPlane("127.0.0.1", key)
+    relays = RELAYED_TO_WORKER is not None
+    ctx = zmq.Context.instance()
+    peers = {}
+    for r in range(ranks):
+        peers[f"w{r}"] = ctx.socket(zmq.DEALER)
+        peers[f"w{r}"].setsockopt(zmq.IDENTITY, f"w{r}".encode())
+        peers[f"w{r}"].connect(plane.step_addr)
+    for n in range(ranks // per_node if relays else 0):
+        peers[f"p{n}"] = ctx.socket(zmq.DEALER)
+        peers[f"p{n}"].setsockopt(zmq.IDENTITY, f"pn{n}".encode())
+        peers[f"p{n}"].connect(plane.plan_addr)
+    time.sleep(1.0)  # every connection up: a relayed plan to an agent not connected would go direct
+    s = decoding_scheduler(ranks, seqs_per_rank, 1024 if seqs_per_rank else 6)
+    for _ in range(5):
+        batch = s.schedule()
+        s.commit(batch, sampled_of(batch))
+    batches = []
+    for step in range(steps):
+        batch = s.schedule()
+        batches.append(step_plans(batch, step, ranks))
+        s.commit(batch, sampled_of(batch))
+    inboxes = {"direct": Inbox("worker_step", CONTROLLER_TO_WORKER, key, "n0")}
+    if relays:
+        inboxes["relayed"] = Inbox("worker_plans", RELAYED_TO_WORKER, key, "n0")
+    node_of = {r: f"n{r // per_node}" for r in range(ranks)}
+    out: dict[str, float | None] = {"direct": None, "relayed": None, "direct read": None, "relayed read": None}
+    for mode in inboxes:
+        send_s = read_s = 0.0
+        for plans in batches:
+            cpu0 = time.thread_time()
+            if mode == "relayed":
+                plane.plans_to_workers(plans, node_of)
+            else:
+                plane.plans_to_workers(plans)
+            send_s += time.thread_time() - cpu0
+            time.sleep(0.05)  # across loopback
+            for name, peer in peers.items():
+                while peer.poll(0):
+                    frames = peer.recv_multipart(copy=False)
+                    cpu0 = time.thread_time()
+                    msg = inboxes[mode].read(frames)
+                    assert msg is not None
+                    if name.startswith("p"):  # each of the node's ranks reads the whole frame: 1 read here
+                        msg.plan_of(int(name[1:]) * per_node)
+                    read_s += (time.thread_time() - cpu0) * (per_node if name.startswith("p") else 1)
+        out[mode], out[f"{mode} read"] = 1000 * send_s / steps, 1000 * read_s / steps
+    if relays:  # every agent was connected: no relayed plan fell back to direct
+        assert plane.times.plans_out["relayed"] == steps * ranks, plane.times.plans_out
+    for peer in peers.values():
+        peer.close(0)
+    for sock in (plane.step_sock, plane.health_sock, getattr(plane, "plan_sock", None)):
+        if sock is not None:
+            sock.close(0)
+    return out
+
+
 def step_tail_ms(steps: int, ranks: int = 256, seqs_per_rank: int = 64, prompt_len: int = 1024) -> dict:
     """CPU ms per step of schedule + commit (mean, p50, p99, max over `steps` decode steps after 5 of
     warm-up, every one a decode: the pool holds them all) and the full (generation 2) collections
@@ -419,9 +504,11 @@ def deliver_rows(repeat: int) -> dict:
     return rows
 
 
-def measure(repeat: int, deliver_only: bool = False) -> dict:
+def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False) -> dict:
     if deliver_only:
         return deliver_rows(repeat)
+    if plans_only:
+        return {**plan_rows(repeat), **plans_sent_rows(repeat)}
     return {
         "heartbeat frame us": best_of(repeat, lambda: frames_us("heartbeat", 20_000)),
         "empty StepResult frame us": best_of(repeat, lambda: frames_us("step", 20_000)),
@@ -434,16 +521,30 @@ def measure(repeat: int, deliver_only: bool = False) -> dict:
         **{f"schedule + commit ms, 256 ranks x {k} sequences, {p}-token prompts":
            best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},
         **{f"detector check ms, {n} ranks": best_of(repeat, lambda n=n: detector_ms(n)) for n in (256, 1024)},
-        **{f"plans {what}, 256 ranks x 64 decoding, 1,024-token prompts": value
-           for what, value in zip(("built + sealed ms", "read by the workers ms (sum)", "bytes per rank"),
-                                  best_plans(repeat), strict=True)},
+        **plan_rows(repeat),
+        **plans_sent_rows(repeat),
         **deliver_rows(repeat),
     }
 
 
-def best_plans(repeat: int) -> tuple[float, float, float]:
+def plans_sent_rows(repeat: int) -> dict:
+    rows = {}
+    for seqs, label in ((0, "256 ranks, 1 decoding"), (64, "256 ranks x 64 decoding")):
+        runs = [plans_sent_ms(seqs) for _ in range(repeat)]
+        for what, name in (("direct", "direct, control CPU ms"), ("relayed", "per node via agent, control CPU ms"),
+                           ("direct read", "direct, read by the ranks ms (sum)"),
+                           ("relayed read", "per node via agent, read by the ranks ms (sum)")):
+            values = [r[what] for r in runs if r[what] is not None]
+            rows[f"plans sent {name}, {label}"] = min(values) if values else None
+    return rows
+
+
+def plan_rows(repeat: int) -> dict:
     runs = [plans_ms() for _ in range(repeat)]
-    return (min(r["sealed"] for r in runs), min(r["read"] for r in runs), min(r["bytes"] for r in runs))
+    best = (min(r["sealed"] for r in runs), min(r["read"] for r in runs), min(r["bytes"] for r in runs))
+    return {f"plans {what}, 256 ranks x 64 decoding, 1,024-token prompts": value
+            for what, value in zip(("built + sealed ms", "read by the workers ms (sum)", "bytes per rank"), best,
+                                   strict=True)}
 
 
 def main() -> None:
@@ -457,6 +558,7 @@ def main() -> None:
                         help="instead of the table: STEPS steps of schedule + commit at 256 x 64 with each --gc, "
                              "side by side (0: the table)")
     parser.add_argument("--deliver", action="store_true", help="only the deliver rows")
+    parser.add_argument("--plans", action="store_true", help="only the plan rows")
     args = parser.parse_args()
     if args.gc == "tuned":
         tune_for_serving()
@@ -466,7 +568,7 @@ def main() -> None:
     if args.gc_tail:
         print_gc_tail(args.gc_tail)
         return
-    after = measure(args.repeat, args.deliver)
+    after = measure(args.repeat, args.deliver, args.plans)
     if args.json:
         print(json.dumps(after))
         return
@@ -479,7 +581,8 @@ def main() -> None:
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
             done = subprocess.run([sys.executable, __file__, "--json", "--repeat", str(args.repeat), "--gc", args.gc,
-                                   *(["--deliver"] if args.deliver else [])], check=True,
+                                   *(["--deliver"] if args.deliver else []), *(["--plans"] if args.plans else [])],
+                                  check=True,
                                   capture_output=True, text=True, env=env)
         columns = {args.baseline: json.loads(done.stdout.strip().splitlines()[-1]), **columns}
     names = list(columns)

@@ -45,9 +45,10 @@ parts are built again each time. No arguments runs the table (8, 64, 256 and 1,0
 process per point, before and after in turn --repeats times; --baseline REV takes the before from
 that git revision's code; --table-results-via direct,agent runs this code with each
 --step-results-via instead (the stand-ins' results by each rank, or per node by its agent:
-`result_frames_per_step` shows which). The stop's pause is reported against the issue's bound, the heartbeat
-deadline + 0.1 s (`hang_pause_within_bound`). The per-rank parts alone, on the CPU clock:
-benchmarks/control_cpu.py.
+`result_frames_per_step` shows which). `--step-plans-via agent` sends one point's plans per node
+through the stand-in agents (`plans_out` counts the plans sent each way). The stop's pause is
+reported against the issue's bound, the heartbeat deadline + 0.1 s (`hang_pause_within_bound`).
+The per-rank parts alone, on the CPU clock: benchmarks/control_cpu.py.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def ranks_per_node(ranks: int) -> int:
 
 
 def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter_ms: float,
-                   model: Path, key: ClusterKey, step_results_via: str = "direct") -> list[subprocess.Popen]:
+                   model: Path, key: ClusterKey, step_results_via: str = "direct",
+                   step_plans_via: str = "direct") -> list[subprocess.Popen]:
     per_node = ranks_per_node(ranks)
     nodes = [f"n{i}" for i in range(math.ceil(ranks / per_node))]
     procs = []
@@ -102,7 +104,8 @@ def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter
         procs.append(subprocess.Popen([sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,
                                        "--ranks-per-node", str(per_node), "--step-ms", str(step_ms),
                                        "--jitter-ms", str(jitter_ms), "--model", str(model),
-                                       "--step-results-via", step_results_via, *args],
+                                       "--step-results-via", step_results_via, "--step-plans-via", step_plans_via,
+                                       *args],
                                       env={**os.environ, KEY_ENV: key.hex()}))
     return procs
 
@@ -270,13 +273,13 @@ class RecoveryProfile:
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
               before: bool, faults: bool, timeout_s: float, profile: str | None = None,
               profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False,
-              trace_frames: int = 0, step_results_via: str = "direct") -> dict:
+              trace_frames: int = 0, step_results_via: str = "direct", step_plans_via: str = "direct") -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
                       max_num_seqs=max(seqs_per_rank, 1), max_model_len=2048, enable_chaos=True, restart_delay_s=-1,
                       log_stats_interval_s=0, startup_timeout_s=300, heartbeat_timeout_s=timeout_s,
-                      agent_timeout_s=timeout_s)
+                      agent_timeout_s=timeout_s, step_plans_via=step_plans_via)
     # after: load summed on the rank over 16 steps (the server's default stays 1 until the recorder
     # counts a window's last partial sums)
     cfg.load_report_every_steps = 1 if before else 16
@@ -289,7 +292,8 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         ctl.cluster.cache_placement_view = False
     tune_for_serving()  # the collector as `elastic-ep serve` sets it before its controller starts
     ctl.start()
-    procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model, key, step_results_via)
+    procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model, key, step_results_via,
+                           step_plans_via)
     load = None
     try:
         wait_for(lambda: ctl.published.readiness.ready or ctl.published.fatal, 300, "the cluster was not ready")
@@ -324,7 +328,8 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         out = {
             "ranks": ranks, "seqs_per_rank": seqs_per_rank,
             "mode": ("before" if before else "after") + (", warm-all" if warm_all else ""),
-            "step_results_via": step_results_via, "step_ms": step_ms, "steps": steps,
+            "step_results_via": step_results_via, "step_plans_via": step_plans_via,
+            "plans_out": delta(v1["plans_out"], v0["plans_out"]), "step_ms": step_ms, "steps": steps,
             "step_period_ms": round(1000 * dt / max(steps, 1), 2),
             "slowest_rank_ms": round(1000 * (times.slowest_rank_s - s0) / max(steps, 1), 2),
             "added_ms_per_step": round(1000 * ((times.wall_s - w0) - (times.slowest_rank_s - s0)) / max(steps, 1), 2),
@@ -569,6 +574,9 @@ def main() -> None:
     parser.add_argument("--step-results-via", choices=["direct", "agent"], default="direct",
                         help="one point: the stand-ins' step results to the controller by each rank, or per node by "
                              "its agent (`NodeStepResults`)")
+    parser.add_argument("--step-plans-via", choices=["direct", "agent"], default="direct",
+                        help="one point: the step plans to each stand-in rank, or one frame per node to its agent "
+                             "(`NodeStepPlans`)")
     parser.add_argument("--table-results-via", default=None, metavar="MODES",
                         help="the table: instead of before and after, this code with each of these "
                              "--step-results-via (e.g. direct,agent), in turn")
@@ -593,7 +601,7 @@ def main() -> None:
         return
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
                     args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
-                    args.sample_s, args.warm_all, args.tracemalloc, args.step_results_via)
+                    args.sample_s, args.warm_all, args.tracemalloc, args.step_results_via, args.step_plans_via)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

@@ -16,11 +16,13 @@ class Plane:
 
     step_addr = "tcp://127.0.0.1:1"
     health_addr = "tcp://127.0.0.1:2"
+    plan_addr = "tcp://127.0.0.1:3"
 
     def __init__(self):
         self.now = 0.0
         self.to_identities: list[tuple[bytes, object]] = []
         self.to_workers: list[tuple[int, object]] = []
+        self.relayed: list[dict[int, str] | None] = []  # each step's rank -> node whose agent relays its plan
         self.times = ControlTimes()
 
     def heard_clock(self) -> float:
@@ -32,8 +34,9 @@ class Plane:
     def to_worker(self, rank_id: int, msg: object) -> None:
         self.to_workers.append((rank_id, msg))
 
-    def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
+    def plans_to_workers(self, plans: list[tuple[int, object]], relayed: dict[int, str] | None = None) -> None:
         self.to_workers.extend(plans)
+        self.relayed.append(relayed)
 
     def messages_to_workers(self, messages: list[tuple[int, object]]) -> tuple[float, float, int]:
         self.to_workers.extend(messages)

@@ -5,8 +5,9 @@ named by the signal that should catch it (the agent's exit report for the kill, 
 the watchdog for the stop, only after the stop was sent), the group forms a new epoch without them,
 the streams finish, and no other rank is ever named (no false fault at this size); the answers of
 two ranks to a step are lost on the way (/chaos/lose) and asked for again, and the streams go on in
-the same epoch, with no fault; all of it with each rank sending its own step results and with each
-node's agent gathering them (--step-results-via agent). How fast each is found is the benchmark's to say
+the same epoch, with no fault; all of it with each rank sending its own step results and getting
+its own plans, and with each node's agent gathering its ranks' results and relaying their plans
+(--step-results-via agent --step-plans-via agent). How fast each is found is the benchmark's to say
 (benchmarks/control_plane.py), not this test's: on this shared 2-core machine a stand-in process can
 wait seconds for a core. The deadlines leave room for that wait (--heartbeat-timeout-s 2,
 --agent-timeout-s 5, --watchdog-floor-s 5: with the watchdog's 1 s floor, the ranks of a stand-in
@@ -44,7 +45,8 @@ WATCHDOG_FLOOR_S = 5.0
 
 @pytest.fixture(scope="module", params=["direct", "agent"])
 def cluster(request, tmp_path_factory):
-    """The server and its stand-ins, whose results go to it by each rank (direct) or per node (agent)."""
+    """The server and its stand-ins, whose results and plans go by each rank (direct) or per node through
+    its agent (agent)."""
     tmp = tmp_path_factory.mktemp("standin")
     log, key_file = tmp / "serve.log", tmp / "cluster.key"
     model = str(standin_model())  # DeepSeek-V3's 256 experts per layer: room for 192 ranks
@@ -52,7 +54,7 @@ def cluster(request, tmp_path_factory):
                      "--cluster-key-file", str(key_file),
                      "--restart-delay-s", "-1", "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
                      "--agent-timeout-s", str(AGENT_TIMEOUT_S), "--watchdog-floor-s", str(WATCHDOG_FLOOR_S),
-                     "--startup-timeout-s", "300"], log, ready_timeout_s=None)
+                     "--startup-timeout-s", "300", "--step-plans-via", request.param], log, ready_timeout_s=None)
     nodes = [f"n{i}" for i in range(RANKS // PER_NODE)]
     procs = []
     try:
@@ -62,6 +64,7 @@ def cluster(request, tmp_path_factory):
                 sys.executable, "-m", "elastic_ep.harness.standin", "--controller", addr,
                 "--ranks-per-node", str(PER_NODE), "--step-ms", "20", "--jitter-ms", "5", "--model", model,
                 "--cluster-key-file", str(key_file), "--step-results-via", request.param,
+                "--step-plans-via", request.param,
                 *[a for n in nodes[p::PROCESSES] for a in ("--node", n)]]))
         server.wait_ready(300)  # the stand-in processes import torch first: slow on a busy machine
         server.wait_full_group(RANKS, 60)
@@ -108,7 +111,7 @@ def named_within(server: Server, rank_id: int, since_s: float, timeout_s: float)
     raise AssertionError(f"rank {rank_id} was not named within {timeout_s}s")
 
 
-def test_kill_and_stop_among_192_standins(cluster):
+def test_kill_and_stop_among_192_standins(cluster, request):
     server = cluster
     load = StreamingLoad(server.url, threads=4, max_tokens=24)
     load.start()
@@ -134,6 +137,8 @@ def test_kill_and_stop_among_192_standins(cluster):
         load.stop()
     assert load.done > 0 and not load.failures, load.failures[:3]
     assert sorted(e["rank_id"] for e in faults(server)) == [killed, stopped]
+    plans_out = server.cluster()["control_times"]["plans_out"]  # the plans went the mode's way, before and after
+    assert (plans_out["relayed"] > plans_out["direct"]) == (request.node.callspec.params["cluster"] == "agent")
 
 
 def lost_results(server: Server, outcome: str) -> float:

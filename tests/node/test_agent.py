@@ -2,7 +2,8 @@
 ROUTER sockets and a TCPStore): it starts ranks and reports them, fences one and confirms,
 reports another's death with its exit code, writes its backup and serves it to another node, and
 on shutdown stops everything and removes the backup file; with --step-results-via agent it forwards
-its ranks' step results in one node frame and drops what is not theirs."""
+its ranks' step results in one node frame and drops what is not theirs; with --step-plans-via agent
+it relays its node's plans to its workers as the controller sealed them."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from elastic_ep.wire import (
     RankBeat,
     SignalWorker,
     StartWorker,
+    StepPlan,
     StepResult,
     WorkerExited,
     WorkerFenced,
@@ -49,6 +51,7 @@ from elastic_ep.wire import (
     WorkerLaunch,
     WorkerStarted,
     decoder,
+    node_step_plans,
     rejected_counts,
 )
 from elastic_ep.wire.codec import HMAC_BYTES
@@ -282,3 +285,45 @@ def test_agent_forwards_its_ranks_step_results_in_one_node_frame_and_drops_the_r
     finally:
         push.close()
         stop_agent(stop, thread, pids, ctl)
+
+
+def test_agent_relays_its_nodes_plans_as_they_came_and_drops_junk():
+    """--step-plans-via agent: once welcomed the agent connects to the plan socket the launch names,
+    and each frame the controller sends there reaches the node's workers' SUB sockets byte for byte
+    (the controller's seal, not the agent's); a frame without the cluster key's MAC is dropped and
+    counted, never relayed."""
+    ctl = StandInController()
+    plans = zmq.Context.instance().socket(zmq.ROUTER)
+    plans.setsockopt(zmq.LINGER, 0)
+    plans.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    plan_addr = f"tcp://127.0.0.1:{plans.bind_to_random_port('tcp://127.0.0.1')}"
+    agent = NodeAgent(ctl.health_addr, "nodeP", KEY, step_plans_via="agent")
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(agent.plan_relay_addr)
+    try:
+        ctl.expect(ctl.health, AgentHello)
+        ctl.welcome(WorkerLaunch("/m", ctl.step_addr, ctl.health_addr, "127.0.0.1", ctl.store_port, "gloo", 4, 64,
+                                 0.0, plan_addr=plan_addr))
+        sealed = KEY.seal(node_step_plans("nodeP", [(3, StepPlan(2, 40, [], [])), (5, StepPlan(2, 40, [], [7]))]))
+        rejected = rejected_counts().get(("agent_plans", "nodeP", "unauthenticated"), 0)
+        deadline = time.monotonic() + 30
+        while True:  # mandatory routing: refused until the agent's plan link is up
+            try:
+                plans.send_multipart([b"pnodeP", b"junk", b"frame"])
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, "the agent never connected its plan link"
+                time.sleep(0.05)
+        plans.send_multipart([b"pnodeP", *sealed])
+        assert sub.poll(10_000)
+        assert [bytes(f) for f in sub.recv_multipart()] == sealed  # the junk frame never came
+        assert rejected_counts().get(("agent_plans", "nodeP", "unauthenticated"), 0) == rejected + 1
+    finally:
+        sub.close()
+        plans.close()
+        stop_agent(stop, thread, [], ctl)

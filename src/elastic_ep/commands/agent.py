@@ -61,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the workers' step results go: direct (each to the controller) or agent (to "
                              "their node's agent on loopback, which sends the controller one frame per step for its "
                              "ranks: fewer frames for the control thread; default direct)")
+    parser.add_argument("--step-plans-via", choices=["direct", "agent"], default="direct",
+                        help="where this node's step plans come from: direct (each rank's from the controller) or "
+                             "agent (one frame per step for the node from the controller's plan socket, relayed "
+                             "as it came to the ranks on loopback; for a controller run with --step-plans-via "
+                             "agent; default direct)")
     parser.add_argument("--connect-timeout-s", type=float, default=30.0,
                         help="at start, wait this long for the controller to accept a connection, then give up "
                              "naming the address (default 30)")
@@ -150,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                       args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
                       exit_poll_s=args.exit_poll_interval_s, standalone=True,
                       hardware_interval_s=args.hardware_interval_s, leader_watch=watch,
-                      step_results_via=args.step_results_via)
+                      step_results_via=args.step_results_via, step_plans_via=args.step_plans_via)
     print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -60,7 +60,7 @@ def redundant_count(text: str) -> int | str:
 TYPES = {"redundant_experts": redundant_count}
 CHOICES = {"backend": ["gloo", "nccl"], "dtype": ["auto", "float32", "bfloat16", "float16"],
            "device": ["auto", "cpu", "cuda"], "all2all_backend": ["flat", "hierarchical"],
-           "dp_migrate": ["off", "kv", "reprefill"], **STRAGGLER_CHOICES}
+           "dp_migrate": ["off", "kv", "reprefill"], "step_plans_via": ["direct", "agent"], **STRAGGLER_CHOICES}
 
 # vLLM's and SGLang's flag names, kept as aliases.
 ALIASES = {
@@ -136,6 +136,9 @@ HELP = {
     "result_timeout_multiple": "a missing answer is asked for again after this multiple of the median recent step "
                                "time, and never before the result timeout floor",
     "resend_timeout_s": "a rank asked to send its answer again that does not answer within this is a fault",
+    "step_plans_via": "where the step plans go: direct (one frame to each rank) or agent (one frame per node to its "
+                      "agent, run with --step-plans-via agent, which relays it to its ranks on loopback: fewer "
+                      "frames for the control thread; a node whose agent has no plan link up gets them directly)",
     "fence_timeout_s": "wait for an agent to confirm a kill",
     "drain_timeout_s": "wait for the other ranks to leave a failed step",
     "epoch_timeout_s": "wait for a new epoch to form and move its experts",
@@ -366,7 +369,8 @@ def run(args: argparse.Namespace) -> int:
     if local_ranks:
         agent = NodeAgent(controller.health_addr, args.node, key, cfg.control_host, local_ranks, lease_s=cfg.lease_s,
                           hardware_interval_s=cfg.hardware_interval_s,
-                          exit_poll_s=cfg.exit_poll_interval_s, step_results_via=args.step_results_via)
+                          exit_poll_s=cfg.exit_poll_interval_s, step_results_via=args.step_results_via,
+                          step_plans_via=cfg.step_plans_via)
         agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
         agent_thread.start()
     # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.

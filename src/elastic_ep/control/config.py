@@ -69,6 +69,7 @@ class ServeConfig:
     result_timeout_floor_s: float = 2.0
     result_timeout_multiple: float = 10.0
     resend_timeout_s: float = 1.0  # a rank asked to resend that does not answer within this is a fault
+    step_plans_via: str = "direct"  # "agent": a node's plans in one frame to its agent, which relays them
     fence_timeout_s: float = 5.0
     drain_timeout_s: float = 5.0
     epoch_timeout_s: float = 30.0

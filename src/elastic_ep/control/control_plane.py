@@ -1,10 +1,19 @@
 """The controller's sockets: it receives typed messages and sends them, and handles none.
 
-Two ZeroMQ ROUTER sockets bound on the controller's host (see `elastic_ep.wire` for who sends
-what on each): the step socket (worker main threads) and the health socket (node agents, which
-bring their workers' heartbeats, and with --step-results-via agent their step results), plus
-a wake-up pipe other threads write to so a waiting control thread returns at once. Sending to a
-peer that is gone drops the message (no ROUTER_MANDATORY): a dead rank's silence is for the
+Three ZeroMQ ROUTER sockets bound on the controller's host (see `elastic_ep.wire` for who sends
+what on each): the step socket (worker main threads), the health socket (node agents, which
+bring their workers' heartbeats, and with --step-results-via agent their step results) and the
+plan socket (node agents of --step-plans-via agent take their node's step plans there), plus
+a wake-up pipe other threads write to so a waiting control thread returns at once.
+
+The plans go to agents on a socket of their own, not the health socket: an agent relays what
+comes there as it came, without reading it (everything on it is a node's plans), a node's plans
+(a prefill's tokens for 8 ranks) never queue ahead of a lease renewal or an `AbortEpoch` on the
+agent's health connection, and the socket routes mandatorily: a node whose agent has no plan link
+up (it runs --step-plans-via direct, it has not connected yet, or its queue is full because it
+stalled) is known at the send, and that node's plans go to its ranks directly instead. Sending to a
+peer that is gone on the step or health socket drops the message (no ROUTER_MANDATORY there): a
+dead rank's silence is for the
 fault detector to notice, never an exception here. Every frame is sealed with the cluster key,
 and what arrives goes through each socket's `Inbox`: a frame without the key, not decodable or
 not of that socket is dropped and counted (wire/codec.py), so no peer can stop the control loop;
@@ -32,7 +41,10 @@ from elastic_ep.wire import (
     ZMQ_HEARTBEAT_TIMEOUT_MS,
     ClusterKey,
     Inbox,
+    StepPlan,
+    node_step_plans,
 )
+from elastic_ep.wire.codec import count_dropped
 from elastic_ep.wire.receive import recv_routed
 
 from .timing import ControlTimes
@@ -49,6 +61,9 @@ class Inbound:
 MAX_DRAIN = 512  # frames read per socket per receive: the loop gets its turn whatever arrives
 MAX_FRAME_BYTES = 64 << 20  # a peer sending a bigger frame is disconnected by ZeroMQ before it is read
 LISTEN_SLACK_S = 0.1  # a receive this much later than it asked for means the process could not listen
+# node plans queued for one agent: a step's plans go out only after the last step's results came
+# back, so an agent this many frames behind has stalled, and its node's plans go direct from then on
+PLAN_SEND_HWM = 8
 
 
 @dataclass
@@ -106,10 +121,21 @@ class ControlPlane:
             s.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.step_addr = f"tcp://{host}:{self.step_sock.bind_to_random_port(f'tcp://{host}')}"
         self.health_addr = f"tcp://{host}:{self.health_sock.bind_to_random_port(f'tcp://{host}')}"
+        # send only; mandatory routing: a node plan to an agent with no link up raises, and goes direct
+        self.plan_sock = self.ctx.socket(zmq.ROUTER)
+        self.plan_sock.setsockopt(zmq.LINGER, 0)
+        self.plan_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.plan_sock.setsockopt(zmq.MAXMSGSIZE, 4096)  # nothing is read there: a peer sending much is cut off
+        self.plan_sock.setsockopt(zmq.RCVHWM, 0)  # as above: what arrives is drained (and dropped), never stops
+        self.plan_sock.setsockopt(zmq.SNDHWM, PLAN_SEND_HWM)
+        self.plan_sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+        self.plan_sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
+        self.plan_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.plan_addr = f"tcp://{host}:{self.plan_sock.bind_to_random_port(f'tcp://{host}')}"
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self.poller = zmq.Poller()
-        for s in (self.step_sock, self.health_sock, self._wake_r):
+        for s in (self.step_sock, self.health_sock, self.plan_sock, self._wake_r):
             self.poller.register(s, zmq.POLLIN)
         self.listening = ListeningClock()
         self.times = ControlTimes()
@@ -138,7 +164,17 @@ class ControlPlane:
         out: list[Inbound] = []
         self._drain(self.health_sock, self.health_inbox, "health", out)
         self._drain(self.step_sock, self.step_inbox, "step", out)
+        self._discard_plan_socket()
         return out
+
+    def _discard_plan_socket(self) -> None:
+        """Whatever a peer sent on the plan socket, which takes nothing: dropped and counted."""
+        for _ in range(MAX_DRAIN):
+            try:
+                _, parts = recv_routed(self.plan_sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            count_dropped("plan", "", "unexpected", parts, "the plan socket is send only")
 
     def _drain(self, sock: zmq.Socket, inbox: Inbox, name: str, out: list[Inbound]) -> None:
         """Up to MAX_DRAIN messages of `sock` into `out`, timed and counted as the socket `name`."""
@@ -164,13 +200,53 @@ class ControlPlane:
         """To a worker's main thread (step socket)."""
         self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message, self.term)])
 
-    def plans_to_workers(self, plans: list[tuple[int, object]]) -> None:
-        """(rank_id, message) to each worker's main thread, timed as a step's encode and send
-        (`messages_to_workers`)."""
-        encode_s, send_s, nbytes = self.messages_to_workers(plans)
-        self.times.add("encode", encode_s)
-        self.times.add("send", send_s)
-        self.times.bytes_out += nbytes
+    def plans_to_workers(self, plans: list[tuple[int, StepPlan]], relayed: dict[int, str] | None = None) -> None:
+        """A step's (rank_id, plan) to each worker, timed as a step's encode and send. `relayed`:
+        rank -> its node, for the ranks whose plan goes in their node's `NodeStepPlans` through the
+        node's agent (--step-plans-via agent; `plans_to_agents`); the others, and the ranks of a node
+        whose agent has no plan link up, directly (`messages_to_workers`)."""
+        direct = plans
+        encode_s = send_s = 0.0
+        nbytes = 0
+        if relayed:
+            by_node: dict[str, list[tuple[int, StepPlan]]] = {}
+            direct = []
+            for rank_id, plan in plans:
+                node = relayed.get(rank_id)
+                if node is None:
+                    direct.append((rank_id, plan))
+                else:
+                    by_node.setdefault(node, []).append((rank_id, plan))
+            encode_s, send_s, nbytes, unrelayed = self.plans_to_agents(by_node)
+            direct.extend(p for node in unrelayed for p in by_node[node])
+        e, s, n = self.messages_to_workers(direct)
+        times = self.times
+        times.add("encode", encode_s + e)
+        times.add("send", send_s + s)
+        times.bytes_out += nbytes + n
+        times.plans_out["direct"] += len(direct)
+        times.plans_out["relayed"] += len(plans) - len(direct)
+
+    def plans_to_agents(self, by_node: dict[str, list[tuple[int, StepPlan]]]) -> tuple[float, float, int, list[str]]:
+        """Each node's (rank_id, plan) of one step as one `NodeStepPlans`, encoded and sealed once, to
+        the node's agent on the plan socket. Returns (encode s, send s, bytes sent, the nodes whose
+        agent has no plan link up or a full queue: nothing of theirs was sent)."""
+        t0 = time.perf_counter()
+        frames = [(node, f"p{node}".encode(), self.key.seal(node_step_plans(node, plans), self.term))
+                  for node, plans in by_node.items()]
+        t1 = time.perf_counter()
+        send = self.plan_sock.send
+        unrelayed, nbytes = [], 0
+        for node, identity, (mac, body) in frames:
+            try:  # the identity part is the one that fails: no part of the message goes out
+                send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+            except zmq.ZMQError:  # EHOSTUNREACH: no such peer; EAGAIN: its queue is full
+                unrelayed.append(node)
+                continue
+            send(mac, zmq.SNDMORE)
+            send(body)
+            nbytes += len(mac) + len(body)
+        return t1 - t0, time.perf_counter() - t1, nbytes, unrelayed
 
     def messages_to_workers(self, messages: list[tuple[int, object]]) -> tuple[float, float, int]:
         """(rank_id, message) to each worker's main thread; the same message object given for

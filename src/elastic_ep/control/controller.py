@@ -649,7 +649,7 @@ class Controller:
                                "read_rate_mb_s": self.cfg.load_read_rate_mb_s, "bytes": self.cluster.loads.by_node()},
                 "rebalance": self.rebalancer.status(),
                 "listening": {"step": self.plane.step_addr, "health": self.plane.health_addr,
-                              "store": f"tcp://{self.cfg.control_host}:{self.store_port}"}}
+                              "plan": self.plane.plan_addr, "store": f"tcp://{self.cfg.control_host}:{self.store_port}"}}
 
     def load(self) -> np.ndarray:
         return self.steps.load_window.estimate()

@@ -29,6 +29,8 @@ class ControlTimes:
     bytes_in: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # socket -> bytes
     decode_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # socket -> seconds
     bytes_out: int = 0
+    # step plans sent: "direct" (to a rank) and "relayed" (in a node's frame to its agent, --step-plans-via agent)
+    plans_out: dict[str, int] = field(default_factory=lambda: {"direct": 0, "relayed": 0})
     snapshot_s: float = 0.0  # the last /cluster snapshot's build, its gauges included
 
     def add(self, part: str, seconds: float) -> None:
@@ -47,5 +49,6 @@ class ControlTimes:
             "frames_in": dict(self.frames_in),
             "bytes_in": dict(self.bytes_in),
             "bytes_out": self.bytes_out,
+            "plans_out": dict(self.plans_out),
             "snapshot_ms": round(1000 * self.snapshot_s, 3),
         }

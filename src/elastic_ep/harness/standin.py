@@ -22,8 +22,12 @@ expert load of its tokens at the model's size; it keeps that answer and sends it
 `--step-results-via agent` a rank hands its `StepResult` to its agent (in memory), which sends the
 controller its node's results of a step as one `NodeStepResults`, gathered as `elastic-ep agent
 --step-results-via agent` gathers them (node/step_gather.py); resent answers and `StepFailed` go
-from the rank directly, as a real rank's do. There is no data plane and no model: the checkpoint
-is only read for its config.
+from the rank directly, as a real rank's do. With `--step-plans-via agent` each agent connects to
+the controller's plan socket, as `elastic-ep agent --step-plans-via agent` does, and hands each of
+its running ranks its plan out of the node's `NodeStepPlans` (in memory: one decode per node, where
+a real node's workers each decode the relayed frame); a rank takes a plan, from either path, by
+runtime/plan_order.py's rules. There is no data plane and no model: the checkpoint is only read
+for its config.
 
 Faults arrive as they do for real ranks, through the agent (`/chaos/kill`, `/chaos/hang`,
 `/chaos/resume` send `SignalWorker`): SIGKILL stops a rank's messages and its agent reports
@@ -62,10 +66,12 @@ from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.tiny import cache_dir, make_tiny
 from elastic_ep.node.lease import Lease
 from elastic_ep.node.step_gather import StepGather
+from elastic_ep.runtime.plan_order import PlanOrder, Verdict
 from elastic_ep.runtime.warmth import slots_to_warm
 from elastic_ep.wire import (
     CONTROLLER_TO_AGENT,
     CONTROLLER_TO_WORKER,
+    RELAYED_TO_WORKER,
     AbortEpoch,
     AgentAlive,
     AgentBye,
@@ -85,6 +91,7 @@ from elastic_ep.wire import (
     Inbox,
     LeaseRenew,
     NodeHeartbeat,
+    NodeStepPlans,
     NodeStepResults,
     Progress,
     RankBeat,
@@ -207,6 +214,8 @@ class StandInRank:
         self.answer: StepResult | StepFailed | None = None  # of its last step, sent again on ResendResult
         self.pending: tuple[int, int] | None = None  # (epoch, step) of the step it has not answered yet
         self.load: np.ndarray | None = None  # expert load since it was last reported
+        self.plan_order = PlanOrder()
+        self.relayed: list[StepPlan] = []  # plans its agent relayed while it was stopped: read when it resumes
         self.step_sock = None
 
     # ---- life --------------------------------------------------------------------------------
@@ -239,6 +248,25 @@ class StandInRank:
             self.stopped = False
             if self.step_sock is not None:
                 self.agent.host.register(self.step_sock, self)
+            relayed, self.relayed = self.relayed, []
+            for plan in relayed:
+                self.plan_arrived(plan)
+
+    def relay(self, plan: StepPlan) -> None:
+        """Its plan out of the node's `NodeStepPlans` (its agent relays it); a stopped process reads it
+        when it resumes."""
+        if not self.alive:
+            return
+        if self.stopped:
+            self.relayed.append(plan)
+            return
+        self.plan_arrived(plan)
+
+    def plan_arrived(self, plan: StepPlan) -> None:
+        """Run, hold or drop a plan of either path, as a real rank does (runtime/plan_order.py)."""
+        if self.plan_order.admit(plan, self.epoch) == Verdict.RUN:
+            self.plan_order.ran(plan)
+            self._step(plan)
 
     def close(self) -> None:
         if self.stopped:
@@ -287,6 +315,7 @@ class StandInRank:
         if last is not None and (last.epoch, last.step) == (msg.epoch, msg.step):
             self.send(last)
         else:
+            self.plan_order.passed(msg.epoch, msg.step)
             self.send(StepFailed(msg.epoch, msg.step, self.rank_id, f"never ran epoch {msg.epoch} step {msg.step} "
                                  "(its plan did not arrive)", StepErrorKind.NOT_RUN))
 
@@ -302,6 +331,8 @@ class StandInRank:
         elif isinstance(msg, EpochStart):
             if msg.epoch > self.epoch:
                 self._start_epoch(msg)
+                for plan in self.plan_order.release(msg.epoch):
+                    self.plan_arrived(plan)
         elif isinstance(msg, ChaosStep):
             self.delay_s = {(msg.epoch, msg.step): msg.delay_s}
             self.lose = (msg.epoch, msg.step) if msg.lose_result else None
@@ -314,8 +345,7 @@ class StandInRank:
                 self._send_in(msg.epoch, warm_s, self.agent.host.key.seal(
                     WarmedUp(msg.epoch, self.rank_id, list(msg.shapes), int(self.slots.size), warm_s)))
         elif isinstance(msg, StepPlan):
-            if msg.epoch == self.epoch:
-                self._step(msg)
+            self.plan_arrived(msg)
         elif isinstance(msg, SweepSlots):
             if msg.epoch == self.epoch and self.slots is not None:
                 self.send(SlotChecksums(msg.epoch, self.rank_id, {
@@ -400,7 +430,8 @@ class StandInAgent:
     """One node: registers like `elastic-ep agent` and runs stand-in ranks for the controller."""
 
     def __init__(self, host: StandInHost, controller_addr: str, node: str, num_ranks: int, timing: StandInTiming,
-                 lease_s: float = 5.0, hardware_interval_s: float = 1.0, step_results_via: str = "direct"):
+                 lease_s: float = 5.0, hardware_interval_s: float = 1.0, step_results_via: str = "direct",
+                 step_plans_via: str = "direct"):
         self.host, self.node, self.num_ranks, self.timing = host, node, num_ranks, timing
         self.ctx = host.ctx
         self.lease = Lease(lease_s)
@@ -420,6 +451,8 @@ class StandInAgent:
         self.stopped = False
         self.gather = StepGather() if step_results_via == "agent" else None
         self._gather_at = 0.0  # when the gather's pending timer fires (0: none pending)
+        self.relays_plans = step_plans_via == "agent"
+        self.plan_sock = None  # --step-plans-via agent: connected to the controller's plan socket once welcomed
 
     def step_result(self, rank: StandInRank, result: StepResult) -> None:
         """A rank's answer: to the controller by the rank itself (direct), or held in this node's
@@ -467,13 +500,17 @@ class StandInAgent:
     def send(self, message) -> None:
         self.host.send(self.sock, self.host.key.seal(message))
 
-    @staticmethod
-    def inbox_kind(sock) -> str:
-        return "agent"
+    def inbox_kind(self, sock) -> str:
+        return "plans" if sock is self.plan_sock else "agent"
 
     def on_message(self, sock, msg) -> None:
         now = time.monotonic()
-        if isinstance(msg, AgentWelcome):
+        if isinstance(msg, NodeStepPlans):
+            for rank_id, rank in list(self.ranks.items()):
+                plan = msg.plan_of(rank_id)
+                if plan is not None:
+                    rank.relay(plan)
+        elif isinstance(msg, AgentWelcome):
             if self.lease.welcome(msg.session, now):
                 self._welcomed(msg.launch)
         elif isinstance(msg, LeaseRenew):
@@ -505,6 +542,12 @@ class StandInAgent:
 
     def _welcomed(self, launch: WorkerLaunch) -> None:
         self.launch = launch
+        if self.relays_plans and self.plan_sock is None and launch.plan_addr:
+            self.plan_sock = self.ctx.socket(zmq.DEALER)
+            self.plan_sock.setsockopt(zmq.IDENTITY, f"p{self.node}".encode())
+            self.plan_sock.setsockopt(zmq.LINGER, 0)
+            self.plan_sock.connect(launch.plan_addr)
+            self.host.register(self.plan_sock, self)
         config, self.loads = self.host.model(launch.model_dir)
         self.top_k, self.vocab, self.eos = config.top_k, config.vocab_size, tuple(config.eos_token_ids)
 
@@ -561,7 +604,7 @@ class StandInHost:
     def __init__(self, key: ClusterKey) -> None:
         self.key = key
         self.inboxes = {kind: Inbox(f"standin_{kind}", accepts, key) for kind, accepts in (
-            ("agent", CONTROLLER_TO_AGENT), ("worker", CONTROLLER_TO_WORKER))}
+            ("agent", CONTROLLER_TO_AGENT), ("worker", CONTROLLER_TO_WORKER), ("plans", RELAYED_TO_WORKER))}
         self.ctx = zmq.Context.instance()
         self.epoll = select.epoll()
         self.owners: dict[zmq.Socket, object] = {}
@@ -644,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-s", type=float, default=5.0)
     parser.add_argument("--step-results-via", choices=["direct", "agent"], default="direct",
                         help="each rank's results to the controller, or its node's gathered by its agent")
+    parser.add_argument("--step-plans-via", choices=["direct", "agent"], default="direct",
+                        help="each rank's plans from the controller, or its node's in one frame through its agent")
     parser.add_argument("--model", default=None, help="the served checkpoint dir, read before registering")
     parser.add_argument("--cluster-key-file", default=None,
                         help="the deployment's cluster key (as `elastic-ep agent`; default $ELASTIC_EP_CLUSTER_KEY)")
@@ -659,7 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     timing = StandInTiming(args.step_ms / 1000, args.jitter_ms / 1000, parse_slow(args.slow),
                            warm_slot_s=args.warm_slot_ms / 1000)
     host.agents = [StandInAgent(host, args.controller, node, args.ranks_per_node, timing, args.lease_s,
-                                step_results_via=args.step_results_via) for node in args.node]
+                                step_results_via=args.step_results_via, step_plans_via=args.step_plans_via)
+                   for node in args.node]
     try:
         host.run()
     finally:

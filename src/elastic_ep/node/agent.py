@@ -13,6 +13,10 @@ deadline names it), and relays the controller's `AbortEpoch` to the rank's heart
 `step_results_via="agent"` its workers send their `StepResult`s to it on a loopback PULL socket
 (`result_addr`) and it sends the controller one `NodeStepResults` per step for its ranks (gathered
 as node/step_gather.py says; resent answers and `StepFailed` go from the rank directly). With
+`step_plans_via="agent"` it connects to the controller's plan socket (`WorkerLaunch.plan_addr`)
+and relays each `NodeStepPlans` there, as it came (the controller's MAC checked, not sealed
+again), to its workers on a loopback PUB socket (`plan_relay_addr`): one send, which ZeroMQ's I/O
+thread fans out to every worker of the node, each taking its own plan out. With
 read once, copy many (`WorkerLaunch.read_once`) the first ranks it is asked to start wait until it
 has read the dense weights into shared memory once, then map them from there. Every
 frame in and out carries the cluster key's MAC; a frame without it, undecodable or not of the
@@ -49,6 +53,8 @@ from elastic_ep.wire import (
     CONTROLLER_TO_AGENT,
     FETCH_REQUEST,
     KEY_ENV,
+    PLAN_MAX_FRAME_BYTES,
+    RELAYED_TO_WORKER,
     WORKER_TO_AGENT,
     WORKER_TO_AGENT_RESULTS,
     ZMQ_HEARTBEAT_IVL_MS,
@@ -102,6 +108,7 @@ BEAT_MAX_FRAME_BYTES = 4096  # a heartbeat is some 60 bytes
 # a StepResult carries the rank's [layers, experts] expert load (119 KB at DeepSeek-V3's size) and its tokens
 RESULT_MAX_FRAME_BYTES = 16 << 20
 STEP_RESULTS_VIA = ("direct", "agent")
+STEP_PLANS_VIA = ("direct", "agent")
 
 @dataclass
 class _Child:
@@ -134,7 +141,11 @@ class NodeAgent:
     step_results_via: "agent" gathers its workers' step results into one `NodeStepResults` per step,
     "direct" has each worker send its own to the controller. A result lost with this agent (it died
     or stalled) is one the controller asks the rank for again past its result deadline
-    (`ResendResult`, answered directly)."""
+    (`ResendResult`, answered directly);
+    step_plans_via: "agent" relays the controller's `NodeStepPlans` for this node to its workers,
+    "direct" leaves every plan to the step socket. A plan lost with this agent is a step its rank
+    never ran: asked for past the result deadline, the rank answers NOT_RUN and the step is run
+    again; a plan that arrives after that is never run (runtime/plan_order.py)."""
 
     def __init__(
         self,
@@ -155,9 +166,12 @@ class NodeAgent:
         hardware_interval_s: float = 1.0,
         leader_watch=None,
         step_results_via: str = "direct",
+        step_plans_via: str = "direct",
     ):
         if step_results_via not in STEP_RESULTS_VIA:
             raise ValueError(f"step_results_via {step_results_via!r} is not one of {', '.join(STEP_RESULTS_VIA)}")
+        if step_plans_via not in STEP_PLANS_VIA:
+            raise ValueError(f"step_plans_via {step_plans_via!r} is not one of {', '.join(STEP_PLANS_VIA)}")
         self.node = node
         self.key = key
         self.fence = TermFence()  # the highest controller term seen: an older leader's frames are dropped
@@ -211,6 +225,21 @@ class NodeAgent:
             f"tcp://127.0.0.1:{self.results.bind_to_random_port('tcp://127.0.0.1')}"
         self.result_inbox = Inbox("agent_results", WORKER_TO_AGENT_RESULTS, key, node)
         self.gather = StepGather()
+        # --step-plans-via agent: the node's plans from the controller (connected once welcomed, to the
+        # launch's plan socket) and relayed to the workers as they came
+        self.relays_plans = step_plans_via == "agent"
+        self.plan_link = self.ctx.socket(zmq.DEALER)
+        self.plan_link.setsockopt(zmq.IDENTITY, f"p{node}".encode())
+        self.plan_link.setsockopt(zmq.LINGER, 0)
+        self.plan_link.setsockopt(zmq.MAXMSGSIZE, PLAN_MAX_FRAME_BYTES)
+        self.plan_link.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+        self.plan_link.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
+        self.plan_link_addr = ""
+        self.plan_inbox = Inbox("agent_plans", RELAYED_TO_WORKER, key, node, self.fence)
+        self.plan_relay = self.ctx.socket(zmq.PUB)
+        self.plan_relay.setsockopt(zmq.LINGER, 0)
+        self.plan_relay_addr = f"tcp://127.0.0.1:{self.plan_relay.bind_to_random_port('tcp://127.0.0.1')}" \
+            if self.relays_plans else ""
         self._events_addr = f"inproc://agent-events-{id(self)}"
         self.events = self.ctx.socket(zmq.PULL)
         self.events.bind(self._events_addr)
@@ -233,7 +262,7 @@ class NodeAgent:
         for path in reap_stale_backups():
             logger.warning("node %s: removed %s, the backup file of an owner that is gone", self.node, path)
         poller = zmq.Poller()
-        for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats, self.results):
+        for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats, self.results, self.plan_link):
             poller.register(s, zmq.POLLIN)
         self.hardware = HardwareReader()
         threading.Thread(target=self._watch_exits, name="exit-watch", daemon=True).start()
@@ -247,6 +276,8 @@ class NodeAgent:
                 self._heal_due(time.monotonic())
                 gather_s = self.gather.next_due_s(time.monotonic())
                 ready = dict(poller.poll(20 if gather_s is None else min(20, gather_s * 1000)))
+                if self.plan_link in ready:  # first: every rank of the node waits on it
+                    self._relay_plans()
                 if self.results in ready or gather_s is not None:
                     self._forward_results()
                 if self.controller_link in ready and recv_monitor_message(self.controller_link)["event"] \
@@ -353,6 +384,27 @@ class NodeAgent:
         for results in self.gather.due(time.monotonic(), running):
             self.send(NodeStepResults(self.node, self.lease.session, results))
 
+    def _relay_plans(self) -> None:
+        """Every node plan waiting on the plan link to the workers, as it came; a frame without the
+        cluster key's MAC, or of a deposed controller's term, is dropped (and counted) here."""
+        while True:
+            try:
+                frames = self.plan_link.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if self.plan_inbox.admit(frames) is not None:
+                self.plan_relay.send_multipart(frames, copy=False)
+
+    def _link_plans(self, launch: WorkerLaunch) -> None:
+        """Connect the plan link to the plan socket of the controller `launch` names (a new leader's,
+        a rolling restart's launch), once it differs from the one connected."""
+        if not self.relays_plans or not launch.plan_addr or launch.plan_addr == self.plan_link_addr:
+            return
+        if self.plan_link_addr:
+            self.plan_link.disconnect(self.plan_link_addr)
+        self.plan_link.connect(launch.plan_addr)
+        self.plan_link_addr = launch.plan_addr
+
     def _send_node_beat(self, now: float) -> None:
         """Every heartbeat_interval_s while welcomed: one `NodeHeartbeat` with the last heartbeat of
         every running rank heard from and its age (a stopped rank's grows: the controller's deadline
@@ -412,6 +464,7 @@ class NodeAgent:
             again = self.lease.welcomed  # a welcome repeated for a repeated hello
             if self.lease.welcome(msg.session, now):
                 self.launch = msg.launch
+                self._link_plans(msg.launch)
                 if self.join_mode == "adopt" and not again:
                     self._welcomed()
             return True
@@ -438,6 +491,7 @@ class NodeAgent:
                 self.restart_at.pop(msg.rank_id, None)
             if msg.launch is not None:
                 self.launch = msg.launch
+                self._link_plans(msg.launch)
             if not self._await_dense(msg):
                 self._start(msg.rank_id, msg.join_mode, msg.dense_site)
         elif isinstance(msg, FenceWorker):
@@ -499,7 +553,8 @@ class NodeAgent:
         args = WorkerArgs(self.launch, rank_id, self.node, self.host, self._local_index(rank_id), join_mode,
                           dense_path=dense_site.path if dense_site is not None and local else "",
                           dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "",
-                          beat_addr=self.beat_addr, result_addr=self.result_addr)
+                          beat_addr=self.beat_addr, result_addr=self.result_addr,
+                          plan_relay_addr=self.plan_relay_addr)
         env = {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: self.key.hex()}
         # stdin: the agent link (`NewLeader` when the controller group's leader changes)
         proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env,
@@ -652,5 +707,6 @@ class NodeAgent:
         self.netcut.close()
         self.send(AgentBye(self.node))
         self.sock.disable_monitor()
-        for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats, self.results):
+        for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats, self.results, self.plan_link,
+                  self.plan_relay):
             s.close()

@@ -14,7 +14,10 @@ Threads:
   It blocks inside collectives. With a `WorkerArgs.result_addr` (`--step-results-via agent`) its
   `StepResult`s go to its agent on loopback, which sends the controller its node's results of a
   step in one frame; an answer sent again on `ResendResult`, and every `StepFailed`, go on the
-  step socket.
+  step socket. With a `WorkerArgs.plan_relay_addr` (`--step-plans-via agent`) its plans may also
+  come as its node's `NodeStepPlans`, which the agent relays as the controller sealed it (the MAC
+  and term are checked here, as on the step socket): it takes its own plan out and runs it as one
+  of the step socket; which plans run, wait for their epoch or are dropped is plan_order.py's.
 - heartbeat: its own ZeroMQ socket to its agent's beat socket on loopback (`WorkerArgs.beat_addr`);
   sends `Heartbeat` with the main thread's progress every `heartbeat_interval_s`, which the
   agent forwards in its node's `NodeHeartbeat`, so the controller sees which collective the rank
@@ -36,8 +39,10 @@ Threads:
   new leader is announced, then registers with that one instead: its load is not lost.
 
 The process dies with its agent (PR_SET_PDEATHSIG), so a crashed server leaves no orphans.
-Messages of an epoch other than the current one are dropped, and so is any frame without the
-cluster key (which its agent hands it in $ELASTIC_EP_CLUSTER_KEY) or not of its socket.
+Messages of an epoch other than the current one are dropped (but a step plan of a later epoch,
+which may come through the agent before its `EpochStart` on the step socket, waits for it:
+plan_order.py), and so is any frame without the cluster key (which its agent hands it in
+$ELASTIC_EP_CLUSTER_KEY) or not of its socket.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ from elastic_ep.wire import (
     AGENT_TO_WORKER,
     CONTROLLER_TO_HEARTBEAT,
     CONTROLLER_TO_WORKER,
+    PLAN_MAX_FRAME_BYTES,
+    RELAYED_TO_WORKER,
     AbortEpoch,
     ChaosStep,
     ClusterKey,
@@ -87,6 +94,7 @@ from elastic_ep.wire import (
     HeldKV,
     Inbox,
     NewLeader,
+    NodeStepPlans,
     ResendResult,
     Shutdown,
     SleepRank,
@@ -126,6 +134,7 @@ from .group import (
 from .held import HeldSequences, StepRun
 from .kv_move import move_kv
 from .overlap import forward_micro_batches
+from .plan_order import PlanOrder, Verdict
 from .warmth import slots_to_warm
 
 EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)  # a StepResult whose plan did not ask for the load
@@ -165,6 +174,19 @@ class Worker:
             self.result_sock = self.ctx.socket(zmq.PUSH)
             self.result_sock.setsockopt(zmq.LINGER, 0)
             self.result_sock.connect(args.result_addr)
+        # its node's plans relayed by its agent (--step-plans-via agent); loopback TCP, cut with the rank
+        self.plan_sock = None
+        self.plan_inbox = Inbox("worker_plans", RELAYED_TO_WORKER, key, args.node, self.fence)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        if args.plan_relay_addr:
+            self.plan_sock = self.ctx.socket(zmq.SUB)
+            self.plan_sock.setsockopt(zmq.LINGER, 0)
+            self.plan_sock.setsockopt(zmq.MAXMSGSIZE, PLAN_MAX_FRAME_BYTES)
+            self.plan_sock.setsockopt(zmq.SUBSCRIBE, b"")
+            self.plan_sock.connect(args.plan_relay_addr)
+            self.poller.register(self.plan_sock, zmq.POLLIN)
+        self.plan_order = PlanOrder()
         self.device, self.comm_device = rank_devices(launch.device, launch.backend, args.local_index)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this rank's GPU is the current one for all it does
@@ -281,10 +303,17 @@ class Worker:
         self.sock.send_multipart(self.key.seal(message, self.fence.highest))
 
     def _receive(self):
-        """The next message of the step socket (frames the inbox drops are skipped), or None when a
-        new leader is to be followed."""
+        """The next message of the step socket, or this rank's plan out of a node's plans relayed by
+        its agent (frames an inbox drops, and node plans with none for this rank, are skipped), or
+        None when a new leader is to be followed."""
         while self._new_leader is None:
-            if self.sock.poll(50):
+            ready = dict(self.poller.poll(50))
+            if self.plan_sock in ready:
+                relayed = self.plan_inbox.read(self.plan_sock.recv_multipart(copy=False))
+                plan = relayed.plan_of(self.args.rank_id) if isinstance(relayed, NodeStepPlans) else None
+                if plan is not None:
+                    return plan
+            if self.sock in ready:
                 msg = self.inbox.read(self.sock.recv_multipart(copy=False))
                 if msg is not None:
                     return msg
@@ -316,11 +345,12 @@ class Worker:
             if isinstance(msg, EpochStart):
                 if self.group is None or msg.epoch > self.group.epoch:
                     self._start_epoch(msg)
+                    for plan in self.plan_order.release(msg.epoch):  # plans that came before their epoch
+                        self._plan_arrived(plan)
             elif isinstance(msg, ChaosStep):
                 self._chaos = msg
             elif isinstance(msg, StepPlan):
-                if self.group is not None and msg.epoch == self.group.epoch and self.group.alive:
-                    self._step(msg)
+                self._plan_arrived(msg)
             elif isinstance(msg, ResendResult):
                 self._resend(msg)
             elif isinstance(msg, WarmUp):
@@ -340,6 +370,15 @@ class Worker:
         self._stop.set()
         if self.group is not None:
             self.group.destroy()
+
+    def _plan_arrived(self, plan: StepPlan) -> None:
+        """Run `plan` when it is of this rank's epoch (and its group stands) and not run yet; hold
+        one of a later epoch until it starts; drop the rest (plan_order.py)."""
+        group = self.group
+        verdict = self.plan_order.admit(plan, group.epoch if group is not None else -1)
+        if verdict == Verdict.RUN and group.alive:
+            self.plan_order.ran(plan)
+            self._step(plan)
 
     def _agent_link(self) -> None:
         """Read the agent's `NewLeader` orders on stdin until the agent closes it; a frame that is not
@@ -364,6 +403,7 @@ class Worker:
         of the pool is free to it."""
         self._new_leader = None
         self._pending = []
+        self.plan_order.reset()
         if self.group is not None:
             self.group.destroy()
         # the new leader numbers its epochs past the record it read, which may lag; whatever it numbers
@@ -584,6 +624,7 @@ class Worker:
         if last is not None and (last.epoch, last.step) == (msg.epoch, msg.step):
             self.send(last)
             return
+        self.plan_order.passed(msg.epoch, msg.step)  # a plan of it that comes late (a stalled agent's) never runs
         ran = f"epoch {last.epoch} step {last.step}" if last is not None else "no step"
         self.send(StepFailed(msg.epoch, msg.step, self.args.rank_id, f"never ran epoch {msg.epoch} step {msg.step} "
                              f"(its plan did not arrive; the last step it ran was {ran})", StepErrorKind.NOT_RUN))

@@ -3,7 +3,7 @@ a worker process (`worker.py`: launch and step socket; `health.py`: heartbeats a
 `fetch.py`: agent fetch socket). The controller (`control/`), the node agent (`node/`) and the worker
 (`runtime/`) all import this module and nothing of each other.
 
-Transport: ZeroMQ. The controller binds two ROUTER sockets:
+Transport: ZeroMQ. The controller binds three ROUTER sockets:
 - the step socket: each worker's main thread (DEALER, identity `w<rank_id>`) receives
   `EpochStart`, `StepPlan`, `ResendResult`, `SweepSlots`, `ChaosStep` and `CorruptSlot` (fault injection), `SleepRank`,
   `WakeRank`, `WarmUp`, `Shutdown` and answers `WorkerHello`, `EpochReady`, `EpochFailed`, `StepResult`,
@@ -12,11 +12,15 @@ Transport: ZeroMQ. The controller binds two ROUTER sockets:
   (its ranks' heartbeats, one message per interval), `NodeStepResults` (its ranks' `StepResult`s
   of a step, with --step-results-via agent), `WorkerStarted`, `WorkerExited`, `WorkerFenced`,
   `HardwareReport` and receives `AgentWelcome`, `BackupAssign`, `StartWorker`, `FenceWorker`,
-  `SignalWorker`, `AbortEpoch` (for one of its ranks), `AgentShutdown`, and says `AgentBye` when it stops.
+  `SignalWorker`, `AbortEpoch` (for one of its ranks), `AgentShutdown`, and says `AgentBye` when it stops;
+- the plan socket (send only): with --step-plans-via agent each node agent connects a DEALER
+  (identity `p<node>`) and receives one `NodeStepPlans` per step for its node's members, which it
+  relays as it came to its workers on a loopback PUB socket (each worker's SUB takes its own plan out).
 An agent also binds a ROUTER on loopback for its own workers' heartbeat threads (DEALER, identity
 `h<rank_id>`), which send it `Heartbeat` and receive the `AbortEpoch` it relays; with
 --step-results-via agent a PULL on loopback for its workers' main threads' `StepResult`s (a resent
-answer and every `StepFailed` go to the controller directly); a ROUTER for
+answer and every `StepFailed` go to the controller directly); with --step-plans-via agent a PUB
+on loopback that relays the controller's `NodeStepPlans` to its workers' SUB sockets; a ROUTER for
 `BackupFetch` -> `BackupTensors` and `DenseFetch` -> `DenseTensors` from workers of other nodes;
 and writes `NewLeader` to its own workers on their stdin (wire/pipe.py) when the controller
 group's leader changes. With `serve --ha-journal-via direct` the group's leader binds a ROUTER for
@@ -27,8 +31,9 @@ Frames are typed msgspec structs in msgpack, each with an HMAC of the deployment
 (`codec.py`): never pickle, since a frame from the network is data, not code. Each receiving side
 accepts one union below (`STEP_TO_CONTROLLER`, ...); a frame that is not authenticated, does not
 decode or is not of that union is dropped and counted, never raised. Every message a worker acts
-on carries its epoch; a worker drops a message of an epoch other than its current or next one,
-which is what keeps a fenced or late process out of a newer epoch.
+on carries its epoch; a worker drops a message of an epoch other than its current or next one
+(a step plan of a later epoch waits for its `EpochStart`: runtime/plan_order.py), which is what
+keeps a fenced or late process out of a newer epoch.
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ from .worker import (
     HeldKV,
     KVMove,
     NewLeader,
+    NodePlan,
+    NodeStepPlans,
     ResendResult,
     Shutdown,
     SleepRank,
@@ -111,6 +118,7 @@ from .worker import (
     WorkerArgs,
     WorkerHello,
     WorkerLaunch,
+    node_step_plans,
     slot_map_for_wire,
 )
 
@@ -119,6 +127,7 @@ __all__ = [
     "WORKER_TO_AGENT",
     "WORKER_TO_AGENT_RESULTS",
     "AGENT_HELLO_INTERVAL_S",
+    "RELAYED_TO_WORKER",
     "AbortEpoch",
     "AgentAlive",
     "AgentBye",
@@ -158,6 +167,9 @@ __all__ = [
     "LeaseRenew",
     "NodeHeartbeat",
     "NodeStepResults",
+    "NodePlan",
+    "NodeStepPlans",
+    "node_step_plans",
     "Progress",
     "RankBeat",
     "Shutdown",
@@ -200,6 +212,7 @@ __all__ = [
     "STEP_TO_CONTROLLER",
     "ZMQ_HEARTBEAT_IVL_MS",
     "ZMQ_HEARTBEAT_TIMEOUT_MS",
+    "PLAN_MAX_FRAME_BYTES",
     "ClusterKey",
     "ClusterKeyError",
     "Inbox",
@@ -219,6 +232,7 @@ __all__ = [
 # frames sent before it reconnected.
 ZMQ_HEARTBEAT_IVL_MS = 1000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 10_000
+PLAN_MAX_FRAME_BYTES = 64 << 20  # a node's plans (a prefill's tokens for each rank): as big as a step socket frame
 
 # What each receiving side accepts (its inbox's union).
 STEP_TO_CONTROLLER = (WorkerHello | EpochReady | EpochFailed | StepResult | StepFailed | SlotChecksums | SleepReply
@@ -230,6 +244,7 @@ HEALTH_TO_CONTROLLER = (NodeHeartbeat | NodeStepResults | AgentHello | AgentAliv
 WORKER_TO_AGENT = Heartbeat  # the agent's beat socket
 WORKER_TO_AGENT_RESULTS = StepResult  # the agent's result socket (--step-results-via agent)
 CONTROLLER_TO_HEARTBEAT = AbortEpoch  # relayed by the agent
+RELAYED_TO_WORKER = NodeStepPlans  # the controller's plan socket -> the agent -> the worker's plan socket
 AGENT_TO_WORKER = NewLeader
 CONTROLLER_TO_AGENT = (AgentWelcome | LeaseRenew | SessionEnded | BackupAssign | StartWorker | FenceWorker
                        | SignalWorker | CutLinks | HealLinks | AbortEpoch | AgentShutdown)
@@ -238,5 +253,5 @@ FETCH_REPLY = BackupTensors | DenseTensors
 STANDBY_TO_LEADER = JournalFollow  # the leader's journal socket (serve --ha-journal-via direct)
 LEADER_TO_STANDBY = JournalState | JournalBatch
 ALL_MESSAGES = (STEP_TO_CONTROLLER | CONTROLLER_TO_WORKER | HEALTH_TO_CONTROLLER | WORKER_TO_AGENT
-                | WORKER_TO_AGENT_RESULTS | CONTROLLER_TO_AGENT | AGENT_TO_WORKER | FETCH_REQUEST | FETCH_REPLY
-                | STANDBY_TO_LEADER | LEADER_TO_STANDBY)
+                | WORKER_TO_AGENT_RESULTS | RELAYED_TO_WORKER | CONTROLLER_TO_AGENT | AGENT_TO_WORKER | FETCH_REQUEST
+                | FETCH_REPLY | STANDBY_TO_LEADER | LEADER_TO_STANDBY)

@@ -279,6 +279,23 @@ class Inbox:
 
     def read(self, frames: list[Any]) -> Any | None:
         """`frames`: the message's frames after any routing envelope (bytes or zmq.Frame)."""
+        body = self.admit(frames)
+        if body is None:
+            return None
+        try:
+            return self._decoder.decode(body)
+        except Exception as e:  # noqa: BLE001 - a frame that fails to decode, however, is dropped
+            other = _decodes_as_any(body)
+            if other is not None:
+                self._reject(frames, "unexpected", f"{other} is not a message of this socket")
+            else:
+                self._reject(frames, "undecodable", str(e)[:200])
+            return None
+
+    def admit(self, frames: list[Any]) -> Any | None:
+        """The body of `frames` when they carry a valid MAC of the cluster key and a term the fence
+        admits, else None (dropped and counted): what a relay checks before passing frames on as
+        they came, without decoding them."""
         if len(frames) != 2:
             self._reject(frames, "unauthenticated", f"{len(frames)} frames, not [mac, body]")
             return None
@@ -291,15 +308,12 @@ class Inbox:
             self._reject(frames, "stale_term", f"term {term} is below {self.fence.highest}: a deposed controller")
             return None
         self.term = term
-        try:
-            return self._decoder.decode(body)
-        except Exception as e:  # noqa: BLE001 - a frame that fails to decode, however, is dropped
-            other = _decodes_as_any(body)
-            if other is not None:
-                self._reject(frames, "unexpected", f"{other} is not a message of this socket")
-            else:
-                self._reject(frames, "undecodable", str(e)[:200])
-            return None
+        return body
 
     def _reject(self, frames: list[Any], reason: str, detail: str) -> None:
-        _reject(self.socket, self.node, reason, peer_address(frames[-1]) if frames else "unknown", detail)
+        count_dropped(self.socket, self.node, reason, frames, detail)
+
+
+def count_dropped(socket: str, node: str, reason: str, frames: list[Any], detail: str) -> None:
+    """A frame of `socket` dropped for `reason` (one of REASONS): counted, logged once per peer."""
+    _reject(socket, node, reason, peer_address(frames[-1]) if frames else "unknown", detail)

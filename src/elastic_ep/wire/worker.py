@@ -44,6 +44,8 @@ class WorkerLaunch(Record):
     read_once: bool = True
     read_rate_mb_s: float = 0.0  # storage reads of every process of this host throttled to this, together (0: not)
     read_rate_path: str = ""  # the file those processes share the throttle through (model/read_throttle.py)
+    # the controller's plan socket, where an agent of `--step-plans-via agent` takes its node's plans ("": none)
+    plan_addr: str = ""
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,10 @@ class WorkerArgs:
     agent decides: its rank, node, the address of its host (`host`: the data plane binds it),
     join mode, where its dense weights come from (`dense_path`: this node's backup file;
     `dense_addr`: another node's agent; neither: disk) and where its heartbeat thread beats
-    (`beat_addr`: the agent's loopback beat socket) and where its step results go (`result_addr`:
-    the agent's loopback result socket, which gathers them per node; empty: to the controller)."""
+    (`beat_addr`: the agent's loopback beat socket), where its step results go (`result_addr`:
+    the agent's loopback result socket, which gathers them per node; empty: to the controller) and
+    where its node's step plans come from besides the step socket (`plan_relay_addr`: the agent's
+    loopback PUB socket, which relays the controller's `NodeStepPlans` as they came; empty: none)."""
 
     launch: WorkerLaunch
     rank_id: int
@@ -65,6 +69,7 @@ class WorkerArgs:
     dense_addr: str = ""
     beat_addr: str = ""
     result_addr: str = ""
+    plan_relay_addr: str = ""
 
     def to_json(self) -> str:
         """Flat JSON (`"rank_id": N,` is how `elastic-ep doctor` finds a rank's process)."""
@@ -289,6 +294,47 @@ class StepPlan(Message):
     report_load: bool = True
     pad_tokens: int = 0
     decode: DecodeRows | None = None
+
+
+class NodePlan(Record):
+    """One plan of a `NodeStepPlans` and the ranks of the node it is for (several for a plan they
+    share, such as the empty plan)."""
+
+    rank_ids: list[int]
+    plan: StepPlan
+
+
+class NodeStepPlans(Message):
+    """Controller -> a node's agent (its plan socket) -> each of the node's workers, relayed as it came
+    (`--step-plans-via agent`): the step plans of the node's members for one step, each plan once.
+    Sealed once by the controller with the term the workers fence on: the agent does not seal it
+    again, each worker checks the controller's MAC and takes its own plan (`plan_of`)."""
+
+    node: str
+    epoch: int
+    step: int
+    plans: list[NodePlan]
+
+    def plan_of(self, rank_id: int) -> StepPlan | None:
+        """The plan for `rank_id`, None when the node's frame has none for it (a rank not a member)."""
+        for node_plan in self.plans:
+            if rank_id in node_plan.rank_ids:
+                return node_plan.plan
+        return None
+
+
+def node_step_plans(node: str, plans: list[tuple[int, StepPlan]]) -> NodeStepPlans:
+    """The `NodeStepPlans` of `node` from its members' (rank_id, plan), all of one step; a plan object
+    given for several ranks is carried once with their ids."""
+    assert plans, "a node's frame carries at least one plan"
+    by_plan: dict[int, NodePlan] = {}  # id(plan) -> its entry
+    for rank_id, plan in plans:
+        entry = by_plan.get(id(plan))
+        if entry is None:
+            entry = by_plan[id(plan)] = NodePlan([], plan)
+        entry.rank_ids.append(rank_id)
+    first = plans[0][1]
+    return NodeStepPlans(node, first.epoch, first.step, list(by_plan.values()))
 
 
 class StepResult(Message):

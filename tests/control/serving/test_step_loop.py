@@ -3,7 +3,8 @@ from what the scheduler holds, since nothing of it was committed; a step that ke
 every rank alive is recomputed `MAX_RETRIES_WITHOUT_CULPRIT` times, then its requests end with
 the error, and a fault with a culprit never counts towards that. An answer lost on the way is
 asked for again past the result deadline: sent again, the step completes; a rank that never ran
-the step, or says nothing, fails it."""
+the step, or says nothing, fails it. With --step-plans-via agent the plans of a node whose agent is
+known and not silent go through it, the rest directly."""
 
 from __future__ import annotations
 
@@ -224,3 +225,26 @@ def test_an_agent_speaks_for_its_own_nodes_ranks_only():
     assert not steps.replies
     steps.on_node_results(NodeStepResults("n0", "s", [answer_of(0, plan)]))
     assert list(steps.replies) == [0]
+
+
+def test_plans_go_through_the_agents_that_are_known_and_not_silent_else_directly():
+    """Relayed: the members of a node whose agent is registered, not stalled, and brought their
+    heartbeats within RELAY_FRESH_BEATS intervals (rank 1's last is older: its agent, or itself, is
+    behind)."""
+    for via, agents, relayed in (("direct", {}, None), ("agent", {}, {0: "n0", 1: "n0"}),
+                                 ("agent", {"stalled": True}, {}), ("agent", {"gone": True}, {}),
+                                 ("agent", {"rank 1 heard": 9.0}, {0: "n0"})):
+        steps, _, _ = loop_with_one_request(step_plans_via=via)
+        steps.plane.now = 10.0
+        for r in (0, 1):
+            steps.cluster.ranks[r].last_heartbeat = 9.9
+        steps.cluster.ranks[1].last_heartbeat = agents.get("rank 1 heard", 9.9)
+        agent = steps.cluster.agents["n0"]
+        agent.stalled = agents.get("stalled", False)
+        if agents.get("gone"):
+            del steps.cluster.agents["n0"]
+        steps.pump = lambda timeout_s, steps=steps: [steps.on_reply(StepResult(
+            steps.cluster.epoch, steps.cluster.step, r, {}, 0.01, 0.01, 0.0, 0.0, np.zeros((0, 0), np.int32), 0, {}))
+            for r in (0, 1)]
+        steps.run()
+        assert steps.plane.relayed == [relayed], (via, agents)

@@ -224,7 +224,7 @@ class Nodes:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             expert_slot_bytes=self.cluster.slots_per_rank * self.cluster.num_layers * self.expert_nbytes,
             max_num_batched_tokens=cfg.max_num_batched_tokens, read_once=cfg.read_once and cfg.expert_backup,
-            read_rate_mb_s=cfg.load_read_rate_mb_s, read_rate_path=self.read_rate_path,
+            read_rate_mb_s=cfg.load_read_rate_mb_s, read_rate_path=self.read_rate_path, plan_addr=plane.plan_addr,
         ), **self.options)
 
     def _start_worker(self, rank_id: int, join_mode: str, dense_node: str | None = None) -> StartWorker:

@@ -13,6 +13,9 @@ alive, the step is dropped and isolation (serving/isolation.py) finds the reques
 the same epoch. A slow rank only makes the step slower; its time shows in the per-rank metrics
 and the radar.
 
+Plans go to each rank, or per node through its agent (`NodeStepPlans`, --step-plans-via agent,
+which the agent relays to its workers as it came): a plan the agent lost (it died, stalled, or its
+link was cut) is a step its rank never ran, which the result deadline below finds (NOT_RUN).
 Results come from each rank (`StepResult`) or gathered per node by its agent (`NodeStepResults`,
 --step-results-via agent); either way each is one rank's answer. An answer lost on the way (an
 agent that died or stalled loses those it held), with every rank alive, would leave the step
@@ -56,6 +59,11 @@ from .warmup import WarmUpGate, padded_tokens
 # re-formed group this many times before its requests end: a deterministic error would otherwise
 # loop forever, a transient one passes on the first retry.
 MAX_RETRIES_WITHOUT_CULPRIT = 3
+# --step-plans-via agent: a rank's heartbeats come through its agent, so a rank last heard more than
+# this many heartbeat intervals ago has an agent (or is itself) behind: its plan goes directly, so a
+# stalled agent holds up at most the step in flight (asked for as NOT_RUN), not its recompute too;
+# well below the heartbeat deadline (1 s) and the result deadline (2 s) at the defaults
+RELAY_FRESH_BEATS = 5
 
 
 class ChaosHook(Protocol):
@@ -166,7 +174,7 @@ class StepLoop:
             plans.append((rank_id, plan))
         start = self._sent_at = time.perf_counter()
         times.add("plan", start - t0)
-        self.plane.plans_to_workers(plans)
+        self.plane.plans_to_workers(plans, self._relayed())
         sent = time.perf_counter()
         while len(self.replies) < len(c.members):
             self.pump(0.002)
@@ -192,6 +200,27 @@ class StepLoop:
         times.steps += 1
         times.wall_s += time.perf_counter() - t0
         return wall_s
+
+    def _relayed(self) -> dict[int, str] | None:
+        """rank -> node for the members whose plan goes through their node's agent (--step-plans-via
+        agent): those of a node whose agent is registered and not silent, heard from (their
+        heartbeats, which the agent brings) within `RELAY_FRESH_BEATS` intervals. A rank of a node
+        with no such agent gets its plan directly, as does every rank of a node whose agent has no
+        plan link up at the send (`ControlPlane.plans_to_agents`). None: every plan direct."""
+        cfg = self.cfg
+        if cfg.step_plans_via != "agent":
+            return None
+        c = self.cluster
+        agents, ranks = c.agents, c.ranks
+        beats = cfg.health_checks and cfg.heartbeat_interval_s > 0
+        heard_since = self.plane.heard_clock() - RELAY_FRESH_BEATS * cfg.heartbeat_interval_s
+        relayed = {}
+        for rank_id in c.members:
+            rank = ranks[rank_id]
+            agent = agents.get(rank.node)
+            if agent is not None and not agent.stalled and (not beats or rank.last_heartbeat >= heard_since):
+                relayed[rank_id] = rank.node
+        return relayed
 
     def _chase_answers(self) -> None:
         """Past the result deadline: ask the members whose answer is missing, and which are not inside

@@ -1,0 +1,131 @@
+"""--step-plans-via agent end to end: 4 real ranks whose step plans come as their node's one
+`NodeStepPlans` through the node's agent (and their results go back the same way,
+--step-results-via agent). Under concurrent streaming the output equals single-process
+`elastic-ep generate` token for token, as direct plans give; a rank killed mid-stream is recovered
+with exact output, and the plans go through the agent again in the new epoch; a rank stopped
+mid-stream is named, fenced and replaced, the output exact; a node's agent (its own process)
+stopped mid-stream loses the plan it holds, which the result deadline finds (its ranks answer
+NOT_RUN), and the streams go on exact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic_ep.harness.load import streams_with_fault
+
+from .conftest import PROMPTS, Server, reference
+
+MAX_TOKENS = 32
+MODEL = "tiny-qwen3-moe"
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory("--model", MODEL, "--ep-size", "4", "--redundant-experts", "4", "--restart-delay-s", "1.0",
+                          "--step-plans-via", "agent", "--step-results-via", "agent")
+
+
+def plans_out(server) -> dict[str, int]:
+    return server.cluster()["control_times"]["plans_out"]
+
+
+def lost_results(server) -> dict[str, float]:
+    """outcome -> answers asked for again (`resent`, `not_run`: a plan that never arrived)."""
+    families = text_string_to_metric_families(server.http.get("/metrics").text)
+    return {s.labels["outcome"]: s.value for f in families if f.name == "elastic_ep_lost_step_results"
+            for s in f.samples if s.name.endswith("_total")}
+
+
+def test_streams_through_the_agent_relay_are_exact_and_no_plan_is_lost(server):
+    server.wait_full_group(4)
+    before = plans_out(server)
+    results = streams_with_fault(server.url, lambda: None, PROMPTS, MAX_TOKENS, temperature=0)
+    assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    after = plans_out(server)
+    # the plans of these steps went in the node's frame through the agent (a rank whose heartbeats
+    # lag on this loaded machine gets its plan directly for that step)
+    relayed, direct = after["relayed"] - before["relayed"], after["direct"] - before["direct"]
+    assert relayed >= 4 * (MAX_TOKENS // 2) and relayed > 4 * direct, after  # ~a step per token, 4 ranks
+    assert not any(lost_results(server).values()), lost_results(server)
+
+
+def test_a_killed_rank_is_recovered_with_exact_output_and_plans_relayed_again(server):
+    before = server.wait_full_group(4)
+    pid = server.pids()[1]
+    results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGKILL), PROMPTS, MAX_TOKENS,
+                                 temperature=0)
+    assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    cluster = server.wait_for(lambda c: any(e["kind"] == "recovered" and e.get("epoch", -1) > before["epoch"]
+                                            for e in c["events"]), timeout_s=10, what="a recovery")
+    assert 1 in {r for e in cluster["events"] if e["kind"] == "recovered" for r in e["culprits"]}
+    back = server.wait_full_group(4)
+    assert back["ranks"][1]["pid"] != pid
+    relayed = plans_out(server)["relayed"]
+    results = streams_with_fault(server.url, lambda: None, PROMPTS[:3], MAX_TOKENS, temperature=0)
+    assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS[:3]), MAX_TOKENS))
+    assert plans_out(server)["relayed"] > relayed  # the restarted rank's agent relays its plans too
+
+
+def test_a_stopped_rank_is_named_fenced_and_replaced_with_exact_output(server):
+    """SIGSTOP: the plan relayed to it waits in its socket; its heartbeats (through the agent) stop,
+    it is named and fenced, the step is recomputed without it, and the output stays exact."""
+    before = server.wait_full_group(4)
+    pid = server.pids()[2]
+    results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGSTOP), PROMPTS, MAX_TOKENS,
+                                 temperature=0)
+    assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    cluster = server.wait_for(lambda c: any(e["kind"] == "recovered" and e.get("epoch", -1) > before["epoch"]
+                                            for e in c["events"]), timeout_s=10, what="a recovery")
+    assert 2 in {r for e in cluster["events"] if e["kind"] == "recovered" and e["epoch"] > before["epoch"]
+                 for r in e["culprits"]}
+    assert server.wait_full_group(4)["ranks"][2]["pid"] != pid
+
+
+def test_a_stopped_agent_loses_its_nodes_plans_and_the_result_deadline_recovers_them(tmp_path):
+    """`elastic-ep agent --step-plans-via agent` SIGSTOPped for 1.5 s mid-stream, with deadlines long
+    enough that nothing is named for it: the plan it holds never arrives in time, the node's ranks
+    asked for their answer directly say they never ran the step (NOT_RUN), the step is run again in
+    a new epoch, no rank is named for it, and the output is exact. Results go directly here, so that
+    what the stall catches is a plan."""
+    server = Server(["--model", MODEL, "--ep-size", "4", "--local-ranks", "2", "--step-plans-via", "agent",
+                     "--heartbeat-timeout-s", "10", "--agent-timeout-s", "10",
+                     "--watchdog-floor-s", "10", "--lease-s", "30", "--result-timeout-floor-s", "0.5",
+                     "--restart-delay-s", "-1", "--startup-timeout-s", "300"], tmp_path / "serve.log",
+                    ready_timeout_s=None)
+    agent = subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "agent", "--controller", server.controller_addr(),
+                              "--node", "node1", "--ranks", "2", "--cluster-key-file", str(server.key_file),
+                              "--lease-s", "30", "--step-plans-via", "agent"],
+                             stdout=open(tmp_path / "agent.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    try:
+        server.wait_ready(300)
+        before = server.wait_full_group(4)
+
+        def stall() -> None:
+            os.kill(agent.pid, signal.SIGSTOP)
+            time.sleep(1.5)
+            os.kill(agent.pid, signal.SIGCONT)
+        results = streams_with_fault(server.url, stall, PROMPTS, MAX_TOKENS, temperature=0)
+        assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+        lost = lost_results(server)
+        assert lost.get("not_run", 0) >= 1 and not lost.get("unanswered"), lost
+        after = server.cluster()
+        assert not [e for e in after["events"] if e["kind"] == "fault" and e["time_s"] > before["events"][-1]["time_s"]]
+        relayed = plans_out(server)["relayed"]
+        again = streams_with_fault(server.url, lambda: None, PROMPTS[:2], MAX_TOKENS, temperature=0)
+        assert [r.text for r in again] == list(reference(MODEL, tuple(PROMPTS[:2]), MAX_TOKENS))
+        assert plans_out(server)["relayed"] > relayed  # relayed again once the agent runs
+    finally:
+        if agent.poll() is None:
+            os.kill(agent.pid, signal.SIGCONT)
+        server.stop()
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
