@@ -44,6 +44,17 @@ planned since, with no epoch change between (`forget_kept`, which the step loop 
 epoch changes; a batch planned and not committed, a failed or interrupted step, forgets every
 sequence's the same way), and it has not left the rank since (freed, preempted, moved, evicted).
 Anything else gets a full `ChunkPlan` again: when unsure, the plan is the one that was always sent.
+Overlap scheduling (serve --async-scheduling): while a step runs, `prepare_decodes` plans the
+next one when it can be known before the results: every sequence in flight decodes in this step,
+none can reach its length in it, nothing waits, nothing is held out, no KV offer is open, and no
+DP move is due. Each then decodes once more, its row's token `SAMPLED_TOKEN` (the rank puts in
+the token it sampled for it in this step), its table grown now as `schedule` would grow it (no
+free block: nothing is prepared, since `schedule` would preempt). `revision` counts whatever
+changes what the next step may run (a request added, aborted, finished, freed, a sequence that
+sampled nothing, a rank set, a hold, a forget, any `schedule`): `take_prepared` gives the
+prepared batch only while it is the one it was prepared at, so it is the step `schedule` would
+have planned, and otherwise drops it (its grown blocks stay in the tables, where `schedule`
+would have put them).
 
 Nothing here does I/O; the controller calls `schedule`, runs the step, then `commit`.
 """
@@ -56,7 +67,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastic_ep.model.block_manager import BlockManager
-from elastic_ep.wire import ChunkPlan, DecodeRows, HeldKV, KVMove
+from elastic_ep.wire import SAMPLED_TOKEN, ChunkPlan, DecodeRows, HeldKV, KVMove
 
 from ..api import GenerationRequest
 from .adopted_kv import KVOffers
@@ -220,11 +231,15 @@ class Scheduler:
         # a sequence's `kept` holds only with this generation: bumped to forget what every rank keeps
         self.kept_generation = 0
         self._uncommitted = False  # a batch was planned and not committed
+        # bumped by whatever changes what the next step may run (module docstring, overlap scheduling)
+        self.revision = 0
+        self._prepared: tuple[StepBatch, int, tuple[int | None, int]] | None = None  # batch, revision, balance
 
     def forget_kept(self) -> None:
         """No rank is known to keep any sequence any more (a new epoch: the workers drop what they
         kept): each running sequence's next chunk is a full `ChunkPlan`."""
         self.kept_generation += 1
+        self.revision += 1
 
     def set_pool_size(self, rank: int, num_blocks: int) -> None:
         """Rank `rank`'s KV pool has num_blocks blocks (it says so when it registers); its pool
@@ -236,23 +251,29 @@ class Scheduler:
         for the last leader's unfinished requests `journaled` (their ids): the blocks are reserved in
         the ranks' pools (`set_ranks` made them) for those requests, for at most `hold_s`."""
         self.kv_offers = KVOffers(self.pools, held, journaled, self.clock() + hold_s)
+        self.revision += 1
 
     def drain(self, ranks: list[int]) -> None:
         """`ranks` (leaving with a scale-down) finish what they run but take nothing new."""
         self.draining |= set(ranks)
+        self.revision += 1
 
     def undrain(self, ranks: list[int]) -> None:
         """`ranks` take new sequences again (their scale failed, or they left the cluster)."""
         self.draining -= set(ranks)
+        self.revision += 1
 
     def hold(self, seq_ids: set[int]) -> None:
         """Leave `seq_ids` out of the steps planned from now on (the suspects of a failed step,
         serving/isolation.py); an empty set holds nothing."""
-        self.held = set(seq_ids)
+        if seq_ids != self.held:
+            self.held = set(seq_ids)
+            self.revision += 1
 
     def set_ranks(self, ranks: list[int]) -> None:
         """Serve on `ranks` from now on; sequences of ranks no longer listed go back to the
         front of the queue, to be re-prefilled (prompt plus tokens so far) on another rank."""
+        self.revision += 1
         for r in [r for r in self.running if r not in ranks]:
             self.evict_rank(r)
         for r in ranks:
@@ -263,6 +284,7 @@ class Scheduler:
                                              self.enable_prefix_caching)
 
     def evict_rank(self, rank: int) -> list[Sequence]:
+        self.revision += 1
         moved = self.running.pop(rank, [])
         self.to_free.pop(rank, None)
         self.pools.pop(rank, None)
@@ -275,6 +297,7 @@ class Scheduler:
         return moved
 
     def add(self, seq: Sequence) -> None:
+        self.revision += 1
         self.by_id[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -282,6 +305,7 @@ class Scheduler:
         seq = self.by_id.pop(seq_id, None)
         if seq is None:
             return
+        self.revision += 1
         seq.finish_reason = seq.finish_reason or "abort"
         if seq.rank is None:
             self.waiting.remove(seq)
@@ -312,6 +336,7 @@ class Scheduler:
     def step_failed(self, batch: StepBatch) -> None:
         """A failed step's frees may not have run: ask again in the next step. A KV move may have
         left a copy on its destination: free it there (the sequence stays on its old rank)."""
+        self.revision += 1
         for rank_id, ids in batch.free.items():
             if rank_id in self.to_free:
                 self.to_free[rank_id].extend(ids)
@@ -319,6 +344,7 @@ class Scheduler:
             self._drop_copy(move)
 
     def _release(self, seq: Sequence) -> None:
+        self.revision += 1
         seq.kept = None
         self.running[seq.rank].remove(seq)
         self.to_free[seq.rank].append(seq.seq_id)
@@ -349,6 +375,8 @@ class Scheduler:
         if self._uncommitted:  # the last batch's plans may have been half run, or not at all
             self.forget_kept()
         self._uncommitted = True
+        self.revision += 1
+        self._prepared = None
         budget, align = self.max_num_batched_tokens, self.align
         offers = self.kv_offers
         if offers is not None:
@@ -478,10 +506,7 @@ class Scheduler:
         A KV move is planned and returned (its chunk goes to the new rank, `commit` re-homes it);
         a re-prefill moves the sequence now, to run from its first token on the new rank, and
         returns it. `decoding`: decoding sequences of each rank of `active` with sequences."""
-        counts = _per_rank({r: None for r in active if r not in self.draining},
-                           {r: n for r, n in decoding.items() if r not in self.draining})
-        takers = {r for r in counts if len(self.running[r]) < self.max_num_seqs}
-        pick = self.balance.observe(counts, takers)
+        pick = self.balance.observe(*self._balance_inputs(active, decoding))
         if pick is None:
             return None
         src, dst = pick
@@ -502,6 +527,68 @@ class Scheduler:
         seq.rank, seq.num_cached, seq.unsent_prefix = dst, cached, cached
         self.running[dst].append(seq)
         return seq
+
+    def _balance_inputs(self, active: dict[int, object], decoding: dict[int, int]) -> tuple[dict[int, int], set[int]]:
+        """`DecodeBalance.observe`'s decoding sequences per rank (draining ranks left out) and the ranks
+        with room for one more."""
+        counts = _per_rank({r: None for r in active if r not in self.draining},
+                           {r: n for r, n in decoding.items() if r not in self.draining})
+        return counts, {r for r in counts if len(self.running[r]) < self.max_num_seqs}
+
+    def prepare_decodes(self, batch: StepBatch) -> StepBatch | None:
+        """While `batch` (just planned by `schedule`) runs: plan the next step now when it is one more
+        decode of every sequence in flight (module docstring, overlap scheduling); `take_prepared` gives it
+        once `batch` committed if nothing changed meanwhile. None when it cannot be known now."""
+        self._prepared = None
+        if self.waiting or self.held or self.kv_offers is not None or batch.moves or any(batch.chunks.values()):
+            return None
+        decodes, by_id = batch.decodes, self.by_id
+        if not decodes or sum(len(r.seq_ids) for r in decodes.values()) != sum(map(len, self.running.values())):
+            return None  # some sequence in flight does not decode in this step
+        balance = (self.balance.busiest, self.balance.streak)
+        if self.align.migrate != "off":  # the move `schedule` would plan is not prepared: it plans it
+            probe = DecodeBalance(self.balance.patience)
+            probe.busiest, probe.streak = balance
+            if probe.observe(*self._balance_inputs(self.running, {r: len(q.seq_ids) for r, q in decodes.items()})):
+                return None
+            balance = (probe.busiest, probe.streak)
+        prepared: dict[int, DecodeRows] = {}
+        for rank, rows in decodes.items():
+            pool, kept = self.pools[rank], (rank, self.kept_generation)
+            nxt = prepared[rank] = DecodeRows(list(rows.seq_ids), [SAMPLED_TOKEN] * len(rows.seq_ids),
+                                              [p + 1 for p in rows.positions])
+            for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
+                seq = by_id[seq_id]
+                if seq.remaining < 2 or seq.kept != kept:  # its length ends it in this step
+                    return None
+                if not pool.grow(seq_id, position + 2):  # `schedule` would preempt for its block
+                    return None
+                table = pool.tables[seq_id]
+                if len(table) > seq.kept_blocks:
+                    nxt.new_blocks.extend((seq_id, b) for b in table[seq.kept_blocks:])
+        tokens = {r: len(q.seq_ids) for r, q in prepared.items()}
+        nxt = StepBatch({r: [] for r in self.running}, {r: [] for r in self.running}, prepared,
+                        unaligned=_per_rank(self.running, tokens))
+        self._prepared = (nxt, self.revision, balance)
+        return nxt
+
+    def take_prepared(self) -> StepBatch | None:
+        """The batch `prepare_decodes` planned, now the next step's, when nothing changed since (else
+        None, and `schedule` plans the step); dropped either way."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared[1] != self.revision:
+            return None
+        batch, _, (self.balance.busiest, self.balance.streak) = prepared
+        self.revision += 1
+        self._uncommitted = True
+        self._reprefill_held = False
+        by_id = self.by_id
+        for rank, rows in batch.decodes.items():
+            if rows.new_blocks:
+                tables = self.pools[rank].tables
+                for seq_id in {q for q, _ in rows.new_blocks}:
+                    by_id[seq_id].kept_blocks = len(tables[seq_id])
+        return batch
 
     def _place(self, seq: Sequence, ahead: dict[int, int]) -> bool:
         """Put `seq` on the rank where it adds the fewest tokens of work (see the module
@@ -624,7 +711,8 @@ class Scheduler:
         if filled:
             self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, num_cached)
         token = sampled.get(seq.seq_id)
-        if token is None:
+        if token is None:  # nothing sampled (not its last chunk, or an error): a prepared next step is not it
+            self.revision += 1
             return
         seq.append(token)
         seq.finish_reason = seq.check_finished(token)
