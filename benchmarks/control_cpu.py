@@ -18,6 +18,9 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
 - schedule: the scheduler's `schedule` + `commit` of a step at N ranks, one decoding sequence
   in all (the others idle: the benchmark's `--seqs-per-rank 0`), then 8 and 64 decoding on every
   one of 256 ranks with short and 1,024-token prompts (each its own: no prefix hits), ms per step;
+- prepared (serve --async-scheduling): at 256 ranks x 8 and x 64 decoding sequences (short
+  prompts), the scheduler's `prepare_decodes` (while the step runs) and `take_prepared` (at the
+  step boundary, where `schedule` was), ms per step (a tree without them shows n/a);
 - plans: at 256 ranks x 64 decoding sequences of 1,024-token prompts, the step's `StepPlan`s built
   and sealed by the control thread (ms per step), read by the workers (MAC and decode, ms per
   step summed over the 256: each worker pays 1/256 of it), and their bytes per rank;
@@ -279,6 +282,25 @@ def schedule_ms(ranks: int, seqs_per_rank: int = 0, prompt_len: int = 6, steps: 
     return 1000 * (time.process_time() - cpu0) / steps
 
 
+def prepared_ms(ranks: int, seqs_per_rank: int, what: str, steps: int = 20) -> float:
+    """CPU ms per decode step of `prepare_decodes` or `take_prepared` (what), every step prepared
+    while the one before runs and taken once it committed."""
+    s = decoding_scheduler(ranks, seqs_per_rank, 6, grow_tokens=steps + 5 + 16)
+    for _ in range(5):
+        batch = s.schedule()
+        s.commit(batch, sampled_of(batch))
+    batch, spent = s.schedule(), 0.0
+    for _ in range(steps):
+        cpu0 = time.process_time()
+        s.prepare_decodes(batch)
+        cpu1 = time.process_time()
+        s.commit(batch, sampled_of(batch))
+        cpu2 = time.process_time()
+        batch = s.take_prepared()
+        spent += (cpu1 - cpu0) if what == "prepare_decodes" else time.process_time() - cpu2
+    return 1000 * spent / steps
+
+
 def plans_ms(ranks: int = 256, seqs_per_rank: int = 64, prompt_len: int = 1024, steps: int = 10) -> dict:
     """CPU ms per decode step of building and sealing every rank's `StepPlan`, of reading them
     as the workers do (MAC and decode, summed over the ranks), and the plans' bytes per rank."""
@@ -433,6 +455,10 @@ def measure(repeat: int, deliver_only: bool = False) -> dict:
         **{f"schedule + commit ms, {n} ranks": best_of(repeat, lambda n=n: schedule_ms(n)) for n in (256, 1024)},
         **{f"schedule + commit ms, 256 ranks x {k} sequences, {p}-token prompts":
            best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},
+        **{f"{what} ms, 256 ranks x {k} sequences, 6-token prompts":
+           (best_of(repeat, lambda k=k, what=what: prepared_ms(256, k, what))
+            if hasattr(Scheduler, "prepare_decodes") else None)
+           for what in ("prepare_decodes", "take_prepared") for k in (8, 64)},
         **{f"detector check ms, {n} ranks": best_of(repeat, lambda n=n: detector_ms(n)) for n in (256, 1024)},
         **{f"plans {what}, 256 ranks x 64 decoding, 1,024-token prompts": value
            for what, value in zip(("built + sealed ms", "read by the workers ms (sum)", "bytes per rank"),

@@ -553,18 +553,20 @@ class Scheduler:
                 return None
             balance = (probe.busiest, probe.streak)
         prepared: dict[int, DecodeRows] = {}
+        block_size = self.block_size
         for rank, rows in decodes.items():
             pool, kept = self.pools[rank], (rank, self.kept_generation)
+            tables = pool.tables
             nxt = prepared[rank] = DecodeRows(list(rows.seq_ids), [SAMPLED_TOKEN] * len(rows.seq_ids),
                                               [p + 1 for p in rows.positions])
             for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
                 seq = by_id[seq_id]
                 if seq.remaining < 2 or seq.kept != kept:  # its length ends it in this step
                     return None
-                if not pool.grow(seq_id, position + 2):  # `schedule` would preempt for its block
-                    return None
-                table = pool.tables[seq_id]
-                if len(table) > seq.kept_blocks:
+                table = tables[seq_id]  # as long as `schedule` left it (`kept_blocks`): it grows only here
+                if len(table) * block_size < position + 2:
+                    if not pool.grow(seq_id, position + 2):  # `schedule` would preempt for its block
+                        return None
                     nxt.new_blocks.extend((seq_id, b) for b in table[seq.kept_blocks:])
         tokens = {r: len(q.seq_ids) for r, q in prepared.items()}
         nxt = StepBatch({r: [] for r in self.running}, {r: [] for r in self.running}, prepared,
