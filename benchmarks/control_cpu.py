@@ -19,8 +19,10 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   in all (the others idle: the benchmark's `--seqs-per-rank 0`), then 8 and 64 decoding on every
   one of 256 ranks with short and 1,024-token prompts (each its own: no prefix hits), ms per step;
 - prepared (serve --async-scheduling): at 256 ranks x 8 and x 64 decoding sequences (short
-  prompts), the scheduler's `prepare_decodes` (while the step runs) and `take_prepared` (at the
-  step boundary, where `schedule` was), ms per step (a tree without them shows n/a);
+  prompts), what the scheduler does at the step boundary, between the last result and the next
+  plan: `schedule` without the flag, `take_prepared` with it (the step `prepare_decodes` planned
+  while the one before ran, also shown), ms per step (a tree without them shows n/a).
+  `--prepared` measures only these rows;
 - plans: at 256 ranks x 64 decoding sequences of 1,024-token prompts, the step's `StepPlan`s built
   and sealed by the control thread (ms per step), read by the workers (MAC and decode, ms per
   step summed over the 256: each worker pays 1/256 of it), and their bytes per rank;
@@ -282,9 +284,10 @@ def schedule_ms(ranks: int, seqs_per_rank: int = 0, prompt_len: int = 6, steps: 
     return 1000 * (time.process_time() - cpu0) / steps
 
 
-def prepared_ms(ranks: int, seqs_per_rank: int, what: str, steps: int = 20) -> float:
-    """CPU ms per decode step of `prepare_decodes` or `take_prepared` (what), every step prepared
-    while the one before runs and taken once it committed."""
+def boundary_ms(ranks: int, seqs_per_rank: int, what: str, steps: int = 20) -> float:
+    """CPU ms per decode step of `what`: `schedule` (each step planned after the last committed),
+    or `prepare_decodes` / `take_prepared` (each step prepared while the one before runs, taken
+    once it committed)."""
     s = decoding_scheduler(ranks, seqs_per_rank, 6, grow_tokens=steps + 5 + 16)
     for _ in range(5):
         batch = s.schedule()
@@ -292,13 +295,21 @@ def prepared_ms(ranks: int, seqs_per_rank: int, what: str, steps: int = 20) -> f
     batch, spent = s.schedule(), 0.0
     for _ in range(steps):
         cpu0 = time.process_time()
-        s.prepare_decodes(batch)
+        if what != "schedule":
+            s.prepare_decodes(batch)
         cpu1 = time.process_time()
         s.commit(batch, sampled_of(batch))
         cpu2 = time.process_time()
-        batch = s.take_prepared()
+        batch = s.schedule() if what == "schedule" else s.take_prepared()
         spent += (cpu1 - cpu0) if what == "prepare_decodes" else time.process_time() - cpu2
     return 1000 * spent / steps
+
+
+def prepared_rows(repeat: int) -> dict:
+    has = hasattr(Scheduler, "prepare_decodes")
+    return {f"step boundary: {what} ms, 256 ranks x {k} sequences, 6-token prompts":
+            best_of(repeat, lambda k=k, what=what: boundary_ms(256, k, what)) if has or what == "schedule" else None
+            for k in (8, 64) for what in ("schedule", "take_prepared", "prepare_decodes")}
 
 
 def plans_ms(ranks: int = 256, seqs_per_rank: int = 64, prompt_len: int = 1024, steps: int = 10) -> dict:
@@ -441,9 +452,11 @@ def deliver_rows(repeat: int) -> dict:
     return rows
 
 
-def measure(repeat: int, deliver_only: bool = False) -> dict:
+def measure(repeat: int, deliver_only: bool = False, prepared_only: bool = False) -> dict:
     if deliver_only:
         return deliver_rows(repeat)
+    if prepared_only:
+        return prepared_rows(repeat)
     return {
         "heartbeat frame us": best_of(repeat, lambda: frames_us("heartbeat", 20_000)),
         "empty StepResult frame us": best_of(repeat, lambda: frames_us("step", 20_000)),
@@ -455,10 +468,7 @@ def measure(repeat: int, deliver_only: bool = False) -> dict:
         **{f"schedule + commit ms, {n} ranks": best_of(repeat, lambda n=n: schedule_ms(n)) for n in (256, 1024)},
         **{f"schedule + commit ms, 256 ranks x {k} sequences, {p}-token prompts":
            best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},
-        **{f"{what} ms, 256 ranks x {k} sequences, 6-token prompts":
-           (best_of(repeat, lambda k=k, what=what: prepared_ms(256, k, what))
-            if hasattr(Scheduler, "prepare_decodes") else None)
-           for what in ("prepare_decodes", "take_prepared") for k in (8, 64)},
+        **prepared_rows(repeat),
         **{f"detector check ms, {n} ranks": best_of(repeat, lambda n=n: detector_ms(n)) for n in (256, 1024)},
         **{f"plans {what}, 256 ranks x 64 decoding, 1,024-token prompts": value
            for what, value in zip(("built + sealed ms", "read by the workers ms (sum)", "bytes per rank"),
@@ -483,6 +493,7 @@ def main() -> None:
                         help="instead of the table: STEPS steps of schedule + commit at 256 x 64 with each --gc, "
                              "side by side (0: the table)")
     parser.add_argument("--deliver", action="store_true", help="only the deliver rows")
+    parser.add_argument("--prepared", action="store_true", help="only the step boundary rows (--async-scheduling)")
     args = parser.parse_args()
     if args.gc == "tuned":
         tune_for_serving()
@@ -492,7 +503,7 @@ def main() -> None:
     if args.gc_tail:
         print_gc_tail(args.gc_tail)
         return
-    after = measure(args.repeat, args.deliver)
+    after = measure(args.repeat, args.deliver, args.prepared)
     if args.json:
         print(json.dumps(after))
         return
@@ -504,9 +515,9 @@ def main() -> None:
                                      check=True).stdout
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
+            only = [flag for flag, on in (("--deliver", args.deliver), ("--prepared", args.prepared)) if on]
             done = subprocess.run([sys.executable, __file__, "--json", "--repeat", str(args.repeat), "--gc", args.gc,
-                                   *(["--deliver"] if args.deliver else [])], check=True,
-                                  capture_output=True, text=True, env=env)
+                                   *only], check=True, capture_output=True, text=True, env=env)
         columns = {args.baseline: json.loads(done.stdout.strip().splitlines()[-1]), **columns}
     names = list(columns)
     print("| what | " + " | ".join(names) + (" | ratio |" if len(names) == 2 else " |"))
