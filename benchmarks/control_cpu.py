@@ -300,7 +300,7 @@ def boundary_ms(ranks: int, seqs_per_rank: int, what: str, steps: int = 20) -> f
         cpu1 = time.process_time()
         s.commit(batch, sampled_of(batch))
         cpu2 = time.process_time()
-        batch = s.schedule() if what == "schedule" else s.take_prepared()
+        batch = s.schedule() if what == "schedule" else s.take_prepared()[0]
         spent += (cpu1 - cpu0) if what == "prepare_decodes" else time.process_time() - cpu2
     return 1000 * spent / steps
 

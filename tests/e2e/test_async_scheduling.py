@@ -1,7 +1,7 @@
 """Overlap scheduling end to end (serve --async-scheduling): 4 real ranks, concurrent streams that
 end by length at different steps, by a stop token mid-run, by a stop string, seeded sampling among
 them, arriving one after another. Every output is token for token the one of a server without the
-flag; the prepared steps were sent (and some dropped, as requests ended and arrived). A rank killed
+flag; the prepared steps were sent (some with the requests that ended taken out). A rank killed
 mid-stream: every output equals the fault-free run."""
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def test_outputs_are_token_for_token_those_without_the_flag(server, without_flag
     assert {reason for _, _, reason in expected[:-2]} == {"length"}
     assert mix == the_mix(server)  # the same stop token and string
     assert stream_mix(server, mix) == expected
-    assert prepared(server, "sent") > 20 and prepared(server, "dropped") > 0
+    # sent as sealed, and with the rows of requests that ended taken out (the drops on arrival depend on
+    # when a request lands: tests/control/serving/test_step_loop.py)
+    assert prepared(server, "sent") > 20 and prepared(server, "rebuilt") > 0
 
 
 def test_a_rank_killed_mid_stream_leaves_the_outputs_exact(server):

@@ -173,7 +173,9 @@ class ClusterMetrics:
         )
         self.prepared_steps = Counter(
             "elastic_ep_prepared_steps", "Steps planned while the one before ran (serve --async-scheduling), by "
-            "outcome: sent (the moment the one before committed), dropped (something changed: planned again)",
+            "outcome: sent (as sealed, the moment the next step began), rebuilt (sent with the rows of requests "
+            "that ended meanwhile taken out, its plans built again), dropped (something else changed: planned "
+            "again)",
             ["outcome"], registry=registry,
         )
         self.epoch = Gauge("elastic_ep_epoch", "Current membership epoch", registry=registry)

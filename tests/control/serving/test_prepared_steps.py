@@ -1,8 +1,9 @@
 """Overlap scheduling on the scheduler's side (serve --async-scheduling): the step prepared while
-the one before runs is the step `schedule` would have planned, or it is not taken: dropped when
-a sequence finishes or is aborted, a request arrives, the step fails, or anything else changes
-what the next step may run. Checked against real ranks' state (runtime/held.py), which fill in
-the sampled tokens themselves, over random workloads with failures and aborts."""
+the one before runs is the step `schedule` would have planned, or it is not taken: a sequence
+that finished (EOS, its length) or was aborted meanwhile is taken out of it (its KV freed in it),
+and it is dropped when a request arrives, the step fails, or anything else changes what the next
+step may run. Checked against real ranks' state (runtime/held.py), which fill in the sampled
+tokens themselves, over a random workload with failures and aborts."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ def sampled_of(batch: StepBatch, token: int = 5) -> dict[int, int]:
     return {q: token for r in batch.chunks for q, _, _, sample in batch.runs(r) if sample}
 
 
-def decoding_pair(max_tokens: int = 30) -> tuple[Scheduler, StepBatch]:
-    """Two sequences on one rank, decoding; returns the scheduler and the batch just planned."""
+def decoding_pair(max_tokens: int = 30, max_tokens_2: int | None = None) -> tuple[Scheduler, StepBatch]:
+    """Two sequences on one rank, decoding; returns the scheduler and the batch just planned (their
+    third tokens)."""
     s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
     s.set_ranks([0])
     s.add(seq(1, 6, max_tokens=max_tokens))
-    s.add(seq(2, 3, max_tokens=max_tokens))
+    s.add(seq(2, 3, max_tokens=max_tokens_2 or max_tokens))
     for _ in range(2):
         batch = s.schedule()
         s.commit(batch, sampled_of(batch))
@@ -42,8 +44,8 @@ def test_the_prepared_step_is_the_one_schedule_plans():
     assert nxt is not None and nxt.decodes[0].tokens == [SAMPLED_TOKEN, SAMPLED_TOKEN]
     s.commit(batch, {1: 11, 2: 12})
     planned = copy.deepcopy(s).schedule()  # what the step would have been without the preparation
-    taken = s.take_prepared()
-    assert taken is nxt
+    taken, changed = s.take_prepared()
+    assert taken is nxt and not changed
     want, got = planned.decodes[0], taken.decodes[0]
     assert (got.seq_ids, got.positions, got.new_blocks) == (want.seq_ids, want.positions, want.new_blocks)
     assert want.tokens == [11, 12]  # the tokens the rank sampled, which it fills in
@@ -52,7 +54,24 @@ def test_the_prepared_step_is_the_one_schedule_plans():
     assert s.by_id[1].output[-2:] == [11, 13] and s.by_id[2].output[-2:] == [12, 14]
 
 
-@pytest.mark.parametrize("change", ["eos", "abort", "new_request", "failed", "hold", "length"])
+@pytest.mark.parametrize("end", ["eos", "abort", "length"])
+def test_a_sequence_that_ends_meanwhile_is_taken_out_of_the_prepared_step_and_freed_in_it(end):
+    s, batch = decoding_pair(max_tokens_2=3 if end == "length" else None)  # length: its 3rd token ends it
+    nxt = s.prepare_decodes(batch)
+    assert nxt.decodes[0].seq_ids == ([1] if end == "length" else [1, 2])
+    if end == "abort":
+        s.abort(2)
+    s.commit(batch, {1: 11, 2: EOS if end == "eos" else 12})
+    planned = copy.deepcopy(s).schedule()
+    taken, changed = s.take_prepared()
+    assert changed and taken.free[0] == planned.free[0] == [2]
+    want, got = planned.decodes[0], taken.decodes[0]
+    assert (got.seq_ids, got.positions, got.new_blocks) == (want.seq_ids, want.positions, want.new_blocks) == (
+        [1], [8], want.new_blocks) and want.new_blocks
+    assert taken.tokens_per_rank() == {0: 1} and s.to_free[0] == []
+
+
+@pytest.mark.parametrize("change", ["new_request", "failed", "hold", "length", "all_end"])
 def test_a_change_drops_the_prepared_step(change):
     s, batch = decoding_pair(max_tokens=3 if change == "length" else 30)
     nxt = s.prepare_decodes(batch)
@@ -65,10 +84,8 @@ def test_a_change_drops_the_prepared_step(change):
         s.step_failed(batch)
         assert s.take_prepared() is None
         return
-    if change == "eos":
-        sampled[2] = EOS
-    if change == "abort":
-        s.abort(2)
+    if change == "all_end":
+        sampled = {1: EOS, 2: EOS}
     if change == "new_request":
         s.add(seq(3, 4))
     if change == "hold":
@@ -76,9 +93,8 @@ def test_a_change_drops_the_prepared_step(change):
     s.commit(batch, sampled)
     assert s.take_prepared() is None
     batch = s.schedule()
-    assert 2 not in batch.seq_ids() or change in ("new_request", "hold")
-    if change == "eos":
-        assert batch.free[0] == [2]  # its KV is freed in the step planned instead
+    if change == "all_end":
+        assert batch.free[0] == [1, 2]  # their KV is freed in the step planned instead
 
 
 def test_nothing_is_prepared_while_a_request_waits_or_prefills():
@@ -96,11 +112,11 @@ def answer(rank_id: int, plan: StepPlan, rows: DecodeRows | None, sampled: dict[
     return StepResult(plan.epoch, plan.step, rank_id, tokens, 0.0, 0.0, 0.0, 0.0, np.zeros((0, 0), np.int32), 0, {})
 
 
-def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int]], int]:
+def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int]], tuple[int, int]]:
     """A random workload (requests of random lengths ending by length or EOS, aborts, failed steps)
     on 3 ranks fed every plan through the codec, the ranks filling in `SAMPLED_TOKEN` from their
     last answer. Returns every step's (seq_id, position) runs, each request's output, and how many
-    steps were prepared and taken."""
+    steps were prepared and taken (and of those, how many with sequences that ended taken out)."""
     rng = random.Random(seed)
     key = ClusterKey.generate()
     inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key)
@@ -109,7 +125,7 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
     ranks = {r: Rank(r, 60, 4) for r in (0, 1, 2)}
     last: dict[int, StepResult | None] = dict.fromkeys(ranks)
     s.set_ranks(list(ranks))
-    runs, outputs, taken, next_id = [], {}, 0, 0
+    runs, outputs, taken, rebuilt, next_id = [], {}, 0, 0, 0
     for step in range(400):
         if step % 40 == 0:  # a burst of requests, then they decode until they end
             for _ in range(rng.randrange(6, 12)):
@@ -120,9 +136,10 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
                 next_id += 1
         if rng.random() < 0.01 and s.by_id:
             s.abort(rng.choice(sorted(s.by_id)))
-        batch = s.take_prepared() if prepare else None
-        taken += batch is not None
-        batch = batch or s.schedule()
+        prepared = s.take_prepared() if prepare else None
+        taken += prepared is not None
+        rebuilt += prepared is not None and prepared[1]
+        batch = prepared[0] if prepared is not None else s.schedule()
         failing = rng.random() < 0.03
         # a token is a pure function of the sequence and its position; EOS now and then
         sampled = {q: (EOS if (q * 31 + p) % 50 == 0 else 100 + (q * 7 + p) % 300)
@@ -146,13 +163,13 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
                 sq = s.by_id.get(q)
                 if sq is not None and sq.rank == r:
                     assert rank.held.tokens[q] == sq.tokens[:sq.num_cached], (step, q)
-    return runs, outputs, taken
+    return runs, outputs, (taken, rebuilt)
 
 
 def test_prepared_steps_run_the_same_steps_and_tokens_as_planning_each_after_the_last():
     runs, outputs, none_taken = run_workload(prepare=False)
-    runs_p, outputs_p, taken = run_workload(prepare=True)
-    assert none_taken == 0 and taken > 100  # most steps of a decode phase are prepared
+    runs_p, outputs_p, (taken, rebuilt) = run_workload(prepare=True)
+    assert none_taken == (0, 0) and taken > 100 and rebuilt > 5  # most steps of a decode phase are prepared
     assert runs_p == runs
     assert outputs_p == outputs and any(o and o[-1] == EOS for o in outputs.values())
 

@@ -46,15 +46,16 @@ sequence's the same way), and it has not left the rank since (freed, preempted, 
 Anything else gets a full `ChunkPlan` again: when unsure, the plan is the one that was always sent.
 Overlap scheduling (serve --async-scheduling): while a step runs, `prepare_decodes` plans the
 next one when it can be known before the results: every sequence in flight decodes in this step,
-none can reach its length in it, nothing waits, nothing is held out, no KV offer is open, and no
-DP move is due. Each then decodes once more, its row's token `SAMPLED_TOKEN` (the rank puts in
+nothing waits, nothing is held out, no KV offer is open, and no DP move is due. Each then
+decodes once more (but those whose length ends them in this step), its row's token `SAMPLED_TOKEN` (the rank puts in
 the token it sampled for it in this step), its table grown now as `schedule` would grow it (no
 free block: nothing is prepared, since `schedule` would preempt). `revision` counts whatever
-changes what the next step may run (a request added, aborted, finished, freed, a sequence that
-sampled nothing, a rank set, a hold, a forget, any `schedule`): `take_prepared` gives the
-prepared batch only while it is the one it was prepared at, so it is the step `schedule` would
-have planned, and otherwise drops it (its grown blocks stay in the tables, where `schedule`
-would have put them).
+else changes what the next step may run (a request added, a sequence that sampled nothing, a
+rank set, a hold, a forget, a failed step, any `schedule`): `take_prepared` gives the prepared
+batch only while it is the one it was prepared at, less the sequences that ended since (finished
+in the step, or aborted: their rows out, their frees in, as `schedule` would plan them), so it is
+the step `schedule` would have planned; otherwise it drops it (its grown blocks stay in the
+tables, where `schedule` would have put them).
 
 Nothing here does I/O; the controller calls `schedule`, runs the step, then `commit`.
 """
@@ -233,7 +234,9 @@ class Scheduler:
         self._uncommitted = False  # a batch was planned and not committed
         # bumped by whatever changes what the next step may run (module docstring, overlap scheduling)
         self.revision = 0
-        self._prepared: tuple[StepBatch, int, tuple[int | None, int]] | None = None  # batch, revision, balance
+        # batch, revision, `DecodeBalance` state before it and after it
+        self._prepared: tuple[StepBatch, int, tuple[int | None, int], tuple[int | None, int]] | None = None
+        self._left: list[tuple[int, int]] = []  # (rank, seq_id) released since the last `schedule` or preparation
 
     def forget_kept(self) -> None:
         """No rank is known to keep any sequence any more (a new epoch: the workers drop what they
@@ -305,9 +308,9 @@ class Scheduler:
         seq = self.by_id.pop(seq_id, None)
         if seq is None:
             return
-        self.revision += 1
         seq.finish_reason = seq.finish_reason or "abort"
         if seq.rank is None:
+            self.revision += 1
             self.waiting.remove(seq)
             if self.kv_offers is not None:
                 self.kv_offers.left(seq.request.request_id)
@@ -344,7 +347,7 @@ class Scheduler:
             self._drop_copy(move)
 
     def _release(self, seq: Sequence) -> None:
-        self.revision += 1
+        self._left.append((seq.rank, seq.seq_id))
         seq.kept = None
         self.running[seq.rank].remove(seq)
         self.to_free[seq.rank].append(seq.seq_id)
@@ -376,7 +379,7 @@ class Scheduler:
             self.forget_kept()
         self._uncommitted = True
         self.revision += 1
-        self._prepared = None
+        self._prepared, self._left = None, []
         budget, align = self.max_num_batched_tokens, self.align
         offers = self.kv_offers
         if offers is not None:
@@ -539,48 +542,74 @@ class Scheduler:
         """While `batch` (just planned by `schedule`) runs: plan the next step now when it is one more
         decode of every sequence in flight (module docstring, overlap scheduling); `take_prepared` gives it
         once `batch` committed if nothing changed meanwhile. None when it cannot be known now."""
-        self._prepared = None
+        self._prepared, self._left = None, []
         if self.waiting or self.held or self.kv_offers is not None or batch.moves or any(batch.chunks.values()):
             return None
         decodes, by_id = batch.decodes, self.by_id
         if not decodes or sum(len(r.seq_ids) for r in decodes.values()) != sum(map(len, self.running.values())):
             return None  # some sequence in flight does not decode in this step
-        balance = (self.balance.busiest, self.balance.streak)
-        if self.align.migrate != "off":  # the move `schedule` would plan is not prepared: it plans it
-            probe = DecodeBalance(self.balance.patience)
-            probe.busiest, probe.streak = balance
-            if probe.observe(*self._balance_inputs(self.running, {r: len(q.seq_ids) for r, q in decodes.items()})):
-                return None
-            balance = (probe.busiest, probe.streak)
         prepared: dict[int, DecodeRows] = {}
         block_size = self.block_size
         for rank, rows in decodes.items():
             pool, kept = self.pools[rank], (rank, self.kept_generation)
             tables = pool.tables
-            nxt = prepared[rank] = DecodeRows(list(rows.seq_ids), [SAMPLED_TOKEN] * len(rows.seq_ids),
-                                              [p + 1 for p in rows.positions])
+            seq_ids, positions, new_blocks = [], [], []
             for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
                 seq = by_id[seq_id]
-                if seq.remaining < 2 or seq.kept != kept:  # its length ends it in this step
+                if seq.kept != kept:
                     return None
+                if seq.remaining < 2:  # its length ends it in this step: `take_prepared` frees it
+                    continue
+                seq_ids.append(seq_id)
+                positions.append(position + 1)
                 table = tables[seq_id]  # as long as `schedule` left it (`kept_blocks`): it grows only here
                 if len(table) * block_size < position + 2:
                     if not pool.grow(seq_id, position + 2):  # `schedule` would preempt for its block
                         return None
-                    nxt.new_blocks.extend((seq_id, b) for b in table[seq.kept_blocks:])
+                    new_blocks.extend((seq_id, b) for b in table[seq.kept_blocks:])
+            if seq_ids:
+                prepared[rank] = DecodeRows(seq_ids, [SAMPLED_TOKEN] * len(seq_ids), positions, new_blocks)
+        before = (self.balance.busiest, self.balance.streak)
+        after = self._balance_after(before, prepared) if prepared else None
+        if after is None:
+            return None
         tokens = {r: len(q.seq_ids) for r, q in prepared.items()}
         nxt = StepBatch({r: [] for r in self.running}, {r: [] for r in self.running}, prepared,
                         unaligned=_per_rank(self.running, tokens))
-        self._prepared = (nxt, self.revision, balance)
+        self._prepared = (nxt, self.revision, before, after)
         return nxt
 
-    def take_prepared(self) -> StepBatch | None:
-        """The batch `prepare_decodes` planned, now the next step's, when nothing changed since (else
-        None, and `schedule` plans the step); dropped either way."""
+    def _balance_after(self, before: tuple[int | None, int], decodes: dict[int, DecodeRows]
+                       ) -> tuple[int | None, int] | None:
+        """`DecodeBalance`'s state after it observed a step of `decodes` from state `before`; None when
+        it would name a move there (the move `schedule` would plan is not prepared: it plans it)."""
+        if self.align.migrate == "off":
+            return before
+        probe = DecodeBalance(self.balance.patience)
+        probe.busiest, probe.streak = before
+        if probe.observe(*self._balance_inputs(self.running, {r: len(q.seq_ids) for r, q in decodes.items()})):
+            return None
+        return probe.busiest, probe.streak
+
+    def take_prepared(self) -> tuple[StepBatch, bool] | None:
+        """The batch `prepare_decodes` planned, now the next step's, when nothing but sequences ending
+        changed since (else None, and `schedule` plans the step), and whether some did: their rows
+        are taken out of it and their frees put in. Dropped either way."""
         prepared, self._prepared = self._prepared, None
         if prepared is None or prepared[1] != self.revision:
             return None
-        batch, _, (self.balance.busiest, self.balance.streak) = prepared
+        batch, _, before, after = prepared
+        left, self._left = self._left, []
+        if left:
+            decodes = _without(batch.decodes, left)
+            after = self._balance_after(before, decodes) if decodes else None
+            if after is None:
+                return None
+            for rank in {r for r, _ in left}:  # their frees: nothing else was released since
+                batch.free[rank], self.to_free[rank] = self.to_free[rank], []
+                batch.unaligned[rank] = len(decodes[rank].seq_ids) if rank in decodes else 0
+            batch.decodes = decodes
+        self.balance.busiest, self.balance.streak = after
         self.revision += 1
         self._uncommitted = True
         self._reprefill_held = False
@@ -590,7 +619,7 @@ class Scheduler:
                 tables = self.pools[rank].tables
                 for seq_id in {q for q, _ in rows.new_blocks}:
                     by_id[seq_id].kept_blocks = len(tables[seq_id])
-        return batch
+        return batch, bool(left)
 
     def _place(self, seq: Sequence, ahead: dict[int, int]) -> bool:
         """Put `seq` on the rank where it adds the fewest tokens of work (see the module
@@ -722,6 +751,20 @@ class Scheduler:
             self.by_id.pop(seq.seq_id)
             self._release(seq)
         out.append((seq, [token]))
+
+
+def _without(decodes: dict[int, DecodeRows], left: list[tuple[int, int]]) -> dict[int, DecodeRows]:
+    """`decodes` less the rows (and new blocks) of the sequences of `left` (rank, seq_id); a rank
+    left with no row has none."""
+    gone, out = {q for _, q in left}, dict(decodes)
+    for rank in {r for r, _ in left}:
+        rows = out.pop(rank, None)
+        kept = [i for i, q in enumerate(rows.seq_ids) if q not in gone] if rows is not None else []
+        if kept:
+            out[rank] = DecodeRows([rows.seq_ids[i] for i in kept], [rows.tokens[i] for i in kept],
+                                   [rows.positions[i] for i in kept],
+                                   [(q, b) for q, b in rows.new_blocks if q not in gone])
+    return out
 
 
 def _rank_work(seqs: list[Sequence]) -> tuple[int, list[Sequence], list[Sequence]]:

@@ -27,10 +27,12 @@ Overlap scheduling (--async-scheduling, default off; vLLM's name): right after a
 sent, the next step is planned and sealed while the ranks run, when the scheduler can know it now
 (`Scheduler.prepare_decodes`: every sequence in flight decodes once more, each row's token the one
 its rank samples in this step). The next `run` sends those sealed plans at once when nothing made
-them wrong meanwhile: the scheduler's `revision` is unchanged (nothing finished, was aborted,
-added, freed or sampled nothing; no hold, no failed step), the step committed, and the epoch, the
-members, the term and isolation's hold are as they were. Otherwise they are dropped and the step is
-planned the usual way, so a step sent is always the one `schedule` would have planned.
+them wrong meanwhile: the scheduler's `revision` is unchanged (nothing added, nothing that sampled
+nothing; no hold, no failed step), the step committed, and the epoch, the members, the term and
+isolation's hold are as they were. When sequences ended meanwhile (finished in the step, aborted),
+the scheduler takes their rows out and puts their frees in, and the plans are built and sealed
+again from that batch (still no `schedule`). Otherwise they are dropped and the step is planned the
+usual way, so a step sent is always the one `schedule` would have planned.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class PreparedStep:
     members: list[int]
     term: int
     batch: StepBatch
-    frames: list  # ControlPlane.seal_for_workers's
+    frames: list | None  # ControlPlane.seal_for_workers's; None: to be built again from `batch`
     micro_batches: int
 
 
@@ -170,12 +172,15 @@ class StepLoop:
         self._result_deadline_s = self.detector.result_deadline_s()
         self.started_at = time.monotonic()
         self._started_ns = time.time_ns()
-        plans, micro_batches = (None, prepared.micro_batches) if prepared is not None else self._plans(batch, c.step)
+        if prepared is not None and prepared.frames is not None:
+            plans, micro_batches = None, prepared.micro_batches
+        else:
+            plans, micro_batches = self._plans(batch, c.step)
         if self.chaos is not None:
             self.chaos.before_step(c.epoch, c.step, batch, c.members)
         start = self._sent_at = time.perf_counter()
         times.add("plan", start - t0)
-        if prepared is not None:
+        if plans is None:
             send_s, nbytes = self.plane.send_sealed(prepared.frames)
             times.add("send", send_s)
             times.bytes_out += nbytes
@@ -250,17 +255,23 @@ class StepLoop:
 
     def _take_prepared(self) -> PreparedStep | None:
         """The step prepared while the last one ran, when it is still the next step as `schedule`
-        would plan it (module docstring); else None, and it is dropped."""
+        would plan it (module docstring), its frames None when sequences ended since (its plans are
+        built again); else None, and it is dropped."""
         prepared, self.prepared = self.prepared, None
         if prepared is None:
             return None
         c = self.cluster
-        if (prepared.epoch != c.epoch or prepared.step != c.step + 1 or prepared.term != self.plane.term
-                or self.isolation.held or self.uncommitted is not None or prepared.members != c.members
-                or self.scheduler.take_prepared() is None):  # a stale one there: any `schedule` drops it
+        taken = None
+        if (prepared.epoch == c.epoch and prepared.step == c.step + 1 and prepared.term == self.plane.term
+                and not self.isolation.held and self.uncommitted is None and prepared.members == c.members):
+            taken = self.scheduler.take_prepared()  # when not asked, a stale one stays there: `schedule` drops it
+        if taken is None:
             self.metrics.prepared_steps.labels("dropped").inc()
             return None
-        self.metrics.prepared_steps.labels("sent").inc()
+        prepared.batch, changed = taken
+        if changed:
+            prepared.frames = None
+        self.metrics.prepared_steps.labels("rebuilt" if changed else "sent").inc()
         return prepared
 
     def _chase_answers(self) -> None:
