@@ -299,3 +299,18 @@ def test_with_async_scheduling_a_failed_step_drops_the_prepared_one():
     steps.run()
     plans = [m for r, m in steps.plane.to_workers if isinstance(m, StepPlan) and m.step == 3]
     assert all(p.decode is None for p in plans) and prepared(registry, "sent") == 0
+
+
+def test_with_async_scheduling_a_request_ending_during_the_step_is_taken_out_of_the_prepared_one():
+    """Request 5 (4 tokens) ends at step 4, while request 6 (8 tokens) decodes on: step 5, prepared
+    during step 4, goes with request 6's row only and request 5's KV freed, its plans built again."""
+    registry = CollectorRegistry()
+    steps, scheduler, _ = loop_with_one_request(registry=registry, async_scheduling=True)
+    scheduler.add(Sequence(6, GenerationRequest("r6", [4, 5], SamplingParams(max_tokens=8), 0), 64, (0,)))
+    steps.pump = answering(steps)
+    while scheduler.has_work:
+        steps.run()
+    step5 = [m for _, m in steps.plane.to_workers if isinstance(m, StepPlan) and m.step == 5]
+    assert [p.free for p in step5 if p.free] == [[5]]
+    assert [(p.decode.seq_ids, p.decode.tokens) for p in step5 if p.decode] == [([6], [SAMPLED_TOKEN])]
+    assert prepared(registry, "rebuilt") == 1 and prepared(registry, "dropped") == 0
