@@ -115,8 +115,9 @@ def answer(rank_id: int, plan: StepPlan, rows: DecodeRows | None, sampled: dict[
 def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int]], tuple[int, int]]:
     """A random workload (requests of random lengths ending by length or EOS, aborts, failed steps)
     on 3 ranks fed every plan through the codec, the ranks filling in `SAMPLED_TOKEN` from their
-    last answer. Returns every step's (seq_id, position) runs, each request's output, and how many
-    steps were prepared and taken (and of those, how many with sequences that ended taken out)."""
+    last answer. Returns every step's (rank, seq_id, position) runs and KV moves, each request's
+    output, and how many steps were prepared and taken (and of those, how many with sequences that
+    ended taken out)."""
     rng = random.Random(seed)
     key = ClusterKey.generate()
     inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key)
@@ -151,7 +152,9 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
             HeldSequences.fill_sampled(plan, last[r])
             rank.take(plan)
             last[r] = answer(r, plan, plan.decode, sampled)
-        runs.append(sorted((q, p) for r in batch.chunks for q, p, _, _ in batch.runs(r)))
+        # not the block ids: a table grown at preparation takes a free block before the step's ends free theirs
+        runs.append(sorted((r, q, p) for r in batch.chunks for q, p, _, _ in batch.runs(r))
+                    + [(m.seq_id, m.src_rank, m.dst_rank) for m in batch.moves])
         if failing:
             s.step_failed(batch)
             last = dict.fromkeys(ranks)  # the ranks answered StepFailed
