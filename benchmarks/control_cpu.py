@@ -18,6 +18,11 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
 - schedule: the scheduler's `schedule` + `commit` of a step at N ranks, one decoding sequence
   in all (the others idle: the benchmark's `--seqs-per-rank 0`), then 8 and 64 decoding on every
   one of 256 ranks with short and 1,024-token prompts (each its own: no prefix hits), ms per step;
+- prepared (serve --async-scheduling): at 256 ranks x 8 and x 64 decoding sequences (short
+  prompts), what the scheduler does at the step boundary, between the last result and the next
+  plan: `schedule` without the flag, `take_prepared` with it (the step `prepare_decodes` planned
+  while the one before ran, also shown), ms per step (a tree without them shows n/a).
+  `--prepared` measures only these rows;
 - plans: at 256 ranks x 64 decoding sequences of 1,024-token prompts, the step's `StepPlan`s built
   and sealed by the control thread (ms per step), read by the workers (MAC and decode, ms per
   step summed over the 256: each worker pays 1/256 of it), and their bytes per rank;
@@ -291,6 +296,34 @@ def schedule_ms(ranks: int, seqs_per_rank: int = 0, prompt_len: int = 6, steps: 
     return 1000 * (time.process_time() - cpu0) / steps
 
 
+def boundary_ms(ranks: int, seqs_per_rank: int, what: str, steps: int = 20) -> float:
+    """CPU ms per decode step of `what`: `schedule` (each step planned after the last committed),
+    or `prepare_decodes` / `take_prepared` (each step prepared while the one before runs, taken
+    once it committed)."""
+    s = decoding_scheduler(ranks, seqs_per_rank, 6, grow_tokens=steps + 5 + 16)
+    for _ in range(5):
+        batch = s.schedule()
+        s.commit(batch, sampled_of(batch))
+    batch, spent = s.schedule(), 0.0
+    for _ in range(steps):
+        cpu0 = time.process_time()
+        if what != "schedule":
+            s.prepare_decodes(batch)
+        cpu1 = time.process_time()
+        s.commit(batch, sampled_of(batch))
+        cpu2 = time.process_time()
+        batch = s.schedule() if what == "schedule" else s.take_prepared()[0]
+        spent += (cpu1 - cpu0) if what == "prepare_decodes" else time.process_time() - cpu2
+    return 1000 * spent / steps
+
+
+def prepared_rows(repeat: int) -> dict:
+    has = hasattr(Scheduler, "prepare_decodes")
+    return {f"step boundary: {what} ms, 256 ranks x {k} sequences, 6-token prompts":
+            best_of(repeat, lambda k=k, what=what: boundary_ms(256, k, what)) if has or what == "schedule" else None
+            for k in (8, 64) for what in ("schedule", "take_prepared", "prepare_decodes")}
+
+
 def plans_ms(ranks: int = 256, seqs_per_rank: int = 64, prompt_len: int = 1024, steps: int = 10) -> dict:
     """CPU ms per decode step of building and sealing every rank's `StepPlan`, of reading them
     as the workers do (MAC and decode, summed over the ranks), and the plans' bytes per rank."""
@@ -504,11 +537,13 @@ def deliver_rows(repeat: int) -> dict:
     return rows
 
 
-def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False) -> dict:
+def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False, prepared_only: bool = False) -> dict:
     if deliver_only:
         return deliver_rows(repeat)
     if plans_only:
         return {**plan_rows(repeat), **plans_sent_rows(repeat)}
+    if prepared_only:
+        return prepared_rows(repeat)
     return {
         "heartbeat frame us": best_of(repeat, lambda: frames_us("heartbeat", 20_000)),
         "empty StepResult frame us": best_of(repeat, lambda: frames_us("step", 20_000)),
@@ -520,6 +555,7 @@ def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False) -
         **{f"schedule + commit ms, {n} ranks": best_of(repeat, lambda n=n: schedule_ms(n)) for n in (256, 1024)},
         **{f"schedule + commit ms, 256 ranks x {k} sequences, {p}-token prompts":
            best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},
+        **prepared_rows(repeat),
         **{f"detector check ms, {n} ranks": best_of(repeat, lambda n=n: detector_ms(n)) for n in (256, 1024)},
         **plan_rows(repeat),
         **plans_sent_rows(repeat),
@@ -559,6 +595,7 @@ def main() -> None:
                              "side by side (0: the table)")
     parser.add_argument("--deliver", action="store_true", help="only the deliver rows")
     parser.add_argument("--plans", action="store_true", help="only the plan rows")
+    parser.add_argument("--prepared", action="store_true", help="only the step boundary rows (--async-scheduling)")
     args = parser.parse_args()
     if args.gc == "tuned":
         tune_for_serving()
@@ -568,7 +605,7 @@ def main() -> None:
     if args.gc_tail:
         print_gc_tail(args.gc_tail)
         return
-    after = measure(args.repeat, args.deliver, args.plans)
+    after = measure(args.repeat, args.deliver, args.plans, args.prepared)
     if args.json:
         print(json.dumps(after))
         return
@@ -580,10 +617,10 @@ def main() -> None:
                                      check=True).stdout
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
+            only = [flag for flag, on in (("--deliver", args.deliver), ("--plans", args.plans),
+                                          ("--prepared", args.prepared)) if on]
             done = subprocess.run([sys.executable, __file__, "--json", "--repeat", str(args.repeat), "--gc", args.gc,
-                                   *(["--deliver"] if args.deliver else []), *(["--plans"] if args.plans else [])],
-                                  check=True,
-                                  capture_output=True, text=True, env=env)
+                                   *only], check=True, capture_output=True, text=True, env=env)
         columns = {args.baseline: json.loads(done.stdout.strip().splitlines()[-1]), **columns}
     names = list(columns)
     print("| what | " + " | ".join(names) + (" | ratio |" if len(names) == 2 else " |"))

@@ -273,13 +273,14 @@ class RecoveryProfile:
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
               before: bool, faults: bool, timeout_s: float, profile: str | None = None,
               profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False,
-              trace_frames: int = 0, step_results_via: str = "direct", step_plans_via: str = "direct") -> dict:
+              trace_frames: int = 0, step_results_via: str = "direct", step_plans_via: str = "direct",
+              async_scheduling: bool = False) -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
                       max_num_seqs=max(seqs_per_rank, 1), max_model_len=2048, enable_chaos=True, restart_delay_s=-1,
                       log_stats_interval_s=0, startup_timeout_s=300, heartbeat_timeout_s=timeout_s,
-                      agent_timeout_s=timeout_s, step_plans_via=step_plans_via)
+                      agent_timeout_s=timeout_s, step_plans_via=step_plans_via, async_scheduling=async_scheduling)
     # after: load summed on the rank over 16 steps (the server's default stays 1 until the recorder
     # counts a window's last partial sums)
     cfg.load_report_every_steps = 1 if before else 16
@@ -329,6 +330,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "ranks": ranks, "seqs_per_rank": seqs_per_rank,
             "mode": ("before" if before else "after") + (", warm-all" if warm_all else ""),
             "step_results_via": step_results_via, "step_plans_via": step_plans_via,
+            "async_scheduling": async_scheduling,
             "plans_out": delta(v1["plans_out"], v0["plans_out"]), "step_ms": step_ms, "steps": steps,
             "step_period_ms": round(1000 * dt / max(steps, 1), 2),
             "slowest_rank_ms": round(1000 * (times.slowest_rank_s - s0) / max(steps, 1), 2),
@@ -348,6 +350,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "result_frames_per_step": round((handled.get("StepResult", 0) + handled.get("NodeStepResults", 0))
                                             / max(steps, 1), 1),
         }
+        if async_scheduling:  # steps prepared while the one before ran: sent, or dropped and planned again
+            out["prepared_steps"] = {o: registry.get_sample_value("elastic_ep_prepared_steps_total", {"outcome": o})
+                                     for o in ("sent", "dropped")}
         if samples:
             out["samples"] = samples
             # what else ran on the control thread in those minutes (epochs, stalls, resends)
@@ -588,6 +593,8 @@ def main() -> None:
     parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                         help="with --sample-s: trace Python's allocations from the first sample (FRAMES frames a "
                              "site) and report the sites that grew most (slows Python)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="one point with serve --async-scheduling: the next step planned while one runs")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="write a cProfile of the control thread over the measured seconds (pstats format)")
@@ -601,7 +608,8 @@ def main() -> None:
         return
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
                     args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
-                    args.sample_s, args.warm_all, args.tracemalloc, args.step_results_via, args.step_plans_via)
+                    args.sample_s, args.warm_all, args.tracemalloc, args.step_results_via, args.step_plans_via,
+                    args.async_scheduling)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

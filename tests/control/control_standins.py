@@ -20,6 +20,7 @@ class Plane:
 
     def __init__(self):
         self.now = 0.0
+        self.term = 0
         self.to_identities: list[tuple[bytes, object]] = []
         self.to_workers: list[tuple[int, object]] = []
         self.relayed: list[dict[int, str] | None] = []  # each step's rank -> node whose agent relays its plan
@@ -41,6 +42,13 @@ class Plane:
     def messages_to_workers(self, messages: list[tuple[int, object]]) -> tuple[float, float, int]:
         self.to_workers.extend(messages)
         return 0.0, 0.0, 0
+
+    def seal_for_workers(self, messages: list[tuple[int, object]]) -> list[tuple[int, object]]:
+        return list(messages)
+
+    def send_sealed(self, frames: list[tuple[int, object]]) -> tuple[float, int]:
+        self.to_workers.extend(frames)
+        return 0.0, 0
 
     def sent(self, kind: type) -> list[object]:
         """Every message of `kind` sent anywhere, in order."""

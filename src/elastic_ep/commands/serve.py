@@ -94,6 +94,10 @@ HELP = {
     "enable_prefix_caching": "share the KV blocks of a common token prefix between requests",
     "prefix_wait": "a request whose prompt's next blocks another request of its rank is computing waits for them and "
                    "hits them, instead of computing them again (--no-prefix-wait: computes them at once)",
+    "async_scheduling": "plan the next step while the current one runs (vLLM's overlap scheduling), when it is "
+                        "one more decode of every request in flight; sent the moment the current step commits "
+                        "(requests that ended taken out) unless something else changed (a request arrived, a "
+                        "failed step, a fault), else planned as usual",
     "padded_dispatch_max_tokens": "steps whose busiest rank runs at most this many tokens dispatch fixed-size "
                                   "blocks, one all-to-all fewer per layer (0: never)",
     "enable_dbo": "two micro-batches per step (vLLM's dual batch overlap): one's dispatch and combine are in "

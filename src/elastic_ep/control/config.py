@@ -37,6 +37,7 @@ class ServeConfig:
     num_gpu_blocks_override: int = 0
     enable_prefix_caching: bool = True
     prefix_wait: bool = True
+    async_scheduling: bool = False
     padded_dispatch_max_tokens: int = 16
     enable_dbo: bool = False
     dbo_min_tokens: int = 2

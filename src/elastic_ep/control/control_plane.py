@@ -253,6 +253,13 @@ class ControlPlane:
         several ranks (an empty plan, the `EpochStart` of every member with nothing to fill or
         send) is encoded and sealed once. Returns (encode s, send s, bytes sent)."""
         t0 = time.perf_counter()
+        frames = self.seal_for_workers(messages)
+        t1 = time.perf_counter()
+        return t1 - t0, *self.send_sealed(frames)
+
+    def seal_for_workers(self, messages: list[tuple[int, object]]) -> list[tuple[bytes, list[bytes]]]:
+        """(identity, frames) of each (rank_id, message), sealed with the current term, to send with
+        `send_sealed` (now, or once the step before completed: serve --async-scheduling)."""
         sealed: dict[int, list[bytes]] = {}  # id(message) -> its frames: a message shared by many ranks is sealed once
         frames = []
         for rank_id, message in messages:
@@ -260,13 +267,17 @@ class ControlPlane:
             if parts is None:
                 parts = sealed[id(message)] = self.key.seal(message, self.term)
             frames.append((f"w{rank_id}".encode(), parts))
-        t1 = time.perf_counter()
+        return frames
+
+    def send_sealed(self, frames: list[tuple[bytes, list[bytes]]]) -> tuple[float, int]:
+        """Send what `seal_for_workers` sealed; returns the seconds it took and the bytes sent."""
+        t0 = time.perf_counter()
         send = self.step_sock.send
         for identity, (mac, body) in frames:
             send(identity, zmq.SNDMORE)
             send(mac, zmq.SNDMORE)
             send(body)
-        return t1 - t0, time.perf_counter() - t1, sum(len(mac) + len(body) for _, (mac, body) in frames)
+        return time.perf_counter() - t0, sum(len(mac) + len(body) for _, (mac, body) in frames)
 
     def to_identity(self, identity: bytes, message) -> None:
         """To a peer of the health socket (an agent) by its identity."""

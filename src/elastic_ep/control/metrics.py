@@ -171,6 +171,13 @@ class ClusterMetrics:
             "resend either: a fault of the rank)",
             ["outcome"], registry=registry,
         )
+        self.prepared_steps = Counter(
+            "elastic_ep_prepared_steps", "Steps planned while the one before ran (serve --async-scheduling), by "
+            "outcome: sent (as sealed, the moment the next step began), rebuilt (sent with the rows of requests "
+            "that ended meanwhile taken out, its plans built again), dropped (something else changed: planned "
+            "again)",
+            ["outcome"], registry=registry,
+        )
         self.epoch = Gauge("elastic_ep_epoch", "Current membership epoch", registry=registry)
         self.live_ranks = Gauge("elastic_ep_live_ranks", "Ranks serving in the current epoch", registry=registry)
         self.eplb_rebalances = Counter(

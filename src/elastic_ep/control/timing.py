@@ -5,7 +5,8 @@ benchmarks/control_plane.py and shown in `/cluster` (`control_times`).
 A step's parts: plan (the scheduler and the plans), encode and send (every member's plan),
 gather (from the last send until every member answered: the ranks' time, the transport, and
 whatever the control thread did meanwhile), decode (the results' frames), commit (tokens to the
-scheduler and the streams) and metrics (the per-step series). `slowest_rank_s` sums the slowest
+scheduler and the streams) and metrics (the per-step series); prepare (--async-scheduling: the next
+step planned and sealed while this one runs, inside the gather's time, not after it). `slowest_rank_s` sums the slowest
 member's own `step_s` per step, so `wall_s - slowest_rank_s` is what the control plane added.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-STEP_PARTS = ("plan", "encode", "send", "gather", "decode", "commit", "metrics")
+STEP_PARTS = ("plan", "encode", "send", "gather", "decode", "commit", "metrics", "prepare")
 
 
 @dataclass

@@ -7,7 +7,9 @@ its block table is the KV cache's). The controller sends a sequence's decode as 
 it knows the rank keeps it (control/serving/scheduler.py); the rank drops what it kept when the
 sequence is freed, when a KV copy of it arrives, when the epoch changes, and when it sleeps or
 follows a new leader (`clear`). A row naming a sequence that is not kept is an error of the
-step (RuntimeError, which the worker reports as a LOCAL `StepFailed`), never a guess.
+step (RuntimeError, which the worker reports as a LOCAL `StepFailed`), never a guess. So is a row
+whose token is `SAMPLED_TOKEN` (a step the controller planned while the one before ran) for a
+sequence this rank did not sample in the step before, of the same epoch (`fill_sampled`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import NamedTuple
 from elastic_ep.model.block_manager import blocks_for
 from elastic_ep.model.kv_cache import KVCache
 from elastic_ep.model.sampling import SamplingParams
-from elastic_ep.wire import HeldKV, KVMove, StepPlan
+from elastic_ep.wire import SAMPLED_TOKEN, HeldKV, KVMove, StepFailed, StepPlan, StepResult
 
 
 class Kept(NamedTuple):
@@ -102,6 +104,27 @@ class HeldSequences:
                 continue
             del tokens[start_pos:]
             kv.set_blocks(seq_id, kv.block_table(seq_id), num_cached=min(start_pos, kv.length(seq_id)))
+
+    @staticmethod
+    def fill_sampled(plan: StepPlan, last: StepResult | StepFailed | None) -> None:
+        """Put in each decode row's token that is `SAMPLED_TOKEN` the token this rank sampled for its
+        sequence in `last`, its answer to the step before. RuntimeError naming the sequences it did not
+        sample there (or when `last` is not the step before of the same epoch)."""
+        rows = plan.decode
+        if rows is None or SAMPLED_TOKEN not in rows.tokens or len(rows.tokens) != len(rows.seq_ids):
+            return  # nothing to fill in (rows of unequal lengths fail in `runs`)
+        before = isinstance(last, StepResult) and (last.epoch, last.step) == (plan.epoch, plan.step - 1)
+        sampled = last.tokens if before else {}
+        tokens, missing = rows.tokens, []
+        for i, (seq_id, token) in enumerate(zip(rows.seq_ids, tokens, strict=True)):
+            if token == SAMPLED_TOKEN:
+                if seq_id in sampled:
+                    tokens[i] = sampled[seq_id]
+                else:
+                    missing.append(seq_id)
+        if missing:
+            raise RuntimeError(f"decode rows for sequences {missing[:5]} take the token this rank sampled in step "
+                               f"{plan.step - 1} of epoch {plan.epoch}, and it sampled none for them there")
 
     def runs(self, plan: StepPlan) -> list[StepRun]:
         """The plan's chunks, then its decode rows, as the forward runs them. Raises RuntimeError

@@ -666,6 +666,7 @@ class Worker:
             finally:  # the peers of a move wait on this rank whatever happened above
                 kv_move_s = move_kv(self.kv, self.group, plan.kv_moves, held.tokens)
             held.moved_in(plan.kv_moves, self.args.rank_id)
+            held.fill_sampled(plan, self._answer)
             runs = held.runs(plan)
             held.allocate(self.kv, plan)
             if delay_s > 0:

@@ -88,6 +88,7 @@ from .health import (
 )
 from .journal import JournalBatch, JournalFollow, JournalState
 from .worker import (
+    SAMPLED_TOKEN,
     ChaosStep,
     ChunkPlan,
     CorruptSlot,
@@ -145,6 +146,7 @@ __all__ = [
     "ChunkPlan",
     "CorruptSlot",
     "CutLinks",
+    "SAMPLED_TOKEN",
     "DecodeRows",
     "DenseFetch",
     "DenseTensors",

@@ -241,6 +241,10 @@ class ChunkPlan(Record):
     cached_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
+# A decode row's token that the rank fills in: the one it sampled for the sequence in the step before
+SAMPLED_TOKEN = -1
+
+
 class DecodeRows(Record):
     """A step's decode tokens on one rank, as flat lists (one row per sequence, no record each):
     row i runs token `tokens[i]` of sequence `seq_ids[i]` at position `positions[i]` and samples
@@ -249,7 +253,9 @@ class DecodeRows(Record):
     (runtime/worker.py `Kept`). `new_blocks`: (seq_id, block_id) appended to the block table of a
     row's sequence, in order, when its token crosses into a block the rank has not been told of.
     At 256 ranks x 64 decoding sequences this is 256 of these a step instead of 16,384 `ChunkPlan`s
-    of ~64 block ids each."""
+    of ~64 block ids each. A token `SAMPLED_TOKEN` is the token this rank sampled for that sequence
+    in the step before, of the same epoch (a step planned while that one ran, serve
+    --async-scheduling); a rank that did not sample it there fails the step (LOCAL), never guesses."""
 
     seq_ids: list[int] = msgspec.field(default_factory=list)
     tokens: list[int] = msgspec.field(default_factory=list)

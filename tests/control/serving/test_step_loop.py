@@ -25,7 +25,16 @@ from elastic_ep.control.serving.step_loop import MAX_RETRIES_WITHOUT_CULPRIT, St
 from elastic_ep.control.serving.streams import Streams
 from elastic_ep.control.serving.warmup import WarmUpGate
 from elastic_ep.model.sampling import SamplingParams
-from elastic_ep.wire import NodeStepResults, Progress, ResendResult, StepErrorKind, StepFailed, StepPlan, StepResult
+from elastic_ep.wire import (
+    SAMPLED_TOKEN,
+    NodeStepResults,
+    Progress,
+    ResendResult,
+    StepErrorKind,
+    StepFailed,
+    StepPlan,
+    StepResult,
+)
 
 
 def loop_with_one_request(warmed_shapes: list[int] | None = None, registry: CollectorRegistry | None = None,
@@ -248,3 +257,101 @@ def test_plans_go_through_the_agents_that_are_known_and_not_silent_else_directly
             for r in (0, 1)]
         steps.run()
         assert steps.plane.relayed == [relayed], (via, agents)
+
+
+def answering(steps, token: int = 7, add_at_step: int | None = None, fail_at_step: int | None = None):
+    """The ranks' pump: each answers its plan at once, `token` for every sequence it samples (a decode
+    row's too); at step `add_at_step` a request arrives while the step runs; at `fail_at_step` rank 0's
+    computation fails."""
+    seen = [0]
+
+    def pump(timeout_s: float) -> None:
+        for rank_id, msg in steps.plane.to_workers[seen[0]:]:
+            if isinstance(msg, StepPlan) and msg.step == fail_at_step and rank_id == 0:
+                steps.on_reply(StepFailed(msg.epoch, msg.step, 0, "RuntimeError: boom", StepErrorKind.LOCAL))
+            elif isinstance(msg, StepPlan):
+                rows = msg.decode.seq_ids if msg.decode is not None else []
+                steps.on_reply(StepResult(msg.epoch, msg.step, rank_id, dict.fromkeys(
+                    [c.seq_id for c in msg.chunks if c.sample] + rows, token), 0.01, 0.01, 0.0, 0.0,
+                    np.zeros((0, 0), np.int32), 0, {}))
+                if msg.step == add_at_step and rank_id == 0:
+                    steps.scheduler.add(Sequence(6, GenerationRequest("r6", [4, 5], SamplingParams(max_tokens=2), 0),
+                                                 64, (0,)))
+        seen[0] = len(steps.plane.to_workers)
+    return pump
+
+
+def prepared(registry: CollectorRegistry, outcome: str) -> float:
+    return registry.get_sample_value("elastic_ep_prepared_steps_total", {"outcome": outcome}) or 0.0
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_with_async_scheduling_the_decodes_planned_during_a_step_go_when_it_commits(flag):
+    """Request 5 (4 tokens): its prefill, then a decode planned the usual way, during which the next
+    two are prepared and sent as soon as the step before committed; its last token ends it, so
+    nothing is prepared after it. The same tokens and steps as without the flag."""
+    registry = CollectorRegistry()
+    steps, scheduler, _ = loop_with_one_request(registry=registry, async_scheduling=flag)
+    steps.pump = answering(steps)
+    while scheduler.has_work:
+        steps.run()
+    plans = [m for r, m in steps.plane.to_workers if r == 0 and isinstance(m, StepPlan)]
+    assert [p.step for p in plans] == [1, 2, 3, 4]
+    assert [p.decode.positions if p.decode else None for p in plans] == [None, [3], [4], [5]]
+    assert [p.decode.tokens if p.decode else None for p in plans] == [None, [7]] + [[SAMPLED_TOKEN]] * 2 * flag + [
+        [7]] * 2 * (not flag)
+    assert (prepared(registry, "sent"), prepared(registry, "dropped")) == ((2.0, 0.0) if flag else (0.0, 0.0))
+
+
+def test_with_async_scheduling_and_plans_via_agent_the_prepared_steps_go_through_the_agents():
+    """With --step-plans-via agent a prepared step is planned ahead but sealed per node at the send:
+    every step's plans go to the node's agent, the prepared ones too, none sealed ahead for a rank."""
+    registry = CollectorRegistry()
+    steps, scheduler, _ = loop_with_one_request(registry=registry, async_scheduling=True, step_plans_via="agent")
+    steps.plane.now = 10.0
+    for r in (0, 1):
+        steps.cluster.ranks[r].last_heartbeat = 9.9
+    steps.pump = answering(steps)
+    while scheduler.has_work:
+        steps.run()
+    plans = [m for r, m in steps.plane.to_workers if r == 0 and isinstance(m, StepPlan)]
+    assert [p.decode.tokens if p.decode else None for p in plans] == [None, [7], [SAMPLED_TOKEN], [SAMPLED_TOKEN]]
+    assert steps.plane.relayed == [{0: "n0", 1: "n0"}] * 4
+    assert prepared(registry, "sent") == 2
+
+
+def test_with_async_scheduling_a_request_arriving_during_the_step_drops_the_prepared_one():
+    registry = CollectorRegistry()
+    steps, scheduler, _ = loop_with_one_request(registry=registry, async_scheduling=True)
+    steps.pump = answering(steps, add_at_step=2)
+    while scheduler.has_work:
+        steps.run()
+    plans = [m for r, m in steps.plane.to_workers if isinstance(m, StepPlan) and m.step == 3]
+    assert 6 in {c.seq_id for p in plans for c in p.chunks}  # admitted at once, in a step planned anew
+    assert prepared(registry, "dropped") == 1 and scheduler.by_id == {}
+
+
+def test_with_async_scheduling_a_failed_step_drops_the_prepared_one():
+    registry = CollectorRegistry()
+    steps, scheduler, _ = loop_with_one_request(registry=registry, async_scheduling=True)
+    steps.pump = answering(steps, fail_at_step=2)
+    steps.run()
+    assert steps.run() is None and steps.prepared is None  # step 2 prepared step 3, then failed
+    steps.run()
+    plans = [m for r, m in steps.plane.to_workers if isinstance(m, StepPlan) and m.step == 3]
+    assert all(p.decode is None for p in plans) and prepared(registry, "sent") == 0
+
+
+def test_with_async_scheduling_a_request_ending_during_the_step_is_taken_out_of_the_prepared_one():
+    """Request 5 (4 tokens) ends at step 4, while request 6 (8 tokens) decodes on: step 5, prepared
+    during step 4, goes with request 6's row only and request 5's KV freed, its plans built again."""
+    registry = CollectorRegistry()
+    steps, scheduler, _ = loop_with_one_request(registry=registry, async_scheduling=True)
+    scheduler.add(Sequence(6, GenerationRequest("r6", [4, 5], SamplingParams(max_tokens=8), 0), 64, (0,)))
+    steps.pump = answering(steps)
+    while scheduler.has_work:
+        steps.run()
+    step5 = [m for _, m in steps.plane.to_workers if isinstance(m, StepPlan) and m.step == 5]
+    assert [p.free for p in step5 if p.free] == [[5]]
+    assert [(p.decode.seq_ids, p.decode.tokens) for p in step5 if p.decode] == [([6], [SAMPLED_TOKEN])]
+    assert prepared(registry, "rebuilt") == 1 and prepared(registry, "dropped") == 0

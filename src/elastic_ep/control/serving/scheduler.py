@@ -44,6 +44,18 @@ planned since, with no epoch change between (`forget_kept`, which the step loop 
 epoch changes; a batch planned and not committed, a failed or interrupted step, forgets every
 sequence's the same way), and it has not left the rank since (freed, preempted, moved, evicted).
 Anything else gets a full `ChunkPlan` again: when unsure, the plan is the one that was always sent.
+Overlap scheduling (serve --async-scheduling): while a step runs, `prepare_decodes` plans the
+next one when it can be known before the results: every sequence in flight decodes in this step,
+nothing waits, nothing is held out, no KV offer is open, and no DP move is due. Each then
+decodes once more (but those whose length ends them in this step), its row's token `SAMPLED_TOKEN` (the rank puts in
+the token it sampled for it in this step), its table grown now as `schedule` would grow it (no
+free block: nothing is prepared, since `schedule` would preempt). `revision` counts whatever
+else changes what the next step may run (a request added, a sequence that sampled nothing, a
+rank set, a hold, a forget, a failed step, any `schedule`): `take_prepared` gives the prepared
+batch only while it is the one it was prepared at, less the sequences that ended since (finished
+in the step, or aborted: their rows out, their frees in, as `schedule` would plan them), so it is
+the step `schedule` would have planned; otherwise it drops it (its grown blocks stay in the
+tables, where `schedule` would have put them).
 
 Nothing here does I/O; the controller calls `schedule`, runs the step, then `commit`.
 """
@@ -56,7 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastic_ep.model.block_manager import BlockManager
-from elastic_ep.wire import ChunkPlan, DecodeRows, HeldKV, KVMove
+from elastic_ep.wire import SAMPLED_TOKEN, ChunkPlan, DecodeRows, HeldKV, KVMove
 
 from ..api import GenerationRequest
 from .adopted_kv import KVOffers
@@ -220,11 +232,17 @@ class Scheduler:
         # a sequence's `kept` holds only with this generation: bumped to forget what every rank keeps
         self.kept_generation = 0
         self._uncommitted = False  # a batch was planned and not committed
+        # bumped by whatever changes what the next step may run (module docstring, overlap scheduling)
+        self.revision = 0
+        # batch, revision, `DecodeBalance` state before it and after it
+        self._prepared: tuple[StepBatch, int, tuple[int | None, int], tuple[int | None, int]] | None = None
+        self._left: list[tuple[int, int]] = []  # (rank, seq_id) released since the last `schedule` or preparation
 
     def forget_kept(self) -> None:
         """No rank is known to keep any sequence any more (a new epoch: the workers drop what they
         kept): each running sequence's next chunk is a full `ChunkPlan`."""
         self.kept_generation += 1
+        self.revision += 1
 
     def set_pool_size(self, rank: int, num_blocks: int) -> None:
         """Rank `rank`'s KV pool has num_blocks blocks (it says so when it registers); its pool
@@ -236,23 +254,29 @@ class Scheduler:
         for the last leader's unfinished requests `journaled` (their ids): the blocks are reserved in
         the ranks' pools (`set_ranks` made them) for those requests, for at most `hold_s`."""
         self.kv_offers = KVOffers(self.pools, held, journaled, self.clock() + hold_s)
+        self.revision += 1
 
     def drain(self, ranks: list[int]) -> None:
         """`ranks` (leaving with a scale-down) finish what they run but take nothing new."""
         self.draining |= set(ranks)
+        self.revision += 1
 
     def undrain(self, ranks: list[int]) -> None:
         """`ranks` take new sequences again (their scale failed, or they left the cluster)."""
         self.draining -= set(ranks)
+        self.revision += 1
 
     def hold(self, seq_ids: set[int]) -> None:
         """Leave `seq_ids` out of the steps planned from now on (the suspects of a failed step,
         serving/isolation.py); an empty set holds nothing."""
-        self.held = set(seq_ids)
+        if seq_ids != self.held:
+            self.held = set(seq_ids)
+            self.revision += 1
 
     def set_ranks(self, ranks: list[int]) -> None:
         """Serve on `ranks` from now on; sequences of ranks no longer listed go back to the
         front of the queue, to be re-prefilled (prompt plus tokens so far) on another rank."""
+        self.revision += 1
         for r in [r for r in self.running if r not in ranks]:
             self.evict_rank(r)
         for r in ranks:
@@ -263,6 +287,7 @@ class Scheduler:
                                              self.enable_prefix_caching)
 
     def evict_rank(self, rank: int) -> list[Sequence]:
+        self.revision += 1
         moved = self.running.pop(rank, [])
         self.to_free.pop(rank, None)
         self.pools.pop(rank, None)
@@ -275,6 +300,7 @@ class Scheduler:
         return moved
 
     def add(self, seq: Sequence) -> None:
+        self.revision += 1
         self.by_id[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -284,6 +310,7 @@ class Scheduler:
             return
         seq.finish_reason = seq.finish_reason or "abort"
         if seq.rank is None:
+            self.revision += 1
             self.waiting.remove(seq)
             if self.kv_offers is not None:
                 self.kv_offers.left(seq.request.request_id)
@@ -312,6 +339,7 @@ class Scheduler:
     def step_failed(self, batch: StepBatch) -> None:
         """A failed step's frees may not have run: ask again in the next step. A KV move may have
         left a copy on its destination: free it there (the sequence stays on its old rank)."""
+        self.revision += 1
         for rank_id, ids in batch.free.items():
             if rank_id in self.to_free:
                 self.to_free[rank_id].extend(ids)
@@ -319,6 +347,7 @@ class Scheduler:
             self._drop_copy(move)
 
     def _release(self, seq: Sequence) -> None:
+        self._left.append((seq.rank, seq.seq_id))
         seq.kept = None
         self.running[seq.rank].remove(seq)
         self.to_free[seq.rank].append(seq.seq_id)
@@ -349,6 +378,8 @@ class Scheduler:
         if self._uncommitted:  # the last batch's plans may have been half run, or not at all
             self.forget_kept()
         self._uncommitted = True
+        self.revision += 1
+        self._prepared, self._left = None, []
         budget, align = self.max_num_batched_tokens, self.align
         offers = self.kv_offers
         if offers is not None:
@@ -478,10 +509,7 @@ class Scheduler:
         A KV move is planned and returned (its chunk goes to the new rank, `commit` re-homes it);
         a re-prefill moves the sequence now, to run from its first token on the new rank, and
         returns it. `decoding`: decoding sequences of each rank of `active` with sequences."""
-        counts = _per_rank({r: None for r in active if r not in self.draining},
-                           {r: n for r, n in decoding.items() if r not in self.draining})
-        takers = {r for r in counts if len(self.running[r]) < self.max_num_seqs}
-        pick = self.balance.observe(counts, takers)
+        pick = self.balance.observe(*self._balance_inputs(active, decoding))
         if pick is None:
             return None
         src, dst = pick
@@ -502,6 +530,96 @@ class Scheduler:
         seq.rank, seq.num_cached, seq.unsent_prefix = dst, cached, cached
         self.running[dst].append(seq)
         return seq
+
+    def _balance_inputs(self, active: dict[int, object], decoding: dict[int, int]) -> tuple[dict[int, int], set[int]]:
+        """`DecodeBalance.observe`'s decoding sequences per rank (draining ranks left out) and the ranks
+        with room for one more."""
+        counts = _per_rank({r: None for r in active if r not in self.draining},
+                           {r: n for r, n in decoding.items() if r not in self.draining})
+        return counts, {r for r in counts if len(self.running[r]) < self.max_num_seqs}
+
+    def prepare_decodes(self, batch: StepBatch) -> StepBatch | None:
+        """While `batch` (just planned by `schedule`) runs: plan the next step now when it is one more
+        decode of every sequence in flight (module docstring, overlap scheduling); `take_prepared` gives it
+        once `batch` committed if nothing changed meanwhile. None when it cannot be known now."""
+        self._prepared, self._left = None, []
+        if self.waiting or self.held or self.kv_offers is not None or batch.moves or any(batch.chunks.values()):
+            return None
+        decodes, by_id = batch.decodes, self.by_id
+        if not decodes or sum(len(r.seq_ids) for r in decodes.values()) != sum(map(len, self.running.values())):
+            return None  # some sequence in flight does not decode in this step
+        prepared: dict[int, DecodeRows] = {}
+        block_size = self.block_size
+        for rank, rows in decodes.items():
+            pool, kept = self.pools[rank], (rank, self.kept_generation)
+            tables = pool.tables
+            seq_ids, positions, new_blocks = [], [], []
+            for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
+                seq = by_id[seq_id]
+                if seq.kept != kept:
+                    return None
+                if seq.remaining < 2:  # its length ends it in this step: `take_prepared` frees it
+                    continue
+                seq_ids.append(seq_id)
+                positions.append(position + 1)
+                table = tables[seq_id]  # as long as `schedule` left it (`kept_blocks`): it grows only here
+                if len(table) * block_size < position + 2:
+                    if not pool.grow(seq_id, position + 2):  # `schedule` would preempt for its block
+                        return None
+                    new_blocks.extend((seq_id, b) for b in table[seq.kept_blocks:])
+            if seq_ids:
+                prepared[rank] = DecodeRows(seq_ids, [SAMPLED_TOKEN] * len(seq_ids), positions, new_blocks)
+        before = (self.balance.busiest, self.balance.streak)
+        after = self._balance_after(before, prepared) if prepared else None
+        if after is None:
+            return None
+        tokens = {r: len(q.seq_ids) for r, q in prepared.items()}
+        nxt = StepBatch({r: [] for r in self.running}, {r: [] for r in self.running}, prepared,
+                        unaligned=_per_rank(self.running, tokens))
+        self._prepared = (nxt, self.revision, before, after)
+        return nxt
+
+    def _balance_after(self, before: tuple[int | None, int], decodes: dict[int, DecodeRows]
+                       ) -> tuple[int | None, int] | None:
+        """`DecodeBalance`'s state after it observed a step of `decodes` from state `before`; None when
+        it would name a move there (the move `schedule` would plan is not prepared: it plans it)."""
+        if self.align.migrate == "off":
+            return before
+        probe = DecodeBalance(self.balance.patience)
+        probe.busiest, probe.streak = before
+        if probe.observe(*self._balance_inputs(self.running, {r: len(q.seq_ids) for r, q in decodes.items()})):
+            return None
+        return probe.busiest, probe.streak
+
+    def take_prepared(self) -> tuple[StepBatch, bool] | None:
+        """The batch `prepare_decodes` planned, now the next step's, when nothing but sequences ending
+        changed since (else None, and `schedule` plans the step), and whether some did: their rows
+        are taken out of it and their frees put in. Dropped either way."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared[1] != self.revision:
+            return None
+        batch, _, before, after = prepared
+        left, self._left = self._left, []
+        if left:
+            decodes = _without(batch.decodes, left)
+            after = self._balance_after(before, decodes) if decodes else None
+            if after is None:
+                return None
+            for rank in {r for r, _ in left}:  # their frees: nothing else was released since
+                batch.free[rank], self.to_free[rank] = self.to_free[rank], []
+                batch.unaligned[rank] = len(decodes[rank].seq_ids) if rank in decodes else 0
+            batch.decodes = decodes
+        self.balance.busiest, self.balance.streak = after
+        self.revision += 1
+        self._uncommitted = True
+        self._reprefill_held = False
+        by_id = self.by_id
+        for rank, rows in batch.decodes.items():
+            if rows.new_blocks:
+                tables = self.pools[rank].tables
+                for seq_id in {q for q, _ in rows.new_blocks}:
+                    by_id[seq_id].kept_blocks = len(tables[seq_id])
+        return batch, bool(left)
 
     def _place(self, seq: Sequence, ahead: dict[int, int]) -> bool:
         """Put `seq` on the rank where it adds the fewest tokens of work (see the module
@@ -624,7 +742,8 @@ class Scheduler:
         if filled:
             self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, num_cached)
         token = sampled.get(seq.seq_id)
-        if token is None:
+        if token is None:  # nothing sampled (not its last chunk, or an error): a prepared next step is not it
+            self.revision += 1
             return
         seq.append(token)
         seq.finish_reason = seq.check_finished(token)
@@ -632,6 +751,20 @@ class Scheduler:
             self.by_id.pop(seq.seq_id)
             self._release(seq)
         out.append((seq, [token]))
+
+
+def _without(decodes: dict[int, DecodeRows], left: list[tuple[int, int]]) -> dict[int, DecodeRows]:
+    """`decodes` less the rows (and new blocks) of the sequences of `left` (rank, seq_id); a rank
+    left with no row has none."""
+    gone, out = {q for _, q in left}, dict(decodes)
+    for rank in {r for r, _ in left}:
+        rows = out.pop(rank, None)
+        kept = [i for i, q in enumerate(rows.seq_ids) if q not in gone] if rows is not None else []
+        if kept:
+            out[rank] = DecodeRows([rows.seq_ids[i] for i in kept], [rows.tokens[i] for i in kept],
+                                   [rows.positions[i] for i in kept],
+                                   [(q, b) for q, b in rows.new_blocks if q not in gone])
+    return out
 
 
 def _rank_work(seqs: list[Sequence]) -> tuple[int, list[Sequence], list[Sequence]]:

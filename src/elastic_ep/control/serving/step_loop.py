@@ -25,12 +25,24 @@ member that has not answered and whose heartbeats say it is not inside the step 
 directly, whatever --step-results-via), and the step goes on; a rank that never ran the step
 (its plan was lost) says so, an error of the step, recomputed as any other; one that does not
 answer within --resend-timeout-s is a fault (its step link is lost) and is replaced.
+
+Overlap scheduling (--async-scheduling, default off; vLLM's name): right after a step's plans are
+sent, the next step is planned and sealed while the ranks run, when the scheduler can know it now
+(`Scheduler.prepare_decodes`: every sequence in flight decodes once more, each row's token the one
+its rank samples in this step). The next `run` sends those sealed plans at once when nothing made
+them wrong meanwhile: the scheduler's `revision` is unchanged (nothing added, nothing that sampled
+nothing; no hold, no failed step), the step committed, and the epoch, the members, the term and
+isolation's hold are as they were. When sequences ended meanwhile (finished in the step, aborted),
+the scheduler takes their rows out and puts their frees in, and the plans are built and sealed
+again from that batch (still no `schedule`). Otherwise they are dropped and the step is planned the
+usual way, so a step sent is always the one `schedule` would have planned.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -64,6 +76,22 @@ MAX_RETRIES_WITHOUT_CULPRIT = 3
 # stalled agent holds up at most the step in flight (asked for as NOT_RUN), not its recompute too;
 # well below the heartbeat deadline (1 s) and the result deadline (2 s) at the defaults
 RELAY_FRESH_BEATS = 5
+
+
+@dataclass
+class PreparedStep:
+    """A step planned and sealed while the one before ran (--async-scheduling), with what it
+    assumed: sent only when they all still hold."""
+
+    epoch: int
+    step: int
+    members: list[int]
+    term: int
+    batch: StepBatch
+    # ControlPlane.seal_for_workers's; None: built from `batch` at the send (sequences ended since,
+    # or --step-plans-via agent: each node's frame sealed then)
+    frames: list | None
+    micro_batches: int
 
 
 class ChaosHook(Protocol):
@@ -111,6 +139,7 @@ class StepLoop:
         self._sent_at = 0.0
         self._started_ns = 0  # wall-clock ns the step in flight was sent (request traces)
         self._planned_epoch: int | None = None  # the epoch of the last step planned
+        self.prepared: PreparedStep | None = None  # the next step, planned while this one runs
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step or msg.rank_id in self.replies:
@@ -143,7 +172,8 @@ class StepLoop:
         on a fault."""
         c, times = self.cluster, self.plane.times
         t0 = time.perf_counter()
-        batch = self._plan()
+        prepared = self._take_prepared()
+        batch = prepared.batch if prepared is not None else self._plan()
         self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit, batch.prefix_waits,
                              batch.kv_kept, batch.kv_reprefilled)
         c.step += 1
@@ -152,35 +182,30 @@ class StepLoop:
         self._result_deadline_s = self.detector.result_deadline_s()
         self.started_at = time.monotonic()
         self._started_ns = time.time_ns()
-        tokens = batch.tokens_per_rank()
-        pads = self._pads(tokens)
-        busiest = max((tokens.get(r, 0) + pads.get(r, 0) for r in c.members), default=0)
-        dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
-        micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
+        if prepared is not None and prepared.frames is not None:
+            plans, micro_batches = None, prepared.micro_batches
+        else:
+            plans, micro_batches = self._plans(batch, c.step)
         if self.chaos is not None:
             self.chaos.before_step(c.epoch, c.step, batch, c.members)
-        empty: dict[bool, StepPlan] = {}  # report_load -> the plan of every rank with nothing to run or free
-        plans = []
-        for rank_id in c.members:
-            chunks, free = batch.chunks.get(rank_id, []), batch.free.get(rank_id, [])
-            decode = batch.decodes.get(rank_id)
-            report_load = (c.step + rank_id) % self.load_every == 0  # ranks take turns
-            if chunks or free or decode is not None:
-                plan = StepPlan(c.epoch, c.step, chunks, free, dispatch_rows, micro_batches, batch.moves, report_load,
-                                pads.get(rank_id, 0), decode)
-            elif (plan := empty.get(report_load)) is None:  # one object: encoded and sealed once for all of them
-                plan = empty[report_load] = StepPlan(c.epoch, c.step, [], [], dispatch_rows, micro_batches,
-                                                     batch.moves, report_load, pads.get(rank_id, 0))
-            plans.append((rank_id, plan))
         start = self._sent_at = time.perf_counter()
         times.add("plan", start - t0)
-        self.plane.plans_to_workers(plans, self._relayed())
+        if plans is None:
+            send_s, nbytes = self.plane.send_sealed(prepared.frames)
+            times.add("send", send_s)
+            times.bytes_out += nbytes
+            times.plans_out["direct"] += len(prepared.frames)
+        else:
+            self.plane.plans_to_workers(plans, self._relayed())
+        if self.cfg.async_scheduling:
+            self._prepare(batch)
         sent = time.perf_counter()
         while len(self.replies) < len(c.members):
             self.pump(0.002)
             if time.monotonic() - self.started_at > self._result_deadline_s:
                 self._chase_answers()
             if self.detector.pending:
+                self.prepared = None
                 self.scheduler.step_failed(batch)
                 self.uncommitted = batch
                 raise RecoveryNeeded()
@@ -191,6 +216,7 @@ class StepLoop:
         times.add("gather", gathered - sent)
         failures = {r: m for r, m in self.replies.items() if isinstance(m, StepFailed)}
         if failures:
+            self.prepared = None
             self.scheduler.step_failed(batch)
             self.metrics.failed_steps.inc()
             self.isolation.step_failed(c.step, batch, failures)
@@ -221,6 +247,67 @@ class StepLoop:
             if agent is not None and not agent.stalled and (not beats or rank.last_heartbeat >= heard_since):
                 relayed[rank_id] = rank.node
         return relayed
+
+    def _plans(self, batch: StepBatch, step: int) -> tuple[list[tuple[int, StepPlan]], int]:
+        """(rank, its plan) for every member, and the micro-batches, of `batch` as step `step`."""
+        c = self.cluster
+        tokens = batch.tokens_per_rank()
+        pads = self._pads(tokens)
+        busiest = max((tokens.get(r, 0) + pads.get(r, 0) for r in c.members), default=0)
+        dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
+        micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
+        empty: dict[bool, StepPlan] = {}  # report_load -> the plan of every rank with nothing to run or free
+        plans = []
+        for rank_id in c.members:
+            chunks, free = batch.chunks.get(rank_id, []), batch.free.get(rank_id, [])
+            decode = batch.decodes.get(rank_id)
+            report_load = (step + rank_id) % self.load_every == 0  # ranks take turns
+            if chunks or free or decode is not None:
+                plan = StepPlan(c.epoch, step, chunks, free, dispatch_rows, micro_batches, batch.moves, report_load,
+                                pads.get(rank_id, 0), decode)
+            elif (plan := empty.get(report_load)) is None:  # one object: encoded and sealed once for all of them
+                plan = empty[report_load] = StepPlan(c.epoch, step, [], [], dispatch_rows, micro_batches,
+                                                     batch.moves, report_load, pads.get(rank_id, 0))
+            plans.append((rank_id, plan))
+        return plans, micro_batches
+
+    def _prepare(self, batch: StepBatch) -> None:
+        """--async-scheduling: the next step planned and sealed now, while `batch` runs, when the
+        scheduler can know it (module docstring)."""
+        t0 = time.perf_counter()
+        c = self.cluster
+        nxt = None if self.isolation.held else self.scheduler.prepare_decodes(batch)
+        if nxt is None:
+            self.prepared = None
+            return
+        if self.cfg.step_plans_via == "agent":  # sealed per node at the send, for the agents' links of then
+            frames, micro_batches = None, 1
+        else:
+            plans, micro_batches = self._plans(nxt, c.step + 1)
+            frames = self.plane.seal_for_workers(plans)
+        self.prepared = PreparedStep(c.epoch, c.step + 1, list(c.members), self.plane.term, nxt, frames, micro_batches)
+        self.plane.times.add("prepare", time.perf_counter() - t0)
+
+    def _take_prepared(self) -> PreparedStep | None:
+        """The step prepared while the last one ran, when it is still the next step as `schedule`
+        would plan it (module docstring), its frames None when sequences ended since (its plans are
+        built again); else None, and it is dropped."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is None:
+            return None
+        c = self.cluster
+        taken = None
+        if (prepared.epoch == c.epoch and prepared.step == c.step + 1 and prepared.term == self.plane.term
+                and not self.isolation.held and self.uncommitted is None and prepared.members == c.members):
+            taken = self.scheduler.take_prepared()  # when not asked, a stale one stays there: `schedule` drops it
+        if taken is None:
+            self.metrics.prepared_steps.labels("dropped").inc()
+            return None
+        prepared.batch, changed = taken
+        if changed:
+            prepared.frames = None
+        self.metrics.prepared_steps.labels("rebuilt" if changed else "sent").inc()
+        return prepared
 
     def _chase_answers(self) -> None:
         """Past the result deadline: ask the members whose answer is missing, and which are not inside
