@@ -19,6 +19,9 @@ Policies, all run on the same trace of events (common random numbers):
   whose live slots cannot hold every expert stops.
 Whether a failure loses an expert is drawn from random placements of the group's experts on
 its live ranks (replicas on distinct nodes where possible), as in `redundancy`.
+Each (replication, policy) run stands alone: the traces are drawn in order from the seed and
+each run draws its own placements, so the runs go to worker processes (`jobs`) and give the
+numbers one process gives.
 Assumptions with a default are parameters; repair times and spares are guesses to replace
 with a deployment's own figures.
 """
@@ -381,7 +384,7 @@ class _Holders:
 
 
 class _PlacementPool:
-    """A few random placements per live-rank count, drawn once and reused (placing is slow).
+    """A few random placements per live-rank count, drawn once in a run and reused (placing is slow).
     Replicas of an expert go to distinct nodes where there are enough nodes, else distinct ranks."""
 
     def __init__(self, cfg: FleetConfig, rng: np.random.Generator, size: int = 4):
