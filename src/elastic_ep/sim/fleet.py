@@ -425,8 +425,8 @@ def describe_straggler_policy(cfg: FleetConfig) -> str:
 def run_policy(cfg: FleetConfig, policy: str, trace: Trace, placement_seed: int) -> RunResult:
     """One policy on one trace, its placements drawn afresh from `placement_seed`: what it gives
     does not depend on which runs went before it, or in which process. The elastic policies still
-    meet the same placements on a trace: a loss changes no group's live ranks, so both ask for
-    placements over the same rank counts in the same order."""
+    meet the same placements on a trace: a lost expert only lengthens a pause and changes no group's
+    live ranks, so both ask for placements over the same rank counts in the same order."""
     return _Simulation(cfg, policy, trace, _PlacementPool(cfg, np.random.default_rng(placement_seed))).run()
 
 
@@ -459,9 +459,9 @@ def simulate_fleet(cfg: FleetConfig, replications: int = 10, seed: int = 0, jobs
 
 def _in_processes(fn: Callable[..., RunResult], args: list[tuple], jobs: int) -> list[RunResult]:
     """`fn(*a)` for each of `args`, in order, in up to `jobs` worker processes (1: in this one)."""
-    if jobs == 1 or len(args) == 1:
+    if jobs == 1:
         return [fn(*a) for a in args]
-    # forked, a worker starts with this process's imports (no re-import, ~0.3 s a worker); frozen,
+    # forked, a worker starts with this process's imports (no re-import, ~0.2 s a worker); frozen,
     # what it inherited is left out of its garbage collections (not walked, its pages not copied)
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(min(jobs, len(args)), mp_context=context, initializer=gc.freeze) as executor:
