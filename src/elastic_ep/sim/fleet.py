@@ -110,7 +110,7 @@ class _Simulation:
     Every event integrates its group up to the event's time, runs its handler and recomputes the
     group's capacity; a wake (handler None) does only that, when a pause ends. The loop runs
     ~150,000 events per policy at 100,000 GPUs x 365 days, so the config is read into attributes
-    once and the derate and evict delays are timed once, not per event."""
+    once and the derate and evict delays are timed once, not per straggler."""
 
     def __init__(self, cfg: FleetConfig, policy: str, trace: Trace, placement_pool: _PlacementPool):
         self.cfg, self.policy, self.trace = cfg, policy, trace
