@@ -1,5 +1,7 @@
 """The fleet simulation against the closed forms it must agree with, and its policies' order."""
 
+from dataclasses import fields
+
 import numpy as np
 import pytest
 
@@ -141,3 +143,30 @@ def test_the_simulation_gives_what_it_gave_before_it_was_made_fast():
     got = [(r.policy, r.failures, r.expert_loss_events, r.evictions, r.serving_gpu_h) for r in report.example_runs]
     assert got == [("restart", 323, 0, 0, 17895124.142531425), ("elastic-disk", 323, 236, 372, 17938206.321869142),
                    ("elastic-backup", 323, 236, 372, 17939365.66353581)]
+
+
+def _same_report(a, b) -> bool:
+    """Whether two reports hold the same numbers, bit for bit (their runs' capacity series too)."""
+    def run_fields(r):
+        return [getattr(r, f.name) for f in fields(r) if f.name not in ("capacity_t", "capacity")]
+
+    return a.failures == b.failures and a.policies == b.policies and all(
+        run_fields(x) == run_fields(y) and np.array_equal(x.capacity_t, y.capacity_t)
+        and np.array_equal(x.capacity, y.capacity) for x, y in zip(a.example_runs, b.example_runs, strict=True))
+
+
+def test_runs_in_parallel_processes_give_the_serial_numbers_bit_for_bit():
+    """--jobs only says how many processes run the (replication, policy) pairs. Few spares and slow
+    repairs, so groups wait and shrink and each replication asks for placements over rank counts of
+    its own, in an order of its own: a pool shared across the serial runs would give other numbers."""
+    cfg = FleetConfig(gpus=4096, days=200, spare_fraction=0.0005, gpu_repair_h=200, node_repair_h=100)
+    serial = simulate_fleet(cfg, 3, seed=5, jobs=1)
+    assert serial.policies[1].expert_loss_events.mean > 0 and serial.policies[1].evictions.mean > 0
+    for jobs in (2, 4):
+        assert _same_report(simulate_fleet(cfg, 3, seed=5, jobs=jobs), serial), jobs
+    assert not _same_report(simulate_fleet(cfg, 3, seed=6, jobs=2), serial)  # the comparison can fail
+
+
+def test_jobs_must_be_positive():
+    with pytest.raises(SimulationError, match="--jobs 0 must be > 0"):
+        simulate_fleet(FleetConfig(gpus=512, days=10), 1, jobs=0)

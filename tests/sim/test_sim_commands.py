@@ -1,6 +1,7 @@
 """`elastic-ep sim` and `elastic-ep plan` as a user runs them: tables, JSON, plots, errors."""
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -60,6 +61,16 @@ def test_fleet_table_and_json(capsys):
     assert main(["sim", "fleet", "--gpus", "512", "--days", "30", "--replications", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [p["policy"] for p in report["policies"]] == ["restart", "elastic-disk", "elastic-backup"]
+
+
+def test_fleet_jobs_default_to_the_usable_cores_and_change_no_number(capsys):
+    assert command_parser("sim").parse_args(["fleet"]).jobs == len(os.sched_getaffinity(0))
+    argv = ["sim", "fleet", "--gpus", "2048", "--days", "60", "--replications", "3"]
+    tables = []
+    for jobs in ("1", "3"):
+        assert main([*argv, "--jobs", jobs]) == 0
+        tables.append(capsys.readouterr().out)
+    assert tables[0] == tables[1] and "straggler evictions" in tables[0]
 
 
 def test_fleet_with_one_replication_says_it_has_no_interval(capsys):
@@ -161,6 +172,7 @@ def test_every_command_draws_a_png(tmp_path, capsys, argv):
         (["sim", "blast-radius", "--pause-min", "nan"], "--pause-min must be >= 0"),
         (["sim", "fleet", "--node-repair-h", "-1"], "--node-repair-h -1.0 must be a number >= 0"),
         (["sim", "fleet", "--slots-per-rank", "0"], "--slots-per-rank (0) must be > 0"),
+        (["sim", "fleet", "--jobs", "0"], "--jobs 0 must be > 0"),
         (["sim", "blast-radius", "--gpus", "-5"], "--gpus -5 must be > 0"),
         (["sim", "redundancy", "--ranks", "4", "--slots", "4", "--experts", "8", "--k", "-1"], "must be >= 0"),
         (["sim", "redundancy", "--ranks", "4", "--slots", "4", "--experts", "8", "--trials", "1"], "at least 2 draws"),

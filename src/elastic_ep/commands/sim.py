@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replications", type=int, default=10, help="independent runs for the 95%% intervals (default 10)"
     )
     fl.add_argument("--seed", type=int, default=0, help="seed of the failure traces")
+    usable_cores = len(os.sched_getaffinity(0))
+    fl.add_argument(
+        "--jobs",
+        type=int,
+        default=usable_cores,
+        help=f"processes that run the replications and policies (default: the usable cores, {usable_cores} "
+             "here); 1 runs them in this process; the numbers are the same for any --jobs",
+    )
     add_output_arguments(fl)
 
 
@@ -283,7 +292,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     rule, policy = straggler_from_args(args)  # a bad value is an ElasticEPError naming the flag
     cfg = dataclass_from_options(fleet.FleetConfig, args, FLEET_SKIP, rate_per_gpu_hour=parse_rate(args.rate),
                                  straggler_rule=rule, straggler_policy=policy)
-    report = fleet.simulate_fleet(cfg, args.replications, args.seed)
+    report = fleet.simulate_fleet(cfg, args.replications, args.seed, args.jobs)
     if args.json:
         print(dumps(report))
     else:
