@@ -2,7 +2,8 @@
 end by length at different steps, by a stop token mid-run, by a stop string, seeded sampling among
 them, arriving one after another. Every output is token for token the one of a server without the
 flag; the prepared steps were sent (some with the requests that ended taken out). A rank killed
-mid-stream: every output equals the fault-free run."""
+mid-stream: every output equals the fault-free run. With plans and results through the agents: the
+same outputs."""
 
 from __future__ import annotations
 
@@ -99,3 +100,17 @@ def test_a_rank_killed_mid_stream_leaves_the_outputs_exact(server):
     cluster = server.wait_for(lambda c: any(e["kind"] == "recovered" for e in c["events"]), timeout_s=10,
                               what="a recovery")
     assert cluster["epoch"] > 0 and prepared(server, "sent") > sent
+
+
+def test_with_plans_and_results_through_the_agents_the_outputs_are_the_same(server_factory, without_flag):
+    """--async-scheduling with --step-plans-via agent and --step-results-via agent: the prepared
+    steps are sealed per node at the send and relayed by the agents; token for token the same."""
+    mix, expected = without_flag
+    server = server_factory(*SERVE_ARGS, "--async-scheduling", "--step-plans-via", "agent",
+                            "--step-results-via", "agent")
+    try:
+        assert stream_mix(server, mix) == expected
+        plans_out = server.cluster()["control_times"]["plans_out"]
+        assert prepared(server, "sent") > 20 and plans_out["relayed"] > 10 * plans_out["direct"]
+    finally:
+        server.stop()
