@@ -44,6 +44,14 @@ def lost_results(server) -> dict[str, float]:
             for s in f.samples if s.name.endswith("_total")}
 
 
+def recovered_from(server, epoch: int, culprit: int) -> None:
+    """Waits for a recovery into an epoch after `epoch` that names `culprit`."""
+    def named(c: dict) -> bool:
+        return any(e["kind"] == "recovered" and e.get("epoch", -1) > epoch and culprit in e["culprits"]
+                   for e in c["events"])
+    server.wait_for(named, timeout_s=10, what=f"a recovery naming rank {culprit}")
+
+
 def test_streams_through_the_agent_relay_are_exact_and_no_plan_is_lost(server):
     server.wait_full_group(4)
     before = plans_out(server)
@@ -63,9 +71,7 @@ def test_a_killed_rank_is_recovered_with_exact_output_and_plans_relayed_again(se
     results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGKILL), PROMPTS, MAX_TOKENS,
                                  temperature=0)
     assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
-    cluster = server.wait_for(lambda c: any(e["kind"] == "recovered" and e.get("epoch", -1) > before["epoch"]
-                                            for e in c["events"]), timeout_s=10, what="a recovery")
-    assert 1 in {r for e in cluster["events"] if e["kind"] == "recovered" for r in e["culprits"]}
+    recovered_from(server, before["epoch"], 1)
     back = server.wait_full_group(4)
     assert back["ranks"][1]["pid"] != pid
     relayed = plans_out(server)["relayed"]
@@ -82,10 +88,7 @@ def test_a_stopped_rank_is_named_fenced_and_replaced_with_exact_output(server):
     results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGSTOP), PROMPTS, MAX_TOKENS,
                                  temperature=0)
     assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
-    cluster = server.wait_for(lambda c: any(e["kind"] == "recovered" and e.get("epoch", -1) > before["epoch"]
-                                            for e in c["events"]), timeout_s=10, what="a recovery")
-    assert 2 in {r for e in cluster["events"] if e["kind"] == "recovered" and e["epoch"] > before["epoch"]
-                 for r in e["culprits"]}
+    recovered_from(server, before["epoch"], 2)
     assert server.wait_full_group(4)["ranks"][2]["pid"] != pid
 
 
