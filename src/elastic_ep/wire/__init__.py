@@ -43,6 +43,7 @@ from .codec import (
     decoder,
     encode,
     key_from_env,
+    reject_invalid,
     rejected_counts,
 )
 from .fetch import (
@@ -205,6 +206,7 @@ __all__ = [
     "Message",
     "key_from_env",
     "rejected_counts",
+    "reject_invalid",
 ]
 
 
