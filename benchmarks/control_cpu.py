@@ -97,6 +97,11 @@ try:  # a tree with step results gathered per node (--step-results-via agent)
     from elastic_ep.wire import NodeStepResults
 except ImportError:
     NodeStepResults = None
+try:  # a tree whose node results are in columns, built from the node's StepResults
+    from elastic_ep.node.step_gather import node_results
+except ImportError:  # before: the node's StepResults as they are
+    def node_results(node: str, session: str, results: list[StepResult]):
+        return NodeStepResults(node, session, results)
 
 
 def best_of(repeat: int, fn) -> float:
@@ -224,13 +229,15 @@ def rank_results_us(per_node: int, ranks: int = 64, steps: int = 125) -> float:
         messages = [(f"w{r}", results[r]) for r in range(ranks)]
         addr = ctl.plane.step_addr
     else:
-        messages = [(f"a{node}", NodeStepResults(node, "s", results[8 * i:8 * i + 8])) for i, node in enumerate(nodes)]
+        messages = [(f"a{node}", node_results(node, "s", results[8 * i:8 * i + 8])) for i, node in enumerate(nodes)]
         addr = ctl.plane.health_addr
     steps_loop, completed = ctl.steps, [0]
 
     def each_frame() -> None:  # a step's last result: the next step's come
         if len(steps_loop.replies) == ranks:
             steps_loop.replies = {}
+            if hasattr(steps_loop, "answers"):  # a tree that gathers them in columns: a new step's
+                steps_loop.answers = type(steps_loop.answers)()
             completed[0] += 1
     cpu = dispatched_cpu_s(ctl, addr, messages, steps * len(messages), each_frame)
     assert completed[0] == steps  # every rank's result of every step was taken
@@ -306,11 +313,6 @@ class FakeNodes:
                     held[node] = []
         for sock in [*self.ranks, *self.agents.values()]:
             sock.close(0)
-
-
-def node_results(node: str, session: str, results: list[StepResult]):
-    """A node's `NodeStepResults` as this tree builds it."""
-    return NodeStepResults(node, session, results)
 
 
 def whole_step_ms(via: str, ranks: int = 256, steps: int = 100) -> float | None:
