@@ -103,9 +103,9 @@ class NodeStepResults(Message):
         if any(c < 0 for c in self.token_counts) or len(self.seq_ids) != sum(self.token_counts) \
                 or len(self.tokens) != len(self.seq_ids):
             raise ValueError("token_counts must count the (seq_id, token) pairs of each rank")
-        if not all(0.0 <= t < math.inf for column in (self.step_s, self.compute_s, self.wait_s, self.kv_move_s)
-                   for t in column):
-            raise ValueError("a time is negative or not finite")
+        for column in (self.step_s, self.compute_s, self.wait_s, self.kv_move_s):
+            if not all(map(math.isfinite, column)) or min(column, default=0.0) < 0:
+                raise ValueError("a time is negative or not finite")
         listed = set(self.rank_ids)
         if not (self.logprobs.keys() | self.errors.keys() | self.expert_load.keys()) <= listed:
             raise ValueError("logprobs, errors or an expert load of a rank not listed")

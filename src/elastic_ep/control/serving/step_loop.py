@@ -155,23 +155,19 @@ class StepLoop:
         agent = c.agents.get(msg.node)
         if agent is None or agent.session != msg.session or msg.epoch != c.epoch or msg.step != c.step:
             return
-        ranks, now = c.ranks, time.perf_counter()
-        for r in msg.rank_ids:
-            rank = ranks.get(r)
-            if rank is None or rank.node != msg.node:
-                reject_invalid("health", msg.node, f"agent {msg.node}", f"results of rank {r}, not of node {msg.node}")
-                return
-        if not all(self._load_fits(load, f"agent {msg.node}", "health", msg.node) for load in msg.expert_load.values()):
+        ranks, node = c.ranks, msg.node
+        infos = [ranks.get(r) for r in msg.rank_ids]
+        if not all(info is not None and info.node == node for info in infos):
+            reject_invalid("health", node, f"agent {node}", f"results of ranks {msg.rank_ids}, not all of node {node}")
             return
-        replies = self.replies
+        if not all(self._load_fits(load, f"agent {node}", "health", node) for load in msg.expert_load.values()):
+            return
+        replies, since_sent = self.replies, time.perf_counter() - self._sent_at
         take = [i for i, r in enumerate(msg.rank_ids) if r not in replies]
-        if not take:
-            return
         self.answers.add_node(msg, None if len(take) == len(msg.rank_ids) else take)
         for i in take:
-            r = msg.rank_ids[i]
-            ranks[r].link_s.append(max(now - self._sent_at - msg.step_s[i], 0.0))
-            self._answered(r, msg)
+            infos[i].link_s.append(max(since_sent - msg.step_s[i], 0.0))
+            self._answered(msg.rank_ids[i], msg)
 
     def run(self) -> float | None:
         """Run the next step; returns its wall time (s), or None when a rank's own computation
@@ -348,7 +344,8 @@ class StepLoop:
     def _observe(self, batch: StepBatch, tokens: dict[int, int], ran: list[int], step_s: np.ndarray,
                  compute_s: np.ndarray, wall_s: float, slowest: float) -> None:
         """The step's metrics: per-rank timings and tokens (control/rank_series.py; `ran`, `step_s`,
-        `compute_s`: per rank of the answers' columns), DP balance, KV moves, expert load balance."""
+        `compute_s`: per rank of the answers' columns), DP balance, KV moves (the expert load balance
+        of the last steps is the publisher's, facade/publisher.py)."""
         m, a = self.metrics, self.answers
         m.step_wall_seconds.observe(wall_s)
         m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
@@ -362,11 +359,6 @@ class StepLoop:
             if plan == "aligned":
                 m.dp_token_imbalance.set(ratio)
         m.migrations(max(a.kv_move_s, default=0.0), batch.moves, batch.reprefilled)
-        c = self.cluster
-        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
-        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
-        if mean:
-            m.ranks.set_gauge("elastic_ep_expert_load_imbalance", {r: v / mean for r, v in slot_totals.items()})
 
     def _trace(self, batch: StepBatch, compute_s: np.ndarray, committed: list) -> None:
         """What the request traces record of a completed step (only with tracing on)."""
