@@ -51,10 +51,11 @@ class StepAnswers:
         self.remote_bytes.append(res.remote_bytes)
         self.kv_move_s.append(res.kv_move_s)
         self.sampled.update(res.tokens)
-        self.logprobs.update(res.logprobs)
-        self.errors.extend((res.rank_id, seq_id, why) for seq_id, why in res.errors.items())
-        if res.expert_load.size:
-            self.loads.append(res.expert_load)
+        if res.logprobs or res.errors or res.expert_load.size:  # what few results have
+            self.logprobs.update(res.logprobs)
+            self.errors.extend((res.rank_id, seq_id, why) for seq_id, why in res.errors.items())
+            if res.expert_load.size:
+                self.loads.append(res.expert_load)
 
     def add_node(self, msg: NodeStepResults, take: list[int] | None = None) -> None:
         """A node's results: all of them, or the ranks at the indices `take` of `msg.rank_ids`."""
