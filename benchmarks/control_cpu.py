@@ -21,7 +21,8 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   sequence in all (the benchmark's `--seqs-per-rank 0`), answered at once by fake ranks and agents
   in a thread of this process on real ZeroMQ sockets (their CPU is not counted), with their node
   heartbeats 10 a second per rank: each rank's `StepResult` (direct), or a `NodeStepResults` per
-  node of 8 (agent);
+  node of 8 (agent); `--step-parts direct|agent` prints instead where that step's CPU goes, by
+  method (receive, dispatch, the publisher, the step loop's parts, ...);
 - schedule: the scheduler's `schedule` + `commit` of a step at N ranks, one decoding sequence
   in all (the others idle: the benchmark's `--seqs-per-rank 0`), then 8 and 64 decoding on every
   one of 256 ranks with short and 1,024-token prompts (each its own: no prefix hits), ms per step;
@@ -53,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib
 import json
 import os
 import subprocess
@@ -350,6 +352,57 @@ def whole_step_ms(via: str, ranks: int = 256, steps: int = 100) -> float | None:
     return 1000 * cpu / steps
 
 
+# What --step-parts times of a whole step (module, class, method), inclusive: a part's time has its callees'.
+STEP_PARTS = [
+    ("elastic_ep.control.controller", "Controller", "pump"),
+    ("elastic_ep.control.controller", "Controller", "_dispatch"),
+    ("elastic_ep.control.controller", "Controller", "publish"),
+    ("elastic_ep.control.controller", "Controller", "joiners"),
+    ("elastic_ep.control.control_plane", "ControlPlane", "receive"),
+    ("elastic_ep.control.control_plane", "ControlPlane", "plans_to_workers"),
+    ("elastic_ep.control.faults.detector", "FaultDetector", "check"),
+    ("elastic_ep.control.membership.standbys", "Standbys", "upkeep"),
+    ("elastic_ep.control.faults.straggler_control", "StragglerControl", "review"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "_plan"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "on_reply"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "on_node_results"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "_finish"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "_observe"),
+    ("elastic_ep.control.facade.publisher", "Publisher", "liveness"),
+    ("elastic_ep.control.cluster", "ClusterState", "snapshot"),
+]
+
+
+def step_parts(via: str, steps: int = 200) -> None:
+    """Print the control thread's CPU ms per step in each of `STEP_PARTS` (those this tree has) over
+    the steps of `whole_step_ms(via)` (its warm-up's included), each method wrapped in CPU clock reads
+    (which add a little to each)."""
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for module, cls_name, method in STEP_PARTS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        if not hasattr(cls, method):
+            continue
+        name = f"{cls_name}.{method}"
+        spent[name], calls[name] = 0.0, 0
+
+        def timed(*args, _f=getattr(cls, method), _name=name, **kwargs):
+            cpu0 = time.thread_time()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                spent[_name] += time.thread_time() - cpu0
+                calls[_name] += 1
+        setattr(cls, method, timed)
+    total = whole_step_ms(via, steps=steps)
+    n = max(calls["StepLoop._finish"], 1)  # every step completed, the warm-up's too
+    print(f"| part, results {via} | CPU ms per step | calls per step |")
+    print("|---|---|---|")
+    print(f"| whole step (wrapped) | {total:.2f} | 1 |")
+    for name in sorted(spent, key=spent.get, reverse=True):
+        print(f"| {name} | {1000 * spent[name] / n:.3f} | {calls[name] / n:.1f} |")
+
+
 def decoding_scheduler(ranks: int, seqs_per_rank: int, prompt_len: int, grow_tokens: int = 48) -> Scheduler:
     """A scheduler over `ranks` ranks, `seqs_per_rank` requests on each (one in all for 0) of
     `prompt_len`-token prompts of their own, that never finish, with KV blocks for `grow_tokens`
@@ -581,7 +634,12 @@ def main() -> None:
                         help="instead of the table: STEPS steps of schedule + commit at 256 x 64 with each --gc, "
                              "side by side (0: the table)")
     parser.add_argument("--deliver", action="store_true", help="only the deliver rows")
+    parser.add_argument("--step-parts", choices=["direct", "agent"], default=None,
+                        help="instead of the table: the whole step's CPU per part (method) with these results")
     args = parser.parse_args()
+    if args.step_parts:
+        step_parts(args.step_parts)
+        return
     if args.gc == "tuned":
         tune_for_serving()
     if args.gc_tail and args.json:
