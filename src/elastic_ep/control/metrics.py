@@ -241,7 +241,8 @@ class RejectedFrames:
     def collect(self):
         family = CounterMetricFamily(
             "elastic_ep_control_frames_rejected", "Frames a control-plane or fetch socket dropped: without the "
-            "cluster key (unauthenticated), not a message (undecodable), or not of that socket (unexpected)",
+            "cluster key (unauthenticated), not a message (undecodable), not of that socket (unexpected), from a "
+            "deposed controller (stale_term), or a message its reader could not take (invalid)",
             labels=["socket", "node", "reason"])
         for (socket, node, reason), n in sorted(self.totals().items()):
             family.add_metric([socket, node, reason], n)
