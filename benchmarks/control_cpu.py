@@ -15,6 +15,14 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   ranks' results of 125 steps (an empty expert load), us per rank result: a `StepResult` frame from
   each rank (`--step-results-via direct`), or one `NodeStepResults` per node of 8 ranks from its
   agent (`--step-results-via agent`; a tree without it shows n/a);
+- whole step: the control thread's CPU ms per step of whole steps through a `Controller`'s loop
+  (plan, encode and send the plans, the pumps while the step waits with everything they do: receive,
+  dispatch, the detector, the publisher; then commit and the metrics) at 256 ranks with one decoding
+  sequence in all (the benchmark's `--seqs-per-rank 0`), answered at once by fake ranks and agents
+  in a thread of this process on real ZeroMQ sockets (their CPU is not counted), with their node
+  heartbeats 10 a second per rank: each rank's `StepResult` (direct), or a `NodeStepResults` per
+  node of 8 (agent); `--step-parts direct|agent` prints instead where that step's CPU goes, by
+  method (receive, dispatch, the publisher, the step loop's parts, ...);
 - schedule: the scheduler's `schedule` + `commit` of a step at N ranks, one decoding sequence
   in all (the others idle: the benchmark's `--seqs-per-rank 0`), then 8 and 64 decoding on every
   one of 256 ranks with short and 1,024-token prompts (each its own: no prefix hits), ms per step;
@@ -59,6 +67,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib
 import json
 import os
 import subprocess
@@ -85,6 +94,7 @@ from elastic_ep.harness.standin import standin_model
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.wire import (
     CONTROLLER_TO_WORKER,
+    AgentAlive,
     ClusterKey,
     Heartbeat,
     Inbox,
@@ -106,6 +116,11 @@ try:  # a tree with step plans relayed per node (--step-plans-via agent)
     from elastic_ep.wire import RELAYED_TO_WORKER
 except ImportError:
     RELAYED_TO_WORKER = None
+try:  # a tree whose node results are in columns, built from the node's StepResults
+    from elastic_ep.node.step_gather import node_results
+except ImportError:  # before: the node's StepResults as they are
+    def node_results(node: str, session: str, results: list[StepResult]):
+        return NodeStepResults(node, session, results)
 
 
 def best_of(repeat: int, fn) -> float:
@@ -233,17 +248,176 @@ def rank_results_us(per_node: int, ranks: int = 64, steps: int = 125) -> float:
         messages = [(f"w{r}", results[r]) for r in range(ranks)]
         addr = ctl.plane.step_addr
     else:
-        messages = [(f"a{node}", NodeStepResults(node, "s", results[8 * i:8 * i + 8])) for i, node in enumerate(nodes)]
+        messages = [(f"a{node}", node_results(node, "s", results[8 * i:8 * i + 8])) for i, node in enumerate(nodes)]
         addr = ctl.plane.health_addr
     steps_loop, completed = ctl.steps, [0]
 
     def each_frame() -> None:  # a step's last result: the next step's come
         if len(steps_loop.replies) == ranks:
             steps_loop.replies = {}
+            if hasattr(steps_loop, "answers"):  # a tree that gathers them in columns: a new step's
+                steps_loop.answers = type(steps_loop.answers)()
             completed[0] += 1
     cpu = dispatched_cpu_s(ctl, addr, messages, steps * len(messages), each_frame)
     assert completed[0] == steps  # every rank's result of every step was taken
     return 1e6 * cpu / (steps * ranks)
+
+
+class FakeNodes:
+    """Stand-ins of `ranks` ranks on nodes of 8 for a Controller in this process, on real ZeroMQ sockets,
+    served by a thread of their own (its CPU is not the control thread's): each rank answers each
+    `StepPlan` at once with a `StepResult` of an empty expert load (a token for each sampled row),
+    by itself (`via` "direct") or in its node's `NodeStepResults` once the node's 8 have (`via` "agent");
+    each node's agent sends a `NodeHeartbeat` every 0.1 s and an `AgentAlive` every 0.25 s."""
+
+    def __init__(self, ctl: Controller, nodes: list[str], via: str):
+        self.ctl, self.nodes, self.via = ctl, nodes, via
+        self.key, self.ctx, self.stop = ctl.plane.key, zmq.Context.instance(), threading.Event()
+        self.inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, self.key, "n0")
+        self.ranks = {}
+        for r in ctl.cluster.members:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"w{r}".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ctl.plane.step_addr)
+            self.ranks[sock] = r
+        self.agents = {}
+        for node in nodes:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"a{node}".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ctl.plane.health_addr)
+            self.agents[node] = sock
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        for sock, r in self.ranks.items():
+            poller.register(sock, zmq.POLLIN)
+            sock.send_multipart(self.key.seal(StepResult(0, -1, r, {}, 0.0, 0.0, 0.0, 0.0, np.zeros((0, 0), np.int32),
+                                                         0, {})))  # of no step: taken for nothing
+        held: dict[str, list[StepResult]] = {node: [] for node in self.nodes}
+        beat_at = alive_at = 0.0
+        while not self.stop.is_set():
+            now = time.monotonic()
+            if now - beat_at >= 0.1:
+                beat_at = now
+                progress = Progress(0, self.ctl.cluster.step, -1, "idle", 1, time.time())
+                for i, (node, sock) in enumerate(self.agents.items()):
+                    sock.send_multipart(self.key.seal(NodeHeartbeat(node, "s", [
+                        RankBeat(r, 1000 + r, progress, 0.001) for r in range(8 * i, 8 * i + 8)])))
+            if now - alive_at >= 0.25:
+                alive_at = now
+                for node, sock in self.agents.items():
+                    sock.send_multipart(self.key.seal(AgentAlive(node, "s")))
+            for sock, _ in poller.poll(10):
+                frames = sock.recv_multipart()
+                plan = self.inbox.read(frames)
+                if not isinstance(plan, StepPlan):
+                    continue
+                r = self.ranks[sock]
+                tokens = {c.seq_id: 5 for c in plan.chunks if c.sample}
+                decode = getattr(plan, "decode", None)
+                if decode is not None:
+                    tokens.update(dict.fromkeys(decode.seq_ids, 5))
+                result = StepResult(plan.epoch, plan.step, r, tokens, 0.02, 0.018, 0.001, 0.001,
+                                    np.zeros((0, 0), np.int32), 0, {})
+                if self.via == "direct":
+                    sock.send_multipart(self.key.seal(result))
+                    continue
+                node = self.nodes[r // 8]
+                held[node].append(result)
+                if len(held[node]) == 8:
+                    self.agents[node].send_multipart(self.key.seal(node_results(node, "s", held[node])))
+                    held[node] = []
+        for sock in [*self.ranks, *self.agents.values()]:
+            sock.close(0)
+
+
+def whole_step_ms(via: str, ranks: int = 256, steps: int = 100) -> float | None:
+    """The control thread's CPU ms per step of whole steps through a Controller's loop (`_iterate`:
+    plan, encode, send, the pumps while the step waits, receive, on_reply, commit, metrics, the
+    publisher, the detector) at `ranks` ranks with one decoding sequence in all (the benchmark's
+    --seqs-per-rank 0), against `FakeNodes` answering at once."""
+    ctl, nodes = controller_of(ranks, 8)
+    c = ctl.cluster
+    ctl.cfg.agent_timeout_s = 3.0  # a loaded machine's stall of the fakes' thread is no node loss
+    heard = ctl.plane.heard_clock()  # every agent and rank heard now: the fakes' first heartbeats are coming
+    for agent in c.agents.values():
+        agent.last_alive = heard
+    for rank in c.ranks.values():
+        rank.last_heartbeat = heard
+    c.set_readiness(True)
+    ctl.scheduler.set_ranks(c.members)
+    ctl.scheduler.add(Sequence(0, GenerationRequest("r0", [5, 6, 7], SamplingParams(max_tokens=1 << 30,
+                                                                                      ignore_eos=True), 0),
+                               1 << 30, (0,)))
+    fake = FakeNodes(ctl, nodes, via)
+    fake.thread.start()
+    while ctl.plane.times.frames_in["step"] < ranks:  # every rank's hello in: its connection is up (a
+        ctl.pump(0.01)  # plan to a rank whose connection is not is dropped)
+    for _ in range(20):
+        ctl._iterate()
+    step0, cpu0 = c.step, time.thread_time()
+    while c.step < step0 + steps:
+        ctl._iterate()
+    cpu = time.thread_time() - cpu0
+    fake.stop.set()
+    fake.thread.join()
+    ctl.plane.step_sock.close(0)
+    ctl.plane.health_sock.close(0)
+    return 1000 * cpu / steps
+
+
+# What --step-parts times of a whole step (module, class, method), inclusive: a part's time has its callees'.
+STEP_PARTS = [
+    ("elastic_ep.control.controller", "Controller", "pump"),
+    ("elastic_ep.control.controller", "Controller", "_dispatch"),
+    ("elastic_ep.control.controller", "Controller", "publish"),
+    ("elastic_ep.control.controller", "Controller", "joiners"),
+    ("elastic_ep.control.control_plane", "ControlPlane", "receive"),
+    ("elastic_ep.control.control_plane", "ControlPlane", "plans_to_workers"),
+    ("elastic_ep.control.faults.detector", "FaultDetector", "check"),
+    ("elastic_ep.control.membership.standbys", "Standbys", "upkeep"),
+    ("elastic_ep.control.faults.straggler_control", "StragglerControl", "review"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "_plan"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "on_reply"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "on_node_results"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "_finish"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "_observe"),
+    ("elastic_ep.control.facade.publisher", "Publisher", "liveness"),
+    ("elastic_ep.control.cluster", "ClusterState", "snapshot"),
+]
+
+
+def step_parts(via: str, steps: int = 200) -> None:
+    """Print the control thread's CPU ms per step in each of `STEP_PARTS` (those this tree has) over
+    the steps of `whole_step_ms(via)` (its warm-up's included), each method wrapped in CPU clock reads
+    (which add a little to each)."""
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for module, cls_name, method in STEP_PARTS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        if not hasattr(cls, method):
+            continue
+        name = f"{cls_name}.{method}"
+        spent[name], calls[name] = 0.0, 0
+
+        def timed(*args, _f=getattr(cls, method), _name=name, **kwargs):
+            cpu0 = time.thread_time()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                spent[_name] += time.thread_time() - cpu0
+                calls[_name] += 1
+        setattr(cls, method, timed)
+    total = whole_step_ms(via, steps=steps)
+    n = max(calls["StepLoop._finish"], 1)  # every step completed, the warm-up's too
+    print(f"| part, results {via} | CPU ms per step | calls per step |")
+    print("|---|---|---|")
+    print(f"| whole step (wrapped) | {total:.2f} | 1 |")
+    for name in sorted(spent, key=spent.get, reverse=True):
+        print(f"| {name} | {1000 * spent[name] / n:.3f} | {calls[name] / n:.1f} |")
 
 
 def decoding_scheduler(ranks: int, seqs_per_rank: int, prompt_len: int, grow_tokens: int = 48) -> Scheduler:
@@ -552,6 +726,9 @@ def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False, p
         **{f"rank step result through the controller, {n} per frame, us": (
             best_of(repeat, lambda n=n: rank_results_us(n)) if n == 1 or has_node_results_path() else None)
            for n in (1, 8)},
+        **{f"whole step through the controller's loop, 256 ranks x 0 sequences, results {via}, ms": best_of(
+            repeat, lambda via=via: whole_step_ms(via)) if via == "direct" or has_node_results_path() else None
+           for via in ("direct", "agent")},
         **{f"schedule + commit ms, {n} ranks": best_of(repeat, lambda n=n: schedule_ms(n)) for n in (256, 1024)},
         **{f"schedule + commit ms, 256 ranks x {k} sequences, {p}-token prompts":
            best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},
@@ -596,7 +773,12 @@ def main() -> None:
     parser.add_argument("--deliver", action="store_true", help="only the deliver rows")
     parser.add_argument("--plans", action="store_true", help="only the plan rows")
     parser.add_argument("--prepared", action="store_true", help="only the step boundary rows (--async-scheduling)")
+    parser.add_argument("--step-parts", choices=["direct", "agent"], default=None,
+                        help="instead of the table: the whole step's CPU per part (method) with these results")
     args = parser.parse_args()
+    if args.step_parts:
+        step_parts(args.step_parts)
+        return
     if args.gc == "tuned":
         tune_for_serving()
     if args.gc_tail and args.json:

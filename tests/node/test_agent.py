@@ -280,7 +280,8 @@ def test_agent_forwards_its_ranks_step_results_in_one_node_frame_and_drops_the_r
         push.send_multipart(KEY.seal(result(0)))
         forwarded = ctl.expect(ctl.health, NodeStepResults)
         assert (forwarded.node, forwarded.session) == ("nodeR", ctl.session)
-        assert [(r.rank_id, r.tokens) for r in forwarded.results] == [(0, {3: 5})]
+        assert (forwarded.epoch, forwarded.step, forwarded.rank_ids) == (1, 9, [0])
+        assert (forwarded.token_counts, forwarded.seq_ids, forwarded.tokens) == ([1], [3], [5])
         assert rejected_counts().get(("agent_results", "nodeR", "unauthenticated"), 0) == rejected + 1
     finally:
         push.close()

@@ -130,24 +130,46 @@ def test_a_frame_of_another_key_or_socket_is_refused_by_reason():
     assert counted("t_reason") == {"unauthenticated": 2, "unexpected": 2}
 
 
-def test_a_nodes_step_results_round_trip_and_one_bad_result_drops_the_frame():
-    """`NodeStepResults` (an agent's gather of its ranks' results) on the health socket, loads and
-    all; a result of the wrong type inside drops the whole frame, counted; on the step socket it is
-    not a message of that socket."""
+def node_step_results(load: np.ndarray) -> NodeStepResults:
+    """Ranks 0 and 1 of node n0 at epoch 3 step 17: rank 0 sampled sequence 7, rank 1 sequences 8
+    and 9 and reported `load`."""
+    return NodeStepResults("n0", "s1", 3, 17, [0, 1], [0.01, 0.012], [0.005, 0.006], [0.003, 0.004], [1234, 99],
+                           [16, 16], [2, 3], [400, 500], [0.0, 0.0], [1, 2], [7, 8, 9], [70, 80, 90],
+                           errors={1: {9: "nan logits"}}, expert_load={1: load})
+
+
+def test_a_nodes_step_results_round_trip_in_columns():
+    """`NodeStepResults` (an agent's gather of its ranks' results, in columns) on the health socket,
+    the rare parts and an expert load included; on the step socket it is not a message of that socket."""
     load = np.arange(58 * 256, dtype=np.int32).reshape(58, 256)
-    results = [StepResult(3, 17, r, {r: r + 7}, 0.01, 0.005, 0.002, 0.001, load if r else np.zeros((0, 0), np.int32),
-                          1234, {}) for r in (0, 1)]
-    msg = NodeStepResults("n0", "s1", results)
-    health = Inbox("t_node_results", HEALTH_TO_CONTROLLER, KEY)
-    got = health.read(KEY.seal(msg))
-    assert (got.node, got.session, [r.rank_id for r in got.results]) == ("n0", "s1", [0, 1])
-    assert [r.tokens for r in got.results] == [{0: 7}, {1: 8}] and np.array_equal(got.results[1].expert_load, load)
-    raw = msgspec.msgpack.decode(encode(msg))
-    raw[3][1][3] = "one"  # rank 1's rank_id as a string
-    bad = msgspec.msgpack.encode(raw)
-    assert health.read([KEY.mac(bad), bad]) is None
+    msg = node_step_results(load)
+    got = Inbox("t_node_results", HEALTH_TO_CONTROLLER, KEY).read(KEY.seal(msg))
+    assert (got.node, got.session, got.epoch, got.step, got.rank_ids) == ("n0", "s1", 3, 17, [0, 1])
+    assert (got.token_counts, got.seq_ids, got.tokens, got.errors) == ([1, 2], [7, 8, 9], [70, 80, 90],
+                                                                       {1: {9: "nan logits"}})
+    assert np.array_equal(got.expert_load[1], load)
     assert Inbox("t_node_results", STEP_TO_CONTROLLER, KEY).read(KEY.seal(msg)) is None
-    assert counted("t_node_results") == {"undecodable": 1, "unexpected": 1}
+    assert counted("t_node_results") == {"unexpected": 1}
+
+
+@pytest.mark.parametrize("field,value", [  # field: its index in the message's array (0 is the tag)
+    (6, [0.01]),  # step_s of one rank for two
+    (5, [0, 0]),  # a rank listed twice
+    (6, [0.01, float("nan")]),  # a time that is not a number
+    (8, [-1.0, 0.0]),  # a negative wait
+    (14, [1, 1]),  # token counts of two pairs for three
+    (16, [70, 80]),  # two tokens for three sequences
+    (5, [0, "one"]),  # a rank id that is not a number
+    (19, {5: ["int32", [1, 1], b"\x00" * 4]}),  # an expert load of a rank not listed
+    (19, {1: ["int32", [4], b"\x00" * 16]}),  # an expert load that is not [layers, experts]
+])
+def test_a_nodes_step_results_that_disagree_with_themselves_are_dropped_and_counted(field, value):
+    raw = msgspec.msgpack.decode(encode(node_step_results(np.zeros((2, 3), np.int32))))
+    raw[field] = value
+    bad = msgspec.msgpack.encode(raw)
+    socket = f"t_bad_node_results_{field}_{len(str(value))}"
+    assert Inbox(socket, HEALTH_TO_CONTROLLER, KEY).read([KEY.mac(bad), bad]) is None
+    assert counted(socket) == {"undecodable": 1}
 
 
 def test_a_rejected_peer_is_logged_once(caplog):

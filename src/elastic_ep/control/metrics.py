@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from elastic_ep.wire import KVMove, StepResult, rejected_counts
+from elastic_ep.wire import KVMove, rejected_counts
 
 from .rank_series import RankSeries
 
@@ -199,19 +199,11 @@ class ClusterMetrics:
         for result in ("succeeded", "failed"):
             self.scale_operations.labels(result)
 
-    def rank_step(self, results: Mapping[int, StepResult], tokens: Mapping[int, int]) -> None:
-        """Every rank's timings, tokens and off-node sends of a completed step (control/rank_series.py)."""
-        ranks = list(results)
-        res = [results[r] for r in ranks]
-        self.ranks.step(ranks, [x.step_s for x in res], [x.dispatch_wait_s + x.combine_wait_s for x in res],
-                        [x.compute_s for x in res], [tokens.get(r, 0) for r in ranks],
-                        [x.remote_messages for x in res], [x.remote_bytes for x in res])
-
-    def migrations(self, results: Mapping[int, StepResult], moves: list[KVMove], reprefilled: list[int]) -> None:
-        """A completed step's sequence migrations."""
+    def migrations(self, kv_move_s: float, moves: list[KVMove], reprefilled: list[int]) -> None:
+        """A completed step's sequence migrations; `kv_move_s`: the longest any rank spent in its KV moves."""
         if moves:
             self.dp_migrations.labels("kv").inc(len(moves))
-            self.kv_move_seconds.observe(max(res.kv_move_s for res in results.values()))
+            self.kv_move_seconds.observe(kv_move_s)
         if reprefilled:
             self.dp_migrations.labels("reprefill").inc(len(reprefilled))
 
@@ -256,7 +248,8 @@ class RejectedFrames:
     def collect(self):
         family = CounterMetricFamily(
             "elastic_ep_control_frames_rejected", "Frames a control-plane or fetch socket dropped: without the "
-            "cluster key (unauthenticated), not a message (undecodable), or not of that socket (unexpected)",
+            "cluster key (unauthenticated), not a message (undecodable), not of that socket (unexpected), from a "
+            "deposed controller (stale_term), or a message its reader could not take (invalid)",
             labels=["socket", "node", "reason"])
         for (socket, node, reason), n in sorted(self.totals().items()):
             family.add_metric([socket, node, reason], n)

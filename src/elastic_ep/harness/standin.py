@@ -65,7 +65,7 @@ import zmq
 from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.tiny import cache_dir, make_tiny
 from elastic_ep.node.lease import Lease
-from elastic_ep.node.step_gather import StepGather
+from elastic_ep.node.step_gather import StepGather, node_results
 from elastic_ep.runtime.plan_order import PlanOrder, Verdict
 from elastic_ep.runtime.warmth import slots_to_warm
 from elastic_ep.wire import (
@@ -92,7 +92,6 @@ from elastic_ep.wire import (
     LeaseRenew,
     NodeHeartbeat,
     NodeStepPlans,
-    NodeStepResults,
     Progress,
     RankBeat,
     ResendResult,
@@ -468,7 +467,7 @@ class StandInAgent:
         if self._gather_at and now >= self._gather_at:
             self._gather_at = 0.0
         for results in self.gather.due(now, list(self.ranks)):
-            self.send(NodeStepResults(self.node, self.lease.session, results))
+            self.send(node_results(self.node, self.lease.session, results))
         wait_s = self.gather.next_due_s(now)
         if wait_s is not None and not self._gather_at:
             self._gather_at = now + wait_s

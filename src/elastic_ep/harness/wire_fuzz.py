@@ -78,7 +78,7 @@ def _wrong_for(socket: str) -> list[object]:
     common = [plan, Shutdown(), AbortEpoch(0), DenseTensors({})]
     if socket == "step":
         return [*common, Heartbeat(0, 1, Progress()), AgentAlive("x", "y"), BackupFetch([(0, 0)]),
-                NodeStepResults("x", "y", [])]
+                NodeStepResults("x", "y", 0, 0, *[[]] * 12)]
     if socket == "health":  # a worker's heartbeat goes to its agent, never here
         return [*common, Heartbeat(0, 1, Progress()), EpochReady(0, 0, {}, {}, [], 0.0, 0.0, 0.0),
                 BackupFetch([(0, 0)])]

@@ -78,7 +78,6 @@ from elastic_ep.wire import (
     LeaseRenew,
     NewLeader,
     NodeHeartbeat,
-    NodeStepResults,
     RankBeat,
     SessionEnded,
     SignalWorker,
@@ -100,7 +99,7 @@ from .hardware import HardwareReader
 from .host_backup import HostBackup
 from .lease import Lease
 from .netcut import NetCut, NetCutUnavailable
-from .step_gather import StepGather
+from .step_gather import StepGather, node_results
 
 logger = logging.getLogger(__name__)
 FETCH_MAX_FRAME_BYTES = 1 << 20  # a fetch request is a list of (layer, expert): a bigger frame disconnects its peer
@@ -382,7 +381,7 @@ class NodeAgent:
             if result is not None and result.rank_id in running:
                 self.gather.add(result, time.monotonic())
         for results in self.gather.due(time.monotonic(), running):
-            self.send(NodeStepResults(self.node, self.lease.session, results))
+            self.send(node_results(self.node, self.lease.session, results))
 
     def _relay_plans(self) -> None:
         """Every node plan waiting on the plan link to the workers, as it came; a frame without the

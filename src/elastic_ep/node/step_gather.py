@@ -9,14 +9,14 @@ node's others back at most that long, and its own result follows alone when it c
 the running ranks whose last result was of the same epoch (every member runs every step of its
 epoch, step_loop.py); at an epoch's first step none is known yet, so its results go one by one.
 Pure bookkeeping, no sockets: the node agent (node/agent.py) and the stand-in agents
-(harness/standin.py) drive it with their clocks.
+(harness/standin.py) drive it with their clocks, and send each batch as `node_results` builds it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from elastic_ep.wire import StepResult
+from elastic_ep.wire import NodeStepResults, StepResult
 
 # How long a node's results wait for its slowest rank. The ranks of a step finish within the
 # skew of its last collective (well under a millisecond on one host); a rank later than that is
@@ -66,3 +66,18 @@ class StepGather:
             return None
         return max(min(first_at for first_at, _ in self._held.values()) + self.window_s - now, 0.0)
 
+
+
+def node_results(node: str, session: str, results: list[StepResult]) -> NodeStepResults:
+    """The `NodeStepResults` of one step's `results` (one batch of `StepGather.due`: the same epoch
+    and step, a rank at most once) of `node`'s agent session `session`, in columns."""
+    assert results and len({(r.epoch, r.step) for r in results}) == 1, "one step's results"
+    return NodeStepResults(
+        node, session, results[0].epoch, results[0].step, [r.rank_id for r in results], [r.step_s for r in results],
+        [r.compute_s for r in results], [r.dispatch_wait_s + r.combine_wait_s for r in results],
+        [r.slot_tokens for r in results], [r.shape for r in results], [r.remote_messages for r in results],
+        [r.remote_bytes for r in results], [r.kv_move_s for r in results], [len(r.tokens) for r in results],
+        [q for r in results for q in r.tokens], [t for r in results for t in r.tokens.values()],
+        logprobs={r.rank_id: r.logprobs for r in results if r.logprobs},
+        errors={r.rank_id: r.errors for r in results if r.errors},
+        expert_load={r.rank_id: r.expert_load for r in results if r.expert_load.size})

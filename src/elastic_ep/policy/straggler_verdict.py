@@ -120,13 +120,21 @@ class IntervalRecorder:
 
     def add(self, now_s: float, rank_id: int, tokens: int, own_s: float) -> None:
         """One step of one rank: the tokens it ran and its own time (s)."""
+        self.add_step(now_s, (rank_id,), (tokens,), (own_s,))
+
+    def add_step(self, now_s: float, rank_ids: Sequence[int], tokens: Sequence[int], own_s: Sequence[float]) -> None:
+        """One step of several ranks (the same order in each argument): what `add` takes of each."""
         self._roll(now_s)
         if self._start_s is None:
             self._start_s = now_s
-        r = self._open.setdefault(rank_id, RankInterval())
-        r.steps += 1
-        r.own_s += own_s
-        r.tokens += tokens
+        opened = self._open
+        for rank_id, n, own in zip(rank_ids, tokens, own_s, strict=True):
+            r = opened.get(rank_id)
+            if r is None:
+                r = opened[rank_id] = RankInterval()
+            r.steps += 1
+            r.own_s += own
+            r.tokens += n
 
     def forget(self, rank_id: int) -> None:
         """Drop a rank's samples (it left: a new process given its id must not inherit them)."""

@@ -48,6 +48,7 @@ from .codec import (
     decoder,
     encode,
     key_from_env,
+    reject_invalid,
     rejected_counts,
 )
 from .fetch import (
@@ -222,6 +223,7 @@ __all__ = [
     "Message",
     "key_from_env",
     "rejected_counts",
+    "reject_invalid",
 ]
 
 

@@ -17,7 +17,9 @@ without the key, another deployment, a port scanner), `undecodable` (authenticat
 message of this version), `unexpected` (a valid message that this socket does not take: the
 wrong direction or the wrong socket), `stale_term` (authenticated, from a controller whose term
 is below the highest this process has seen: a deposed or partitioned old leader; only on the
-sockets of agents and workers, whose Inboxes share one `TermFence` per process).
+sockets of agents and workers, whose Inboxes share one `TermFence` per process), `invalid` (a
+message that decodes but that its reader cannot take: a node's results of a rank not of that node,
+an expert load not of the model's shape; counted by the reader, `reject_invalid`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ KEY_BYTES = 32
 HMAC_BYTES = 32
 TERM_BYTES = 8
 MAC_BYTES = HMAC_BYTES + TERM_BYTES  # the head frame: HMAC, then the sender's term
-REASONS = ("unauthenticated", "undecodable", "unexpected", "stale_term")
+REASONS = ("unauthenticated", "undecodable", "unexpected", "stale_term", "invalid")
 
 
 class Message(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -233,6 +235,12 @@ def _reject(socket: str, node: str, reason: str, peer: str, detail: str) -> None
         logger.warning("%s socket%s: dropped a frame from %s: %s (%s); further frames of this peer are only "
                        "counted (elastic_ep_control_frames_rejected_total)", socket,
                        f" of node {node}" if node else "", peer, reason, detail)
+
+
+def reject_invalid(socket: str, node: str, sender: str, detail: str) -> None:
+    """A message read from `socket` was dropped by its reader (`detail` says why), counted as
+    `invalid` under `node`; `sender` names the peer in the log (once)."""
+    _reject(socket, node, "invalid", sender, detail)
 
 
 def peer_address(frame: Any) -> str:

@@ -6,11 +6,16 @@ the controller, on the controller's health socket."""
 
 from __future__ import annotations
 
+import math
 import signal
+
+import numpy as np
+
+from elastic_ep.model.sampling import TokenLogprobs
 
 from .codec import Message, Record
 from .fetch import BackupSite
-from .worker import StepResult, WorkerLaunch
+from .worker import WorkerLaunch
 
 
 class Progress(Record):
@@ -55,13 +60,57 @@ class NodeHeartbeat(Message):
 
 
 class NodeStepResults(Message):
-    """An agent -> the controller: the `StepResult`s of its ranks for one step, as many as answered
-    within the agent's gather window (node/step_gather.py); the rest follow in later ones. The
-    controller takes each as if its rank had sent it."""
+    """An agent -> the controller: its ranks' results of one step (`epoch`, `step`), as many as
+    answered within the agent's gather window (node/step_gather.py); the rest follow in later ones.
+    The controller takes each rank's as if that rank had sent its `StepResult`.
+
+    Columnar, so that the controller reads a node's step without an object per rank: every per-rank
+    list has one entry per rank of `rank_ids`, in its order; `wait_s` is the rank's dispatch and
+    combine wait together; rank i's sampled tokens are the `token_counts[i]` (seq_id, token) pairs of
+    `seq_ids`/`tokens` after those of the ranks before it. What few ranks have (logprobs, errors, an
+    expert load report) is keyed by rank, only for those that have it. A frame whose lists disagree
+    in length, that names a rank twice or keys a rank it does not list, or has a time that is
+    negative or not finite, fails to decode: it is dropped and counted (wire/codec.py)."""
 
     node: str
     session: str
-    results: list[StepResult]
+    epoch: int
+    step: int
+    rank_ids: list[int]
+    step_s: list[float]
+    compute_s: list[float]
+    wait_s: list[float]
+    slot_tokens: list[int]
+    shape: list[int]
+    remote_messages: list[int]
+    remote_bytes: list[int]
+    kv_move_s: list[float]
+    token_counts: list[int]
+    seq_ids: list[int]
+    tokens: list[int]
+    logprobs: dict[int, dict[int, TokenLogprobs]] = {}  # rank -> seq_id -> the sampled token's logprobs
+    errors: dict[int, dict[int, str]] = {}  # rank -> seq_id -> why its token could not be sampled
+    expert_load: dict[int, np.ndarray] = {}  # rank -> [L, E] int32, for the ranks that reported one
+
+    def __post_init__(self) -> None:
+        n = len(self.rank_ids)
+        if any(len(column) != n for column in (self.step_s, self.compute_s, self.wait_s, self.slot_tokens, self.shape,
+                                               self.remote_messages, self.remote_bytes, self.kv_move_s,
+                                               self.token_counts)):
+            raise ValueError(f"every per-rank list needs one entry for each of the {n} ranks")
+        if len(set(self.rank_ids)) != n:
+            raise ValueError("a rank is listed twice")
+        if any(c < 0 for c in self.token_counts) or len(self.seq_ids) != sum(self.token_counts) \
+                or len(self.tokens) != len(self.seq_ids):
+            raise ValueError("token_counts must count the (seq_id, token) pairs of each rank")
+        for column in (self.step_s, self.compute_s, self.wait_s, self.kv_move_s):
+            if not all(map(math.isfinite, column)) or min(column, default=0.0) < 0:
+                raise ValueError("a time is negative or not finite")
+        listed = set(self.rank_ids)
+        if not (self.logprobs.keys() | self.errors.keys() | self.expert_load.keys()) <= listed:
+            raise ValueError("logprobs, errors or an expert load of a rank not listed")
+        if any(load.ndim != 2 for load in self.expert_load.values()):
+            raise ValueError("an expert load is [layers, experts]")
 
 
 class AbortEpoch(Message):

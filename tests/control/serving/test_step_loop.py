@@ -25,15 +25,16 @@ from elastic_ep.control.serving.step_loop import MAX_RETRIES_WITHOUT_CULPRIT, St
 from elastic_ep.control.serving.streams import Streams
 from elastic_ep.control.serving.warmup import WarmUpGate
 from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.node.step_gather import node_results
 from elastic_ep.wire import (
     SAMPLED_TOKEN,
-    NodeStepResults,
     Progress,
     ResendResult,
     StepErrorKind,
     StepFailed,
     StepPlan,
     StepResult,
+    rejected_counts,
 )
 
 
@@ -206,8 +207,8 @@ def answering_per_node(steps, session_of_rank_1: str = "s"):
             elif isinstance(msg, ResendResult):
                 steps.on_reply(kept[rank_id])
         if len(kept) == 2 and seen < len(steps.plane.to_workers):
-            steps.on_node_results(NodeStepResults("n0", "s", [kept[0]]))
-            steps.on_node_results(NodeStepResults("n0", session_of_rank_1, [kept[1]]))
+            steps.on_node_results(node_results("n0", "s", [kept[0]]))
+            steps.on_node_results(node_results("n0", session_of_rank_1, [kept[1]]))
         seen = len(steps.plane.to_workers)
     return pump
 
@@ -226,14 +227,18 @@ def test_results_of_an_agent_session_given_up_on_are_asked_for_again_from_the_ra
     assert [(r, m) for r, m in steps.plane.to_workers if isinstance(m, ResendResult)] == [(1, ResendResult(0, 1))]
 
 
-def test_an_agent_speaks_for_its_own_nodes_ranks_only():
+def invalid_frames(node: str) -> int:
+    return sum(n for (_, at, reason), n in rejected_counts().items() if at == node and reason == "invalid")
+
+
+def test_a_nodes_frame_with_a_rank_of_another_node_is_dropped_whole_and_counted():
     steps, _, _ = loop_with_one_request()
     steps.cluster.agents["n1"] = steps.cluster.agents["n0"]
     plan = StepPlan(steps.cluster.epoch, steps.cluster.step, [], [])
-    steps.on_node_results(NodeStepResults("n1", "s", [answer_of(0, plan)]))  # rank 0 is on n0
-    assert not steps.replies
-    steps.on_node_results(NodeStepResults("n0", "s", [answer_of(0, plan)]))
-    assert list(steps.replies) == [0]
+    before = invalid_frames("n1")
+    steps.on_node_results(node_results("n1", "s", [answer_of(0, plan)]))  # rank 0 is on n0
+    assert not steps.replies and invalid_frames("n1") == before + 1
+
 
 
 def test_plans_go_through_the_agents_that_are_known_and_not_silent_else_directly():
@@ -355,3 +360,55 @@ def test_with_async_scheduling_a_request_ending_during_the_step_is_taken_out_of_
     assert [p.free for p in step5 if p.free] == [[5]]
     assert [(p.decode.seq_ids, p.decode.tokens) for p in step5 if p.decode] == [([6], [SAMPLED_TOKEN])]
     assert prepared(registry, "rebuilt") == 1 and prepared(registry, "dropped") == 0
+
+
+def answering_with(steps, answer):
+    """The pump as the ranks answer: `answer(plans)` with every `StepPlan` sent since the last pump
+    (rank_id -> plan), once both ranks' have come."""
+    seen = 0
+
+    def pump(timeout_s: float) -> None:
+        nonlocal seen
+        plans = {r: m for r, m in steps.plane.to_workers[seen:] if isinstance(m, StepPlan)}
+        seen = len(steps.plane.to_workers)
+        if len(plans) == 2:
+            answer(plans)
+    return pump
+
+
+def group_steps_observed(registry: CollectorRegistry) -> float:
+    return registry.get_sample_value("elastic_ep_group_step_seconds_count")
+
+
+def test_a_rank_that_answered_directly_is_left_out_of_its_nodes_frame_and_counted_once():
+    """Rank 1's answer sent again reaches the controller before its node's frame with both: the frame
+    gives rank 0's, the step completes with its token, and each rank's step is observed once."""
+    registry = CollectorRegistry()
+    steps, scheduler, _ = loop_with_one_request(registry=registry)
+
+    def answer(plans):
+        steps.on_reply(answer_of(1, plans[1]))
+        steps.on_node_results(node_results("n0", "s", [answer_of(0, plans[0]), answer_of(1, plans[1])]))
+    steps.pump = answering_with(steps, answer)
+    assert steps.run() is not None and scheduler.by_id[5].output == [7]
+    assert group_steps_observed(registry) == 2
+
+
+def test_an_expert_load_in_a_nodes_frame_is_summed_and_one_not_of_the_models_shape_is_dropped():
+    steps, _, _ = loop_with_one_request(load_report_every_steps=1)
+
+    def load_of(plan, r, load):
+        a = answer_of(r, plan)
+        return StepResult(a.epoch, a.step, r, a.tokens, a.step_s, a.compute_s, 0.0, 0.0, load, 0, {})
+
+    def answer(plans):
+        wrong = np.ones((2, 8), np.int32)  # the model has 1 MoE layer
+        steps.on_node_results(node_results("n0", "s", [load_of(plans[0], 0, wrong), answer_of(1, plans[1])]))
+        steps.on_reply(load_of(plans[0], 0, wrong))
+        assert not steps.replies and invalid_frames("n0") == before + 2
+        load = np.arange(8, dtype=np.int32).reshape(1, 8)
+        steps.on_node_results(node_results("n0", "s", [load_of(plans[0], 0, load), load_of(plans[1], 1, load)]))
+    before = invalid_frames("n0")
+    steps.pump = answering_with(steps, answer)
+    assert steps.run() is not None
+    assert steps.load_window.estimate().tolist() == [[2 * e + 1.0 for e in range(8)]]

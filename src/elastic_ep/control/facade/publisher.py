@@ -63,6 +63,7 @@ class QueueView(Protocol):
 
 
 SNAPSHOT_SHARE = 0.05  # most of the control thread's time the /cluster snapshot may take
+LIVE = RankLiveness(Liveness.LIVE)
 
 
 class Publisher:
@@ -114,6 +115,13 @@ class Publisher:
         step_age_s = now - steps.started_at if steps.in_step else None
         stall_s, suspect_s = self.stall_deadline_s(), self.cfg.heartbeat_suspect_s
         beating = self.cfg.health_checks  # without health checks workers send no heartbeats
+        if beating and (step_age_s is None or step_age_s < stall_s):
+            # no step stalled: a rank heard within both deadlines is live (rank_liveness's last case),
+            # decided without a call per rank (this runs every --health-check-period-s over every rank)
+            heard_since = heard - min(stall_s, suspect_s)
+            return {r.rank_id: LIVE if r.last_heartbeat > heard_since else
+                    rank_liveness(heard - r.last_heartbeat, step_age_s, False, r.progress.phase, suspect_s, stall_s)
+                    for r in self.cluster.ranks.values() if r.watched}
         return {r.rank_id: rank_liveness(heard - r.last_heartbeat if beating else 0.0, step_age_s,
                                          r.rank_id in steps.in_step and r.rank_id not in steps.replies,
                                          r.progress.phase, suspect_s, stall_s)
@@ -225,6 +233,12 @@ class Publisher:
         for rank_id, v in verdicts.items():
             if v.kind in (VerdictKind.STRAGGLER, VerdictKind.DP_HEAVY) and flagged.get(rank_id) in (None, "derated"):
                 flagged[rank_id] = v.kind.value
+        # the slots' tokens of each member's last steps over the mean: with the snapshot, not every step
+        # (a walk over every member's window), since /metrics is read every few seconds at most
+        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members if r in c.ranks}
+        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
+        if mean:
+            m.ranks.set_gauge("elastic_ep_expert_load_imbalance", {r: v / mean for r, v in slot_totals.items()})
         for name, values in (("elastic_ep_rank_up", up), ("elastic_ep_rank_stalled_seconds", stalled),
                              ("elastic_ep_rank_heartbeat_age_seconds", heartbeat_age),
                              ("elastic_ep_rank_last_progress_timestamp_seconds", progress_at)):

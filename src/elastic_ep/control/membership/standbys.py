@@ -111,7 +111,8 @@ class Standbys:
         """Start the replacements owed, and spare processes until standbys and ranks on their way
         cover the shortfall plus K."""
         c = self.cluster
-        coming = [r for r in c.ranks.values() if r.rank_id not in c.members and not self.joiner(r.rank_id)
+        members = set(c.members)  # once per step: a list's `in` per rank was 256 x 256 comparisons a step
+        coming = [r for r in c.ranks.values() if r.rank_id not in members and not self.joiner(r.rank_id)
                   and (r.status in (RankStatus.STANDBY, RankStatus.STARTING) or self.processes.restarting(r.rank_id))]
         spares = processes_to_start(self.wanted, self.shortfall(c.members), len(coming))
         why = (f"to replace evicted rank(s) {self.owed}" if self.owed else f"to keep {self.wanted} standby rank(s)")

@@ -47,9 +47,16 @@ from typing import Protocol
 
 import numpy as np
 
-from elastic_ep.model.sampling import TokenLogprobs
 from elastic_ep.policy.straggler_verdict import IntervalRecorder
-from elastic_ep.wire import NodeStepResults, ResendResult, StepErrorKind, StepFailed, StepPlan, StepResult
+from elastic_ep.wire import (
+    NodeStepResults,
+    ResendResult,
+    StepErrorKind,
+    StepFailed,
+    StepPlan,
+    StepResult,
+    reject_invalid,
+)
 
 from ..cluster import ClusterState
 from ..config import ServeConfig
@@ -64,6 +71,7 @@ from .isolation import Isolation
 from .load_window import LoadWindow
 from .recorder import ExpertRecorder
 from .scheduler import Scheduler, StepBatch
+from .step_answers import StepAnswers
 from .streams import Streams
 from .warmup import WarmUpGate, padded_tokens
 
@@ -122,7 +130,9 @@ class StepLoop:
         self.chaos = chaos
         self.traces = traces
         self.warmup = warmup  # the readiness gate: each rank's step padded to a shape it warmed (None: no padding)
-        self.replies: dict[int, StepResult | StepFailed] = {}
+        # rank -> its answer to the step in flight: its own message, or its node's (NodeStepResults)
+        self.replies: dict[int, StepResult | StepFailed | NodeStepResults] = {}
+        self.answers = StepAnswers()  # the results among them, in columns
         self.in_step: set[int] = set()  # members of the step in flight
         self.asked: dict[int, float] = {}  # members asked to resend their answer to the step in flight -> when
         self._result_deadline_s = 0.0  # of the step in flight (detector.result_deadline_s at its start)
@@ -144,27 +154,57 @@ class StepLoop:
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step or msg.rank_id in self.replies:
             return  # of another step, or an answer sent again that came after the first
-        self.replies[msg.rank_id] = msg
-        if msg.rank_id in self.asked:
-            not_run = isinstance(msg, StepFailed) and msg.kind == StepErrorKind.NOT_RUN
-            self.metrics.lost_results.labels("not_run" if not_run else "resent").inc()
-        if isinstance(msg, StepResult):  # the control plane's round trip to this rank, its step time left out
-            self.cluster.ranks[msg.rank_id].link_s.append(max(time.perf_counter() - self._sent_at - msg.step_s, 0.0))
+        if isinstance(msg, StepResult):
+            rank = self.cluster.ranks.get(msg.rank_id)
+            if rank is None or not self._load_fits(msg.expert_load, f"rank {msg.rank_id}", "step", rank.node):
+                return
+            # the control plane's round trip to this rank, its step time left out
+            rank.link_s.append(max(time.perf_counter() - self._sent_at - msg.step_s, 0.0))
+            self.answers.add(msg)
+        self._answered(msg.rank_id, msg)
         if isinstance(msg, StepFailed) and msg.kind != StepErrorKind.LOCAL:  # the group broke, or a plan was lost
             self.detector.error(f"rank {msg.rank_id}: {msg.error}")
 
+    def _answered(self, rank_id: int, msg: StepResult | StepFailed | NodeStepResults) -> None:
+        self.replies[rank_id] = msg
+        if rank_id in self.asked:
+            not_run = isinstance(msg, StepFailed) and msg.kind == StepErrorKind.NOT_RUN
+            self.metrics.lost_results.labels("not_run" if not_run else "resent").inc()
+
+    def _load_fits(self, load: np.ndarray, whose: str, socket: str, node: str) -> bool:
+        """Whether an expert load report is empty or of the model's [layers, experts]; one that is not
+        is dropped with its frame, counted (it would break the step's sum)."""
+        c = self.cluster
+        if not load.size or load.shape == (c.num_layers, c.num_experts):
+            return True
+        reject_invalid(socket, node, whose, f"an expert load of shape {load.shape}, not "
+                       f"{(c.num_layers, c.num_experts)}")
+        return False
+
     def on_node_results(self, msg: NodeStepResults) -> None:
-        """An agent's gather of its ranks' results (--step-results-via agent): each taken as if its rank
-        had sent it, when the agent's session is the current one (as its heartbeats are) and the rank
-        is of its node. One that is not is dropped, and asked for again past the result deadline."""
-        agent = self.cluster.agents.get(msg.node)
-        if agent is None or agent.session != msg.session:
+        """An agent's gather of its ranks' results (--step-results-via agent): each rank's taken as if it
+        had sent it, when the agent's session is the current one (as its heartbeats are). A frame of
+        another session or step is dropped; one that names a rank not of its node, or carries an expert
+        load not of the model's shape, is dropped and counted (`invalid`). A rank that answered already
+        (its answer sent again, directly) is left out. What is dropped is asked for again past the result
+        deadline."""
+        c = self.cluster
+        agent = c.agents.get(msg.node)
+        if agent is None or agent.session != msg.session or msg.epoch != c.epoch or msg.step != c.step:
             return
-        ranks = self.cluster.ranks
-        for result in msg.results:
-            rank = ranks.get(result.rank_id)
-            if rank is not None and rank.node == msg.node:
-                self.on_reply(result)
+        ranks, node = c.ranks, msg.node
+        infos = [ranks.get(r) for r in msg.rank_ids]
+        if not all(info is not None and info.node == node for info in infos):
+            reject_invalid("health", node, f"agent {node}", f"results of ranks {msg.rank_ids}, not all of node {node}")
+            return
+        if not all(self._load_fits(load, f"agent {node}", "health", node) for load in msg.expert_load.values()):
+            return
+        replies, since_sent = self.replies, time.perf_counter() - self._sent_at
+        take = [i for i, r in enumerate(msg.rank_ids) if r not in replies]
+        self.answers.add_node(msg, None if len(take) == len(msg.rank_ids) else take)
+        for i in take:
+            infos[i].link_s.append(max(since_sent - msg.step_s[i], 0.0))
+            self._answered(msg.rank_ids[i], msg)
 
     def run(self) -> float | None:
         """Run the next step; returns its wall time (s), or None when a rank's own computation
@@ -177,7 +217,7 @@ class StepLoop:
         self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit, batch.prefix_waits,
                              batch.kv_kept, batch.kv_reprefilled)
         c.step += 1
-        self.replies, self.asked = {}, {}
+        self.replies, self.asked, self.answers = {}, {}, StepAnswers()
         self.in_step = set(c.members)
         self._result_deadline_s = self.detector.result_deadline_s()
         self.started_at = time.monotonic()
@@ -374,62 +414,59 @@ class StepLoop:
         self.uncommitted = None
 
     def _finish(self, batch: StepBatch, wall_s: float, micro_batches: int) -> None:
-        c, times = self.cluster, self.plane.times
+        """Commit a completed step from its answers' columns."""
+        c, times, a = self.cluster, self.plane.times, self.answers
+        tokens = batch.tokens_per_rank()  # rank -> tokens it ran
         t0 = time.perf_counter()
-        results: dict[int, StepResult] = self.replies  # type: ignore[assignment]
-        sampled: dict[int, int] = {}
-        logprobs: dict[int, TokenLogprobs] = {}
-        slowest = 0.0
+        for rank_id, seq_id, error in a.errors:
+            self.streams.end_with_error(seq_id, f"this request failed on rank {rank_id}: {error}")
+        step_s, compute_s = a.array("step_s"), a.array("compute_s")
+        slowest = float(step_s.max()) if len(step_s) else 0.0
+        ranks = c.ranks
+        for rank_id, s, w, own, slot in zip(a.rank_ids, a.step_s, a.wait_s, a.compute_s, a.slot_tokens, strict=True):
+            r = ranks[rank_id]
+            r.step_s.append(s)
+            r.wait_s.append(w)
+            r.own_s.append(own)
+            r.slot_tokens.append(slot)
         load: np.ndarray | None = None  # [L, E] the step's reports, None when no rank sent one
-        for rank_id, res in results.items():
-            for seq_id, error in res.errors.items():
-                self.streams.end_with_error(seq_id, f"this request failed on rank {rank_id}: {error}")
-            sampled.update(res.tokens)
-            logprobs.update(res.logprobs)
-            slowest = max(slowest, res.step_s)
-            r = c.ranks[rank_id]
-            r.step_s.append(res.step_s)
-            r.wait_s.append(res.dispatch_wait_s + res.combine_wait_s)
-            r.own_s.append(res.compute_s)
-            r.slot_tokens.append(res.slot_tokens)
-            if res.expert_load.size:
-                if load is None:
-                    load = np.zeros((c.num_layers, c.num_experts), dtype=np.int64)
-                load += res.expert_load
-            if self.warmup is not None:
-                self.warmup.ran(res.epoch, res.shape, micro_batches)
+        if a.loads:
+            load = np.sum(a.loads, axis=0, dtype=np.int64)
+        if self.warmup is not None:
+            for shape, n in zip(*np.unique(a.array("shape"), return_counts=True), strict=True):
+                self.warmup.ran(c.epoch, int(shape), micro_batches, int(n))
         times.slowest_rank_s += slowest
         self.detector.step_done(wall_s)
         self.uncommitted = None
         self.retries_without_culprit = 0
-        tokens = batch.tokens_per_rank()
-        now = time.monotonic()
-        for rank_id, res in results.items():
-            self.own_time.add(now, rank_id, tokens.get(rank_id, 0), res.compute_s)
+        ran = [tokens.get(r, 0) for r in a.rank_ids]
+        self.own_time.add_step(time.monotonic(), a.rank_ids, ran, a.compute_s)
         self.tokens_run += sum(tokens.values())
-        self.tokens_sampled += len(sampled)
+        self.tokens_sampled += len(a.sampled)
         self.load_window.add(load)
         self.recorder.add(load)
         t1 = time.perf_counter()
-        self._observe(results, batch, tokens, wall_s, slowest)
+        self._observe(batch, tokens, ran, step_s, compute_s, wall_s, slowest)
         t2 = time.perf_counter()
-        committed = self.scheduler.commit(batch, sampled)
+        committed = self.scheduler.commit(batch, a.sampled)
         if self.traces is not None:
-            self._trace(batch, results, committed)
+            self._trace(batch, compute_s, committed)
+        logprobs = a.logprobs
         self.streams.deliver_step((seq.seq_id, new_tokens, seq.finish_reason,
                                    [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None)
                                   for seq, new_tokens in committed)
         times.add("commit", (t1 - t0) + (time.perf_counter() - t2))
         times.add("metrics", t2 - t1)
 
-    def _observe(self, results: dict[int, StepResult], batch: StepBatch, tokens: dict[int, int], wall_s: float,
-                 slowest: float) -> None:
-        """The step's metrics: per-rank timings and tokens (control/rank_series.py), DP balance, KV
-        moves, expert load balance."""
-        m = self.metrics
+    def _observe(self, batch: StepBatch, tokens: dict[int, int], ran: list[int], step_s: np.ndarray,
+                 compute_s: np.ndarray, wall_s: float, slowest: float) -> None:
+        """The step's metrics: per-rank timings and tokens (control/rank_series.py; `ran`, `step_s`,
+        `compute_s`: per rank of the answers' columns), DP balance, KV moves (the expert load balance
+        of the last steps is the publisher's, facade/publisher.py)."""
+        m, a = self.metrics, self.answers
         m.step_wall_seconds.observe(wall_s)
         m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
-        m.rank_step(results, tokens)
+        m.ranks.step(a.rank_ids, step_s, a.array("wait_s"), compute_s, ran, a.remote_messages, a.remote_bytes)
         for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
             ratio = imbalance(per_rank.values())
             if ratio is None:
@@ -438,16 +475,12 @@ class StepLoop:
             m.dp_busiest_tokens.labels(plan).observe(max(per_rank.values()))
             if plan == "aligned":
                 m.dp_token_imbalance.set(ratio)
-        m.migrations(results, batch.moves, batch.reprefilled)
-        c = self.cluster
-        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members}
-        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
-        if mean:
-            m.ranks.set_gauge("elastic_ep_expert_load_imbalance", {r: v / mean for r, v in slot_totals.items()})
+        m.migrations(max(a.kv_move_s, default=0.0), batch.moves, batch.reprefilled)
 
-    def _trace(self, batch: StepBatch, results: dict[int, StepResult], committed: list) -> None:
+    def _trace(self, batch: StepBatch, compute_s: np.ndarray, committed: list) -> None:
         """What the request traces record of a completed step (only with tracing on)."""
-        slowest = max(results, key=lambda r: results[r].compute_s, default=None)
+        ids = self.answers.rank_ids
+        slowest = ids[int(np.argmax(compute_s))] if ids else None
         moves = [(m.seq_id, "kv", m.src_rank, m.dst_rank) for m in batch.moves]
         moves += [(seq_id, "reprefill", None, self.scheduler.by_id[seq_id].rank)
                   for seq_id in batch.reprefilled if seq_id in self.scheduler.by_id]

@@ -86,10 +86,11 @@ class ShapeTally:
     micro_batches: Counter = field(default_factory=Counter)
     unwarmed: int = 0
 
-    def add(self, shape: int, micro_batches: int, warmed: bool) -> None:
-        self.steps[shape] += 1
-        self.micro_batches[micro_batches] += 1
-        self.unwarmed += not warmed
+    def add(self, shape: int, micro_batches: int, warmed: bool, ranks: int = 1) -> None:
+        """`ranks` ranks ran a step of `shape` tokens in `micro_batches`."""
+        self.steps[shape] += ranks
+        self.micro_batches[micro_batches] += ranks
+        self.unwarmed += 0 if warmed else ranks
 
     def view(self) -> dict[str, Any]:
         return {"steps_by_shape": {str(k): v for k, v in sorted(self.steps.items())},
@@ -158,9 +159,10 @@ class WarmUpGate:
         """`epoch` adopts the ranks of the last leader, which warmed them up: their shapes count as warmed."""
         self.epoch = epoch
 
-    def ran(self, epoch: int, shape: int, micro_batches: int) -> None:
-        """A rank ran a step of `epoch` with `shape` tokens (padding included) in `micro_batches`."""
-        self.tally.add(shape, micro_batches, epoch == self.epoch and (shape, micro_batches) in self._warmed_steps)
+    def ran(self, epoch: int, shape: int, micro_batches: int, ranks: int = 1) -> None:
+        """`ranks` ranks ran a step of `epoch` with `shape` tokens (padding included) in `micro_batches`."""
+        self.tally.add(shape, micro_batches, epoch == self.epoch and (shape, micro_batches) in self._warmed_steps,
+                       ranks)
 
     def view(self) -> dict[str, Any] | None:
         """The first complete warm-up's report (the cold start's: every shape, every slot), the last
