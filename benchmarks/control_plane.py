@@ -193,8 +193,15 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
     wait_for(lambda: any(e["rank_id"] == rank_id for e in events_after(ctl, since, "fault")), timeout_s,
              f"no fault for rank {rank_id}")
     fault = next(e for e in events_after(ctl, since, "fault") if e["rank_id"] == rank_id)
+    # when the control thread sent the signal to the rank's agent: detect_s less this is the agent's
+    # report (or the silence) until the control thread acted on it
+    chaos = next((e for e in events_after(ctl, since, "chaos") if e["rank_id"] == rank_id), None)
     wait_for(lambda: events_after(ctl, since, "recovered"), timeout_s, "no recovery")
     recovered = events_after(ctl, since, "recovered")[0]
+    # what the controller did from 10 s before the signal to the recovery (an epoch, a straggler
+    # decision, a stall), seconds from the signal: what the detection and the pause waited behind
+    around = [(round(e["time_s"] - t0, 3), e["kind"], e["message"][:120]) for e in events(ctl)
+              if t0 - 10 <= e["time_s"] <= recovered["time_s"] and e["kind"] not in ("registered", "started")]
     if profile is not None:
         profile.dump()
     parts = {k: recovered.get(k) for k in ("detect_to_fence_s", "placement_s", "rendezvous_s", "transfer_s",
@@ -208,6 +215,7 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
         parts["warmup_filled_slots_run"] = warmup["filled_slots_warmed"]
     return {"parts": parts, "restores_waited_s": ready_s,
             "rank_id": rank_id, "detect_s": round(fault["time_s"] - t0, 3), "cause": fault["signal"],
+            "signalled_s": round(chaos["time_s"] - t0, 3) if chaos is not None else None, "events": around,
             "pause_s": round(recovered["time_s"] - t0, 3), "recovery_s": recovered["total_s"],
             "placement_s": recovered.get("placement_s"), "epoch_change_s": recovered.get("epoch_change_s")}
 
