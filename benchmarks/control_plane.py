@@ -15,8 +15,9 @@ wall time per step less the slowest member's own step time), the heartbeat load 
 and heartbeat frames a second, one per rank heartbeat before node heartbeats and one per node
 after, and the control thread's share of a second spent on them), the /cluster snapshot (built
 on the control thread; serialised by the HTTP thread) and the /metrics scrape, then kills one
-rank and stops another (SIGSTOP) through the chaos path and reports the time to detect each,
-the pause until a step completes again, the recovery epoch's placement and change times, a full
+rank and stops another (SIGSTOP) through the chaos path and reports the time to detect each
+(and `signalled_s`, when the control thread sent the signal to the rank's agent), the events
+from 10 s before each signal to its recovery (`events`), the pause until a step completes again, the recovery epoch's placement and change times, a full
 placement over all ranks, and every fault that was not injected (a false fault). Before each fault
 it waits up to 60 s for the restores of the epoch's likely losses, computed ahead in a process
 of their own (`restores_waited_s`; the recovery's `restore` says whether it looked its loss up),
