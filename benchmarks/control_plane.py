@@ -19,10 +19,11 @@ rank and stops another (SIGSTOP) through the chaos path and reports the time to 
 (and `signalled_s`, when the control thread sent the signal to the rank's agent), the events
 from 10 s before each signal to its recovery (`events`), the pause until a step completes again,
 the recovery epoch's placement and change times, a full placement over all ranks, and every
-fault that was not injected (a false fault). Before each fault it waits up to 60 s for the restores of the epoch's likely losses, computed ahead in a process
-of their own (`restores_waited_s`; the recovery's `restore` says whether it looked its loss up),
-and `--profile-recovery FILE` profiles the control thread from each recovery's start to its
-first completed step. `--sample-s S` samples the controller's RSS, the /cluster body's size, the
+fault that was not injected (a false fault). Before each fault it waits up to 60 s for the
+restores of the epoch's likely losses, computed ahead in a process of their own
+(`restores_waited_s`; the recovery's `restore` says whether it looked its loss up), and
+`--profile-recovery FILE` profiles the control thread from each recovery's start to its first
+completed step. `--sample-s S` samples the controller's RSS, the /cluster body's size, the
 watchdog's first sightings and the faults so far every S seconds of a point's --seconds: a run of
 minutes shows whether memory stays flat. With it, each sample also has what the RSS is made of:
 glibc's heap in use (`malloc_bytes`: Python's objects over 512 bytes, numpy's arrays, ZeroMQ's
