@@ -15,13 +15,15 @@ wall time per step less the slowest member's own step time), the heartbeat load 
 and heartbeat frames a second, one per rank heartbeat before node heartbeats and one per node
 after, and the control thread's share of a second spent on them), the /cluster snapshot (built
 on the control thread; serialised by the HTTP thread) and the /metrics scrape, then kills one
-rank and stops another (SIGSTOP) through the chaos path and reports the time to detect each,
-the pause until a step completes again, the recovery epoch's placement and change times, a full
-placement over all ranks, and every fault that was not injected (a false fault). Before each fault
-it waits up to 60 s for the restores of the epoch's likely losses, computed ahead in a process
-of their own (`restores_waited_s`; the recovery's `restore` says whether it looked its loss up),
-and `--profile-recovery FILE` profiles the control thread from each recovery's start to its
-first completed step. `--sample-s S` samples the controller's RSS, the /cluster body's size, the
+rank and stops another (SIGSTOP) through the chaos path and reports the time to detect each
+(and `signalled_s`, when the control thread sent the signal to the rank's agent), the events
+from 10 s before each signal to its recovery (`events`), the pause until a step completes again,
+the recovery epoch's placement and change times, a full placement over all ranks, and every
+fault that was not injected (a false fault). Before each fault it waits up to 60 s for the
+restores of the epoch's likely losses, computed ahead in a process of their own
+(`restores_waited_s`; the recovery's `restore` says whether it looked its loss up), and
+`--profile-recovery FILE` profiles the control thread from each recovery's start to its first
+completed step. `--sample-s S` samples the controller's RSS, the /cluster body's size, the
 watchdog's first sightings and the faults so far every S seconds of a point's --seconds: a run of
 minutes shows whether memory stays flat. With it, each sample also has what the RSS is made of:
 glibc's heap in use (`malloc_bytes`: Python's objects over 512 bytes, numpy's arrays, ZeroMQ's
@@ -193,8 +195,15 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
     wait_for(lambda: any(e["rank_id"] == rank_id for e in events_after(ctl, since, "fault")), timeout_s,
              f"no fault for rank {rank_id}")
     fault = next(e for e in events_after(ctl, since, "fault") if e["rank_id"] == rank_id)
+    # when the control thread sent the signal to the rank's agent: detect_s less this is the agent's
+    # report (or the silence) until the control thread acted on it
+    chaos = next((e for e in events_after(ctl, since, "chaos") if e["rank_id"] == rank_id), None)
     wait_for(lambda: events_after(ctl, since, "recovered"), timeout_s, "no recovery")
     recovered = events_after(ctl, since, "recovered")[0]
+    # what the controller did from 10 s before the signal to the recovery (an epoch, a straggler
+    # decision, a stall), seconds from the signal: what the detection and the pause waited behind
+    around = [(round(e["time_s"] - t0, 3), e["kind"], e["message"][:120]) for e in events(ctl)
+              if t0 - 10 <= e["time_s"] <= recovered["time_s"] and e["kind"] not in ("registered", "started")]
     if profile is not None:
         profile.dump()
     parts = {k: recovered.get(k) for k in ("detect_to_fence_s", "placement_s", "rendezvous_s", "transfer_s",
@@ -208,6 +217,7 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
         parts["warmup_filled_slots_run"] = warmup["filled_slots_warmed"]
     return {"parts": parts, "restores_waited_s": ready_s,
             "rank_id": rank_id, "detect_s": round(fault["time_s"] - t0, 3), "cause": fault["signal"],
+            "signalled_s": round(chaos["time_s"] - t0, 3) if chaos is not None else None, "events": around,
             "pause_s": round(recovered["time_s"] - t0, 3), "recovery_s": recovered["total_s"],
             "placement_s": recovered.get("placement_s"), "epoch_change_s": recovered.get("epoch_change_s")}
 

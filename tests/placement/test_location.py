@@ -80,3 +80,21 @@ def test_restricting_to_live_ranks_keeps_the_surviving_replicas():
     assert survivors.logcnt.tolist() == [[1, 0, 1]]
     with pytest.raises(PlacementError, match="expert 1 has no live replica"):
         survivors.validate([1])
+
+
+def test_a_built_log2phy_is_not_copied_and_a_callers_array_is():
+    """The maps built from a slot map are kept as built (at 1,024 ranks log2phy is ~15 MB and a
+    recovery builds several placements); an array the caller can still write, or a read-only view
+    of one, is copied, so changing it changes no placement."""
+    phy2log = np.array([[0, 1, 2, 0, 1, 3]])
+    loc = ExpertLocation.from_phy2log(phy2log, 3, 4)
+    assert loc.log2phy.flags.owndata and loc.log2phy.base is None
+    again = ExpertLocation(loc.phy2log, loc.log2phy, loc.logcnt, 3, 2)
+    assert again.log2phy is loc.log2phy and again.phy2log is loc.phy2log
+    phy2log[0, 0] = 3
+    assert loc.phy2log[0, 0] == 0
+    view = phy2log[:, :]
+    view.setflags(write=False)
+    kept = ExpertLocation.from_phy2log(view, 3, 4)
+    phy2log[0, 1] = 2
+    assert kept.phy2log[0, 1] == 1

@@ -23,6 +23,9 @@ EMPTY = -1
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
+    if (isinstance(a, np.ndarray) and a.dtype == np.int64 and a.flags.c_contiguous and a.flags.owndata
+            and not a.flags.writeable):
+        return a  # read-only and not a view (built here, or another placement's): nobody can change it
     a = np.array(a, dtype=np.int64, order="C")  # a copy: the caller's array stays writable
     a.setflags(write=False)
     return a
@@ -45,11 +48,13 @@ def build_log2phy(phy2log: np.ndarray, num_experts: int) -> tuple[np.ndarray, np
     sorted_key = np.take_along_axis(key, order, axis=1)
     group_start = np.cumsum(counts, axis=1) - counts
     replica = np.arange(num_slots)[None, :] - np.take_along_axis(group_start, sorted_key, axis=1)
-    log2phy = np.full((num_layers, num_experts + 1, max_replicas), EMPTY, dtype=np.int64)
+    # [L, E, R] itself, not a slice of [L, E + 1, R]: at 1,024 ranks a hot expert has over a hundred
+    # replicas, log2phy is ~15 MB, and a slice would be copied again to be contiguous
+    log2phy = np.full((num_layers, num_experts, max_replicas), EMPTY, dtype=np.int64)
     layer = np.broadcast_to(np.arange(num_layers)[:, None], order.shape)
     used = sorted_key < num_experts
     log2phy[layer[used], sorted_key[used], replica[used]] = order[used]
-    return log2phy[:, :num_experts], logcnt
+    return log2phy, logcnt
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,6 +93,7 @@ class ExpertLocation:
                 f"phy2log[{layer}][{slot}] = {int(p[layer, slot])} is not an expert id in [0, {num_experts}) or -1"
             )
         log2phy, logcnt = build_log2phy(p, num_experts)
+        log2phy.setflags(write=False)  # a new array: read-only as it is, not copied (`_readonly`)
         return cls(p, log2phy, logcnt, slots_per_rank, p.shape[1] // slots_per_rank)
 
     @property

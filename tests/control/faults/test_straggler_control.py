@@ -33,6 +33,7 @@ class StandIn:
                                                       None, SLOTS, len(RANKS))
         self.own_time = IntervalRecorder(cfg.straggler_window_s)
         self.epochs: list[str] = []
+        self.recovering = False
 
     def fault(self, fault) -> None:
         self.cluster.members.remove(fault.rank_id)
@@ -49,7 +50,7 @@ class StandIn:
         return StragglerControl(self.cluster, self.cfg, self.own_time, standbys=lambda: 0, fault=self.fault,
                                 replace_later=lambda r: None, pending=lambda: False,
                                 evidence=lambda node: f"node {node}: no hardware report yet", load=self.load,
-                                form=self.form)
+                                form=self.form, recovering=lambda: self.recovering)
 
 
 def server_decisions(cfg: ServeConfig, own_ms, duration_s: float):
@@ -91,3 +92,30 @@ def test_server_and_simulator_decide_the_same_on_the_same_timings(flags, slow_un
     if DecisionKind.EVICT in expected:
         assert 2 not in ctl.cluster.members
     assert ctl.epochs and ctl.epochs[0].startswith("straggler: derate rank 2")
+
+
+def test_weights_again_after_a_recovery_wait_for_its_first_step():
+    """A derated rank's weights are applied again after an epoch made elsewhere, but not in a
+    recovery's pause: before its first step that epoch doubled the pause at 1,024 stand-in ranks
+    (BENCHMARKS, "Kill and stop at 1,024")."""
+    cfg = ServeConfig("unused", "unused", 4, straggler_policy="derate", straggler_clear_after_s=1000.0)
+    ctl = StandIn(cfg)
+    control = ctl.role()
+    unweighted = ctl.cluster.location
+    t = 0.0
+    while not ctl.epochs and t < 40.0:  # rank 2 at 3x its peers' time until derated
+        t += STEP_S
+        for r in RANKS:
+            ctl.own_time.add(t, r, STEP_TOKENS, (60.0 if r == 2 else 20.0) / 1000)
+        control.review(t)
+    assert ctl.epochs and ctl.epochs[0].startswith("straggler: derate rank 2")
+    ctl.cluster.epoch, ctl.cluster.location = ctl.cluster.epoch + 1, unweighted  # a recovery's, without weights
+    ctl.recovering = True
+    for _ in range(3):
+        t += control.interval_s
+        assert not control.review(t)
+    assert len(ctl.epochs) == 1
+    ctl.recovering = False  # its first step completed
+    t += control.interval_s
+    assert control.review(t)
+    assert ctl.epochs[1].startswith("straggler: weights again after an epoch change")

@@ -4,7 +4,9 @@ policy of `policy/straggler_policy.py` and carry out its decisions.
 - derate / restore: a placement with per-rank speed weights (the derated ranks' weights), made
   now as an epoch with the same members, so the slow rank gets the lighter replicas (the same
   speed-aware placement EPLB uses). A membership change made elsewhere (recovery, rejoin, scale)
-  places without weights, so the weights are applied again in an epoch of their own after it.
+  places without weights, so the weights are applied again in an epoch of their own after it;
+  after a recovery only once its first step completed: before it, that epoch (a placement and an
+  epoch change over every member, 2-3 s at 1,024 stand-in ranks) was in the fault's pause.
 - evict: the rank becomes a fault of cause `evicted`; recovery fences it, takes a standby into
   the next epoch when one stands by (else the group serves one rank short) and retires the rank
   instead of restarting it (its card is suspect); a replacement process is started at once, which
@@ -40,13 +42,14 @@ class StragglerControl:
     """Built with the cluster state, the per-rank own-time recorder the step loop fills, and the
     callables `standbys()` (how many stand by), `fault(Fault)`, `replace_later(rank_id)` (a
     replacement process after the fence), `pending()` (a fault waits for recovery),
-    `evidence(node)` (the node's hardware signals), `load()` ([L, E]) and `form(EpochRequest,
-    reason)` (the loop's epoch change)."""
+    `evidence(node)` (the node's hardware signals), `load()` ([L, E]), `form(EpochRequest,
+    reason)` (the loop's epoch change) and `recovering()` (a recovery has not yet completed its
+    first step)."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, own_time: IntervalRecorder, *,
                  standbys: Callable[[], int], fault: Callable[[Fault], None], replace_later: Callable[[int], None],
                  pending: Callable[[], bool], evidence: Callable[[str], Any], load: Callable[[], np.ndarray],
-                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement]):
+                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement], recovering: Callable[[], bool]):
         self.cluster = cluster
         self.cfg = cfg
         self.own_time = own_time
@@ -57,6 +60,7 @@ class StragglerControl:
         self.evidence = evidence
         self.load = load
         self.form = form
+        self.recovering = recovering
         self.rule = cfg.straggler_rule()
         self.policy = cfg.straggler_policy_params()
         self.state = PolicyState()
@@ -97,8 +101,11 @@ class StragglerControl:
         return self._place(decisions)
 
     def _place(self, decisions: list[Decision]) -> bool:
-        """A placement with the current weights when they changed, or an epoch formed without them."""
+        """A placement with the current weights when they changed, or an epoch formed without them;
+        not before a recovery's first step (it stays due until then)."""
         c = self.cluster
+        if self.recovering():
+            return False
         weights = self.derated()
         placed_epoch, placed = self._placed
         # an epoch made elsewhere (recovery, rejoin, scale) placed without weights
