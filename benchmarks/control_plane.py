@@ -530,8 +530,11 @@ def table(args) -> None:
                                           for m in modes]:
             script, env = __file__, dict(os.environ)
             flags = [("--warm-all" if args.warm_all else "--before")] if mode == "before" and old is None else []
-            if mode.startswith("after, results "):
-                flags = ["--step-results-via", mode.removeprefix("after, results ")]
+            if mode != "before":  # the after points run with this run's step modes
+                results_via = mode.removeprefix("after, results ") if mode.startswith("after, results ") \
+                    else args.step_results_via
+                flags = ["--step-results-via", results_via, "--step-plans-via", args.step_plans_via,
+                         *(["--async-scheduling"] if args.async_scheduling else [])]
             if mode == "before" and old is not None:
                 script, env["PYTHONPATH"] = str(old / "benchmarks" / "control_plane.py"), str(old / "src")
             cmd = [sys.executable, script, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
@@ -587,11 +590,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="the table's runs of each point and mode, in turn")
     parser.add_argument("--table-seqs", default="0,64", help="the table's sequences per rank (comma-separated)")
     parser.add_argument("--step-results-via", choices=["direct", "agent"], default="direct",
-                        help="one point: the stand-ins' step results to the controller by each rank, or per node by "
-                             "its agent (`NodeStepResults`)")
+                        help="the stand-ins' step results to the controller by each rank, or per node by its agent "
+                             "(`NodeStepResults`; a table's after points too)")
     parser.add_argument("--step-plans-via", choices=["direct", "agent"], default="direct",
-                        help="one point: the step plans to each stand-in rank, or one frame per node to its agent "
-                             "(`NodeStepPlans`)")
+                        help="the step plans to each stand-in rank, or one frame per node to its agent "
+                             "(`NodeStepPlans`; a table's after points too)")
     parser.add_argument("--table-results-via", default=None, metavar="MODES",
                         help="the table: instead of before and after, this code with each of these "
                              "--step-results-via (e.g. direct,agent), in turn")
@@ -604,7 +607,8 @@ def main() -> None:
                         help="with --sample-s: trace Python's allocations from the first sample (FRAMES frames a "
                              "site) and report the sites that grew most (slows Python)")
     parser.add_argument("--async-scheduling", action="store_true",
-                        help="one point with serve --async-scheduling: the next step planned while one runs")
+                        help="serve --async-scheduling: the next step planned while one runs (a table's after "
+                             "points too)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="write a cProfile of the control thread over the measured seconds (pstats format)")
