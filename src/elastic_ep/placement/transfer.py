@@ -118,15 +118,31 @@ def plan_transfers(
     totals = dict.fromkeys(SOURCE_KINDS, 0)
     totals["keep"] = len(kept) * expert_nbytes
     moved = []
+    holders_of: dict[int, list[int]] = {}  # expert -> its slots in `old`, ascending, of the layer at hand
+    at_layer = -1
     for layer, dst_slot in np.argwhere((p >= 0) & ~keep).tolist():
+        if layer != at_layer:  # argwhere goes layer by layer: one inversion of old's row per layer
+            holders_of, at_layer = _slots_by_expert(old.phy2log[layer]), layer
         expert = int(p[layer, dst_slot])
-        holders = [(s // old_spr, s) for s in old.log2phy[layer, expert].tolist() if s >= 0 and s // old_spr in live]
+        holders = [(s // old_spr, s) for s in holders_of.get(expert, ()) if s // old_spr in live]
         t = _source(layer, expert, dst_slot // new_spr, dst_slot, holders, rank_nodes, backup, sent_bytes)
         if t.source == "peer":
             sent_bytes[t.src_rank] += expert_nbytes
         totals[t.source] += expert_nbytes
         moved.append(t)
     return TransferPlan(tuple(moved), kept, totals)
+
+
+def _slots_by_expert(row: np.ndarray) -> dict[int, list[int]]:
+    """expert -> its slots in ascending order, for one layer's phy2log row [S] (-1 slots left out):
+    the one row of log2phy a transfer plan reads, without building [L, E, R] for every layer."""
+    order = np.argsort(row, kind="stable")  # stable: each expert's slots stay ascending
+    ordered = row[order]
+    first = np.searchsorted(ordered, 0)
+    experts, counts = np.unique(ordered[first:], return_counts=True)
+    ends = np.cumsum(counts).tolist()
+    slots = order[first:].tolist()
+    return {e: slots[b - n:b] for e, n, b in zip(experts.tolist(), counts.tolist(), ends, strict=True)}
 
 
 def _source(layer, expert, dst_rank, dst_slot, holders, rank_nodes, backup, sent_bytes):
