@@ -9,7 +9,9 @@ s slots (s as `--redundant-experts auto` chooses it for nodes of 8: the group ou
 a Zipf-like load, every expert in some node's host-memory backup; the ranks of the loss leave,
 the rest hold what they held. Times are perf_counter seconds, best of --repeats (one run where a
 run takes over 5 s). --baseline REV runs the same cases with that git revision's `src` in a
-child process and prints both side by side.
+child process and prints both side by side. The last column is what building the restored
+placement's log2phy [L, E, R] costs (`build_log2phy`: what every placement paid before it was
+built on first read, and what a worker's routing still pays once per epoch) and its size.
 """
 
 from __future__ import annotations
@@ -26,12 +28,18 @@ from pathlib import Path
 import numpy as np
 
 from elastic_ep.placement import choose_redundant_experts, fault_aware_placement, plan_transfers
+from elastic_ep.placement.location import ExpertLocation, build_log2phy
 from elastic_ep.placement.restore import restore_placement
 
 RANKS_PER_NODE = 8
 # (layers, experts, ranks, slots per rank or 0 for the redundancy's choice, what is lost)
 CASES = [(58, 256, 256, 0, "rank"), (58, 256, 256, 0, "node"), (58, 1024, 1024, 0, "rank"),
          (58, 1024, 1024, 0, "node"), (58, 256, 4, 128, "every rank")]
+
+# (layers, experts, ranks, slots per rank): a slot map with expert 0 in every rank's first slot
+# (R = ranks + 1, as after the control-plane benchmark's rebalance spread its one sequence's
+# experts) and the rest at random: what `ExpertLocation.from_phy2log` costs with and without log2phy
+MAPS = [(58, 256, 256, 10), (58, 256, 1024, 10)]
 
 
 def case_inputs(layers: int, experts: int, ranks: int, slots: int, loss: str):
@@ -66,9 +74,21 @@ def measure(repeats: int) -> list[dict]:
         held, load, holding, nodes, backup, s = case_inputs(layers, experts, ranks, slots, loss)
         restore_s, new = best_of(lambda: restore_placement(held, load, holding, nodes, backup), repeats)  # noqa: B023
         plan_s, _ = best_of(lambda: plan_transfers(held, new, holding, nodes, backup, 1), repeats)  # noqa: B023
+        log2phy_s, (log2phy, _) = best_of(lambda: build_log2phy(new.phy2log, experts), repeats)  # noqa: B023
         rows.append({"case": f"{layers} x {experts} over {ranks} ranks x {s} slots, {loss} lost",
                      "lost_experts": int((held.restricted_to(holding).logcnt == 0).sum()),
-                     "restore_s": round(restore_s, 4), "plan_s": round(plan_s, 4)})
+                     "restore_s": round(restore_s, 4), "plan_s": round(plan_s, 4),
+                     "log2phy_s": round(log2phy_s, 4), "log2phy_mb": round(log2phy.nbytes / 2**20, 1)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    for layers, experts, ranks, slots in MAPS:
+        p = np.random.default_rng(0).integers(0, experts, (layers, ranks * slots))
+        p[:, ::slots] = 0
+        build_s, loc = best_of(lambda: ExpertLocation.from_phy2log(p, slots, experts), repeats)  # noqa: B023
+        read_s, _ = best_of(lambda: ExpertLocation.from_phy2log(p, slots, experts).log2phy, repeats)  # noqa: B023
+        rows.append({"map": f"[{layers}, {ranks * slots:,}] slot map: {experts} experts over {ranks:,} ranks x "
+                            f"{slots} slots, R = {int(loc.logcnt.max())}",
+                     "build_s": round(build_s, 4), "with_log2phy_s": round(read_s, 4),
+                     "log2phy_mb": round(loc.log2phy.nbytes / 2**20, 1)})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -94,13 +114,26 @@ def main() -> None:
                                   env={**os.environ, "PYTHONPATH": str(Path(tmp) / "src")})
             before = json.loads(done.stdout.strip().splitlines()[-1])
     after = measure(args.repeats)
-    print("| case | lost experts | restore s before | restore s after | ratio | transfer plan s before | after |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | lost experts | restore s before | restore s after | ratio | transfer plan s before | after "
+          "| log2phy of one placement: s, MB |")
+    print("|---|---|---|---|---|---|---|---|")
     for i, a in enumerate(after):
+        if "map" in a:
+            continue
         b = before[i] if before else {}
         ratio = f"{b['restore_s'] / a['restore_s']:.0f}x" if b and a["restore_s"] else "-"
         print(f"| {a['case']} | {a['lost_experts']} | {b.get('restore_s', '-')} | {a['restore_s']} | {ratio} "
-              f"| {b.get('plan_s', '-')} | {a['plan_s']} |")
+              f"| {b.get('plan_s', '-')} | {a['plan_s']} | {a['log2phy_s']}, {a['log2phy_mb']} |")
+    print()
+    print("| slot map | from_phy2log s before | after | ratio | after, log2phy read too | log2phy MB |")
+    print("|---|---|---|---|---|---|")
+    for i, a in enumerate(after):
+        if "map" not in a:
+            continue
+        b = before[i] if before else {}
+        ratio = f"{b['build_s'] / a['build_s']:.0f}x" if b and a["build_s"] else "-"
+        print(f"| {a['map']} | {b.get('build_s', '-')} | {a['build_s']} | {ratio} | {a['with_log2phy_s']} "
+              f"| {a['log2phy_mb']} |")
 
 
 if __name__ == "__main__":
