@@ -118,31 +118,32 @@ def plan_transfers(
     totals = dict.fromkeys(SOURCE_KINDS, 0)
     totals["keep"] = len(kept) * expert_nbytes
     moved = []
-    holders_of: dict[int, list[int]] = {}  # expert -> its slots in `old`, ascending, of the layer at hand
-    at_layer = -1
-    for layer, dst_slot in np.argwhere((p >= 0) & ~keep).tolist():
-        if layer != at_layer:  # argwhere goes layer by layer: one inversion of old's row per layer
-            holders_of, at_layer = _slots_by_expert(old.phy2log[layer]), layer
-        expert = int(p[layer, dst_slot])
-        holders = [(s // old_spr, s) for s in holders_of.get(expert, ()) if s // old_spr in live]
-        t = _source(layer, expert, dst_slot // new_spr, dst_slot, holders, rank_nodes, backup, sent_bytes)
-        if t.source == "peer":
-            sent_bytes[t.src_rank] += expert_nbytes
-        totals[t.source] += expert_nbytes
-        moved.append(t)
+    todo = np.argwhere((p >= 0) & ~keep)  # [M, 2] (layer, dst slot), layer by layer
+    bounds = np.searchsorted(todo[:, 0], np.arange(p.shape[0] + 1)).tolist()
+    for layer in range(p.shape[0]):
+        dst_slots = todo[bounds[layer] : bounds[layer + 1], 1]
+        if not len(dst_slots):
+            continue
+        experts = p[layer, dst_slots]
+        holders_of = _slots_of(old.phy2log[layer], experts)
+        for dst_slot, expert in zip(dst_slots.tolist(), experts.tolist(), strict=True):
+            holders = [(s // old_spr, s) for s in holders_of.get(expert, ()) if s // old_spr in live]
+            t = _source(layer, expert, dst_slot // new_spr, dst_slot, holders, rank_nodes, backup, sent_bytes)
+            if t.source == "peer":
+                sent_bytes[t.src_rank] += expert_nbytes
+            totals[t.source] += expert_nbytes
+            moved.append(t)
     return TransferPlan(tuple(moved), kept, totals)
 
 
-def _slots_by_expert(row: np.ndarray) -> dict[int, list[int]]:
-    """expert -> its slots in ascending order, for one layer's phy2log row [S] (-1 slots left out):
-    the one row of log2phy a transfer plan reads, without building [L, E, R] for every layer."""
-    order = np.argsort(row, kind="stable")  # stable: each expert's slots stay ascending
-    ordered = row[order]
-    first = np.searchsorted(ordered, 0)
-    experts, counts = np.unique(ordered[first:], return_counts=True)
-    ends = np.cumsum(counts).tolist()
-    slots = order[first:].tolist()
-    return {e: slots[b - n:b] for e, n, b in zip(experts.tolist(), counts.tolist(), ends, strict=True)}
+def _slots_of(row: np.ndarray, experts: np.ndarray) -> dict[int, list[int]]:
+    """expert -> its slots in ascending order in one layer's phy2log row [S], for `experts` only:
+    what a transfer plan reads of log2phy, without building [L, E, R] for every expert."""
+    slots = np.flatnonzero(np.isin(row, experts))  # ascending
+    out: dict[int, list[int]] = defaultdict(list)
+    for slot, expert in zip(slots.tolist(), row[slots].tolist(), strict=True):
+        out[expert].append(slot)
+    return out
 
 
 def _source(layer, expert, dst_rank, dst_slot, holders, rank_nodes, backup, sent_bytes):
