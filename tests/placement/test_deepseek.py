@@ -15,8 +15,9 @@ def test_readme_example_comes_out_exactly():
     example = json.loads(EXAMPLE.read_text())
     phy2log, log2phy, logcnt = rebalance_experts(example["weight"], **example["call"])
     assert phy2log.tolist() == example["expected_phy2log"]
-    loc = ExpertLocation(phy2log, log2phy, logcnt, 2, 8)
+    loc = ExpertLocation(phy2log, logcnt, 2, 8)
     loc.validate()
+    assert np.array_equal(loc.log2phy, log2phy)
 
 
 def test_global_policy_when_groups_do_not_split_over_nodes():

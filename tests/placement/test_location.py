@@ -51,11 +51,11 @@ def test_expert_twice_on_one_rank_is_rejected():
 
 def test_inconsistent_maps_are_rejected():
     loc = _two_ranks()
-    bad = ExpertLocation(loc.phy2log, loc.log2phy, np.array([[1, 1, 1]]), 2, 2)
+    bad = ExpertLocation(loc.phy2log, np.array([[1, 1, 1]]), 2, 2)
     with pytest.raises(PlacementError, match="logcnt"):
         bad.validate()
     with pytest.raises(PlacementError, match="slots per layer"):
-        ExpertLocation(loc.phy2log, loc.log2phy, loc.logcnt, 2, 3).validate()
+        ExpertLocation(loc.phy2log, loc.logcnt, 2, 3).validate()
 
 
 @pytest.mark.parametrize(
@@ -67,6 +67,9 @@ def test_inconsistent_maps_are_rejected():
         ('{"phy2log": [[0, 5]], "slots_per_rank": 1, "num_experts": 2}', "not an expert id"),
         ('{"phy2log": [[0, 1]], "slots_per_rank": 1, "logcnt": [[2, 1]]}', "logcnt"),
         ('{"phy2log": [[0], [1, 2]], "slots_per_rank": 1}', "phy2log"),
+        ('{"phy2log": [[0, 1]], "slots_per_rank": 1, "log2phy": [[[1], [0]]]}', "does not list the slots"),
+        ('{"phy2log": [[0, 0]], "slots_per_rank": 1, "num_experts": 2, "log2phy": [[[0], [-1]]]}', "room for 1"),
+        ('{"phy2log": [[0, 1]], "slots_per_rank": 1, "log2phy": [[0, 1]]}', r"log2phy must be \[L, E, R\]"),
     ],
 )
 def test_bad_placement_files_name_the_problem(text, message):
@@ -82,15 +85,15 @@ def test_restricting_to_live_ranks_keeps_the_surviving_replicas():
         survivors.validate([1])
 
 
-def test_a_built_log2phy_is_not_copied_and_a_callers_array_is():
-    """The maps built from a slot map are kept as built (at 1,024 ranks log2phy is ~15 MB and a
-    recovery builds several placements); an array the caller can still write, or a read-only view
-    of one, is copied, so changing it changes no placement."""
+def test_a_built_map_is_not_copied_and_a_callers_array_is():
+    """The maps built from a slot map are kept as built (a recovery at 1,024 ranks builds several
+    placements); an array the caller can still write, or a read-only view of one, is copied, so
+    changing it changes no placement."""
     phy2log = np.array([[0, 1, 2, 0, 1, 3]])
     loc = ExpertLocation.from_phy2log(phy2log, 3, 4)
-    assert loc.log2phy.flags.owndata and loc.log2phy.base is None
-    again = ExpertLocation(loc.phy2log, loc.log2phy, loc.logcnt, 3, 2)
-    assert again.log2phy is loc.log2phy and again.phy2log is loc.phy2log
+    again = ExpertLocation(loc.phy2log, loc.logcnt, 3, 2)
+    assert again.phy2log is loc.phy2log and again.logcnt is loc.logcnt
+    assert loc.log2phy is loc.log2phy and not loc.log2phy.flags.writeable  # built once, read-only
     phy2log[0, 0] = 3
     assert loc.phy2log[0, 0] == 0
     view = phy2log[:, :]

@@ -169,3 +169,36 @@ def test_a_swap_of_two_single_copies_moves_together():
     current = ExpertLocation.from_phy2log([[0, 1, 2, 3]], 2, 4)
     target = ExpertLocation.from_phy2log([[0, 2, 1, 3]], 2, 4)
     assert step_towards(current, target, 1, np.ones((1, 4))) == target
+
+
+def test_a_recovery_never_builds_log2phy(monkeypatch):
+    """log2phy [L, E, R] is padded to the most replicated expert's copies (~120 MB at 1,024 ranks)
+    and only a worker's routing reads it: the controller's recovery (the held placement, the
+    restore, the transfer plan, the background steps, the backup shares, the snapshot's slot map)
+    must not build it; reading it builds it from phy2log."""
+    import elastic_ep.placement.location as location
+    from elastic_ep.control.membership.backup_shares import backup_shares
+
+    built = location.build_log2phy
+
+    def refused(*_args):
+        raise AssertionError("log2phy built")
+
+    monkeypatch.setattr(location, "build_log2phy", refused)
+    ranks, slots, experts = 8, 3, 16
+    nodes = {r: f"n{r // 2}" for r in range(ranks)}
+    load = np.stack([np.random.default_rng(layer).permutation(100.0 / np.arange(1, experts + 1)) for layer in range(2)])
+    placement = fault_aware_placement(load, range(ranks), nodes, None, slots, ranks)
+    live = [r for r in range(ranks) if nodes[r] != "n1"]
+    held = placement.restricted_to(live)
+    new = restore_placement(held, load, live, nodes, {(0, 1): "n0"})
+    new.validate(live)
+    plan = plan_transfers(held, new, live, nodes, {(0, 1): "n0"}, 1)
+    assert plan.moves()
+    step_towards(new, fault_aware_placement(load, live, nodes, None, slots, ranks), 2, load)
+    backup_shares(new, nodes, sorted(set(nodes.values())))
+    new.slot_map_dict()
+    assert new == ExpertLocation.from_phy2log(new.phy2log, slots, experts)
+    monkeypatch.setattr(location, "build_log2phy", built)
+    assert new.log2phy is new.log2phy  # built once on first read, then kept
+    assert new.log2phy.shape[:2] == (2, experts) and (new.log2phy >= 0).sum() == (new.phy2log >= 0).sum()

@@ -1,9 +1,13 @@
 from collections import Counter
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from elastic_ep.errors import PlacementError
 from elastic_ep.placement import ExpertLocation, plan_transfers
+from elastic_ep.placement.transfer import _slots_of
 
 NODES = {0: "a", 1: "a", 2: "b", 3: "b"}
 
@@ -63,3 +67,15 @@ def test_new_placement_on_a_dead_rank_is_refused():
     old = loc([0, 1, 2, 3, 4, 5, -1, -1])
     with pytest.raises(PlacementError, match="not live"):
         plan_transfers(old, old, [0, 1], NODES, None, expert_nbytes=1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(-1, 5), min_size=1, max_size=24), st.lists(st.integers(0, 5), max_size=4))
+def test_a_layers_slots_of_experts_are_log2phys_rows(row, experts):
+    """The transfer plan reads the slots of the experts it moves from phy2log, not log2phy: the same slots."""
+    p = np.array([row])
+    loc = ExpertLocation.from_phy2log(p, 1, 6)
+    got = _slots_of(p[0], np.array(experts, dtype=np.int64))
+    assert set(got) <= set(experts)
+    for expert in experts:
+        assert got.get(expert, []) == [int(s) for s in loc.log2phy[0, expert] if s >= 0]

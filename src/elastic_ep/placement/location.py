@@ -10,6 +10,7 @@ Arrays are numpy int64 and read-only; a runtime that wants torch tensors wraps t
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +32,15 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def count_replicas(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
+    """logcnt [L, E]: the slots of phy2log [L, S_total] holding each expert (-1 slots not counted)."""
+    num_layers = phy2log.shape[0]
+    key = np.where(phy2log < 0, num_experts, phy2log)
+    flat = (np.arange(num_layers)[:, None] * (num_experts + 1) + key).ravel()
+    counts = np.bincount(flat, minlength=num_layers * (num_experts + 1)).reshape(num_layers, num_experts + 1)
+    return counts[:, :num_experts]
+
+
 def build_log2phy(phy2log: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """Invert a slot map.
 
@@ -40,12 +50,11 @@ def build_log2phy(phy2log: np.ndarray, num_experts: int) -> tuple[np.ndarray, np
     """
     num_layers, num_slots = phy2log.shape
     key = np.where(phy2log < 0, num_experts, phy2log)
-    flat = (np.arange(num_layers)[:, None] * (num_experts + 1) + key).ravel()
-    counts = np.bincount(flat, minlength=num_layers * (num_experts + 1)).reshape(num_layers, num_experts + 1)
-    logcnt = counts[:, :num_experts]
+    logcnt = count_replicas(phy2log, num_experts)
     max_replicas = max(1, int(logcnt.max(initial=0)))
     order = np.argsort(key, axis=1, kind="stable")
     sorted_key = np.take_along_axis(key, order, axis=1)
+    counts = np.concatenate([logcnt, np.zeros((num_layers, 1), dtype=logcnt.dtype)], axis=1)  # [L, E + 1]
     group_start = np.cumsum(counts, axis=1) - counts
     replica = np.arange(num_slots)[None, :] - np.take_along_axis(group_start, sorted_key, axis=1)
     # [L, E, R] itself, not a slice of [L, E + 1, R]: at 1,024 ranks a hot expert has over a hundred
@@ -62,19 +71,28 @@ class ExpertLocation:
     """A placement of L layers of E logical experts over `num_ranks` ranks of `slots_per_rank` slots.
 
     phy2log: [L, num_ranks * slots_per_rank], logical expert per slot, -1 = empty.
-    log2phy: [L, E, R], the slots holding each expert (ascending), -1 padded.
     logcnt:  [L, E], number of replicas of each expert.
+    log2phy: [L, E, R], the slots holding each expert (ascending), -1 padded: built from phy2log
+        the first time it is read, then kept. It is padded to the most replicated expert's copies
+        (up to one per rank: ~120 MB at 1,024 ranks), and only a worker's token routing reads
+        it; the controller's recovery, transfer plan, snapshot and wire use phy2log and logcnt.
     """
 
     phy2log: np.ndarray
-    log2phy: np.ndarray
     logcnt: np.ndarray
     slots_per_rank: int
     num_ranks: int
 
     def __post_init__(self) -> None:
-        for name in ("phy2log", "log2phy", "logcnt"):
+        for name in ("phy2log", "logcnt"):
             object.__setattr__(self, name, _readonly(getattr(self, name)))
+
+    @functools.cached_property
+    def log2phy(self) -> np.ndarray:
+        """[L, E, R] (see the class): a function of phy2log, built once on first read."""
+        log2phy, _ = build_log2phy(self.phy2log, self.num_experts)
+        log2phy.setflags(write=False)
+        return log2phy
 
     @classmethod
     def from_phy2log(cls, phy2log, slots_per_rank: int, num_experts: int) -> ExpertLocation:
@@ -92,9 +110,9 @@ class ExpertLocation:
             raise PlacementError(
                 f"phy2log[{layer}][{slot}] = {int(p[layer, slot])} is not an expert id in [0, {num_experts}) or -1"
             )
-        log2phy, logcnt = build_log2phy(p, num_experts)
-        log2phy.setflags(write=False)  # a new array: read-only as it is, not copied (`_readonly`)
-        return cls(p, log2phy, logcnt, slots_per_rank, p.shape[1] // slots_per_rank)
+        logcnt = count_replicas(p, num_experts)
+        logcnt.setflags(write=False)  # a new array: read-only as it is, not copied (`_readonly`)
+        return cls(p, logcnt, slots_per_rank, p.shape[1] // slots_per_rank)
 
     @property
     def num_layers(self) -> int:
@@ -137,7 +155,6 @@ class ExpertLocation:
             self.slots_per_rank == other.slots_per_rank
             and self.num_ranks == other.num_ranks
             and np.array_equal(self.phy2log, other.phy2log)
-            and np.array_equal(self.log2phy, other.log2phy)
             and np.array_equal(self.logcnt, other.logcnt)
         )
 
@@ -176,7 +193,8 @@ class ExpertLocation:
             )
 
     def check_maps(self) -> None:
-        """Raise PlacementError unless the shapes agree and log2phy, logcnt are the inverse of phy2log."""
+        """Raise PlacementError unless the shapes agree and logcnt counts phy2log's replicas
+        (log2phy is built from phy2log, so it cannot disagree)."""
         num_layers, num_slots = self.phy2log.shape
         if num_slots != self.num_ranks * self.slots_per_rank:
             raise PlacementError(
@@ -185,23 +203,13 @@ class ExpertLocation:
             )
         if self.logcnt.ndim != 2 or self.logcnt.shape[0] != num_layers:
             raise PlacementError(f"logcnt must be [L={num_layers}, E], got {list(self.logcnt.shape)}")
-        if self.log2phy.ndim != 3 or self.log2phy.shape[:2] != self.logcnt.shape:
-            raise PlacementError(
-                f"log2phy must be [L, E, R] with [L, E] = {list(self.logcnt.shape)}, got {list(self.log2phy.shape)}"
-            )
-        expected = ExpertLocation.from_phy2log(self.phy2log, self.slots_per_rank, self.num_experts)
-        if not np.array_equal(expected.logcnt, self.logcnt):
-            layer, expert = (int(i[0]) for i in np.nonzero(expected.logcnt != self.logcnt))
+        expected = count_replicas(self.phy2log, self.num_experts)
+        if not np.array_equal(expected, self.logcnt):
+            layer, expert = (int(i[0]) for i in np.nonzero(expected != self.logcnt))
             raise PlacementError(
                 f"logcnt[{layer}][{expert}] = {int(self.logcnt[layer, expert])} but phy2log holds "
-                f"{int(expected.logcnt[layer, expert])} replicas of that expert"
+                f"{int(expected[layer, expert])} replicas of that expert"
             )
-        width = expected.log2phy.shape[2]
-        if self.log2phy.shape[2] < width or (self.log2phy[:, :, width:] >= 0).any():
-            raise PlacementError(f"log2phy has room for {self.log2phy.shape[2]} replicas, phy2log holds up to {width}")
-        if not np.array_equal(np.sort(expected.log2phy, axis=2), np.sort(self.log2phy[:, :, :width], axis=2)):
-            raise PlacementError("log2phy does not list the slots phy2log gives each expert; "
-                                 "rebuild it with from_phy2log")
 
     def _live_mask(self, live_ranks: Iterable[int] | None) -> np.ndarray:
         if live_ranks is None:
@@ -261,12 +269,13 @@ class ExpertLocation:
                 f"{loc.num_ranks} ranks of {loc.slots_per_rank}"
             )
         try:
-            log2phy = np.asarray(data.get("log2phy", loc.log2phy), dtype=np.int64)
             logcnt = np.asarray(data.get("logcnt", loc.logcnt), dtype=np.int64)
+            log2phy = np.asarray(data["log2phy"], dtype=np.int64) if "log2phy" in data else None
         except (ValueError, TypeError) as e:
             raise PlacementError(f"'log2phy' and 'logcnt' must be rectangular lists of integers: {e}") from e
-        given = cls(loc.phy2log, log2phy, logcnt, loc.slots_per_rank, loc.num_ranks)
-        given.check_maps()
+        ExpertLocation(loc.phy2log, logcnt, loc.slots_per_rank, loc.num_ranks).check_maps()
+        if log2phy is not None:
+            _check_log2phy(log2phy, loc)
         return loc
 
     def save(self, path: str | Path) -> None:
@@ -279,3 +288,17 @@ class ExpertLocation:
         except OSError as e:
             raise PlacementError(f"cannot read placement file {path}: {e.strerror}") from e
         return cls.from_json(text)
+
+
+def _check_log2phy(log2phy: np.ndarray, loc: ExpertLocation) -> None:
+    """Raise PlacementError unless a placement file's log2phy [L, E, R'] lists the slots of
+    `loc.phy2log` for each expert (in any order, -1 padded to any R' >= loc's R)."""
+    built = loc.log2phy
+    if log2phy.ndim != 3 or log2phy.shape[:2] != built.shape[:2]:
+        raise PlacementError(f"log2phy must be [L, E, R] with [L, E] = {list(built.shape[:2])}, "
+                             f"got {list(log2phy.shape)}")
+    width = built.shape[2]
+    if log2phy.shape[2] < width or (log2phy[:, :, width:] >= 0).any():
+        raise PlacementError(f"log2phy has room for {log2phy.shape[2]} replicas, phy2log holds up to {width}")
+    if not np.array_equal(np.sort(built, axis=2), np.sort(log2phy[:, :, :width], axis=2)):
+        raise PlacementError("log2phy does not list the slots phy2log gives each expert; rebuild it with from_phy2log")

@@ -118,15 +118,32 @@ def plan_transfers(
     totals = dict.fromkeys(SOURCE_KINDS, 0)
     totals["keep"] = len(kept) * expert_nbytes
     moved = []
-    for layer, dst_slot in np.argwhere((p >= 0) & ~keep).tolist():
-        expert = int(p[layer, dst_slot])
-        holders = [(s // old_spr, s) for s in old.log2phy[layer, expert].tolist() if s >= 0 and s // old_spr in live]
-        t = _source(layer, expert, dst_slot // new_spr, dst_slot, holders, rank_nodes, backup, sent_bytes)
-        if t.source == "peer":
-            sent_bytes[t.src_rank] += expert_nbytes
-        totals[t.source] += expert_nbytes
-        moved.append(t)
+    todo = np.argwhere((p >= 0) & ~keep)  # [M, 2] (layer, dst slot), layer by layer
+    bounds = np.searchsorted(todo[:, 0], np.arange(p.shape[0] + 1)).tolist()
+    for layer in range(p.shape[0]):
+        dst_slots = todo[bounds[layer] : bounds[layer + 1], 1]
+        if not len(dst_slots):
+            continue
+        experts = p[layer, dst_slots]
+        holders_of = _slots_of(old.phy2log[layer], experts)
+        for dst_slot, expert in zip(dst_slots.tolist(), experts.tolist(), strict=True):
+            holders = [(s // old_spr, s) for s in holders_of.get(expert, ()) if s // old_spr in live]
+            t = _source(layer, expert, dst_slot // new_spr, dst_slot, holders, rank_nodes, backup, sent_bytes)
+            if t.source == "peer":
+                sent_bytes[t.src_rank] += expert_nbytes
+            totals[t.source] += expert_nbytes
+            moved.append(t)
     return TransferPlan(tuple(moved), kept, totals)
+
+
+def _slots_of(row: np.ndarray, experts: np.ndarray) -> dict[int, list[int]]:
+    """expert -> its slots in ascending order in one layer's phy2log row [S], for `experts` only:
+    what a transfer plan reads of log2phy, without building [L, E, R] for every expert."""
+    slots = np.flatnonzero(np.isin(row, experts))  # ascending
+    out: dict[int, list[int]] = defaultdict(list)
+    for slot, expert in zip(slots.tolist(), row[slots].tolist(), strict=True):
+        out[expert].append(slot)
+    return out
 
 
 def _source(layer, expert, dst_rank, dst_slot, holders, rank_nodes, backup, sent_bytes):

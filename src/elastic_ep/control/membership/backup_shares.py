@@ -8,6 +8,8 @@ about the same bytes in host memory.
 
 from __future__ import annotations
 
+import numpy as np
+
 from elastic_ep.placement.location import ExpertLocation
 
 
@@ -20,10 +22,17 @@ def backup_shares(
     Each node's list is in the order to write it: fewest replicas first, since a rank's loss can
     only take every copy of an expert with few copies."""
     shares: dict[str, list[tuple[int, int]]] = {n: [] for n in nodes}
+    index = {n: i for i, n in enumerate(nodes)}
+    # node index of every slot (-1: a node outside `nodes`, which no candidate is); [S]
+    default = nodes[0] if nodes else None
+    slot_node = np.repeat([index.get(rank_nodes.get(r, default), -1) for r in range(location.num_ranks)],
+                          location.slots_per_rank)
     for layer in range(location.num_layers):
+        row = location.phy2log[layer]
+        held = (row >= 0) & (slot_node >= 0)
+        homes = np.zeros((location.num_experts, len(nodes)), dtype=bool)  # [E, N]: a replica of e on node n
+        homes[row[held], slot_node[held]] = True
         for expert in range(location.num_experts):
-            slots = [int(p) for p in location.log2phy[layer, expert, : int(location.logcnt[layer, expert])] if p >= 0]
-            homes = [rank_nodes.get(location.rank_of_slot(p), nodes[0]) for p in slots]
-            candidates = [n for n in nodes if n not in homes] or nodes  # replicas on every node: any node
+            candidates = [n for n, home in zip(nodes, homes[expert].tolist(), strict=True) if not home] or nodes
             shares[min(candidates, key=lambda n: (len(shares[n]), nodes.index(n)))].append((layer, expert))
     return {n: sorted(items, key=lambda item: (int(location.logcnt[item]), item)) for n, items in shares.items()}
