@@ -385,6 +385,8 @@ STEP_PARTS = [
     ("elastic_ep.control.serving.step_loop", "StepLoop", "on_node_results"),
     ("elastic_ep.control.serving.step_loop", "StepLoop", "_finish"),
     ("elastic_ep.control.serving.step_loop", "StepLoop", "_observe"),
+    ("elastic_ep.control.serving.step_loop", "StepLoop", "_record_links"),
+    ("elastic_ep.control.facade.publisher", "Publisher", "_set_gauges"),
     ("elastic_ep.control.facade.publisher", "Publisher", "liveness"),
     ("elastic_ep.control.cluster", "ClusterState", "snapshot"),
 ]
@@ -630,6 +632,67 @@ def detector_ms(ranks: int, checks: int = 50) -> float:
     return 1000 * (time.process_time() - cpu0) / checks
 
 
+def filled_controller(ranks: int, steps: int = 256) -> Controller:
+    """A Controller of `controller_of(ranks, 8)` whose every rank has `steps` steps of timings (full
+    windows at 256), varied per rank and step, written as the tree keeps them (rings or deques)."""
+    ctl, _ = controller_of(ranks, 8)
+    c = ctl.cluster
+    rng = np.random.default_rng(0)
+    ids = list(range(ranks))
+    values = {s: rng.uniform(0.001, 0.05, (steps, ranks)) for s in ("step_s", "wait_s", "own_s", "link_s")}
+    values["slot_tokens"] = rng.integers(0, 512, (steps, ranks)).astype(float)
+    timings = getattr(c, "timings", None)
+    for i in range(steps):
+        for series, v in values.items():
+            if timings is not None:
+                timings.write(series, ids, [c.ranks[r].record for r in ids], v[i])
+            else:  # a tree before the rings: a deque per rank and series
+                for r in ids:
+                    getattr(c.ranks[r], series).append(float(v[i, r]))
+    return ctl
+
+
+def snapshot_ms(ranks: int, builds: int = 5) -> dict:
+    """CPU ms of one publish with the /cluster snapshot due (liveness, verdicts, the snapshot, the
+    gauges), and of the snapshot's build alone (`ClusterState.snapshot`), with every rank's windows full."""
+    ctl = filled_controller(ranks)
+    c = ctl.cluster
+    c.set_readiness(True)
+    heard = ctl.plane.heard_clock()
+    for rank in c.ranks.values():
+        rank.last_heartbeat = heard
+    build = type(c).snapshot
+    spent = [0.0]
+
+    def timed(*args, **kwargs):
+        cpu0 = time.thread_time()
+        try:
+            return build(*args, **kwargs)
+        finally:
+            spent[0] += time.thread_time() - cpu0
+    c.snapshot = lambda *args, **kwargs: timed(c, *args, **kwargs)
+    ctl.publish(0.0)  # warm: the placement view, the first liveness
+    spent[0] = 0.0
+    cpu0 = time.thread_time()
+    for _ in range(builds):
+        ctl.publish(0.0)
+    cpu = time.thread_time() - cpu0
+    ctl.plane.step_sock.close(0)
+    ctl.plane.health_sock.close(0)
+    return {"publish": 1000 * cpu / builds, "snapshot": 1000 * spent[0] / builds}
+
+
+def snapshot_rows(repeat: int) -> dict:
+    rows = {}
+    for n in (256, 1024):
+        runs = [snapshot_ms(n) for _ in range(repeat)]
+        rows[f"/cluster snapshot build (ClusterState.snapshot) ms, {n} ranks, 256-step windows"] = min(
+            r["snapshot"] for r in runs)
+        rows[f"publish with the snapshot due (liveness, verdicts, snapshot, gauges) ms, {n} ranks"] = min(
+            r["publish"] for r in runs)
+    return rows
+
+
 def deliver_ms(n: int, steps: int = 30) -> dict:
     """CPU ms per step of delivering one token to each of `n` streams of one event loop (its own
     thread, a task awaiting each stream's queue): the control thread's (the `RequestOutput`s built
@@ -711,7 +774,10 @@ def deliver_rows(repeat: int) -> dict:
     return rows
 
 
-def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False, prepared_only: bool = False) -> dict:
+def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False, prepared_only: bool = False,
+            snapshot_only: bool = False) -> dict:
+    if snapshot_only:
+        return snapshot_rows(repeat)
     if deliver_only:
         return deliver_rows(repeat)
     if plans_only:
@@ -734,6 +800,7 @@ def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False, p
            best_of(repeat, lambda k=k, p=p: schedule_ms(256, k, p)) for k, p in ((8, 6), (8, 1024), (64, 1024))},
         **prepared_rows(repeat),
         **{f"detector check ms, {n} ranks": best_of(repeat, lambda n=n: detector_ms(n)) for n in (256, 1024)},
+        **snapshot_rows(repeat),
         **plan_rows(repeat),
         **plans_sent_rows(repeat),
         **deliver_rows(repeat),
@@ -773,6 +840,8 @@ def main() -> None:
     parser.add_argument("--deliver", action="store_true", help="only the deliver rows")
     parser.add_argument("--plans", action="store_true", help="only the plan rows")
     parser.add_argument("--prepared", action="store_true", help="only the step boundary rows (--async-scheduling)")
+    parser.add_argument("--snapshot", action="store_true",
+                        help="only the /cluster snapshot rows (256 and 1,024 ranks, full timing windows)")
     parser.add_argument("--step-parts", choices=["direct", "agent"], default=None,
                         help="instead of the table: the whole step's CPU per part (method) with these results")
     args = parser.parse_args()
@@ -787,7 +856,7 @@ def main() -> None:
     if args.gc_tail:
         print_gc_tail(args.gc_tail)
         return
-    after = measure(args.repeat, args.deliver, args.plans, args.prepared)
+    after = measure(args.repeat, args.deliver, args.plans, args.prepared, args.snapshot)
     if args.json:
         print(json.dumps(after))
         return
@@ -800,7 +869,7 @@ def main() -> None:
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
             only = [flag for flag, on in (("--deliver", args.deliver), ("--plans", args.plans),
-                                          ("--prepared", args.prepared)) if on]
+                                          ("--prepared", args.prepared), ("--snapshot", args.snapshot)) if on]
             done = subprocess.run([sys.executable, __file__, "--json", "--repeat", str(args.repeat), "--gc", args.gc,
                                    *only], check=True, capture_output=True, text=True, env=env)
         columns = {args.baseline: json.loads(done.stdout.strip().splitlines()[-1]), **columns}

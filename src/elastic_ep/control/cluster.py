@@ -17,7 +17,10 @@ from elastic_ep.wire import BackupSite
 from .api import Readiness
 from .cold_start import LoadLedger
 from .events import EventLog
+from .rank_timings import RankTimings
 from .ranks import AgentInfo, RankInfo, RankLiveness, RankStatus, safe_to_terminate
+
+TIMING_FIELDS = {"step_ms": "step_s", "wait_ms": "wait_s", "own_ms": "own_s", "link_ms": "link_s"}  # /cluster <- series
 
 
 class PlacementView:
@@ -53,7 +56,8 @@ class ClusterState:
     - `epoch`, `members`, `location`: the epoch change (epochs/epoch_change.py) alone.
     - a rank's heartbeat and progress (`last_heartbeat`, `progress`, `progress_at`): the
       detector as heartbeats arrive (the node role stamps them when a process starts and
-      registers); its timings (`step_s`, `wait_s`, `own_s`, `slot_tokens`, `link_s`): the step loop.
+      registers); its timings in `timings` (`step_s`, `wait_s`, `own_s`, `slot_tokens`, `link_s`,
+      control/rank_timings.py): the step loop.
     - `step`: the step loop (serving/step_loop.py) alone.
     - `readiness`, `degraded_since`: the loop (ready once an epoch forms, the fatal reason),
       recovery (degraded), the node role while ranks register and the sleep mode (not ready
@@ -68,6 +72,7 @@ class ClusterState:
         self.num_experts = num_experts
         self.slots_per_rank = slots_per_rank
         self.ranks: dict[int, RankInfo] = {}
+        self.timings = RankTimings()  # every rank's recent step timings, by rank id and record
         self.agents: dict[str, AgentInfo] = {}
         self.epoch = -1
         self.members: list[int] = []
@@ -172,10 +177,16 @@ class ClusterState:
         progress), straggler verdicts of members, `extra` top-level fields (`scale` among them)."""
         total_slots = self.slots_per_rank * self.num_layers
         placement = self._placement_view()
+        infos = sorted(self.ranks.values(), key=lambda r: r.rank_id)
+        ids, records = [r.rank_id for r in infos], [r.record for r in infos]
+        timings = [dict(zip(TIMING_FIELDS, per_rank, strict=True)) for per_rank in zip(
+            *(self.timings.percentiles_ms(series, ids, records) for series in TIMING_FIELDS.values()),
+            strict=True)] if infos else []
         ranks = [{**r.view(placement.experts_of(r.rank_id), total_slots, requests_of(r.rank_id),
-                           slow_delays.get(r.rank_id, 0.0), heard, liveness.get(r.rank_id), verdicts.get(r.rank_id)),
+                           slow_delays.get(r.rank_id, 0.0), heard, liveness.get(r.rank_id), verdicts.get(r.rank_id),
+                           timing),
                   "safe_to_terminate": safe_to_terminate(r.rank_id in self.members, requests_of(r.rank_id))}
-                 for r in sorted(self.ranks.values(), key=lambda r: r.rank_id)]
+                 for r, timing in zip(infos, timings, strict=True)]
         node_busy = {r.node for r in self.ranks.values() if r.rank_id in self.members or requests_of(r.rank_id)}
         return {
             "time_s": time.time(), "epoch": self.epoch, "ep_size": len(self.members), "members": list(self.members),

@@ -13,7 +13,8 @@ the docs show `RankStatus` and `Liveness` values as they are.
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 from msgspec.structs import asdict
 
 from elastic_ep.wire import BackupSite, Progress, WorkerHello
+
+_RECORDS = itertools.count()  # RankInfo.record: one number per record made in this process
 
 
 class RankStatus(str, Enum):
@@ -89,21 +92,6 @@ class RankLiveness:
     reason: str = ""
 
 
-def percentiles_ms(values) -> dict[str, float] | None:
-    """{p50, p99, max} in milliseconds of `values` in seconds; None when there are none."""
-    if not values:
-        return None
-    a = sorted(v * 1000 for v in values)
-
-    def at(q: float) -> float:  # numpy's default (linear) percentile, without its per-call overhead
-        x = q * (len(a) - 1)
-        lo = int(x)
-        hi = min(lo + 1, len(a) - 1)
-        return a[lo] + (a[hi] - a[lo]) * (x - lo)
-
-    return {"p50": round(at(0.5), 3), "p99": round(at(0.99), 3), "max": round(a[-1], 3)}
-
-
 def safe_to_terminate(member: bool, requests: int) -> bool:
     """Whether killing a rank's process costs the service nothing: no epoch waits on it (it is
     not a member: a standby, a rank that left the group, one down or not yet admitted) and it
@@ -114,8 +102,9 @@ def safe_to_terminate(member: bool, requests: int) -> bool:
 
 @dataclass
 class RankInfo:
-    """One rank (worker process): where it runs, its state, its last heartbeat and progress, and
-    its recent per-step timings (seconds): step, collective wait, own (step less wait)."""
+    """One rank (worker process): where it runs, its state, its last heartbeat and progress.
+    `record` tells this record from any other of its rank id: its recent per-step timings are kept
+    in `ClusterState.timings` (control/rank_timings.py) under it, so a new record starts with none."""
 
     rank_id: int
     node: str
@@ -124,13 +113,9 @@ class RankInfo:
     last_heartbeat: float = 0.0  # on the heard clock (ControlPlane.heard_clock), as progress_at
     progress: Progress = field(default_factory=Progress)
     progress_at: float = 0.0  # when `progress` last changed
-    step_s: deque = field(default_factory=lambda: deque(maxlen=256))
-    wait_s: deque = field(default_factory=lambda: deque(maxlen=256))
-    own_s: deque = field(default_factory=lambda: deque(maxlen=256))
-    slot_tokens: deque = field(default_factory=lambda: deque(maxlen=64))
-    link_s: deque = field(default_factory=lambda: deque(maxlen=256))  # controller <-> rank round trip less step
     hello: WorkerHello | None = None
     spare: bool = False  # started as a standby (control/membership/standbys.py) until a membership takes it
+    record: int = field(default_factory=lambda: next(_RECORDS), compare=False)
 
     @property
     def watched(self) -> bool:
@@ -139,18 +124,20 @@ class RankInfo:
             self.status == RankStatus.STARTING and self.hello is not None)
 
     def view(self, experts: list[list[int]], total_slots: int, requests: int, delay_s: float,
-             now: float, liveness: RankLiveness | None = None, verdict: dict[str, Any] | None = None) -> dict[str, Any]:
+             now: float, liveness: RankLiveness | None = None, verdict: dict[str, Any] | None = None,
+             timing: Mapping[str, dict[str, float] | None] | None = None) -> dict[str, Any]:
         """This rank in /cluster: identity, state, liveness, slots (`experts`: [L][slots] the experts it
-        holds per MoE layer), timing, straggler verdict."""
+        holds per MoE layer), timing (`step_ms`, `wait_ms`, `own_ms`, `link_ms`: the percentiles of
+        its recent steps, `RankTimings.percentiles_ms`), straggler verdict."""
+        timing = timing or {}
         used = sum(1 for layer in experts for e in layer if e >= 0)
         return {
             "rank_id": self.rank_id, "node": self.node, "pid": self.pid, "state": self.status.value,
             "slots": {"used": used, "total": total_slots, "experts": experts},
             "requests": requests,
-            "step_ms": percentiles_ms(self.step_s), "wait_ms": percentiles_ms(self.wait_s),
-            "own_ms": percentiles_ms(self.own_s),
-            # a rank behind a slow link shows here (slow, not dead)
-            "link_ms": percentiles_ms(self.link_s),
+            "step_ms": timing.get("step_ms"), "wait_ms": timing.get("wait_ms"), "own_ms": timing.get("own_ms"),
+            # the controller <-> rank round trip less the step: a rank behind a slow link shows here (slow, not dead)
+            "link_ms": timing.get("link_ms"),
             "heartbeat_age_s": round(now - self.last_heartbeat, 3) if self.last_heartbeat else None,
             "progress": asdict(self.progress),
             "progress_age_s": round(now - self.progress_at, 3) if self.progress_at else None,

@@ -23,7 +23,7 @@ from elastic_ep.control.facade.publisher import Publisher
 from elastic_ep.control.faults.detector import FaultDetector
 from elastic_ep.control.faults.recovery import RecoveryRecord
 from elastic_ep.control.metrics import ClusterMetrics
-from elastic_ep.control.ranks import RankStatus
+from elastic_ep.control.ranks import RankInfo, RankStatus
 from elastic_ep.control.serving.scheduler import Sequence
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.model.tiny import resolve_model
@@ -137,3 +137,24 @@ def test_a_recoverys_warm_up_opens_ready_and_leaves_the_snapshot_to_after_the_fi
         time.sleep(0.05)
     kinds = [e["kind"] for e in ctl.engine.cluster()["events"]]
     assert EventKind.WARMUP.value in kinds and EventKind.RECOVERED.value in kinds
+
+
+def test_the_snapshot_shows_each_ranks_timing_percentiles_and_the_slot_balance_from_its_ring():
+    rig = Rig()
+    c = rig.cluster
+    records = [c.ranks[r].record for r in (0, 1)]
+    for step in range(1, 101):
+        c.timings.write("step_s", [0, 1], records, [step / 1000, 2 * step / 1000])
+        c.timings.write("link_s", [1], records[1:], [0.0005])
+        c.timings.write("slot_tokens", [0, 1], records, [1, 3])
+    rig.publisher.publish()
+    ranks = {r["rank_id"]: r for r in rig.published.snapshot["ranks"]}
+    assert ranks[0]["step_ms"] == {"p50": 50.5, "p99": 99.01, "max": 100.0}
+    assert ranks[1]["step_ms"] == {"p50": 101.0, "p99": 198.02, "max": 200.0}
+    assert ranks[0]["link_ms"] is None and ranks[1]["link_ms"] == {"p50": 0.5, "p99": 0.5, "max": 0.5}
+    assert ranks[0]["own_ms"] is None and ranks[0]["wait_ms"] is None
+    imbalance = rig.publisher.metrics.ranks._gauges["elastic_ep_expert_load_imbalance"]
+    assert imbalance == {0: 0.5, 1: 1.5}  # the last 64 steps' slot tokens over the mean
+    c.ranks[1] = RankInfo(1, "n0", pid=2001, status=RankStatus.SERVING)  # a new process of rank id 1
+    rig.publisher.publish()
+    assert {r["rank_id"]: r["step_ms"] for r in rig.published.snapshot["ranks"]}[1] is None

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from elastic_ep.control.api import GenerationRequest
 from elastic_ep.control.faults.detector import Fault, FaultCause, FaultDetector, RecoveryNeeded
 from elastic_ep.control.metrics import ClusterMetrics
+from elastic_ep.control.ranks import RankInfo, RankStatus
 from elastic_ep.control.serving.isolation import Isolation
 from elastic_ep.control.serving.recorder import ExpertRecorder
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
@@ -412,3 +413,27 @@ def test_an_expert_load_in_a_nodes_frame_is_summed_and_one_not_of_the_models_sha
     steps.pump = answering_with(steps, answer)
     assert steps.run() is not None
     assert steps.load_window.estimate().tolist() == [[2 * e + 1.0 for e in range(8)]]
+
+
+def test_a_steps_timings_go_to_each_ranks_ring_and_a_new_process_of_an_id_starts_with_none():
+    """Step, wait, own time and slot tokens when the step completes, the round trip less the step
+    as answers come (rank 1 directly, rank 0 in its node's frame), each rank's once a step."""
+    steps, _, _ = loop_with_one_request()
+
+    def answer(plans):
+        steps.on_reply(answer_of(1, plans[1]))
+        steps.on_node_results(node_results("n0", "s", [answer_of(0, plans[0])]))
+    steps.pump = answering_with(steps, answer)
+    assert steps.run() is not None and steps.run() is not None
+    c = steps.cluster
+    for r in (0, 1):
+        record = c.ranks[r].record
+        assert c.timings.window("step_s", r, record) == [0.01, 0.01] == c.timings.window("own_s", r, record)
+        assert c.timings.window("wait_s", r, record) == [0.0, 0.0]
+        assert len(c.timings.window("link_s", r, record)) == 2
+        assert all(link >= 0.0 for link in c.timings.window("link_s", r, record))
+    c.ranks[1] = RankInfo(1, "n0", pid=2001, status=RankStatus.SERVING)  # its process replaced
+    assert c.timings.window("step_s", 1, c.ranks[1].record) == []
+    assert steps.run() is not None
+    assert c.timings.window("step_s", 1, c.ranks[1].record) == [0.01]
+    assert len(c.timings.window("step_s", 0, c.ranks[0].record)) == 3

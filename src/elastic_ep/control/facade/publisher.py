@@ -235,10 +235,12 @@ class Publisher:
                 flagged[rank_id] = v.kind.value
         # the slots' tokens of each member's last steps over the mean: with the snapshot, not every step
         # (a walk over every member's window), since /metrics is read every few seconds at most
-        slot_totals = {r: sum(c.ranks[r].slot_tokens) for r in c.members if r in c.ranks}
-        mean = sum(slot_totals.values()) / max(len(slot_totals), 1)
+        members = [r for r in c.members if r in c.ranks]
+        slot_totals = c.timings.sums("slot_tokens", members, [c.ranks[r].record for r in members])
+        mean = float(slot_totals.sum()) / max(len(members), 1)
         if mean:
-            m.ranks.set_gauge("elastic_ep_expert_load_imbalance", {r: v / mean for r, v in slot_totals.items()})
+            m.ranks.set_gauge("elastic_ep_expert_load_imbalance", dict(zip(members, (slot_totals / mean).tolist(),
+                                                                            strict=True)))
         for name, values in (("elastic_ep_rank_up", up), ("elastic_ep_rank_stalled_seconds", stalled),
                              ("elastic_ep_rank_heartbeat_age_seconds", heartbeat_age),
                              ("elastic_ep_rank_last_progress_timestamp_seconds", progress_at)):

@@ -74,7 +74,7 @@ class StragglerControl:
         c, derated = self.cluster, self.derated()
         if not self.cfg.eplb_speed_aware:
             return derated or None
-        measured = relative_speeds({r: c.ranks[r].own_s for r in c.members})
+        measured = relative_speeds({r: c.timings.window("own_s", r, c.ranks[r].record) for r in c.members})
         return {**measured, **{r: min(measured.get(r, 1.0), s) for r, s in derated.items()}}
 
     def derated(self) -> dict[int, float]:

@@ -22,7 +22,8 @@ COLUMNS = ("rank_ids", "step_s", "compute_s", "wait_s", "slot_tokens", "shape", 
 class StepAnswers:
     """Per column, one entry per rank that answered, in the order they were added; `sampled`
     (seq_id -> token) and `logprobs` (seq_id -> the token's) of them all; `errors`: (rank, seq_id,
-    why) of the sequences whose token could not be sampled; `loads`: the [L, E] expert load reports."""
+    why) of the sequences whose token could not be sampled; `loads`: the [L, E] expert load reports;
+    `arrived_s`: per rank, how long after the step was sent its answer came (s)."""
 
     def __init__(self) -> None:
         self.rank_ids: list[int] = []
@@ -34,14 +35,16 @@ class StepAnswers:
         self.remote_messages: list[int] = []
         self.remote_bytes: list[int] = []
         self.kv_move_s: list[float] = []
+        self.arrived_s: list[float] = []
         self.sampled: dict[int, int] = {}
         self.logprobs: dict[int, TokenLogprobs] = {}
         self.errors: list[tuple[int, int, str]] = []
         self.loads: list[np.ndarray] = []
 
-    def add(self, res: StepResult) -> None:
-        """One rank's own result."""
+    def add(self, res: StepResult, arrived_s: float) -> None:
+        """One rank's own result, come `arrived_s` after the step was sent."""
         self.rank_ids.append(res.rank_id)
+        self.arrived_s.append(arrived_s)
         self.step_s.append(res.step_s)
         self.compute_s.append(res.compute_s)
         self.wait_s.append(res.dispatch_wait_s + res.combine_wait_s)
@@ -57,8 +60,10 @@ class StepAnswers:
             if res.expert_load.size:
                 self.loads.append(res.expert_load)
 
-    def add_node(self, msg: NodeStepResults, take: list[int] | None = None) -> None:
-        """A node's results: all of them, or the ranks at the indices `take` of `msg.rank_ids`."""
+    def add_node(self, msg: NodeStepResults, arrived_s: float, take: list[int] | None = None) -> None:
+        """A node's results, come `arrived_s` after the step was sent: all of them, or the ranks at the
+        indices `take` of `msg.rank_ids`."""
+        self.arrived_s.extend([arrived_s] * (len(msg.rank_ids) if take is None else len(take)))
         if take is None:
             for name in COLUMNS:
                 getattr(self, name).extend(getattr(msg, name))
@@ -81,5 +86,10 @@ class StepAnswers:
                     self.loads.append(msg.expert_load[r])
 
     def array(self, name: str) -> np.ndarray:
-        """Column `name` (one of `COLUMNS`) as an array, one entry per rank."""
+        """Column `name` (one of `COLUMNS`, or `arrived_s`) as an array, one entry per rank."""
         return np.asarray(getattr(self, name))
+
+    def link_s(self, start: int = 0) -> np.ndarray:
+        """[answers from index `start` on] the control plane's round trip to each rank, its step time
+        left out (s, at least 0)."""
+        return np.maximum(np.asarray(self.arrived_s[start:]) - np.asarray(self.step_s[start:], dtype=np.float64), 0.0)

@@ -133,6 +133,7 @@ class StepLoop:
         # rank -> its answer to the step in flight: its own message, or its node's (NodeStepResults)
         self.replies: dict[int, StepResult | StepFailed | NodeStepResults] = {}
         self.answers = StepAnswers()  # the results among them, in columns
+        self._links_recorded = 0  # answers whose round trip is in the ranks' timings (_record_links)
         self.in_step: set[int] = set()  # members of the step in flight
         self.asked: dict[int, float] = {}  # members asked to resend their answer to the step in flight -> when
         self._result_deadline_s = 0.0  # of the step in flight (detector.result_deadline_s at its start)
@@ -158,9 +159,7 @@ class StepLoop:
             rank = self.cluster.ranks.get(msg.rank_id)
             if rank is None or not self._load_fits(msg.expert_load, f"rank {msg.rank_id}", "step", rank.node):
                 return
-            # the control plane's round trip to this rank, its step time left out
-            rank.link_s.append(max(time.perf_counter() - self._sent_at - msg.step_s, 0.0))
-            self.answers.add(msg)
+            self.answers.add(msg, time.perf_counter() - self._sent_at)
         self._answered(msg.rank_id, msg)
         if isinstance(msg, StepFailed) and msg.kind != StepErrorKind.LOCAL:  # the group broke, or a plan was lost
             self.detector.error(f"rank {msg.rank_id}: {msg.error}")
@@ -199,11 +198,10 @@ class StepLoop:
             return
         if not all(self._load_fits(load, f"agent {node}", "health", node) for load in msg.expert_load.values()):
             return
-        replies, since_sent = self.replies, time.perf_counter() - self._sent_at
+        replies, arrived_s = self.replies, time.perf_counter() - self._sent_at
         take = [i for i, r in enumerate(msg.rank_ids) if r not in replies]
-        self.answers.add_node(msg, None if len(take) == len(msg.rank_ids) else take)
+        self.answers.add_node(msg, arrived_s, None if len(take) == len(msg.rank_ids) else take)
         for i in take:
-            infos[i].link_s.append(max(since_sent - msg.step_s[i], 0.0))
             self._answered(msg.rank_ids[i], msg)
 
     def run(self) -> float | None:
@@ -217,7 +215,8 @@ class StepLoop:
         self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit, batch.prefix_waits,
                              batch.kv_kept, batch.kv_reprefilled)
         c.step += 1
-        self.replies, self.asked, self.answers = {}, {}, StepAnswers()
+        self._record_links()  # answers to the last step that came after it ended
+        self.replies, self.asked, self.answers, self._links_recorded = {}, {}, StepAnswers(), 0
         self.in_step = set(c.members)
         self._result_deadline_s = self.detector.result_deadline_s()
         self.started_at = time.monotonic()
@@ -245,11 +244,13 @@ class StepLoop:
             if time.monotonic() - self.started_at > self._result_deadline_s:
                 self._chase_answers()
             if self.detector.pending:
+                self._record_links()
                 self.prepared = None
                 self.scheduler.step_failed(batch)
                 self.uncommitted = batch
                 raise RecoveryNeeded()
         self.in_step = set()
+        self._record_links()
         gathered = time.perf_counter()
         wall_s = gathered - start
         self.metrics.prefix_wait_seconds.inc(batch.prefix_waiting * (gathered - t0))  # they waited the whole step
@@ -266,6 +267,20 @@ class StepLoop:
         times.steps += 1
         times.wall_s += time.perf_counter() - t0
         return wall_s
+
+    def _record_links(self) -> None:
+        """The answers' round trips (`StepAnswers.link_s`) not recorded yet into the ranks' timings: at
+        the step's end, and before the next for those that came after it (a rank gone since is left out)."""
+        a, ranks = self.answers, self.cluster.ranks
+        start = self._links_recorded
+        if start == len(a.rank_ids):
+            return
+        self._links_recorded = len(a.rank_ids)
+        ids, links = a.rank_ids[start:], a.link_s(start)
+        kept = [i for i, r in enumerate(ids) if r in ranks]
+        if len(kept) < len(ids):
+            ids, links = [ids[i] for i in kept], links[kept]
+        self.cluster.timings.write("link_s", ids, [ranks[r].record for r in ids], links)
 
     def _relayed(self) -> dict[int, str] | None:
         """rank -> node for the members whose plan goes through their node's agent (--step-plans-via
@@ -422,13 +437,11 @@ class StepLoop:
             self.streams.end_with_error(seq_id, f"this request failed on rank {rank_id}: {error}")
         step_s, compute_s = a.array("step_s"), a.array("compute_s")
         slowest = float(step_s.max()) if len(step_s) else 0.0
-        ranks = c.ranks
-        for rank_id, s, w, own, slot in zip(a.rank_ids, a.step_s, a.wait_s, a.compute_s, a.slot_tokens, strict=True):
-            r = ranks[rank_id]
-            r.step_s.append(s)
-            r.wait_s.append(w)
-            r.own_s.append(own)
-            r.slot_tokens.append(slot)
+        ranks, timings = c.ranks, c.timings
+        records = [ranks[r].record for r in a.rank_ids]
+        for series, values in (("step_s", step_s), ("wait_s", a.wait_s), ("own_s", compute_s),
+                               ("slot_tokens", a.slot_tokens)):
+            timings.write(series, a.rank_ids, records, values)
         load: np.ndarray | None = None  # [L, E] the step's reports, None when no rank sent one
         if a.loads:
             load = np.sum(a.loads, axis=0, dtype=np.int64)
