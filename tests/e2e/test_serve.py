@@ -51,13 +51,15 @@ def test_greedy_and_streaming_match_generate_then_eplb_rebalances_and_output_sta
 
     # the readiness gate covers every step: each rank's tokens padded to a shape it warmed up, and
     # every epoch the rebalances formed warmed up again before its first step
-    cluster = ep4.cluster()
+    # a rebalance may form an epoch just as the last request ends: its warm-up then follows it
+    cluster = ep4.wait_for(lambda c: c["cold_start"]["warmup"]["epoch"] == c["epoch"], timeout_s=10,
+                           what="the last epoch's warm-up")
     warmup = cluster["cold_start"]["warmup"]
-    assert warmup["epoch"] == cluster["epoch"] and warmup["unwarmed_steps"] == 0, warmup
+    assert warmup["unwarmed_steps"] == 0, warmup
     shapes = {int(s) for s in warmup["steps_by_shape"]}
     assert shapes <= set(warmup["shapes"]) and len(shapes) >= 3, warmup  # decode batches and prefills
     events = ep4.http.get("/cluster", params={"events": 0}).json()["events"]
-    assert {e["epoch"] for e in events if e["kind"] == "warmup"} == set(range(cluster["epoch"] + 1))
+    assert set(range(cluster["epoch"] + 1)) <= {e["epoch"] for e in events if e["kind"] == "warmup"}
 
 
 def test_seeded_sampling_matches_generate(ep4):
