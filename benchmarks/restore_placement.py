@@ -143,35 +143,32 @@ def main() -> None:
     print("| case | lost experts | restore s before | restore s after | ratio | transfer plan s before | after "
           "| log2phy of one placement: s, MB |")
     print("|---|---|---|---|---|---|---|---|")
-    for i, a in enumerate(after):
-        if "case" not in a:
-            continue
-        b = before[i] if before else {}
-        ratio = f"{b['restore_s'] / a['restore_s']:.0f}x" if b and a["restore_s"] else "-"
+    for a, b, ratio in _paired(after, before, "case", "restore_s"):
         print(f"| {a['case']} | {a['lost_experts']} | {b.get('restore_s', '-')} | {a['restore_s']} | {ratio} "
               f"| {b.get('plan_s', '-')} | {a['plan_s']} | {a['log2phy_s']}, {a['log2phy_mb']} |")
     print()
     print("| slot map | from_phy2log s before | after | ratio | after, log2phy read too | log2phy MB |")
     print("|---|---|---|---|---|---|")
-    for i, a in enumerate(after):
-        if "map" not in a:
-            continue
-        b = before[i] if before else {}
-        ratio = f"{b['build_s'] / a['build_s']:.0f}x" if b and a["build_s"] else "-"
+    for a, b, ratio in _paired(after, before, "map", "build_s"):
         print(f"| {a['map']} | {b.get('build_s', '-')} | {a['build_s']} | {ratio} | {a['with_log2phy_s']} "
               f"| {a['log2phy_mb']} |")
     print()
     print("| restores ahead | sample losses (filling) | sample s before | after | ratio | all losses s before "
           "| after |")
     print("|---|---|---|---|---|---|---|")
-    for i, a in enumerate(after):
-        if "ahead" not in a:
-            continue
-        b = before[i] if before else {}
-        ratio = f"{b['sample_s'] / a['sample_s']:.0f}x" if b and a["sample_s"] else "-"
+    for a, b, ratio in _paired(after, before, "ahead", "sample_s"):
         print(f"| {a['ahead']} | {a['sample']} ({a['losses_filling']}) | {b.get('sample_s', '-')} | {a['sample_s']} "
               f"| {ratio} | {b.get('all_s', '-')} | {a['all_s']} |")
 
+
+def _paired(after: list[dict], before: list[dict] | None, kind: str, timed: str):
+    """(after row, before row or {}, before/after ratio of `timed`) for the rows of one table
+    (those with the key `kind`); both runs list the same rows in the same order."""
+    for i, a in enumerate(after):
+        if kind not in a:
+            continue
+        b = before[i] if before else {}
+        yield a, b, f"{b[timed] / a[timed]:.0f}x" if b and a[timed] else "-"
 
 if __name__ == "__main__":
     main()

@@ -65,13 +65,19 @@ def test_streams_through_the_agent_relay_are_exact_and_no_plan_is_lost(server):
     assert not any(lost_results(server).values()), lost_results(server)
 
 
-def test_a_killed_rank_is_recovered_with_exact_output_and_plans_relayed_again(server):
+def _signal_under_load_then_exact(server, rank: int, sig: signal.Signals) -> int:
+    """Streams while `rank`'s worker gets `sig`: exact output, the rank named and recovered from.
+    Returns the signalled pid."""
     before = server.wait_full_group(4)
-    pid = server.pids()[1]
-    results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGKILL), PROMPTS, MAX_TOKENS,
-                                 temperature=0)
+    pid = server.pids()[rank]
+    results = streams_with_fault(server.url, lambda: os.kill(pid, sig), PROMPTS, MAX_TOKENS, temperature=0)
     assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
-    recovered_from(server, before["epoch"], 1)
+    recovered_from(server, before["epoch"], rank)
+    return pid
+
+
+def test_a_killed_rank_is_recovered_with_exact_output_and_plans_relayed_again(server):
+    pid = _signal_under_load_then_exact(server, 1, signal.SIGKILL)
     back = server.wait_full_group(4)
     assert back["ranks"][1]["pid"] != pid
     relayed = plans_out(server)["relayed"]
@@ -83,12 +89,7 @@ def test_a_killed_rank_is_recovered_with_exact_output_and_plans_relayed_again(se
 def test_a_stopped_rank_is_named_fenced_and_replaced_with_exact_output(server):
     """SIGSTOP: the plan relayed to it waits in its socket; its heartbeats (through the agent) stop,
     it is named and fenced, the step is recomputed without it, and the output stays exact."""
-    before = server.wait_full_group(4)
-    pid = server.pids()[2]
-    results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGSTOP), PROMPTS, MAX_TOKENS,
-                                 temperature=0)
-    assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
-    recovered_from(server, before["epoch"], 2)
+    pid = _signal_under_load_then_exact(server, 2, signal.SIGSTOP)
     assert server.wait_full_group(4)["ranks"][2]["pid"] != pid
 
 
