@@ -583,7 +583,7 @@ def plans_sent_ms(seqs_per_rank: int, ranks: int = 256, per_node: int = 8, steps
                     cpu0 = time.thread_time()
                     msg = inboxes[mode].read(frames)
                     assert msg is not None
-                    if name.startswith("p"):  # each of the node's ranks reads the whole frame: 1 read here
+                    if name.startswith("p"):  # each of the node's ranks reads the frame and its own plan: 1 here
                         msg.plan_of(int(name[1:]) * per_node)
                     read_s += (time.thread_time() - cpu0) * (per_node if name.startswith("p") else 1)
         out[mode], out[f"{mode} read"] = 1000 * send_s / steps, 1000 * read_s / steps

@@ -1,7 +1,13 @@
 """`NodeStepPlans`: a node's plans of one step in one frame, a shared plan carried once, read back by
 each of the node's ranks through the inbox of its relayed plans."""
 
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
 from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.runtime.worker import Worker
 from elastic_ep.wire import (
     CONTROLLER_TO_WORKER,
     RELAYED_TO_WORKER,
@@ -9,6 +15,7 @@ from elastic_ep.wire import (
     ClusterKey,
     DecodeRows,
     Inbox,
+    NodePlan,
     NodeStepPlans,
     StepPlan,
     encode,
@@ -44,3 +51,23 @@ def test_a_node_frame_is_not_a_message_of_the_step_socket_and_a_forged_one_is_dr
     assert after.get(("worker_step", "n1", "unexpected"), 0) == before.get(("worker_step", "n1", "unexpected"), 0) + 1
     assert after.get(("worker_plans", "n1", "unauthenticated"), 0) == \
         before.get(("worker_plans", "n1", "unauthenticated"), 0) + 1
+
+
+def test_a_rank_decodes_only_its_own_plan_and_a_plan_that_is_not_one_is_dropped_and_counted():
+    """Each plan travels as its own bytes: rank 1's plan reads though rank 2's bytes are not a plan
+    (the frame's MAC holds: a controller of another version), and rank 2's reader drops it, counted."""
+    good = StepPlan(3, 9, [], [5])
+    frame = NodeStepPlans("n2", 3, 9, [NodePlan([1], msgspec.Raw(encode(good))),
+                                       NodePlan([2], msgspec.Raw(msgspec.msgpack.encode(["StepPlan", "junk"])))])
+    frames = KEY.seal(frame)
+    inbox = Inbox("worker_plans", RELAYED_TO_WORKER, KEY, "n2")
+    read = inbox.read(frames)
+    assert read.plan_of(1) == good
+    with pytest.raises(msgspec.DecodeError):
+        read.plan_of(2)
+    before = rejected_counts().get(("worker_plans", "n2", "undecodable"), 0)
+    worker = SimpleNamespace(args=SimpleNamespace(rank_id=2, node="n2"), plan_inbox=inbox)
+    assert Worker._own_plan(worker, frames, read) is None
+    assert rejected_counts()[("worker_plans", "n2", "undecodable")] == before + 1
+    worker.args.rank_id = 1
+    assert Worker._own_plan(worker, frames, read) == good

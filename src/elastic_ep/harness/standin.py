@@ -24,10 +24,10 @@ controller its node's results of a step as one `NodeStepResults`, gathered as `e
 --step-results-via agent` gathers them (node/step_gather.py); resent answers and `StepFailed` go
 from the rank directly, as a real rank's do. With `--step-plans-via agent` each agent connects to
 the controller's plan socket, as `elastic-ep agent --step-plans-via agent` does, and hands each of
-its running ranks its plan out of the node's `NodeStepPlans` (in memory: one decode per node, where
-a real node's workers each decode the relayed frame); a rank takes a plan, from either path, by
-runtime/plan_order.py's rules. There is no data plane and no model: the checkpoint is only read
-for its config.
+its running ranks its plan out of the node's `NodeStepPlans` (in memory: the frame decoded once per
+node, where a real node's workers each read it, then each rank's own plan, as a worker decodes it);
+a rank takes a plan, from either path, by runtime/plan_order.py's rules. There is no data plane
+and no model: the checkpoint is only read for its config.
 
 Faults arrive as they do for real ranks, through the agent (`/chaos/kill`, `/chaos/hang`,
 `/chaos/resume` send `SignalWorker`): SIGKILL stops a rank's messages and its agent reports

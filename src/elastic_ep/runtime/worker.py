@@ -59,6 +59,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
+import msgspec
 import numpy as np
 import psutil
 import torch
@@ -115,6 +116,7 @@ from elastic_ep.wire import (
     WorkerLaunch,
     key_from_env,
 )
+from elastic_ep.wire.codec import count_dropped
 from elastic_ep.wire.pipe import read_message
 
 from .dense import load_dense
@@ -309,8 +311,8 @@ class Worker:
         while self._new_leader is None:
             ready = dict(self.poller.poll(50))
             if self.plan_sock in ready:
-                relayed = self.plan_inbox.read(self.plan_sock.recv_multipart(copy=False))
-                plan = relayed.plan_of(self.args.rank_id) if isinstance(relayed, NodeStepPlans) else None
+                frames = self.plan_sock.recv_multipart(copy=False)
+                plan = self._own_plan(frames, self.plan_inbox.read(frames))
                 if plan is not None:
                     return plan
             if self.sock in ready:
@@ -318,6 +320,17 @@ class Worker:
                 if msg is not None:
                     return msg
         return None
+
+    def _own_plan(self, frames: list, relayed: NodeStepPlans | None) -> StepPlan | None:
+        """This rank's plan out of its node's relayed plans, or None (none for it, or its bytes not a
+        plan: dropped and counted, and the step it was for is one this rank never ran)."""
+        if relayed is None:
+            return None
+        try:
+            return relayed.plan_of(self.args.rank_id)
+        except msgspec.DecodeError as e:
+            count_dropped(self.plan_inbox.socket, self.args.node, "undecodable", frames, f"its plan: {e}"[:200])
+            return None
 
     def _hello(self, held_kv: list[HeldKV] | None = None) -> None:
         self.send(WorkerHello(self.args.rank_id, self.args.node, os.getpid(), self.args.join_mode,

@@ -11,7 +11,7 @@ import numpy as np
 
 from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 
-from .codec import Message, Record
+from .codec import Message, Record, decoder, encode
 from .fetch import BackupSite
 
 
@@ -303,18 +303,19 @@ class StepPlan(Message):
 
 
 class NodePlan(Record):
-    """One plan of a `NodeStepPlans` and the ranks of the node it is for (several for a plan they
-    share, such as the empty plan)."""
+    """One plan of a `NodeStepPlans`, as the msgpack of its `StepPlan`, and the ranks of the node it
+    is for (several for a plan they share, such as the empty plan). Raw bytes, encoded once by the
+    controller: a rank decodes only its own plan, not its node's eight."""
 
     rank_ids: list[int]
-    plan: StepPlan
+    plan: msgspec.Raw
 
 
 class NodeStepPlans(Message):
     """Controller -> a node's agent (its plan socket) -> each of the node's workers, relayed as it came
     (`--step-plans-via agent`): the step plans of the node's members for one step, each plan once.
     Sealed once by the controller with the term the workers fence on: the agent does not seal it
-    again, each worker checks the controller's MAC and takes its own plan (`plan_of`)."""
+    again, each worker checks the controller's MAC and decodes its own plan (`plan_of`)."""
 
     node: str
     epoch: int
@@ -322,25 +323,28 @@ class NodeStepPlans(Message):
     plans: list[NodePlan]
 
     def plan_of(self, rank_id: int) -> StepPlan | None:
-        """The plan for `rank_id`, None when the node's frame has none for it (a rank not a member)."""
+        """The plan for `rank_id`, None when the node's frame has none for it (a rank not a member).
+        Raises msgspec.DecodeError when its bytes are not a `StepPlan` (the frame's MAC held: a
+        controller of another version), which the reader drops and counts as an undecodable frame."""
         for node_plan in self.plans:
             if rank_id in node_plan.rank_ids:
-                return node_plan.plan
+                return _STEP_PLAN.decode(node_plan.plan)
         return None
+
+
+_STEP_PLAN = decoder(StepPlan)
 
 
 def node_step_plans(node: str, plans: list[tuple[int, StepPlan]]) -> NodeStepPlans:
     """The `NodeStepPlans` of `node` from its members' (rank_id, plan), all of one step; a plan object
-    given for several ranks is carried once with their ids."""
+    given for several ranks is encoded once and carried once with their ids."""
     assert plans, "a node's frame carries at least one plan"
-    by_plan: dict[int, NodePlan] = {}  # id(plan) -> its entry
+    by_plan: dict[int, tuple[list[int], StepPlan]] = {}  # id(plan) -> its ranks, the plan
     for rank_id, plan in plans:
-        entry = by_plan.get(id(plan))
-        if entry is None:
-            entry = by_plan[id(plan)] = NodePlan([], plan)
-        entry.rank_ids.append(rank_id)
+        by_plan.setdefault(id(plan), ([], plan))[0].append(rank_id)
     first = plans[0][1]
-    return NodeStepPlans(node, first.epoch, first.step, list(by_plan.values()))
+    entries = [NodePlan(rank_ids, msgspec.Raw(encode(plan))) for rank_ids, plan in by_plan.values()]
+    return NodeStepPlans(node, first.epoch, first.step, entries)
 
 
 class StepResult(Message):
