@@ -236,6 +236,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ha-journal-flush-s", type=float, default=0.05,
                         help="with --etcd: the leader ships the request journal (requests and their tokens) to "
                              "the standbys this often, one batch each time (default 0.05)")
+    parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                        help="HTTP server processes (as vLLM's option): with N > 1, N processes accept on --port, "
+                             "each tokenizing, detokenizing and streaming its own requests, whose tokens reach it "
+                             "in one frame per step; the controller's process keeps the control thread and every "
+                             "other route, which the servers forward to it (default 1: HTTP in this process)")
     parser.add_argument("--step-results-via", choices=["direct", "agent"], default="direct",
                         help="where the workers' step results go: direct (each to the controller) or agent (to "
                              "their node's agent on loopback, which sends the controller one frame per step for its "
@@ -335,6 +340,11 @@ def run(args: argparse.Namespace) -> int:
     http_socket = bind_http(args.host, args.port)
     if args.max_request_body_bytes <= 0 or args.request_timeout_s <= 0:
         raise ElasticEPError("--max-request-body-bytes and --request-timeout-s must be > 0")
+    if args.api_server_count < 1:
+        raise ElasticEPError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1 and args.etcd:
+        raise ElasticEPError("--api-server-count above 1 is not supported with --etcd yet: a controller group serves "
+                             "HTTP in each controller's process; leave it at 1")
     guard = HttpGuard(args.api_key or os.environ.get(API_KEY_ENV) or None,
                       args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None, args.max_request_body_bytes)
     key, temp_key = cluster_key(args.cluster_key_file)
@@ -358,9 +368,19 @@ def run(args: argparse.Namespace) -> int:
             if temp_key is not None:
                 temp_key.unlink(missing_ok=True)
     controller = Controller(cfg, key, registry)
-    from elastic_ep.serve.app import create_app
+    servers = None
+    if args.api_server_count > 1:
+        from elastic_ep.commands.api_servers import ApiServers
 
-    app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard)
+        servers = ApiServers(args.api_server_count, controller, key, registry, guard, http_socket,
+                             args.request_timeout_s, (args.log_level, args.log_format),
+                             on_exit=lambda: signal.raise_signal(signal.SIGTERM))
+        app, app_socket = servers.app, servers.engine_socket
+    else:
+        from elastic_ep.serve.app import create_app
+
+        app = create_app(controller.engine, tokenizer, registry=registry, enable_chaos=cfg.enable_chaos, guard=guard)
+        app_socket = http_socket
     if cfg.enable_chaos:
         logger.warning("--enable-chaos: fault injection is open: anyone who reaches http://%s:%d can kill, stop, slow "
                        "and corrupt ranks through POST /chaos/*; never serve traffic like this", cfg.host,
@@ -383,8 +403,12 @@ def run(args: argparse.Namespace) -> int:
     logger.info("controller at %s (agents connect here), HTTP on http://%s:%d", controller.health_addr, cfg.host,
                 http_socket.getsockname()[1])
     try:
-        run_http(app, http_socket, args.request_timeout_s)
+        if servers is not None:
+            servers.start()
+        run_http(app, app_socket, args.request_timeout_s)
     finally:
+        if servers is not None:
+            servers.stop()
         controller.stop()
         agent_stop.set()
         if agent_thread.is_alive():

@@ -1,4 +1,6 @@
-"""The HTTP server of elastic-ep: `create_app(engine, tokenizer, registry=...)`.
+"""The HTTP server of elastic-ep: `create_app(engine, tokenizer, registry=...)`; behind API server
+processes (`serve --api-server-count N`) each process runs `create_api_server_app` and the
+controller's process `create_engine_app`.
 
 /openapi.json (and its page /docs) describes every route from the models the handlers
 validate with (serve/openapi.py). Every error leaves as an OpenAI error body: bad input is a
@@ -9,14 +11,17 @@ validate with (serve/openapi.py). Every error leaves as an OpenAI error body: ba
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, disable_created_metrics
+from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenizers import Tokenizer
@@ -31,6 +36,10 @@ from elastic_ep.serve.metrics import HttpMetrics, RequestCountMiddleware
 from elastic_ep.serve.openai_api import openai_router
 from elastic_ep.serve.openapi import openapi_schema
 from elastic_ep.serve.prefix_keys import PrefixKeys
+from elastic_ep.serve.proxy import ForwardedClientMiddleware, RouteHeaderMiddleware, ServedByMiddleware, proxy_router
+
+if TYPE_CHECKING:
+    from elastic_ep.serve.remote_engine import RemoteEngine
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +51,47 @@ def create_app(
     """The FastAPI app over `engine`. HTTP metrics are registered on `registry`, which
     GET /metrics exports whole (so the engine's own metrics belong there too). `guard`: the
     API keys and the body limit (serve/guard.py), checked before anything else."""
+    metrics = HttpMetrics(registry, engine.info.model_name)
+    prefix_keys = PrefixKeys()
+    return _app([openai_router(engine, tokenizer, metrics, prefix_keys),
+                 admin_router(engine, registry, enable_chaos, group, prefix_keys)], metrics, guard)
+
+
+def create_engine_app(engine: Engine, *, registry: CollectorRegistry, prefix_keys: PrefixKeys, metrics_dir: Path,
+                      enable_chaos: bool = False, guard: HttpGuard = HttpGuard()) -> FastAPI:
+    """The controller's own app behind API server processes (`serve --api-server-count N`),
+    on a Unix socket they forward to (serve/proxy.py): every route but the OpenAI ones. Its
+    /metrics adds the servers' HTTP metrics from `metrics_dir` (prometheus-client's multiprocess
+    files), summed over the servers; `prefix_keys`: those the servers were sent."""
+    MultiProcessCollector(registry, path=str(metrics_dir))
+    app = _app([admin_router(engine, registry, enable_chaos, None, prefix_keys)], None, guard)
+    app.add_middleware(RouteHeaderMiddleware)  # inside ForwardedClientMiddleware, which copies the scope
+    app.add_middleware(ForwardedClientMiddleware)
+    return app
+
+
+def create_api_server_app(engine: RemoteEngine, tokenizer: Tokenizer, *, registry: CollectorRegistry,
+                          controller_socket: Path, guard: HttpGuard = HttpGuard()) -> FastAPI:
+    """An API server process's app: the OpenAI routes over `engine`, everything else forwarded
+    to the controller's app on `controller_socket`. Its HTTP metrics live in the multiprocess
+    files the controller's /metrics reads (prometheus-client's PROMETHEUS_MULTIPROC_DIR). Every
+    answer names this server in its `x-elastic-ep-api-server` header."""
+    metrics = HttpMetrics(registry, engine.info.model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()  # its sockets, and its reports to the controller from the start
+        yield
+
+    app = _app([openai_router(engine, tokenizer, metrics, engine), proxy_router(controller_socket)], metrics, guard,
+               lifespan)
+    app.add_middleware(ServedByMiddleware, server=engine.server)
+    return app
+
+
+def _app(routers: list[APIRouter], metrics: HttpMetrics | None, guard: HttpGuard, lifespan=None) -> FastAPI:
     app = FastAPI(
+        lifespan=lifespan,
         title="elastic-ep",
         version=__version__,
         description="OpenAI-compatible serving of Mixture-of-Experts models that survives rank faults",
@@ -52,14 +101,11 @@ def create_app(
         redirect_slashes=False,
     )
     disable_created_metrics()  # a `_created` series per counter and histogram: a fifth of all series, unused
-    metrics = HttpMetrics(registry, engine.info.model_name)
-    prefix_keys = PrefixKeys()
-    routers = [openai_router(engine, tokenizer, metrics, prefix_keys),
-               admin_router(engine, registry, enable_chaos, group, prefix_keys)]
     for router in routers:
         app.include_router(router)
     app.add_middleware(InternalErrorMiddleware)
-    app.add_middleware(RequestCountMiddleware, metrics=metrics)
+    if metrics is not None:
+        app.add_middleware(RequestCountMiddleware, metrics=metrics)
     app.add_middleware(GuardMiddleware, guard=guard,
                        operating=operating_paths([r for router in routers for r in router.routes]))
     _add_error_handlers(app)

@@ -64,6 +64,7 @@ class HttpMetrics:
             "elastic_ep_http_requests_running",
             "Generation requests in flight in the HTTP server",
             model, registry=registry,
+            multiprocess_mode="livesum",  # behind --api-server-count N: summed over the live servers
         ).labels(model_name)
 
     def request_success(self, finished_reason: str) -> Counter:
@@ -113,8 +114,13 @@ class RequestTimer:
             )
 
 
+# The scope key a forwarding route sets to the route that answered elsewhere (serve/proxy.py)
+ROUTED_AS = "elastic_ep.routed_as"
+
+
 class RequestCountMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware, which would buffer streams and hide disconnects)."""
+    """Pure ASGI (not BaseHTTPMiddleware, which would buffer streams and hide disconnects).
+    Requests are counted by route template (`ROUTED_AS` where a route forwarded the request)."""
 
     def __init__(self, app: ASGIApp, metrics: HttpMetrics):
         self.app = app
@@ -136,5 +142,5 @@ class RequestCountMiddleware:
             await self.app(scope, receive, send_with_status)
         finally:
             route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "other"
+            endpoint = scope.get(ROUTED_AS) or getattr(route, "path", None) or "other"
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()

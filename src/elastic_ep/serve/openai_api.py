@@ -34,7 +34,7 @@ from elastic_ep.serve.generation import (
 from elastic_ep.serve.metrics import HttpMetrics, RequestTimer
 from elastic_ep.serve.openapi import error_responses, event_stream_response
 from elastic_ep.serve.prefix_keys import HEADER as PREFIX_KEY_HEADER
-from elastic_ep.serve.prefix_keys import PrefixKeys
+from elastic_ep.serve.prefix_keys import KeyRecorder
 from elastic_ep.serve.prompts import (
     Prompt,
     chat_prompt,
@@ -83,7 +83,7 @@ CLIENT_CLOSED_STATUS = 499
 
 
 def openai_router(engine: Engine, tokenizer: Tokenizer, metrics: HttpMetrics,
-                  prefix_keys: PrefixKeys | None = None) -> APIRouter:
+                  prefix_keys: KeyRecorder | None = None) -> APIRouter:
     """`prefix_keys`: where the prefix key a router names in a generation request is counted."""
     router = APIRouter()
     info = engine.info

@@ -12,9 +12,11 @@ changes nothing but its own entry.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from pydantic import BaseModel
 
@@ -29,6 +31,11 @@ class _Seen:
     last_s: float
 
 
+class KeyRecorder(Protocol):
+    def record(self, key: str | None) -> None:
+        """A generation request sent with this header value (None: without one)."""
+
+
 class PrefixKeys:
     """Requests and last time seen (monotonic) per key, the `capacity` most recent keys."""
 
@@ -36,21 +43,24 @@ class PrefixKeys:
         self.capacity = capacity
         self.clock = clock
         self._keys: OrderedDict[str, _Seen] = OrderedDict()
+        self._lock = threading.Lock()  # behind API server processes the bridge's thread records them
 
     def record(self, key: str | None) -> None:
         if key is None or not _KEY.fullmatch(key):
             return
-        now = self.clock()
-        seen = self._keys.pop(key, None) or _Seen(0, now)
-        seen.requests, seen.last_s = seen.requests + 1, now
-        self._keys[key] = seen
-        while len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
+        with self._lock:
+            now = self.clock()
+            seen = self._keys.pop(key, None) or _Seen(0, now)
+            seen.requests, seen.last_s = seen.requests + 1, now
+            self._keys[key] = seen
+            while len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
 
     def view(self) -> list[tuple[str, int, float]]:
         """(key, requests, seconds since the last), most recent last."""
-        now = self.clock()
-        return [(k, s.requests, round(now - s.last_s, 3)) for k, s in self._keys.items()]
+        with self._lock:
+            now = self.clock()
+            return [(k, s.requests, round(now - s.last_s, 3)) for k, s in self._keys.items()]
 
 
 class PrefixKeysResponse(BaseModel):

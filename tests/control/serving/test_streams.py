@@ -1,6 +1,8 @@
 """The streams' delivery (control/serving/streams.py): a step's tokens reach each event loop in one
 hand-over, every stream's outputs in the order of the steps, a finished stream gets nothing more,
-a closed loop aborts the requests it held, and an error end reaches its stream at once."""
+a closed loop aborts the requests it held, and an error end reaches its stream at once. The
+requests of API server processes reach each server in one send per step; a server that cannot
+take them has its requests aborted."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from contextlib import contextmanager
 
 from elastic_ep.control.api import GenerationRequest, RequestOutput
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
-from elastic_ep.control.serving.streams import Stream, Streams
+from elastic_ep.control.serving.streams import RemoteOutput, RemoteStream, Stream, Streams
 from elastic_ep.control.tracing import RequestTraces
 from elastic_ep.model.sampling import SamplingParams
 
@@ -139,3 +141,38 @@ def test_an_error_end_reaches_its_stream_at_once_after_what_was_handed_before():
                       RequestOutput("r2", [], True, "error", "server shutting down")]
     assert 1 not in scheduler.by_id
     assert [(t.seq_id, t.finish_reason) for t in sink.requests] == [(1, "error"), (2, "error")]
+
+
+class Servers:
+    """API servers that take every send but those of `gone`."""
+
+    def __init__(self, gone: set[int] = frozenset()):
+        self.gone = gone
+        self.sent: list[tuple[int, list[RemoteOutput]]] = []
+
+    def send(self, server: int, outputs: list[RemoteOutput]) -> bool:
+        self.sent.append((server, outputs))
+        return server not in self.gone
+
+
+def test_remote_streams_reach_each_server_in_one_send_per_step_beside_the_loops():
+    with running_loop() as loop:
+        streams, scheduler, sink = streams_of([0], [loop])  # one in-process stream beside them
+        servers = streams.servers = Servers(gone={1})
+        for seq_id, server in ((1, 0), (2, 0), (3, 1), (4, 0)):
+            scheduler.add(Sequence(seq_id, GenerationRequest(f"r{seq_id}", [1], SamplingParams(max_tokens=8), 0),
+                                   64, (0,)))
+            traces = streams.traces
+            traces.arrived(seq_id, f"r{seq_id}", 1)
+            streams.add(seq_id, RemoteStream(f"r{seq_id}", server, 10 + seq_id))
+        streams.deliver_step([(0, [5], None, None), (1, [6], None, None), (2, [7], "stop", None),
+                              (3, [8], None, None), (4, [9], None, None)])
+        streams.deliver_step([(1, [11], None, None), (2, [12], None, None), (3, [13], None, None)])
+        got = drained(loop, {0: queue_of(streams, 0)})
+    assert servers.sent[:2] == [(0, [(1, 11, [6], None, None, None), (2, 12, [7], "stop", None, None),
+                                     (4, 14, [9], None, None, None)]),
+                                (1, [(3, 13, [8], None, None, None)])]
+    assert servers.sent[2:] == [(0, [(1, 11, [11], None, None, None)])]  # 2 ended, 3's server is gone
+    assert got[0] == [RequestOutput("r0", [5])]
+    assert set(scheduler.by_id) == {0, 1, 2, 4}  # server 1's request aborted, its KV freed (2 ends in its step)
+    assert sorted((t.seq_id, t.finish_reason) for t in sink.requests) == [(2, "stop"), (3, "abort")]

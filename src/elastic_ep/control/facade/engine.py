@@ -100,6 +100,23 @@ class EngineFacade:
         return {**snapshot, "events": select_events(snapshot["events"], events_since, events_limit)}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        seq = await self.admit(request)
+        stream = Stream(request.request_id, asyncio.get_running_loop(), asyncio.Queue())
+        self.send(AddRequest(seq, stream))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.send(AbortRequest(seq.seq_id))
+
+    async def admit(self, request: GenerationRequest) -> Sequence:
+        """The request's sequence once the engine can take it (not yet sent to the control thread).
+        Raises ElasticEPError for a request no rank can hold, ServiceUnavailable while asleep and
+        when no ready cluster came within --admission-timeout-s."""
         held = len(request.prompt_token_ids) + len(request.resumed_output_token_ids)
         if held >= self.cfg.max_model_len:
             raise ElasticEPError(
@@ -115,19 +132,8 @@ class EngineFacade:
                 raise ServiceUnavailable(f"not ready: {self.published.readiness.reason}", retry_after_s=5)
             await asyncio.sleep(0.05)
         self._check_fits(request)
-        seq = Sequence(next(self._ids), request, self.cfg.max_model_len, self.info.eos_token_ids,
-                       output=list(request.resumed_output_token_ids))
-        stream = Stream(request.request_id, asyncio.get_running_loop(), asyncio.Queue())
-        self.send(AddRequest(seq, stream))
-        finished = False
-        try:
-            while not finished:
-                out = await stream.queue.get()
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.send(AbortRequest(seq.seq_id))
+        return Sequence(next(self._ids), request, self.cfg.max_model_len, self.info.eos_token_ids,
+                        output=list(request.resumed_output_token_ids))
 
     def _check_fits(self, request: GenerationRequest) -> None:
         """A request that no rank's KV pool can hold at its longest is refused (a 400), instead of

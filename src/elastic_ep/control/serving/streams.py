@@ -6,6 +6,11 @@ and one write to the loop's self-pipe per loop per step, not per sequence), and 
 the `RequestOutput`s: the control thread only gathers tuples. Hand-overs to a loop run in the
 order they were made, so a stream's outputs keep their order across steps.
 
+A request of an API server process (`serve --api-server-count N`) has a `RemoteStream`: a step's
+outputs of one server's requests leave in one frame to that server (`ServerOutputs.send`,
+control/facade/api_bridge.py), and that process builds the outputs, so no token of theirs wakes an
+event loop of this process.
+
 A rank's death never ends a stream: its sequences move to another rank and the stream only
 pauses. A stream ends with an error only when its request cannot be served (the cluster stayed
 too small for --degraded-timeout-s, or its step keeps failing with every rank alive).
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from elastic_ep.model.sampling import TokenLogprobs
 
@@ -37,6 +43,25 @@ class Stream:
     queue: asyncio.Queue
 
 
+@dataclass
+class RemoteStream:
+    """A request of API server process `server`, which knows it as `key`."""
+
+    request_id: str
+    server: int
+    key: int
+
+
+# What a server is handed per output: (seq_id, its key, new token ids, finish reason, error, logprobs)
+RemoteOutput = tuple[int, int, list[int], str | None, str | None, list[TokenLogprobs] | None]
+
+
+class ServerOutputs(Protocol):
+    def send(self, server: int, outputs: list[RemoteOutput]) -> bool:
+        """One step's outputs to API server `server`; False when it cannot take them (gone)."""
+        ...
+
+
 def _put_all(handed: list[_Handed]) -> None:
     """On the loop: each output onto its stream's queue, in the order handed."""
     for _, queue, fields in handed:
@@ -46,12 +71,14 @@ def _put_all(handed: list[_Handed]) -> None:
 class Streams:
     """seq_id -> the stream of its request (control thread only); `traces` hears of every end."""
 
-    def __init__(self, scheduler: Scheduler, traces: RequestTraces | None = None):
+    def __init__(self, scheduler: Scheduler, traces: RequestTraces | None = None,
+                 servers: ServerOutputs | None = None):
         self.scheduler = scheduler
         self.traces = traces
-        self._streams: dict[int, Stream] = {}
+        self.servers = servers  # where RemoteStreams' outputs go (serve --api-server-count)
+        self._streams: dict[int, Stream | RemoteStream] = {}
 
-    def add(self, seq_id: int, stream: Stream) -> None:
+    def add(self, seq_id: int, stream: Stream | RemoteStream) -> None:
         self._streams[seq_id] = stream
 
     def drop(self, seq_id: int) -> None:
@@ -75,6 +102,7 @@ class Streams:
     def _deliver(self, tokens: Iterable[StepTokens], error: str | None) -> None:
         """`tokens` onto their streams, each output with `error` (None: a step's tokens)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[_Handed]] = {}
+        by_server: dict[int, list[RemoteOutput]] = {}
         streams = self._streams
         for seq_id, new_token_ids, finish_reason, logprobs in tokens:
             stream = streams.get(seq_id)
@@ -83,12 +111,20 @@ class Streams:
             finished = finish_reason is not None
             if finished:
                 self._ended(seq_id, finish_reason)
+            if type(stream) is RemoteStream:
+                outputs = by_server.get(stream.server)
+                if outputs is None:
+                    outputs = by_server[stream.server] = []
+                outputs.append((seq_id, stream.key, new_token_ids, finish_reason, error, logprobs))
+                continue
             handed = by_loop.get(stream.loop)
             if handed is None:
                 handed = by_loop[stream.loop] = []
             handed.append((seq_id, stream.queue,
                            (stream.request_id, new_token_ids, finished, finish_reason, error, logprobs)))
         self._hand_over(by_loop)
+        if by_server:
+            self._send_to_servers(by_server)
 
     def _ended(self, seq_id: int, finish_reason: str) -> None:
         del self._streams[seq_id]
@@ -104,3 +140,14 @@ class Streams:
                     self.scheduler.abort(seq_id)
                     if not finished:
                         self._ended(seq_id, "abort")
+
+    def _send_to_servers(self, by_server: dict[int, list[RemoteOutput]]) -> None:
+        """Each server's outputs in one frame; the requests of a server that cannot take them
+        (its process gone) are aborted, as those of a closed loop are."""
+        for server, outputs in by_server.items():
+            if self.servers is not None and self.servers.send(server, outputs):
+                continue
+            for seq_id, _, _, finish_reason, _, _ in outputs:
+                self.scheduler.abort(seq_id)
+                if finish_reason is None:
+                    self._ended(seq_id, "abort")

@@ -1,0 +1,42 @@
+"""The frames between API server processes and the controller's (wire/api_server.py): a step's
+outputs for one server in columns, sent by the control thread's `ServerSockets` and read back
+whole; columns that do not line up are named by `check`."""
+
+from __future__ import annotations
+
+import zmq
+
+from elastic_ep.control.facade.api_bridge import ServerSockets
+from elastic_ep.model.sampling import TokenLogprobs
+from elastic_ep.wire import ClusterKey, Inbox
+from elastic_ep.wire.api_server import StreamOutputs, tokens_address
+
+
+def test_a_steps_outputs_reach_their_server_in_one_frame(tmp_path):
+    key = ClusterKey.generate()
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(tokens_address(tmp_path, 1))
+    sockets = ServerSockets(ctx, key, tmp_path, count=2)
+    lps = [TokenLogprobs(-0.5, ((9, -0.5), (3, -1.0)))]
+    try:
+        assert sockets.send(1, [(5, 50, [7, 8], None, None, None), (6, 60, [9], "stop", None, lps),
+                                (7, 70, [], "error", "rank 2 failed", None)])
+        assert not sockets.send(2, [(8, 80, [1], None, None, None)])  # no such server
+        assert pull.poll(5000)
+        msg = Inbox("api_tokens", StreamOutputs, key).read(pull.recv_multipart(copy=False))
+    finally:
+        sockets.close()
+        pull.close(0)
+        ctx.term()
+    assert msg == StreamOutputs([50, 60, 70], [2, 1, 0], [7, 8, 9], [(1, "stop"), (2, "error")],
+                                [(2, "rank 2 failed")], [(1, lps)])
+    assert msg.check() is None
+
+
+def test_columns_that_do_not_line_up_are_named():
+    assert StreamOutputs([1, 2], [1], [5]).check() == "counts do not match the keys and tokens"
+    assert StreamOutputs([1], [2], [5]).check() == "counts do not match the keys and tokens"
+    assert StreamOutputs([1], [-1], []).check() == "counts do not match the keys and tokens"
+    assert StreamOutputs([1], [1], [5], finished=[(1, "stop")]).check() == "an index past the keys"
+    assert StreamOutputs([], [], []).check() is None
