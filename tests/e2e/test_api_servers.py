@@ -21,9 +21,9 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic_ep.commands.api_server import ApiServerLaunch
 from elastic_ep.harness.server_process import processes_left
 from elastic_ep.harness.wire_fuzz import JUNK, evil_pickle
-from elastic_ep.serve.api_server import ApiServerLaunch
 from elastic_ep.serve.proxy import SERVED_BY_HEADER
 from elastic_ep.wire.api_server import api_address, tokens_address
 
@@ -50,7 +50,7 @@ def launches(server: Server) -> list[tuple[int, ApiServerLaunch]]:
     found = []
     for child in psutil.Process(server.proc.pid).children():
         cmd = child.cmdline()
-        if "elastic_ep.serve.api_server" in cmd:
+        if "elastic_ep.commands.api_server" in cmd:
             found.append((child.pid, msgspec.json.decode(cmd[-1], type=ApiServerLaunch)))
     return sorted(found, key=lambda f: f[1].server)
 

@@ -28,9 +28,9 @@ import zmq
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import mark_process_dead
 
+from elastic_ep.commands.api_server import ENGINE_SOCKET, ApiServerLaunch
 from elastic_ep.control.controller import Controller
 from elastic_ep.control.facade.api_bridge import ApiBridge, ServerSockets
-from elastic_ep.serve.api_server import ENGINE_SOCKET, ApiServerLaunch
 from elastic_ep.serve.app import create_engine_app
 from elastic_ep.serve.guard import ADMIN_API_KEY_ENV, API_KEY_ENV, HttpGuard
 from elastic_ep.serve.prefix_keys import PrefixKeys
@@ -80,7 +80,7 @@ class ApiServers:
                                      self.info.max_model_len, tuple(self.info.eos_token_ids), self.info.extra,
                                      self.guard.max_request_body_bytes, self.request_timeout_s, *self.log)
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "elastic_ep.serve.api_server", msgspec.json.encode(launch).decode()],
+                [sys.executable, "-m", "elastic_ep.commands.api_server", msgspec.json.encode(launch).decode()],
                 env=env, pass_fds=(fd,)))
         self.http_socket.close()  # the servers accept on it; this process would only hold connections back
         logger.info("%d API server processes (pids %s) serve HTTP", self.count, [p.pid for p in self.procs])

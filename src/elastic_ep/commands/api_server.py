@@ -1,5 +1,5 @@
 """An API server process (`serve --api-server-count N`, N > 1): `python -m
-elastic_ep.serve.api_server LAUNCH_JSON`, started by `serve` (commands/api_servers.py).
+elastic_ep.commands.api_server LAUNCH_JSON`, started by `serve` (commands/api_servers.py).
 
 It serves HTTP on the listening socket `serve` bound (inherited as `fd`; the kernel hands each
 new connection to one of the N processes accepting on it), runs the OpenAI routes itself
