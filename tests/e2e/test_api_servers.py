@@ -4,7 +4,8 @@ Greedy completions and streams equal single-process `elastic-ep generate`, serve
 processes; a rank killed mid-stream fails no stream and changes no output; every other route
 (/cluster, /metrics, chaos) answers through either server; a hostile frame on the ipc sockets
 between the processes is dropped and counted, runs no code and changes nothing; bad input is a
-4xx; stopping `serve` leaves no process.
+4xx; a client that leaves mid-stream frees its request; stopping `serve` leaves no process, and
+an API server killed stops `serve` with a message naming it.
 """
 
 from __future__ import annotations
@@ -126,6 +127,17 @@ def test_bad_input_is_a_4xx_and_the_servers_keep_serving(two):
     assert complete(two, PROMPTS[0])[1] == reference(MODEL, tuple(PROMPTS), MAX_TOKENS)[0]
 
 
+def test_a_client_leaving_mid_stream_frees_its_request(two):
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "stream": True, "temperature": 0}
+    for _ in range(2):  # new connections: likely both servers
+        with httpx.stream("POST", f"{two.url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+    two.wait_for(lambda c: sum(rank["requests"] for rank in c["ranks"]) == 0, timeout_s=10,
+                 what="the aborted requests freed")
+
+
 def test_hostile_frames_between_the_processes_are_dropped_and_counted(two, tmp_path):
     workdir = Path(launches(two)[0][1].workdir)
     before = rejected(two)
@@ -177,6 +189,22 @@ def test_stopping_serve_ends_every_api_server(two):
     two.stop()
     assert processes_left(pids) == []
     assert not workdir.exists()
+
+
+def test_an_api_server_killed_stops_serve_and_leaves_no_process(tmp_path):
+    server = Server(["--model", MODEL, "--ep-size", "1", "--api-server-count", "2", "--max-model-len", "256"],
+                    tmp_path / "serve.log", ready_timeout_s=300)
+    try:
+        pids = {p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)}
+        (victim, launch), _ = launches(server)
+        psutil.Process(victim).kill()
+        code = server.proc.wait(60)
+        assert processes_left(pids) == []
+        assert not Path(launch.workdir).exists()
+    finally:
+        server.stop()
+    assert code == 2
+    assert f"error: stopped: API server 0 (pid {victim}) killed by signal 9" in server.log_path.read_text()
 
 
 def test_api_server_count_below_one_is_refused_with_a_message():

@@ -5,8 +5,8 @@ token to its client) runs in N processes that accept on the one listening socket
 controller's process keeps the control thread and an app with every other route, on a Unix
 socket the servers forward to. A request's outputs reach its server in one frame per step
 (control/facade/api_bridge.py). The servers' HTTP metrics are prometheus-client's multiprocess
-files, summed by the controller's /metrics. An API server that exits stops `serve` (exit code 1
-with its reason), as a dead HTTP server would.
+files, summed by the controller's /metrics. An API server that exits stops `serve` (exit code 2,
+naming the server and its signal or code), as a dead HTTP server would.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ STOP_GRACE_S = 5.0
 class ApiServers:
     """The API server processes of one `serve` and what joins them to `controller`: `app` and
     `engine_socket` are what serve's own uvicorn runs; `start()` after the controller started,
-    `stop()` at the end. `on_exit`: called once when a server exits on its own."""
+    `stop()` at the end. `on_exit`: called once when a server exits on its own (`exited` then says which and how)."""
 
     def __init__(self, count: int, controller: Controller, key: ClusterKey, registry: CollectorRegistry,
                  guard: HttpGuard, http_socket: socket.socket, request_timeout_s: float, log: tuple[str, str],
@@ -68,6 +68,7 @@ class ApiServers:
         controller.streams.servers = self.sockets
         self.bridge = ApiBridge(controller.engine, key, self.workdir, controller.rejected_frames, prefix_keys.record)
         self.procs: list[subprocess.Popen] = []
+        self.exited: str | None = None  # which server exited on its own, and how
         self._stopping = threading.Event()
 
     def start(self) -> None:
@@ -91,7 +92,9 @@ class ApiServers:
             for server, proc in enumerate(self.procs):
                 code = proc.poll()
                 if code is not None and not self._stopping.is_set():
-                    logger.error("API server %d (pid %d) exited with code %s: stopping", server, proc.pid, code)
+                    how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    self.exited = f"API server {server} (pid {proc.pid}) {how}"
+                    logger.error("%s: stopping", self.exited)
                     self._stopping.set()
                     self.on_exit()
                     return

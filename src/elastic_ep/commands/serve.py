@@ -417,4 +417,6 @@ def run(args: argparse.Namespace) -> int:
             temp_key.unlink(missing_ok=True)
     if controller.fatal:
         raise ElasticEPError(f"the cluster stopped: {controller.fatal}")
+    if servers is not None and servers.exited:
+        raise ElasticEPError(f"stopped: {servers.exited}")
     return 0
