@@ -108,6 +108,9 @@ def test_other_routes_answer_through_the_servers_and_metrics_sum_them(two):
     assert "/{path:path}" not in by_endpoint
     assert families["elastic_ep_epoch"].samples[0].value >= 0  # the controller's own metrics beside them
     assert "elastic_ep_http_requests_running" in families
+    schema = httpx.get(f"{two.url}/openapi.json").json()  # forwarded: the whole API's document
+    assert {"/v1/completions", "/v1/chat/completions", "/cluster", "/scale_elastic_ep"} <= set(schema["paths"])
+    assert httpx.get(f"{two.url}/docs").status_code == 200
 
 
 def test_bad_input_is_a_4xx_and_the_servers_keep_serving(two):

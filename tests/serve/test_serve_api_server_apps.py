@@ -9,14 +9,15 @@ from prometheus_client import CollectorRegistry
 from scripted_engine import ScriptedEngine, byte_tokenizer
 from starlette.testclient import TestClient
 
-from elastic_ep.serve.app import create_engine_app
+from elastic_ep.serve.app import create_app, create_engine_app
 from elastic_ep.serve.prefix_keys import PrefixKeys
 from elastic_ep.serve.proxy import CLIENT_HEADER, ROUTE_HEADER
 
 
 def engine_app(tmp_path) -> TestClient:
-    app = create_engine_app(ScriptedEngine(byte_tokenizer()), registry=CollectorRegistry(), prefix_keys=PrefixKeys(),
-                            metrics_dir=tmp_path, enable_chaos=True)
+    tokenizer = byte_tokenizer()
+    app = create_engine_app(ScriptedEngine(tokenizer), tokenizer, registry=CollectorRegistry(),
+                            prefix_keys=PrefixKeys(), metrics_dir=tmp_path, enable_chaos=True)
     return TestClient(app)
 
 
@@ -33,3 +34,13 @@ def test_each_answer_names_its_route(tmp_path):
     assert client.get("/cluster").headers[ROUTE_HEADER] == "/cluster"
     assert client.get("/health").headers[ROUTE_HEADER] == "/health"
     assert ROUTE_HEADER not in client.get("/no/such/route").headers  # counted as "other"
+
+
+def test_its_schema_is_the_whole_apis(tmp_path):
+    """The servers forward /openapi.json here: the document names their routes too, as one
+    process's would."""
+    tokenizer = byte_tokenizer()
+    alone = create_app(ScriptedEngine(tokenizer), tokenizer, registry=CollectorRegistry(), enable_chaos=True)
+    behind = engine_app(tmp_path).get("/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/cluster", "/chaos/{action}"} <= set(behind["paths"])
+    assert behind["paths"] == alone.openapi()["paths"]

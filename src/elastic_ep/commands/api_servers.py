@@ -27,6 +27,7 @@ import msgspec
 import zmq
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import mark_process_dead
+from tokenizers import Tokenizer
 
 from elastic_ep.commands.api_server import ENGINE_SOCKET, ApiServerLaunch
 from elastic_ep.control.controller import Controller
@@ -47,9 +48,9 @@ class ApiServers:
     `engine_socket` are what serve's own uvicorn runs; `start()` after the controller started,
     `stop()` at the end. `on_exit`: called once when a server exits on its own (`exited` then says which and how)."""
 
-    def __init__(self, count: int, controller: Controller, key: ClusterKey, registry: CollectorRegistry,
-                 guard: HttpGuard, http_socket: socket.socket, request_timeout_s: float, log: tuple[str, str],
-                 on_exit: Callable[[], None]):
+    def __init__(self, count: int, controller: Controller, tokenizer: Tokenizer, key: ClusterKey,
+                 registry: CollectorRegistry, guard: HttpGuard, http_socket: socket.socket, request_timeout_s: float,
+                 log: tuple[str, str], on_exit: Callable[[], None]):
         self.count, self.key, self.guard, self.http_socket, self.log = count, key, guard, http_socket, log
         self.request_timeout_s = request_timeout_s
         self.on_exit = on_exit
@@ -59,7 +60,7 @@ class ApiServers:
         self.metrics_dir = self.workdir / "metrics"
         self.metrics_dir.mkdir()
         prefix_keys = PrefixKeys()
-        self.app = create_engine_app(controller.engine, registry=registry, prefix_keys=prefix_keys,
+        self.app = create_engine_app(controller.engine, tokenizer, registry=registry, prefix_keys=prefix_keys,
                                      metrics_dir=self.metrics_dir, enable_chaos=self.cfg.enable_chaos, guard=guard)
         self.engine_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.engine_socket.bind(str(self.workdir / ENGINE_SOCKET))

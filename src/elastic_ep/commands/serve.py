@@ -372,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api_server_count > 1:
         from elastic_ep.commands.api_servers import ApiServers
 
-        servers = ApiServers(args.api_server_count, controller, key, registry, guard, http_socket,
+        servers = ApiServers(args.api_server_count, controller, tokenizer, key, registry, guard, http_socket,
                              args.request_timeout_s, (args.log_level, args.log_format),
                              on_exit=lambda: signal.raise_signal(signal.SIGTERM))
         app, app_socket = servers.app, servers.engine_socket

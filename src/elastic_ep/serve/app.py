@@ -57,14 +57,18 @@ def create_app(
                  admin_router(engine, registry, enable_chaos, group, prefix_keys)], metrics, guard)
 
 
-def create_engine_app(engine: Engine, *, registry: CollectorRegistry, prefix_keys: PrefixKeys, metrics_dir: Path,
-                      enable_chaos: bool = False, guard: HttpGuard = HttpGuard()) -> FastAPI:
+def create_engine_app(engine: Engine, tokenizer: Tokenizer, *, registry: CollectorRegistry, prefix_keys: PrefixKeys,
+                      metrics_dir: Path, enable_chaos: bool = False, guard: HttpGuard = HttpGuard()) -> FastAPI:
     """The controller's own app behind API server processes (`serve --api-server-count N`),
     on a Unix socket they forward to (serve/proxy.py): every route but the OpenAI ones. Its
     /metrics adds the servers' HTTP metrics from `metrics_dir` (prometheus-client's multiprocess
-    files), summed over the servers; `prefix_keys`: those the servers were sent."""
+    files), summed over the servers; `prefix_keys`: those the servers were sent. Its /openapi.json
+    and /docs, which the servers forward here too, describe the OpenAI routes the servers serve
+    as well, so the document is the same as without API servers."""
     MultiProcessCollector(registry, path=str(metrics_dir))
-    app = _app([admin_router(engine, registry, enable_chaos, None, prefix_keys)], None, guard)
+    served_elsewhere = openai_router(engine, tokenizer, HttpMetrics(CollectorRegistry()), prefix_keys)
+    app = _app([admin_router(engine, registry, enable_chaos, None, prefix_keys)], None, guard,
+               documented=[served_elsewhere])
     app.add_middleware(RouteHeaderMiddleware)  # inside ForwardedClientMiddleware, which copies the scope
     app.add_middleware(ForwardedClientMiddleware)
     return app
@@ -84,14 +88,19 @@ def create_api_server_app(engine: RemoteEngine, tokenizer: Tokenizer, *, registr
         yield
 
     app = _app([openai_router(engine, tokenizer, metrics, engine), proxy_router(controller_socket)], metrics, guard,
-               lifespan)
+               lifespan, docs=False)  # /openapi.json and /docs forwarded: the controller's app documents all
     app.add_middleware(ServedByMiddleware, server=engine.server)
     return app
 
 
-def _app(routers: list[APIRouter], metrics: HttpMetrics | None, guard: HttpGuard, lifespan=None) -> FastAPI:
+def _app(routers: list[APIRouter], metrics: HttpMetrics | None, guard: HttpGuard, lifespan=None, *,
+         documented: list[APIRouter] = (), docs: bool = True) -> FastAPI:
+    """`documented`: routers /openapi.json describes that another process serves; `docs` False:
+    no /openapi.json nor /docs of its own."""
     app = FastAPI(
         lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
         title="elastic-ep",
         version=__version__,
         description="OpenAI-compatible serving of Mixture-of-Experts models that survives rank faults",
@@ -109,7 +118,8 @@ def _app(routers: list[APIRouter], metrics: HttpMetrics | None, guard: HttpGuard
     app.add_middleware(GuardMiddleware, guard=guard,
                        operating=operating_paths([r for router in routers for r in router.routes]))
     _add_error_handlers(app)
-    app.openapi = lambda: openapi_schema(app)
+    elsewhere = [route for router in documented for route in router.routes]
+    app.openapi = lambda: openapi_schema(app, elsewhere)
     return app
 
 

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from starlette.routing import BaseRoute
 
 from elastic_ep.serve.guard import OPERATING
 from elastic_ep.serve.protocol import ChatCompletionStreamResponse, CompletionStreamResponse, ErrorResponse
@@ -69,11 +70,13 @@ def event_stream_response(event: type[BaseModel]) -> dict[str, Any]:
     }
 
 
-def openapi_schema(app: FastAPI) -> dict[str, Any]:
-    """The app's OpenAPI document (built once); use as `app.openapi = lambda: openapi_schema(app)`."""
+def openapi_schema(app: FastAPI, served_elsewhere: list[BaseRoute] = ()) -> dict[str, Any]:
+    """The app's OpenAPI document (built once); use as `app.openapi = lambda: openapi_schema(app)`.
+    `served_elsewhere`: routes another process serves for the same API (`serve --api-server-count`)."""
     if app.openapi_schema is None:
         schema = get_openapi(
-            title=app.title, version=app.version, description=app.description, routes=app.routes
+            title=app.title, version=app.version, description=app.description,
+            routes=[*served_elsewhere, *app.routes],
         )
         for path, operations in schema["paths"].items():
             for operation in operations.values():
