@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -64,6 +65,15 @@ def reference(model: str, prompts: tuple[str, ...], max_tokens: int, temperature
 def concurrently(fn, items):
     with ThreadPoolExecutor(max_workers=len(items)) as pool:
         return list(pool.map(fn, items))
+
+
+def leave_mid_stream(server: Server, prompt: str, chunks: int = 3) -> None:
+    """Stream a long greedy completion, read `chunks` lines of it and close the connection."""
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 200, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(chunks):
+            next(lines)
 
 
 def reference_load(server, model: str, threads: int = 3, max_tokens: int = 24) -> StreamingLoad:

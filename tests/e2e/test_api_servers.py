@@ -28,7 +28,7 @@ from elastic_ep.harness.wire_fuzz import JUNK, evil_pickle
 from elastic_ep.serve.proxy import SERVED_BY_HEADER
 from elastic_ep.wire.api_server import api_address, tokens_address
 
-from .conftest import PROMPTS, Server, concurrently, reference, reference_load
+from .conftest import PROMPTS, Server, concurrently, leave_mid_stream, reference, reference_load
 
 pytestmark = pytest.mark.e2e
 
@@ -131,12 +131,8 @@ def test_bad_input_is_a_4xx_and_the_servers_keep_serving(two):
 
 
 def test_a_client_leaving_mid_stream_frees_its_request(two):
-    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "stream": True, "temperature": 0}
     for _ in range(2):  # new connections: likely both servers
-        with httpx.stream("POST", f"{two.url}/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            for _ in range(3):
-                next(lines)
+        leave_mid_stream(two, PROMPTS[1])
     two.wait_for(lambda c: sum(rank["requests"] for rank in c["ranks"]) == 0, timeout_s=10,
                  what="the aborted requests freed")
 

@@ -13,14 +13,13 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_ep.commands.eplb import read_load
 
-from .conftest import PROMPTS, concurrently, reference
+from .conftest import PROMPTS, concurrently, leave_mid_stream, reference
 
 MAX_TOKENS = 20
 
@@ -88,12 +87,7 @@ def test_bad_inputs_get_4xx_with_an_openai_error_and_the_server_keeps_serving(ep
 
 
 def test_client_disconnect_mid_stream_frees_its_request(ep4):
-    body = {"model": ep4.model, "prompt": PROMPTS[1], "max_tokens": 200, "stream": True,
-            "temperature": 0}
-    with httpx.stream("POST", f"{ep4.url}/v1/completions", json=body, timeout=30) as r:
-        lines = r.iter_lines()
-        for _ in range(3):
-            next(lines)
+    leave_mid_stream(ep4, PROMPTS[1])
     ep4.wait_for(lambda c: sum(rank["requests"] for rank in c["ranks"]) == 0, timeout_s=10,
                  what="the aborted request freed")
 

@@ -1,6 +1,7 @@
 """The background slot sweep deals its requests over the interval: between two steps it asks
 only the members whose turn came (not every member at once), every member is asked once per
-interval, each for its next occupied slots in turn."""
+interval, each for its next occupied slots in turn; after a pause it goes on at its pace, never
+asking every member at once before the first step."""
 
 from __future__ import annotations
 
@@ -20,8 +21,13 @@ def test_members_are_asked_in_turn_over_the_interval(monkeypatch):
     sweeper = SlotSweeper(c, config(ep_size=8, expert_sweep_interval_s=1.0, expert_sweep_slots=1), plane, None)
     now = [100.0]
     monkeypatch.setattr(slot_check.time, "monotonic", lambda: now[0])
-    sweeper.sweep()  # the first call: everyone is due
-    assert sorted(r for r, _ in plane.to_workers) == list(range(8))
+    monkeypatch.setattr(slot_check, "MAX_GAP_S", 0.125)  # one member's worth, exact in binary
+    sweeper.sweep()  # the first call, long after time 0: owes one member, not eight
+    assert [r for r, _ in plane.to_workers] == [0]
+    plane.to_workers.clear()
+    now[0] += 30.0  # a stall: no call for 30 s
+    sweeper.sweep()
+    assert [r for r, _ in plane.to_workers] == [1]  # not all eight at once before the next step
     plane.to_workers.clear()
     asked = []
     for _ in range(8):  # eight calls over one interval: one member each
@@ -29,10 +35,12 @@ def test_members_are_asked_in_turn_over_the_interval(monkeypatch):
         sweeper.sweep()
         asked.append([r for r, _ in plane.to_workers])
         plane.to_workers.clear()
-    assert asked == [[r] for r in range(8)]
+    assert asked == [[(r + 2) % 8] for r in range(8)]
     for _ in range(8):
         now[0] += 0.125
         sweeper.sweep()
     second = [(r, m.slots) for r, m in plane.to_workers if isinstance(m, SweepSlots)]
-    assert [r for r, _ in second] == list(range(8))
-    assert all(slots == [(0, 0)] for _, slots in second)  # after (0, 1) in the first round: the next in turn
+    assert [r for r, _ in second] == [2, 3, 4, 5, 6, 7, 0, 1]
+    # each its next slot in turn: the second of two for those asked twice, the first again for 0
+    # and 1, asked a third time
+    assert [slots for _, slots in second] == [[(0, 1)]] * 6 + [[(0, 0)]] * 2

@@ -23,6 +23,11 @@ from ..control_plane import ControlPlane
 from ..events import EventKind
 from .epoch_change import EpochChanger
 
+# A gap between two calls counts as at most this long: after a pause (a stall, a recovery, the
+# start) the sweep goes on at its pace instead of asking every member at once before the first
+# step, which a recovery's pause waits for (254 requests, ~20 ms of the control thread at 256 ranks).
+MAX_GAP_S = 0.1
+
 
 class SlotSweeper:
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, changer: EpochChanger):
@@ -41,7 +46,7 @@ class SlotSweeper:
         """Ask the members whose turn has come for their next slots' checksums: each member once
         per --expert-sweep-interval-s, dealt round robin over the calls in between (between steps),
         so no step pays for asking every member at once (at 256 ranks that was one burst of 256
-        requests and 256 answers every interval)."""
+        requests and 256 answers every interval); a longer gap than MAX_GAP_S owes no more."""
         c, cfg = self.cluster, self.cfg
         now = time.monotonic()
         if not cfg.expert_sweep_slots or c.location is None or not c.members:
@@ -49,8 +54,8 @@ class SlotSweeper:
         if c.location is not self._location:  # a new placement: its occupied slots, once per rank
             self._location, self._occupied = c.location, {}
         members = c.members
-        self._due = min(self._due + len(members) * (now - self._swept_at) / cfg.expert_sweep_interval_s,
-                        len(members))
+        gap = min(now - self._swept_at, MAX_GAP_S)
+        self._due = min(self._due + len(members) * gap / cfg.expert_sweep_interval_s, len(members))
         self._swept_at = now
         for _ in range(int(self._due)):
             self._due -= 1
