@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import zmq
 
+from elastic_ep.control.facade import api_bridge
 from elastic_ep.control.facade.api_bridge import ServerSockets
 from elastic_ep.model.sampling import TokenLogprobs
 from elastic_ep.wire import ClusterKey, Inbox
@@ -40,3 +41,19 @@ def test_columns_that_do_not_line_up_are_named():
     assert StreamOutputs([1], [-1], []).check() == "counts do not match the keys and tokens"
     assert StreamOutputs([1], [1], [5], finished=[(1, "stop")]).check() == "an index past the keys"
     assert StreamOutputs([], [], []).check() is None
+
+
+def test_a_server_that_reads_nothing_is_given_up_at_the_high_water_mark(tmp_path, monkeypatch):
+    """The control thread never blocks on a server: past TOKEN_HWM unread steps a send fails
+    (the streams then abort that server's requests)."""
+    monkeypatch.setattr(api_bridge, "TOKEN_HWM", 100)
+    ctx = zmq.Context()
+    sockets = ServerSockets(ctx, ClusterKey.generate(), tmp_path, count=1)  # nobody binds tokens-0.sock
+    try:
+        sent = 0
+        while sent < 1000 and sockets.send(0, [(1, 10, [7], None, None, None)]):
+            sent += 1
+    finally:
+        sockets.close()
+        ctx.term()
+    assert 100 <= sent < 1000
