@@ -32,11 +32,17 @@ from elastic_ep.errors import ElasticEPError
 from elastic_ep.serve.admin import admin_router
 from elastic_ep.serve.errors import APIError, error_body, error_response, invalid_body
 from elastic_ep.serve.guard import GuardMiddleware, HttpGuard, operating_paths
-from elastic_ep.serve.metrics import HttpMetrics, RequestCountMiddleware
+from elastic_ep.serve.metrics import HttpMetrics, RequestCountMiddleware, route_template
 from elastic_ep.serve.openai_api import openai_router
 from elastic_ep.serve.openapi import openapi_schema
 from elastic_ep.serve.prefix_keys import PrefixKeys
-from elastic_ep.serve.proxy import ForwardedClientMiddleware, RouteHeaderMiddleware, ServedByMiddleware, proxy_router
+from elastic_ep.serve.proxy import (
+    ROUTE_HEADER,
+    SERVED_BY_HEADER,
+    ForwardedClientMiddleware,
+    HeaderMiddleware,
+    proxy_router,
+)
 
 if TYPE_CHECKING:
     from elastic_ep.serve.remote_engine import RemoteEngine
@@ -69,7 +75,8 @@ def create_engine_app(engine: Engine, tokenizer: Tokenizer, *, registry: Collect
     served_elsewhere = openai_router(engine, tokenizer, HttpMetrics(CollectorRegistry()), prefix_keys)
     app = _app([admin_router(engine, registry, enable_chaos, None, prefix_keys)], None, guard,
                documented=[served_elsewhere])
-    app.add_middleware(RouteHeaderMiddleware)  # inside ForwardedClientMiddleware, which copies the scope
+    # inside ForwardedClientMiddleware, which copies the scope: this one sees the route set on it
+    app.add_middleware(HeaderMiddleware, name=ROUTE_HEADER, value=route_template)
     app.add_middleware(ForwardedClientMiddleware)
     return app
 
@@ -89,7 +96,8 @@ def create_api_server_app(engine: RemoteEngine, tokenizer: Tokenizer, *, registr
 
     app = _app([openai_router(engine, tokenizer, metrics, engine), proxy_router(controller_socket)], metrics, guard,
                lifespan, docs=False)  # /openapi.json and /docs forwarded: the controller's app documents all
-    app.add_middleware(ServedByMiddleware, server=engine.server)
+    served_by = str(engine.server)
+    app.add_middleware(HeaderMiddleware, name=SERVED_BY_HEADER, value=lambda _: served_by)
     return app
 
 

@@ -118,6 +118,11 @@ class RequestTimer:
 ROUTED_AS = "elastic_ep.routed_as"
 
 
+def route_template(scope: Scope) -> str | None:
+    """The path template of the route that took the request, once routed."""
+    return getattr(scope.get("route"), "path", None)
+
+
 class RequestCountMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware, which would buffer streams and hide disconnects).
     Requests are counted by route template (`ROUTED_AS` where a route forwarded the request)."""
@@ -141,6 +146,5 @@ class RequestCountMiddleware:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            route = scope.get("route")
-            endpoint = scope.get(ROUTED_AS) or getattr(route, "path", None) or "other"
+            endpoint = scope.get(ROUTED_AS) or route_template(scope) or "other"
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()

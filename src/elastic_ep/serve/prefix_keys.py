@@ -31,6 +31,11 @@ class _Seen:
     last_s: float
 
 
+def is_prefix_key(key: str | None) -> bool:
+    """Whether a header value is a prefix key (others are not counted)."""
+    return key is not None and _KEY.fullmatch(key) is not None
+
+
 class KeyRecorder(Protocol):
     def record(self, key: str | None) -> None:
         """A generation request sent with this header value (None: without one)."""
@@ -46,7 +51,7 @@ class PrefixKeys:
         self._lock = threading.Lock()  # behind API server processes the bridge's thread records them
 
     def record(self, key: str | None) -> None:
-        if key is None or not _KEY.fullmatch(key):
+        if not is_prefix_key(key):
             return
         with self._lock:
             now = self.clock()

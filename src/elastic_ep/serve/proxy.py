@@ -11,6 +11,7 @@ set here over whatever a client sent: the controller's guard judges loopback by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -62,13 +63,17 @@ def proxy_router(socket_path: Path) -> APIRouter:
     return router
 
 
-class RouteHeaderMiddleware:
-    """On the controller's app behind API servers: each answer names the route that took it in
-    `ROUTE_HEADER` (its path template, as the request metrics label it), so the forwarding
-    server's metrics count /cluster as /cluster, not as the forwarding route."""
+class HeaderMiddleware:
+    """Adds header `name` to every answer, with `value(scope)` read as the answer starts (None:
+    not added). Used twice behind API servers: the controller's app names the route that took
+    a request in `ROUTE_HEADER` (its path template, as the request metrics label it), so the
+    forwarding server counts /cluster as /cluster and not as the forwarding route; each API
+    server names itself in `SERVED_BY_HEADER`, for whoever traces a request through the N."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, name: str, value: Callable[[Scope], str | None]):
         self.app = app
+        self.name = name.encode()
+        self.value = value
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -76,9 +81,8 @@ class RouteHeaderMiddleware:
             return
 
         async def send_named(message: Message) -> None:
-            path = getattr(scope.get("route"), "path", None)
-            if message["type"] == "http.response.start" and path:
-                message = {**message, "headers": [*message.get("headers", ()), (ROUTE_HEADER.encode(), path.encode())]}
+            if message["type"] == "http.response.start" and (value := self.value(scope)):
+                message = {**message, "headers": [*message.get("headers", ()), (self.name, value.encode())]}
             await send(message)
 
         await self.app(scope, receive, send_named)
@@ -98,24 +102,3 @@ class ForwardedClientMiddleware:
             if host is not None:
                 scope = {**scope, "client": (host, 0)}
         await self.app(scope, receive, send)
-
-
-class ServedByMiddleware:
-    """On an API server's app: every answer names the process that served it in `SERVED_BY_HEADER`
-    (its index), for whoever traces a request through the N servers."""
-
-    def __init__(self, app: ASGIApp, server: int):
-        self.app = app
-        self.value = str(server).encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_named(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), (SERVED_BY_HEADER.encode(), self.value)]}
-            await send(message)
-
-        await self.app(scope, receive, send_named)

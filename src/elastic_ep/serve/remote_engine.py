@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from elastic_ep.control.api import EngineInfo, GenerationRequest, RequestOutput, ServiceUnavailable
 from elastic_ep.errors import ElasticEPError
+from elastic_ep.serve.prefix_keys import is_prefix_key
 from elastic_ep.wire import ClusterKey, Inbox, rejected_counts
 from elastic_ep.wire.api_server import (
     TO_API_SERVER,
@@ -97,9 +98,9 @@ class RemoteEngine:
 
     def record(self, key: str | None) -> None:
         """A prefix key a router named (serve/prefix_keys.py): counted by the controller's app."""
-        if key is not None:
+        if is_prefix_key(key):
             self.start()
-            self._send(PrefixKeySeen(key[:64]))
+            self._send(PrefixKeySeen(key))
 
     def _send(self, msg: Generate | Abort | PrefixKeySeen | ServerReport) -> None:
         self._dealer.send_multipart(self.key.seal(msg))  # a DEALER on ipc queues it at once

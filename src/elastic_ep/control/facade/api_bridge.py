@@ -136,14 +136,16 @@ class ApiBridge:
 
     async def _serve(self) -> None:
         self._stopping = asyncio.Event()
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        while not self._stopping.is_set():
-            received = asyncio.ensure_future(self._sock.recv_multipart(copy=False))
-            await asyncio.wait({received, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not received.done():
-                received.cancel()
-                break
-            frames = received.result()
+        reader = asyncio.ensure_future(self._read())
+        await self._stopping.wait()
+        tasks = (reader, *self._admitting)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
             msg = self._inbox.read(frames[1:])  # after the ROUTER's identity frame
             if isinstance(msg, Generate):
                 task = asyncio.ensure_future(self._admit(frames[0].bytes, msg))
@@ -155,8 +157,6 @@ class ApiBridge:
                 self.record_prefix_key(msg.key)
             elif isinstance(msg, ServerReport):
                 self.rejected.report(f"api-server-{msg.server}", msg.rejected)
-        for task in self._admitting:
-            task.cancel()
 
     async def _admit(self, identity: bytes, msg: Generate) -> None:
         request = GenerationRequest(msg.request_id, msg.prompt_token_ids, msg.params, msg.seed,
