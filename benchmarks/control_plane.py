@@ -45,7 +45,9 @@ at every pump, the /cluster snapshot is rebuilt every 0.25 s whatever it costs a
 parts are built again each time. No arguments runs the table (8, 64, 256 and 1,024 ranks, 0 and
 64 sequences per rank; --table-ranks, --table-seqs), before and after side by side, one child
 process per point, before and after in turn --repeats times; --baseline REV takes the before from
-that git revision's code; --table-results-via direct,agent runs this code with each
+that git revision's code (its benchmark run with this run's step modes, those it has); the
+epochs formed while a point is measured (`epochs_formed`: a straggler derated, a rebalance's
+move) say how much of its per-step figures was not steps; --table-results-via direct,agent runs this code with each
 --step-results-via instead (the stand-ins' results by each rank, or per node by its agent:
 `result_frames_per_step` shows which). `--step-plans-via agent` sends one point's plans per node
 through the stand-in agents (`plans_out` counts the plans sent each way). The stop's pause is
@@ -322,6 +324,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         v0, h0, d0 = times.view(), dict(times.handled_s), dict(times.decode_s)
         beats0 = rank_heartbeats(ctl)
         n0, w0, s0, parts0 = times.steps, times.wall_s, times.slowest_rank_s, dict(times.part_s)
+        epoch0 = ctl.cluster.epoch
         profiler = ControlThreadProfile(ctl, profile) if profile else None
         cpu_clock = time.pthread_getcpuclockid(ctl._thread.ident)
         cpu0, t0, t0_wall = time.clock_gettime(cpu_clock), time.monotonic(), time.time()
@@ -359,6 +362,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             # frames the control thread read for the steps' results: one per rank, or one per node and step
             "result_frames_per_step": round((handled.get("StepResult", 0) + handled.get("NodeStepResults", 0))
                                             / max(steps, 1), 1),
+            "epochs_formed": ctl.cluster.epoch - epoch0,
+            # every frame of the health socket (the agents' and the ranks' own: beats, alives, results)
+            "health_frames_per_s": round(delta(v1["frames_in"], v0["frames_in"]).get("health", 0) / dt),
         }
         if async_scheduling:  # steps prepared while the one before ran: sent, or dropped and planned again
             out["prepared_steps"] = {o: registry.get_sample_value("elastic_ep_prepared_steps_total", {"outcome": o})
@@ -530,11 +536,13 @@ def table(args) -> None:
                                           for m in modes]:
             script, env = __file__, dict(os.environ)
             flags = [("--warm-all" if args.warm_all else "--before")] if mode == "before" and old is None else []
-            if mode != "before":  # the after points run with this run's step modes
-                results_via = mode.removeprefix("after, results ") if mode.startswith("after, results ") \
-                    else args.step_results_via
-                flags = ["--step-results-via", results_via, "--step-plans-via", args.step_plans_via,
-                         *(["--async-scheduling"] if args.async_scheduling else [])]
+            results_via = mode.removeprefix("after, results ") if mode.startswith("after, results ") \
+                else args.step_results_via
+            step_modes = [*(["--step-results-via", results_via] if results_via != "direct" else []),
+                          *(["--step-plans-via", args.step_plans_via] if args.step_plans_via != "direct" else []),
+                          *(["--async-scheduling"] if args.async_scheduling else [])]
+            if mode != "before" or old is not None:  # after, and a --baseline's code: this run's step modes
+                flags = step_modes
             if mode == "before" and old is not None:
                 script, env["PYTHONPATH"] = str(old / "benchmarks" / "control_plane.py"), str(old / "src")
             cmd = [sys.executable, script, "--ranks", str(ranks), "--seqs-per-rank", str(seqs), "--json",
@@ -555,20 +563,21 @@ def table(args) -> None:
             print(json.dumps(row), file=sys.stderr, flush=True)
     print("| ranks | seqs/rank | mode | run | added ms/step | control CPU ms/step | period ms | plan | encode | send "
           "| gather | decode | commit | metrics | rank heartbeats/s | heartbeat frames/s | hb load "
-          "| /cluster build ms | /metrics ms "
-          "| kill detect s / pause s | stop detect s (by) | hang pause s (bound) | placement ms | false faults |")
-    print("|" + "---|" * 24)
+          "| health frames/s | /cluster build ms | /metrics ms "
+          "| kill detect s / pause s | stop detect s (by) | hang pause s (bound) | placement ms | epochs formed "
+          "| false faults |")
+    print("|" + "---|" * 26)
     for r in rows:
         p, kill, stop = r["parts_ms"], r.get("kill", {}), r.get("stop", {})
         print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['repeat']} | {r['added_ms_per_step']} "
               f"| {r.get('control_cpu_ms_per_step', 'n/a')} | {r['step_period_ms']} "
               f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
               f"| {p['metrics']} | {r['heartbeats_per_s']} | {r.get('heartbeat_frames_per_s', r['heartbeats_per_s'])} "
-              f"| {r['heartbeat_load']:.1%} | {r['cluster_snapshot_ms']} "
+              f"| {r['heartbeat_load']:.1%} | {r.get('health_frames_per_s', '-')} | {r['cluster_snapshot_ms']} "
               f"| {r['metrics_scrape_ms']} | {kill.get('detect_s', '-')} / {kill.get('pause_s', '-')} "
               f"| {stop.get('detect_s', '-')} ({stop.get('cause', '-')}) "
               f"| {stop.get('pause_s', '-')} ({r.get('hang_pause_bound_s', '-')}) | {r['placement_ms']} "
-              f"| {len(r['false_faults'])} |")
+              f"| {r.get('epochs_formed', '-')} | {len(r['false_faults'])} |")
 
 
 def main() -> None:

@@ -361,8 +361,7 @@ class Controller:
         """Hand one message to its role; `heard`: the heard clock when it was read."""
         msg, nodes = inbound.message, self.nodes
         if isinstance(msg, NodeHeartbeat):
-            agent = self.cluster.agents.get(msg.node)
-            if agent is not None and agent.session == msg.session:  # not of a session given up on
+            if nodes.on_node_heartbeat(msg, heard):  # not of a session given up on
                 taken = self.detector.node_heartbeat(self.cluster.ranks, msg, self.cluster.epoch, heard)
                 self.metrics.rank_heartbeats.labels(msg.node).inc(taken)
         elif isinstance(msg, AgentAlive):

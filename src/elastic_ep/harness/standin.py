@@ -39,7 +39,10 @@ answered the epoch's step answer `StepFailed` (collective), as a real rank's col
 Each process is one thread: a rank's tokens and load are worked out when its plan arrives and
 its answer is sent when its set time has passed, so most of the harness's own work overlaps the
 ranks' "compute"; `step_s` in a result is the time from the plan's arrival to the send, so a
-harness that falls behind shows as slower ranks, never as controller time. Frames carry the
+harness that falls behind shows as slower ranks, never as controller time. `compute_s`, the own
+time the straggler verdict judges, is the rank's set time (with its jitter and `--slow`): a
+process that answers late because its ranks share a core is the harness's wait, not one rank
+slower than its peers (on 2 cores, 1,024 stand-ins were derated for it, each derating an epoch). Frames carry the
 deployment's cluster key (`--cluster-key-file`, else $ELASTIC_EP_CLUSTER_KEY), as an agent's do.
 """
 
@@ -418,7 +421,8 @@ class StandInRank:
             self.pending = None
             step_s = time.monotonic() - received
             self.progress = Progress(plan.epoch, plan.step, -1, "idle", self.seq, time.time())
-            self.answer = StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, step_s, 0.0, 0.0, load,
+            self.answer = StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, min(step_s, due_s),
+                                     step_s - min(step_s, due_s), 0.0, load,
                                      n_tokens * self.agent.top_k, {}, shape=n_tokens + plan.pad_tokens)
             if self.lose != (plan.epoch, plan.step):
                 self.agent.step_result(self, self.answer)
@@ -437,6 +441,7 @@ class StandInAgent:
         self.hardware_interval_s = hardware_interval_s
         self._hardware_at = 0.0
         self._node_beat_at = 0.0
+        self._node_beat_sent_at = float("-inf")
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"a{node}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -484,17 +489,18 @@ class StandInAgent:
         if self.lease.hello_due(now):
             self.send(AgentHello(self.node, os.getpid(), self.fetch_addr, 1 << 40, self.num_ranks, "initial",
                                  False, self.lease.session, "127.0.0.1", True))
-        if self.lease.alive_due(now):
+        interval_s = self.launch.heartbeat_interval_s if self.launch is not None else 0.0
+        if self.lease.alive_due(now, now - self._node_beat_sent_at <= 2 * interval_s):
             self.send(AgentAlive(self.node, self.lease.session))
         if self.lease.welcomed and now - self._hardware_at >= self.hardware_interval_s:
             self._hardware_at = now
             self.send(HardwareReport(self.node, 0.0, None, [], {"nvml": "stand-in node", "xid": "stand-in node"}))
-        interval_s = self.launch.heartbeat_interval_s if self.launch is not None else 0.0
         if self.lease.welcomed and interval_s > 0 and now - self._node_beat_at >= interval_s:
             self._node_beat_at = now
             beats = [b for rank in self.ranks.values() if (b := rank.beat(now, interval_s)) is not None]
             if beats:
                 self.send(NodeHeartbeat(self.node, self.lease.session, beats))
+                self._node_beat_sent_at = now
 
     def send(self, message) -> None:
         self.host.send(self.sock, self.host.key.seal(message))

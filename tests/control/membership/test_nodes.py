@@ -30,6 +30,7 @@ from elastic_ep.wire import (
     BackupSite,
     FenceWorker,
     LeaseRenew,
+    NodeHeartbeat,
     SessionEnded,
     StartWorker,
     WorkerExited,
@@ -101,6 +102,21 @@ def test_a_silent_agent_makes_every_rank_of_its_node_a_fault():
     assert [(f.rank_id, f.cause) for f in rig.faults] == [(1, FaultCause.NODE_LOST)]
     assert rig.cluster.ranks[2].status == RankStatus.DEAD  # no one is left to confirm its fence
     assert "n1" not in rig.cluster.agents and "n0" in rig.cluster.agents
+
+
+def test_an_agents_node_heartbeats_are_word_from_it_between_its_alives():
+    # its AgentAlive goes every 0.5 s while its NodeHeartbeats go (node/lease.py): each of them, of
+    # its own session, keeps the agent; one of a session given up on keeps nothing and is not taken
+    rig = Rig({0: "n0", 1: "n1"}, agent_timeout_s=0.3)
+    for agent in rig.cluster.agents.values():
+        agent.last_alive, agent.alive_heard = 10.0, True
+    session = rig.cluster.agents["n0"].session
+    for heard in (10.1, 10.2, 10.3, 10.4):
+        assert rig.nodes.on_node_heartbeat(NodeHeartbeat("n0", session, []), heard)
+        assert not rig.nodes.on_node_heartbeat(NodeHeartbeat("n1", "an old session", []), heard)
+    rig.nodes.check_agents(10.5)
+    assert "n0" in rig.cluster.agents and "n1" not in rig.cluster.agents
+    assert [(f.rank_id, f.cause) for f in rig.faults] == [(1, FaultCause.NODE_LOST)]
 
 
 def test_a_new_session_whose_welcome_is_slow_to_arrive_is_not_given_up_on():

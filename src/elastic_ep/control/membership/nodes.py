@@ -47,6 +47,7 @@ from elastic_ep.wire import (
     BackupReady,
     FenceWorker,
     LeaseRenew,
+    NodeHeartbeat,
     Progress,
     SessionEnded,
     Shutdown,
@@ -136,9 +137,23 @@ class Nodes:
             self.plane.to_identity(identity, SessionEnded(msg.session, "the controller gave up on this session "
                                                                            "(unreachable for --agent-timeout-s)"))
             return
-        agent.last_alive, agent.stalled, agent.alive_heard = self.plane.heard_clock(), False, True
+        self.heard_from(agent, self.plane.heard_clock())
         self.cluster.loads.agent(msg.node, msg.session, msg.storage_bytes)
         self.plane.to_identity(identity, LeaseRenew(msg.session, self.cfg.lease_s))
+
+    def on_node_heartbeat(self, msg: NodeHeartbeat, heard: float) -> bool:
+        """An agent's `NodeHeartbeat`, read at `heard` (heard clock): word from the agent, as an
+        `AgentAlive` is (between two of its alives: node/lease.py), when it is of the agent's
+        session; False for one of a session given up on (its ranks' beats are not taken either)."""
+        agent = self.cluster.agents.get(msg.node)
+        if agent is None or agent.session != msg.session:
+            return False
+        self.heard_from(agent, heard)
+        return True
+
+    @staticmethod
+    def heard_from(agent: AgentInfo, heard: float) -> None:
+        agent.last_alive, agent.stalled, agent.alive_heard = heard, False, True
 
     def check_agents(self, now: float) -> None:
         """Drop every agent silent for --agent-timeout-s; its node's ranks are faults. Not the
