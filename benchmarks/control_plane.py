@@ -71,6 +71,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import tracemalloc
 from pathlib import Path
 
@@ -194,8 +195,20 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
         profile.arm()
     t0 = time.time()
     ctl.engine.send(SignalRank(rank_id, sig))
-    wait_for(lambda: any(e["rank_id"] == rank_id for e in events_after(ctl, since, "fault")), timeout_s,
-             f"no fault for rank {rank_id}")
+    try:
+        wait_for(lambda: any(e["rank_id"] == rank_id for e in events_after(ctl, since, "fault")), timeout_s,
+                 f"no fault for rank {rank_id}")
+    except TimeoutError:  # what the controller did instead, and what it knows of the rank
+        for e in [e for e in events(ctl) if e["id"] > since][-40:]:
+            print(f"{e['time_s'] - t0:.3f} {e['kind']}: {e['message'][:200]}", file=sys.stderr)
+        r = ctl.cluster.ranks.get(rank_id)
+        if r is not None:
+            print(f"rank {rank_id}: {r.status.value}, heard {ctl.plane.heard_clock() - r.last_heartbeat:.2f}s ago, "
+                  f"{r.progress}", file=sys.stderr)
+        frame = sys._current_frames().get(ctl._thread.ident)
+        if frame is not None:
+            print("the control thread now:\n" + "".join(traceback.format_stack(frame)[-12:]), file=sys.stderr)
+        raise
     fault = next(e for e in events_after(ctl, since, "fault") if e["rank_id"] == rank_id)
     # when the control thread sent the signal to the rank's agent: detect_s less this is the agent's
     # report (or the silence) until the control thread acted on it

@@ -103,53 +103,57 @@ def step_towards(current: ExpertLocation, target: ExpertLocation, max_slots: int
 
     current, target: placements of the same shape, both serving every expert.
     load: [L, E] tokens per logical expert.
+
+    Each slot taken brings the moves it cannot go without (`_take`), worked out from that slot
+    alone on one working copy of the slot map and its [L, E] copy counts: the cost grows with the
+    slots moved, not with the placement's size per slot (a copy and a check of the whole map per
+    slot considered took the control thread for minutes at 1,024 ranks).
     """
     if current.phy2log.shape != target.phy2log.shape or current.slots_per_rank != target.slots_per_rank:
         raise PlacementError(f"cannot step from a {list(current.phy2log.shape)} placement to a "
                              f"{list(target.phy2log.shape)} one")
-    w = np.asarray(load, dtype=np.float64)
-    diff = [tuple(d) for d in np.argwhere(current.phy2log != target.phy2log).tolist()]
-    if len(diff) <= max(max_slots, 1):
+    limit = max(max_slots, 1)
+    diff = np.argwhere(current.phy2log != target.phy2log)  # [n, 2] (layer, slot)
+    if len(diff) <= limit:
         return target
+    w = np.asarray(load, dtype=np.float64)
     per_copy = w / np.maximum(current.logcnt, 1)
-    diff.sort(key=lambda d: -per_copy[d[0], target.phy2log[d]] if target.phy2log[d] >= 0 else 0.0)
-    batch: set[tuple[int, int]] = set()
-    for d in diff:
-        if len(batch) >= max(max_slots, 1):
+    wanted = target.phy2log[diff[:, 0], diff[:, 1]]
+    hotness = np.where(wanted >= 0, per_copy[diff[:, 0], np.maximum(wanted, 0)], 0.0)
+    work = current.phy2log.copy()
+    count = current.logcnt.astype(np.int64)  # [L, E] copies in `work`
+    taken = np.zeros(work.shape, dtype=bool)
+    moved = 0
+    for layer, slot in diff[np.argsort(-hotness, kind="stable")].tolist():
+        if moved >= limit:
             break
-        if d not in batch:
-            batch = _closed(batch | {d}, current, target)
-    return _applied(current, target, batch)
+        if not taken[layer, slot]:
+            moved += _take(layer, slot, work, count, taken, target.phy2log, current.slots_per_rank)
+    return ExpertLocation.from_phy2log(work, current.slots_per_rank, current.num_experts)
 
 
-def _applied(current: ExpertLocation, target: ExpertLocation, batch: set[tuple[int, int]]) -> ExpertLocation:
-    phy2log = current.phy2log.copy()
-    for d in batch:
-        phy2log[d] = target.phy2log[d]
-    return ExpertLocation.from_phy2log(phy2log, current.slots_per_rank, current.num_experts)
-
-
-def _closed(batch: set[tuple[int, int]], current: ExpertLocation, target: ExpertLocation) -> set[tuple[int, int]]:
-    """`batch` plus the moves it cannot go without: a slot of the target for every expert the
-    batch leaves with no copy, and the old slot of an expert the batch moves within a rank."""
-    s = current.slots_per_rank
-    batch = set(batch)
-    while True:
-        phy2log = _applied(current, target, batch).phy2log
-        extra = set()
-        for layer in {d[0] for d in batch}:
-            row = phy2log[layer]
-            present = np.zeros(current.num_experts, dtype=bool)
-            present[row[row >= 0]] = True
-            for expert in np.nonzero(~present)[0].tolist():
-                slot = next(int(x) for x in np.nonzero(target.phy2log[layer] == expert)[0]
-                            if (layer, int(x)) not in batch)
-                extra.add((layer, slot))
-        for layer, slot in batch:
-            expert, rank = target.phy2log[layer, slot], slot // s
-            for other in range(rank * s, (rank + 1) * s):
-                if other != slot and expert >= 0 and phy2log[layer, other] == expert and (layer, other) not in batch:
-                    extra.add((layer, other))
-        if not extra:
-            return batch
-        batch |= extra
+def _take(layer: int, slot: int, work: np.ndarray, count: np.ndarray, taken: np.ndarray, target: np.ndarray,
+          s: int) -> int:
+    """Set `slot` of `layer` in `work` to its target expert, with the moves it cannot go without: a
+    slot of the target for an expert it leaves with no copy, and the old slot of an expert it moves
+    within a rank; each of those brings its own. Updates `count` and `taken`; returns the slots set."""
+    todo, n = [(layer, slot)], 0
+    while todo:
+        layer, slot = todo.pop()
+        if taken[layer, slot]:
+            continue
+        taken[layer, slot] = True
+        n += 1
+        old, new = int(work[layer, slot]), int(target[layer, slot])
+        work[layer, slot] = new
+        if old >= 0:
+            count[layer, old] -= 1
+            if count[layer, old] == 0:  # the target holds it somewhere not yet taken
+                todo.append((layer, next(int(x) for x in np.flatnonzero(target[layer] == old)
+                                         if not taken[layer, x])))
+        if new >= 0:
+            count[layer, new] += 1
+            first = slot - slot % s
+            todo.extend((layer, first + k) for k in np.flatnonzero(work[layer, first:first + s] == new).tolist()
+                        if first + k != slot and not taken[layer, first + k])
+    return n
