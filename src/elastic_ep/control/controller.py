@@ -223,7 +223,8 @@ class Controller:
         self.rebalancer = BackgroundRebalance(
             c, cfg, nbytes, self.metrics, load=self.load, load_steps=lambda: len(self.steps.load_window),
             speeds=self.stragglers.placement_speeds, form=self.form, scaling=lambda: self.scaling.active,
-            has_work=lambda: self.scheduler.has_work, recovering=lambda: self.recovery.open)
+            has_work=lambda: self.scheduler.has_work, recovering=lambda: self.recovery.open,
+            compute=self.changer.ahead.submit)
         self.recovery = Recovery(
             c, cfg, self.detector, self.metrics, self.steps, self.scheduler, self.streams, self.scaling, self.nodes,
             self.rebalancer, pump=self.pump, fault=self.fault, joiners=self.joiners, form=self.form,

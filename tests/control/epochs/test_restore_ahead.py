@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import elastic_ep.placement.restore_ahead as restore_ahead_module
+from elastic_ep.control.epochs.rebalance_rules import rebalance_targets
 from elastic_ep.control.epochs.restore_ahead import RestoresAhead, process_worker, thread_worker
 from elastic_ep.errors import PlacementError
 from elastic_ep.harness.server_process import processes_left
@@ -104,6 +105,11 @@ def test_the_restores_are_computed_in_a_process_of_their_own(epoch):
     held, holding, found = lookup(ahead, location, backup, {4, 5, 6, 7})
     assert found is not None, ahead.last
     assert found.phy2log.tolist() == restore_placement(held, load, holding, NODES, backup).phy2log.tolist()
+    # a background rebalance's target, computed by the same process after the restores
+    args = (load, list(range(RANKS)), NODES, None, SLOTS, RANKS, location)
+    target, scratch = ahead.submit(rebalance_targets, *args).result(timeout=60)
+    assert list(ahead._executor._processes.values()) == workers
+    assert (target, scratch) == rebalance_targets(*args)
     ahead.close()
     assert not processes_left({workers[0].pid}, 60), "the worker outlived close()"  # no process left behind
 

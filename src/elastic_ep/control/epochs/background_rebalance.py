@@ -14,12 +14,20 @@ A fault cancels the walk (the recovery asks for a new one over the survivors); a
 members (a scale) makes it compute its target again. When the placement in use is the target,
 the `rebalanced` event says how long it took, what moved and how its balance compares with a
 placement computed from scratch over the same ranks and load.
+
+From `OFF_THREAD_RANKS` members on, the target and that placement from scratch are computed off
+the control thread (`compute`: the worker process of the restores computed ahead), and the walk
+is not due until they are: at 1,024 ranks they took 6-10 s each, during which the control thread
+read no heartbeat and named no fault. Below, a few ms: computed here.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,22 +42,37 @@ from ..config import ServeConfig
 from ..events import EventKind
 from ..metrics import ClusterMetrics
 from .epoch_change import EpochReport, NoPlacement
-from .rebalance_rules import eplb_due, plan_rebalance
+from .rebalance_rules import eplb_due, plan_rebalance, rebalance_targets
 from .requests import EpochRequest, Move
+
+log = logging.getLogger(__name__)
+
+OFF_THREAD_RANKS = 16  # from this many members, the target is computed off the control thread
+
+
+@dataclass
+class Computing:
+    """A target being computed off the control thread: for these members and this load."""
+
+    members: list[int]
+    load: np.ndarray
+    future: cf.Future
 
 
 class BackgroundRebalance:
     """Built with the cluster state, an expert's bytes, the metrics, and the callables `load()`
     (the recent expert load [L, E]), `load_steps()` (steps in that window), `speeds()` (placement
     speed weights, or None), `form(EpochRequest, reason)` (the loop's epoch change),
-    `scaling()` (a scale is in flight), `has_work()` (requests in flight) and `recovering()` (a
-    recovery has not yet completed its first step)."""
+    `scaling()` (a scale is in flight), `has_work()` (requests in flight), `recovering()` (a
+    recovery has not yet completed its first step) and `compute(fn, *args)` (a Future of `fn(*args)`
+    off the control thread; None: every target computed here)."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, expert_nbytes: int, metrics: ClusterMetrics, *,
                  load: Callable[[], np.ndarray], load_steps: Callable[[], int],
                  speeds: Callable[[], dict[int, float] | None],
                  form: Callable[[EpochRequest, str], EpochReport | NoPlacement], scaling: Callable[[], bool],
-                 has_work: Callable[[], bool], recovering: Callable[[], bool]):
+                 has_work: Callable[[], bool], recovering: Callable[[], bool],
+                 compute: Callable[..., cf.Future] | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.expert_nbytes = expert_nbytes
@@ -61,6 +84,9 @@ class BackgroundRebalance:
         self.scaling = scaling
         self.has_work = has_work
         self.recovering = recovering
+        self.compute = compute
+        self.computing: Computing | None = None
+        self.scratch: ExpertLocation | None = None  # the placement from scratch the target is judged against
         self.reason: str | None = None  # why a walk is wanted; None: none
         self.target: ExpertLocation | None = None
         self.members: list[int] = []  # the members the target was computed for
@@ -82,7 +108,8 @@ class BackgroundRebalance:
                 "slots": self.slots_moved}
 
     def cancel(self) -> None:
-        self.reason, self.target, self.target_load = None, None, None
+        self.reason, self.target, self.target_load, self.scratch = None, None, None, None
+        self.computing = None  # what it computes is not waited for
 
     def check_eplb(self) -> None:
         """Every --eplb-interval steps: when the load is uneven enough, walk to EPLB's placement."""
@@ -104,19 +131,19 @@ class BackgroundRebalance:
         move; with none, at once."""
         if self.reason is None or self.scaling():
             return False
+        if self.computing is not None and not self.computing.future.done():
+            return False
         if not self.has_work():
             return True
         return not self.recovering() and self.cluster.step - self.last_move_step >= self.cfg.rebalance_every_steps
 
     def advance(self) -> None:
-        """One move towards the target (computing the target first when there is none)."""
+        """One move towards the target (computing the target first when there is none: off the control
+        thread, no move until it is there)."""
         c = self.cluster
         assert c.location is not None and self.reason is not None
-        if self.target is None or self.members != c.members:
-            self.target_load = self.load()
-            self.target = fault_aware_placement(self.target_load, c.members, c.rank_nodes(), self._speeds(),
-                                                c.slots_per_rank, c.location.num_ranks, current=c.location)
-            self.members = list(c.members)
+        if (self.target is None or self.members != c.members) and not self._take_target():
+            return
         if c.location != self.target:
             max_slots = max(1, self.cfg.rebalance_move_bytes // self.expert_nbytes)
             step = step_towards(c.location, self.target, max_slots, self.load())
@@ -129,8 +156,39 @@ class BackgroundRebalance:
         if c.location == self.target:
             self._finish()
 
+    def _take_target(self) -> bool:
+        """The target for the current members: computed here, or taken from its computation off the
+        control thread once done (started now when there is none for these members). False: not yet."""
+        c = self.cluster
+        assert c.location is not None
+        members, job = list(c.members), self.computing
+        if job is None or job.members != members:
+            load = self.load()
+            args = (load, members, c.rank_nodes(), self._speeds(), c.slots_per_rank, c.location.num_ranks, c.location)
+            if self.compute is None or len(members) < OFF_THREAD_RANKS:
+                self._set_target(members, load, *rebalance_targets(*args))
+                return True
+            self.computing = Computing(members, load, self.compute(rebalance_targets, *args))
+            return False
+        if not job.future.done():
+            return False
+        self.computing = None
+        try:
+            target, scratch = job.future.result()
+        except Exception as e:  # the worker process died (BrokenProcessPool): computed here instead
+            log.warning("the rebalance target's computation failed (%s): computed on the control thread", e)
+            target, scratch = rebalance_targets(job.load, members, c.rank_nodes(), self._speeds(), c.slots_per_rank,
+                                                c.location.num_ranks, c.location)
+        self._set_target(members, job.load, target, scratch)
+        return True
+
+    def _set_target(self, members: list[int], load: np.ndarray, target: ExpertLocation,
+                    scratch: ExpertLocation) -> None:
+        self.members, self.target_load, self.target, self.scratch = members, load, target, scratch
+
     def _start(self, reason: str, target: ExpertLocation | None) -> None:
-        self.reason, self.target, self.members = reason, target, list(self.cluster.members)
+        self.reason, self.target, self.members, self.scratch = reason, target, list(self.cluster.members), None
+        self.computing = None
         self.target_load = None if target is None else self.load()  # EPLB planned it for the load of now
         self.started_at = time.monotonic()
         self.moves = self.slots_moved = self.bytes_moved = 0
@@ -142,8 +200,8 @@ class BackgroundRebalance:
         assert c.location is not None
         load = self.target_load if self.target_load is not None else self.load()
         speeds = self._speeds()
-        scratch = fault_aware_placement(load, c.members, c.rank_nodes(), speeds, c.slots_per_rank,
-                                        c.location.num_ranks)
+        scratch = self.scratch if self.scratch is not None and self.members == c.members else fault_aware_placement(
+            load, c.members, c.rank_nodes(), speeds, c.slots_per_rank, c.location.num_ranks)  # EPLB's target
         c.events.add(EventKind.REBALANCED, f"rebalanced ({self.reason}) in {self.moves} moves, "
                      f"{time.monotonic() - self.started_at:.2f}s", reason=self.reason, moves=self.moves,
                      slots=self.slots_moved, bytes=self.bytes_moved,

@@ -118,6 +118,13 @@ class RestoresAhead:
                                        likely_losses(members, nodes))
         self.prepared = Prepared(epoch, location, tuple(members), nodes, backup, load, future)
 
+    def submit(self, fn: Callable, *args) -> cf.Future:
+        """Another pure computation for the worker (a background rebalance's target), queued after
+        the restores it is computing; the worker is started if it is not yet."""
+        if self._executor is None:
+            self._executor = self.worker(self._current)
+        return self._executor.submit(fn, *args)
+
     def lookup(self, epoch: int, location: ExpertLocation | None, held: ExpertLocation, holding: list[int],
                serving: list[int], rank_nodes: Mapping[int, str], backup: Mapping[tuple[int, int], str],
                suspect: bool) -> ExpertLocation | None:
