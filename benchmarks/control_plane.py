@@ -421,7 +421,9 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             out["hang_pause_bound_s"] = round(cfg.heartbeat_timeout_s + 0.1, 3)
             out["hang_pause_within_bound"] = out["stop"]["pause_s"] <= out["hang_pause_bound_s"]
         injected = {out[k]["rank_id"] for k in ("kill", "stop") if k in out}
-        out["false_faults"] = [e["message"] for e in events_after(ctl, 0, "fault") if e["rank_id"] not in injected]
+        # each with when it came, from the start of the measured seconds (negative: during startup)
+        out["false_faults"] = [f"{e['time_s'] - t0_wall:.2f}s {e['message']}" for e in events_after(ctl, 0, "fault")
+                               if e["rank_id"] not in injected]
         return out
     finally:
         if load is not None:

@@ -44,3 +44,23 @@ def test_members_are_asked_in_turn_over_the_interval(monkeypatch):
     # each its next slot in turn: the second of two for those asked twice, the first again for 0
     # and 1, asked a third time
     assert [slots for _, slots in second] == [[(0, 1)]] * 6 + [[(0, 0)]] * 2
+
+
+def test_a_large_group_is_asked_less_often_for_more_slots_at_a_bounded_rate(monkeypatch):
+    members = 4 * slot_check.MAX_REQUESTS_PER_S  # each member every 4 s, for 4 intervals' worth of slots
+    ranks = {r: f"n{r // 8}" for r in range(members)}
+    c = cluster_of(ranks, experts=members, slots=40, members=list(range(members)))
+    c.location = ExpertLocation.from_phy2log([list(range(members)) * 40], 40, members)
+    plane = Plane()
+    sweeper = SlotSweeper(c, config(ep_size=members, expert_sweep_interval_s=1.0, expert_sweep_slots=4), plane, None)
+    now = [100.0]
+    monkeypatch.setattr(slot_check.time, "monotonic", lambda: now[0])
+    sweeper.sweep()
+    plane.to_workers.clear()
+    for _ in range(40):  # 4 s in calls of 0.1 s
+        now[0] += 0.1
+        sweeper.sweep()
+    asked = [(r, m.slots) for r, m in plane.to_workers if isinstance(m, SweepSlots)]
+    assert abs(len(asked) - 4 * slot_check.MAX_REQUESTS_PER_S) <= 1  # the rate's, not one per member a second
+    assert len({r for r, _ in asked}) == len(asked)  # each member once in its period
+    assert {len(slots) for _, slots in asked} == {16}  # 4 slots a second, for 4 s

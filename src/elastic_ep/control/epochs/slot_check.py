@@ -7,6 +7,12 @@ answers `SlotChecksums`; a checksum that differs from the expert's reference (ta
 weights as first read from the checkpoint) makes the slot suspect, and the control loop refills
 it from a clean copy in a new epoch. A dead, hung or slow rank simply answers late or never: the
 sweep waits for nothing.
+
+The requests a second are at most `MAX_REQUESTS_PER_S` in all, each for proportionally more slots:
+past 64 members a member is asked every `members / MAX_REQUESTS_PER_S` seconds for that many
+intervals' worth of slots, so every slot is checked as often as at the flags' rate, and the
+control thread reads and sends no more sweep frames at 1,024 ranks than at 64 (one request and
+one answer per member every 0.5 s was ~4,100 frames a second at 1,024, a third of its frames).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from .epoch_change import EpochChanger
 # start) the sweep goes on at its pace instead of asking every member at once before the first
 # step, which a recovery's pause waits for (254 requests, ~20 ms of the control thread at 256 ranks).
 MAX_GAP_S = 0.1
+MAX_REQUESTS_PER_S = 128  # sweep requests a second, all members together (as many answers come back)
 
 
 class SlotSweeper:
@@ -46,7 +53,8 @@ class SlotSweeper:
         """Ask the members whose turn has come for their next slots' checksums: each member once
         per --expert-sweep-interval-s, dealt round robin over the calls in between (between steps),
         so no step pays for asking every member at once (at 256 ranks that was one burst of 256
-        requests and 256 answers every interval); a longer gap than MAX_GAP_S owes no more."""
+        requests and 256 answers every interval); a longer gap than MAX_GAP_S owes no more. Past
+        MAX_REQUESTS_PER_S a second in all, each member is asked less often for more slots."""
         c, cfg = self.cluster, self.cfg
         now = time.monotonic()
         if not cfg.expert_sweep_slots or c.location is None or not c.members:
@@ -54,8 +62,10 @@ class SlotSweeper:
         if c.location is not self._location:  # a new placement: its occupied slots, once per rank
             self._location, self._occupied = c.location, {}
         members = c.members
+        period_s = max(cfg.expert_sweep_interval_s, len(members) / MAX_REQUESTS_PER_S)  # each member's
+        per_request = round(cfg.expert_sweep_slots * period_s / cfg.expert_sweep_interval_s)
         gap = min(now - self._swept_at, MAX_GAP_S)
-        self._due = min(self._due + len(members) * gap / cfg.expert_sweep_interval_s, len(members))
+        self._due = min(self._due + len(members) * gap / period_s, len(members))
         self._swept_at = now
         for _ in range(int(self._due)):
             self._due -= 1
@@ -68,7 +78,7 @@ class SlotSweeper:
             if not n:
                 continue
             start = self._next.get(rank_id, 0)
-            picked = occupied[(start + np.arange(min(cfg.expert_sweep_slots, n))) % n].tolist()
+            picked = occupied[(start + np.arange(min(per_request, n))) % n].tolist()
             self._next[rank_id] = (start + len(picked)) % n
             self.plane.to_worker(rank_id, SweepSlots(c.epoch, [(li, j) for li, j in picked]))
 
