@@ -18,8 +18,9 @@ from elastic_ep.control.api import GenerationRequest
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
 from elastic_ep.control.events import EventKind
+from elastic_ep.control.facade import publisher as publisher_module
 from elastic_ep.control.facade.engine import Published
-from elastic_ep.control.facade.publisher import Publisher
+from elastic_ep.control.facade.publisher import PUBLISHED_LIVENESS_S, Publisher
 from elastic_ep.control.faults.detector import FaultDetector
 from elastic_ep.control.faults.recovery import RecoveryRecord
 from elastic_ep.control.metrics import ClusterMetrics
@@ -81,6 +82,25 @@ def test_health_names_a_down_rank_and_is_dead_once_the_loop_stopped():
     rig.published.fatal = "RuntimeError: boom"
     rig.publisher.publish()
     assert rig.published.health.status == "dead" and "boom" in rig.published.health.reason
+
+
+def test_the_published_liveness_is_renewed_at_most_every_published_liveness_s(monkeypatch):
+    """Not at every --health-check-period-s (a walk over every rank, 50 a second): the detector's
+    check names the faults at that period, the published liveness serves readers that poll."""
+    rig = Rig()
+    walks = []
+    liveness = rig.publisher.liveness
+    monkeypatch.setattr(rig.publisher, "liveness", lambda now, heard: walks.append(now) or liveness(now, heard))
+    now = [1000.0]
+    monkeypatch.setattr(publisher_module.time, "monotonic", lambda: now[0])
+    rig.publisher.publish(throttle_s=60.0)
+    for _ in range(9):  # 9 pumps 10 ms apart: twice the detector's period each
+        now[0] += 0.01
+        rig.publisher.publish(throttle_s=60.0)
+    assert len(walks) == 1
+    now[0] += PUBLISHED_LIVENESS_S
+    rig.publisher.publish(throttle_s=60.0)
+    assert len(walks) == 2
 
 
 def test_the_snapshot_carries_the_roles_views_and_is_throttled():
