@@ -17,7 +17,7 @@ from elastic_ep.policy.straggler_verdict import (
     RankInterval,
     StragglerRule,
     VerdictKind,
-    _tally_interval,
+    _rows_of,
     judge,
 )
 
@@ -120,23 +120,50 @@ def test_a_rule_that_cannot_work_is_refused():
         StragglerRule(persistence=0)
 
 
-def test_tally_matches_the_pairwise_definition_at_many_ranks():
-    """The n log n tally gives each rank the medians of the definition: over every other rank, and
+def test_an_intervals_rows_match_the_pairwise_definition_at_many_ranks():
+    """The n log n rows give each rank the medians of the definition: over every other rank, and
     over its peers (the others that did not run notably fewer tokens)."""
     rnd = random.Random(7)
     for _ in range(200):
         ranks = {r: RankInterval(rnd.choice([0, 1, 4]), rnd.choice([0.004, 0.005, rnd.random() / 20]),
                                  rnd.choice([0, 8, 64, 65, rnd.randint(0, 200)])) for r in range(rnd.randint(1, 40))}
-        tallies = {}
-        _tally_interval(Interval(0.0, 1.0, ranks), RULE, tallies)
+        rows = _rows_of(Interval(0.0, 1.0, ranks), RULE)
         live = {r: x for r, x in ranks.items() if x.steps > 0}
+        assert set(rows) == set(live)
         for r, x in live.items():
             others = [y for p, y in live.items() if p != r]
-            t = tallies[r]
+            row = rows[r]
             if not others:
-                assert t.others_ms == [] and t.peer_ms == []
+                assert row.others_ms is None and row.peer_ms is None
                 continue
-            assert t.others_ms == [statistics.median(y.own_ms_per_step for y in others)]
-            assert t.others_tokens == [statistics.median(y.tokens_per_step for y in others)]
+            assert row.others_ms == statistics.median(y.own_ms_per_step for y in others)
+            assert row.others_tokens == statistics.median(y.tokens_per_step for y in others)
             peers = [y.own_ms_per_step for y in others if not RULE.more_tokens(x.tokens_per_step, y.tokens_per_step)]
-            assert t.peer_ms == ([statistics.median(peers)] if peers else [])
+            assert row.peer_ms == (statistics.median(peers) if peers else None)
+
+
+def test_the_verdicts_sum_each_ranks_rows_over_the_fresh_intervals():
+    """judge's numpy sums over the intervals' columns are the counts and means of a plain loop over
+    the rows, for ranks that come and go between intervals."""
+    rnd = random.Random(11)
+    for _ in range(50):
+        fresh = []
+        for k in range(rnd.randint(1, 11)):
+            ranks = {r: RankInterval(rnd.choice([0, 2, 5]), rnd.random() / 10,
+                                     rnd.choice([0, 8, 64, rnd.randint(0, 99)]))
+                     for r in rnd.sample(range(30), rnd.randint(1, 30))}
+            fresh.append(Interval(10.0 + k, 11.0 + k, ranks))
+        rule = StragglerRule(min_steps=3, min_intervals=1, window_s=20.0)  # every interval fresh
+        verdicts = judge(fresh, rule, 22.0)
+        for r, v in verdicts.items():
+            rows = [_rows_of(i, rule)[r] for i in fresh if r in _rows_of(i, rule)]
+            compared = [x for x in rows if x.others_ms is not None]
+            peered = [x for x in compared if x.peer_ms is not None]
+            assert (v.steps, v.intervals, v.judged) == (sum(x.steps for x in rows), len(rows), len(peered))
+            assert (v.heavy, v.over) == (sum(x.heavy for x in compared), sum(x.over for x in peered))
+            assert v.own_ms == pytest.approx(1000 * sum(x.own_s for x in rows) / v.steps)
+            assert v.peer_own_ms == (pytest.approx(statistics.mean(x.peer_ms for x in peered)) if peered else None)
+            assert v.others_own_ms == (pytest.approx(statistics.mean(x.others_ms for x in compared)) if compared
+                                       else None)
+            assert v.tokens_per_step == pytest.approx(sum(x.tokens for x in rows) / v.steps)
+        assert set(verdicts) == {r for i in fresh for r, x in i.ranks.items() if x.steps > 0}

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import numpy as np
+
 from elastic_ep.errors import ElasticEPError
 
 INTERVALS_PER_WINDOW = 10  # the controller's interval is window_s / 10: persistence counts tenths
@@ -106,6 +108,8 @@ class Interval:
     # each rank's part of this interval under a rule, worked out once (`_rows_of`): a closed
     # interval does not change, and the controller judges the same ones at every snapshot
     rows: dict[StragglerRule, dict[int, _RankRow]] = field(default_factory=dict, compare=False, repr=False)
+    # the same rows as columns (`_columns_of`), which `judge` sums over the fresh intervals with numpy
+    columns: dict[StragglerRule, _Columns] = field(default_factory=dict, compare=False, repr=False)
 
 
 class IntervalRecorder:
@@ -224,22 +228,6 @@ class Verdict:
                 "age_s": r3(self.age_s)}
 
 
-@dataclass
-class _Tally:
-    """A rank's counts over the fresh intervals, as `judge` builds them."""
-
-    steps: int = 0
-    own_s: float = 0.0
-    tokens: int = 0
-    intervals: int = 0
-    judged: int = 0
-    over: int = 0
-    heavy: int = 0
-    peer_ms: list[float] = field(default_factory=list)
-    others_ms: list[float] = field(default_factory=list)
-    others_tokens: list[float] = field(default_factory=list)
-
-
 def _median_without(values: list[float], k: int) -> float:
     """statistics.median of the sorted `values` less the one at index k (len(values) >= 2)."""
     n = len(values) - 1
@@ -321,52 +309,117 @@ def _rows_of(interval: Interval, rule: StragglerRule) -> dict[int, _RankRow]:
     return rows
 
 
-def _tally_interval(interval: Interval, rule: StragglerRule, tallies: dict[int, _Tally]) -> None:
-    """Add one interval to each rank's tally."""
-    for r, row in _rows_of(interval, rule).items():
-        t = tallies.setdefault(r, _Tally())
-        t.steps += row.steps
-        t.own_s += row.own_s
-        t.tokens += row.tokens
-        t.intervals += 1
-        if row.others_ms is None:
-            continue
-        t.others_ms.append(row.others_ms)
-        t.others_tokens.append(row.others_tokens)
-        t.heavy += row.heavy
-        if row.peer_ms is not None:
-            t.judged += 1
-            t.peer_ms.append(row.peer_ms)
-            t.over += row.over
+@dataclass(frozen=True)
+class _Columns:
+    """One interval's rows under a rule as columns, one entry per rank with steps: [n] each.
+    `others`: the rank had others to compare with (its others' medians and `heavy` count);
+    `peered`: it had peers (its peers' median and `over` count)."""
+
+    rank_ids: np.ndarray
+    steps: np.ndarray
+    own_s: np.ndarray
+    tokens: np.ndarray
+    others: np.ndarray
+    others_ms: np.ndarray
+    others_tokens: np.ndarray
+    heavy: np.ndarray
+    peered: np.ndarray
+    peer_ms: np.ndarray
+    over: np.ndarray
+
+
+def _columns_of(interval: Interval, rule: StragglerRule) -> _Columns:
+    """`_rows_of` as columns, kept on the interval for the next judgement under the same rule."""
+    cols = interval.columns.get(rule)
+    if cols is None:
+        rows = _rows_of(interval, rule)
+        ids = list(rows)
+        others = [rows[r].others_ms is not None for r in ids]
+        peered = [rows[r].peer_ms is not None for r in ids]
+        cols = interval.columns[rule] = _Columns(
+            np.array(ids, dtype=np.int64), np.array([rows[r].steps for r in ids], dtype=np.float64),
+            np.array([rows[r].own_s for r in ids], dtype=np.float64),
+            np.array([rows[r].tokens for r in ids], dtype=np.float64), np.array(others, dtype=bool),
+            np.array([rows[r].others_ms or 0.0 for r in ids], dtype=np.float64),
+            np.array([rows[r].others_tokens or 0.0 for r in ids], dtype=np.float64),
+            np.array([rows[r].heavy and o for r, o in zip(ids, others, strict=True)], dtype=np.float64),
+            np.array(peered, dtype=bool), np.array([rows[r].peer_ms or 0.0 for r in ids], dtype=np.float64),
+            np.array([rows[r].over and p for r, p in zip(ids, peered, strict=True)], dtype=np.float64))
+    return cols
 
 
 def judge(intervals: Sequence[Interval], rule: StragglerRule, now_s: float,
           rank_ids: Iterable[int] = ()) -> dict[int, Verdict]:
     """A verdict for every rank in the fresh intervals (ended within rule.window_s of now_s) and
-    for every one of `rank_ids` (UNKNOWN when it has no fresh step)."""
+    for every one of `rank_ids` (UNKNOWN when it has no fresh step).
+
+    Each rank's counts and sums over the fresh intervals are numpy sums of the intervals' columns
+    (`_columns_of`, built once per closed interval), not a Python loop over every rank of every
+    interval: at 1,024 ranks the controller judges ~10,000 rows twice a second."""
     fresh = [i for i in intervals if now_s - i.end_s <= rule.window_s]
-    tallies: dict[int, _Tally] = {}
-    for interval in fresh:
-        _tally_interval(interval, rule, tallies)
-    span_s = (max(i.end_s for i in fresh) - min(i.start_s for i in fresh)) if fresh else 0.0
-    age_s = now_s - max(i.end_s for i in fresh) if fresh else None
-    verdicts = {r: Verdict(r, VerdictKind.UNKNOWN, rule=rule) for r in rank_ids}
-    for r, t in tallies.items():
-        needed = rule.persistence * t.intervals - 1e-9
-        if t.steps < rule.min_steps or t.intervals < rule.min_intervals:
-            kind = VerdictKind.UNKNOWN
-        elif t.over >= needed:
-            kind = VerdictKind.STRAGGLER
-        elif t.heavy >= needed:
-            kind = VerdictKind.DP_HEAVY
-        else:
-            kind = VerdictKind.OK
+    verdicts: dict[int, Verdict | None] = dict.fromkeys(rank_ids)  # their order first, filled below
+    cols = [c for c in (_columns_of(i, rule) for i in fresh) if len(c.rank_ids)]
+    if cols:
+        span_s = max(i.end_s for i in fresh) - min(i.start_s for i in fresh)
+        age_s = now_s - max(i.end_s for i in fresh)
+        ranks, at = np.unique(np.concatenate([c.rank_ids for c in cols]), return_inverse=True)
+
+        def total(name: str, where: str | None = None) -> np.ndarray:
+            values = np.concatenate([getattr(c, name) for c in cols])
+            if where is not None:
+                values = np.where(np.concatenate([getattr(c, where) for c in cols]), values, 0.0)
+            return np.bincount(at, weights=values, minlength=len(ranks))
+
+        def means(sums: np.ndarray, counts: np.ndarray) -> list[float | None]:
+            return [m if c else None for m, c in zip((sums / np.maximum(counts, 1)).tolist(), counts.tolist(),
+                                                     strict=True)]
+
+        steps, own_s, tokens, others, peered = (total(n) for n in ("steps", "own_s", "tokens", "others", "peered"))
+        heavy, over = total("heavy"), total("over")
+        intervals_in = np.bincount(at, minlength=len(ranks))
+        needed = rule.persistence * intervals_in - 1e-9
+        known = (steps >= rule.min_steps) & (intervals_in >= rule.min_intervals)
+        kind_of = (VerdictKind.UNKNOWN, VerdictKind.STRAGGLER, VerdictKind.DP_HEAVY, VerdictKind.OK)
+        kinds = [kind_of[k] for k in np.where(~known, 0, np.where(
+            over >= needed, 1, np.where(heavy >= needed, 2, 3))).tolist()]
+        peer, other = means(total("peer_ms", "peered"), peered), means(total("others_ms", "others"), others)
+        other_tokens = means(total("others_tokens", "others"), others)
+        own_ms, tokens_per_step = (1000 * own_s / steps).tolist(), (tokens / steps).tolist()
+        counts = zip(ranks.tolist(), *(x.astype(np.int64).tolist() for x in (steps, intervals_in, peered, over, heavy)),
+                     strict=True)
+        for k, (r, n, m, j, o, h) in enumerate(counts):
+            verdicts[r] = Verdict(r, kinds[k], n, m, j, o, h, own_ms[k], peer[k], other[k], tokens_per_step[k],
+                                  other_tokens[k], span_s, age_s, rule)
+    return {r: v if v is not None else Verdict(r, VerdictKind.UNKNOWN, rule=rule) for r, v in verdicts.items()}
+    span_s = max(i.end_s for i in fresh) - min(i.start_s for i in fresh)
+    age_s = now_s - max(i.end_s for i in fresh)
+    ranks, at = np.unique(np.concatenate([c.rank_ids for c in cols]), return_inverse=True)
+
+    def total(name: str, where: str | None = None) -> np.ndarray:
+        values = np.concatenate([getattr(c, name) for c in cols])
+        if where is not None:
+            values = np.where(np.concatenate([getattr(c, where) for c in cols]), values, 0.0)
+        return np.bincount(at, weights=values, minlength=len(ranks))
+
+    steps, own_s, tokens = total("steps"), total("own_s"), total("tokens")
+    intervals_in = np.bincount(at, minlength=len(ranks))
+    others, peered = total("others"), total("peered")
+    others_ms, others_tokens, peer_ms = total("others_ms", "others"), total("others_tokens", "others"), \
+        total("peer_ms", "peered")
+    heavy, over = total("heavy"), total("over")
+    needed = rule.persistence * intervals_in - 1e-9
+    known = (steps >= rule.min_steps) & (intervals_in >= rule.min_intervals)
+    kinds = np.where(~known, 0, np.where(over >= needed, 1, np.where(heavy >= needed, 2, 3)))
+    kind_of = (VerdictKind.UNKNOWN, VerdictKind.STRAGGLER, VerdictKind.DP_HEAVY, VerdictKind.OK)
+
+    def mean(sums: np.ndarray, counts: np.ndarray, k: int) -> float | None:
+        return float(sums[k] / counts[k]) if counts[k] else None
+
+    for k, r in enumerate(ranks.tolist()):
+        n = int(steps[k])
         verdicts[r] = Verdict(
-            r, kind, t.steps, t.intervals, t.judged, t.over, t.heavy, 1000 * t.own_s / t.steps,
-            _mean(t.peer_ms), _mean(t.others_ms), t.tokens / t.steps, _mean(t.others_tokens), span_s, age_s, rule,
+            r, kind_of[kinds[k]], n, int(intervals_in[k]), int(peered[k]), int(over[k]), int(heavy[k]),
+            1000 * float(own_s[k]) / n, mean(peer_ms, peered, k), mean(others_ms, others, k), float(tokens[k]) / n,
+            mean(others_tokens, others, k), span_s, age_s, rule,
         )
     return verdicts
-
-
-def _mean(values: list[float]) -> float | None:
-    return math.fsum(values) / len(values) if values else None
