@@ -61,6 +61,7 @@ import argparse
 import asyncio
 import cProfile
 import ctypes
+import itertools
 import json
 import logging
 import math
@@ -128,22 +129,27 @@ def stop_standins(procs: list[subprocess.Popen]) -> None:
 
 
 class Load:
-    """seqs sequences that decode for as long as the run lasts, consumed on an event loop thread."""
+    """seqs sequences that decode for as long as the run lasts, consumed on an event loop thread:
+    each that ends (after max_tokens) is followed by another of the same prompt, so a run of
+    minutes keeps every sequence decoding (one of 1,500 tokens ran out after ~1,500 steps)."""
 
     def __init__(self, ctl: Controller, seqs: int, prompt_len: int = 6, max_tokens: int = 1500):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.tokens = 0
+        self.requests = 0  # requests that ended
         self.engine = ctl.engine
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for i in range(seqs):
-            request = GenerationRequest(f"r{i}", [2 + (i + j) % 300 for j in range(prompt_len)], params, i)
-            asyncio.run_coroutine_threadsafe(self._consume(request), self.loop)
+            prompt = [2 + (i + j) % 300 for j in range(prompt_len)]
+            asyncio.run_coroutine_threadsafe(self._consume(i, prompt, params), self.loop)
 
-    async def _consume(self, request: GenerationRequest) -> None:
-        async for out in self.engine.generate(request):
-            self.tokens += len(out.new_token_ids)
+    async def _consume(self, i: int, prompt: list[int], params: SamplingParams) -> None:
+        for n in itertools.count():
+            async for out in self.engine.generate(GenerationRequest(f"r{i}.{n}", prompt, params, i)):
+                self.tokens += len(out.new_token_ids)
+            self.requests += 1
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -376,6 +382,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "result_frames_per_step": round((handled.get("StepResult", 0) + handled.get("NodeStepResults", 0))
                                             / max(steps, 1), 1),
             "epochs_formed": ctl.cluster.epoch - epoch0,
+            "members": len(ctl.cluster.members),  # at the end of the measured seconds
             # every frame of the health socket (the agents' and the ranks' own: beats, alives, results)
             "health_frames_per_s": round(delta(v1["frames_in"], v0["frames_in"]).get("health", 0) / dt),
         }
@@ -424,6 +431,11 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         # each with when it came, from the start of the measured seconds (negative: during startup)
         out["false_faults"] = [f"{e['time_s'] - t0_wall:.2f}s {e['message']}" for e in events_after(ctl, 0, "fault")
                                if e["rank_id"] not in injected]
+        if out["false_faults"]:  # what came before the first of them and after it
+            first = next(e for e in events_after(ctl, 0, "fault") if e["rank_id"] not in injected)
+            around = [e for e in events(ctl) if e["kind"] not in ("registered", "agent", "started", "fault")]
+            out["false_fault_events"] = [f"{e['time_s'] - first['time_s']:.3f}s {e['kind']}: {e['message'][:200]}"
+                                         for e in around if abs(e["time_s"] - first["time_s"]) < 10][:40]
         return out
     finally:
         if load is not None:
