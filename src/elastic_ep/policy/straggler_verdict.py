@@ -391,35 +391,3 @@ def judge(intervals: Sequence[Interval], rule: StragglerRule, now_s: float,
             verdicts[r] = Verdict(r, kinds[k], n, m, j, o, h, own_ms[k], peer[k], other[k], tokens_per_step[k],
                                   other_tokens[k], span_s, age_s, rule)
     return {r: v if v is not None else Verdict(r, VerdictKind.UNKNOWN, rule=rule) for r, v in verdicts.items()}
-    span_s = max(i.end_s for i in fresh) - min(i.start_s for i in fresh)
-    age_s = now_s - max(i.end_s for i in fresh)
-    ranks, at = np.unique(np.concatenate([c.rank_ids for c in cols]), return_inverse=True)
-
-    def total(name: str, where: str | None = None) -> np.ndarray:
-        values = np.concatenate([getattr(c, name) for c in cols])
-        if where is not None:
-            values = np.where(np.concatenate([getattr(c, where) for c in cols]), values, 0.0)
-        return np.bincount(at, weights=values, minlength=len(ranks))
-
-    steps, own_s, tokens = total("steps"), total("own_s"), total("tokens")
-    intervals_in = np.bincount(at, minlength=len(ranks))
-    others, peered = total("others"), total("peered")
-    others_ms, others_tokens, peer_ms = total("others_ms", "others"), total("others_tokens", "others"), \
-        total("peer_ms", "peered")
-    heavy, over = total("heavy"), total("over")
-    needed = rule.persistence * intervals_in - 1e-9
-    known = (steps >= rule.min_steps) & (intervals_in >= rule.min_intervals)
-    kinds = np.where(~known, 0, np.where(over >= needed, 1, np.where(heavy >= needed, 2, 3)))
-    kind_of = (VerdictKind.UNKNOWN, VerdictKind.STRAGGLER, VerdictKind.DP_HEAVY, VerdictKind.OK)
-
-    def mean(sums: np.ndarray, counts: np.ndarray, k: int) -> float | None:
-        return float(sums[k] / counts[k]) if counts[k] else None
-
-    for k, r in enumerate(ranks.tolist()):
-        n = int(steps[k])
-        verdicts[r] = Verdict(
-            r, kind_of[kinds[k]], n, int(intervals_in[k]), int(peered[k]), int(over[k]), int(heavy[k]),
-            1000 * float(own_s[k]) / n, mean(peer_ms, peered, k), mean(others_ms, others, k), float(tokens[k]) / n,
-            mean(others_tokens, others, k), span_s, age_s, rule,
-        )
-    return verdicts
