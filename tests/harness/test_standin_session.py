@@ -4,7 +4,9 @@ registered again, leave the new session and its ranks alone."""
 
 from __future__ import annotations
 
-from elastic_ep.harness.standin import StandInAgent, StandInHost, StandInTiming
+import numpy as np
+
+from elastic_ep.harness.standin import LoadTemplates, StandInAgent, StandInHost, StandInTiming
 from elastic_ep.wire import ClusterKey, SessionEnded
 
 
@@ -22,3 +24,14 @@ def test_an_older_sessions_end_leaves_the_new_session_alone():
     finally:
         agent.sock.close()
         host.epoll.close()
+
+
+def test_a_stand_ins_reported_load_is_the_sum_of_its_steps_templates():
+    """Kept as token counts between reports (no [L, E] array per step): the same integers as
+    adding each step's template; nothing but empty steps reports the empty load."""
+    loads = LoadTemplates(3, 16, 2)
+    steps = [5, 0, 5, 7, 1]
+    counts = {n: steps.count(n) for n in set(steps) if n}
+    expected = sum(loads.load(n) for n in steps)
+    assert (loads.summed(counts) == expected).all() and loads.summed(counts).dtype == np.int32
+    assert loads.summed({}).shape == (0, 0)
