@@ -1,6 +1,7 @@
 """A stand-in agent ends its session only on the controller's `SessionEnded` for that session,
 as the real agent does: the answers to an older session's alives, which arrive after it
-registered again, leave the new session and its ranks alone."""
+registered again, leave the new session and its ranks alone. A stand-in's reported expert load
+is the sum of its steps' templates."""
 
 from __future__ import annotations
 
