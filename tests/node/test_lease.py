@@ -30,11 +30,17 @@ def test_a_restart_is_a_new_unwelcomed_session():
 def test_an_agent_whose_node_heartbeats_go_says_alive_less_often_but_within_a_quarter_lease():
     lease = Lease(lease_s=5.0, alive_interval_s=0.1)
     lease.welcome(lease.session, 0.0)
-    assert lease.alive_due(0.0, beating=True)
-    assert not lease.alive_due(0.2, beating=True) and not lease.alive_due(0.45, beating=True)
-    assert lease.alive_due(0.5, beating=True)
-    assert lease.alive_due(0.65)  # the beats stopped: every alive_interval_s again
+    lease.node_beat_sent(0.0)
+    assert lease.alive_due(0.0, beat_interval_s=0.1)
+    lease.node_beat_sent(0.2)
+    assert not lease.alive_due(0.2, beat_interval_s=0.1) and not lease.alive_due(0.4, beat_interval_s=0.1)
+    lease.node_beat_sent(0.4)
+    assert lease.alive_due(0.5, beat_interval_s=0.1)
+    assert lease.alive_due(0.65, beat_interval_s=0.1)  # no beat for two intervals: every alive_interval_s again
     short = Lease(lease_s=1.0, alive_interval_s=0.1)  # a lease of 1 s is renewed every 0.25 s at most
     short.welcome(short.session, 0.0)
-    assert short.alive_due(0.0, beating=True) and not short.alive_due(0.2, beating=True)
-    assert short.alive_due(0.25, beating=True)
+    short.node_beat_sent(0.0)
+    assert short.alive_due(0.0, beat_interval_s=0.1)
+    short.node_beat_sent(0.2)
+    assert not short.alive_due(0.2, beat_interval_s=0.1)
+    assert short.alive_due(0.25, beat_interval_s=0.1)

@@ -42,7 +42,7 @@ ranks' "compute"; `step_s` in a result is the time from the plan's arrival to th
 harness that falls behind shows as slower ranks, never as controller time. `compute_s`, the own
 time the straggler verdict judges, is the rank's set time (with its jitter and `--slow`): a
 process that answers late because its ranks share a core is the harness's wait, not one rank
-slower than its peers (on 2 cores, 1,024 stand-ins were derated for it, each derating an epoch). Frames carry the
+slower than its peers, and the straggler policy must not derate it. Frames carry the
 deployment's cluster key (`--cluster-key-file`, else $ELASTIC_EP_CLUSTER_KEY), as an agent's do.
 """
 
@@ -224,8 +224,8 @@ class StandInRank:
         self.answer: StepResult | StepFailed | None = None  # of its last step, sent again on ResendResult
         self.pending: tuple[int, int] | None = None  # (epoch, step) of the step it has not answered yet
         # tokens of a step -> steps that ran that many since the load was last reported: the load is
-        # their templates summed when a plan asks for it (an [L, E] array per rank and step, 475 KB
-        # at 1,024 experts, made each of 256 stand-ins' first step take ~4 ms in one process)
+        # their templates summed when a plan asks for it, not an [L, E] array added per rank and step
+        # (475 KB at 1,024 experts: a process of 256 stand-ins took ~1 s to start their first step)
         self.steps_since_report: dict[int, int] = {}
         self.plan_order = PlanOrder()
         self.relayed: list[StepPlan] = []  # plans its agent relayed while it was stopped: read when it resumes
@@ -452,7 +452,6 @@ class StandInAgent:
         self.hardware_interval_s = hardware_interval_s
         self._hardware_at = 0.0
         self._node_beat_at = 0.0
-        self._node_beat_sent_at = float("-inf")
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"a{node}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -501,7 +500,7 @@ class StandInAgent:
             self.send(AgentHello(self.node, os.getpid(), self.fetch_addr, 1 << 40, self.num_ranks, "initial",
                                  False, self.lease.session, "127.0.0.1", True))
         interval_s = self.launch.heartbeat_interval_s if self.launch is not None else 0.0
-        if self.lease.alive_due(now, now - self._node_beat_sent_at <= 2 * interval_s):
+        if self.lease.alive_due(now, interval_s):
             self.send(AgentAlive(self.node, self.lease.session))
         if self.lease.welcomed and now - self._hardware_at >= self.hardware_interval_s:
             self._hardware_at = now
@@ -511,7 +510,7 @@ class StandInAgent:
             beats = [b for rank in self.ranks.values() if (b := rank.beat(now, interval_s)) is not None]
             if beats:
                 self.send(NodeHeartbeat(self.node, self.lease.session, beats))
-                self._node_beat_sent_at = now
+                self.lease.node_beat_sent(now)
 
     def send(self, message) -> None:
         self.host.send(self.sock, self.host.key.seal(message))

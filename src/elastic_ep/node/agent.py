@@ -217,7 +217,6 @@ class NodeAgent:
         self.beats.setsockopt(zmq.MAXMSGSIZE, BEAT_MAX_FRAME_BYTES)
         self.beat_addr = f"tcp://127.0.0.1:{self.beats.bind_to_random_port('tcp://127.0.0.1')}"
         self._node_beat_at = 0.0
-        self._node_beat_sent_at = float("-inf")  # the last NodeHeartbeat sent (one with beats)
         self.results = self.ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
         self.results.setsockopt(zmq.MAXMSGSIZE, RESULT_MAX_FRAME_BYTES)
@@ -351,14 +350,8 @@ class NodeAgent:
                 self.node, os.getpid(), self.fetch_addr, psutil.virtual_memory().available, self.num_ranks,
                 self.join_mode, self.auto_recover, self.lease.session, self.host, self.standalone,
                 self._running() if self.join_mode == "adopt" else []))
-        if self.lease.alive_due(now, self._beating(now)):
+        if self.lease.alive_due(now, self.launch.heartbeat_interval_s if self.launch is not None else 0.0):
             self.send(AgentAlive(self.node, self.lease.session, self._rejected(), self.backup.storage_bytes))
-
-    def _beating(self, now: float) -> bool:
-        """A `NodeHeartbeat` went within the last two intervals: it says to the controller that this
-        agent is alive, and `AgentAlive` goes less often (node/lease.py)."""
-        launch = self.launch
-        return launch is not None and now - self._node_beat_sent_at <= 2 * launch.heartbeat_interval_s
 
     def _read_beats(self) -> None:
         """Every heartbeat waiting on the beat socket: kept on the child of its pid (one that is not
@@ -427,7 +420,7 @@ class NodeAgent:
         beats = [RankBeat(c.rank_id, c.proc.pid, c.beat.progress, round(now - c.beat_at, 4)) for c in heard]
         if beats:
             self.send(NodeHeartbeat(self.node, self.lease.session, beats))
-            self._node_beat_sent_at = now
+            self.lease.node_beat_sent(now)
 
     def _relay_abort(self, msg: AbortEpoch) -> None:
         """The controller's `AbortEpoch` to its rank's heartbeat thread (sealed again in the same term)."""

@@ -43,6 +43,7 @@ class Lease:
     renewed_at: float = 0.0
     _hello_at: float = float("-inf")
     _alive_at: float = float("-inf")
+    _node_beat_at: float = float("-inf")  # the agent's last `NodeHeartbeat` sent
 
     def welcome(self, session: str, now: float) -> bool:
         """The controller welcomed `session`; False for another (older) session's welcome."""
@@ -70,10 +71,14 @@ class Lease:
         self._hello_at = now
         return True
 
-    def alive_due(self, now: float, beating: bool = False) -> bool:
-        """An `AgentAlive` is due: every alive_interval_s, or while `beating` (the agent's
-        `NodeHeartbeat` went within the last interval) every ALIVE_WITH_BEATS_S, at most a quarter
-        of the lease."""
+    def node_beat_sent(self, now: float) -> None:
+        self._node_beat_at = now
+
+    def alive_due(self, now: float, beat_interval_s: float = 0.0) -> bool:
+        """An `AgentAlive` is due: every alive_interval_s, or, while the agent's `NodeHeartbeat`s go
+        (one within the last two of their `beat_interval_s`), every ALIVE_WITH_BEATS_S, at most a
+        quarter of the lease."""
+        beating = beat_interval_s > 0 and now - self._node_beat_at <= 2 * beat_interval_s
         interval_s = max(self.alive_interval_s, min(ALIVE_WITH_BEATS_S, self.lease_s / 4)) if beating \
             else self.alive_interval_s
         if not self.welcomed or now - self._alive_at < interval_s:

@@ -52,10 +52,10 @@ OFF_THREAD_RANKS = 16  # from this many members, the target is computed off the 
 
 @dataclass
 class Computing:
-    """A target being computed off the control thread: for these members and this load."""
+    """A target being computed off the control thread: `rebalance_targets(*args)`, for `members`."""
 
     members: list[int]
-    load: np.ndarray
+    args: tuple
     future: cf.Future
 
 
@@ -168,7 +168,7 @@ class BackgroundRebalance:
             if self.compute is None or len(members) < OFF_THREAD_RANKS:
                 self._set_target(members, load, *rebalance_targets(*args))
                 return True
-            self.computing = Computing(members, load, self.compute(rebalance_targets, *args))
+            self.computing = Computing(members, args, self.compute(rebalance_targets, *args))
             return False
         if not job.future.done():
             return False
@@ -177,9 +177,8 @@ class BackgroundRebalance:
             target, scratch = job.future.result()
         except Exception as e:  # the worker process died (BrokenProcessPool): computed here instead
             log.warning("the rebalance target's computation failed (%s): computed on the control thread", e)
-            target, scratch = rebalance_targets(job.load, members, c.rank_nodes(), self._speeds(), c.slots_per_rank,
-                                                c.location.num_ranks, c.location)
-        self._set_target(members, job.load, target, scratch)
+            target, scratch = rebalance_targets(*job.args)
+        self._set_target(members, job.args[0], target, scratch)
         return True
 
     def _set_target(self, members: list[int], load: np.ndarray, target: ExpertLocation,
