@@ -218,7 +218,8 @@ class Controller:
         self.stragglers = StragglerControl(
             c, cfg, self.steps.own_time, standbys=lambda: len(self.standby.ready()), fault=self.fault,
             replace_later=self.standby.replace_later, pending=lambda: self.detector.pending,
-            evidence=self.hardware.evidence, load=self.load, form=self.form, recovering=lambda: self.recovery.open)
+            evidence=self.hardware.evidence, load=self.load, form=self.form, recovering=lambda: self.recovery.open,
+            compute=self.changer.ahead.submit)
         self.sweeper = SlotSweeper(c, cfg, self.plane, self.changer)
         self.rebalancer = BackgroundRebalance(
             c, cfg, nbytes, self.metrics, load=self.load, load_steps=lambda: len(self.steps.load_window),

@@ -1,6 +1,8 @@
-"""The background rebalance's target computed off the control thread from OFF_THREAD_RANKS members
-on: no move is due while it is computed, the first move goes to it once it is there, and the walk
-ends judged against the placement from scratch computed with it; a smaller group computes it at once."""
+"""The background rebalance's target and EPLB's plan computed off the control thread from
+OFF_THREAD_RANKS members on: no move is due while the target is computed, the first move goes to it
+once it is there, and the walk ends judged against the placement from scratch computed with it;
+EPLB's plan starts its walk at the first boundary after it is there, unless the epoch changed; a
+smaller group computes both at once."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import numpy as np
 from control_standins import cluster_of, config
 from prometheus_client import CollectorRegistry
 
-from elastic_ep.control.epochs.background_rebalance import OFF_THREAD_RANKS, BackgroundRebalance
-from elastic_ep.control.epochs.rebalance_rules import rebalance_targets
+from elastic_ep.control.epochs.background_rebalance import BackgroundRebalance
+from elastic_ep.control.epochs.off_thread import OFF_THREAD_RANKS
+from elastic_ep.control.epochs.rebalance_rules import eplb_plan, rebalance_targets
 from elastic_ep.control.epochs.requests import Move
 from elastic_ep.control.events import EventKind
 from elastic_ep.control.metrics import ClusterMetrics
@@ -23,7 +26,7 @@ EXPERTS, SLOTS = 24, 4
 class Rig:
     """`ranks` members on nodes of 4, placed for one load; the walk is asked for another."""
 
-    def __init__(self, ranks: int):
+    def __init__(self, ranks: int, **flags):
         nodes = {r: f"n{r // 4}" for r in range(ranks)}
         self.cluster = c = cluster_of(nodes, experts=EXPERTS, slots=SLOTS)
         rng = np.random.default_rng(ranks)
@@ -32,8 +35,8 @@ class Rig:
         self.formed: list[Move] = []
         self.jobs: list[tuple[object, tuple, cf.Future]] = []
         self.rebalance = BackgroundRebalance(
-            c, config(ep_size=ranks, rebalance_move_bytes=1 << 40), 1, ClusterMetrics(CollectorRegistry()),
-            load=lambda: self.load, load_steps=lambda: 0, speeds=lambda: None, form=self._form,
+            c, config(ep_size=ranks, rebalance_move_bytes=1 << 40, **flags), 1, ClusterMetrics(CollectorRegistry()),
+            load=lambda: self.load, load_steps=lambda: 1 << 20, speeds=lambda: None, form=self._form,
             scaling=lambda: False, has_work=lambda: False, recovering=lambda: False, compute=self._compute)
 
     def _compute(self, fn, *args) -> cf.Future:
@@ -75,3 +78,40 @@ def test_a_cancelled_walk_drops_its_computation_and_a_small_group_computes_at_on
     small.rebalance.request("a rank rejoined")
     small.rebalance.advance()
     assert small.jobs == [] and len(small.formed) == 1
+
+
+def test_eplbs_plan_is_computed_off_the_control_thread_and_dropped_when_the_epoch_changed():
+    rig = Rig(OFF_THREAD_RANKS, enable_eplb=True, eplb_interval=10, eplb_threshold=1.0)
+    c = rig.cluster
+    c.step = 10
+    rig.rebalance.check_eplb()  # due: its check goes off the thread, no walk yet
+    assert len(rig.jobs) == 1 and rig.jobs[0][0] is eplb_plan and rig.rebalance.reason is None
+    c.step = 11
+    rig.rebalance.check_eplb()  # not asked again while it is computed
+    assert len(rig.jobs) == 1 and rig.rebalance.reason is None
+    fn, args, future = rig.jobs[0]
+    plan, scratch = fn(*args)
+    assert plan is not None  # a random placement for another load: uneven enough at threshold 1.0
+    future.set_result((plan, scratch))
+    rig.rebalance.check_eplb()  # there: the walk starts to it, judged against its scratch under its load
+    assert rig.rebalance.reason.startswith("eplb") and rig.rebalance.target is plan.placement
+    assert rig.rebalance.scratch is scratch and rig.rebalance.target_load is args[1]
+    rig.rebalance.advance()
+    assert [m.target for m in rig.formed] == [plan.placement]
+    assert [e for e in c.events.all() if e["kind"] == EventKind.REBALANCED.value]
+
+    c.step = 20
+    rig.rebalance.check_eplb()
+    assert len(rig.jobs) == 2
+    c.epoch += 1  # a fault's recovery formed another epoch meanwhile: its plan is for a placement gone
+    rig.jobs[1][2].set_result(eplb_plan(*rig.jobs[1][1]))
+    c.step = 21
+    rig.rebalance.check_eplb()
+    assert rig.rebalance.reason is None and len(rig.formed) == 1
+
+
+def test_a_small_groups_eplb_check_runs_at_once():
+    rig = Rig(OFF_THREAD_RANKS // 2, enable_eplb=True, eplb_interval=10, eplb_threshold=1.0)
+    rig.cluster.step = 10
+    rig.rebalance.check_eplb()
+    assert rig.jobs == [] and rig.rebalance.reason.startswith("eplb")

@@ -66,6 +66,16 @@ def test_a_rank_still_waiting_inside_the_previous_collective_is_its_victim_not_h
     assert hung_ranks(progress, 3, {12: 100.0}, now=102.0, deadline_s=1.0) == [2]
 
 
+def test_a_rank_heard_idle_between_steps_waits_for_its_lost_plan_and_is_not_hung():
+    # rank 1's plan was lost on the way (a cut link, a stalled agent): it heartbeats "idle" and the
+    # result deadline asks it for the step; once silent past half the deadline it is named again
+    progress = {0: at(12), 1: at(10, phase="idle"), 2: at(10, phase="compute")}
+    heard = {0: 101.9, 1: 101.8, 2: 101.9}
+    assert hung_ranks(progress, 3, {12: 100.0}, now=102.0, deadline_s=1.0, heard=heard) == [2]
+    assert hung_ranks(progress, 3, {12: 100.0}, now=102.0, deadline_s=1.0, heard={**heard, 1: 101.4}) == [1, 2]
+    assert hung_ranks(progress, 3, {12: 100.0}, now=102.0, deadline_s=1.0) == [1, 2]  # none heard
+
+
 def test_rank_still_in_an_older_epoch_counts_as_behind():
     progress = {0: at(4), 1: at(9, epoch=2, phase="compute")}
     assert hung_ranks(progress, 3, {4: 0.0}, now=5.0, deadline_s=1.0) == [1]

@@ -3,11 +3,14 @@ what it asks of the loop, and real cluster state, recorder and placement) and th
 (sim/straggler_episode.py) apply the same policy to the same per-rank timings: the same
 decisions, for the same ranks, within one review interval of each other."""
 
+import concurrent.futures as cf
+
 import numpy as np
 import pytest
 
 from elastic_ep.control.cluster import ClusterState
 from elastic_ep.control.config import ServeConfig
+from elastic_ep.control.epochs.rebalance_rules import plan_rebalance
 from elastic_ep.control.epochs.requests import Reweight
 from elastic_ep.control.faults.straggler_control import StragglerControl
 from elastic_ep.control.ranks import RankInfo
@@ -46,11 +49,11 @@ class StandIn:
         self.cluster.location = request.target
         self.epochs.append(reason)
 
-    def role(self) -> StragglerControl:
+    def role(self, compute=None) -> StragglerControl:
         return StragglerControl(self.cluster, self.cfg, self.own_time, standbys=lambda: 0, fault=self.fault,
                                 replace_later=lambda r: None, pending=lambda: False,
                                 evidence=lambda node: f"node {node}: no hardware report yet", load=self.load,
-                                form=self.form, recovering=lambda: self.recovering)
+                                form=self.form, recovering=lambda: self.recovering, compute=compute)
 
 
 def server_decisions(cfg: ServeConfig, own_ms, duration_s: float):
@@ -119,3 +122,34 @@ def test_weights_again_after_a_recovery_wait_for_its_first_step():
     t += control.interval_s
     assert control.review(t)
     assert ctl.epochs[1].startswith("straggler: weights again after an epoch change")
+
+
+def test_a_large_groups_weighted_placement_is_computed_off_the_thread_and_formed_at_the_next_boundary():
+    """From OFF_THREAD_RANKS members (here from 0) the derate's placement goes to the worker: no
+    epoch while it computes, and the first boundary after it is there forms it, not the next review."""
+    cfg = ServeConfig("unused", "unused", 4, straggler_policy="derate", straggler_clear_after_s=1000.0)
+    ctl = StandIn(cfg)
+    jobs: list[tuple[object, tuple, cf.Future]] = []
+
+    def submit(fn, *args) -> cf.Future:
+        jobs.append((fn, args, cf.Future()))
+        return jobs[-1][2]
+
+    control = ctl.role(compute=submit)
+    control.placing.min_ranks = 0
+    t = 0.0
+    while not jobs and t < 40.0:  # rank 2 at 3x its peers' time until derated
+        t += STEP_S
+        for r in RANKS:
+            ctl.own_time.add(t, r, STEP_TOKENS, (60.0 if r == 2 else 20.0) / 1000)
+        assert not control.review(t)
+    assert len(jobs) == 1 and jobs[0][0] is plan_rebalance and ctl.epochs == []
+    t += STEP_S
+    assert not control.review(t)  # still computed: the loop steps on
+    fn, args, future = jobs[0]
+    future.set_result(fn(*args))
+    t += STEP_S  # within the same review interval
+    assert control.review(t) and len(jobs) == 1
+    assert len(ctl.epochs) == 1 and ctl.epochs[0].startswith("straggler: derate rank 2")
+    t += control.interval_s
+    assert not control.review(t) and len(jobs) == 1  # placed: not asked again

@@ -16,23 +16,22 @@ the `rebalanced` event says how long it took, what moved and how its balance com
 placement computed from scratch over the same ranks and load.
 
 From `OFF_THREAD_RANKS` members on, the target and that placement from scratch are computed off
-the control thread (`compute`: the worker process of the restores computed ahead), and the walk
-is not due until they are: at 1,024 ranks they took 6-10 s each, during which the control thread
-read no heartbeat and named no fault. Below, a few ms: computed here.
+the control thread (`compute`: the worker process of the restores computed ahead; `off_thread.py`),
+and the walk is not due until they are: at 1,024 ranks they took 6-10 s each, during which the
+control thread read no heartbeat and named no fault. EPLB's check at its interval (its plan and
+the placement from scratch) goes the same way; its walk starts at the first boundary after it is
+there, if the epoch it was planned in still serves. Below, a few ms: computed here.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.measures import balancedness
 from elastic_ep.placement.restore import step_towards
@@ -42,21 +41,9 @@ from ..config import ServeConfig
 from ..events import EventKind
 from ..metrics import ClusterMetrics
 from .epoch_change import EpochReport, NoPlacement
-from .rebalance_rules import eplb_due, plan_rebalance, rebalance_targets
+from .off_thread import OffThread
+from .rebalance_rules import eplb_due, eplb_plan, rebalance_targets
 from .requests import EpochRequest, Move
-
-log = logging.getLogger(__name__)
-
-OFF_THREAD_RANKS = 16  # from this many members, the target is computed off the control thread
-
-
-@dataclass
-class Computing:
-    """A target being computed off the control thread: `rebalance_targets(*args)`, for `members`."""
-
-    members: list[int]
-    args: tuple
-    future: cf.Future
 
 
 class BackgroundRebalance:
@@ -84,8 +71,8 @@ class BackgroundRebalance:
         self.scaling = scaling
         self.has_work = has_work
         self.recovering = recovering
-        self.compute = compute
-        self.computing: Computing | None = None
+        self.targets = OffThread(compute)  # the target for the members of now
+        self.eplb = OffThread(compute)  # EPLB's check, for the epoch it was asked in
         self.scratch: ExpertLocation | None = None  # the placement from scratch the target is judged against
         self.reason: str | None = None  # why a walk is wanted; None: none
         self.target: ExpertLocation | None = None
@@ -100,7 +87,7 @@ class BackgroundRebalance:
 
     def request(self, reason: str) -> None:
         """Walk to a balanced placement over the current members, from the next boundary on."""
-        self._start(reason, None)
+        self._start(reason)
 
     def status(self) -> dict[str, Any]:
         """For /cluster: whether a walk is under way, why, and how far it has come."""
@@ -108,22 +95,26 @@ class BackgroundRebalance:
                 "slots": self.slots_moved}
 
     def cancel(self) -> None:
-        self.reason, self.target, self.target_load, self.scratch = None, None, None, None
-        self.computing = None  # what it computes is not waited for
+        self._reset()
+        self.targets.cancel()  # what it computes is not waited for
 
     def check_eplb(self) -> None:
-        """Every --eplb-interval steps: when the load is uneven enough, walk to EPLB's placement."""
+        """Every --eplb-interval steps (not while its last check is computed): EPLB's plan; when it
+        is there (at once below OFF_THREAD_RANKS) and the load was uneven enough, walk to it."""
         c = self.cluster
-        if not (self.cfg.enable_eplb and eplb_due(c.step, self.cfg.eplb_interval, self.load_steps(),
-                                                  self.last_eplb_step)):
+        if (self.cfg.enable_eplb and not self.eplb.busy
+                and eplb_due(c.step, self.cfg.eplb_interval, self.load_steps(), self.last_eplb_step)):
+            assert c.location is not None
+            self.last_eplb_step = c.step
+            self.eplb.start(c.epoch, len(c.members), eplb_plan, c.location, self.load(), list(c.members),
+                            c.rank_nodes(), self._speeds(), self.cfg.eplb_threshold)
+        done = self.eplb.take(c.epoch)  # planned in another epoch: dropped
+        if done is None or done.value[0] is None:
             return
-        self.last_eplb_step = c.step
-        assert c.location is not None
-        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self._speeds(),
-                              self.cfg.eplb_threshold)
-        if plan is not None:
-            self.metrics.eplb_rebalances.inc()
-            self._start(f"eplb: imbalance {plan.before:.2f} -> {plan.after:.2f}", plan.placement)
+        plan, scratch = done.value
+        self.metrics.eplb_rebalances.inc()
+        self._start(f"eplb: imbalance {plan.before:.2f} -> {plan.after:.2f}", plan.placement, scratch,
+                    done.args[1])  # the load it was planned for
 
     def due(self) -> bool:
         """A move is wanted and may run now: never during a scale; with requests in flight, not
@@ -131,7 +122,7 @@ class BackgroundRebalance:
         move; with none, at once."""
         if self.reason is None or self.scaling():
             return False
-        if self.computing is not None and not self.computing.future.done():
+        if self.targets.busy:
             return False
         if not self.has_work():
             return True
@@ -161,50 +152,42 @@ class BackgroundRebalance:
         control thread once done (started now when there is none for these members). False: not yet."""
         c = self.cluster
         assert c.location is not None
-        members, job = list(c.members), self.computing
-        if job is None or job.members != members:
-            load = self.load()
-            args = (load, members, c.rank_nodes(), self._speeds(), c.slots_per_rank, c.location.num_ranks, c.location)
-            if self.compute is None or len(members) < OFF_THREAD_RANKS:
-                self._set_target(members, load, *rebalance_targets(*args))
-                return True
-            self.computing = Computing(members, args, self.compute(rebalance_targets, *args))
+        members = tuple(c.members)
+        if not self.targets.asked(members):
+            self.targets.start(members, len(members), rebalance_targets, self.load(), list(members), c.rank_nodes(),
+                               self._speeds(), c.slots_per_rank, c.location.num_ranks, c.location)
+        done = self.targets.take(members)
+        if done is None:
             return False
-        if not job.future.done():
-            return False
-        self.computing = None
-        try:
-            target, scratch = job.future.result()
-        except Exception as e:  # the worker process died (BrokenProcessPool): computed here instead
-            log.warning("the rebalance target's computation failed (%s): computed on the control thread", e)
-            target, scratch = rebalance_targets(*job.args)
-        self._set_target(members, job.args[0], target, scratch)
+        self.members, self.target_load = list(members), done.args[0]
+        self.target, self.scratch = done.value
         return True
 
-    def _set_target(self, members: list[int], load: np.ndarray, target: ExpertLocation,
-                    scratch: ExpertLocation) -> None:
-        self.members, self.target_load, self.target, self.scratch = members, load, target, scratch
-
-    def _start(self, reason: str, target: ExpertLocation | None) -> None:
-        self.reason, self.target, self.members, self.scratch = reason, target, list(self.cluster.members), None
-        self.computing = None
-        self.target_load = None if target is None else self.load()  # EPLB planned it for the load of now
+    def _start(self, reason: str, target: ExpertLocation | None = None, scratch: ExpertLocation | None = None,
+               load: np.ndarray | None = None) -> None:
+        """A walk for `reason` to `target` (None: computed for the members at the first move), judged
+        at its end against `scratch` under `load`, what `target` was computed from."""
+        self._reset()
+        self.targets.cancel()
+        self.reason, self.target, self.scratch, self.target_load = reason, target, scratch, load
+        self.members = list(self.cluster.members)
         self.started_at = time.monotonic()
+
+    def _reset(self) -> None:
+        self.reason, self.target, self.target_load, self.scratch = None, None, None, None
         self.moves = self.slots_moved = self.bytes_moved = 0
 
     def _finish(self) -> None:
         # Both figures under the load the target was computed for: the walk is judged against a
-        # placement made from scratch for the same load, not against a load that moved since.
+        # placement made from scratch for the same load and members (computed with the target,
+        # off the thread), not against a load that moved since.
         c = self.cluster
-        assert c.location is not None
-        load = self.target_load if self.target_load is not None else self.load()
-        speeds = self._speeds()
-        scratch = self.scratch if self.scratch is not None and self.members == c.members else fault_aware_placement(
-            load, c.members, c.rank_nodes(), speeds, c.slots_per_rank, c.location.num_ranks)  # EPLB's target
-        c.events.add(EventKind.REBALANCED, f"rebalanced ({self.reason}) in {self.moves} moves, "
-                     f"{time.monotonic() - self.started_at:.2f}s", reason=self.reason, moves=self.moves,
-                     slots=self.slots_moved, bytes=self.bytes_moved,
-                     seconds=round(time.monotonic() - self.started_at, 4),
-                     balancedness=round(float(balancedness(c.location, load, c.members, speeds).mean()), 4),
-                     scratch_balancedness=round(float(balancedness(scratch, load, c.members, speeds).mean()), 4))
+        assert c.location is not None and self.target_load is not None and self.scratch is not None
+        speeds, seconds = self._speeds(), round(time.monotonic() - self.started_at, 4)
+        c.events.add(EventKind.REBALANCED, f"rebalanced ({self.reason}) in {self.moves} moves, {seconds:.2f}s",
+                     reason=self.reason, moves=self.moves, slots=self.slots_moved, bytes=self.bytes_moved,
+                     seconds=seconds,
+                     balancedness=round(float(balancedness(c.location, self.target_load, c.members, speeds).mean()), 4),
+                     scratch_balancedness=round(float(balancedness(self.scratch, self.target_load, c.members,
+                                                                   speeds).mean()), 4))
         self.cancel()

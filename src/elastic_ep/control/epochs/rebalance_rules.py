@@ -46,6 +46,17 @@ def plan_rebalance(current: ExpertLocation, load: np.ndarray, members: list[int]
     return Rebalance(new, before, after)
 
 
+def eplb_plan(current: ExpertLocation, load: np.ndarray, members: list[int], rank_nodes: Mapping[int, str],
+              speeds: Mapping[int, float] | None, threshold: float) -> tuple[Rebalance | None, ExpertLocation | None]:
+    """EPLB's check at its interval: `plan_rebalance`'s plan and, when there is one, the placement
+    computed from scratch its walk is judged against when it ends (None without a plan). Pure:
+    computed off the control thread from ~16 ranks on (seconds at 1,024)."""
+    plan = plan_rebalance(current, load, members, rank_nodes, speeds, threshold)
+    if plan is None:
+        return None, None
+    return plan, fault_aware_placement(load, members, rank_nodes, speeds, current.slots_per_rank, current.num_ranks)
+
+
 def rebalance_targets(load: np.ndarray, members: list[int], rank_nodes: Mapping[int, str],
                       speeds: Mapping[int, float] | None, slots_per_rank: int, num_ranks: int,
                       current: ExpertLocation) -> tuple[ExpertLocation, ExpertLocation]:

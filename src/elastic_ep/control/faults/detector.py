@@ -191,7 +191,8 @@ class FaultDetector:
         if in_step:
             deadline = self.watchdog_deadline_s()
             progress = {r: ranks[r].progress for r in members if r not in self.faults}
-            for rank_id in hung_ranks(progress, epoch, self.seq_first_seen, now, deadline):
+            heard = {r: ranks[r].last_heartbeat for r in progress}
+            for rank_id in hung_ranks(progress, epoch, self.seq_first_seen, now, deadline, heard):
                 p = progress[rank_id]
                 found.append(Fault(rank_id, FaultCause.HUNG, (
                     f"hung: has not entered collective {max(x.seq for x in progress.values())} the others wait "

@@ -10,7 +10,8 @@
 - progress watchdog: workers report the number of collectives they have entered in the epoch
   (`seq`). When some rank has entered collective k and another has not, for longer than the
   adaptive deadline (a multiple of recent step times, with a floor), the one that has not is
-  hung and is named. A slow rank enters k late but within the deadline, and the deadline grows
+  hung and is named, unless it is heard saying it is idle between steps (its plan was lost: the
+  result deadline's to find, without a fence). A slow rank enters k late but within the deadline, and the deadline grows
   with the step times it causes, so slowness alone does not get a rank killed.
 - lost results: a step whose answer (`StepResult` or `StepFailed`) from a member has not come
   past the result deadline (a multiple of recent step times, with a floor), while that rank's
@@ -26,6 +27,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Collection, Iterable, Mapping
 
@@ -53,29 +55,33 @@ def lost_heartbeats(last_seen: Mapping[int, float], now: float, timeout_s: float
                   if now - t > (max(timeout_s, load_timeout_s) if r in loading else timeout_s))
 
 
-COLLECTIVE_PHASES = ("dispatch", "combine")
-
-
 def hung_ranks(
     progress: Mapping[int, Progress],
     epoch: int,
     first_seen: Mapping[int, float],
     now: float,
     deadline_s: float,
+    heard: Mapping[int, float] | None = None,
 ) -> list[int]:
     """Members that have not entered the furthest collective of `epoch` although another
     member entered it more than deadline_s ago (first_seen: seq -> controller time it was first
     reported), and are not themselves waiting inside a collective: a member blocked in
     collective k waits on a peer (one that died, stopped or was cut off mid-collective, so some
     members got its part and moved on to k + 1 while others still wait for it) and is its victim,
-    not the culprit. A peer that is silent is named by its heartbeats."""
+    not the culprit. A peer that is silent is named by its heartbeats. Nor a member whose
+    heartbeat, heard (`heard`: rank -> when) within deadline_s / 2, says it is idle between
+    steps: it waits for its plan, lost on the way (a cut link, a stalled agent), and the result
+    deadline asks it for the step (NOT_RUN: run again by all, no rank fenced); were its main
+    thread hung there, it would not answer that and be named then."""
     seqs = {r: (p.seq if p.epoch == epoch else 0) for r, p in progress.items()}
     if not seqs:
         return []
     furthest = max(seqs.values())
     if furthest == 0 or now - first_seen.get(furthest, now) <= deadline_s:
         return []
-    return sorted(r for r, s in seqs.items() if s < furthest and progress[r].phase not in COLLECTIVE_PHASES)
+    heard = heard or {}
+    return sorted(r for r, s in seqs.items() if s < furthest and progress[r].phase not in COLLECTIVE_PHASES
+                  and not (progress[r].phase == "idle" and now - heard.get(r, -math.inf) <= deadline_s / 2))
 
 
 def running_step(progress: Progress | None, epoch: int, step: int) -> bool:

@@ -15,11 +15,14 @@ policy of `policy/straggler_policy.py` and carry out its decisions.
   signals. A slow rank is never a fault for the detector: only this policy evicts, and only as
   the limits allow (`policy/straggler_policy.py`).
 The review runs once per verdict interval (--straggler-window-s / 10), not while a scale is in
-flight, and only on a ready cluster.
+flight, and only on a ready cluster. From OFF_THREAD_RANKS members on, the weighted placement is
+computed off the control thread (`compute`; epochs/off_thread.py: 6-10 s at 1,024 stand-in ranks,
+seconds without a heartbeat read), and its epoch forms at the first boundary after it is there.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +34,7 @@ from elastic_ep.policy.straggler_verdict import INTERVALS_PER_WINDOW, IntervalRe
 from ..cluster import ClusterState
 from ..config import ServeConfig
 from ..epochs.epoch_change import EpochReport, NoPlacement
+from ..epochs.off_thread import OffThread
 from ..epochs.rebalance_rules import plan_rebalance
 from ..epochs.requests import EpochRequest, Reweight
 from ..events import EventKind
@@ -43,13 +47,15 @@ class StragglerControl:
     callables `standbys()` (how many stand by), `fault(Fault)`, `replace_later(rank_id)` (a
     replacement process after the fence), `pending()` (a fault waits for recovery),
     `evidence(node)` (the node's hardware signals), `load()` ([L, E]), `form(EpochRequest,
-    reason)` (the loop's epoch change) and `recovering()` (a recovery has not yet completed its
-    first step)."""
+    reason)` (the loop's epoch change), `recovering()` (a recovery has not yet completed its
+    first step) and `compute(fn, *args)` (a Future of `fn(*args)` off the control thread; None:
+    placements computed here)."""
 
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, own_time: IntervalRecorder, *,
                  standbys: Callable[[], int], fault: Callable[[Fault], None], replace_later: Callable[[int], None],
                  pending: Callable[[], bool], evidence: Callable[[str], Any], load: Callable[[], np.ndarray],
-                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement], recovering: Callable[[], bool]):
+                 form: Callable[[EpochRequest, str], EpochReport | NoPlacement], recovering: Callable[[], bool],
+                 compute: Callable[..., cf.Future] | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.own_time = own_time
@@ -67,6 +73,8 @@ class StragglerControl:
         self.interval_s = self.rule.window_s / INTERVALS_PER_WINDOW
         self._reviewed_at = float("-inf")
         self._placed: tuple[int, dict[int, float]] = (-1, {})  # (epoch, weights) of the last weighted placement
+        self.placing = OffThread(compute)  # the weighted placement, for (members, weights)
+        self._why = ""  # what the placement under way is for
 
     def placement_speeds(self) -> dict[int, float] | None:
         """Speed weights for any placement over the members: each rank's measured speed with
@@ -84,8 +92,10 @@ class StragglerControl:
     def review(self, now: float) -> bool:
         """Judge and act; True when it changed the epoch or left a fault for recovery."""
         c = self.cluster
-        if self.policy.action == StragglerAction.OFF or now - self._reviewed_at < self.interval_s:
+        if self.policy.action == StragglerAction.OFF:
             return False
+        if now - self._reviewed_at < self.interval_s:  # between reviews: a placement computed meanwhile
+            return self.placing.ready and self._place([])
         self._reviewed_at = now
         verdicts = judge(self.own_time.intervals(now), self.rule, now, c.members)
         self.state, decisions = decide(self.state, self.policy, verdicts, now, c.members, c.min_ranks,
@@ -115,17 +125,23 @@ class StragglerControl:
             due = bool(placed) and placed_epoch == c.epoch
         if not due:
             return False
-        assert c.location is not None
-        plan = plan_rebalance(c.location, self.load(), c.members, c.rank_nodes(), self.placement_speeds(), 1.0)
-        changed = [f"{d.kind.value} rank {d.rank_id}" for d in decisions if d.kind in
-                   (DecisionKind.DERATE, DecisionKind.RESTORE)] or ["weights again after an epoch change"]
-        if plan is None:
-            self._placed = (c.epoch, weights)
+        key = (tuple(c.members), tuple(sorted(weights.items())))
+        if not self.placing.asked(key):
+            assert c.location is not None
+            self._why = ", ".join([f"{d.kind.value} rank {d.rank_id}" for d in decisions if d.kind in
+                                   (DecisionKind.DERATE, DecisionKind.RESTORE)]
+                                  or ["weights again after an epoch change"])
+            self.placing.start(key, len(c.members), plan_rebalance, c.location, self.load(), list(c.members),
+                               c.rank_nodes(), self.placement_speeds(), 1.0)
+        done = self.placing.take(key)
+        if done is None:
             return False
-        self.form(Reweight(plan.placement), f"straggler: {', '.join(changed)}; imbalance in time "
-                  f"{plan.before:.2f} -> {plan.after:.2f}")
-        self._placed = (c.epoch, weights)
-        return True
+        plan = done.value
+        if plan is not None:
+            self.form(Reweight(plan.placement), f"straggler: {self._why}; imbalance in time "
+                      f"{plan.before:.2f} -> {plan.after:.2f}")
+        self._placed = (c.epoch, weights)  # the epoch it formed
+        return plan is not None
 
     def _announce(self, d: Decision) -> None:
         c = self.cluster
