@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from control_standins import Plane, cluster_of
 
 from elastic_ep.control.chaos import ChaosInjector
-from elastic_ep.control.facade.to_loop import LoseResult, PoisonRank, PoisonRequest, SignalRank, SlowRank
+from elastic_ep.control.facade.to_loop import LoseMessage, Lost, PoisonRank, PoisonRequest, SignalRank, SlowRank
 from elastic_ep.control.serving.scheduler import StepBatch
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.wire import ChaosStep, ChunkPlan
@@ -55,12 +55,13 @@ def test_only_ranks_with_something_injected_get_a_chaos_step():
     assert chaos.slow_delays() == {1: 0.5}
 
 
-def test_a_lost_answer_is_of_the_next_step_only():
+def test_a_lost_answer_or_plan_is_of_the_next_step_only():
     _, plane, _, _, chaos = rig()
-    chaos.run(LoseResult(2))
+    chaos.run(LoseMessage(2, Lost.RESULT))
+    chaos.run(LoseMessage(1, Lost.PLAN))
     for step in (1, 2):
         chaos.before_step(0, step, StepBatch({}, {}), [0, 1, 2])
-    assert plane.to_workers == [(2, ChaosStep(0, 1, lose_result=True))]
+    assert sorted(plane.to_workers) == [(1, ChaosStep(0, 1, lose_plan=True)), (2, ChaosStep(0, 1, lose_result=True))]
 
 
 def test_a_rank_started_again_comes_back_clean():

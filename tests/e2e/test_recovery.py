@@ -271,6 +271,26 @@ def test_a_lost_step_answer_is_asked_for_again_and_the_output_is_exact(server):
     assert not [e for e in after["events"] if e["kind"] == "fault" and e["time_s"] > since]
 
 
+def test_a_lost_plan_is_asked_for_and_its_step_run_again_not_a_hang(server):
+    """Rank 2's plan of a step never arrives (/chaos/lose_plan): its peers enter the step's first
+    all-to-all and wait for it while it heartbeats "idle". The watchdog does not call that a hang
+    (no healthy rank fenced): past the result deadline the rank is asked for its answer, says it
+    never ran the step, and the step runs again with the fault-free output; rank 2 keeps its pid."""
+    before = full_group(server)
+    pid = server.pids()[2]
+    not_run = lost_results(server, "not_run")
+    texts, _ = streams_with_fault(server, lambda: server.http.post("/chaos/lose_plan", json={"rank_id": 2})
+                                  .raise_for_status())
+    assert texts == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    assert lost_results(server, "not_run") == not_run + 1  # the fault landed: rank 2 said it never ran it
+    after = server.cluster()
+    since = before["events"][-1]["time_s"]
+    assert [e["ranks"] for e in after["events"] if e["kind"] == "resend" and e["time_s"] > since] == [[2]]
+    assert not [e for e in after["events"] if e["kind"] == "fault" and e["rank_id"] is not None
+                and e["time_s"] > since], "a rank was named for a lost plan"
+    assert server.pids()[2] == pid
+
+
 def test_too_few_ranks_not_ready_then_503_then_service_returns_by_itself(server):
     full_group(server)
     pids = server.pids()

@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "one of its expert slots: --layer, --slot, default its first), poison (with --request-id: that "
              "request's steps raise on its rank; with RANK: every step of the rank raises), cut (drop every packet "
              "of the rank's process, or with --node of a whole node; --duration-s to heal by itself), heal, lose (the "
-             "rank's answer to the next step is lost on the way: the controller asks for it again)",
+             "rank's answer to the next step is lost on the way: the controller asks for it again), lose_plan (its "
+             "plan of the next step is lost: asked for, the rank says it never ran it, and the step runs again)",
     )
     parser.add_argument("rank", type=int, nargs="?", help="rank_id, as listed by GET /cluster")
     parser.add_argument("--delay-s", type=float, default=None,

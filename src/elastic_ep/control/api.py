@@ -143,7 +143,7 @@ class ChaosOrder:
     duration_s: float = 0.0
 
 
-CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt", "poison", "cut", "heal", "lose")
+CHAOS_ACTIONS = ("kill", "hang", "resume", "slow", "corrupt", "poison", "cut", "heal", "lose", "lose_plan")
 
 
 @dataclass

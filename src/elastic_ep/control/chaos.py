@@ -28,7 +28,8 @@ from .facade.to_loop import (
     ChaosCommand,
     CorruptExpertSlot,
     CutNetwork,
-    LoseResult,
+    LoseMessage,
+    Lost,
     PoisonRank,
     PoisonRequest,
     SignalRank,
@@ -59,7 +60,7 @@ class ChaosInjector:
         self.poisons: list[PoisonRequest] = []  # also for requests that arrive later
         self._slow: dict[int, tuple[int | None, float]] = {}  # rank -> (pid it was set on, seconds per step)
         self._broken: dict[int, tuple[int | None, str]] = {}  # rank -> (pid, where every step of it raises)
-        self._lose: set[int] = set()  # ranks whose answer to the next step is lost
+        self._lose: set[tuple[int, Lost]] = set()  # (rank, what) lost of the next step
 
     def slow_delays(self) -> dict[int, float]:
         """Injected seconds per step of each rank's current process, for /cluster."""
@@ -74,10 +75,11 @@ class ChaosInjector:
             fail_at = broken[1] if broken is not None and self._current(rank_id, broken[0]) else ""
             poisoned = {seq_id: phase for seq_id in batch.seq_ids_on(rank_id)
                         if (phase := self._poison_of(seq_id))}
-            lose = rank_id in self._lose
-            self._lose.discard(rank_id)
+            lose = {lost for lost in Lost if (rank_id, lost) in self._lose}
+            self._lose -= {(rank_id, lost) for lost in lose}
             if delay_s or fail_at or poisoned or lose:
-                self.plane.to_worker(rank_id, ChaosStep(epoch, step, delay_s, fail_at, poisoned, lose))
+                self.plane.to_worker(rank_id, ChaosStep(epoch, step, delay_s, fail_at, poisoned, Lost.RESULT in lose,
+                                                        Lost.PLAN in lose))
 
     def run(self, cmd: ChaosCommand) -> None:
         c = self.cluster
@@ -96,9 +98,10 @@ class ChaosInjector:
             self.plane.to_worker(cmd.rank_id, CorruptSlot(c.epoch, cmd.layer, cmd.slot))
             c.events.add(EventKind.CHAOS, f"corrupted layer {cmd.layer} slot {cmd.slot} of rank {cmd.rank_id}",
                          cmd.rank_id, layer=cmd.layer, slot=cmd.slot)
-        elif isinstance(cmd, LoseResult):
-            self._lose.add(cmd.rank_id)
-            c.events.add(EventKind.CHAOS, f"rank {cmd.rank_id}'s answer to the next step will be lost", cmd.rank_id)
+        elif isinstance(cmd, LoseMessage):
+            self._lose.add((cmd.rank_id, cmd.lost))
+            what = "answer to" if cmd.lost == Lost.RESULT else "plan of"
+            c.events.add(EventKind.CHAOS, f"rank {cmd.rank_id}'s {what} the next step will be lost", cmd.rank_id)
         elif isinstance(cmd, PoisonRank):
             self._broken[cmd.rank_id] = (self._pid(cmd.rank_id), cmd.phase)
             c.events.add(EventKind.CHAOS, f"every step of rank {cmd.rank_id} raises in {cmd.phase}", cmd.rank_id)

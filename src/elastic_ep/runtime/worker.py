@@ -387,6 +387,8 @@ class Worker:
     def _plan_arrived(self, plan: StepPlan) -> None:
         """Run `plan` when it is of this rank's epoch (and its group stands) and not run yet; hold
         one of a later epoch until it starts; drop the rest (plan_order.py)."""
+        if self._chaos_for(plan).lose_plan:  # fault injection: as if lost on the way
+            return
         group = self.group
         verdict = self.plan_order.admit(plan, group.epoch if group is not None else -1)
         if verdict == Verdict.RUN and group.alive:

@@ -424,7 +424,8 @@ class ChaosStep(Message):
     collective; `fail_at` makes the whole step raise there ("local", "experts" or "sampling");
     `poisoned`: seq_id -> where the steps of that sequence raise; `lose_result`: the rank runs the
     step and keeps its answer but does not send it, as if it were lost on the way (it is sent on
-    `ResendResult`)."""
+    `ResendResult`); `lose_plan`: the rank drops the step's plan as if it never came (on
+    `ResendResult` it answers NOT_RUN)."""
 
     epoch: int
     step: int
@@ -432,6 +433,7 @@ class ChaosStep(Message):
     fail_at: str = ""
     poisoned: dict[int, str] = msgspec.field(default_factory=dict)
     lose_result: bool = False
+    lose_plan: bool = False
 
 
 class CorruptSlot(Message):

@@ -43,7 +43,8 @@ from .to_loop import (
     Command,
     CorruptExpertSlot,
     CutNetwork,
-    LoseResult,
+    LoseMessage,
+    Lost,
     PoisonRank,
     PoisonRequest,
     SignalRank,
@@ -231,8 +232,8 @@ class EngineFacade:
         if order.action == "poison":
             self.send(PoisonRank(order.rank_id, order.phase))
             return {**done, "phase": order.phase}
-        if order.action == "lose":
-            self.send(LoseResult(order.rank_id))
+        if order.action in ("lose", "lose_plan"):
+            self.send(LoseMessage(order.rank_id, Lost.RESULT if order.action == "lose" else Lost.PLAN))
             return done
         if order.action in ("cut", "heal"):
             self.send(CutNetwork(rank["node"], order.rank_id, order.duration_s, order.action == "heal"))

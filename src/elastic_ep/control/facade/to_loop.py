@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from ..serving.scheduler import Sequence
@@ -140,13 +141,22 @@ class CutNetwork:
     heal: bool = False
 
 
+class Lost(str, Enum):
+    """What of the next step is lost on the way: the rank's answer (it runs the step and keeps the
+    answer), or its plan (it never runs the step)."""
+
+    RESULT = "result"
+    PLAN = "plan"
+
+
 @dataclass(frozen=True)
-class LoseResult:
-    """Chaos: the rank's answer to the next step is lost on the way (it runs the step and keeps the answer)."""
+class LoseMessage:
+    """Chaos: the rank's answer to, or plan of, the next step is lost on the way."""
 
     rank_id: int
+    lost: Lost
 
 
-ChaosCommand = SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest | PoisonRank | CutNetwork | LoseResult
+ChaosCommand = SignalRank | SlowRank | CorruptExpertSlot | PoisonRequest | PoisonRank | CutNetwork | LoseMessage
 Command = (AddRequest | AbortRequest | StartScale | StartDrain | Uncordon | StartRollout | AbortRollout | Sleep | WakeUp
            | ChaosCommand)
