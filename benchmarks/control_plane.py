@@ -42,7 +42,11 @@ slot in 0.1 ms (harness/standin.py). Each fault's `warmup` says what its recover
 `--before` measures with the control-plane changes of issue 25 turned off in the same code:
 every rank sends its expert load every step (`--load-report-every-steps 1`), liveness is computed
 at every pump, the /cluster snapshot is rebuilt every 0.25 s whatever it costs and its placement
-parts are built again each time. No arguments runs the table (8, 64, 256 and 1,024 ranks, 0 and
+parts are built again each time, and EPLB's check and the straggler policy's weighted placement
+are computed on the control thread at any size. `--slow RANK:MS` makes stand-in ranks slower (the
+straggler policy derates them: `stragglers` lists its decisions in the measured seconds), and
+`longest_deaf_ms` is the longest stretch of them in which the control thread read no socket.
+No arguments runs the table (8, 64, 256 and 1,024 ranks, 0 and
 64 sequences per rank; --table-ranks, --table-seqs), before and after side by side, one child
 process per point, before and after in turn --repeats times; --baseline REV takes the before from
 that git revision's code (its benchmark run with this run's step modes, those it has); the
@@ -101,7 +105,7 @@ def ranks_per_node(ranks: int) -> int:
 
 def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter_ms: float,
                    model: Path, key: ClusterKey, step_results_via: str = "direct",
-                   step_plans_via: str = "direct") -> list[subprocess.Popen]:
+                   step_plans_via: str = "direct", slow: tuple[str, ...] = ()) -> list[subprocess.Popen]:
     per_node = ranks_per_node(ranks)
     nodes = [f"n{i}" for i in range(math.ceil(ranks / per_node))]
     procs = []
@@ -111,7 +115,7 @@ def start_standins(addr: str, ranks: int, processes: int, step_ms: float, jitter
                                        "--ranks-per-node", str(per_node), "--step-ms", str(step_ms),
                                        "--jitter-ms", str(jitter_ms), "--model", str(model),
                                        "--step-results-via", step_results_via, "--step-plans-via", step_plans_via,
-                                       *args],
+                                       *[a for s in slow for a in ("--slow", s)], *args],
                                       env={**os.environ, KEY_ENV: key.hex()}))
     return procs
 
@@ -305,7 +309,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
               before: bool, faults: bool, timeout_s: float, profile: str | None = None,
               profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False,
               trace_frames: int = 0, step_results_via: str = "direct", step_plans_via: str = "direct",
-              async_scheduling: bool = False) -> dict:
+              async_scheduling: bool = False, slow: tuple[str, ...] = ()) -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -322,10 +326,12 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
     if before:
         ctl.publisher.liveness_period_s, ctl.publisher.snapshot_share = 0.0, math.inf
         ctl.cluster.cache_placement_view = False
+        # EPLB's check and the straggler policy's weighted placement on the control thread at any size
+        ctl.stragglers.placing.min_ranks = ctl.rebalancer.eplb.min_ranks = math.inf
     tune_for_serving()  # the collector as `elastic-ep serve` sets it before its controller starts
     ctl.start()
     procs = start_standins(ctl.health_addr, ranks, processes, step_ms, jitter_ms, model, key, step_results_via,
-                           step_plans_via)
+                           step_plans_via, slow)
     load = None
     try:
         wait_for(lambda: ctl.published.readiness.ready or ctl.published.fatal, 300, "the cluster was not ready")
@@ -347,6 +353,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         profiler = ControlThreadProfile(ctl, profile) if profile else None
         cpu_clock = time.pthread_getcpuclockid(ctl._thread.ident)
         cpu0, t0, t0_wall = time.clock_gettime(cpu_clock), time.monotonic(), time.time()
+        ctl.plane.listening.longest_s = 0.0
         samples = sample_memory(ctl, seconds, sample_s, trace_frames)
         dt, cpu_s = time.monotonic() - t0, time.clock_gettime(cpu_clock) - cpu0
         if profiler is not None:
@@ -382,6 +389,11 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "result_frames_per_step": round((handled.get("StepResult", 0) + handled.get("NodeStepResults", 0))
                                             / max(steps, 1), 1),
             "epochs_formed": ctl.cluster.epoch - epoch0,
+            # the longest stretch the control thread read no socket in (a placement on it, a GC pause)
+            "longest_deaf_ms": round(1000 * ctl.plane.listening.longest_s, 1),
+            # the straggler policy's decisions in those seconds (--slow): when, and what
+            "stragglers": [f"{e['time_s'] - t0_wall:.1f}s {e['decision']} rank {e['rank_id']}" for e in events(ctl)
+                           if e["kind"] == "straggler" and e["time_s"] >= t0_wall],
             "members": len(ctl.cluster.members),  # at the end of the measured seconds
             # every frame of the health socket (the agents' and the ranks' own: beats, alives, results)
             "health_frames_per_s": round(delta(v1["frames_in"], v0["frames_in"]).get("health", 0) / dt),
@@ -617,6 +629,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4, help="stand-in processes")
     parser.add_argument("--before", action="store_true", help="the control-plane changes of issue 25 turned off")
     parser.add_argument("--no-faults", action="store_true", help="skip the kill and stop")
+    parser.add_argument("--slow", action="append", default=[], metavar="RANK:MS",
+                        help="a stand-in rank's extra time per step (repeat): what the straggler policy derates")
     parser.add_argument("--warm-all", action="store_true",
                         help="the readiness gate's old rule: every shape on every member in every epoch "
                              "(with the table: its before)")
@@ -659,7 +673,7 @@ def main() -> None:
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
                     args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
                     args.sample_s, args.warm_all, args.tracemalloc, args.step_results_via, args.step_plans_via,
-                    args.async_scheduling)
+                    args.async_scheduling, tuple(args.slow))
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

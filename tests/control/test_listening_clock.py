@@ -21,6 +21,13 @@ def test_a_stall_inside_a_receive_is_not_counted():
     assert clock.read(101.0) == approx(100.15)  # the wait it asked for and the slack count, the stall does not
 
 
+def test_it_keeps_the_longest_stretch_it_could_not_listen():
+    clock = ListeningClock(slack_s=0.1, drained_at=100.0)
+    for asked_s, t in ((0.05, 100.4), (0.05, 100.5), (0.0, 102.0), (0.05, 102.1)):
+        clock.drained(asked_s, t)
+    assert clock.longest_s == approx(1.4) and clock.deaf_s == approx(0.25 + 1.4)
+
+
 def test_it_stops_while_no_receive_drains_and_never_goes_back():
     clock = ListeningClock(slack_s=0.1, drained_at=100.0)
     readings = [clock.read(t) for t in (100.05, 100.1, 100.5, 101.5)]

@@ -74,11 +74,14 @@ class ListeningClock:
 
     slack_s: float = LISTEN_SLACK_S
     deaf_s: float = 0.0  # total time it could not listen, up to the last drain
+    longest_s: float = 0.0  # the longest of those stretches (benchmarks reset it)
     drained_at: float = field(default_factory=time.monotonic)
 
     def drained(self, asked_s: float, now: float) -> None:
         """A receive that asked to wait up to `asked_s` returned at `now`."""
-        self.deaf_s += max(0.0, now - self.drained_at - asked_s - self.slack_s)
+        late_s = max(0.0, now - self.drained_at - asked_s - self.slack_s)
+        self.deaf_s += late_s
+        self.longest_s = max(self.longest_s, late_s)
         self.drained_at = now
 
     def read(self, now: float) -> float:
