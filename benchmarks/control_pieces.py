@@ -1,6 +1,10 @@
-"""Two pieces of the control thread's work at 1,024 ranks, alone: a background rebalance's move
-(placement/restore.py `step_towards`) and the straggler verdict (policy/straggler_verdict.py
-`judge`).
+"""Pieces of the control thread's work at 1,024 ranks, alone: a background rebalance's move
+(placement/restore.py `step_towards`), the straggler verdict (policy/straggler_verdict.py
+`judge`), and the placements over every member that a step boundary waited for before they went
+off the control thread from 16 members on (control/epochs/off_thread.py): the straggler policy's
+weighted placement for a rank derated to 0.3 (`plan_rebalance`) and EPLB's check after the same
+rank's loss, for a load that moved to other experts (its plan and the from-scratch placement its
+walk is judged against, `eplb_plan`).
 
     PYTHONPATH=src .venv/bin/python benchmarks/control_pieces.py [--baseline REV] [--repeats 3]
 
@@ -9,7 +13,8 @@ nodes of 8), a rank lost and its experts restored, walked towards a balanced pla
 another load (~118,000 slots differ), with at most 200 and 2,000 slots a move: best of
 --repeats, perf_counter seconds. The verdict: 1,024 ranks in 10 intervals of 20 steps (one rank
 3x slower), the intervals' rows already built as the controller's repeated judgements find
-them: milliseconds per `judge`, the mean of 20. --baseline REV runs the same with that git
+them: milliseconds per `judge`, the mean of 20. The placements: one run each, perf_counter seconds
+(this code only: --baseline leaves them out). --baseline REV runs the same with that git
 revision's `src` in a child process and prints both side by side.
 """
 
@@ -25,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from elastic_ep.control.epochs.rebalance_rules import plan_rebalance
 from elastic_ep.placement import fault_aware_placement
 from elastic_ep.placement.restore import restore_placement, step_towards
 from elastic_ep.policy.straggler_verdict import Interval, RankInterval, StragglerRule, judge
@@ -33,7 +39,7 @@ from restore_placement import balanced, best_of
 RANKS = 1024
 
 
-def measure(repeats: int) -> list[dict]:
+def measure(repeats: int, placements: bool = True) -> list[dict]:
     rows = []
     placement, load, nodes, _, slots = balanced(58, 1024, RANKS, 0)
     live = [r for r in range(RANKS) if r != RANKS // 3]
@@ -45,6 +51,16 @@ def measure(repeats: int) -> list[dict]:
         s, _ = best_of(lambda: step_towards(current, target, max_slots, load), repeats)  # noqa: B023
         rows.append({"move": f"{differ:,} slots differ, at most {max_slots:,} a move", "s": round(s, 4)})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    if placements:
+        t = time.perf_counter()
+        plan_rebalance(placement, load, list(range(RANKS)), nodes, {7: 0.3}, 1.0)
+        rows.append({"placement": "the weighted placement of a derate (plan_rebalance)",
+                     "s": round(time.perf_counter() - t, 2)})
+        t = time.perf_counter()
+        from elastic_ep.control.epochs.rebalance_rules import eplb_plan  # this tree's: not in a --baseline's src
+        plan, _ = eplb_plan(current, other, live, nodes, None, 1.0)
+        rows.append({"placement": f"EPLB's check after a loss (eplb_plan; a plan: {plan is not None})",
+                     "s": round(time.perf_counter() - t, 2)})
     rnd = random.Random(1)
     intervals = [Interval(10.0 + k * 0.5, 10.5 + k * 0.5,
                           {r: RankInterval(20, (0.06 if r == 7 else 0.02) * 20 * (1 + rnd.random() / 10), 80)
@@ -67,7 +83,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print this code's rows as JSON (the child's output)")
     args = parser.parse_args()
     if args.json:
-        print(json.dumps(measure(args.repeats)))
+        print(json.dumps(measure(args.repeats, placements=False)))
         return
     before: list[dict] = []
     if args.baseline:
@@ -81,9 +97,14 @@ def main() -> None:
                                   env={**os.environ, "PYTHONPATH": str(Path(tmp) / "src")})
             before = json.loads(done.stdout.strip().splitlines()[-1])
     after = measure(args.repeats)
+    print("| placement over 1,024 ranks, now off the control thread | s |")
+    print("|---|---|")
+    for a in [a for a in after if "placement" in a]:
+        print(f"| {a['placement']} | {a['s']} |")
+    print()
     print("| piece | before | after | ratio |")
     print("|---|---|---|---|")
-    for i, a in enumerate(after):
+    for i, a in enumerate([a for a in after if "placement" not in a]):
         b = before[i] if before else {}
         unit = "s" if "move" in a else "ms"
         name = a.get("move") or f"judge: {a['verdict']} (stragglers {a['stragglers']})"

@@ -43,11 +43,11 @@ slot in 0.1 ms (harness/standin.py). Each fault's `warmup` says what its recover
 every rank sends its expert load every step (`--load-report-every-steps 1`), liveness is computed
 at every pump, the /cluster snapshot is rebuilt every 0.25 s whatever it costs and its placement
 parts are built again each time, and EPLB's check and the straggler policy's weighted placement
-are computed on the control thread at any size. `--slow RANK:MS` makes stand-in ranks slower (the
-straggler policy derates them: `stragglers` lists its decisions in the measured seconds), and
-`longest_deaf_ms` is the longest stretch of them in which the control thread read no socket.
-No arguments runs the table (8, 64, 256 and 1,024 ranks, 0 and
-64 sequences per rank; --table-ranks, --table-seqs), before and after side by side, one child
+are computed on the control thread at any size (`--placements-on-thread`: only these).
+`--slow RANK:MS` makes stand-in ranks slower (the straggler policy derates them: `stragglers`
+lists its decisions in the measured seconds), and `longest_deaf_ms` is the longest stretch of
+them in which the control thread read no socket. No arguments runs the table (8, 64, 256 and
+1,024 ranks, 0 and 64 sequences per rank; --table-ranks, --table-seqs), before and after side by side, one child
 process per point, before and after in turn --repeats times; --baseline REV takes the before from
 that git revision's code (its benchmark run with this run's step modes, those it has); the
 epochs formed while a point is measured (`epochs_formed`: a straggler derated, a rebalance's
@@ -309,7 +309,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
               before: bool, faults: bool, timeout_s: float, profile: str | None = None,
               profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False,
               trace_frames: int = 0, step_results_via: str = "direct", step_plans_via: str = "direct",
-              async_scheduling: bool = False, slow: tuple[str, ...] = ()) -> dict:
+              async_scheduling: bool = False, slow: tuple[str, ...] = (), placements_on_thread: bool = False) -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -326,7 +326,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
     if before:
         ctl.publisher.liveness_period_s, ctl.publisher.snapshot_share = 0.0, math.inf
         ctl.cluster.cache_placement_view = False
-        # EPLB's check and the straggler policy's weighted placement on the control thread at any size
+    if before or placements_on_thread:  # EPLB's check and the weighted placement on the control thread
         ctl.stragglers.placing.min_ranks = ctl.rebalancer.eplb.min_ranks = math.inf
     tune_for_serving()  # the collector as `elastic-ep serve` sets it before its controller starts
     ctl.start()
@@ -367,7 +367,8 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         beat_kinds = ("Heartbeat", "NodeHeartbeat")  # a rank's own; its node's (the agent gathers them)
         out = {
             "ranks": ranks, "seqs_per_rank": seqs_per_rank,
-            "mode": ("before" if before else "after") + (", warm-all" if warm_all else ""),
+            "mode": ("before" if before else "after") + (", warm-all" if warm_all else "")
+            + (", placements on the control thread" if placements_on_thread and not before else ""),
             "step_results_via": step_results_via, "step_plans_via": step_plans_via,
             "async_scheduling": async_scheduling,
             "plans_out": delta(v1["plans_out"], v0["plans_out"]), "step_ms": step_ms, "steps": steps,
@@ -629,6 +630,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4, help="stand-in processes")
     parser.add_argument("--before", action="store_true", help="the control-plane changes of issue 25 turned off")
     parser.add_argument("--no-faults", action="store_true", help="skip the kill and stop")
+    parser.add_argument("--placements-on-thread", action="store_true",
+                        help="only EPLB's check and the straggler policy's weighted placement on the control "
+                             "thread at any size (as --before does), the rest as after")
     parser.add_argument("--slow", action="append", default=[], metavar="RANK:MS",
                         help="a stand-in rank's extra time per step (repeat): what the straggler policy derates")
     parser.add_argument("--warm-all", action="store_true",
@@ -673,7 +677,7 @@ def main() -> None:
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
                     args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
                     args.sample_s, args.warm_all, args.tracemalloc, args.step_results_via, args.step_plans_via,
-                    args.async_scheduling, tuple(args.slow))
+                    args.async_scheduling, tuple(args.slow), args.placements_on_thread)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

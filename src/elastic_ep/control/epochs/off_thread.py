@@ -1,8 +1,9 @@
 """A placement computed off the control thread once the group is large, on this thread when small.
 
-A placement over every member (fault_aware_placement) takes a few ms at 16 ranks and 6-10 s at
-1,024 stand-in ranks on 2 cores: on the control thread, that many seconds without a heartbeat read
-or a fault named. `OffThread` holds one such computation at a time for whoever asks for it (the
+A placement over every member takes a few ms at 16 ranks and up to seconds at 1,024 on 2 cores
+(EPLB's check with a plan 6.8 s, a derate's weighted placement 0.4 s, a rebalance's target 6-10
+s; benchmarks/control_pieces.py): on the control thread, that long without a heartbeat read or a
+fault named. `OffThread` holds one such computation at a time for whoever asks for it (the
 background rebalance's target, EPLB's plan, the straggler policy's weighted placement): from
 `min_ranks` members on it goes to `submit` (the worker process of the restores computed ahead,
 `restore_ahead.py`), below it is computed at once. The caller asks again at each step boundary

@@ -16,8 +16,9 @@ policy of `policy/straggler_policy.py` and carry out its decisions.
   the limits allow (`policy/straggler_policy.py`).
 The review runs once per verdict interval (--straggler-window-s / 10), not while a scale is in
 flight, and only on a ready cluster. From OFF_THREAD_RANKS members on, the weighted placement is
-computed off the control thread (`compute`; epochs/off_thread.py: 6-10 s at 1,024 stand-in ranks,
-seconds without a heartbeat read), and its epoch forms at the first boundary after it is there.
+computed off the control thread (`compute`; epochs/off_thread.py: at 1,024 stand-in ranks it held
+the thread 0.3-0.8 s, unread heartbeats, BENCHMARKS "Placements off the control thread"), and its
+epoch forms at the first boundary after it is there.
 """
 
 from __future__ import annotations
