@@ -156,8 +156,21 @@ class Load:
             self.requests += 1
 
     def stop(self) -> None:
+        """Its streams cancelled (each request aborted), then the loop ended and closed."""
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(30)
+        except TimeoutError:
+            print("the load's streams did not end within 30 s", file=sys.stderr)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 def wait_for(cond, timeout_s: float, what: str) -> None:
