@@ -59,9 +59,9 @@ def test_a_lost_answer_or_plan_is_of_the_next_step_only():
     _, plane, _, _, chaos = rig()
     chaos.run(LoseMessage(2, Lost.RESULT))
     chaos.run(LoseMessage(1, Lost.PLAN))
-    for step in (1, 2):
-        chaos.before_step(0, step, StepBatch({}, {}), [0, 1, 2])
+    injected = [chaos.before_step(0, step, StepBatch({}, {}), [0, 1, 2]) for step in (1, 2)]
     assert sorted(plane.to_workers) == [(1, ChaosStep(0, 1, lose_plan=True)), (2, ChaosStep(0, 1, lose_result=True))]
+    assert injected == [{1, 2}, set()]  # the ranks whose plan must go directly, after their ChaosStep
 
 
 def test_a_rank_started_again_comes_back_clean():

@@ -5,7 +5,8 @@
 with exact output, and the plans go through the agent again in the new epoch; a rank stopped
 mid-stream is named, fenced and replaced, the output exact; a node's agent (its own process)
 stopped mid-stream loses the plan it holds, which the result deadline finds (its ranks answer
-NOT_RUN), and the streams go on exact.
+NOT_RUN), and the streams go on exact; a plan lost by chaos (/chaos/lose_plan) goes directly,
+after its `ChaosStep` (relayed, it could overtake it), and is found the same way.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ MODEL = "tiny-qwen3-moe"
 @pytest.fixture(scope="module")
 def server(server_factory):
     return server_factory("--model", MODEL, "--ep-size", "4", "--redundant-experts", "4", "--restart-delay-s", "1.0",
-                          "--step-plans-via", "agent", "--step-results-via", "agent")
+                          "--step-plans-via", "agent", "--step-results-via", "agent", "--enable-chaos")
 
 
 def plans_out(server) -> dict[str, int]:
@@ -91,6 +92,24 @@ def test_a_stopped_rank_is_named_fenced_and_replaced_with_exact_output(server):
     it is named and fenced, the step is recomputed without it, and the output stays exact."""
     pid = _signal_under_load_then_exact(server, 2, signal.SIGSTOP)
     assert server.wait_full_group(4)["ranks"][2]["pid"] != pid
+
+
+def test_a_plan_lost_by_chaos_goes_directly_and_is_asked_for_with_exact_output(server):
+    """With plans relayed, /chaos/lose_plan's rank gets that step's plan directly, after its
+    `ChaosStep` on the same socket: its rank drops it, answers NOT_RUN when asked, the step runs
+    again, no rank is named, the output exact. (On loopback a relayed plan was not seen to overtake
+    the `ChaosStep` in two runs with the plan relayed; that it goes directly is the step loop's unit
+    test, tests/control/serving/test_step_loop.py.)"""
+    server.wait_full_group(4)
+    pid, lost = server.pids()[1], lost_results(server).get("not_run", 0)
+    since = server.cluster()["events"][-1]["time_s"]
+    results = streams_with_fault(server.url, lambda: server.http.post("/chaos/lose_plan", json={"rank_id": 1})
+                                 .raise_for_status(), PROMPTS, MAX_TOKENS, temperature=0)
+    assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+    assert lost_results(server).get("not_run", 0) == lost + 1  # the fault landed: the plan never ran
+    events = server.cluster()["events"]
+    assert not [e for e in events if e["kind"] == "fault" and e["rank_id"] is not None and e["time_s"] > since]
+    assert server.pids()[1] == pid
 
 
 def test_a_stopped_agent_loses_its_nodes_plans_and_the_result_deadline_recovers_them(tmp_path):

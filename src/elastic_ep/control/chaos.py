@@ -66,12 +66,13 @@ class ChaosInjector:
         """Injected seconds per step of each rank's current process, for /cluster."""
         return {r: d for r, (pid, d) in self._slow.items() if self._current(r, pid)}
 
-    def before_step(self, epoch: int, step: int, batch: StepBatch, members: list[int]) -> None:
-        """Send each member with something injected into this step its `ChaosStep` (nothing to look
-        at while nothing is injected: at 256 ranks x 64 sequences the walk over every sequence for
-        poisons was ~20 ms a step)."""
+    def before_step(self, epoch: int, step: int, batch: StepBatch, members: list[int]) -> set[int]:
+        """Send each member with something injected into this step its `ChaosStep`; returns those
+        members (nothing to look at while nothing is injected: at 256 ranks x 64 sequences the walk
+        over every sequence for poisons was ~20 ms a step)."""
+        injected: set[int] = set()
         if not (self._slow or self._broken or self.poisons or self._lose):
-            return
+            return injected
         for rank_id in members:
             slow = self._slow.get(rank_id)
             broken = self._broken.get(rank_id)
@@ -84,6 +85,8 @@ class ChaosInjector:
             if delay_s or fail_at or poisoned or lose:
                 self.plane.to_worker(rank_id, ChaosStep(epoch, step, delay_s, fail_at, poisoned, Lost.RESULT in lose,
                                                         Lost.PLAN in lose))
+                injected.add(rank_id)
+        return injected
 
     def run(self, cmd: ChaosCommand) -> None:
         c = self.cluster

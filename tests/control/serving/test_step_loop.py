@@ -245,11 +245,17 @@ def test_a_nodes_frame_with_a_rank_of_another_node_is_dropped_whole_and_counted(
 def test_plans_go_through_the_agents_that_are_known_and_not_silent_else_directly():
     """Relayed: the members of a node whose agent is registered, not stalled, and brought their
     heartbeats within RELAY_FRESH_BEATS intervals (rank 1's last is older: its agent, or itself, is
-    behind)."""
+    behind), and that chaos sent no `ChaosStep` for this step (it goes directly: a relayed plan
+    could overtake it)."""
+    class Injected:
+        def before_step(self, epoch, step, batch, members) -> set[int]:
+            return {1}
+
     for via, agents, relayed in (("direct", {}, None), ("agent", {}, {0: "n0", 1: "n0"}),
                                  ("agent", {"stalled": True}, {}), ("agent", {"gone": True}, {}),
-                                 ("agent", {"rank 1 heard": 9.0}, {0: "n0"})):
+                                 ("agent", {"rank 1 heard": 9.0}, {0: "n0"}), ("agent", {"chaos": True}, {0: "n0"})):
         steps, _, _ = loop_with_one_request(step_plans_via=via)
+        steps.chaos = Injected() if agents.get("chaos") else None
         steps.plane.now = 10.0
         for r in (0, 1):
             steps.cluster.ranks[r].last_heartbeat = 9.9

@@ -105,7 +105,7 @@ class PreparedStep:
 class ChaosHook(Protocol):
     """Fault injection, present only with --enable-chaos (control/chaos.py)."""
 
-    def before_step(self, epoch: int, step: int, batch: StepBatch, members: list[int]) -> None: ...
+    def before_step(self, epoch: int, step: int, batch: StepBatch, members: list[int]) -> set[int]: ...
 
 
 class StepLoop:
@@ -225,8 +225,8 @@ class StepLoop:
             plans, micro_batches = None, prepared.micro_batches
         else:
             plans, micro_batches = self._plans(batch, c.step)
-        if self.chaos is not None:
-            self.chaos.before_step(c.epoch, c.step, batch, c.members)
+        # the ranks sent a `ChaosStep` get their plan directly, after it on the same socket
+        injected = self.chaos.before_step(c.epoch, c.step, batch, c.members) if self.chaos is not None else set()
         start = self._sent_at = time.perf_counter()
         times.add("plan", start - t0)
         if plans is None:
@@ -235,7 +235,7 @@ class StepLoop:
             times.bytes_out += nbytes
             times.plans_out["direct"] += len(prepared.frames)
         else:
-            self.plane.plans_to_workers(plans, self._relayed())
+            self.plane.plans_to_workers(plans, self._relayed(injected))
         if self.cfg.async_scheduling:
             self._prepare(batch)
         sent = time.perf_counter()
@@ -282,10 +282,11 @@ class StepLoop:
             ids, links = [ids[i] for i in kept], links[kept]
         self.cluster.timings.write("link_s", ids, [ranks[r].record for r in ids], links)
 
-    def _relayed(self) -> dict[int, str] | None:
+    def _relayed(self, direct: set[int]) -> dict[int, str] | None:
         """rank -> node for the members whose plan goes through their node's agent (--step-plans-via
         agent): those of a node whose agent is registered and not silent, heard from (their
-        heartbeats, which the agent brings) within `RELAY_FRESH_BEATS` intervals. A rank of a node
+        heartbeats, which the agent brings) within `RELAY_FRESH_BEATS` intervals, and not in
+        `direct` (a `ChaosStep` went to them: a relayed plan could overtake it). A rank of a node
         with no such agent gets its plan directly, as does every rank of a node whose agent has no
         plan link up at the send (`ControlPlane.plans_to_agents`). None: every plan direct."""
         cfg = self.cfg
@@ -297,6 +298,8 @@ class StepLoop:
         heard_since = self.plane.heard_clock() - RELAY_FRESH_BEATS * cfg.heartbeat_interval_s
         relayed = {}
         for rank_id in c.members:
+            if rank_id in direct:
+                continue
             rank = ranks[rank_id]
             agent = agents.get(rank.node)
             if agent is not None and not agent.stalled and (not beats or rank.last_heartbeat >= heard_since):
