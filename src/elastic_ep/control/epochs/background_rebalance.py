@@ -167,8 +167,7 @@ class BackgroundRebalance:
                load: np.ndarray | None = None) -> None:
         """A walk for `reason` to `target` (None: computed for the members at the first move), judged
         at its end against `scratch` under `load`, what `target` was computed from."""
-        self._reset()
-        self.targets.cancel()
+        self.cancel()
         self.reason, self.target, self.scratch, self.target_load = reason, target, scratch, load
         self.members = list(self.cluster.members)
         self.started_at = time.monotonic()

@@ -190,8 +190,12 @@ class FaultDetector:
                  for r in lost_heartbeats(watched, now, timeout_s, loading, load_timeout_s)]
         if in_step:
             deadline = self.watchdog_deadline_s()
-            progress = {r: ranks[r].progress for r in members if r not in self.faults}
-            heard = {r: ranks[r].last_heartbeat for r in progress}
+            progress: dict[int, Progress] = {}
+            heard: dict[int, float] = {}
+            for r in members:  # one pass: 50 times a second over every member at 1,024 ranks
+                if r not in self.faults:
+                    rank = ranks[r]
+                    progress[r], heard[r] = rank.progress, rank.last_heartbeat
             for rank_id in hung_ranks(progress, epoch, self.seq_first_seen, now, deadline, heard):
                 p = progress[rank_id]
                 found.append(Fault(rank_id, FaultCause.HUNG, (

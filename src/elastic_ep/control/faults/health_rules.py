@@ -11,8 +11,9 @@
   (`seq`). When some rank has entered collective k and another has not, for longer than the
   adaptive deadline (a multiple of recent step times, with a floor), the one that has not is
   hung and is named, unless it is heard saying it is idle between steps (its plan was lost: the
-  result deadline's to find, without a fence). A slow rank enters k late but within the deadline, and the deadline grows
-  with the step times it causes, so slowness alone does not get a rank killed.
+  result deadline's to find, without a fence). A slow rank enters k late but within the
+  deadline, and the deadline grows with the step times it causes, so slowness alone does not get
+  a rank killed.
 - lost results: a step whose answer (`StepResult` or `StepFailed`) from a member has not come
   past the result deadline (a multiple of recent step times, with a floor), while that rank's
   heartbeats say it is not inside the step, lost the answer or the plan on the way: the rank is
