@@ -70,6 +70,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,14 +83,17 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from elastic_ep.control.api import GenerationRequest
 from elastic_ep.control.config import ServeConfig
 from elastic_ep.control.controller import Controller
+from elastic_ep.control.facade.api_bridge import ApiBridge, ServerSockets
 from elastic_ep.control.facade.to_loop import SignalRank
 from elastic_ep.control.gc_policy import tune_for_serving
 from elastic_ep.harness.standin import standin_model
+from elastic_ep.harness.standin_api import prompt_of
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.wire import KEY_ENV, ClusterKey
@@ -146,8 +150,7 @@ class Load:
         self.engine = ctl.engine
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for i in range(seqs):
-            prompt = [2 + (i + j) % 300 for j in range(prompt_len)]
-            asyncio.run_coroutine_threadsafe(self._consume(i, prompt, params), self.loop)
+            asyncio.run_coroutine_threadsafe(self._consume(i, prompt_of(i, prompt_len), params), self.loop)
 
     async def _consume(self, i: int, prompt: list[int], params: SamplingParams) -> None:
         for n in itertools.count():
@@ -171,6 +174,31 @@ class Load:
         self.thread.join(5)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+class RemoteLoad:
+    """The same sequences streamed by `servers` stand-in API server processes
+    (harness/standin_api.py) through the controller's API socket, as `serve --api-server-count N`
+    runs them: their outputs leave the control thread in one frame per server and step, and no
+    event loop of this process wakes for them."""
+
+    def __init__(self, ctl: Controller, key: ClusterKey, seqs: int, servers: int):
+        self.workdir = Path(tempfile.mkdtemp(prefix="elastic-ep-bench-api-"))
+        self.sockets = ServerSockets(zmq.Context.instance(), key, self.workdir, servers)
+        ctl.streams.servers = self.sockets  # set before any request: the control thread reads it per step
+        self.bridge = ApiBridge(ctl.engine, key, self.workdir, ctl.rejected_frames, lambda _key: None)
+        self.bridge.start()
+        share = math.ceil(seqs / servers)
+        self.procs = [subprocess.Popen([sys.executable, "-m", "elastic_ep.harness.standin_api", "--server", str(k),
+                                        "--workdir", str(self.workdir), "--first", str(k * share),
+                                        "--count", str(min(share, seqs - k * share))],
+                                       env={**os.environ, KEY_ENV: key.hex()})
+                      for k in range(servers) if k * share < seqs]
+
+    def stop(self) -> None:
+        stop_standins(self.procs)
+        self.bridge.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)  # the control thread's sockets close with its context
 
 
 def wait_for(cond, timeout_s: float, what: str) -> None:
@@ -322,7 +350,8 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
               before: bool, faults: bool, timeout_s: float, profile: str | None = None,
               profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False,
               trace_frames: int = 0, step_results_via: str = "direct", step_plans_via: str = "direct",
-              async_scheduling: bool = False, slow: tuple[str, ...] = (), placements_on_thread: bool = False) -> dict:
+              async_scheduling: bool = False, slow: tuple[str, ...] = (), placements_on_thread: bool = False,
+              api_servers: int = 0) -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -353,7 +382,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
                 print(f"{e['time_s']:.3f} {e['kind']}: {e['message'][:200]}", file=sys.stderr)
             raise RuntimeError(f"the controller stopped: {ctl.published.fatal}")
         seqs = max(ranks * seqs_per_rank, 1)  # 0 per rank: one sequence, so steps run with empty plans elsewhere
-        load = Load(ctl, seqs)
+        load = RemoteLoad(ctl, key, seqs, api_servers) if api_servers else Load(ctl, seqs)
         wait_for(lambda: sum(len(s) for s in ctl.scheduler.running.values()) >= seqs, 120,
                  "not every sequence was scheduled")
         step0 = ctl.cluster.step
@@ -383,7 +412,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "mode": ("before" if before else "after") + (", warm-all" if warm_all else "")
             + (", placements on the control thread" if placements_on_thread and not before else ""),
             "step_results_via": step_results_via, "step_plans_via": step_plans_via,
-            "async_scheduling": async_scheduling,
+            "async_scheduling": async_scheduling, "api_servers": api_servers,
             "plans_out": delta(v1["plans_out"], v0["plans_out"]), "step_ms": step_ms, "steps": steps,
             "step_period_ms": round(1000 * dt / max(steps, 1), 2),
             "slowest_rank_ms": round(1000 * (times.slowest_rank_s - s0) / max(steps, 1), 2),
@@ -584,6 +613,7 @@ def table(args) -> None:
         # before and after (or each --table-results-via) in turn, --repeats times: a minute of a shared
         # machine's load lands on all
         modes = [f"after, results {v}" for v in args.table_results_via.split(",")] if args.table_results_via \
+            else [f"after, {n} API servers" for n in args.table_api_servers.split(",")] if args.table_api_servers \
             else ["before", "after"]
         for ranks, seqs, repeat, mode in [(r, s, k, m) for r, s in points for k in range(args.repeats)
                                           for m in modes]:
@@ -591,7 +621,10 @@ def table(args) -> None:
             flags = [("--warm-all" if args.warm_all else "--before")] if mode == "before" and old is None else []
             results_via = mode.removeprefix("after, results ") if mode.startswith("after, results ") \
                 else args.step_results_via
+            servers = mode.removeprefix("after, ").removesuffix(" API servers") if mode.endswith(" API servers") \
+                else str(args.api_servers)
             step_modes = [*(["--step-results-via", results_via] if results_via != "direct" else []),
+                          *(["--api-servers", servers] if servers != "0" else []),
                           *(["--step-plans-via", args.step_plans_via] if args.step_plans_via != "direct" else []),
                           *(["--async-scheduling"] if args.async_scheduling else [])]
             if mode != "before" or old is not None:  # after, and a --baseline's code: this run's step modes
@@ -676,6 +709,12 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="serve --async-scheduling: the next step planned while one runs (a table's after "
                              "points too)")
+    parser.add_argument("--api-servers", type=int, default=0, metavar="N",
+                        help="the load streamed by N stand-in API server processes (harness/standin_api.py), as "
+                             "behind serve --api-server-count N; 0: by an event loop of this process")
+    parser.add_argument("--table-api-servers", default=None, metavar="COUNTS",
+                        help="the table: instead of before and after, this code with each of these "
+                             "--api-servers (e.g. 0,2), in turn")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="write a cProfile of the control thread over the measured seconds (pstats format)")
@@ -690,7 +729,7 @@ def main() -> None:
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
                     args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
                     args.sample_s, args.warm_all, args.tracemalloc, args.step_results_via, args.step_plans_via,
-                    args.async_scheduling, tuple(args.slow), args.placements_on_thread)
+                    args.async_scheduling, tuple(args.slow), args.placements_on_thread, args.api_servers)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 
