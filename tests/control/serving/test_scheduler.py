@@ -46,8 +46,7 @@ def test_long_prompt_is_prefilled_in_chunks_then_decoded():
     assert starts[:3] == [(0, 16, False), (16, 16, False), (32, 8, True)]
     assert starts[3] == (40, 1, True)
     assert rows == [[40]]  # its decode went as a row of the rank's DecodeRows, its chunks' table kept there
-    assert [tokens for _, tokens in outputs] == [[5], [5]]
-    assert outputs[-1][0].finish_reason == "length"
+    assert outputs == [(1, [5], None, None), (1, [5], "length", None)]
     assert not s.has_work
 
 
@@ -66,7 +65,7 @@ def test_eos_stops_and_frees_the_kv_row_next_step():
     s.set_ranks([0])
     s.add(seq(1, 3, max_tokens=10))
     _, out = run_step(s, token=EOS)
-    assert out[0][0].finish_reason == "stop"
+    assert out == [(1, [EOS], "stop", None)]
     assert s.schedule().free[0] == [1]
 
 

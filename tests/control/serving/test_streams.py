@@ -13,9 +13,10 @@ from contextlib import contextmanager
 
 from elastic_ep.control.api import GenerationRequest, RequestOutput
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
-from elastic_ep.control.serving.streams import RemoteOutput, RemoteStream, Stream, Streams
+from elastic_ep.control.serving.streams import RemoteStream, Stream, Streams
 from elastic_ep.control.tracing import RequestTraces
 from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.wire.api_server import StreamOutputs
 
 
 class CountingLoop(asyncio.SelectorEventLoop):
@@ -148,9 +149,9 @@ class Servers:
 
     def __init__(self, gone: set[int] = frozenset()):
         self.gone = gone
-        self.sent: list[tuple[int, list[RemoteOutput]]] = []
+        self.sent: list[tuple[int, StreamOutputs]] = []
 
-    def send(self, server: int, outputs: list[RemoteOutput]) -> bool:
+    def send(self, server: int, outputs: StreamOutputs) -> bool:
         self.sent.append((server, outputs))
         return server not in self.gone
 
@@ -169,10 +170,9 @@ def test_remote_streams_reach_each_server_in_one_send_per_step_beside_the_loops(
                               (3, [8], None, None), (4, [9], None, None)])
         streams.deliver_step([(1, [11], None, None), (2, [12], None, None), (3, [13], None, None)])
         got = drained(loop, {0: queue_of(streams, 0)})
-    assert servers.sent[:2] == [(0, [(1, 11, [6], None, None, None), (2, 12, [7], "stop", None, None),
-                                     (4, 14, [9], None, None, None)]),
-                                (1, [(3, 13, [8], None, None, None)])]
-    assert servers.sent[2:] == [(0, [(1, 11, [11], None, None, None)])]  # 2 ended, 3's server is gone
+    assert servers.sent[:2] == [(0, StreamOutputs([11, 12, 14], [1, 1, 1], [6, 7, 9], [(1, "stop")])),
+                                (1, StreamOutputs([13], [1], [8]))]
+    assert servers.sent[2:] == [(0, StreamOutputs([11], [1], [11]))]  # 2 ended, 3's server is gone
     assert got[0] == [RequestOutput("r0", [5])]
     assert set(scheduler.by_id) == {0, 1, 2, 4}  # server 1's request aborted, its KV freed (2 ends in its step)
     assert sorted((t.seq_id, t.finish_reason) for t in sink.requests) == [(2, "stop"), (3, "abort")]

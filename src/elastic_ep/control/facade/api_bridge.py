@@ -39,7 +39,7 @@ from elastic_ep.wire.api_server import (
 
 from ..api import GenerationRequest, ServiceUnavailable
 from ..metrics import RejectedFrames
-from ..serving.streams import RemoteOutput, RemoteStream
+from ..serving.streams import RemoteStream
 from .engine import EngineFacade
 from .to_loop import AbortRequest, AddRequest
 
@@ -58,25 +58,12 @@ class ServerSockets:
         self.ctx, self.key, self.workdir, self.count = ctx, key, workdir, count
         self._sockets: dict[int, zmq.Socket] = {}
 
-    def send(self, server: int, outputs: list[RemoteOutput]) -> bool:
+    def send(self, server: int, outputs: StreamOutputs) -> bool:
         sock = self._socket(server)
         if sock is None:
             return False
-        keys, counts, token_ids = [], [], []
-        finished, errors, logprobs = [], [], []
-        for i, (_, key, new_token_ids, finish_reason, error, lps) in enumerate(outputs):
-            keys.append(key)
-            counts.append(len(new_token_ids))
-            token_ids.extend(new_token_ids)
-            if finish_reason is not None:
-                finished.append((i, finish_reason))
-            if error is not None:
-                errors.append((i, error))
-            if lps is not None:
-                logprobs.append((i, lps))
         try:
-            sock.send_multipart(self.key.seal(StreamOutputs(keys, counts, token_ids, finished, errors, logprobs)),
-                                zmq.NOBLOCK)
+            sock.send_multipart(self.key.seal(outputs), zmq.NOBLOCK)
         except zmq.Again:
             logger.error("API server %d has not read %d steps of outputs: taking it as gone", server, TOKEN_HWM)
             return False

@@ -68,11 +68,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastic_ep.model.block_manager import BlockManager
+from elastic_ep.model.sampling import TokenLogprobs
 from elastic_ep.wire import SAMPLED_TOKEN, ChunkPlan, DecodeRows, HeldKV, KVMove
 
 from ..api import GenerationRequest
 from .adopted_kv import KVOffers
 from .alignment import AlignRule, DecodeBalance, rank_caps, sequence_to_move
+
+# One sequence's output of a step: (seq_id, new token ids, finish reason (None: still running), one
+# TokenLogprobs per new token or None); a plain tuple, cheaper to build than a RequestOutput.
+StepTokens = tuple[int, list[int], str | None, list[TokenLogprobs] | None]
 
 
 @dataclass
@@ -100,10 +105,14 @@ class Sequence:
     # tripled the scheduler's time per step)
     tokens: list[int] = field(init=False, repr=False)
     stop_ids: frozenset[int] = field(init=False, repr=False)  # the tokens that end it, worked out once
+    # the length of `tokens` at which it ends ("length": max_tokens generated, or max_model_len held),
+    # worked out once: the commit's check of every sequence a step is one comparison
+    limit: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.tokens = self.request.prompt_token_ids + self.output
         self.stop_ids = self.request.params.stop_ids(self.eos_token_ids)
+        self.limit = min(len(self.request.prompt_token_ids) + self.request.params.max_tokens, self.max_model_len)
 
     def append(self, token: int) -> None:
         """A generated token."""
@@ -127,14 +136,13 @@ class Sequence:
     @property
     def remaining(self) -> int:
         """Tokens it may still generate."""
-        return min(self.request.params.max_tokens - len(self.output), self.max_model_len - len(self.tokens))
+        return self.limit - len(self.tokens)
 
     def check_finished(self, token: int) -> str | None:
+        """Why `token`, just appended, ends it (None: it does not)."""
         if token in self.stop_ids:
             return "stop"
-        if len(self.output) >= self.request.params.max_tokens or len(self.tokens) >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if len(self.tokens) >= self.limit else None
 
 
 @dataclass
@@ -558,15 +566,17 @@ class Scheduler:
                 seq = by_id[seq_id]
                 if seq.kept != kept:
                     return None
-                if seq.remaining < 2:  # its length ends it in this step: `take_prepared` frees it
+                if seq.limit - len(seq.tokens) < 2:  # its length ends it in this step: `take_prepared` frees it
                     continue
                 seq_ids.append(seq_id)
                 positions.append(position + 1)
-                table = tables[seq_id]  # as long as `schedule` left it (`kept_blocks`): it grows only here
-                if len(table) * block_size < position + 2:
-                    if not pool.grow(seq_id, position + 2):  # `schedule` would preempt for its block
-                        return None
-                    new_blocks.extend((seq_id, b) for b in table[seq.kept_blocks:])
+                # its table holds its position + 1 tokens, so only one that ends a block can be full
+                if (position + 1) % block_size == 0:
+                    table = tables[seq_id]  # as long as `schedule` left it (`kept_blocks`): it grows only here
+                    if len(table) * block_size < position + 2:
+                        if not pool.grow(seq_id, position + 2):  # `schedule` would preempt for its block
+                            return None
+                        new_blocks.extend((seq_id, b) for b in table[seq.kept_blocks:])
             if seq_ids:
                 prepared[rank] = DecodeRows(seq_ids, [SAMPLED_TOKEN] * len(seq_ids), positions, new_blocks)
         before = (self.balance.busiest, self.balance.streak)
@@ -707,50 +717,77 @@ class Scheduler:
         )
         return n
 
-    def commit(self, batch: StepBatch, sampled: dict[int, int]) -> list[tuple[Sequence, list[int]]]:
+    def commit(self, batch: StepBatch, sampled: dict[int, int],
+               generated: list[tuple[int, int]] | None = None) -> list[StepTokens]:
         """Apply a finished step: advance caches, append sampled tokens, retire finished
-        sequences. Returns (sequence, new tokens) for every sequence that produced tokens. A
-        sequence whose `ChunkPlan` ran on its rank is kept there from now on (module docstring)."""
+        sequences. Returns (seq_id, [its new token], finish reason, None) of every sequence that
+        sampled one, as the streams take them (the step loop puts in the logprobs); with
+        `generated`, (seq_id, tokens generated so far) of each is appended to it (the request
+        traces). A sequence whose `ChunkPlan` ran on its rank is kept there from now on (module
+        docstring)."""
         self._uncommitted = False
         for move in batch.moves:
             self._rehome(move)
-        out: list[tuple[Sequence, list[int]]] = []
-        generation = self.kept_generation
+        out: list[StepTokens] = []
+        generation, by_id = self.kept_generation, self.by_id
         for rank, chunks in batch.chunks.items():
             for c in chunks:
-                seq = self.by_id.get(c.seq_id)
+                seq = by_id.get(c.seq_id)
                 if seq is None or seq.rank is None:
                     continue
                 if seq.rank == rank:
                     seq.kept, seq.kept_blocks = (rank, generation), len(c.block_ids)
-                self._advance(seq, c.start_pos + len(c.token_ids), sampled, out)
-        block_size, by_id = self.block_size, self.by_id
+                self._advance(seq, c.start_pos + len(c.token_ids), sampled, out, generated)
+        # The decode rows, a step's bulk (16,384 at 256 ranks x 64): `_advance` and the sequence's
+        # `append` and `check_finished` written out here, at ~1 us of Python a row less.
+        block_size = self.block_size
         for rank, rows in batch.decodes.items():
+            pool = self.pools[rank]
             for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
                 seq = by_id.get(seq_id)
-                if seq is not None and seq.rank == rank:
-                    self._advance(seq, position + 1, sampled, out, (position + 1) % block_size == 0)
+                if seq is None or seq.rank != rank:
+                    continue
+                num_cached = seq.num_cached = position + 1  # a decode row's sequence has no unsent prefix
+                if num_cached % block_size == 0:  # it filled a block, to be keyed for prefix hits
+                    pool.cache_computed(seq_id, seq.tokens, num_cached)
+                token = sampled.get(seq_id)
+                if token is None:  # an error of its sampling: a prepared next step is not it
+                    self.revision += 1
+                    continue
+                tokens = seq.tokens
+                tokens.append(token)
+                seq.output.append(token)
+                reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.limit else None
+                if reason is not None:
+                    self._finished(seq, reason)
+                out.append((seq_id, [token], reason, None))
+                if generated is not None:
+                    generated.append((seq_id, len(seq.output)))
         return out
 
-    def _advance(self, seq: Sequence, num_cached: int, sampled: dict[int, int],
-                 out: list[tuple[Sequence, list[int]]], filled: bool = True) -> None:
-        """`seq` computed its first num_cached tokens; its sampled token, if any, is appended to
-        it (and to `out`), and it ends when that token finishes it. `filled`: a block may have
-        filled, to be keyed for prefix hits (a decode that did not end a block filled none)."""
+    def _advance(self, seq: Sequence, num_cached: int, sampled: dict[int, int], out: list[StepTokens],
+                 generated: list[tuple[int, int]] | None) -> None:
+        """`seq`'s chunk computed its first num_cached tokens; its sampled token, if any, is appended
+        to it (and to `out`, as `commit` says), and it ends when that token finishes it."""
         seq.num_cached = num_cached
         seq.unsent_prefix = 0
-        if filled:
-            self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, num_cached)
+        self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, num_cached)
         token = sampled.get(seq.seq_id)
         if token is None:  # nothing sampled (not its last chunk, or an error): a prepared next step is not it
             self.revision += 1
             return
         seq.append(token)
-        seq.finish_reason = seq.check_finished(token)
-        if seq.finish_reason:
-            self.by_id.pop(seq.seq_id)
-            self._release(seq)
-        out.append((seq, [token]))
+        reason = seq.check_finished(token)
+        if reason is not None:
+            self._finished(seq, reason)
+        out.append((seq.seq_id, [token], reason, None))
+        if generated is not None:
+            generated.append((seq.seq_id, len(seq.output)))
+
+    def _finished(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        del self.by_id[seq.seq_id]
+        self._release(seq)
 
 
 def _without(decodes: dict[int, DecodeRows], left: list[tuple[int, int]]) -> dict[int, DecodeRows]:

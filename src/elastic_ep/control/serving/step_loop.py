@@ -464,13 +464,15 @@ class StepLoop:
         t1 = time.perf_counter()
         self._observe(batch, tokens, ran, step_s, compute_s, wall_s, slowest)
         t2 = time.perf_counter()
-        committed = self.scheduler.commit(batch, a.sampled)
-        if self.traces is not None:
-            self._trace(batch, compute_s, committed)
+        generated: list[tuple[int, int]] | None = [] if self.traces is not None else None
+        outputs = self.scheduler.commit(batch, a.sampled, generated)
+        if generated is not None:
+            self._trace(batch, compute_s, generated)
         logprobs = a.logprobs
-        self.streams.deliver_step((seq.seq_id, new_tokens, seq.finish_reason,
-                                   [logprobs[seq.seq_id]] if seq.seq_id in logprobs else None)
-                                  for seq, new_tokens in committed)
+        if logprobs:  # of the few requests that asked for them
+            outputs = [(out[0], out[1], out[2], [logprobs[out[0]]]) if out[0] in logprobs else out
+                       for out in outputs]
+        self.streams.deliver_step(outputs)
         times.add("commit", (t1 - t0) + (time.perf_counter() - t2))
         times.add("metrics", t2 - t1)
 
@@ -493,12 +495,13 @@ class StepLoop:
                 m.dp_token_imbalance.set(ratio)
         m.migrations(max(a.kv_move_s, default=0.0), batch.moves, batch.reprefilled)
 
-    def _trace(self, batch: StepBatch, compute_s: np.ndarray, committed: list) -> None:
-        """What the request traces record of a completed step (only with tracing on)."""
+    def _trace(self, batch: StepBatch, compute_s: np.ndarray, generated: list[tuple[int, int]]) -> None:
+        """What the request traces record of a completed step (only with tracing on); `generated`:
+        (seq_id, tokens generated so far) of the sequences that sampled one."""
         ids = self.answers.rank_ids
         slowest = ids[int(np.argmax(compute_s))] if ids else None
         moves = [(m.seq_id, "kv", m.src_rank, m.dst_rank) for m in batch.moves]
         moves += [(seq_id, "reprefill", None, self.scheduler.by_id[seq_id].rank)
                   for seq_id in batch.reprefilled if seq_id in self.scheduler.by_id]
         self.traces.step({r: batch.seq_ids_on(r) for r in batch.chunks}, self._started_ns, time.time_ns(), slowest,
-                         [(seq.seq_id, len(seq.output)) for seq, _ in committed], moves)
+                         generated, moves)

@@ -7,9 +7,9 @@ the `RequestOutput`s: the control thread only gathers tuples. Hand-overs to a lo
 order they were made, so a stream's outputs keep their order across steps.
 
 A request of an API server process (`serve --api-server-count N`) has a `RemoteStream`: a step's
-outputs of one server's requests leave in one frame to that server (`ServerOutputs.send`,
-control/facade/api_bridge.py), and that process builds the outputs, so no token of theirs wakes an
-event loop of this process.
+outputs of one server's requests are gathered straight into the columns of one `StreamOutputs`
+frame to that server (`ServerOutputs.send`, control/facade/api_bridge.py), and that process builds
+the outputs, so no token of theirs wakes an event loop of this process.
 
 A rank's death never ends a stream: its sequences move to another rank and the stream only
 pauses. A stream ends with an error only when its request cannot be served (the cluster stayed
@@ -23,15 +23,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from elastic_ep.model.sampling import TokenLogprobs
+from elastic_ep.wire.api_server import StreamOutputs
 
 from ..api import RequestOutput
 from ..tracing import RequestTraces
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepTokens
 
-# One sequence's part of a step: (seq_id, new token ids, finish reason (None: still running),
-# one TokenLogprobs per new token or None); a plain tuple, cheaper to build than a RequestOutput.
-StepTokens = tuple[int, list[int], str | None, list[TokenLogprobs] | None]
 # What a loop is handed per output: (seq_id, its queue, RequestOutput's fields in order).
 _Handed = tuple[int, asyncio.Queue, tuple]
 
@@ -52,14 +49,21 @@ class RemoteStream:
     key: int
 
 
-# What a server is handed per output: (seq_id, its key, new token ids, finish reason, error, logprobs)
-RemoteOutput = tuple[int, int, list[int], str | None, str | None, list[TokenLogprobs] | None]
-
-
 class ServerOutputs(Protocol):
-    def send(self, server: int, outputs: list[RemoteOutput]) -> bool:
+    def send(self, server: int, outputs: StreamOutputs) -> bool:
         """One step's outputs to API server `server`; False when it cannot take them (gone)."""
         ...
+
+
+class _ServerStep:
+    """One server's outputs of a step, gathered straight into the columns of its frame, and the
+    sequences they are of, in the frame's order (aborted if the server cannot take them)."""
+
+    __slots__ = ("frame", "seq_ids")
+
+    def __init__(self) -> None:
+        self.frame = StreamOutputs([], [], [])
+        self.seq_ids: list[int] = []
 
 
 def _put_all(handed: list[_Handed]) -> None:
@@ -102,7 +106,7 @@ class Streams:
     def _deliver(self, tokens: Iterable[StepTokens], error: str | None) -> None:
         """`tokens` onto their streams, each output with `error` (None: a step's tokens)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[_Handed]] = {}
-        by_server: dict[int, list[RemoteOutput]] = {}
+        by_server: dict[int, _ServerStep] = {}
         streams = self._streams
         for seq_id, new_token_ids, finish_reason, logprobs in tokens:
             stream = streams.get(seq_id)
@@ -111,11 +115,21 @@ class Streams:
             finished = finish_reason is not None
             if finished:
                 self._ended(seq_id, finish_reason)
-            if type(stream) is RemoteStream:
-                outputs = by_server.get(stream.server)
-                if outputs is None:
-                    outputs = by_server[stream.server] = []
-                outputs.append((seq_id, stream.key, new_token_ids, finish_reason, error, logprobs))
+            if type(stream) is RemoteStream:  # into its server's frame, column by column
+                step = by_server.get(stream.server)
+                if step is None:
+                    step = by_server[stream.server] = _ServerStep()
+                frame, i = step.frame, len(step.seq_ids)
+                step.seq_ids.append(seq_id)
+                frame.keys.append(stream.key)
+                frame.counts.append(len(new_token_ids))
+                frame.token_ids.extend(new_token_ids)
+                if finished:
+                    frame.finished.append((i, finish_reason))
+                if error is not None:
+                    frame.errors.append((i, error))
+                if logprobs is not None:
+                    frame.logprobs.append((i, logprobs))
                 continue
             handed = by_loop.get(stream.loop)
             if handed is None:
@@ -141,13 +155,14 @@ class Streams:
                     if not finished:
                         self._ended(seq_id, "abort")
 
-    def _send_to_servers(self, by_server: dict[int, list[RemoteOutput]]) -> None:
+    def _send_to_servers(self, by_server: dict[int, _ServerStep]) -> None:
         """Each server's outputs in one frame; the requests of a server that cannot take them
         (its process gone) are aborted, as those of a closed loop are."""
-        for server, outputs in by_server.items():
-            if self.servers is not None and self.servers.send(server, outputs):
+        for server, step in by_server.items():
+            if self.servers is not None and self.servers.send(server, step.frame):
                 continue
-            for seq_id, _, _, finish_reason, _, _ in outputs:
+            ended = {i for i, _ in step.frame.finished}
+            for i, seq_id in enumerate(step.seq_ids):
                 self.scheduler.abort(seq_id)
-                if finish_reason is None:
+                if i not in ended:
                     self._ended(seq_id, "abort")
