@@ -430,19 +430,21 @@ class Scheduler:
         for rank, seqs in active.items():  # not `busy`: a migration may have given an idle rank a sequence
             if not seqs:
                 continue
-            used = 0
+            used, cap = 0, caps[rank]
             kept, rows, tables = (rank, generation), None, self.pools[rank].tables
             for seq in work[rank][1] + work[rank][2] if align.enabled else seqs:  # decodes first
-                room = caps[rank] - used
-                table = tables[seq.seq_id]
-                if len(table) * block_size < len(seq.tokens):  # no block for its next token this step
+                room = cap - used
+                table, tokens, position = tables[seq.seq_id], seq.tokens, seq.num_cached
+                if len(table) * block_size < len(tokens):  # no block for its next token this step
                     continue
-                if seq.kept == kept and room > 0 and seq.decoding:  # one row: the rank keeps the rest
+                # one row, the rank keeping the rest, for a kept sequence decoding (`Sequence.decoding`,
+                # written out: this runs for every sequence in flight)
+                if seq.kept == kept and room > 0 and position == len(tokens) - 1 and position \
+                        and not seq.unsent_prefix:
                     if rows is None:
                         rows = decodes[rank] = DecodeRows()
-                    position = seq.num_cached
                     rows.seq_ids.append(seq.seq_id)
-                    rows.tokens.append(seq.tokens[position])
+                    rows.tokens.append(tokens[position])
                     rows.positions.append(position)
                     if len(table) > seq.kept_blocks:
                         rows.new_blocks.extend((seq.seq_id, b) for b in table[seq.kept_blocks:])
@@ -476,10 +478,10 @@ class Scheduler:
             if not seqs:
                 continue
             pool = self.pools[rank]
-            tables, size = pool.tables, self.block_size
+            tables, size, held = pool.tables, self.block_size, self.held
             for seq in list(seqs):
-                if seq.rank != rank or seq.seq_id in self.held or len(tables[seq.seq_id]) * size >= len(seq.tokens):
-                    continue  # held out, or its table holds its next token already
+                if seq.rank != rank or len(tables[seq.seq_id]) * size >= len(seq.tokens) or seq.seq_id in held:
+                    continue  # its table holds its next token already, or it is held out
                 while not pool.grow(seq.seq_id, len(seq.tokens)):
                     if self.kv_offers is not None and self.kv_offers.holds(rank):  # held KV goes first
                         self.kv_offers.release(rank)
@@ -808,9 +810,10 @@ def _rank_work(seqs: list[Sequence]) -> tuple[int, list[Sequence], list[Sequence
     """A rank's sequences in one pass: their pending tokens in all, those decoding, the others
     (each in its order)."""
     pending, decoding, others = 0, [], []
-    for q in seqs:
-        pending += q.pending
-        (decoding if q.decoding else others).append(q)
+    for q in seqs:  # `Sequence.pending` and `.decoding` written out: this runs for every sequence in flight
+        n = len(q.tokens) - q.num_cached
+        pending += n
+        (decoding if n == 1 and q.num_cached and not q.unsent_prefix else others).append(q)
     return pending, decoding, others
 
 
