@@ -553,7 +553,8 @@ class StandInAgent:
         elif isinstance(msg, BackupAssign):
             site = BackupSite(self.node, f"/dev/shm/standin-{self.node}", self.fetch_addr)
             self.send(BackupReady(self.node, site, list(msg.items), 0, len(msg.items),
-                                  [expert_checksum(layer, expert) for layer, expert in msg.items]))
+                                  [expert_checksum(layer, expert) for layer, expert in msg.items],
+                                  self.lease.session))
 
     def _welcomed(self, launch: WorkerLaunch) -> None:
         self.launch = launch

@@ -45,6 +45,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
 import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -336,7 +337,7 @@ class NodeAgent:
                 continue
         if self.backup.path is not None:
             for piece in self._backup_pieces:
-                self.send(piece)
+                self.send(msgspec.structs.replace(piece, session=self.lease.session))
 
     def _keep_lease(self, now: float) -> None:
         """Register until welcomed, say alive while welcomed, fence this node when the lease ran out (in
@@ -531,7 +532,9 @@ class NodeAgent:
                            f"rank {rank_id}")
 
     def _announce(self, piece: BackupReady) -> None:
-        """A piece of the backup is written (the build's thread): kept, and reported."""
+        """A piece of the backup is written (the build's thread): kept, and reported in this agent's
+        session of now."""
+        piece = msgspec.structs.replace(piece, session=self.lease.session)
         self._backup_pieces.append(piece)
         self._notify(piece)
 

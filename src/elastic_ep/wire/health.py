@@ -265,7 +265,8 @@ class ChaosFailed(Message):
 class BackupReady(Message):
     """A piece of the node's backup is written: `experts` can be read from `site` from now on.
     Sent once per piece; `share`: experts of the whole share (complete once all were announced);
-    `nbytes`: the file's size."""
+    `nbytes`: the file's size; `session`: the agent session that announces it (a piece of another
+    session, such as a previous agent process's that arrives late, is not taken)."""
 
     node: str
     site: BackupSite
@@ -273,6 +274,7 @@ class BackupReady(Message):
     nbytes: int
     share: int = 0
     checksums: list[int] = []  # of each of `experts` as read from the checkpoint (the reference for it)
+    session: str = ""
 
 
 class AgentShutdown(Message):

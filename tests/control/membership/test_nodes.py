@@ -5,7 +5,8 @@ with the node and the flag to pass.
 The node role (control/membership/nodes.py) built with stand-ins: it gives a new agent free rank
 ids up to the target size, turns a worker's exit into a fault (not for a rank that was leaving),
 drops a silent agent and makes every rank of its node a fault (not a new session whose welcome
-is slow to reach it), takes no process started in a session it gave up on, counts a rank on an
+is slow to reach it), takes no process started in a session it gave up on, nor a backup piece announced in another
+session than the node's current one, counts a rank on an
 unreachable node as down at once, and restarts a down rank after --restart-delay-s or hands it to a
 recover-mode agent. A cordoned node is given no rank, and its standalone agent is told to stop
 once its last rank is gone (the one inside `elastic-ep serve` stays)."""
@@ -27,6 +28,7 @@ from elastic_ep.wire import (
     AgentHello,
     AgentShutdown,
     AgentWelcome,
+    BackupReady,
     BackupSite,
     FenceWorker,
     LeaseRenew,
@@ -171,6 +173,19 @@ def test_a_process_started_in_a_session_given_up_on_is_not_taken_and_the_next_se
     assert [(m.rank_id, m.join_mode) for m in rig.plane.sent(StartWorker)] == [(2, "recover"), (3, "recover")] * 2
     rig.nodes.on_worker_started(b"an1", WorkerStarted("n1", 2, 4002, "s3"))
     assert (rig.cluster.ranks[2].status, rig.cluster.ranks[2].pid) == (RankStatus.STARTING, 4002)
+
+
+def test_a_backup_piece_of_another_session_than_the_nodes_current_one_is_not_taken():
+    # n1's agent process was replaced (new session s2); a piece its previous process (s1) announced
+    # arrives late and names a file that process took with it
+    rig = Rig({0: "n0", 1: "n0"})
+    rig.nodes.on_agent_hello(b"an1", AgentHello("n1", 42, "tcp://f", 0, num_ranks=2, session="s2"))
+    site = BackupSite("n1", "/dev/shm/gone", "tcp://f")
+    rig.nodes.on_backup_ready(BackupReady("n1", site, [(0, 1), (0, 2)], 10, 2, session="s1"))
+    agent = rig.cluster.agents["n1"]
+    assert (agent.backup, agent.backup_experts) == (None, [])
+    rig.nodes.on_backup_ready(BackupReady("n1", site, [(0, 1), (0, 2)], 10, 2, session="s2"))
+    assert (agent.backup, agent.backup_experts) == (site, [(0, 1), (0, 2)])
 
 
 def test_a_silent_in_process_agent_is_a_stall_event_not_a_lost_node():

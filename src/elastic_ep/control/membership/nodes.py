@@ -458,10 +458,12 @@ class Nodes:
             self.plane.to_identity(c.agents[node].identity, BackupAssign(items, c.device_kind or "cpu"))
 
     def on_backup_ready(self, msg: BackupReady) -> None:
-        """A piece of a node's backup is written: plan transfers from it at once."""
+        """A piece of a node's backup is written: plan transfers from it at once. Only from the node's
+        current agent session: a piece of another (a previous agent process's, come late) names a
+        file that process may have taken with it."""
         c = self.cluster
         agent = c.agents.get(msg.node)
-        if agent is None or msg.node in c.backup_lost:
+        if agent is None or agent.session != msg.session or msg.node in c.backup_lost:
             return
         agent.backup = msg.site
         agent.backup_experts = agent.backup_experts + list(msg.experts)
