@@ -201,6 +201,31 @@ class StepBatch:
             [(q, p, 1, True) for q, p in zip(rows.seq_ids, rows.positions, strict=True)] if rows is not None else [])
 
 
+@dataclass
+class _Steady:
+    """A rank's decode rows of the last committed step, those whose token was sampled and did not
+    end them, in the rows' order: `positions` the positions they ran, `tokens` the tokens sampled.
+    While these sequences are still the first of the rank's (a prefix of its running list: those
+    placed since follow them), and the generation of what the ranks keep is the same, each of them
+    decodes again in the next step, at its position + 1 with the token it sampled, and only one
+    whose next position starts a block can need one: `schedule` plans them from these lists,
+    without a look at each sequence (module docstring, "Steady ranks")."""
+
+    generation: int
+    seqs: list[Sequence]
+    seq_ids: list[int]
+    positions: list[int]
+    tokens: list[int]
+    _boundary: list[int] | None = None
+
+    def boundary(self, block_size: int) -> list[int]:
+        """Indices of those whose next position starts a block (their table, which holds the
+        position they ran, may be full); worked out once."""
+        if self._boundary is None:
+            self._boundary = [i for i, p in enumerate(self.positions) if (p + 1) % block_size == 0]
+        return self._boundary
+
+
 class Scheduler:
     """align: the per-step DP alignment rule (off by default); reprefill_tokens_per_step: how many
     tokens of re-prefill (a lost rank's requests run again elsewhere) one step may hold, 0 for no
@@ -245,12 +270,14 @@ class Scheduler:
         # batch, revision, `DecodeBalance` state before it and after it
         self._prepared: tuple[StepBatch, int, tuple[int | None, int], tuple[int | None, int]] | None = None
         self._left: list[tuple[int, int]] = []  # (rank, seq_id) released since the last `schedule` or preparation
+        self._steady: dict[int, _Steady] = {}  # rank -> its rows of the last commit, for the next `schedule`
 
     def forget_kept(self) -> None:
         """No rank is known to keep any sequence any more (a new epoch: the workers drop what they
         kept): each running sequence's next chunk is a full `ChunkPlan`."""
         self.kept_generation += 1
         self.revision += 1
+        self._steady = {}
 
     def set_pool_size(self, rank: int, num_blocks: int) -> None:
         """Rank `rank`'s KV pool has num_blocks blocks (it says so when it registers); its pool
@@ -385,6 +412,7 @@ class Scheduler:
         """Plan the next step over the ranks given to `set_ranks`."""
         if self._uncommitted:  # the last batch's plans may have been half run, or not at all
             self.forget_kept()
+        steady = self._steady_records()
         self._uncommitted = True
         self.revision += 1
         self._prepared, self._left = None, []
@@ -393,8 +421,8 @@ class Scheduler:
         if offers is not None:
             offers.expire(self.clock())
         taken_over = (offers.counts["reused"], offers.counts["reprefilled"]) if offers is not None else (0, 0)
-        preempted = self._make_room()
-        unstarted = self._take_unstarted() if align.enabled else []
+        preempted = self._make_room(steady)
+        unstarted = self._take_unstarted(steady) if align.enabled else []
         reprefill_left = 0 if self._reprefill_held else self.reprefill_tokens_per_step or budget * max(
             len(self.running), 1)
         self._reprefill_held = False
@@ -413,11 +441,11 @@ class Scheduler:
         held = self.held  # a copy per rank either way: a migration changes `active`, never `running`
         active = {r: [q for q in seqs if q.seq_id not in held] if held else seqs[:] for r, seqs in self.running.items()}
         # one pass over each rank's sequences; sums over the busy ranks only: idle ranks count 0
-        work = {r: _rank_work(qs) for r, qs in active.items() if qs}
+        work, steady_n = _work_of(active, steady)
         unaligned = _per_rank(active, {r: min(w[0], budget) for r, w in work.items()})
         moved = self._migrate(active, {r: len(w[1]) for r, w in work.items()}) if align.migrate != "off" else None
         if moved is not None:  # again: the moved sequence's ranks changed (an idle one may have got it)
-            work = {r: _rank_work(qs) for r, qs in active.items() if qs}
+            work, steady_n = _work_of(active, steady)
         caps = dict.fromkeys(active, budget)
         if align.enabled:
             decode = _per_rank(active, {r: len(w[1]) for r, w in work.items()})
@@ -432,7 +460,12 @@ class Scheduler:
                 continue
             used, cap = 0, caps[rank]
             kept, rows, tables = (rank, generation), None, self.pools[rank].tables
-            for seq in work[rank][1] + work[rank][2] if align.enabled else seqs:  # decodes first
+            n = steady_n.get(rank, 0)
+            if n and cap >= n and (rows := _steady_rows(steady[rank], tables, block_size)) is not None:
+                decodes[rank], used = rows, n
+            else:
+                n = 0
+            for seq in (work[rank][1] + work[rank][2] if align.enabled else seqs)[n:]:  # decodes first
                 room = cap - used
                 table, tokens, position = tables[seq.seq_id], seq.tokens, seq.num_cached
                 if len(table) * block_size < len(tokens):  # no block for its next token this step
@@ -469,17 +502,32 @@ class Scheduler:
         return StepBatch(chunks, free, decodes, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits,
                          kv_kept, kv_reprefilled)
 
-    def _make_room(self) -> int:
+    def _steady_records(self) -> dict[int, _Steady]:
+        """The last commit's `_Steady` records that still hold: of this generation, their sequences
+        the first of their rank's. None while sequences are held out or a takeover's KV offers are
+        open. Taken once: a record is of the step just committed."""
+        records, self._steady = self._steady, {}
+        if self.held or self.kv_offers is not None:
+            return {}
+        generation, running = self.kept_generation, self.running
+        return {r: rec for r, rec in records.items()
+                if rec.generation == generation and running.get(r, [])[:len(rec.seqs)] == rec.seqs}
+
+    def _make_room(self, steady: dict[int, _Steady]) -> int:
         """Give every decoding sequence the block of its next token, oldest first on each rank;
         while none is free, preempt the newest request of the rank (one a failed step holds out
-        stays). Returns how many were preempted."""
+        stays). Of a steady rank's sequences only those whose next position starts a block are
+        looked at (`_Steady`). Returns how many were preempted."""
         preempted = 0
         for rank, seqs in self.running.items():
             if not seqs:
                 continue
             pool = self.pools[rank]
             tables, size, held = pool.tables, self.block_size, self.held
-            for seq in list(seqs):
+            rec = steady.get(rank)
+            check = [rec.seqs[i] for i in rec.boundary(size)] + seqs[len(rec.seqs):] if rec is not None \
+                else list(seqs)
+            for seq in check:
                 if seq.rank != rank or len(tables[seq.seq_id]) * size >= len(seq.tokens) or seq.seq_id in held:
                     continue  # its table holds its next token already, or it is held out
                 while not pool.grow(seq.seq_id, len(seq.tokens)):
@@ -501,14 +549,17 @@ class Scheduler:
         seq.unplace()
         self.waiting.appendleft(seq)
 
-    def _take_unstarted(self) -> list[Sequence]:
+    def _take_unstarted(self, steady: dict[int, _Steady]) -> list[Sequence]:
         """Sequences placed on a rank that has run none of their tokens: they go back to be
-        placed again (their old rank frees any row a failed step gave them)."""
+        placed again (their old rank frees any row a failed step gave them). A steady rank's
+        first sequences all ran (`_Steady`): only those after them are looked at."""
         taken = []
-        for seqs in self.running.values():
+        for rank, seqs in self.running.items():
             if not seqs:
                 continue
-            for seq in [q for q in seqs if q.num_cached == q.unsent_prefix and q.seq_id not in self.held]:
+            rec = steady.get(rank)
+            tail = seqs[len(rec.seqs):] if rec is not None and seqs[:len(rec.seqs)] == rec.seqs else seqs
+            for seq in [q for q in tail if q.num_cached == q.unsent_prefix and q.seq_id not in self.held]:
                 self._release(seq)
                 seq.unplace()
                 taken.append(seq)
@@ -741,13 +792,16 @@ class Scheduler:
                     seq.kept, seq.kept_blocks = (rank, generation), len(c.block_ids)
                 self._advance(seq, c.start_pos + len(c.token_ids), sampled, out, generated)
         # The decode rows, a step's bulk (16,384 at 256 ranks x 64): `_advance` and the sequence's
-        # `append` and `check_finished` written out here, at ~1 us of Python a row less.
-        block_size = self.block_size
+        # `append` and `check_finished` written out here, at ~1 us of Python a row less. Each rank's
+        # rows that go on decoding are its `_Steady` record for the next `schedule`.
+        block_size, steady = self.block_size, {}
         for rank, rows in batch.decodes.items():
             pool = self.pools[rank]
+            seqs, sampled_tokens, left = [], [], False
             for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
                 seq = by_id.get(seq_id)
                 if seq is None or seq.rank != rank:
+                    left = True
                     continue
                 num_cached = seq.num_cached = position + 1  # a decode row's sequence has no unsent prefix
                 if num_cached % block_size == 0:  # it filled a block, to be keyed for prefix hits
@@ -755,6 +809,7 @@ class Scheduler:
                 token = sampled.get(seq_id)
                 if token is None:  # an error of its sampling: a prepared next step is not it
                     self.revision += 1
+                    left = True
                     continue
                 tokens = seq.tokens
                 tokens.append(token)
@@ -762,9 +817,17 @@ class Scheduler:
                 reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.limit else None
                 if reason is not None:
                     self._finished(seq, reason)
+                    left = True
+                else:
+                    seqs.append(seq)
+                    sampled_tokens.append(token)
                 out.append((seq_id, [token], reason, None))
                 if generated is not None:
                     generated.append((seq_id, len(seq.output)))
+            if seqs:
+                steady[rank] = _Steady(generation, seqs, [q.seq_id for q in seqs] if left else rows.seq_ids,
+                                       [q.num_cached - 1 for q in seqs] if left else rows.positions, sampled_tokens)
+        self._steady = steady
         return out
 
     def _advance(self, seq: Sequence, num_cached: int, sampled: dict[int, int], out: list[StepTokens],
@@ -804,6 +867,41 @@ def _without(decodes: dict[int, DecodeRows], left: list[tuple[int, int]]) -> dic
                                    [rows.positions[i] for i in kept],
                                    [(q, b) for q, b in rows.new_blocks if q not in gone])
     return out
+
+
+def _work_of(active: dict[int, list[Sequence]], steady: dict[int, _Steady]
+             ) -> tuple[dict[int, tuple[int, list[Sequence], list[Sequence]]], dict[int, int]]:
+    """`_rank_work` of each rank of `active` with sequences, and rank -> how many of its first
+    sequences are those of its `_Steady` record (each decoding, one token pending: not looked at)."""
+    work, steady_n = {}, {}
+    for r, qs in active.items():
+        if not qs:
+            continue
+        rec = steady.get(r)
+        n = len(rec.seqs) if rec is not None and qs[:len(rec.seqs)] == rec.seqs else 0
+        if n:
+            pending, decoding, others = _rank_work(qs[n:])
+            work[r], steady_n[r] = (n + pending, qs[:n] + decoding, others), n
+        else:
+            work[r] = _rank_work(qs)
+    return work, steady_n
+
+
+def _steady_rows(rec: _Steady, tables: dict[int, list[int]], block_size: int) -> DecodeRows | None:
+    """A steady rank's next decode rows (`_Steady`): each of its record's sequences at its position +
+    1 with the token it sampled, and the blocks the tables of those whose next position starts a
+    block grew by. None when one of those has no block for its next token (its pool was full): the
+    rank's sequences are then planned one by one."""
+    ends = [(rec.seqs[i], rec.positions[i]) for i in rec.boundary(block_size)]
+    if any(len(tables[seq.seq_id]) * block_size < position + 2 for seq, position in ends):
+        return None
+    new_blocks = []
+    for seq, _ in ends:
+        table = tables[seq.seq_id]
+        if len(table) > seq.kept_blocks:
+            new_blocks.extend((seq.seq_id, b) for b in table[seq.kept_blocks:])
+            seq.kept_blocks = len(table)
+    return DecodeRows(list(rec.seq_ids), rec.tokens, [p + 1 for p in rec.positions], new_blocks)
 
 
 def _rank_work(seqs: list[Sequence]) -> tuple[int, list[Sequence], list[Sequence]]:

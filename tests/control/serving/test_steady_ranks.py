@@ -1,0 +1,98 @@
+"""Steady ranks (control/serving/scheduler.py, `_Steady`): a rank whose sequences of the last
+committed step all decode again is planned from that step's rows, without a look at each
+sequence, and the step is the one planning each sequence gives. Checked step by step against a
+scheduler that plans every sequence, over a random workload with requests arriving every few
+steps, ends by EOS and length, aborts, failed steps, held sequences, preemptions for blocks and
+DP moves, every plan read by ranks that keep what they were told (runtime/held.py)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from test_compact_plans import Rank
+from test_scheduler import EOS, prompt_seq
+
+from elastic_ep.control.serving import scheduler as scheduler_module
+from elastic_ep.control.serving.alignment import AlignRule
+from elastic_ep.control.serving.scheduler import Scheduler, StepBatch
+from elastic_ep.runtime.held import HeldSequences
+from elastic_ep.wire import CONTROLLER_TO_WORKER, ClusterKey, Inbox, StepPlan, StepResult
+
+
+def planner(num_blocks: int) -> Scheduler:
+    s = Scheduler(max_num_seqs=6, max_num_batched_tokens=24, block_size=4, num_blocks=num_blocks,
+                  align=AlignRule(min_chunk=4, migrate="kv", patience=3))
+    s.set_ranks([0, 1, 2])
+    return s
+
+
+def sampled_of(batch: StepBatch) -> dict[int, int]:
+    """A token per sampling sequence, a pure function of it and its position; EOS now and then."""
+    return {q: (EOS if (q * 31 + p) % 47 == 0 else 100 + (q * 7 + p) % 300)
+            for r in batch.chunks for q, p, n, sample in batch.runs(r) if sample for p in (p + n,)}
+
+
+def answer(rank_id: int, plan: StepPlan, sampled: dict[int, int]) -> StepResult:
+    rows = plan.decode
+    tokens = {q: sampled[q] for q in ([c.seq_id for c in plan.chunks if c.sample] + (rows.seq_ids if rows else []))}
+    return StepResult(plan.epoch, plan.step, rank_id, tokens, 0.0, 0.0, 0.0, 0.0, np.zeros((0, 0), np.int32), 0, {})
+
+
+def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch):
+    steady_plans = []
+    rows_of = scheduler_module._steady_rows
+
+    def counted(*args):
+        rows = rows_of(*args)
+        steady_plans.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(scheduler_module, "_steady_rows", counted)
+    rng = random.Random(5)
+    key = ClusterKey.generate()
+    inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key)
+    fast, each = planner(24), planner(24)  # a small pool: decodes preempt for blocks
+    ranks = {r: Rank(r, 24, 4) for r in (0, 1, 2)}
+    last: dict[int, StepResult | None] = dict.fromkeys(ranks)
+    next_id, failed, preempted, moves = 0, 0, 0, 0
+    for step in range(500):
+        if rng.random() < 0.5:
+            prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(2, 14))]
+            max_tokens = rng.randrange(2, 80)
+            for s in (fast, each):
+                s.add(prompt_seq(next_id, prompt, max_tokens=max_tokens))
+            next_id += 1
+        if rng.random() < 0.02 and each.by_id:
+            victim = rng.choice(sorted(each.by_id))
+            for s in (fast, each):
+                s.abort(victim)
+        if rng.random() < 0.02 and each.by_id:
+            held = {rng.choice(sorted(each.by_id))} if not each.held else set()
+            for s in (fast, each):
+                s.hold(held)
+        each._steady = {}  # the reference: every sequence looked at, as before steady ranks
+        batch = fast.schedule()
+        assert batch == each.schedule(), step
+        preempted, moves = preempted + batch.preempted, moves + len(batch.moves)
+        sampled = sampled_of(batch)
+        for r, rank in ranks.items():
+            plan = inbox.read(key.seal(StepPlan(1, step, batch.chunks.get(r, []), batch.free.get(r, []),
+                                                kv_moves=batch.moves, decode=batch.decodes.get(r))))
+            HeldSequences.fill_sampled(plan, last[r])
+            rank.take(plan)
+            last[r] = answer(r, plan, sampled)
+        if rng.random() < 0.03:
+            for s in (fast, each):
+                s.step_failed(batch)
+            last, failed = dict.fromkeys(ranks), failed + 1
+            continue
+        assert fast.commit(batch, sampled) == each.commit(batch, sampled)
+        for r, rank in ranks.items():
+            for q in batch.seq_ids_on(r):
+                sq = fast.by_id.get(q)
+                if sq is not None and sq.rank == r:
+                    assert rank.held.tokens[q] == sq.tokens[:sq.num_cached], (step, q)
+    assert {q: s.output for q, s in fast.by_id.items()} == {q: s.output for q, s in each.by_id.items()}
+    # the workload reached every case: steady ranks planned from their rows, preemptions, moves, failures
+    assert steady_plans.count(True) > 300 and preempted > 5 and moves > 0 and failed > 5
