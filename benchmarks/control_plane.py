@@ -93,7 +93,7 @@ from elastic_ep.control.facade.api_bridge import ApiBridge, ServerSockets
 from elastic_ep.control.facade.to_loop import SignalRank
 from elastic_ep.control.gc_policy import tune_for_serving
 from elastic_ep.harness.standin import standin_model
-from elastic_ep.harness.standin_api import prompt_of
+from elastic_ep.harness.standin_api import prompt_of, request_tokens
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.wire import KEY_ENV, ClusterKey
@@ -138,22 +138,22 @@ def stop_standins(procs: list[subprocess.Popen]) -> None:
 
 class Load:
     """seqs sequences that decode for as long as the run lasts, consumed on an event loop thread:
-    each that ends (after max_tokens) is followed by another of the same prompt, so a run of
+    each that ends (after `request_tokens`) is followed by another of the same prompt, so a run of
     minutes keeps every sequence decoding (one of 1,500 tokens ran out after ~1,500 steps)."""
 
-    def __init__(self, ctl: Controller, seqs: int, prompt_len: int = 6, max_tokens: int = 1500):
+    def __init__(self, ctl: Controller, seqs: int, max_tokens: int = 0, prompt_len: int = 6):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.tokens = 0
         self.requests = 0  # requests that ended
         self.engine = ctl.engine
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for i in range(seqs):
-            asyncio.run_coroutine_threadsafe(self._consume(i, prompt_of(i, prompt_len), params), self.loop)
+            asyncio.run_coroutine_threadsafe(self._consume(i, prompt_of(i, prompt_len), max_tokens), self.loop)
 
-    async def _consume(self, i: int, prompt: list[int], params: SamplingParams) -> None:
+    async def _consume(self, i: int, prompt: list[int], max_tokens: int) -> None:
         for n in itertools.count():
+            params = SamplingParams(max_tokens=request_tokens(i, n, max_tokens), ignore_eos=True)
             async for out in self.engine.generate(GenerationRequest(f"r{i}.{n}", prompt, params, i)):
                 self.tokens += len(out.new_token_ids)
             self.requests += 1
@@ -182,7 +182,7 @@ class RemoteLoad:
     runs them: their outputs leave the control thread in one frame per server and step, and no
     event loop of this process wakes for them."""
 
-    def __init__(self, ctl: Controller, key: ClusterKey, seqs: int, servers: int):
+    def __init__(self, ctl: Controller, key: ClusterKey, seqs: int, servers: int, max_tokens: int = 0):
         self.workdir = Path(tempfile.mkdtemp(prefix="elastic-ep-bench-api-"))
         self.sockets = ServerSockets(zmq.Context.instance(), key, self.workdir, servers)
         ctl.streams.servers = self.sockets  # set before any request: the control thread reads it per step
@@ -191,7 +191,8 @@ class RemoteLoad:
         share = math.ceil(seqs / servers)
         self.procs = [subprocess.Popen([sys.executable, "-m", "elastic_ep.harness.standin_api", "--server", str(k),
                                         "--workdir", str(self.workdir), "--first", str(k * share),
-                                        "--count", str(min(share, seqs - k * share))],
+                                        "--count", str(min(share, seqs - k * share)),
+                                        "--max-tokens", str(max_tokens)],
                                        env={**os.environ, KEY_ENV: key.hex()})
                       for k in range(servers) if k * share < seqs]
 
@@ -199,6 +200,15 @@ class RemoteLoad:
         stop_standins(self.procs)
         self.bridge.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)  # the control thread's sockets close with its context
+
+
+def newest_seq_id(ctl: Controller) -> int:
+    """The highest sequence id in flight (ids are given in admission order), read from this thread."""
+    while True:
+        try:
+            return max(ctl.scheduler.by_id, default=0)
+        except RuntimeError:  # the dict changed while it was read
+            continue
 
 
 def wait_for(cond, timeout_s: float, what: str) -> None:
@@ -351,7 +361,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
               profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False,
               trace_frames: int = 0, step_results_via: str = "direct", step_plans_via: str = "direct",
               async_scheduling: bool = False, slow: tuple[str, ...] = (), placements_on_thread: bool = False,
-              api_servers: int = 0) -> dict:
+              api_servers: int = 0, max_tokens: int = 0) -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
@@ -382,7 +392,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
                 print(f"{e['time_s']:.3f} {e['kind']}: {e['message'][:200]}", file=sys.stderr)
             raise RuntimeError(f"the controller stopped: {ctl.published.fatal}")
         seqs = max(ranks * seqs_per_rank, 1)  # 0 per rank: one sequence, so steps run with empty plans elsewhere
-        load = RemoteLoad(ctl, key, seqs, api_servers) if api_servers else Load(ctl, seqs)
+        load = RemoteLoad(ctl, key, seqs, api_servers, max_tokens) if api_servers else Load(ctl, seqs, max_tokens)
         wait_for(lambda: sum(len(s) for s in ctl.scheduler.running.values()) >= seqs, 120,
                  "not every sequence was scheduled")
         step0 = ctl.cluster.step
@@ -391,7 +401,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         v0, h0, d0 = times.view(), dict(times.handled_s), dict(times.decode_s)
         beats0 = rank_heartbeats(ctl)
         n0, w0, s0, parts0 = times.steps, times.wall_s, times.slowest_rank_s, dict(times.part_s)
-        epoch0 = ctl.cluster.epoch
+        epoch0, admitted0 = ctl.cluster.epoch, newest_seq_id(ctl)
         profiler = ControlThreadProfile(ctl, profile) if profile else None
         cpu_clock = time.pthread_getcpuclockid(ctl._thread.ident)
         cpu0, t0, t0_wall = time.clock_gettime(cpu_clock), time.monotonic(), time.time()
@@ -432,6 +442,8 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "result_frames_per_step": round((handled.get("StepResult", 0) + handled.get("NodeStepResults", 0))
                                             / max(steps, 1), 1),
             "epochs_formed": ctl.cluster.epoch - epoch0,
+            # requests admitted a step in those seconds (each that ended followed by another: --max-tokens)
+            "admitted_per_step": round((newest_seq_id(ctl) - admitted0) / max(steps, 1), 1),
             # the longest stretch the control thread read no socket in (a placement on it, a GC pause)
             "longest_deaf_ms": round(1000 * ctl.plane.listening.longest_s, 1),
             # the straggler policy's decisions in those seconds (--slow): when, and what
@@ -625,6 +637,7 @@ def table(args) -> None:
                 else str(args.api_servers)
             step_modes = [*(["--step-results-via", results_via] if results_via != "direct" else []),
                           *(["--api-servers", servers] if servers != "0" else []),
+                          *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else []),
                           *(["--step-plans-via", args.step_plans_via] if args.step_plans_via != "direct" else []),
                           *(["--async-scheduling"] if args.async_scheduling else [])]
             if mode != "before" or old is not None:  # after, and a --baseline's code: this run's step modes
@@ -712,6 +725,10 @@ def main() -> None:
     parser.add_argument("--api-servers", type=int, default=0, metavar="N",
                         help="the load streamed by N stand-in API server processes (harness/standin_api.py), as "
                              "behind serve --api-server-count N; 0: by an event loop of this process")
+    parser.add_argument("--max-tokens", type=int, default=0, metavar="N",
+                        help="requests of N tokens, the first of each stream 1 + its index mod N, each that ends "
+                             "followed by another: about seqs / N arrive every step (`admitted_per_step`); 0: "
+                             "1,500 each, all started together (none ends in a short run)")
     parser.add_argument("--table-api-servers", default=None, metavar="COUNTS",
                         help="the table: instead of before and after, this code with each of these "
                              "--api-servers (e.g. 0,2), in turn")
@@ -729,7 +746,8 @@ def main() -> None:
     out = run_point(args.ranks, args.seqs_per_rank, args.seconds, args.step_ms, args.jitter_ms, args.processes,
                     args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
                     args.sample_s, args.warm_all, args.tracemalloc, args.step_results_via, args.step_plans_via,
-                    args.async_scheduling, tuple(args.slow), args.placements_on_thread, args.api_servers)
+                    args.async_scheduling, tuple(args.slow), args.placements_on_thread, args.api_servers,
+                    args.max_tokens)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

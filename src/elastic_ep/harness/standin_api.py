@@ -1,7 +1,7 @@
 """Stand-in API server processes: what `serve --api-server-count N` runs in front of the controller,
 without the HTTP. `python -m elastic_ep.harness.standin_api --server K --workdir DIR --first I
---count N` (the cluster key in $ELASTIC_EP_CLUSTER_KEY) streams N requests at once through the real
-API server engine (serve/remote_engine.py: `Generate` to the controller's API socket, a step's
+--count N [--max-tokens M]` (the cluster key in $ELASTIC_EP_CLUSTER_KEY) streams N requests at
+once through the real API server engine (serve/remote_engine.py: `Generate` to the controller's API socket, a step's
 outputs in one `StreamOutputs` frame per server), each followed by another of the same prompt when
 it ends, until SIGTERM. With it a benchmark's streams are consumed outside the controller's
 process, as they are behind `--api-server-count`, and not by an event loop sharing its GIL.
@@ -25,12 +25,22 @@ from elastic_ep.wire import key_from_env
 
 
 def prompt_of(i: int, prompt_len: int) -> list[int]:
-    """Request `i`'s prompt, the one benchmarks/control_plane.py's in-process load sends it."""
+    """Stream `i`'s prompt, the one benchmarks/control_plane.py's in-process load sends it."""
     return [2 + (i + j) % 300 for j in range(prompt_len)]
 
 
-async def consume(engine: RemoteEngine, i: int, prompt: list[int], params: SamplingParams) -> None:
+def request_tokens(i: int, n: int, max_tokens: int) -> int:
+    """The length of stream `i`'s `n`-th request: `max_tokens`, the first 1 + i mod `max_tokens`, so
+    that the streams' requests end (and the next arrive) spread over the steps; 0: 1,500 each, all
+    started together."""
+    if not max_tokens:
+        return 1500
+    return 1 + i % max_tokens if n == 0 else max_tokens
+
+
+async def consume(engine: RemoteEngine, i: int, prompt: list[int], max_tokens: int) -> None:
     for n in itertools.count():
+        params = SamplingParams(max_tokens=request_tokens(i, n, max_tokens), ignore_eos=True)
         async for _ in engine.generate(GenerationRequest(f"r{i}.{n}", prompt, params, i)):
             pass
 
@@ -38,10 +48,9 @@ async def consume(engine: RemoteEngine, i: int, prompt: list[int], params: Sampl
 async def serve(args: argparse.Namespace) -> None:
     info = EngineInfo("standin", 0, (), {})  # what `generate` does not read
     engine = RemoteEngine(info, args.server, key_from_env(), Path(args.workdir))
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    tasks = [asyncio.ensure_future(consume(engine, i, prompt_of(i, args.prompt_len), params))
+    tasks = [asyncio.ensure_future(consume(engine, i, prompt_of(i, args.prompt_len), args.max_tokens))
              for i in range(args.first, args.first + args.count)]
     await stop.wait()
     for task in tasks:  # each stream's end aborts its request
@@ -56,7 +65,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--first", type=int, required=True, help="the first request's index")
     parser.add_argument("--count", type=int, required=True, help="requests streamed at once")
     parser.add_argument("--prompt-len", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=1500)
+    parser.add_argument("--max-tokens", type=int, default=0, help="requests' length (`request_tokens`)")
     args = parser.parse_args(argv)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the parent
