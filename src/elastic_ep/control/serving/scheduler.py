@@ -56,6 +56,16 @@ batch only while it is the one it was prepared at, less the sequences that ended
 in the step, or aborted: their rows out, their frees in, as `schedule` would plan them), so it is
 the step `schedule` would have planned; otherwise it drops it (its grown blocks stay in the
 tables, where `schedule` would have put them).
+Steady ranks: `commit` keeps each rank's decode rows whose sequences sampled a token and did not
+end (`_Steady`). In the next `schedule`, while those sequences are still the first of their
+rank's, nothing is held out and no KV offer is open, each of them decodes again: its position + 1,
+the token it sampled, and a block only for one whose next position starts a block (a table holds
+the position it ran). So the rank's rows come from those lists, and only the sequences placed
+since, and those whose block may be full, are looked at: `_make_room`, `_take_unstarted`, the
+rank's work sums and its rows skip the rest. Anything else (a preemption or a DP move on the rank,
+a failed step, an epoch change: `forget_kept`, caps below the rank's decodes, a sequence without a
+block) plans the rank one sequence at a time, as before: the steps are the same either way
+(tests/control/serving/test_steady_ranks.py checks them step by step).
 
 Nothing here does I/O; the controller calls `schedule`, runs the step, then `commit`.
 """
@@ -431,7 +441,7 @@ class Scheduler:
         admitted = unstarted + [self.waiting.popleft() for _ in range(taken)]
         self._waits = [0, 0]
         unplaced = []
-        ahead = {r: sum(q.pending for q in seqs) for r, seqs in self.running.items()} if admitted else {}
+        ahead = _pending_of(self.running, steady) if admitted else {}
         # Longest first onto the rank where it adds least: the classic greedy for even sums.
         for seq in sorted(admitted, key=lambda q: -q.pending):
             if not self._place(seq, ahead):  # no rank has room or blocks for it: it waits, in its place in the queue
@@ -885,6 +895,17 @@ def _work_of(active: dict[int, list[Sequence]], steady: dict[int, _Steady]
         else:
             work[r] = _rank_work(qs)
     return work, steady_n
+
+
+def _pending_of(running: dict[int, list[Sequence]], steady: dict[int, _Steady]) -> dict[int, int]:
+    """rank -> tokens pending on it (the work ahead a new sequence's placement weighs): a steady
+    rank's first sequences one each (`_Steady`), the others' counted."""
+    ahead = {}
+    for r, seqs in running.items():
+        rec = steady.get(r)
+        n = len(rec.seqs) if rec is not None and seqs[:len(rec.seqs)] == rec.seqs else 0
+        ahead[r] = n + sum(len(q.tokens) - q.num_cached for q in seqs[n:])  # `Sequence.pending`, written out
+    return ahead
 
 
 def _steady_rows(rec: _Steady, tables: dict[int, list[int]], block_size: int) -> DecodeRows | None:
