@@ -185,7 +185,9 @@ def rank_heartbeats_us(per_node: int, ranks: int = 64, frames: int = 8_000) -> f
 def controller_of(ranks: int, per_node: int) -> tuple[Controller, list[str]]:
     """A Controller (not started) whose `ranks` members in epoch 0 are registered on nodes of 8 with
     their agents (session "s"), and the nodes' names."""
-    cfg = ServeConfig(model_dir=str(standin_model()), model_name="standin", ep_size=ranks, ranks_per_node=per_node)
+    # past 256 ranks, an expert per rank (the controller refuses fewer)
+    cfg = ServeConfig(model_dir=str(standin_model(max(256, ranks))), model_name="standin", ep_size=ranks,
+                      ranks_per_node=per_node)
     ctl = Controller(cfg, ClusterKey.generate())
     c = ctl.cluster
     nodes = [f"n{i}" for i in range(ranks // 8)]
