@@ -49,6 +49,12 @@ def test_a_connected_nodes_plans_go_in_one_frame_the_others_direct():
             assert time.monotonic() < deadline
             time.sleep(0.02)
         agent.recv_multipart()
+        for sock in ranks.values():  # each rank's connection is up once the step socket hears it
+            sock.send(b"up")
+        heard = set()
+        while len(heard) < len(ranks):
+            assert plane.step_sock.poll(5000), f"ranks heard: {sorted(heard)}"
+            heard.add(plane.step_sock.recv_multipart()[0])
         empty, busy = StepPlan(2, 9, [], []), StepPlan(2, 9, [], [4])
         plans = [(0, empty), (1, busy), (2, empty), (3, empty), (4, empty)]
         plane.plans_to_workers(plans, {0: "n0", 1: "n0", 2: "n0", 3: "n1"})  # rank 4: no agent known
