@@ -90,10 +90,12 @@ from .alignment import AlignRule, DecodeBalance, rank_caps, sequence_to_move
 StepTokens = tuple[int, list[int], str | None, list[TokenLogprobs] | None]
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class Sequence:
     """A request in flight. `num_cached`: leading tokens whose KV is on `rank`; `unsent_prefix`:
-    leading tokens a prefix hit found in blocks of `rank` that the rank has not been told of."""
+    leading tokens a prefix hit found in blocks of `rank` that the rank has not been told of.
+    Slotted (a step reads and writes a few fields of every sequence in flight) and compared by
+    identity: two sequences are never the same request, and the running lists find theirs by it."""
 
     seq_id: int
     request: GenerationRequest
