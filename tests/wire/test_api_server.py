@@ -20,18 +20,18 @@ def test_a_steps_outputs_reach_their_server_in_one_frame(tmp_path):
     pull.bind(tokens_address(tmp_path, 1))
     sockets = ServerSockets(ctx, key, tmp_path, count=2)
     lps = [TokenLogprobs(-0.5, ((9, -0.5), (3, -1.0)))]
+    frame = StreamOutputs([50, 60, 70], [2, 1, 0], [7, 8, 9], [(1, "stop"), (2, "error")], [(2, "rank 2 failed")],
+                          [(1, lps)])
     try:
-        assert sockets.send(1, [(5, 50, [7, 8], None, None, None), (6, 60, [9], "stop", None, lps),
-                                (7, 70, [], "error", "rank 2 failed", None)])
-        assert not sockets.send(2, [(8, 80, [1], None, None, None)])  # no such server
+        assert sockets.send(1, frame)
+        assert not sockets.send(2, StreamOutputs([80], [1], [1]))  # no such server
         assert pull.poll(5000)
         msg = Inbox("api_tokens", StreamOutputs, key).read(pull.recv_multipart(copy=False))
     finally:
         sockets.close()
         pull.close(0)
         ctx.term()
-    assert msg == StreamOutputs([50, 60, 70], [2, 1, 0], [7, 8, 9], [(1, "stop"), (2, "error")],
-                                [(2, "rank 2 failed")], [(1, lps)])
+    assert msg == frame
     assert msg.check() is None
 
 
@@ -51,7 +51,7 @@ def test_a_server_that_reads_nothing_is_given_up_at_the_high_water_mark(tmp_path
     sockets = ServerSockets(ctx, ClusterKey.generate(), tmp_path, count=1)  # nobody binds tokens-0.sock
     try:
         sent = 0
-        while sent < 1000 and sockets.send(0, [(1, 10, [7], None, None, None)]):
+        while sent < 1000 and sockets.send(0, StreamOutputs([10], [1], [7])):
             sent += 1
     finally:
         sockets.close()

@@ -15,7 +15,7 @@ from elastic_ep.control.api import GenerationRequest, RequestOutput
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
 from elastic_ep.control.serving.streams import RemoteStream, Stream, Streams
 from elastic_ep.control.tracing import RequestTraces
-from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 from elastic_ep.wire.api_server import StreamOutputs
 
 
@@ -169,10 +169,16 @@ def test_remote_streams_reach_each_server_in_one_send_per_step_beside_the_loops(
         streams.deliver_step([(0, [5], None, None), (1, [6], None, None), (2, [7], "stop", None),
                               (3, [8], None, None), (4, [9], None, None)])
         streams.deliver_step([(1, [11], None, None), (2, [12], None, None), (3, [13], None, None)])
+        lps = [TokenLogprobs(-0.5, ((15, -0.5),))]
+        streams.deliver_step([(1, [15], None, lps)])
+        streams.end_with_error(4, "rank 2 failed")
         got = drained(loop, {0: queue_of(streams, 0)})
     assert servers.sent[:2] == [(0, StreamOutputs([11, 12, 14], [1, 1, 1], [6, 7, 9], [(1, "stop")])),
                                 (1, StreamOutputs([13], [1], [8]))]
-    assert servers.sent[2:] == [(0, StreamOutputs([11], [1], [11]))]  # 2 ended, 3's server is gone
+    assert servers.sent[2:] == [(0, StreamOutputs([11], [1], [11])),  # 2 ended, 3's server is gone
+                                (0, StreamOutputs([11], [1], [15], logprobs=[(0, lps)])),
+                                (0, StreamOutputs([14], [0], [], [(0, "error")], [(0, "rank 2 failed")]))]
     assert got[0] == [RequestOutput("r0", [5])]
-    assert set(scheduler.by_id) == {0, 1, 2, 4}  # server 1's request aborted, its KV freed (2 ends in its step)
-    assert sorted((t.seq_id, t.finish_reason) for t in sink.requests) == [(2, "stop"), (3, "abort")]
+    # server 1's request aborted, its KV freed (2 ends in its step; 4 ended with its error)
+    assert set(scheduler.by_id) == {0, 1, 2}
+    assert sorted((t.seq_id, t.finish_reason) for t in sink.requests) == [(2, "stop"), (3, "abort"), (4, "error")]
