@@ -219,9 +219,10 @@ class Publisher:
         c, m = self.cluster, self.metrics
         unix_now = time.time()
         up, stalled, heartbeat_age, progress_at, flagged = {}, {}, {}, {}, {}
+        member_set = set(c.members)  # a list's `in` per rank was quadratic in the ranks
         for r in c.ranks.values():
             rank_id, lv = r.rank_id, liveness.get(r.rank_id)
-            serving = rank_id in c.members and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
+            serving = rank_id in member_set and r.status in (RankStatus.SERVING, RankStatus.DRAINING)
             up[rank_id] = int(serving and lv is not None and lv.state != Liveness.STALLED)
             stalled[rank_id] = lv.stalled_s or 0.0 if lv is not None else 0.0
             if r.last_heartbeat:
