@@ -523,7 +523,7 @@ class Scheduler:
             return {}
         generation, running = self.kept_generation, self.running
         return {r: rec for r, rec in records.items()
-                if rec.generation == generation and running.get(r, [])[:len(rec.seqs)] == rec.seqs}
+                if rec.generation == generation and _steady_prefix(rec, running.get(r, []))}
 
     def _make_room(self, steady: dict[int, _Steady]) -> int:
         """Give every decoding sequence the block of its next token, oldest first on each rank;
@@ -569,8 +569,7 @@ class Scheduler:
         for rank, seqs in self.running.items():
             if not seqs:
                 continue
-            rec = steady.get(rank)
-            tail = seqs[len(rec.seqs):] if rec is not None and seqs[:len(rec.seqs)] == rec.seqs else seqs
+            tail = seqs[_steady_prefix(steady.get(rank), seqs):]
             for seq in [q for q in tail if q.num_cached == q.unsent_prefix and q.seq_id not in self.held]:
                 self._release(seq)
                 seq.unplace()
@@ -881,6 +880,12 @@ def _without(decodes: dict[int, DecodeRows], left: list[tuple[int, int]]) -> dic
     return out
 
 
+def _steady_prefix(rec: _Steady | None, seqs: list[Sequence]) -> int:
+    """How many of `seqs` (a rank's, in order) are its `_Steady` record's: all of the record's when
+    they are the first of `seqs`, else 0 (or no record)."""
+    return len(rec.seqs) if rec is not None and seqs[:len(rec.seqs)] == rec.seqs else 0
+
+
 def _work_of(active: dict[int, list[Sequence]], steady: dict[int, _Steady]
              ) -> tuple[dict[int, tuple[int, list[Sequence], list[Sequence]]], dict[int, int]]:
     """`_rank_work` of each rank of `active` with sequences, and rank -> how many of its first
@@ -889,8 +894,7 @@ def _work_of(active: dict[int, list[Sequence]], steady: dict[int, _Steady]
     for r, qs in active.items():
         if not qs:
             continue
-        rec = steady.get(r)
-        n = len(rec.seqs) if rec is not None and qs[:len(rec.seqs)] == rec.seqs else 0
+        n = _steady_prefix(steady.get(r), qs)
         if n:
             pending, decoding, others = _rank_work(qs[n:])
             work[r], steady_n[r] = (n + pending, qs[:n] + decoding, others), n
@@ -904,8 +908,7 @@ def _pending_of(running: dict[int, list[Sequence]], steady: dict[int, _Steady]) 
     rank's first sequences one each (`_Steady`), the others' counted."""
     ahead = {}
     for r, seqs in running.items():
-        rec = steady.get(r)
-        n = len(rec.seqs) if rec is not None and seqs[:len(rec.seqs)] == rec.seqs else 0
+        n = _steady_prefix(steady.get(r), seqs)
         ahead[r] = n + sum(len(q.tokens) - q.num_cached for q in seqs[n:])  # `Sequence.pending`, written out
     return ahead
 
