@@ -11,8 +11,6 @@ $PROMETHEUS_MULTIPROC_DIR names where its HTTP metrics go. It ends with its pare
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -27,6 +25,7 @@ from elastic_ep.commands.http_server import run_http
 from elastic_ep.commands.log_options import configure_logging
 from elastic_ep.control.api import EngineInfo
 from elastic_ep.model.tokenizer import load_tokenizer
+from elastic_ep.parent_death import end_with_parent
 from elastic_ep.serve.app import create_api_server_app
 from elastic_ep.serve.guard import ADMIN_API_KEY_ENV, API_KEY_ENV, HttpGuard
 from elastic_ep.serve.remote_engine import RemoteEngine
@@ -54,8 +53,7 @@ class ApiServerLaunch(msgspec.Struct, frozen=True):
 
 def main(argv: list[str]) -> int:
     launch = msgspec.json.decode(argv[0], type=ApiServerLaunch)
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with serve
+    end_with_parent(signal.SIGTERM)  # it ends with serve
     configure_logging(launch.log_level, launch.log_format)
     workdir = Path(launch.workdir)
     info = EngineInfo(launch.model_name, launch.max_model_len, launch.eos_token_ids, launch.info_extra)

@@ -49,7 +49,6 @@ deployment's cluster key (`--cluster-key-file`, else $ELASTIC_EP_CLUSTER_KEY), a
 from __future__ import annotations
 
 import argparse
-import ctypes
 import heapq
 import itertools
 import os
@@ -69,6 +68,7 @@ from elastic_ep.model.config import MoEConfig
 from elastic_ep.model.tiny import cache_dir, make_tiny
 from elastic_ep.node.lease import Lease
 from elastic_ep.node.step_gather import StepGather, node_results
+from elastic_ep.parent_death import end_with_parent
 from elastic_ep.runtime.plan_order import PlanOrder, Verdict
 from elastic_ep.runtime.warmth import slots_to_warm
 from elastic_ep.wire import (
@@ -710,10 +710,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the deployment's cluster key (as `elastic-ep agent`; default $ELASTIC_EP_CLUSTER_KEY)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:  # the stand-ins end with whoever started them, as real ranks end with their agent
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    end_with_parent(signal.SIGTERM)  # the stand-ins end with whoever started them, as real ranks with their agent
     host = StandInHost(ClusterKey.read(args.cluster_key_file) if args.cluster_key_file else key_from_env())
     if args.model:
         host.model(args.model)

@@ -1,9 +1,9 @@
 """Stand-in API server processes: what `serve --api-server-count N` runs in front of the controller,
 without the HTTP. `python -m elastic_ep.harness.standin_api --server K --workdir DIR --first I
 --count N [--max-tokens M]` (the cluster key in $ELASTIC_EP_CLUSTER_KEY) streams N requests at
-once through the real API server engine (serve/remote_engine.py: `Generate` to the controller's API socket, a step's
-outputs in one `StreamOutputs` frame per server), each followed by another of the same prompt when
-it ends, until SIGTERM. With it a benchmark's streams are consumed outside the controller's
+once through the real API server engine (serve/remote_engine.py: `Generate` to the controller's
+API socket, a step's outputs in one `StreamOutputs` frame per server), each followed by another of
+the same prompt when it ends, until SIGTERM. With it a benchmark's streams are consumed outside the controller's
 process, as they are behind `--api-server-count`, and not by an event loop sharing its GIL.
 """
 
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import itertools
 import signal
 import sys
@@ -20,6 +18,7 @@ from pathlib import Path
 
 from elastic_ep.control.api import EngineInfo, GenerationRequest
 from elastic_ep.model.sampling import SamplingParams
+from elastic_ep.parent_death import end_with_parent
 from elastic_ep.serve.remote_engine import RemoteEngine
 from elastic_ep.wire import key_from_env
 
@@ -67,8 +66,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-len", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=0, help="requests' length (`request_tokens`)")
     args = parser.parse_args(argv)
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the parent
+    end_with_parent(signal.SIGTERM)
     asyncio.run(serve(args))
     return 0
 

@@ -47,7 +47,6 @@ $ELASTIC_EP_CLUSTER_KEY) or not of its socket.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import signal
@@ -76,6 +75,7 @@ from elastic_ep.model.model import MoEForCausalLM, SeqChunk
 from elastic_ep.model.read_throttle import ReadThrottle
 from elastic_ep.model.sampling import TokenHistory, sample_tokens
 from elastic_ep.node.priority import prioritize_this_thread
+from elastic_ep.parent_death import end_with_parent
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.wire import (
     AGENT_TO_WORKER,
@@ -143,14 +143,6 @@ EMPTY_LOAD = np.zeros((0, 0), dtype=np.int32)  # a StepResult whose plan did not
 # between tries at a leader's store the worker sees a new leader announced (`NewLeader`) and goes there
 STORE_RETRY_S = 1.0
 PAD_SEQ = -2  # the step's padding tokens (the warm-up's dummy sequence is -1; the controller numbers from 0)
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class Worker:
@@ -804,7 +796,7 @@ def connect_store(host: str, port: int, timeout_s: float, superseded: Callable[[
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
+    end_with_parent(signal.SIGKILL)
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     args = WorkerArgs.from_json(argv[0])
