@@ -1,9 +1,11 @@
 """Steady ranks (control/serving/scheduler.py, `_Steady`): a rank whose sequences of the last
 committed step all decode again is planned from that step's rows, without a look at each
-sequence, and the step is the one planning each sequence gives. Checked step by step against a
-scheduler that plans every sequence, over a random workload with requests arriving every few
-steps, ends by EOS and length, aborts, failed steps, held sequences, preemptions for blocks and
-DP moves, every plan read by ranks that keep what they were told (runtime/held.py)."""
+sequence, and the step is the one planning each sequence gives; its rows are committed as
+columns, and the step's outputs are those of committing row by row. Checked step by step against
+a scheduler that plans every sequence and commits row by row, over a random workload with
+requests arriving every few steps, ends by EOS and length, aborts (between steps and while a step
+runs), failed steps, held sequences, preemptions for blocks and DP moves, every plan read by ranks
+that keep what they were told (runtime/held.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,15 @@ def answer(rank_id: int, plan: StepPlan, sampled: dict[int, int]) -> StepResult:
     return StepResult(plan.epoch, plan.step, rank_id, tokens, 0.0, 0.0, 0.0, 0.0, np.zeros((0, 0), np.int32), 0, {})
 
 
+def outputs_of(out: list, columns: list) -> dict[int, tuple]:
+    """seq_id -> (new tokens, finish reason, logprobs) of a commit's outputs, its columns' rows too."""
+    by_seq = {q: (tokens, reason, lps) for q, tokens, reason, lps in out}
+    for _, seq_ids, tokens in columns:
+        assert not by_seq.keys() & set(seq_ids)
+        by_seq.update((q, ([t], None, None)) for q, t in zip(seq_ids, tokens, strict=True))
+    return by_seq
+
+
 def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch):
     steady_plans = []
     rows_of = scheduler_module._steady_rows
@@ -55,7 +66,7 @@ def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch
     fast, each = planner(24), planner(24)  # a small pool: decodes preempt for blocks
     ranks = {r: Rank(r, 24, 4) for r in (0, 1, 2)}
     last: dict[int, StepResult | None] = dict.fromkeys(ranks)
-    next_id, failed, preempted, moves = 0, 0, 0, 0
+    next_id, failed, preempted, moves, aborted_in_step, column_rows = 0, 0, 0, 0, 0, 0
     for step in range(500):
         if rng.random() < 0.5:
             prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(2, 14))]
@@ -87,12 +98,22 @@ def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch
                 s.step_failed(batch)
             last, failed = dict.fromkeys(ranks), failed + 1
             continue
-        assert fast.commit(batch, sampled) == each.commit(batch, sampled)
+        if rng.random() < 0.05 and batch.steady:  # a sequence of a steady rank aborted while its step runs
+            victim = rng.choice(sorted(q for rec in batch.steady.values() for q in rec.seq_ids))
+            for s in (fast, each):
+                s.abort(victim)
+            aborted_in_step += 1
+        columns: list = []
+        assert outputs_of(fast.commit(batch, sampled, columns=columns), columns) == outputs_of(
+            each.commit(batch, sampled), [])
+        column_rows += sum(len(ids) for _, ids, _ in columns)
         for r, rank in ranks.items():
             for q in batch.seq_ids_on(r):
                 sq = fast.by_id.get(q)
                 if sq is not None and sq.rank == r:
                     assert rank.held.tokens[q] == sq.tokens[:sq.num_cached], (step, q)
     assert {q: s.output for q, s in fast.by_id.items()} == {q: s.output for q, s in each.by_id.items()}
-    # the workload reached every case: steady ranks planned from their rows, preemptions, moves, failures
+    # the workload reached every case: steady ranks planned from their rows and committed as columns,
+    # preemptions, moves, failures, aborts while a step ran
     assert steady_plans.count(True) > 300 and preempted > 5 and moves > 0 and failed > 5
+    assert column_rows > 1000 and aborted_in_step > 5

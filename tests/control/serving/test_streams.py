@@ -182,3 +182,32 @@ def test_remote_streams_reach_each_server_in_one_send_per_step_beside_the_loops(
     # server 1's request aborted, its KV freed (2 ends in its step; 4 ended with its error)
     assert set(scheduler.by_id) == {0, 1, 2}
     assert sorted((t.seq_id, t.finish_reason) for t in sink.requests) == [(2, "stop"), (3, "abort"), (4, "error")]
+
+
+def test_a_ranks_column_reaches_its_servers_and_loops_as_its_rows_would():
+    """Columns (`Scheduler.commit`'s steady rows) go where the same rows as tuples go, in one send per
+    server and one hand-over per loop, beside the step's tuples; where each output goes is worked out
+    again when the rank's column changes, and a closed loop aborts the column's requests as a server
+    that is gone does."""
+    closed = CountingLoop()
+    closed.close()
+    with running_loop() as loop:
+        streams, scheduler, sink = streams_of([0, 1, 5], [loop, closed, loop])
+        servers = streams.servers = Servers(gone={1})
+        for seq_id, server in ((2, 0), (3, 1), (4, 0)):
+            scheduler.add(Sequence(seq_id, GenerationRequest(f"r{seq_id}", [1], SamplingParams(max_tokens=8), 0),
+                                   64, (0,)))
+            streams.traces.arrived(seq_id, f"r{seq_id}", 1)
+            streams.add(seq_id, RemoteStream(f"r{seq_id}", server, 10 + seq_id))
+        streams.deliver_step([(4, [9], None, None)], [(7, [0, 2, 1, 3, 5], [5, 6, 7, 8, 9])])
+        handed = loop.handed
+        streams.deliver_step([], [(7, [0, 2, 5], [15, 16, 19])])  # 1 and 3 left the rank: its column changed
+        streams.deliver_step([], [(7, [0, 2, 5], [25, 26, 29])])
+        got = drained(loop, {0: queue_of(streams, 0), 5: queue_of(streams, 5)})
+    assert handed == 1  # one hand-over for the loop's two streams of the column
+    assert servers.sent == [(0, StreamOutputs([12, 14], [1, 1], [6, 9])), (1, StreamOutputs([13], [1], [8])),
+                            (0, StreamOutputs([12], [1], [16])), (0, StreamOutputs([12], [1], [26]))]
+    assert got == {0: [RequestOutput("r0", [5]), RequestOutput("r0", [15]), RequestOutput("r0", [25])],
+                   5: [RequestOutput("r5", [9]), RequestOutput("r5", [19]), RequestOutput("r5", [29])]}
+    assert set(scheduler.by_id) == {0, 2, 4, 5}  # 1's loop closed, 3's server gone: aborted
+    assert sorted((t.seq_id, t.finish_reason) for t in sink.requests) == [(1, "abort"), (3, "abort")]

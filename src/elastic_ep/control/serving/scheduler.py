@@ -85,6 +85,8 @@ from ..api import GenerationRequest
 from .adopted_kv import KVOffers
 from .alignment import AlignRule, DecodeBalance, rank_caps, sequence_to_move
 
+_NO_LIMIT = 1 << 62  # a `_Steady` record's room before any sequence is in it
+
 # One sequence's output of a step: (seq_id, new token ids, finish reason (None: still running), one
 # TokenLogprobs per new token or None); a plain tuple, cheaper to build than a RequestOutput.
 StepTokens = tuple[int, list[int], str | None, list[TokenLogprobs] | None]
@@ -172,7 +174,7 @@ class StepBatch:
     wait for a prefix another sequence is computing; `prefix_waiting`: requests that wait
     through this step (those that began included); `kv_kept`, `kv_reprefilled`: of the
     journaled requests a new leader placed in this step, the positions whose KV an adopted rank
-    kept and those computed again (control/serving/adopted_kv.py)."""
+    kept and those computed again (control/serving/adopted_kv.py); `steady`: see `commit`."""
 
     chunks: dict[int, list[ChunkPlan]]
     free: dict[int, list[int]]
@@ -187,6 +189,9 @@ class StepBatch:
     prefix_waiting: int = 0
     kv_kept: int = 0
     kv_reprefilled: int = 0
+    # rank -> the `_Steady` record its first decode rows were planned from (`commit`'s columns); not
+    # part of what the step is
+    steady: dict[int, _Steady] = field(default_factory=dict, compare=False, repr=False)
 
     def tokens_per_rank(self) -> dict[int, int]:
         decodes = self.decodes
@@ -216,18 +221,22 @@ class StepBatch:
 @dataclass
 class _Steady:
     """A rank's decode rows of the last committed step, those whose token was sampled and did not
-    end them, in the rows' order: `positions` the positions they ran, `tokens` the tokens sampled.
-    While these sequences are still the first of the rank's (a prefix of its running list: those
-    placed since follow them), and the generation of what the ranks keep is the same, each of them
-    decodes again in the next step, at its position + 1 with the token it sampled, and only one
+    end them, in the rows' order: `positions` the positions they ran, `tokens` the tokens sampled;
+    `stops` every token that ends one of them, `room` the fewest tokens one of them may still
+    generate. While these sequences are still the first of the rank's (a prefix of its running list:
+    those placed since follow them), and the generation of what the ranks keep is the same, each of
+    them decodes again in the next step, at its position + 1 with the token it sampled, and only one
     whose next position starts a block can need one: `schedule` plans them from these lists,
-    without a look at each sequence (module docstring, "Steady ranks")."""
+    without a look at each sequence, and `commit` ends none of them when no sampled token is in
+    `stops` and `room` is 2 or more (module docstring, "Steady ranks")."""
 
     generation: int
     seqs: list[Sequence]
     seq_ids: list[int]
     positions: list[int]
     tokens: list[int]
+    stops: frozenset[int]
+    room: int
     _boundary: list[int] | None = None
 
     def boundary(self, block_size: int) -> list[int]:
@@ -465,6 +474,7 @@ class Scheduler:
             caps = rank_caps(decode, prefill, budget, align.min_chunk)
         chunks: dict[int, list[ChunkPlan]] = {r: [] for r in self.running}
         decodes: dict[int, DecodeRows] = {}
+        planned_steady: dict[int, _Steady] = {}
         queried = hit = 0
         block_size, generation = self.block_size, self.kept_generation
         for rank, seqs in active.items():  # not `busy`: a migration may have given an idle rank a sequence
@@ -474,7 +484,7 @@ class Scheduler:
             kept, rows, tables = (rank, generation), None, self.pools[rank].tables
             n = steady_n.get(rank, 0)
             if n and cap >= n and (rows := _steady_rows(steady[rank], tables, block_size)) is not None:
-                decodes[rank], used = rows, n
+                decodes[rank], planned_steady[rank], used = rows, steady[rank], n
             else:
                 n = 0
             for seq in (work[rank][1] + work[rank][2] if align.enabled else seqs)[n:]:  # decodes first
@@ -512,7 +522,7 @@ class Scheduler:
         kv_kept, kv_reprefilled = ((offers.counts["reused"] - taken_over[0],
                                     offers.counts["reprefilled"] - taken_over[1]) if offers is not None else (0, 0))
         return StepBatch(chunks, free, decodes, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits,
-                         kv_kept, kv_reprefilled)
+                         kv_kept, kv_reprefilled, planned_steady)
 
     def _steady_records(self) -> dict[int, _Steady]:
         """The last commit's `_Steady` records that still hold: of this generation, their sequences
@@ -781,14 +791,17 @@ class Scheduler:
         )
         return n
 
-    def commit(self, batch: StepBatch, sampled: dict[int, int],
-               generated: list[tuple[int, int]] | None = None) -> list[StepTokens]:
+    def commit(self, batch: StepBatch, sampled: dict[int, int], generated: list[tuple[int, int]] | None = None,
+               columns: list[tuple[int, list[int], list[int]]] | None = None) -> list[StepTokens]:
         """Apply a finished step: advance caches, append sampled tokens, retire finished
         sequences. Returns (seq_id, [its new token], finish reason, None) of every sequence that
         sampled one, as the streams take them (the step loop puts in the logprobs); with
         `generated`, (seq_id, tokens generated so far) of each is appended to it (the request
         traces). A sequence whose `ChunkPlan` ran on its rank is kept there from now on (module
-        docstring)."""
+        docstring). With `columns` (and no `generated`), a rank whose first decode rows were planned
+        from its `_Steady` record, none of whose sequences left it since and none of which this step
+        ends, has those rows committed as columns: (rank, their seq_ids, their tokens) is appended
+        to `columns` instead of a tuple per row to the list returned (`_commit_columns`)."""
         self._uncommitted = False
         for move in batch.moves:
             self._rehome(move)
@@ -806,10 +819,15 @@ class Scheduler:
         # `append` and `check_finished` written out here, at ~1 us of Python a row less. Each rank's
         # rows that go on decoding are its `_Steady` record for the next `schedule`.
         block_size, steady = self.block_size, {}
+        by_columns = columns is not None and generated is None
         for rank, rows in batch.decodes.items():
             pool = self.pools[rank]
-            seqs, sampled_tokens, left = [], [], False
-            for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
+            lead = batch.steady.get(rank) if by_columns else None
+            lead_tokens = self._commit_columns(rank, rows, lead, sampled, columns) if lead is not None else None
+            n = len(lead.seqs) if lead_tokens is not None else 0
+            seqs, sampled_tokens, left, stops, room = [], [], False, set(), lead.room - 1 if n else _NO_LIMIT
+            for seq_id, position in zip(rows.seq_ids[n:] if n else rows.seq_ids,
+                                        rows.positions[n:] if n else rows.positions, strict=True):
                 seq = by_id.get(seq_id)
                 if seq is None or seq.rank != rank:
                     left = True
@@ -825,21 +843,59 @@ class Scheduler:
                 tokens = seq.tokens
                 tokens.append(token)
                 seq.output.append(token)
-                reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.limit else None
+                more = seq.limit - len(tokens)  # tokens it may still generate
+                reason = "stop" if token in seq.stop_ids else "length" if more <= 0 else None
                 if reason is not None:
                     self._finished(seq, reason)
                     left = True
                 else:
                     seqs.append(seq)
                     sampled_tokens.append(token)
+                    stops |= seq.stop_ids
+                    if more < room:
+                        room = more
                 out.append((seq_id, [token], reason, None))
                 if generated is not None:
                     generated.append((seq_id, len(seq.output)))
+            if n:
+                seqs, sampled_tokens = lead.seqs + seqs if seqs else lead.seqs, lead_tokens + sampled_tokens
+                stops = lead.stops.union(stops) if stops else lead.stops
             if seqs:
                 steady[rank] = _Steady(generation, seqs, [q.seq_id for q in seqs] if left else rows.seq_ids,
-                                       [q.num_cached - 1 for q in seqs] if left else rows.positions, sampled_tokens)
+                                       [q.num_cached - 1 for q in seqs] if left else rows.positions, sampled_tokens,
+                                       frozenset(stops), room)
         self._steady = steady
         return out
+
+    def _commit_columns(self, rank: int, rows: DecodeRows, lead: _Steady, sampled: dict[int, int],
+                        columns: list[tuple[int, list[int], list[int]]]) -> list[int] | None:
+        """Commit the first decode rows of `rank`, planned from its record `lead`, as columns, when
+        nothing of them needs a look at each: every one of `lead`'s sequences is still the first of
+        the rank's (none left it since the step was planned: aborted, moved), each sampled a token,
+        no token is one that ends its sequence (`lead.stops`) and none reaches its length
+        (`lead.room`). Then each sequence's position and tokens are advanced in one pass, the full
+        blocks keyed, (rank, their seq_ids, their tokens) appended to `columns`, and the tokens
+        returned; else nothing is done and None returned (`commit` looks at each row)."""
+        seqs = lead.seqs
+        n = len(seqs)
+        if lead.room < 2 or self.running[rank][:n] != seqs:
+            return None
+        ids = rows.seq_ids if n == len(rows.seq_ids) else rows.seq_ids[:n]
+        try:
+            tokens = list(map(sampled.__getitem__, ids))
+        except KeyError:  # one of them sampled nothing (an error of its sampling)
+            return None
+        if lead.stops and not lead.stops.isdisjoint(tokens):
+            return None
+        pool, block_size = self.pools[rank], self.block_size
+        for seq, token, position in zip(seqs, tokens, rows.positions, strict=False):  # rows after `seqs`: `commit`'s
+            num_cached = seq.num_cached = position + 1
+            if num_cached % block_size == 0:  # it filled a block, to be keyed for prefix hits
+                pool.cache_computed(seq.seq_id, seq.tokens, num_cached)
+            seq.tokens.append(token)
+            seq.output.append(token)
+        columns.append((rank, ids, tokens))
+        return tokens
 
     def _advance(self, seq: Sequence, num_cached: int, sampled: dict[int, int], out: list[StepTokens],
                  generated: list[tuple[int, int]] | None) -> None:

@@ -465,14 +465,16 @@ class StepLoop:
         self._observe(batch, tokens, ran, step_s, compute_s, wall_s, slowest)
         t2 = time.perf_counter()
         generated: list[tuple[int, int]] | None = [] if self.traces is not None else None
-        outputs = self.scheduler.commit(batch, a.sampled, generated)
+        logprobs = a.logprobs
+        # steady ranks' rows as columns, unless an output needs its own (a trace, logprobs)
+        columns: list[tuple[int, list[int], list[int]]] | None = [] if generated is None and not logprobs else None
+        outputs = self.scheduler.commit(batch, a.sampled, generated, columns)
         if generated is not None:
             self._trace(batch, compute_s, generated)
-        logprobs = a.logprobs
         if logprobs:  # of the few requests that asked for them
             outputs = [(out[0], out[1], out[2], [logprobs[out[0]]]) if out[0] in logprobs else out
                        for out in outputs]
-        self.streams.deliver_step(outputs)
+        self.streams.deliver_step(outputs, columns or ())
         times.add("commit", (t1 - t0) + (time.perf_counter() - t2))
         times.add("metrics", t2 - t1)
 
