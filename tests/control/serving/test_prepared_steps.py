@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_compact_plans import Rank
 from test_scheduler import EOS, prompt_seq, seq
+from test_steady_ranks import outputs_of
 
 from elastic_ep.control.serving.alignment import AlignRule
 from elastic_ep.control.serving.scheduler import Scheduler, StepBatch
@@ -112,12 +113,13 @@ def answer(rank_id: int, plan: StepPlan, rows: DecodeRows | None, sampled: dict[
     return StepResult(plan.epoch, plan.step, rank_id, tokens, 0.0, 0.0, 0.0, 0.0, np.zeros((0, 0), np.int32), 0, {})
 
 
-def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int]], tuple[int, int]]:
+def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int]], tuple[int, int], list, int]:
     """A random workload (requests of random lengths ending by length or EOS, aborts, failed steps)
     on 3 ranks fed every plan through the codec, the ranks filling in `SAMPLED_TOKEN` from their
-    last answer. Returns every step's (rank, seq_id, position) runs and KV moves, each request's
-    output, and how many steps were prepared and taken (and of those, how many with sequences that
-    ended taken out)."""
+    last answer; with `prepare` every step is committed with columns. Returns every step's (rank,
+    seq_id, position) runs and KV moves, each request's output, how many steps were prepared and
+    taken (and of those, how many with sequences that ended taken out), every commit's outputs
+    (`outputs_of`), and the rows of prepared steps committed as columns."""
     rng = random.Random(seed)
     key = ClusterKey.generate()
     inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key)
@@ -126,7 +128,7 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
     ranks = {r: Rank(r, 60, 4) for r in (0, 1, 2)}
     last: dict[int, StepResult | None] = dict.fromkeys(ranks)
     s.set_ranks(list(ranks))
-    runs, outputs, taken, rebuilt, next_id = [], {}, 0, 0, 0
+    runs, outputs, taken, rebuilt, next_id, delivered, prepared_columns = [], {}, 0, 0, 0, [], 0
     for step in range(400):
         if step % 40 == 0:  # a burst of requests, then they decode until they end
             for _ in range(rng.randrange(6, 12)):
@@ -160,21 +162,26 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
             last = dict.fromkeys(ranks)  # the ranks answered StepFailed
             continue
         assert nxt is None or nxt.seq_ids() <= batch.seq_ids()
-        s.commit(batch, sampled)
+        columns: list | None = [] if prepare else None
+        delivered.append(outputs_of(s.commit(batch, sampled, columns=columns), columns or []))
+        if prepared is not None:
+            prepared_columns += sum(len(ids) for _, ids, _ in columns)
         for r, rank in ranks.items():
             for q in batch.seq_ids_on(r):
                 sq = s.by_id.get(q)
                 if sq is not None and sq.rank == r:
                     assert rank.held.tokens[q] == sq.tokens[:sq.num_cached], (step, q)
-    return runs, outputs, (taken, rebuilt)
+    return runs, outputs, (taken, rebuilt), delivered, prepared_columns
 
 
 def test_prepared_steps_run_the_same_steps_and_tokens_as_planning_each_after_the_last():
-    runs, outputs, none_taken = run_workload(prepare=False)
-    runs_p, outputs_p, (taken, rebuilt) = run_workload(prepare=True)
+    runs, outputs, none_taken, delivered, _ = run_workload(prepare=False)
+    runs_p, outputs_p, (taken, rebuilt), delivered_p, prepared_columns = run_workload(prepare=True)
     assert none_taken == (0, 0) and taken > 100 and rebuilt > 5  # most steps of a decode phase are prepared
     assert runs_p == runs
     assert outputs_p == outputs and any(o and o[-1] == EOS for o in outputs.values())
+    # the prepared steps' rows committed as columns give each step's outputs of committing row by row
+    assert delivered_p == delivered and prepared_columns > 500
 
 
 def test_a_rank_refuses_the_sampled_marker_for_a_sequence_it_did_not_sample_in_the_step_before():

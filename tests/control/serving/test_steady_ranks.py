@@ -98,8 +98,8 @@ def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch
                 s.step_failed(batch)
             last, failed = dict.fromkeys(ranks), failed + 1
             continue
-        if rng.random() < 0.05 and batch.steady:  # a sequence of a steady rank aborted while its step runs
-            victim = rng.choice(sorted(q for rec in batch.steady.values() for q in rec.seq_ids))
+        if rng.random() < 0.05 and batch.columns:  # a sequence of a steady rank aborted while its step runs
+            victim = rng.choice(sorted(q.seq_id for column in batch.columns.values() for q in column.seqs))
             for s in (fast, each):
                 s.abort(victim)
             aborted_in_step += 1

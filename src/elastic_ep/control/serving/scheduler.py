@@ -174,7 +174,7 @@ class StepBatch:
     wait for a prefix another sequence is computing; `prefix_waiting`: requests that wait
     through this step (those that began included); `kv_kept`, `kv_reprefilled`: of the
     journaled requests a new leader placed in this step, the positions whose KV an adopted rank
-    kept and those computed again (control/serving/adopted_kv.py); `steady`: see `commit`."""
+    kept and those computed again (control/serving/adopted_kv.py); `columns`: see `commit`."""
 
     chunks: dict[int, list[ChunkPlan]]
     free: dict[int, list[int]]
@@ -189,9 +189,9 @@ class StepBatch:
     prefix_waiting: int = 0
     kv_kept: int = 0
     kv_reprefilled: int = 0
-    # rank -> the `_Steady` record its first decode rows were planned from (`commit`'s columns); not
-    # part of what the step is
-    steady: dict[int, _Steady] = field(default_factory=dict, compare=False, repr=False)
+    # rank -> the sequences of its first decode rows, when they were planned without a look at each
+    # (`commit`'s columns); not part of what the step is
+    columns: dict[int, _Column] = field(default_factory=dict, compare=False, repr=False)
 
     def tokens_per_rank(self) -> dict[int, int]:
         decodes = self.decodes
@@ -218,26 +218,39 @@ class StepBatch:
             [(q, p, 1, True) for q, p in zip(rows.seq_ids, rows.positions, strict=True)] if rows is not None else [])
 
 
+@dataclass(frozen=True)
+class _Column:
+    """The sequences of a rank's first decode rows (`seqs`, in the rows' order), every token that ends
+    one of them (`stops`) and the fewest tokens one of them may still generate before the step
+    commits (`room`): `commit` ends none of them when no token sampled is in `stops` and `room` is 2
+    or more, and then commits the rows as a column (`Scheduler._commit_columns`)."""
+
+    seqs: list[Sequence]
+    stops: frozenset[int]
+    room: int
+
+
 @dataclass
 class _Steady:
     """A rank's decode rows of the last committed step, those whose token was sampled and did not
-    end them, in the rows' order: `positions` the positions they ran, `tokens` the tokens sampled;
-    `stops` every token that ends one of them, `room` the fewest tokens one of them may still
-    generate. While these sequences are still the first of the rank's (a prefix of its running list:
-    those placed since follow them), and the generation of what the ranks keep is the same, each of
-    them decodes again in the next step, at its position + 1 with the token it sampled, and only one
-    whose next position starts a block can need one: `schedule` plans them from these lists,
-    without a look at each sequence, and `commit` ends none of them when no sampled token is in
-    `stops` and `room` is 2 or more (module docstring, "Steady ranks")."""
+    end them, in the rows' order: `positions` the positions they ran, `tokens` the tokens sampled,
+    `column` their sequences as the next step's commit reads them. While these sequences are still
+    the first of the rank's (a prefix of its running list: those placed since follow them), and the
+    generation of what the ranks keep is the same, each of them decodes again in the next step, at
+    its position + 1 with the token it sampled, and only one whose next position starts a block can
+    need one: `schedule` plans them from these lists, without a look at each sequence (module
+    docstring, "Steady ranks")."""
 
     generation: int
-    seqs: list[Sequence]
     seq_ids: list[int]
     positions: list[int]
     tokens: list[int]
-    stops: frozenset[int]
-    room: int
+    column: _Column
     _boundary: list[int] | None = None
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.column.seqs
 
     def boundary(self, block_size: int) -> list[int]:
         """Indices of those whose next position starts a block (their table, which holds the
@@ -474,7 +487,7 @@ class Scheduler:
             caps = rank_caps(decode, prefill, budget, align.min_chunk)
         chunks: dict[int, list[ChunkPlan]] = {r: [] for r in self.running}
         decodes: dict[int, DecodeRows] = {}
-        planned_steady: dict[int, _Steady] = {}
+        columns: dict[int, _Column] = {}
         queried = hit = 0
         block_size, generation = self.block_size, self.kept_generation
         for rank, seqs in active.items():  # not `busy`: a migration may have given an idle rank a sequence
@@ -484,7 +497,7 @@ class Scheduler:
             kept, rows, tables = (rank, generation), None, self.pools[rank].tables
             n = steady_n.get(rank, 0)
             if n and cap >= n and (rows := _steady_rows(steady[rank], tables, block_size)) is not None:
-                decodes[rank], planned_steady[rank], used = rows, steady[rank], n
+                decodes[rank], columns[rank], used = rows, steady[rank].column, n
             else:
                 n = 0
             for seq in (work[rank][1] + work[rank][2] if align.enabled else seqs)[n:]:  # decodes first
@@ -522,7 +535,7 @@ class Scheduler:
         kv_kept, kv_reprefilled = ((offers.counts["reused"] - taken_over[0],
                                     offers.counts["reprefilled"] - taken_over[1]) if offers is not None else (0, 0))
         return StepBatch(chunks, free, decodes, moves, reprefilled, unaligned, preempted, queried, hit, *self._waits,
-                         kv_kept, kv_reprefilled, planned_steady)
+                         kv_kept, kv_reprefilled, columns)
 
     def _steady_records(self) -> dict[int, _Steady]:
         """The last commit's `_Steady` records that still hold: of this generation, their sequences
@@ -631,19 +644,24 @@ class Scheduler:
         if not decodes or sum(len(r.seq_ids) for r in decodes.values()) != sum(map(len, self.running.values())):
             return None  # some sequence in flight does not decode in this step
         prepared: dict[int, DecodeRows] = {}
+        columns: dict[int, _Column] = {}
         block_size = self.block_size
         for rank, rows in decodes.items():
             pool, kept = self.pools[rank], (rank, self.kept_generation)
             tables = pool.tables
-            seq_ids, positions, new_blocks = [], [], []
+            seq_ids, positions, new_blocks, seqs, stops, room = [], [], [], [], set(), _NO_LIMIT
             for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
                 seq = by_id[seq_id]
                 if seq.kept != kept:
                     return None
-                if seq.limit - len(seq.tokens) < 2:  # its length ends it in this step: `take_prepared` frees it
+                more = seq.limit - len(seq.tokens)
+                if more < 2:  # its length ends it in this step: `take_prepared` frees it
                     continue
                 seq_ids.append(seq_id)
                 positions.append(position + 1)
+                seqs.append(seq)
+                stops |= seq.stop_ids
+                room = min(room, more)
                 # its table holds its position + 1 tokens, so only one that ends a block can be full
                 if (position + 1) % block_size == 0:
                     table = tables[seq_id]  # as long as `schedule` left it (`kept_blocks`): it grows only here
@@ -653,13 +671,14 @@ class Scheduler:
                         new_blocks.extend((seq_id, b) for b in table[seq.kept_blocks:])
             if seq_ids:
                 prepared[rank] = DecodeRows(seq_ids, [SAMPLED_TOKEN] * len(seq_ids), positions, new_blocks)
+                columns[rank] = _Column(seqs, frozenset(stops), room - 1)  # this step appends one to each
         before = (self.balance.busiest, self.balance.streak)
         after = self._balance_after(before, prepared) if prepared else None
         if after is None:
             return None
         tokens = {r: len(q.seq_ids) for r, q in prepared.items()}
         nxt = StepBatch({r: [] for r in self.running}, {r: [] for r in self.running}, prepared,
-                        unaligned=_per_rank(self.running, tokens))
+                        unaligned=_per_rank(self.running, tokens), columns=columns)
         self._prepared = (nxt, self.revision, before, after)
         return nxt
 
@@ -799,9 +818,10 @@ class Scheduler:
         `generated`, (seq_id, tokens generated so far) of each is appended to it (the request
         traces). A sequence whose `ChunkPlan` ran on its rank is kept there from now on (module
         docstring). With `columns` (and no `generated`), a rank whose first decode rows were planned
-        from its `_Steady` record, none of whose sequences left it since and none of which this step
-        ends, has those rows committed as columns: (rank, their seq_ids, their tokens) is appended
-        to `columns` instead of a tuple per row to the list returned (`_commit_columns`)."""
+        without a look at each (`StepBatch.columns`: from its `_Steady` record, or prepared), none of
+        whose sequences left it since and none of which this step ends, has those rows committed as
+        columns: (rank, their seq_ids, their tokens) is appended to `columns` instead of a tuple per
+        row to the list returned (`_commit_columns`)."""
         self._uncommitted = False
         for move in batch.moves:
             self._rehome(move)
@@ -822,7 +842,7 @@ class Scheduler:
         by_columns = columns is not None and generated is None
         for rank, rows in batch.decodes.items():
             pool = self.pools[rank]
-            lead = batch.steady.get(rank) if by_columns else None
+            lead = batch.columns.get(rank) if by_columns else None
             lead_tokens = self._commit_columns(rank, rows, lead, sampled, columns) if lead is not None else None
             n = len(lead.seqs) if lead_tokens is not None else 0
             seqs, sampled_tokens, left, stops, room = [], [], False, set(), lead.room - 1 if n else _NO_LIMIT
@@ -861,19 +881,19 @@ class Scheduler:
                 seqs, sampled_tokens = lead.seqs + seqs if seqs else lead.seqs, lead_tokens + sampled_tokens
                 stops = lead.stops.union(stops) if stops else lead.stops
             if seqs:
-                steady[rank] = _Steady(generation, seqs, [q.seq_id for q in seqs] if left else rows.seq_ids,
+                steady[rank] = _Steady(generation, [q.seq_id for q in seqs] if left else rows.seq_ids,
                                        [q.num_cached - 1 for q in seqs] if left else rows.positions, sampled_tokens,
-                                       frozenset(stops), room)
+                                       _Column(seqs, frozenset(stops), room))
         self._steady = steady
         return out
 
-    def _commit_columns(self, rank: int, rows: DecodeRows, lead: _Steady, sampled: dict[int, int],
+    def _commit_columns(self, rank: int, rows: DecodeRows, lead: _Column, sampled: dict[int, int],
                         columns: list[tuple[int, list[int], list[int]]]) -> list[int] | None:
-        """Commit the first decode rows of `rank`, planned from its record `lead`, as columns, when
-        nothing of them needs a look at each: every one of `lead`'s sequences is still the first of
-        the rank's (none left it since the step was planned: aborted, moved), each sampled a token,
-        no token is one that ends its sequence (`lead.stops`) and none reaches its length
-        (`lead.room`). Then each sequence's position and tokens are advanced in one pass, the full
+        """Commit the first decode rows of `rank`, those of `lead`, as columns, when nothing of them
+        needs a look at each: every one of `lead`'s sequences is still the first of the rank's (none
+        left it since the step was planned: aborted, moved, ended before a prepared step was taken),
+        each sampled a token, no token is one that ends its sequence (`lead.stops`) and none reaches
+        its length (`lead.room`). Then each sequence's position and tokens are advanced in one pass, the full
         blocks keyed, (rank, their seq_ids, their tokens) appended to `columns`, and the tokens
         returned; else nothing is done and None returned (`commit` looks at each row)."""
         seqs = lead.seqs
