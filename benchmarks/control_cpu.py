@@ -42,6 +42,12 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   then read (MAC and decode, ms per step summed over the 256: relayed, each rank reads its
   node's whole frame);
 - detector: one heartbeat and watchdog check over N ranks (50 a second while a step runs), ms;
+- completion: at 256 ranks x 64 decoding sequences (short prompts), what the step loop does with a
+  step's tokens once every rank answered: the scheduler's `commit`, then `deliver_step` into the
+  `StreamOutputs` frames of 2 API servers (`serve --api-server-count 2`: the frames encoded as
+  their send does), ms per step: rows as tuples (a tree without columns, or a step loop that asks
+  for none), and a steady rank's rows as columns where the tree has them (`commit`'s `columns`).
+  `--completion` measures only these rows;
 - deliver: one step's tokens handed from the control thread to the HTTP side's event loop (one
   loop, as serve's uvicorn runs; each stream awaited by a task of its own, as each request's
   handler awaits it) at 256 ranks x 8 and x 64 sequences, the `RequestOutput`s built as the step
@@ -68,6 +74,7 @@ import argparse
 import asyncio
 import gc
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -89,7 +96,7 @@ from elastic_ep.control.gc_policy import tune_for_serving
 from elastic_ep.control.ranks import AgentInfo, RankInfo, RankStatus
 from elastic_ep.control.serving.alignment import AlignRule
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
-from elastic_ep.control.serving.streams import Stream, Streams
+from elastic_ep.control.serving.streams import RemoteStream, Stream, Streams
 from elastic_ep.harness.standin import standin_model
 from elastic_ep.model.sampling import SamplingParams
 from elastic_ep.wire import (
@@ -103,6 +110,7 @@ from elastic_ep.wire import (
     StepResult,
     WorkerHello,
 )
+from elastic_ep.wire.codec import encode
 
 try:  # a tree with node heartbeats (the agent gathers its ranks'); before it, a Heartbeat per rank
     from elastic_ep.wire import NodeHeartbeat, RankBeat
@@ -765,6 +773,48 @@ def built_ms(n: int, what: str) -> float:
     return 1000 * (time.thread_time() - cpu0)
 
 
+class EncodingServers:
+    """API servers whose frames are encoded as `ServerSockets.send` encodes them, then dropped."""
+
+    def send(self, server: int, outputs) -> bool:
+        encode(outputs)
+        return True
+
+
+def completion_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, steps: int = 20) -> dict | None:
+    """CPU ms per step of a decode step's `commit` and `deliver_step` to 2 API servers' frames (module
+    docstring, completion), with the steady ranks' rows as `columns` or as tuples; None for columns
+    in a tree without them."""
+    if columns and "columns" not in inspect.signature(Scheduler.commit).parameters:
+        return None
+    s = decoding_scheduler(ranks, seqs_per_rank, 6, grow_tokens=steps + 5 + 16)
+    streams = Streams(s, servers=EncodingServers())
+    for seq_id in s.by_id:
+        streams.add(seq_id, RemoteStream(f"r{seq_id}", seq_id % 2, seq_id))
+    commit_s = deliver_s = 0.0
+    for step in range(steps + 3):
+        batch = s.schedule()
+        sampled = sampled_of(batch)
+        cpu0 = time.process_time()
+        cols = [] if columns else None
+        outputs = s.commit(batch, sampled, None, cols) if columns else s.commit(batch, sampled)
+        cpu1 = time.process_time()
+        streams.deliver_step(outputs, cols) if columns else streams.deliver_step(outputs)
+        if step >= 3:  # the first steps prefill
+            commit_s, deliver_s = commit_s + cpu1 - cpu0, deliver_s + time.process_time() - cpu1
+    return {"commit": 1000 * commit_s / steps, "deliver": 1000 * deliver_s / steps}
+
+
+def completion_rows(repeat: int) -> dict:
+    rows = {}
+    for columns, how in ((False, "rows as tuples"), (True, "steady rows as columns")):
+        runs = [r for r in (completion_ms(columns) for _ in range(repeat)) if r is not None]
+        for what in ("commit", "deliver"):
+            rows[f"completion, 256 ranks x 64 decoding, {how}: {what} ms"] = min(
+                (r[what] for r in runs), default=None)
+    return rows
+
+
 def deliver_rows(repeat: int) -> dict:
     rows = {}
     for k in (8, 64):
@@ -777,7 +827,9 @@ def deliver_rows(repeat: int) -> dict:
 
 
 def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False, prepared_only: bool = False,
-            snapshot_only: bool = False) -> dict:
+            snapshot_only: bool = False, completion_only: bool = False) -> dict:
+    if completion_only:
+        return completion_rows(repeat)
     if snapshot_only:
         return snapshot_rows(repeat)
     if deliver_only:
@@ -805,6 +857,7 @@ def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False, p
         **snapshot_rows(repeat),
         **plan_rows(repeat),
         **plans_sent_rows(repeat),
+        **completion_rows(repeat),
         **deliver_rows(repeat),
     }
 
@@ -842,6 +895,8 @@ def main() -> None:
     parser.add_argument("--deliver", action="store_true", help="only the deliver rows")
     parser.add_argument("--plans", action="store_true", help="only the plan rows")
     parser.add_argument("--prepared", action="store_true", help="only the step boundary rows (--async-scheduling)")
+    parser.add_argument("--completion", action="store_true",
+                        help="only the completion rows (a step's commit and delivery to 2 API servers)")
     parser.add_argument("--snapshot", action="store_true",
                         help="only the /cluster snapshot rows (256 and 1,024 ranks, full timing windows)")
     parser.add_argument("--step-parts", choices=["direct", "agent"], default=None,
@@ -858,7 +913,7 @@ def main() -> None:
     if args.gc_tail:
         print_gc_tail(args.gc_tail)
         return
-    after = measure(args.repeat, args.deliver, args.plans, args.prepared, args.snapshot)
+    after = measure(args.repeat, args.deliver, args.plans, args.prepared, args.snapshot, args.completion)
     if args.json:
         print(json.dumps(after))
         return
@@ -871,7 +926,8 @@ def main() -> None:
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
             only = [flag for flag, on in (("--deliver", args.deliver), ("--plans", args.plans),
-                                          ("--prepared", args.prepared), ("--snapshot", args.snapshot)) if on]
+                                          ("--prepared", args.prepared), ("--snapshot", args.snapshot),
+                                          ("--completion", args.completion)) if on]
             done = subprocess.run([sys.executable, __file__, "--json", "--repeat", str(args.repeat), "--gc", args.gc,
                                    *only], check=True, capture_output=True, text=True, env=env)
         columns = {args.baseline: json.loads(done.stdout.strip().splitlines()[-1]), **columns}

@@ -18,7 +18,7 @@ PROMPT = list(range(100, 110))  # 10 tokens
 
 def journaled(request_id: str, seq_id: int, output: list[int], prompt: list[int] = PROMPT) -> Sequence:
     request = GenerationRequest(request_id, list(prompt), SamplingParams(max_tokens=32), 7, tuple(output))
-    return Sequence(seq_id, request, 512, (0,), output=list(output))
+    return Sequence(seq_id, request, 512, (0,), resumed_output=list(output))
 
 
 def held(tokens: list[int], blocks: list[int], prompt_len: int = len(PROMPT), seq_id: int = 40) -> HeldKV:

@@ -128,14 +128,14 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
     ranks = {r: Rank(r, 60, 4) for r in (0, 1, 2)}
     last: dict[int, StepResult | None] = dict.fromkeys(ranks)
     s.set_ranks(list(ranks))
-    runs, outputs, taken, rebuilt, next_id, delivered, prepared_columns = [], {}, 0, 0, 0, [], 0
+    runs, requests, taken, rebuilt, next_id, delivered, prepared_columns = [], {}, 0, 0, 0, [], 0
     for step in range(400):
         if step % 40 == 0:  # a burst of requests, then they decode until they end
             for _ in range(rng.randrange(6, 12)):
                 q = prompt_seq(next_id, [rng.randrange(1, 500) for _ in range(rng.randrange(3, 12))],
                                max_tokens=rng.randrange(3, 60))
                 s.add(q)
-                outputs[next_id] = q.output
+                requests[next_id] = q
                 next_id += 1
         if rng.random() < 0.01 and s.by_id:
             s.abort(rng.choice(sorted(s.by_id)))
@@ -171,7 +171,7 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
                 sq = s.by_id.get(q)
                 if sq is not None and sq.rank == r:
                     assert rank.held.tokens[q] == sq.tokens[:sq.num_cached], (step, q)
-    return runs, outputs, (taken, rebuilt), delivered, prepared_columns
+    return runs, {q: seq.output for q, seq in requests.items()}, (taken, rebuilt), delivered, prepared_columns
 
 
 def test_prepared_steps_run_the_same_steps_and_tokens_as_planning_each_after_the_last():

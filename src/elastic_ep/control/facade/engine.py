@@ -134,7 +134,7 @@ class EngineFacade:
             await asyncio.sleep(0.05)
         self._check_fits(request)
         return Sequence(next(self._ids), request, self.cfg.max_model_len, self.info.eos_token_ids,
-                        output=list(request.resumed_output_token_ids))
+                        resumed_output=list(request.resumed_output_token_ids))
 
     def _check_fits(self, request: GenerationRequest) -> None:
         """A request that no rank's KV pool can hold at its longest is refused (a 400), instead of

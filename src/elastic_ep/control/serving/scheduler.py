@@ -75,7 +75,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from elastic_ep.model.block_manager import BlockManager
 from elastic_ep.model.sampling import TokenLogprobs
@@ -103,7 +103,7 @@ class Sequence:
     request: GenerationRequest
     max_model_len: int
     eos_token_ids: tuple[int, ...]
-    output: list[int] = field(default_factory=list)
+    resumed_output: InitVar[list[int] | None] = None  # tokens generated before it came here (a resume)
     rank: int | None = None
     num_cached: int = 0
     unsent_prefix: int = 0
@@ -116,21 +116,32 @@ class Sequence:
     kept_blocks: int = 0
     # prompt + output as one list, kept as tokens are appended (`append`): a step reads it for
     # every sequence, and building it afresh cost O(its length) each time (a 1k-token prompt
-    # tripled the scheduler's time per step)
+    # tripled the scheduler's time per step); the output is its tail (`output`), not a list of its own
     tokens: list[int] = field(init=False, repr=False)
+    prompt_len: int = field(init=False, repr=False)
     stop_ids: frozenset[int] = field(init=False, repr=False)  # the tokens that end it, worked out once
     # the length of `tokens` at which it ends ("length": max_tokens generated, or max_model_len held),
     # worked out once: the commit's check of every sequence a step is one comparison
     limit: int = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.tokens = self.request.prompt_token_ids + self.output
+    def __post_init__(self, resumed_output: list[int] | None) -> None:
+        self.tokens = self.request.prompt_token_ids + (resumed_output or [])
+        self.prompt_len = len(self.request.prompt_token_ids)
         self.stop_ids = self.request.params.stop_ids(self.eos_token_ids)
-        self.limit = min(len(self.request.prompt_token_ids) + self.request.params.max_tokens, self.max_model_len)
+        self.limit = min(self.prompt_len + self.request.params.max_tokens, self.max_model_len)
+
+    @property
+    def output(self) -> list[int]:
+        """The tokens generated (a copy)."""
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def generated(self) -> int:
+        """How many tokens were generated."""
+        return len(self.tokens) - self.prompt_len
 
     def append(self, token: int) -> None:
         """A generated token."""
-        self.output.append(token)
         self.tokens.append(token)
 
     @property
@@ -247,10 +258,6 @@ class _Steady:
     tokens: list[int]
     column: _Column
     _boundary: list[int] | None = None
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        return self.column.seqs
 
     def boundary(self, block_size: int) -> list[int]:
         """Indices of those whose next position starts a block (their table, which holds the
@@ -520,7 +527,7 @@ class Scheduler:
                     used += 1
                     continue
                 starts = seq.num_cached == seq.unsent_prefix  # nothing of it computed on this rank yet
-                if seq.output and seq.pending > 1:  # a re-prefill: its rank was lost, it moved or was preempted
+                if seq.generated and seq.pending > 1:  # a re-prefill: its rank was lost, it moved or was preempted
                     n = self._plan(seq, chunks[rank], min(room, reprefill_left), table)
                     reprefill_left -= n
                 else:
@@ -560,8 +567,11 @@ class Scheduler:
             pool = self.pools[rank]
             tables, size, held = pool.tables, self.block_size, self.held
             rec = steady.get(rank)
-            check = [rec.seqs[i] for i in rec.boundary(size)] + seqs[len(rec.seqs):] if rec is not None \
-                else list(seqs)
+            if rec is not None:
+                steady_seqs = rec.column.seqs
+                check = [steady_seqs[i] for i in rec.boundary(size)] + seqs[len(steady_seqs):]
+            else:
+                check = list(seqs)
             for seq in check:
                 if seq.rank != rank or len(tables[seq.seq_id]) * size >= len(seq.tokens) or seq.seq_id in held:
                     continue  # its table holds its next token already, or it is held out
@@ -862,7 +872,6 @@ class Scheduler:
                     continue
                 tokens = seq.tokens
                 tokens.append(token)
-                seq.output.append(token)
                 more = seq.limit - len(tokens)  # tokens it may still generate
                 reason = "stop" if token in seq.stop_ids else "length" if more <= 0 else None
                 if reason is not None:
@@ -876,7 +885,7 @@ class Scheduler:
                         room = more
                 out.append((seq_id, [token], reason, None))
                 if generated is not None:
-                    generated.append((seq_id, len(seq.output)))
+                    generated.append((seq_id, len(tokens) - seq.prompt_len))
             if n:
                 seqs, sampled_tokens = lead.seqs + seqs if seqs else lead.seqs, lead_tokens + sampled_tokens
                 stops = lead.stops.union(stops) if stops else lead.stops
@@ -913,7 +922,6 @@ class Scheduler:
             if num_cached % block_size == 0:  # it filled a block, to be keyed for prefix hits
                 pool.cache_computed(seq.seq_id, seq.tokens, num_cached)
             seq.tokens.append(token)
-            seq.output.append(token)
         columns.append((rank, ids, tokens))
         return tokens
 
@@ -934,7 +942,7 @@ class Scheduler:
             self._finished(seq, reason)
         out.append((seq.seq_id, [token], reason, None))
         if generated is not None:
-            generated.append((seq.seq_id, len(seq.output)))
+            generated.append((seq.seq_id, seq.generated))
 
     def _finished(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -959,7 +967,10 @@ def _without(decodes: dict[int, DecodeRows], left: list[tuple[int, int]]) -> dic
 def _steady_prefix(rec: _Steady | None, seqs: list[Sequence]) -> int:
     """How many of `seqs` (a rank's, in order) are its `_Steady` record's: all of the record's when
     they are the first of `seqs`, else 0 (or no record)."""
-    return len(rec.seqs) if rec is not None and seqs[:len(rec.seqs)] == rec.seqs else 0
+    if rec is None:
+        return 0
+    steady_seqs = rec.column.seqs
+    return len(steady_seqs) if seqs[:len(steady_seqs)] == steady_seqs else 0
 
 
 def _work_of(active: dict[int, list[Sequence]], steady: dict[int, _Steady]
@@ -994,7 +1005,8 @@ def _steady_rows(rec: _Steady, tables: dict[int, list[int]], block_size: int) ->
     1 with the token it sampled, and the blocks the tables of those whose next position starts a
     block grew by. None when one of those has no block for its next token (its pool was full): the
     rank's sequences are then planned one by one."""
-    ends = [(rec.seqs[i], rec.positions[i]) for i in rec.boundary(block_size)]
+    seqs, positions = rec.column.seqs, rec.positions
+    ends = [(seqs[i], positions[i]) for i in rec.boundary(block_size)]
     if any(len(tables[seq.seq_id]) * block_size < position + 2 for seq, position in ends):
         return None
     new_blocks = []
