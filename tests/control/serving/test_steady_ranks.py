@@ -66,7 +66,7 @@ def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch
     fast, each = planner(24), planner(24)  # a small pool: decodes preempt for blocks
     ranks = {r: Rank(r, 24, 4) for r in (0, 1, 2)}
     last: dict[int, StepResult | None] = dict.fromkeys(ranks)
-    next_id, failed, preempted, moves, aborted_in_step, column_rows = 0, 0, 0, 0, 0, 0
+    next_id, failed, preempted, moves, aborted_in_step, column_rows, column_ends = 0, 0, 0, 0, 0, 0, 0
     for step in range(500):
         if rng.random() < 0.5:
             prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(2, 14))]
@@ -104,16 +104,18 @@ def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch
                 s.abort(victim)
             aborted_in_step += 1
         columns: list = []
-        assert outputs_of(fast.commit(batch, sampled, columns=columns), columns) == outputs_of(
-            each.commit(batch, sampled), [])
+        committed = outputs_of(fast.commit(batch, sampled, columns=columns), columns)
+        assert committed == outputs_of(each.commit(batch, sampled), [])
         column_rows += sum(len(ids) for _, ids, _ in columns)
+        in_columns = {q.seq_id for r, _, _ in columns for q in batch.columns[r].seqs}
+        column_ends += sum(committed[q][1] is not None for q in in_columns)
         for r, rank in ranks.items():
             for q in batch.seq_ids_on(r):
                 sq = fast.by_id.get(q)
                 if sq is not None and sq.rank == r:
                     assert rank.held.tokens[q] == sq.tokens[:sq.num_cached], (step, q)
     assert {q: s.output for q, s in fast.by_id.items()} == {q: s.output for q, s in each.by_id.items()}
-    # the workload reached every case: steady ranks planned from their rows and committed as columns,
-    # preemptions, moves, failures, aborts while a step ran
+    # the workload reached every case: steady ranks planned from their rows and committed as columns
+    # (some of a column ending in its step), preemptions, moves, failures, aborts while a step ran
     assert steady_plans.count(True) > 300 and preempted > 5 and moves > 0 and failed > 5
-    assert column_rows > 1000 and aborted_in_step > 5
+    assert column_rows > 1000 and column_ends > 20 and aborted_in_step > 5

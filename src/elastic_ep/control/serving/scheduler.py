@@ -241,6 +241,17 @@ class _Column:
     room: int
 
 
+@dataclass(frozen=True)
+class _Committed:
+    """What `_commit_columns` committed of a rank's column: the sequences that go on and their tokens,
+    the fewest tokens one of them may still generate, and whether some of the column ended."""
+
+    seqs: list[Sequence]
+    tokens: list[int]
+    room: int
+    ended: bool
+
+
 @dataclass
 class _Steady:
     """A rank's decode rows of the last committed step, those whose token was sampled and did not
@@ -853,9 +864,9 @@ class Scheduler:
         for rank, rows in batch.decodes.items():
             pool = self.pools[rank]
             lead = batch.columns.get(rank) if by_columns else None
-            lead_tokens = self._commit_columns(rank, rows, lead, sampled, columns) if lead is not None else None
-            n = len(lead.seqs) if lead_tokens is not None else 0
-            seqs, sampled_tokens, left, stops, room = [], [], False, set(), lead.room - 1 if n else _NO_LIMIT
+            done = self._commit_columns(rank, rows, lead, sampled, columns, out) if lead is not None else None
+            n = len(lead.seqs) if done is not None else 0
+            seqs, sampled_tokens, left, stops, room = [], [], False, set(), done.room if done is not None else _NO_LIMIT
             for seq_id, position in zip(rows.seq_ids[n:] if n else rows.seq_ids,
                                         rows.positions[n:] if n else rows.positions, strict=True):
                 seq = by_id.get(seq_id)
@@ -886,9 +897,10 @@ class Scheduler:
                 out.append((seq_id, [token], reason, None))
                 if generated is not None:
                     generated.append((seq_id, len(tokens) - seq.prompt_len))
-            if n:
-                seqs, sampled_tokens = lead.seqs + seqs if seqs else lead.seqs, lead_tokens + sampled_tokens
-                stops = lead.stops.union(stops) if stops else lead.stops
+            if done is not None:
+                seqs, sampled_tokens = done.seqs + seqs if seqs else done.seqs, done.tokens + sampled_tokens
+                stops = lead.stops.union(stops) if stops else lead.stops  # those that ended may stay in it
+                left = left or done.ended
             if seqs:
                 steady[rank] = _Steady(generation, [q.seq_id for q in seqs] if left else rows.seq_ids,
                                        [q.num_cached - 1 for q in seqs] if left else rows.positions, sampled_tokens,
@@ -897,33 +909,48 @@ class Scheduler:
         return out
 
     def _commit_columns(self, rank: int, rows: DecodeRows, lead: _Column, sampled: dict[int, int],
-                        columns: list[tuple[int, list[int], list[int]]]) -> list[int] | None:
-        """Commit the first decode rows of `rank`, those of `lead`, as columns, when nothing of them
-        needs a look at each: every one of `lead`'s sequences is still the first of the rank's (none
-        left it since the step was planned: aborted, moved, ended before a prepared step was taken),
-        each sampled a token, no token is one that ends its sequence (`lead.stops`) and none reaches
-        its length (`lead.room`). Then each sequence's position and tokens are advanced in one pass, the full
-        blocks keyed, (rank, their seq_ids, their tokens) appended to `columns`, and the tokens
-        returned; else nothing is done and None returned (`commit` looks at each row)."""
+                        columns: list[tuple[int, list[int], list[int]]], out: list[StepTokens]) -> _Committed | None:
+        """Commit the first decode rows of `rank`, those of `lead`, as a column, when every one of
+        `lead`'s sequences is still the first of the rank's (none left it since the step was planned:
+        aborted, moved, ended before a prepared step was taken) and each sampled a token; else do
+        nothing and return None (`commit` looks at each row). Each sequence's position and token are
+        advanced in one pass (a full block keyed for prefix hits). Only where a token sampled is one
+        of `lead.stops`, or `lead.room` says one may reach its length, are the sequences read one by
+        one to find those that end: each ends as `commit` ends it, with its output appended to `out`.
+        (rank, the seq_ids and tokens of those that go on) is appended to `columns`."""
         seqs = lead.seqs
         n = len(seqs)
-        if lead.room < 2 or self.running[rank][:n] != seqs:
+        if self.running[rank][:n] != seqs:
             return None
         ids = rows.seq_ids if n == len(rows.seq_ids) else rows.seq_ids[:n]
         try:
             tokens = list(map(sampled.__getitem__, ids))
         except KeyError:  # one of them sampled nothing (an error of its sampling)
             return None
+        ends: dict[int, str] = {}  # index -> why it ends
         if lead.stops and not lead.stops.isdisjoint(tokens):
-            return None
+            ends = {i: "stop" for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)) if token in seq.stop_ids}
+        room = lead.room - 1  # this step appends one to each
+        if room < 1:  # some may reach their length: each one's tokens left after this step, read
+            left = [seq.limit - len(seq.tokens) - 1 for seq in seqs]
+            for i, more in enumerate(left):
+                if more <= 0:
+                    ends.setdefault(i, "length")
+            room = min((more for i, more in enumerate(left) if i not in ends), default=_NO_LIMIT)
         pool, block_size = self.pools[rank], self.block_size
         for seq, token, position in zip(seqs, tokens, rows.positions, strict=False):  # rows after `seqs`: `commit`'s
             num_cached = seq.num_cached = position + 1
             if num_cached % block_size == 0:  # it filled a block, to be keyed for prefix hits
                 pool.cache_computed(seq.seq_id, seq.tokens, num_cached)
             seq.tokens.append(token)
+        if ends:
+            for i in sorted(ends):  # in the rows' order, as `commit` ends them: their blocks freed in that order
+                self._finished(seqs[i], ends[i])
+                out.append((ids[i], [tokens[i]], ends[i], None))
+            on = [i for i in range(n) if i not in ends]
+            seqs, ids, tokens = [seqs[i] for i in on], [ids[i] for i in on], [tokens[i] for i in on]
         columns.append((rank, ids, tokens))
-        return tokens
+        return _Committed(seqs, tokens, room, bool(ends))
 
     def _advance(self, seq: Sequence, num_cached: int, sampled: dict[int, int], out: list[StepTokens],
                  generated: list[tuple[int, int]] | None) -> None:
