@@ -11,7 +11,10 @@ tensors tiny. One point:
 measures, under load (seqs-per-rank decoding sequences per rank; 0: one sequence in all, every
 other rank runs empty plans): the controller's time per step
 by part (control/timing.py) and what it adds to the slowest rank's time (`added_ms_per_step`:
-wall time per step less the slowest member's own step time), the heartbeat load (rank heartbeats
+wall time per step less the slowest member's own step time; `between`, the control thread's work from
+a step's completion to the next one's start, is outside both, and `turnaround` sums the control
+thread's own part of the wait from a step's last answer to the next step's plans: commit, metrics,
+between, plan, encode, send), the heartbeat load (rank heartbeats
 and heartbeat frames a second, one per rank heartbeat before node heartbeats and one per node
 after, and the control thread's share of a second spent on them), the /cluster snapshot (built
 on the control thread; serialised by the HTTP thread) and the /metrics scrape, then kills one
@@ -661,22 +664,31 @@ def table(args) -> None:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     print("| ranks | seqs/rank | mode | run | added ms/step | control CPU ms/step | period ms | plan | encode | send "
-          "| gather | decode | commit | metrics | rank heartbeats/s | heartbeat frames/s | hb load "
+          "| gather | decode | commit | metrics | between | turnaround | rank heartbeats/s | heartbeat frames/s | hb load "
           "| health frames/s | /cluster build ms | /metrics ms "
           "| kill detect s / pause s | stop detect s (by) | hang pause s (bound) | placement ms | epochs formed "
           "| false faults |")
-    print("|" + "---|" * 26)
+    print("|" + "---|" * 28)
     for r in rows:
         p, kill, stop = r["parts_ms"], r.get("kill", {}), r.get("stop", {})
         print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['repeat']} | {r['added_ms_per_step']} "
               f"| {r.get('control_cpu_ms_per_step', 'n/a')} | {r['step_period_ms']} "
               f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
-              f"| {p['metrics']} | {r['heartbeats_per_s']} | {r.get('heartbeat_frames_per_s', r['heartbeats_per_s'])} "
+              f"| {p['metrics']} | {p.get('between', '-')} | {turnaround_ms(p)} | {r['heartbeats_per_s']} | {r.get('heartbeat_frames_per_s', r['heartbeats_per_s'])} "
               f"| {r['heartbeat_load']:.1%} | {r.get('health_frames_per_s', '-')} | {r['cluster_snapshot_ms']} "
               f"| {r['metrics_scrape_ms']} | {kill.get('detect_s', '-')} / {kill.get('pause_s', '-')} "
               f"| {stop.get('detect_s', '-')} ({stop.get('cause', '-')}) "
               f"| {stop.get('pause_s', '-')} ({r.get('hang_pause_bound_s', '-')}) | {r['placement_ms']} "
               f"| {r.get('epochs_formed', '-')} | {len(r['false_faults'])} |")
+
+
+def turnaround_ms(parts_ms: dict) -> float | str:
+    """The control thread's own part of the wait from a step's last answer to the next step's plans
+    (control/timing.py): commit + metrics + between + plan + encode + send; '-' for a tree that does not
+    time `between`."""
+    if "between" not in parts_ms:
+        return "-"
+    return round(sum(parts_ms[p] for p in ("commit", "metrics", "between", "plan", "encode", "send")), 2)
 
 
 def main() -> None:

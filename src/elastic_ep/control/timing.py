@@ -6,8 +6,12 @@ A step's parts: plan (the scheduler and the plans), encode and send (every membe
 gather (from the last send until every member answered: the ranks' time, the transport, and
 whatever the control thread did meanwhile), decode (the results' frames), commit (tokens to the
 scheduler and the streams) and metrics (the per-step series); prepare (--async-scheduling: the next
-step planned and sealed while this one runs, inside the gather's time, not after it). `slowest_rank_s` sums the slowest
-member's own `step_s` per step, so `wall_s - slowest_rank_s` is what the control plane added.
+step planned and sealed while this one runs, inside the gather's time, not after it); between (from a
+step's completion to the next step's start, when the step before completed: what the control thread
+does at a step boundary, its pumps and reviews). `slowest_rank_s` sums the slowest member's own
+`step_s` per step, so `wall_s - slowest_rank_s` is what the control plane added within the steps
+(`between` is outside them), and commit + metrics + between + plan + encode + send is the control
+thread's own part of the wait from one step's last answer to the next step's plans.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-STEP_PARTS = ("plan", "encode", "send", "gather", "decode", "commit", "metrics", "prepare")
+STEP_PARTS = ("plan", "encode", "send", "gather", "decode", "commit", "metrics", "prepare", "between")
 
 
 @dataclass

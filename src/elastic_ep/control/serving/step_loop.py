@@ -151,6 +151,7 @@ class StepLoop:
         self._started_ns = 0  # wall-clock ns the step in flight was sent (request traces)
         self._planned_epoch: int | None = None  # the epoch of the last step planned
         self.prepared: PreparedStep | None = None  # the next step, planned while this one runs
+        self._done_at = 0.0  # perf_counter when the last step completed, 0 after one that did not
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step or msg.rank_id in self.replies:
@@ -210,6 +211,9 @@ class StepLoop:
         on a fault."""
         c, times = self.cluster, self.plane.times
         t0 = time.perf_counter()
+        if self._done_at:  # the last step completed: what the control thread did since is this step's
+            times.add("between", t0 - self._done_at)
+        self._done_at = 0.0
         prepared = self._take_prepared()
         batch = prepared.batch if prepared is not None else self._plan()
         self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit, batch.prefix_waits,
@@ -265,7 +269,8 @@ class StepLoop:
         self._finish(batch, wall_s, micro_batches)
         self.isolation.step_passed(batch)
         times.steps += 1
-        times.wall_s += time.perf_counter() - t0
+        self._done_at = time.perf_counter()
+        times.wall_s += self._done_at - t0
         return wall_s
 
     def _record_links(self) -> None:
