@@ -664,7 +664,8 @@ def table(args) -> None:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     print("| ranks | seqs/rank | mode | run | added ms/step | control CPU ms/step | period ms | plan | encode | send "
-          "| gather | decode | commit | metrics | between | turnaround | rank heartbeats/s | heartbeat frames/s | hb load "
+          "| gather | decode | commit | metrics | between | turnaround "
+          "| rank heartbeats/s | heartbeat frames/s | hb load "
           "| health frames/s | /cluster build ms | /metrics ms "
           "| kill detect s / pause s | stop detect s (by) | hang pause s (bound) | placement ms | epochs formed "
           "| false faults |")
@@ -674,7 +675,8 @@ def table(args) -> None:
         print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['repeat']} | {r['added_ms_per_step']} "
               f"| {r.get('control_cpu_ms_per_step', 'n/a')} | {r['step_period_ms']} "
               f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
-              f"| {p['metrics']} | {p.get('between', '-')} | {turnaround_ms(p)} | {r['heartbeats_per_s']} | {r.get('heartbeat_frames_per_s', r['heartbeats_per_s'])} "
+              f"| {p['metrics']} | {p.get('between', '-')} | {turnaround_ms(p)} "
+              f"| {r['heartbeats_per_s']} | {r.get('heartbeat_frames_per_s', r['heartbeats_per_s'])} "
               f"| {r['heartbeat_load']:.1%} | {r.get('health_frames_per_s', '-')} | {r['cluster_snapshot_ms']} "
               f"| {r['metrics_scrape_ms']} | {kill.get('detect_s', '-')} / {kill.get('pause_s', '-')} "
               f"| {stop.get('detect_s', '-')} ({stop.get('cause', '-')}) "
