@@ -235,7 +235,8 @@ class ControlPlane:
         the node's agent on the plan socket. Returns (encode s, send s, bytes sent, the nodes whose
         agent has no plan link up or a full queue: nothing of theirs was sent)."""
         t0 = time.perf_counter()
-        frames = [(node, f"p{node}".encode(), self.key.seal(node_step_plans(node, plans), self.term))
+        encoded: dict = {}  # a plan shared by the nodes (the empty plan) encoded once
+        frames = [(node, f"p{node}".encode(), self.key.seal(node_step_plans(node, plans, encoded), self.term))
                   for node, plans in by_node.items()]
         t1 = time.perf_counter()
         send = self.plan_sock.send

@@ -130,6 +130,11 @@ class BlockManager:
             holders.append(self._computing[h])
         return len(holders) * self.block_size, holders[0] if holders else None
 
+    def may_hit(self, first_hash: int) -> bool:
+        """Whether a prefix whose first full block hashes to `first_hash` may be found here, cached or
+        being computed; False: `cached_prefix_tokens` and `computing_prefix` are 0 for it."""
+        return first_hash in self._cached or first_hash in self._computing
+
     def cached_prefix_tokens(self, token_ids: list[int], chain: list[tuple[tuple, int]] | None = None) -> int:
         """Leading tokens of token_ids that `allocate` would find cached; `chain`: its `prefix_chain`."""
         return len(self._match(token_ids, chain)[0]) * self.block_size

@@ -335,15 +335,23 @@ class NodeStepPlans(Message):
 _STEP_PLAN = decoder(StepPlan)
 
 
-def node_step_plans(node: str, plans: list[tuple[int, StepPlan]]) -> NodeStepPlans:
+def node_step_plans(node: str, plans: list[tuple[int, StepPlan]],
+                    encoded: dict[int, msgspec.Raw] | None = None) -> NodeStepPlans:
     """The `NodeStepPlans` of `node` from its members' (rank_id, plan), all of one step; a plan object
-    given for several ranks is encoded once and carried once with their ids."""
+    given for several ranks is encoded once and carried once with their ids. `encoded` (id(plan) ->
+    its bytes), shared by a step's nodes, encodes a plan given to several nodes (the empty plan) once."""
     assert plans, "a node's frame carries at least one plan"
     by_plan: dict[int, tuple[list[int], StepPlan]] = {}  # id(plan) -> its ranks, the plan
     for rank_id, plan in plans:
         by_plan.setdefault(id(plan), ([], plan))[0].append(rank_id)
+    encoded = {} if encoded is None else encoded
+    entries = []
+    for key, (rank_ids, plan) in by_plan.items():
+        raw = encoded.get(key)
+        if raw is None:
+            raw = encoded[key] = msgspec.Raw(encode(plan))
+        entries.append(NodePlan(rank_ids, raw))
     first = plans[0][1]
-    entries = [NodePlan(rank_ids, msgspec.Raw(encode(plan))) for rank_ids, plan in by_plan.values()]
     return NodeStepPlans(node, first.epoch, first.step, entries)
 
 

@@ -84,6 +84,7 @@ from elastic_ep.wire import SAMPLED_TOKEN, ChunkPlan, DecodeRows, HeldKV, KVMove
 from ..api import GenerationRequest
 from .adopted_kv import KVOffers
 from .alignment import AlignRule, DecodeBalance, rank_caps, sequence_to_move
+from .rank_order import RankOrder
 
 _NO_LIMIT = 1 << 62  # a `_Steady` record's room before any sequence is in it
 
@@ -205,9 +206,15 @@ class StepBatch:
     columns: dict[int, _Column] = field(default_factory=dict, compare=False, repr=False)
 
     def tokens_per_rank(self) -> dict[int, int]:
-        decodes = self.decodes
-        return {r: sum(len(c.token_ids) for c in cs) + (len(decodes[r].seq_ids) if r in decodes else 0)
-                for r, cs in self.chunks.items()}
+        """rank -> tokens it runs, every rank of `chunks` (0 for most at scale: summed only where some run)."""
+        out = dict.fromkeys(self.chunks, 0)
+        for r, cs in self.chunks.items():
+            if cs:
+                out[r] = sum(len(c.token_ids) for c in cs)
+        for r, rows in self.decodes.items():
+            if r in out:
+                out[r] += len(rows.seq_ids)
+        return out
 
     @property
     def empty(self) -> bool:
@@ -484,12 +491,13 @@ class Scheduler:
         self._waits = [0, 0]
         unplaced = []
         ahead = _pending_of(self.running, steady) if admitted else {}
+        order = self._rank_order(ahead) if admitted else None
         # Longest first onto the rank where it adds least: the classic greedy for even sums.
         for seq in sorted(admitted, key=lambda q: -q.pending):
-            if not self._place(seq, ahead):  # no rank has room or blocks for it: it waits, in its place in the queue
+            if not self._place(seq, ahead, order):  # no rank has room or blocks for it: it waits, in its place
                 unplaced.append(seq)
-        order = {seq.seq_id: i for i, seq in enumerate(admitted)}
-        self.waiting.extendleft(sorted(unplaced, key=lambda q: -order[q.seq_id]))
+        queued = {seq.seq_id: i for i, seq in enumerate(admitted)}
+        self.waiting.extendleft(sorted(unplaced, key=lambda q: -queued[q.seq_id]))
         held = self.held  # a copy per rank either way: a migration changes `active`, never `running`
         active = {r: [q for q in seqs if q.seq_id not in held] if held else seqs[:] for r, seqs in self.running.items()}
         # one pass over each rank's sequences; sums over the busy ranks only: idle ranks count 0
@@ -745,39 +753,60 @@ class Scheduler:
                     by_id[seq_id].kept_blocks = len(tables[seq_id])
         return batch, bool(left)
 
-    def _place(self, seq: Sequence, ahead: dict[int, int]) -> bool:
+    def _rank_order(self, ahead: dict[int, int]) -> RankOrder:
+        """The ranks that take new sequences (room for one more, not draining) by what a sequence
+        without a prefix hit costs there (control/serving/rank_order.py); `ahead` as `_place`'s."""
+        running, pools, takes_new = self.running, self.pools, self._takes_new
+
+        def key(r: int) -> tuple[int, int, int, int] | None:
+            return (ahead[r], -pools[r].num_free_blocks, len(running[r]), r) if takes_new(r) else None
+
+        return RankOrder(running, key)
+
+    def _takes_new(self, rank: int) -> bool:
+        """Whether `rank` may take a new sequence: room for one more, not draining."""
+        return len(self.running[rank]) < self.max_num_seqs and rank not in self.draining
+
+    def _place(self, seq: Sequence, ahead: dict[int, int], order: RankOrder) -> bool:
         """Put `seq` on the rank where it adds the fewest tokens of work (see the module
         docstring) whose free blocks hold it, taking its cached prefix there; False when no
         rank with room for one more sequence has the blocks, or it waits for a prefix being
         computed there. `ahead`: rank -> tokens pending there, kept up to date as sequences are
         placed (summing every rank's sequences for every new one was quadratic in the requests
-        in flight: 16,384 at 256 ranks x 64)."""
+        in flight: 16,384 at 256 ranks x 64); `order`: the ranks by cost (`_rank_order`), whose
+        full cost is worked out only where the prefix may hit."""
         tokens = seq.tokens
-        candidates = [r for r, seqs in self.running.items()
-                      if len(seqs) < self.max_num_seqs and r not in self.draining]
-        if self.kv_offers is not None and self._take_held_kv(seq, set(candidates), ahead):
-            return True
-        chain = self.pools[candidates[0]].prefix_chain(tokens) if candidates else []  # hashed once, not per rank
-
-        def cost(r: int) -> tuple[int, int, int, int]:
-            pool = self.pools[r]
-            hit = pool.cached_prefix_tokens(tokens, chain) + (
-                pool.computing_prefix(tokens, chain)[0] if self.prefix_wait else 0)
-            return ahead[r] + len(tokens) - hit, -pool.num_free_blocks, len(self.running[r]), r
-
-        for rank in sorted(candidates, key=cost):
-            if self.prefix_wait and self._waits_for_prefix(seq, rank):
-                return False
-            cached = self.pools[rank].allocate(seq.seq_id, tokens, len(tokens))
-            if cached is None and self.kv_offers is not None and self.kv_offers.holds(rank):  # held KV goes first
-                self.kv_offers.release(rank)
-                cached = self.pools[rank].allocate(seq.seq_id, tokens, len(tokens))
-            if cached is not None:
-                seq.rank, seq.num_cached, seq.unsent_prefix, seq.prefix_wait = rank, cached, cached, None
-                self.running[rank].append(seq)
-                ahead[rank] += seq.pending
+        if self.kv_offers is not None:  # a takeover's placements change other ranks too: the order afresh
+            order = self._rank_order(ahead)
+            if self._take_held_kv(seq, {r for r in self.running if self._takes_new(r)}, ahead):
                 return True
-        return False
+        pools = self.pools
+        chain = next(iter(pools.values())).prefix_chain(tokens) if pools else []  # hashed once, not per rank
+        costs = {}
+        if chain:
+            first = chain[0][1]
+            for r, pool in pools.items():
+                if pool.may_hit(first) and self._takes_new(r):
+                    hit = pool.cached_prefix_tokens(tokens, chain) + (
+                        pool.computing_prefix(tokens, chain)[0] if self.prefix_wait else 0)
+                    costs[r] = (ahead[r] + len(tokens) - hit, -pool.num_free_blocks, len(self.running[r]), r)
+        ranks = order.ranks(len(tokens), costs)
+        try:
+            for rank in ranks:
+                if self.prefix_wait and self._waits_for_prefix(seq, rank):
+                    return False
+                cached = pools[rank].allocate(seq.seq_id, tokens, len(tokens))
+                if cached is None and self.kv_offers is not None and self.kv_offers.holds(rank):  # held KV goes first
+                    self.kv_offers.release(rank)
+                    cached = pools[rank].allocate(seq.seq_id, tokens, len(tokens))
+                if cached is not None:
+                    seq.rank, seq.num_cached, seq.unsent_prefix, seq.prefix_wait = rank, cached, cached, None
+                    self.running[rank].append(seq)
+                    ahead[rank] += seq.pending
+                    return True
+            return False
+        finally:
+            ranks.close()
 
     def _take_held_kv(self, seq: Sequence, candidates: set[int], ahead: dict[int, int]) -> bool:
         """Place a journaled `seq` on the KV an adopted rank among `candidates` held for its tokens

@@ -319,19 +319,22 @@ class StepLoop:
         busiest = max((tokens.get(r, 0) + pads.get(r, 0) for r in c.members), default=0)
         dispatch_rows = busiest * self.top_k if busiest <= self.cfg.padded_dispatch_max_tokens else 0
         micro_batches = 2 if self.cfg.enable_dbo and busiest >= self.cfg.dbo_min_tokens else 1
-        empty: dict[bool, StepPlan] = {}  # report_load -> the plan of every rank with nothing to run or free
-        plans = []
+        # the plan of every rank with nothing to run or free, per report_load: one object, encoded and
+        # sealed once for all of them (most ranks at scale: only the busy ones are looked at)
+        idle_pad = padded_tokens(0, self.warmup.shapes) if self.warmup is not None else 0
+        empty = [StepPlan(c.epoch, step, [], [], dispatch_rows, micro_batches, batch.moves, report_load, idle_pad)
+                 for report_load in (False, True)]
+        chunks, free, decodes = batch.chunks, batch.free, batch.decodes
+        busy = {r for r, cs in chunks.items() if cs} | {r for r, f in free.items() if f} | decodes.keys()
+        plans, load_every = [], self.load_every
         for rank_id in c.members:
-            chunks, free = batch.chunks.get(rank_id, []), batch.free.get(rank_id, [])
-            decode = batch.decodes.get(rank_id)
-            report_load = (step + rank_id) % self.load_every == 0  # ranks take turns
-            if chunks or free or decode is not None:
-                plan = StepPlan(c.epoch, step, chunks, free, dispatch_rows, micro_batches, batch.moves, report_load,
-                                pads.get(rank_id, 0), decode)
-            elif (plan := empty.get(report_load)) is None:  # one object: encoded and sealed once for all of them
-                plan = empty[report_load] = StepPlan(c.epoch, step, [], [], dispatch_rows, micro_batches,
-                                                     batch.moves, report_load, pads.get(rank_id, 0))
-            plans.append((rank_id, plan))
+            report_load = (step + rank_id) % load_every == 0  # ranks take turns
+            if rank_id in busy:
+                plans.append((rank_id, StepPlan(c.epoch, step, chunks.get(rank_id, []), free.get(rank_id, []),
+                                                dispatch_rows, micro_batches, batch.moves, report_load,
+                                                pads.get(rank_id, 0), decodes.get(rank_id))))
+            else:
+                plans.append((rank_id, empty[report_load]))
         return plans, micro_batches
 
     def _prepare(self, batch: StepBatch) -> None:
@@ -392,11 +395,16 @@ class StepLoop:
                 self.metrics.lost_results.labels("unanswered").inc()
 
     def _pads(self, tokens: dict[int, int]) -> dict[int, int]:
-        """rank -> padding tokens that make its step a warmed shape (nothing without the gate)."""
+        """rank -> padding tokens that make its step a warmed shape (nothing without the gate); an idle
+        rank's, the same for all, worked out once."""
         if self.warmup is None:
             return {}
         shapes = self.warmup.shapes
-        return {r: padded_tokens(tokens.get(r, 0), shapes) - tokens.get(r, 0) for r in self.cluster.members}
+        pads = dict.fromkeys(self.cluster.members, padded_tokens(0, shapes))
+        for r, n in tokens.items():
+            if n and r in pads:
+                pads[r] = padded_tokens(n, shapes) - n
+        return pads
 
     def _plan(self) -> StepBatch:
         """The next step's batch, without the sequences isolation holds back. After an interrupted
