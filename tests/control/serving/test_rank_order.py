@@ -30,8 +30,8 @@ def test_the_heap_and_the_costs_apart_give_the_order_of_every_cost_sorted():
             length = rng.randrange(1, 30)
             costs = {r: (state[r][0] + length - rng.randrange(0, 20), state[r][1], state[r][2], r)
                      for r in state if r not in full and rng.random() < 0.2}
-            expected = sorted((costs.get(r, (state[r][0] + length, state[r][1], state[r][2], r)) for r in state
-                               if r not in full))
+            expected = sorted(costs.get(r, (state[r][0] + length, state[r][1], state[r][2], r)) for r in state
+                               if r not in full)
             ranks = order.ranks(length, costs)
             got = []
             for rank in ranks:
