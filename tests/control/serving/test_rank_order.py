@@ -19,10 +19,11 @@ from elastic_ep.control.serving.scheduler import Scheduler, Sequence
 def test_the_heap_and_the_costs_apart_give_the_order_of_every_cost_sorted():
     rng = random.Random(1)
     for _ in range(200):
-        state = {r: [rng.randrange(0, 50), -rng.randrange(0, 20), rng.randrange(0, 4)] for r in range(rng.randrange(1, 30))}
+        state = {r: [rng.randrange(0, 50), -rng.randrange(0, 20), rng.randrange(0, 4)]
+                 for r in range(rng.randrange(1, 30))}
         full = {r for r in state if rng.random() < 0.1}
 
-        def key(r: int) -> tuple[int, int, int, int] | None:
+        def key(r: int, state=state, full=full) -> tuple[int, int, int, int] | None:
             return None if r in full else (state[r][0], state[r][1], state[r][2], r)
 
         order = RankOrder(state, key)
