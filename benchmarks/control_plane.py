@@ -12,7 +12,8 @@ measures, under load (seqs-per-rank decoding sequences per rank; 0: one sequence
 other rank runs empty plans): the controller's time per step
 by part (control/timing.py) and what it adds to the slowest rank's time (`added_ms_per_step`:
 wall time per step less the slowest member's own step time; `between`, the control thread's work from
-a step's completion to the next one's start, is outside both, and `turnaround` sums the control
+a step's completion to the next one's start, is outside both, so the table also gives the step
+period less the slowest member's time, what the ranks wait for in all; `turnaround` sums the control
 thread's own part of the wait from a step's last answer to the next step's plans: commit, metrics,
 between, plan, encode, send), the heartbeat load (rank heartbeats
 and heartbeat frames a second, one per rank heartbeat before node heartbeats and one per node
@@ -663,16 +664,18 @@ def table(args) -> None:
             row["repeat"] = repeat + 1
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-    print("| ranks | seqs/rank | mode | run | added ms/step | control CPU ms/step | period ms | plan | encode | send "
+    print("| ranks | seqs/rank | mode | run | added ms/step | period - slowest ms | control CPU ms/step | period ms "
+          "| plan | encode | send "
           "| gather | decode | commit | metrics | between | turnaround "
           "| rank heartbeats/s | heartbeat frames/s | hb load "
           "| health frames/s | /cluster build ms | /metrics ms "
           "| kill detect s / pause s | stop detect s (by) | hang pause s (bound) | placement ms | epochs formed "
           "| false faults |")
-    print("|" + "---|" * 28)
+    print("|" + "---|" * 29)
     for r in rows:
         p, kill, stop = r["parts_ms"], r.get("kill", {}), r.get("stop", {})
         print(f"| {r['ranks']} | {r['seqs_per_rank']} | {r['mode']} | {r['repeat']} | {r['added_ms_per_step']} "
+              f"| {r['step_period_ms'] - r['slowest_rank_ms']:.2f} "
               f"| {r.get('control_cpu_ms_per_step', 'n/a')} | {r['step_period_ms']} "
               f"| {p['plan']} | {p['encode']} | {p['send']} | {p['gather']} | {p['decode']} | {p['commit']} "
               f"| {p['metrics']} | {p.get('between', '-')} | {turnaround_ms(p)} "
