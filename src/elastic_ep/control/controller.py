@@ -332,8 +332,9 @@ class Controller:
 
     # ---- waiting -----------------------------------------------------------------------------
 
-    def pump(self, timeout_s: float) -> None:
-        """Wait up to timeout_s for input, handle everything that arrived, run the detector."""
+    def pump(self, timeout_s: float, snapshot: bool = True) -> None:
+        """Wait up to timeout_s for input, handle everything that arrived, run the detector, publish
+        (readiness and health; the /cluster snapshot when due, unless `snapshot` is False)."""
         times = self.plane.times
         received = self.plane.receive(timeout_s)
         heard = self.plane.heard_clock()  # when all of these were read: one clock read for the batch
@@ -355,7 +356,7 @@ class Controller:
         self.nodes.check_agents(heard)
         self.nodes.restart_due(time.monotonic())
         t1 = time.perf_counter()
-        self.publish(throttle_s=0.25)
+        self.publish(throttle_s=0.25, snapshot=snapshot)
         times.handled_s["(detector)"] += t1 - t0
         times.handled_s["(publish)"] += time.perf_counter() - t1
 
@@ -666,7 +667,9 @@ class Controller:
     def _iterate(self) -> None:
         """One decision at a step boundary."""
         c = self.cluster
-        self.pump(0.0)
+        # a step boundary builds no snapshot: the ranks wait for it; the pumps of a step's wait build it,
+        # while the ranks compute (and the pumps of an idle loop)
+        self.pump(0.0, snapshot=False)
         if self.detector.pending:
             return
         if self.sleep.blocks_steps:  # asleep or on the way: nothing runs, nothing moves
@@ -707,16 +710,16 @@ class Controller:
 
     # ---- snapshot ----------------------------------------------------------------------------
 
-    def publish(self, throttle_s: float = 0.0) -> None:
+    def publish(self, throttle_s: float = 0.0, snapshot: bool = True) -> None:
         """Readiness and health at once; the /cluster snapshot at most every `throttle_s`
         (facade/publisher.py), and none that may wait while a recovery's group is ready with
         requests to run: the pause after a fault lasts until its first step, and a snapshot
         (every rank's view, a new placement's) was most of a 256-rank recovery's control
         thread. For at most SNAPSHOT_HOLD_S after the fault, so that one whose step never
-        comes still shows."""
+        comes still shows. `snapshot` False: readiness and health only (a step boundary)."""
         self.published.sleep_level = self.sleep.level or (self.sleep.moving.level if self.sleep.moving else 0)
         record = self.recovery.record
         if (throttle_s and record is not None and self.cluster.readiness.ready and self.scheduler.has_work
                 and time.monotonic() - record.detected_at < SNAPSHOT_HOLD_S):
             throttle_s = math.inf
-        self.publisher.publish(throttle_s)
+        self.publisher.publish(throttle_s if snapshot else math.inf)

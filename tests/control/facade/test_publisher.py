@@ -178,3 +178,21 @@ def test_the_snapshot_shows_each_ranks_timing_percentiles_and_the_slot_balance_f
     c.ranks[1] = RankInfo(1, "n0", pid=2001, status=RankStatus.SERVING)  # a new process of rank id 1
     rig.publisher.publish()
     assert {r["rank_id"]: r["step_ms"] for r in rig.published.snapshot["ranks"]}[1] is None
+
+
+def test_a_step_boundary_builds_no_snapshot_and_the_pumps_of_a_wait_do(monkeypatch):
+    """The ranks wait through a step boundary: its pump publishes readiness and health but leaves a
+    due /cluster snapshot to the pumps of the next step's wait (or of an idle loop)."""
+    ctl = Controller(ServeConfig(model_dir=str(resolve_model("tiny-deepseek-v3")), model_name="t", ep_size=2),
+                     ClusterKey.generate(), CollectorRegistry())
+    ctl.publish()
+    first = ctl.published.snapshot
+    time.sleep(0.3)  # past the throttle: a snapshot is due
+    ctl.pump(0.0, snapshot=False)
+    assert ctl.published.snapshot is first
+    ctl.pump(0.0)
+    assert ctl.published.snapshot is not first
+    pumps = []
+    monkeypatch.setattr(ctl, "pump", lambda timeout_s, snapshot=True: pumps.append((timeout_s, snapshot)))
+    ctl._iterate()  # no rank yet: not ready, so it waits in a pump of its own
+    assert pumps[0] == (0.0, False) and pumps[-1] == (0.05, True)
