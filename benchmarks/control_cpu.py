@@ -46,8 +46,10 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   step's tokens once every rank answered: the scheduler's `commit`, then `deliver_step` into the
   `StreamOutputs` frames of 2 API servers (`serve --api-server-count 2`: the frames encoded as
   their send does), ms per step: rows as tuples (a tree without columns, or a step loop that asks
-  for none), and a steady rank's rows as columns where the tree has them (`commit`'s `columns`).
-  `--completion` measures only these rows;
+  for none), and a steady rank's rows as columns where the tree has them (`commit`'s `columns`); then
+  the same with requests of lengths spread over 1-199 tokens, each one that ends replaced by a new
+  one (~100 end and arrive a step), `schedule` too (each arrival placed). `--completion` measures
+  only these rows;
 - deliver: one step's tokens handed from the control thread to the HTTP side's event loop (one
   loop, as serve's uvicorn runs; each stream awaited by a task of its own, as each request's
   handler awaits it) at 256 ranks x 8 and x 64 sequences, the `RequestOutput`s built as the step
@@ -77,6 +79,7 @@ import importlib
 import inspect
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -805,12 +808,58 @@ def completion_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, step
     return {"commit": 1000 * commit_s / steps, "deliver": 1000 * deliver_s / steps}
 
 
+def arrivals_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, steps: int = 40) -> dict | None:
+    """CPU ms per step of `schedule`, `commit` and `deliver_step` (2 API servers' frames) at `ranks` x
+    `seqs_per_rank` requests whose lengths are spread over 1-199 tokens, each ended request replaced
+    by a new one (about 100 end and arrive a step at 256 x 64); None for columns in a tree without them."""
+    if columns and "columns" not in inspect.signature(Scheduler.commit).parameters:
+        return None
+    rng = random.Random(1)
+    s = Scheduler(max_num_seqs=seqs_per_rank, max_num_batched_tokens=1 << 20, align=AlignRule(),
+                  num_blocks=seqs_per_rank * 20)
+    s.set_ranks(list(range(ranks)))
+    streams = Streams(s, servers=EncodingServers())
+    added = [0]
+
+    def arrive() -> None:
+        i = added[0]
+        added[0] += 1
+        prompt = [2 + (i * 7919 + j) % 30_000 for j in range(6)]  # its own: no prefix hit
+        s.add(Sequence(i, GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 200),
+                                                                            ignore_eos=True), 0), 200_000, (0,)))
+        streams.add(i, RemoteStream(f"r{i}", i % 2, i))
+
+    for _ in range(ranks * seqs_per_rank):
+        arrive()
+    spent = {"schedule": 0.0, "commit": 0.0, "deliver": 0.0}
+    for step in range(steps + 20):
+        cpu0 = time.process_time()
+        batch = s.schedule()
+        cpu1 = time.process_time()
+        cols = [] if columns else None
+        outputs = s.commit(batch, sampled_of(batch), None, cols) if columns else s.commit(batch, sampled_of(batch))
+        cpu2 = time.process_time()
+        streams.deliver_step(outputs, cols) if columns else streams.deliver_step(outputs)
+        cpu3 = time.process_time()
+        for _ in range(sum(out[2] is not None for out in outputs)):
+            arrive()
+        if step >= 20:  # past the first prefills and the first ends
+            for what, dt in (("schedule", cpu1 - cpu0), ("commit", cpu2 - cpu1), ("deliver", cpu3 - cpu2)):
+                spent[what] += dt
+    return {what: 1000 * v / steps for what, v in spent.items()}
+
+
 def completion_rows(repeat: int) -> dict:
     rows = {}
     for columns, how in ((False, "rows as tuples"), (True, "steady rows as columns")):
         runs = [r for r in (completion_ms(columns) for _ in range(repeat)) if r is not None]
         for what in ("commit", "deliver"):
             rows[f"completion, 256 ranks x 64 decoding, {how}: {what} ms"] = min(
+                (r[what] for r in runs), default=None)
+    for columns, how in ((False, "rows as tuples"), (True, "steady rows as columns")):
+        runs = [r for r in (arrivals_ms(columns) for _ in range(repeat)) if r is not None]
+        for what in ("schedule", "commit", "deliver"):
+            rows[f"arrivals, 256 ranks x 64, ~100 ending and arriving a step, {how}: {what} ms"] = min(
                 (r[what] for r in runs), default=None)
     return rows
 
