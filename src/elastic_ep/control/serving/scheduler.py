@@ -86,8 +86,6 @@ from .adopted_kv import KVOffers
 from .alignment import AlignRule, DecodeBalance, rank_caps, sequence_to_move
 from .rank_order import RankOrder
 
-_NO_LIMIT = 1 << 62  # a `_Steady` record's room before any sequence is in it
-
 # One sequence's output of a step: (seq_id, new token ids, finish reason (None: still running), one
 # TokenLogprobs per new token or None); a plain tuple, cheaper to build than a RequestOutput.
 StepTokens = tuple[int, list[int], str | None, list[TokenLogprobs] | None]
@@ -240,21 +238,24 @@ class StepBatch:
 class _Column:
     """The sequences of a rank's first decode rows (`seqs`, in the rows' order), every token that ends
     one of them (`stops`) and the fewest tokens one of them may still generate before the step
-    commits (`room`): `commit` ends none of them when no token sampled is in `stops` and `room` is 2
-    or more, and then commits the rows as a column (`Scheduler._commit_columns`)."""
+    commits (`room`), both None where not known yet (worked out at the commit that reads them):
+    the commit reads a sequence one by one only where a token sampled is in `stops` or `room` is
+    below 2 (`Scheduler._commit_columns`)."""
 
     seqs: list[Sequence]
-    stops: frozenset[int]
-    room: int
+    stops: frozenset[int] | None = None
+    room: int | None = None
 
 
 @dataclass(frozen=True)
 class _Committed:
     """What `_commit_columns` committed of a rank's column: the sequences that go on and their tokens,
-    the fewest tokens one of them may still generate, and whether some of the column ended."""
+    the column's stop tokens (a superset of theirs), the fewest tokens one of them may still generate,
+    and whether some of the column ended."""
 
     seqs: list[Sequence]
     tokens: list[int]
+    stops: frozenset[int]
     room: int
     ended: bool
 
@@ -678,19 +679,16 @@ class Scheduler:
         for rank, rows in decodes.items():
             pool, kept = self.pools[rank], (rank, self.kept_generation)
             tables = pool.tables
-            seq_ids, positions, new_blocks, seqs, stops, room = [], [], [], [], set(), _NO_LIMIT
+            seq_ids, positions, new_blocks, seqs = [], [], [], []
             for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
                 seq = by_id[seq_id]
                 if seq.kept != kept:
                     return None
-                more = seq.limit - len(seq.tokens)
-                if more < 2:  # its length ends it in this step: `take_prepared` frees it
+                if seq.limit - len(seq.tokens) < 2:  # its length ends it in this step: `take_prepared` frees it
                     continue
                 seq_ids.append(seq_id)
                 positions.append(position + 1)
                 seqs.append(seq)
-                stops |= seq.stop_ids
-                room = min(room, more)
                 # its table holds its position + 1 tokens, so only one that ends a block can be full
                 if (position + 1) % block_size == 0:
                     table = tables[seq_id]  # as long as `schedule` left it (`kept_blocks`): it grows only here
@@ -700,7 +698,7 @@ class Scheduler:
                         new_blocks.extend((seq_id, b) for b in table[seq.kept_blocks:])
             if seq_ids:
                 prepared[rank] = DecodeRows(seq_ids, [SAMPLED_TOKEN] * len(seq_ids), positions, new_blocks)
-                columns[rank] = _Column(seqs, frozenset(stops), room - 1)  # this step appends one to each
+                columns[rank] = _Column(seqs)
         before = (self.balance.busiest, self.balance.streak)
         after = self._balance_after(before, prepared) if prepared else None
         if after is None:
@@ -895,7 +893,7 @@ class Scheduler:
             lead = batch.columns.get(rank) if by_columns else None
             done = self._commit_columns(rank, rows, lead, sampled, columns, out) if lead is not None else None
             n = len(lead.seqs) if done is not None else 0
-            seqs, sampled_tokens, left, stops, room = [], [], False, set(), done.room if done is not None else _NO_LIMIT
+            seqs, sampled_tokens, left = [], [], False
             for seq_id, position in zip(rows.seq_ids[n:] if n else rows.seq_ids,
                                         rows.positions[n:] if n else rows.positions, strict=True):
                 seq = by_id.get(seq_id)
@@ -912,28 +910,26 @@ class Scheduler:
                     continue
                 tokens = seq.tokens
                 tokens.append(token)
-                more = seq.limit - len(tokens)  # tokens it may still generate
-                reason = "stop" if token in seq.stop_ids else "length" if more <= 0 else None
+                reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.limit else None
                 if reason is not None:
                     self._finished(seq, reason)
                     left = True
                 else:
                     seqs.append(seq)
                     sampled_tokens.append(token)
-                    stops |= seq.stop_ids
-                    if more < room:
-                        room = more
                 out.append((seq_id, [token], reason, None))
                 if generated is not None:
                     generated.append((seq_id, len(tokens) - seq.prompt_len))
+            # the next record's column: the column's stop tokens and fewest tokens left carried on where
+            # nothing else joined it, else worked out at the next commit that reads them
+            column = _Column(seqs)
             if done is not None:
-                seqs, sampled_tokens = done.seqs + seqs if seqs else done.seqs, done.tokens + sampled_tokens
-                stops = lead.stops.union(stops) if stops else lead.stops  # those that ended may stay in it
-                left = left or done.ended
+                column = _Column(done.seqs + seqs) if seqs else _Column(done.seqs, done.stops, done.room)
+                seqs, sampled_tokens, left = column.seqs, done.tokens + sampled_tokens, left or done.ended
             if seqs:
                 steady[rank] = _Steady(generation, [q.seq_id for q in seqs] if left else rows.seq_ids,
                                        [q.num_cached - 1 for q in seqs] if left else rows.positions, sampled_tokens,
-                                       _Column(seqs, frozenset(stops), room))
+                                       column)
         self._steady = steady
         return out
 
@@ -956,16 +952,20 @@ class Scheduler:
             tokens = list(map(sampled.__getitem__, ids))
         except KeyError:  # one of them sampled nothing (an error of its sampling)
             return None
+        stops, room = lead.stops, lead.room
+        if stops is None or room is None:  # a column new since the last commit: its sequences read once
+            stops = frozenset().union(*[seq.stop_ids for seq in seqs])
+            room = min(seq.limit - len(seq.tokens) for seq in seqs)
         ends: dict[int, str] = {}  # index -> why it ends
-        if lead.stops and not lead.stops.isdisjoint(tokens):
+        if stops and not stops.isdisjoint(tokens):
             ends = {i: "stop" for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)) if token in seq.stop_ids}
-        room = lead.room - 1  # this step appends one to each
+        room -= 1  # this step appends one to each
         if room < 1:  # some may reach their length: each one's tokens left after this step, read
             left = [seq.limit - len(seq.tokens) - 1 for seq in seqs]
             for i, more in enumerate(left):
                 if more <= 0:
                     ends.setdefault(i, "length")
-            room = min((more for i, more in enumerate(left) if i not in ends), default=_NO_LIMIT)
+            room = min((more for i, more in enumerate(left) if i not in ends), default=0)
         pool, block_size = self.pools[rank], self.block_size
         for seq, token, position in zip(seqs, tokens, rows.positions, strict=False):  # rows after `seqs`: `commit`'s
             num_cached = seq.num_cached = position + 1
@@ -979,7 +979,7 @@ class Scheduler:
             on = [i for i in range(n) if i not in ends]
             seqs, ids, tokens = [seqs[i] for i in on], [ids[i] for i in on], [tokens[i] for i in on]
         columns.append((rank, ids, tokens))
-        return _Committed(seqs, tokens, room, bool(ends))
+        return _Committed(seqs, tokens, stops, room, bool(ends))
 
     def _advance(self, seq: Sequence, num_cached: int, sampled: dict[int, int], out: list[StepTokens],
                  generated: list[tuple[int, int]] | None) -> None:
