@@ -867,9 +867,10 @@ class Scheduler:
         traces). A sequence whose `ChunkPlan` ran on its rank is kept there from now on (module
         docstring). With `columns` (and no `generated`), a rank whose first decode rows were planned
         without a look at each (`StepBatch.columns`: from its `_Steady` record, or prepared), none of
-        whose sequences left it since and none of which this step ends, has those rows committed as
-        columns: (rank, their seq_ids, their tokens) is appended to `columns` instead of a tuple per
-        row to the list returned (`_commit_columns`)."""
+        whose sequences left it since and each of which sampled a token, has those rows committed as
+        a column: (rank, the seq_ids and tokens of those that go on) is appended to `columns` instead
+        of a tuple per row to the list returned; those that end in the step still get theirs
+        (`_commit_columns`)."""
         self._uncommitted = False
         for move in batch.moves:
             self._rehome(move)
