@@ -784,11 +784,28 @@ class EncodingServers:
         return True
 
 
+def completed(s: Scheduler, streams: Streams, batch, sampled: dict[int, int],
+              columns: bool) -> tuple[list, float, float]:
+    """A step's `commit` of `batch` and `deliver_step` of its outputs, with the steady ranks' rows as
+    columns or as tuples (a tree without columns: always tuples): (the outputs, commit s, deliver s)
+    on the CPU clock."""
+    cpu0 = time.process_time()
+    cols = [] if columns else None
+    outputs = s.commit(batch, sampled, None, cols) if columns else s.commit(batch, sampled)
+    cpu1 = time.process_time()
+    streams.deliver_step(outputs, cols) if columns else streams.deliver_step(outputs)
+    return outputs, cpu1 - cpu0, time.process_time() - cpu1
+
+
+def has_columns() -> bool:
+    return "columns" in inspect.signature(Scheduler.commit).parameters
+
+
 def completion_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, steps: int = 20) -> dict | None:
     """CPU ms per step of a decode step's `commit` and `deliver_step` to 2 API servers' frames (module
     docstring, completion), with the steady ranks' rows as `columns` or as tuples; None for columns
     in a tree without them."""
-    if columns and "columns" not in inspect.signature(Scheduler.commit).parameters:
+    if columns and not has_columns():
         return None
     s = decoding_scheduler(ranks, seqs_per_rank, 6, grow_tokens=steps + 5 + 16)
     streams = Streams(s, servers=EncodingServers())
@@ -797,14 +814,9 @@ def completion_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, step
     commit_s = deliver_s = 0.0
     for step in range(steps + 3):
         batch = s.schedule()
-        sampled = sampled_of(batch)
-        cpu0 = time.process_time()
-        cols = [] if columns else None
-        outputs = s.commit(batch, sampled, None, cols) if columns else s.commit(batch, sampled)
-        cpu1 = time.process_time()
-        streams.deliver_step(outputs, cols) if columns else streams.deliver_step(outputs)
+        _, commit_dt, deliver_dt = completed(s, streams, batch, sampled_of(batch), columns)
         if step >= 3:  # the first steps prefill
-            commit_s, deliver_s = commit_s + cpu1 - cpu0, deliver_s + time.process_time() - cpu1
+            commit_s, deliver_s = commit_s + commit_dt, deliver_s + deliver_dt
     return {"commit": 1000 * commit_s / steps, "deliver": 1000 * deliver_s / steps}
 
 
@@ -812,7 +824,7 @@ def arrivals_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, steps:
     """CPU ms per step of `schedule`, `commit` and `deliver_step` (2 API servers' frames) at `ranks` x
     `seqs_per_rank` requests whose lengths are spread over 1-199 tokens, each ended request replaced
     by a new one (about 100 end and arrive a step at 256 x 64); None for columns in a tree without them."""
-    if columns and "columns" not in inspect.signature(Scheduler.commit).parameters:
+    if columns and not has_columns():
         return None
     rng = random.Random(1)
     s = Scheduler(max_num_seqs=seqs_per_rank, max_num_batched_tokens=1 << 20, align=AlignRule(),
@@ -835,16 +847,12 @@ def arrivals_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, steps:
     for step in range(steps + 20):
         cpu0 = time.process_time()
         batch = s.schedule()
-        cpu1 = time.process_time()
-        cols = [] if columns else None
-        outputs = s.commit(batch, sampled_of(batch), None, cols) if columns else s.commit(batch, sampled_of(batch))
-        cpu2 = time.process_time()
-        streams.deliver_step(outputs, cols) if columns else streams.deliver_step(outputs)
-        cpu3 = time.process_time()
+        schedule_dt = time.process_time() - cpu0
+        outputs, commit_dt, deliver_dt = completed(s, streams, batch, sampled_of(batch), columns)
         for _ in range(sum(out[2] is not None for out in outputs)):
             arrive()
         if step >= 20:  # past the first prefills and the first ends
-            for what, dt in (("schedule", cpu1 - cpu0), ("commit", cpu2 - cpu1), ("deliver", cpu3 - cpu2)):
+            for what, dt in (("schedule", schedule_dt), ("commit", commit_dt), ("deliver", deliver_dt)):
                 spent[what] += dt
     return {what: 1000 * v / steps for what, v in spent.items()}
 

@@ -24,7 +24,8 @@ class RankOrder:
     ahead, -free blocks, sequences, rank); None for a rank that takes none: full, draining). A key
     only grows as sequences are placed (more work ahead, fewer free blocks, more sequences), and an
     entry that grew is found stale and put back with its key of now when it comes up; a change that
-    lowers one (held KV released on a rank) is told with `renew`."""
+    lowers one must be told with `renew` (or the order built afresh, as the scheduler does while a
+    takeover's held KV can be released)."""
 
     def __init__(self, ranks: Iterable[int], key: Callable[[int], Key | None]):
         self._key = key
