@@ -14,8 +14,8 @@ by part (control/timing.py) and what it adds to the slowest rank's time (`added_
 wall time per step less the slowest member's own step time; `between`, the control thread's work from
 a step's completion to the next one's start, is outside both, so the table also gives the step
 period less the slowest member's time, what the ranks wait for in all; `turnaround` sums the control
-thread's own part of the wait from a step's last answer to the next step's plans: commit, metrics,
-between, plan, encode, send), the heartbeat load (rank heartbeats
+thread's own part of the wait from a step's last answer to the next step's plans: commit, between,
+plan, encode, send; `metrics`, the step's observation, runs in the next step's wait), the heartbeat load (rank heartbeats
 and heartbeat frames a second, one per rank heartbeat before node heartbeats and one per node
 after, and the control thread's share of a second spent on them), the /cluster snapshot (built
 on the control thread; serialised by the HTTP thread) and the /metrics scrape, then kills one
@@ -689,11 +689,12 @@ def table(args) -> None:
 
 def turnaround_ms(parts_ms: dict) -> float | str:
     """The control thread's own part of the wait from a step's last answer to the next step's plans
-    (control/timing.py): commit + metrics + between + plan + encode + send; '-' for a tree that does not
-    time `between`."""
+    (control/timing.py): commit + between + plan + encode + send (`metrics` runs in the next step's
+    wait; a tree before that has its own script, which adds it); '-' for a tree that does not time
+    `between`."""
     if "between" not in parts_ms:
         return "-"
-    return round(sum(parts_ms[p] for p in ("commit", "metrics", "between", "plan", "encode", "send")), 2)
+    return round(sum(parts_ms[p] for p in ("commit", "between", "plan", "encode", "send")), 2)
 
 
 def main() -> None:

@@ -203,7 +203,10 @@ class Controller:
                                  cfg.dbo_min_tokens if cfg.enable_dbo else None)
         self.steps = StepLoop(c, cfg, self.plane, self.scheduler, self.detector, self.metrics, self.recorder,
                               self.streams, self.isolation, self.config.top_k, self.pump, self.chaos,
-                              traces=self.traces, warmup=self.warmup if cfg.warmup_gate else None)
+                              traces=self.traces, warmup=self.warmup if cfg.warmup_gate else None,
+                              during_step=self._housekeep)
+        self._housekept = False  # `_housekeep` ran in a step's wait since the last boundary
+        self._joinable = False  # it found ranks outside the group that could join
         self.standby = Standbys(c, cfg.standby_ranks, self.nodes, target_size=lambda: self.scaling.target_ep_size,
                                 joiner=lambda r: self.scaling.joiner(r), faulted=lambda r: r in self.detector.faults)
         self.scaling = ScaleDriver(c, cfg, self.nodes, self.scheduler,
@@ -679,13 +682,13 @@ class Controller:
             return
         if self.rollout.active and not self.scaling.active:
             self.rollout.advance()
-        joiners = self.joiners()
+        if not self._housekept:  # no step's wait did it since the last boundary
+            self._housekeep()
+        self._housekept = False
+        joiners = self.joiners() if self._joinable else []
         if joiners and c.can_serve(c.members + joiners):
             self._rejoin(sorted(c.members + joiners))
             return
-        self.standby.park()
-        if not self.scaling.active:
-            self.standby.upkeep()
         if not c.readiness.ready:
             self.recovery.end_requests_if_degraded_too_long()
             self.pump(0.05)
@@ -700,13 +703,34 @@ class Controller:
         if self.rebalancer.due():
             self.rebalancer.advance()
             return
-        self.sweeper.sweep()
         if not self.scheduler.has_work:
             self.pump(0.05)
             return
         wall_s = self.steps.run()
         if wall_s is not None:
             self.recovery.step_completed(wall_s)
+
+    def _housekeep(self) -> None:
+        """What every step boundary looked at though the next step does not wait on it: the last
+        step's observation (StepLoop.observe: timings, intervals, metrics), registered
+        ranks outside the group parked as standbys (and whether any could join: `_joinable`, which
+        the boundary acts on), the standby upkeep, the background slot sweep, the straggler
+        verdict when due (StragglerControl.judge). Each walks every rank (the verdict every rank's
+        intervals: milliseconds at 256 ranks, every 0.5 s), so it runs once per step in the step's
+        wait, after its plans went out (StepLoop's `during_step`), and at a boundary only when no
+        step ran since the last one (idle, not ready, an epoch formed). What it finds is acted on
+        at the next boundary: a rank that registers after it joins a step later."""
+        c = self.cluster
+        self._housekept = True
+        self.steps.observe()  # at a boundary: the last commit's, which no step's send took
+        self.standby.park()
+        joiners = self.joiners()
+        self._joinable = bool(joiners) and c.can_serve(c.members + joiners)
+        if not self._joinable and not self.scaling.active:  # a rejoin comes first: its ranks are no shortfall
+            self.standby.upkeep()
+        if c.readiness.ready and not self.changer.suspect_slots:
+            self.sweeper.sweep()
+        self.stragglers.judge(time.monotonic())
 
     # ---- snapshot ----------------------------------------------------------------------------
 

@@ -5,13 +5,15 @@ benchmarks/control_plane.py and shown in `/cluster` (`control_times`).
 A step's parts: plan (the scheduler and the plans), encode and send (every member's plan),
 gather (from the last send until every member answered: the ranks' time, the transport, and
 whatever the control thread did meanwhile), decode (the results' frames), commit (tokens to the
-scheduler and the streams) and metrics (the per-step series); prepare (--async-scheduling: the next
-step planned and sealed while this one runs, inside the gather's time, not after it); between (from a
+scheduler and the streams) and metrics (what the step before's answers tell the timings, the
+straggler intervals, the EPLB window and the metrics: `StepLoop.observe`, run once the next step's
+plans went out, so inside that step's gather, not after the commit); prepare (--async-scheduling:
+the next step planned and sealed while this one runs, inside the gather's time too); between (from a
 step's completion to the next step's start, when the step before completed: what the control thread
-does at a step boundary, its pumps and reviews). `slowest_rank_s` sums the slowest member's own
+does at a step boundary, its pump and decisions). `slowest_rank_s` sums the slowest member's own
 `step_s` per step, so `wall_s - slowest_rank_s` is what the control plane added within the steps
-(`between` is outside them), and commit + metrics + between + plan + encode + send is the control
-thread's own part of the wait from one step's last answer to the next step's plans.
+(`between` is outside them), and commit + between + plan + encode + send is the control thread's own
+part of the wait from one step's last answer to the next step's plans.
 """
 
 from __future__ import annotations

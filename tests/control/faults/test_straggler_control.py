@@ -56,8 +56,15 @@ class StandIn:
                                 form=self.form, recovering=lambda: self.recovering, compute=compute)
 
 
+def judged_and_reviewed(control: StragglerControl, t: float) -> bool:
+    """A boundary of an idle loop, which judges and then reviews (the controller's `_housekeep`)."""
+    control.judge(t)
+    return control.review(t)
+
+
 def server_decisions(cfg: ServeConfig, own_ms, duration_s: float):
-    """Steps of every member every STEP_S, the role reviewing after each; -> (time, kind, rank) of
+    """Steps of every member every STEP_S, the role reviewing after each what the step's wait judged
+    (the controller's order: a verdict is acted on a step after it); -> (time, kind, rank) of
     its straggler events (timed by the step they came at) and the stand-in."""
     ctl = StandIn(cfg)
     control = ctl.role()
@@ -67,7 +74,8 @@ def server_decisions(cfg: ServeConfig, own_ms, duration_s: float):
         for r in list(ctl.cluster.members):
             ctl.own_time.add(t, r, STEP_TOKENS, own_ms(r, t) / 1000)
         seen = len(ctl.cluster.events.all())
-        control.review(t)
+        control.review(t)  # the boundary acts on what the last step's wait judged
+        control.judge(t)  # the next step's wait
         out += [(t, DecisionKind(e["decision"]), e["rank_id"]) for e in ctl.cluster.events.all()[seen:]
                 if e["kind"] == "straggler"]
     return out, ctl
@@ -110,17 +118,17 @@ def test_weights_again_after_a_recovery_wait_for_its_first_step():
         t += STEP_S
         for r in RANKS:
             ctl.own_time.add(t, r, STEP_TOKENS, (60.0 if r == 2 else 20.0) / 1000)
-        control.review(t)
+        judged_and_reviewed(control, t)
     assert ctl.epochs and ctl.epochs[0].startswith("straggler: derate rank 2")
     ctl.cluster.epoch, ctl.cluster.location = ctl.cluster.epoch + 1, unweighted  # a recovery's, without weights
     ctl.recovering = True
     for _ in range(3):
         t += control.interval_s
-        assert not control.review(t)
+        assert not judged_and_reviewed(control, t)
     assert len(ctl.epochs) == 1
     ctl.recovering = False  # its first step completed
     t += control.interval_s
-    assert control.review(t)
+    assert judged_and_reviewed(control, t)
     assert ctl.epochs[1].startswith("straggler: weights again after an epoch change")
 
 
@@ -142,14 +150,34 @@ def test_a_large_groups_weighted_placement_is_computed_off_the_thread_and_formed
         t += STEP_S
         for r in RANKS:
             ctl.own_time.add(t, r, STEP_TOKENS, (60.0 if r == 2 else 20.0) / 1000)
-        assert not control.review(t)
+        assert not judged_and_reviewed(control, t)
     assert len(jobs) == 1 and jobs[0][0] is plan_rebalance and ctl.epochs == []
     t += STEP_S
-    assert not control.review(t)  # still computed: the loop steps on
+    assert not judged_and_reviewed(control, t)  # still computed: the loop steps on
     fn, args, future = jobs[0]
     future.set_result(fn(*args))
     t += STEP_S  # within the same review interval
-    assert control.review(t) and len(jobs) == 1
+    assert judged_and_reviewed(control, t) and len(jobs) == 1
     assert len(ctl.epochs) == 1 and ctl.epochs[0].startswith("straggler: derate rank 2")
     t += control.interval_s
-    assert not control.review(t) and len(jobs) == 1  # placed: not asked again
+    assert not judged_and_reviewed(control, t) and len(jobs) == 1  # placed: not asked again
+
+
+def test_verdicts_judged_in_an_epoch_gone_by_are_not_acted_on():
+    """The verdicts judged in a step's wait are acted on at the next boundary, unless an epoch formed
+    in between (a recovery, a rejoin): its members were judged on another group's timings."""
+    cfg = ServeConfig("unused", "unused", 4, straggler_policy="derate", straggler_clear_after_s=1000.0)
+    ctl = StandIn(cfg)
+    control = ctl.role()
+    t = 0.0
+    while not ctl.epochs and t < 40.0:  # rank 2 at 3x its peers' time, judged but never reviewed in time
+        t += STEP_S
+        for r in RANKS:
+            ctl.own_time.add(t, r, STEP_TOKENS, (60.0 if r == 2 else 20.0) / 1000)
+        control.judge(t)
+        ctl.cluster.epoch += 1  # an epoch forms before each boundary
+        assert not control.review(t)
+    assert ctl.epochs == [] and not control.derated()
+    control.judge(t + control.interval_s)  # the same timings, judged and acted on in one epoch
+    assert control.review(t + control.interval_s)
+    assert ctl.epochs[0].startswith("straggler: derate rank 2")

@@ -398,6 +398,7 @@ def test_a_rank_that_answered_directly_is_left_out_of_its_nodes_frame_and_counte
         steps.on_node_results(node_results("n0", "s", [answer_of(0, plans[0]), answer_of(1, plans[1])]))
     steps.pump = answering_with(steps, answer)
     assert steps.run() is not None and scheduler.by_id[5].output == [7]
+    steps.observe()
     assert group_steps_observed(registry) == 2
 
 
@@ -418,28 +419,43 @@ def test_an_expert_load_in_a_nodes_frame_is_summed_and_one_not_of_the_models_sha
     before = invalid_frames("n0")
     steps.pump = answering_with(steps, answer)
     assert steps.run() is not None
+    steps.observe()
     assert steps.load_window.estimate().tolist() == [[2 * e + 1.0 for e in range(8)]]
 
 
 def test_a_steps_timings_go_to_each_ranks_ring_and_a_new_process_of_an_id_starts_with_none():
-    """Step, wait, own time and slot tokens when the step completes, the round trip less the step
-    as answers come (rank 1 directly, rank 0 in its node's frame), each rank's once a step."""
+    """Step, wait, own time and slot tokens once the next step's plans went out (or `observe` at a
+    boundary that runs none), the round trip less the step as answers come (rank 1 directly, rank 0
+    in its node's frame), each rank's once a step."""
     steps, _, _ = loop_with_one_request()
 
     def answer(plans):
         steps.on_reply(answer_of(1, plans[1]))
         steps.on_node_results(node_results("n0", "s", [answer_of(0, plans[0])]))
     steps.pump = answering_with(steps, answer)
-    assert steps.run() is not None and steps.run() is not None
+    assert steps.run() is not None
     c = steps.cluster
+    assert c.timings.window("step_s", 0, c.ranks[0].record) == []  # not before the next step is out
+    assert steps.run() is not None
+    assert c.timings.window("step_s", 0, c.ranks[0].record) == [0.01]
+    steps.observe()
     for r in (0, 1):
         record = c.ranks[r].record
         assert c.timings.window("step_s", r, record) == [0.01, 0.01] == c.timings.window("own_s", r, record)
         assert c.timings.window("wait_s", r, record) == [0.0, 0.0]
         assert len(c.timings.window("link_s", r, record)) == 2
         assert all(link >= 0.0 for link in c.timings.window("link_s", r, record))
-    c.ranks[1] = RankInfo(1, "n0", pid=2001, status=RankStatus.SERVING)  # its process replaced
-    assert c.timings.window("step_s", 1, c.ranks[1].record) == []
     assert steps.run() is not None
+    c.ranks[1] = RankInfo(1, "n0", pid=2001, status=RankStatus.SERVING)  # its process replaced after a commit
+    assert c.timings.window("step_s", 1, c.ranks[1].record) == []
+    assert steps.run() is not None  # observes the step before: the old process's, not the new one's
+    assert c.timings.window("step_s", 1, c.ranks[1].record) == []
+    steps.observe()
     assert c.timings.window("step_s", 1, c.ranks[1].record) == [0.01]
-    assert len(c.timings.window("step_s", 0, c.ranks[0].record)) == 3
+    assert len(c.timings.window("step_s", 0, c.ranks[0].record)) == 4
+    assert steps.run() is not None
+    record = c.ranks[1].record
+    del c.ranks[1]  # it left after the commit, its measures forgotten: the step's observation leaves it out
+    steps.observe()
+    assert c.timings.window("step_s", 1, record) == [0.01]
+    assert len(c.timings.window("step_s", 0, c.ranks[0].record)) == 5

@@ -1,5 +1,5 @@
-"""The straggler policy in the controller: at step boundaries, judge the members' verdicts with the
-policy of `policy/straggler_policy.py` and carry out its decisions.
+"""The straggler policy in the controller: judge the members' verdicts while a step runs, and at the
+next step boundary decide with the policy of `policy/straggler_policy.py` and carry out its decisions.
 
 - derate / restore: a placement with per-rank speed weights (the derated ranks' weights), made
   now as an epoch with the same members, so the slow rank gets the lighter replicas (the same
@@ -14,11 +14,11 @@ policy of `policy/straggler_policy.py` and carry out its decisions.
 - every decision is a `straggler` event with the verdict's evidence and the node's hardware
   signals. A slow rank is never a fault for the detector: only this policy evicts, and only as
   the limits allow (`policy/straggler_policy.py`).
-The review runs once per verdict interval (--straggler-window-s / 10), not while a scale is in
-flight, and only on a ready cluster. From OFF_THREAD_RANKS members on, the weighted placement is
-computed off the control thread (`compute`; epochs/off_thread.py: at 1,024 stand-in ranks it held
-the thread 0.3-0.8 s, unread heartbeats, BENCHMARKS "Placements off the control thread"), and its
-epoch forms at the first boundary after it is there.
+The judgement runs once per verdict interval (--straggler-window-s / 10), the review that acts on
+it at the next boundary of a ready cluster with no scale in flight. From OFF_THREAD_RANKS members
+on, the weighted placement is computed off the control thread (`compute`; epochs/off_thread.py: at
+1,024 stand-in ranks it held the thread 0.3-0.8 s, unread heartbeats, BENCHMARKS "Placements off the
+control thread"), and its epoch forms at the first boundary after it is there.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from elastic_ep.policy.straggler_policy import Decision, DecisionKind, PolicyState, StragglerAction, decide
-from elastic_ep.policy.straggler_verdict import INTERVALS_PER_WINDOW, IntervalRecorder, judge
+from elastic_ep.policy.straggler_verdict import INTERVALS_PER_WINDOW, IntervalRecorder, Verdict, judge
 
 from ..cluster import ClusterState
 from ..config import ServeConfig
@@ -72,7 +72,8 @@ class StragglerControl:
         self.policy = cfg.straggler_policy_params()
         self.state = PolicyState()
         self.interval_s = self.rule.window_s / INTERVALS_PER_WINDOW
-        self._reviewed_at = float("-inf")
+        self._reviewed_at = float("-inf")  # when `judge` last judged
+        self._verdicts: tuple[int, dict[int, Verdict]] | None = None  # (epoch, verdicts) judged, not yet acted on
         self._placed: tuple[int, dict[int, float]] = (-1, {})  # (epoch, weights) of the last weighted placement
         self.placing = OffThread(compute)  # the weighted placement, for (members, weights)
         self._why = ""  # what the placement under way is for
@@ -90,16 +91,28 @@ class StragglerControl:
         members = self.cluster.members
         return {r: s for r, s in self.state.speeds().items() if r in members}
 
+    def judge(self, now: float) -> None:
+        """Every review interval, the verdicts on the members' closed intervals, kept for the next
+        `review` (which acts on them). Judging reads every member's intervals (milliseconds at 256
+        ranks), so the controller judges while a step runs (its housekeeping), not at the step
+        boundary the ranks wait through; verdicts of an epoch gone by are dropped unread."""
+        if self.policy.action == StragglerAction.OFF or now - self._reviewed_at < self.interval_s:
+            return
+        c = self.cluster
+        self._reviewed_at = now
+        self._verdicts = (c.epoch, judge(self.own_time.intervals(now), self.rule, now, c.members))
+
     def review(self, now: float) -> bool:
-        """Judge and act; True when it changed the epoch or left a fault for recovery."""
+        """Act on the verdicts `judge` kept, if any; True when it changed the epoch or left a fault
+        for recovery."""
         c = self.cluster
         if self.policy.action == StragglerAction.OFF:
             return False
-        if now - self._reviewed_at < self.interval_s:  # between reviews: a placement computed meanwhile
+        judged = self._verdicts
+        self._verdicts = None
+        if judged is None or judged[0] != c.epoch:  # none, or of an epoch gone by: a placement computed meanwhile
             return self.placing.ready and self._place([])
-        self._reviewed_at = now
-        verdicts = judge(self.own_time.intervals(now), self.rule, now, c.members)
-        self.state, decisions = decide(self.state, self.policy, verdicts, now, c.members, c.min_ranks,
+        self.state, decisions = decide(self.state, self.policy, judged[1], now, c.members, c.min_ranks,
                                        self.standbys())
         for d in decisions:
             self._announce(d)

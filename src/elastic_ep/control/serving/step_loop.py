@@ -102,6 +102,18 @@ class PreparedStep:
     micro_batches: int
 
 
+@dataclass
+class CompletedStep:
+    """A committed step whose answers the timings, the straggler intervals, the EPLB window and the
+    metrics have not taken yet (`StepLoop.observe`)."""
+
+    batch: StepBatch
+    answers: StepAnswers
+    records: list[int]  # each answering rank's record (RankInfo.record) at the commit
+    wall_s: float
+    slowest_s: float
+
+
 class ChaosHook(Protocol):
     """Fault injection, present only with --enable-chaos (control/chaos.py)."""
 
@@ -115,7 +127,8 @@ class StepLoop:
     def __init__(self, cluster: ClusterState, cfg: ServeConfig, plane: ControlPlane, scheduler: Scheduler,
                  detector: FaultDetector, metrics: ClusterMetrics, recorder: ExpertRecorder, streams: Streams,
                  isolation: Isolation, top_k: int, pump: Callable[[float], None], chaos: ChaosHook | None = None,
-                 traces: RequestTraces | None = None, warmup: WarmUpGate | None = None):
+                 traces: RequestTraces | None = None, warmup: WarmUpGate | None = None,
+                 during_step: Callable[[], None] | None = None):
         self.cluster = cluster
         self.cfg = cfg
         self.plane = plane
@@ -130,6 +143,7 @@ class StepLoop:
         self.chaos = chaos
         self.traces = traces
         self.warmup = warmup  # the readiness gate: each rank's step padded to a shape it warmed (None: no padding)
+        self.during_step = during_step  # the boundary's housekeeping, run once a step after its plans went out
         # rank -> its answer to the step in flight: its own message, or its node's (NodeStepResults)
         self.replies: dict[int, StepResult | StepFailed | NodeStepResults] = {}
         self.answers = StepAnswers()  # the results among them, in columns
@@ -152,6 +166,7 @@ class StepLoop:
         self._planned_epoch: int | None = None  # the epoch of the last step planned
         self.prepared: PreparedStep | None = None  # the next step, planned while this one runs
         self._done_at = 0.0  # perf_counter when the last step completed, 0 after one that did not
+        self.completed: CompletedStep | None = None  # the last committed step, until `observe` took it
 
     def on_reply(self, msg: StepResult | StepFailed) -> None:
         if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step or msg.rank_id in self.replies:
@@ -242,6 +257,9 @@ class StepLoop:
             self.plane.plans_to_workers(plans, self._relayed(injected))
         if self.cfg.async_scheduling:
             self._prepare(batch)
+        self.observe()  # the last step's, now that this one's plans are out
+        if self.during_step is not None:
+            self.during_step()
         sent = time.perf_counter()
         while len(self.replies) < len(c.members):
             self.pump(0.002)
@@ -445,61 +463,82 @@ class StepLoop:
         self.uncommitted = None
 
     def _finish(self, batch: StepBatch, wall_s: float, micro_batches: int) -> None:
-        """Commit a completed step from its answers' columns."""
+        """Commit a completed step from its answers' columns and hand its tokens over; what else the
+        answers tell is taken by `observe` once the next step's plans went out."""
         c, times, a = self.cluster, self.plane.times, self.answers
-        tokens = batch.tokens_per_rank()  # rank -> tokens it ran
         t0 = time.perf_counter()
         for rank_id, seq_id, error in a.errors:
             self.streams.end_with_error(seq_id, f"this request failed on rank {rank_id}: {error}")
-        step_s, compute_s = a.array("step_s"), a.array("compute_s")
+        step_s = a.array("step_s")
         slowest = float(step_s.max()) if len(step_s) else 0.0
-        ranks, timings = c.ranks, c.timings
-        records = [ranks[r].record for r in a.rank_ids]
-        for series, values in (("step_s", step_s), ("wait_s", a.wait_s), ("own_s", compute_s),
-                               ("slot_tokens", a.slot_tokens)):
-            timings.write(series, a.rank_ids, records, values)
-        load: np.ndarray | None = None  # [L, E] the step's reports, None when no rank sent one
-        if a.loads:
-            load = np.sum(a.loads, axis=0, dtype=np.int64)
-        if self.warmup is not None:
+        if self.warmup is not None:  # the next step's pads read it
             for shape, n in zip(*np.unique(a.array("shape"), return_counts=True), strict=True):
                 self.warmup.ran(c.epoch, int(shape), micro_batches, int(n))
         times.slowest_rank_s += slowest
-        self.detector.step_done(wall_s)
+        self.detector.step_done(wall_s)  # the next step's result deadline reads it
         self.uncommitted = None
         self.retries_without_culprit = 0
-        ran = [tokens.get(r, 0) for r in a.rank_ids]
-        self.own_time.add_step(time.monotonic(), a.rank_ids, ran, a.compute_s)
-        self.tokens_run += sum(tokens.values())
-        self.tokens_sampled += len(a.sampled)
-        self.load_window.add(load)
-        self.recorder.add(load)
-        t1 = time.perf_counter()
-        self._observe(batch, tokens, ran, step_s, compute_s, wall_s, slowest)
-        t2 = time.perf_counter()
+        ranks = c.ranks
+        self.completed = CompletedStep(batch, a, [ranks[r].record for r in a.rank_ids], wall_s, slowest)
         generated: list[tuple[int, int]] | None = [] if self.traces is not None else None
         logprobs = a.logprobs
         # steady ranks' rows as columns, unless an output needs its own (a trace, logprobs)
         columns: list[tuple[int, list[int], list[int]]] | None = [] if generated is None and not logprobs else None
         outputs = self.scheduler.commit(batch, a.sampled, generated, columns)
         if generated is not None:
-            self._trace(batch, compute_s, generated)
+            self._trace(batch, a.array("compute_s"), generated)
         if logprobs:  # of the few requests that asked for them
             outputs = [(out[0], out[1], out[2], [logprobs[out[0]]]) if out[0] in logprobs else out
                        for out in outputs]
         self.streams.deliver_step(outputs, columns or ())
-        times.add("commit", (t1 - t0) + (time.perf_counter() - t2))
-        times.add("metrics", t2 - t1)
+        times.add("commit", time.perf_counter() - t0)
 
-    def _observe(self, batch: StepBatch, tokens: dict[int, int], ran: list[int], step_s: np.ndarray,
-                 compute_s: np.ndarray, wall_s: float, slowest: float) -> None:
-        """The step's metrics: per-rank timings and tokens (control/rank_series.py; `ran`, `step_s`,
-        `compute_s`: per rank of the answers' columns), DP balance, KV moves (the expert load balance
+    def observe(self) -> None:
+        """What the last committed step's answers tell, taken from its `CompletedStep`: the ranks'
+        timings, the straggler intervals, the EPLB load window and the recorder, the metrics. Nothing
+        that plans the next step reads them, so `run` does this after the next step's plans went out
+        (the ranks do not wait for it: ~1 ms a step at 256 ranks), and the controller at a boundary
+        that runs no step. A rank that left or came back as a new record since the commit is left
+        out (its measures were forgotten; a new record's are its own)."""
+        done, self.completed = self.completed, None
+        if done is None:
+            return
+        t0 = time.perf_counter()
+        c, a, batch = self.cluster, done.answers, done.batch
+        ranks = c.ranks
+        ids, records = a.rank_ids, done.records
+        columns = {name: a.array(name) for name in ("step_s", "wait_s", "compute_s", "slot_tokens",
+                                                     "remote_messages", "remote_bytes")}
+        kept = [i for i, r in enumerate(ids) if (info := ranks.get(r)) is not None and info.record == records[i]]
+        if len(kept) < len(ids):
+            ids, records = [ids[i] for i in kept], [records[i] for i in kept]
+            columns = {name: values[kept] for name, values in columns.items()}
+        for series, name in (("step_s", "step_s"), ("wait_s", "wait_s"), ("own_s", "compute_s"),
+                             ("slot_tokens", "slot_tokens")):
+            c.timings.write(series, ids, records, columns[name])
+        tokens = batch.tokens_per_rank()  # rank -> tokens it ran
+        ran = [tokens.get(r, 0) for r in ids]
+        self.own_time.add_step(time.monotonic(), ids, ran, columns["compute_s"])
+        self.tokens_run += sum(tokens.values())
+        self.tokens_sampled += len(a.sampled)
+        load: np.ndarray | None = None  # [L, E] the step's reports, None when no rank sent one
+        if a.loads:
+            load = np.sum(a.loads, axis=0, dtype=np.int64)
+        self.load_window.add(load)
+        self.recorder.add(load)
+        self._metrics(done, tokens, ids, ran, columns)
+        self.plane.times.add("metrics", time.perf_counter() - t0)
+
+    def _metrics(self, done: CompletedStep, tokens: dict[int, int], ids: list[int], ran: list[int],
+                 columns: dict[str, np.ndarray]) -> None:
+        """The step's metrics: per-rank timings and tokens (control/rank_series.py; `ids`, `ran` and
+        `columns`' arrays: per answering rank kept), DP balance, KV moves (the expert load balance
         of the last steps is the publisher's, facade/publisher.py)."""
-        m, a = self.metrics, self.answers
+        m, batch, wall_s = self.metrics, done.batch, done.wall_s
         m.step_wall_seconds.observe(wall_s)
-        m.controller_overhead_seconds.observe(max(wall_s - slowest, 0.0))
-        m.ranks.step(a.rank_ids, step_s, a.array("wait_s"), compute_s, ran, a.remote_messages, a.remote_bytes)
+        m.controller_overhead_seconds.observe(max(wall_s - done.slowest_s, 0.0))
+        m.ranks.step(ids, columns["step_s"], columns["wait_s"], columns["compute_s"], ran, columns["remote_messages"],
+                     columns["remote_bytes"])
         for plan, per_rank in (("aligned", tokens), ("unaligned", batch.unaligned)):
             ratio = imbalance(per_rank.values())
             if ratio is None:
@@ -508,7 +547,7 @@ class StepLoop:
             m.dp_busiest_tokens.labels(plan).observe(max(per_rank.values()))
             if plan == "aligned":
                 m.dp_token_imbalance.set(ratio)
-        m.migrations(max(a.kv_move_s, default=0.0), batch.moves, batch.reprefilled)
+        m.migrations(max(done.answers.kv_move_s, default=0.0), batch.moves, batch.reprefilled)
 
     def _trace(self, batch: StepBatch, compute_s: np.ndarray, generated: list[tuple[int, int]]) -> None:
         """What the request traces record of a completed step (only with tracing on); `generated`:
