@@ -205,8 +205,7 @@ class Controller:
                               self.streams, self.isolation, self.config.top_k, self.pump, self.chaos,
                               traces=self.traces, warmup=self.warmup if cfg.warmup_gate else None,
                               during_step=self._housekeep)
-        self._housekept = False  # `_housekeep` ran in a step's wait since the last boundary
-        self._joinable = False  # it found ranks outside the group that could join
+        self._joinable = False  # `_housekeep` found ranks outside the group that could join
         self.standby = Standbys(c, cfg.standby_ranks, self.nodes, target_size=lambda: self.scaling.target_ep_size,
                                 joiner=lambda r: self.scaling.joiner(r), faulted=lambda r: r in self.detector.faults)
         self.scaling = ScaleDriver(c, cfg, self.nodes, self.scheduler,
@@ -682,14 +681,12 @@ class Controller:
             return
         if self.rollout.active and not self.scaling.active:
             self.rollout.advance()
-        if not self._housekept:  # no step's wait did it since the last boundary
-            self._housekeep()
-        self._housekept = False
-        joiners = self.joiners() if self._joinable else []
+        joiners = self.joiners() if self._joinable else []  # the last housekeeping found some
         if joiners and c.can_serve(c.members + joiners):
             self._rejoin(sorted(c.members + joiners))
             return
         if not c.readiness.ready:
+            self._housekeep()
             self.recovery.end_requests_if_degraded_too_long()
             self.pump(0.05)
             return
@@ -704,9 +701,10 @@ class Controller:
             self.rebalancer.advance()
             return
         if not self.scheduler.has_work:
+            self._housekeep()
             self.pump(0.05)
             return
-        wall_s = self.steps.run()
+        wall_s = self.steps.run()  # its wait does the housekeeping
         if wall_s is not None:
             self.recovery.step_completed(wall_s)
 
@@ -717,11 +715,11 @@ class Controller:
         the boundary acts on), the standby upkeep, the background slot sweep, the straggler
         verdict when due (StragglerControl.judge). Each walks every rank (the verdict every rank's
         intervals: milliseconds at 256 ranks, every 0.5 s), so it runs once per step in the step's
-        wait, after its plans went out (StepLoop's `during_step`), and at a boundary only when no
-        step ran since the last one (idle, not ready, an epoch formed). What it finds is acted on
-        at the next boundary: a rank that registers after it joins a step later."""
+        wait, after its plans went out (StepLoop's `during_step`), and at a boundary only where no
+        step runs (idle, not ready): not after an epoch change either, whose first step (a
+        recovery's recompute) is in the pause. What it finds is acted on at the next boundary: a
+        rank that registers after it joins a step later."""
         c = self.cluster
-        self._housekept = True
         self.steps.observe()  # at a boundary: the last commit's, which no step's send took
         self.standby.park()
         joiners = self.joiners()
