@@ -459,3 +459,19 @@ def test_a_steps_timings_go_to_each_ranks_ring_and_a_new_process_of_an_id_starts
     steps.observe()
     assert c.timings.window("step_s", 1, record) == [0.01]
     assert len(c.timings.window("step_s", 0, c.ranks[0].record)) == 5
+
+
+def test_the_boundarys_housekeeping_runs_once_a_step_after_its_plans_went_out():
+    """`during_step` (the controller's housekeeping) runs in the step's wait: the step's plans are
+    already out, no answer has been waited for, and the step before is already observed."""
+    registry = CollectorRegistry()
+    steps, _, _ = loop_with_one_request(registry=registry)
+    seen: list[tuple[int, float]] = []  # per call: the plans sent so far, the steps observed then
+
+    def housekeeping() -> None:
+        assert not steps.replies
+        seen.append((sum(isinstance(m, StepPlan) for _, m in steps.plane.to_workers), group_steps_observed(registry)))
+    steps.during_step = housekeeping
+    steps.pump = answering_with(steps, lambda plans: [steps.on_reply(answer_of(r, plans[r])) for r in (0, 1)])
+    assert steps.run() is not None and steps.run() is not None
+    assert seen == [(2, 0.0), (4, 2.0)]
