@@ -16,9 +16,10 @@ a step's completion to the next one's start, is outside both, so the table also 
 period less the slowest member's time, what the ranks wait for in all; `turnaround` sums the control
 thread's own part of the wait from a step's last answer to the next step's plans: commit, between,
 plan, encode, send; `metrics`, the step's observation, runs in the next step's wait), the
-heartbeat load (rank heartbeats and heartbeat frames a second, one per rank heartbeat before node heartbeats and one per node
-after, and the control thread's share of a second spent on them), the /cluster snapshot (built
-on the control thread; serialised by the HTTP thread) and the /metrics scrape, then kills one
+heartbeat load (rank heartbeats and heartbeat frames a second, one per rank heartbeat before node
+heartbeats and one per node after, and the control thread's share of a second spent on them),
+the /cluster snapshot (built on the control thread; serialised by the HTTP thread) and the
+/metrics scrape, then kills one
 rank and stops another (SIGSTOP) through the chaos path and reports the time to detect each
 (and `signalled_s`, when the control thread sent the signal to the rank's agent), the events
 from 10 s before each signal to its recovery (`events`), the pause until a step completes again,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 from collections import deque
 
+import numpy as np
+
 from elastic_ep.control.rank_timings import WINDOWS, RankTimings
 
 
@@ -23,7 +25,10 @@ def deque_percentiles_ms(values) -> dict[str, float] | None:
         hi = min(lo + 1, len(a) - 1)
         return a[lo] + (a[hi] - a[lo]) * (x - lo)
 
-    return {"p50": round(at(0.5), 3), "p99": round(at(0.99), 3), "max": round(a[-1], 3)}
+    def us(ms: float) -> float:  # to the microsecond, as numpy rounds (`np.round`, which the rings use)
+        return float(np.round(ms, 3))
+
+    return {"p50": us(at(0.5)), "p99": us(at(0.99)), "max": us(a[-1])}
 
 
 def test_the_windows_are_the_deques():

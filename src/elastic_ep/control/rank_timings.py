@@ -122,7 +122,7 @@ class RankTimings:
             hi = np.minimum(lo + 1, last)
             a_lo = np.take_along_axis(ordered, lo[None, :], axis=0)[0]
             a_hi = np.take_along_axis(ordered, hi[None, :], axis=0)[0]
-            picked.append((a_lo + (a_hi - a_lo) * (x - lo)).tolist())
-        picked.append(np.take_along_axis(ordered, last[None, :], axis=0)[0].tolist())
-        return [{"p50": round(p50, 3), "p99": round(p99, 3), "max": round(top, 3)} if n else None
+            picked.append(np.round(a_lo + (a_hi - a_lo) * (x - lo), 3).tolist())
+        picked.append(np.round(np.take_along_axis(ordered, last[None, :], axis=0)[0], 3).tolist())
+        return [{"p50": p50, "p99": p99, "max": top} if n else None
                 for p50, p99, top, n in zip(*picked, counts.tolist(), strict=True)]

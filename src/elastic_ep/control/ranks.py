@@ -123,14 +123,14 @@ class RankInfo:
         return self.status in (RankStatus.SERVING, RankStatus.DRAINING, RankStatus.STANDBY) or (
             self.status == RankStatus.STARTING and self.hello is not None)
 
-    def view(self, experts: list[list[int]], total_slots: int, requests: int, delay_s: float,
+    def view(self, experts: list[list[int]], used: int, total_slots: int, requests: int, delay_s: float,
              now: float, liveness: RankLiveness | None = None, verdict: dict[str, Any] | None = None,
              timing: Mapping[str, dict[str, float] | None] | None = None) -> dict[str, Any]:
         """This rank in /cluster: identity, state, liveness, slots (`experts`: [L][slots] the experts it
-        holds per MoE layer), timing (`step_ms`, `wait_ms`, `own_ms`, `link_ms`: the percentiles of
-        its recent steps, `RankTimings.percentiles_ms`), straggler verdict."""
+        holds per MoE layer, `used` of them occupied), timing (`step_ms`, `wait_ms`, `own_ms`,
+        `link_ms`: the percentiles of its recent steps, `RankTimings.percentiles_ms`), straggler
+        verdict."""
         timing = timing or {}
-        used = sum(1 for layer in experts for e in layer if e >= 0)
         return {
             "rank_id": self.rank_id, "node": self.node, "pid": self.pid, "state": self.status.value,
             "slots": {"used": used, "total": total_slots, "experts": experts},
