@@ -72,7 +72,7 @@ class StragglerControl:
         self.policy = cfg.straggler_policy_params()
         self.state = PolicyState()
         self.interval_s = self.rule.window_s / INTERVALS_PER_WINDOW
-        self._reviewed_at = float("-inf")  # when `judge` last judged
+        self._judged_at = float("-inf")  # when `judge` last judged
         self._verdicts: tuple[int, dict[int, Verdict]] | None = None  # (epoch, verdicts) judged, not yet acted on
         self._placed: tuple[int, dict[int, float]] = (-1, {})  # (epoch, weights) of the last weighted placement
         self.placing = OffThread(compute)  # the weighted placement, for (members, weights)
@@ -96,10 +96,10 @@ class StragglerControl:
         `review` (which acts on them). Judging reads every member's intervals (milliseconds at 256
         ranks), so the controller judges while a step runs (its housekeeping), not at the step
         boundary the ranks wait through; verdicts of an epoch gone by are dropped unread."""
-        if self.policy.action == StragglerAction.OFF or now - self._reviewed_at < self.interval_s:
+        if self.policy.action == StragglerAction.OFF or now - self._judged_at < self.interval_s:
             return
         c = self.cluster
-        self._reviewed_at = now
+        self._judged_at = now
         self._verdicts = (c.epoch, judge(self.own_time.intervals(now), self.rule, now, c.members))
 
     def review(self, now: float) -> bool:
