@@ -34,6 +34,7 @@ from elastic_ep.wire import (
     Progress,
     RankBeat,
     ResendResult,
+    SlotMap,
     SlotSource,
     StepErrorKind,
     StepFailed,
@@ -69,10 +70,11 @@ def test_step_messages_round_trip_with_their_arrays():
     assert got.expert_load.dtype == np.int64 and np.array_equal(got.expert_load, load)
     plan = step_plan()
     assert Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(plan)) == plan
-    start = EpochStart(4, [0, 1], np.arange(8).reshape(2, 4), 2, [SlotSource(0, 1, 3, "peer", 1, 0)],
+    start = EpochStart(4, [0, 1], SlotMap.of(np.arange(8).reshape(2, 4)), 2, [SlotSource(0, 1, 3, "peer", 1, 0)],
                        [(1, 0, 1)], {}, 30.0, 10.0)
     got = Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(start))
-    assert np.array_equal(got.phy2log, start.phy2log) and got.sources == start.sources
+    assert np.array_equal(got.slot_map.whole, start.slot_map.whole) and got.sources == start.sources
+    assert got.slot_map.digest == start.slot_map.digest and got.slot_map.delta is None
     failed = StepFailed(1, 2, 3, "boom", StepErrorKind.LOCAL, True)
     assert Inbox("t_step", STEP_TO_CONTROLLER, KEY).read(KEY.seal(failed)).kind is StepErrorKind.LOCAL
     not_run = StepFailed(1, 2, 3, "never ran epoch 1 step 2", StepErrorKind.NOT_RUN)
@@ -82,10 +84,10 @@ def test_step_messages_round_trip_with_their_arrays():
 
 def test_an_epoch_start_carries_its_slot_map_in_the_narrowest_type_that_holds_the_experts():
     phy2log = np.tile(np.append(np.arange(256), -1), (58, 9))  # DeepSeek-V3's 58 x 256, some slots empty
-    wide = EpochStart(1, [0], phy2log, 2, [], [], {}, 30.0, 10.0)
-    narrow = EpochStart(1, [0], slot_map_for_wire(phy2log, 256), 2, [], [], {}, 30.0, 10.0)
+    wide = EpochStart(1, [0], SlotMap.of(phy2log), 2, [], [], {}, 30.0, 10.0)
+    narrow = EpochStart(1, [0], SlotMap.of(slot_map_for_wire(phy2log, 256)), 2, [], [], {}, 30.0, 10.0)
     got = Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(narrow))
-    assert got.phy2log.dtype == np.int16 and np.array_equal(got.phy2log, phy2log)
+    assert got.slot_map.whole.dtype == np.int16 and np.array_equal(got.slot_map.whole, phy2log)
     assert len(encode(narrow)) < len(encode(wide)) / 3.9
     assert slot_map_for_wire(phy2log, 40_000).dtype == np.int32
 

@@ -11,7 +11,9 @@ beats every `heartbeat_interval_s` with its progress (to its agent, in memory: t
 controller one `NodeHeartbeat` per interval with each rank's progress and the age of its last
 beat, as `elastic-ep agent` does with its workers' beats), forms each epoch
 (`EpochReady` with the checksums of the slots it filled and the references of what it read from
-disk, or `EpochFailed` when asked to keep a group it has not got), warms up as a real rank does
+disk, or `EpochFailed` when asked to keep a group it has not got or sent a slot map it cannot
+rebuild: wire/slot_map.py, the ranks of a process sharing the arrays of the maps they rebuilt
+where a worker keeps its own), warms up as a real rank does
 (runtime/warmth.py: each slot an epoch fills, or not yet warm in this stand-in's life, takes
 `--warm-slot-ms` before `EpochReady`, which names the shapes it has run; each forward a `WarmUp`
 asks takes a step's set time, every slot computing), answers `SweepSlots`, and
@@ -58,6 +60,7 @@ import signal
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +94,7 @@ from elastic_ep.wire import (
     EpochStart,
     FenceWorker,
     HardwareReport,
+    HeldSlotMaps,
     Inbox,
     LeaseRenew,
     NodeHeartbeat,
@@ -99,9 +103,11 @@ from elastic_ep.wire import (
     RankBeat,
     ResendResult,
     SessionEnded,
+    SharedSlotMaps,
     Shutdown,
     SignalWorker,
     SlotChecksums,
+    SlotMapUnusable,
     StartWorker,
     StepErrorKind,
     StepFailed,
@@ -214,6 +220,7 @@ class StandInRank:
         self.epoch, self.members = -1, []
         self.slots: np.ndarray | None = None  # [L, slots_per_rank] experts it holds
         self.warm: np.ndarray | None = None  # [L, slots_per_rank] slots warm since filled (runtime/warmth.py)
+        self.slot_maps = HeldSlotMaps(agent.host.slot_maps)  # the placements it confirmed last, as a worker's
         self.steps_run: set[tuple[int, int]] = set()  # the readiness gate's shapes it has run
         self.seq = 0
         self.progress = Progress()
@@ -369,10 +376,15 @@ class StandInRank:
             self.send(EpochFailed(msg.epoch, self.rank_id, "asked to keep the epoch's group, which this rank no "
                                   "longer has"))
             return
+        try:
+            phy2log = self.slot_maps.resolve(msg.slot_map)
+        except SlotMapUnusable as e:
+            self.send(EpochFailed(msg.epoch, self.rank_id, str(e)))
+            return
         self.epoch, self.members, self.seq, self.pending = msg.epoch, list(msg.members), 0, None
         self.progress = Progress(msg.epoch, -1, -1, "rendezvous", 0, time.time())
         s = msg.slots_per_rank
-        self.slots = np.asarray(msg.phy2log)[:, self.rank_id * s:(self.rank_id + 1) * s]
+        self.slots = phy2log[:, self.rank_id * s:(self.rank_id + 1) * s]
         checksums = {(src.layer, src.slot): expert_checksum(src.layer, src.expert) for src in msg.sources}
         read = {(src.layer, src.expert): expert_checksum(src.layer, src.expert) for src in msg.sources
                 if src.kind == "disk"}
@@ -386,11 +398,11 @@ class StandInRank:
         frames = self.agent.host.key.seal(EpochReady(msg.epoch, self.rank_id, checksums, read, stats, 0.0,
                                                      timing.epoch_s, 0.0, int(cold.sum()), round(warm_s, 4),
                                                      sorted(self.steps_run)))
-        self._send_in(msg.epoch, timing.epoch_s + warm_s, frames)
+        self._send_in(msg.epoch, timing.epoch_s + warm_s, frames, lambda: self.slot_maps.confirm(msg.epoch, phy2log))
 
-    def _send_in(self, epoch: int, delay_s: float, frames) -> None:
+    def _send_in(self, epoch: int, delay_s: float, frames, then: Callable[[], None] | None = None) -> None:
         """Send `frames` (an answer of `epoch`) after `delay_s`, unless it is gone or in another epoch
-        by then; a stopped process answers once it runs again."""
+        by then, and call `then` once sent; a stopped process answers once it runs again."""
         def send() -> None:
             if not self.alive or self.epoch != epoch:
                 return
@@ -399,6 +411,8 @@ class StandInRank:
                 return
             self.progress = Progress(epoch, -1, -1, "idle", 0, time.time())
             self.agent.host.send(self.step_sock, frames)
+            if then is not None:
+                then()
         self.agent.host.timers.at(time.monotonic() + delay_s, send)
 
     def _step(self, plan: StepPlan) -> None:
@@ -629,6 +643,7 @@ class StandInHost:
         self.timers = Timers()
         self.incarnations = itertools.count()
         self.agents: list[StandInAgent] = []
+        self.slot_maps = SharedSlotMaps()  # the placements its ranks hold, one array each, not one per rank
         self._models: dict[str, tuple[MoEConfig, LoadTemplates]] = {}
 
     def model(self, model_dir: str) -> tuple[MoEConfig, LoadTemplates]:

@@ -93,6 +93,7 @@ from elastic_ep.wire import (
     EpochStart,
     Heartbeat,
     HeldKV,
+    HeldSlotMaps,
     Inbox,
     NewLeader,
     NodeStepPlans,
@@ -101,6 +102,7 @@ from elastic_ep.wire import (
     SleepRank,
     SleepReply,
     SlotChecksums,
+    SlotMapUnusable,
     SlotSource,
     StepErrorKind,
     StepFailed,
@@ -212,6 +214,7 @@ class Worker:
         self._slept_checksums: dict[tuple[int, int], int] = {}
         self._kv_blocks = (self.kv.num_blocks, self.kv.block_size)  # what a wake builds again
         self.held_epoch = -1  # the epoch whose slots this rank holds whole (-1: none yet, or being changed)
+        self.slot_maps = HeldSlotMaps()  # the placements it confirmed last: an EpochStart sends the changes
 
     def _kv_pool(self) -> tuple[KVCache, float]:
         """The rank's KV pool, sized once (model/kv_cache.py: pool_num_blocks), and the seconds
@@ -452,6 +455,11 @@ class Worker:
 
     def _start_epoch(self, msg: EpochStart) -> None:
         args = self.args
+        try:
+            phy2log = self.slot_maps.resolve(msg.slot_map)
+        except SlotMapUnusable as e:
+            self.send(EpochFailed(msg.epoch, args.rank_id, str(e)))
+            return
         kept = self.group if msg.reuse_group and self.group is not None and self.group.alive \
             and not self.group.broken and self.group.members == msg.members else None
         if self.group is not None and kept is None:
@@ -471,7 +479,7 @@ class Worker:
             else:  # same members, same hosts: the group and its host subgroups stay as they are
                 assert self.moe is not None  # a kept group formed an epoch: its moe was built then
                 group.epoch, rendezvous_s, links = msg.epoch, 0.0, self.moe.links
-            location = ExpertLocation.from_phy2log(msg.phy2log, msg.slots_per_rank, self.config.num_experts)
+            location = ExpertLocation.from_phy2log(phy2log, msg.slots_per_rank, self.config.num_experts)
             self.progress.enter("transfer")  # from here heartbeats may come late: the controller allows for it
             self.held_epoch = -1  # until this epoch's slots are whole
             if self.slots is None:
@@ -506,6 +514,7 @@ class Worker:
             self.send(EpochReady(msg.epoch, args.rank_id, checksums, filled.source_checksums, filled.stats,
                                  rendezvous_s, transfer_s, verify_s, slots_warmed, round(warm_s, 4),
                                  sorted(self.steps_run)))
+            self.slot_maps.confirm(msg.epoch, phy2log)
         except EpochSuperseded:
             group.destroy()
         except BackupUnreachable as e:

@@ -88,6 +88,15 @@ from .health import (
     exit_reason,
 )
 from .journal import JournalBatch, JournalFollow, JournalState
+from .slot_map import (
+    HeldSlotMaps,
+    SharedSlotMaps,
+    SlotMap,
+    SlotMapDelta,
+    SlotMapUnusable,
+    slot_map_delta,
+    slot_map_for_wire,
+)
 from .worker import (
     SAMPLED_TOKEN,
     ChaosStep,
@@ -121,7 +130,6 @@ from .worker import (
     WorkerHello,
     WorkerLaunch,
     node_step_plans,
-    slot_map_for_wire,
 )
 
 __all__ = [
@@ -198,6 +206,12 @@ __all__ = [
     "WorkerHello",
     "WorkerLaunch",
     "slot_map_for_wire",
+    "slot_map_delta",
+    "HeldSlotMaps",
+    "SharedSlotMaps",
+    "SlotMap",
+    "SlotMapDelta",
+    "SlotMapUnusable",
     "WorkerStarted",
     "exit_reason",
     "decoder",

@@ -13,6 +13,7 @@ from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 
 from .codec import Message, Record, decoder, encode
 from .fetch import BackupSite
+from .slot_map import SlotMap
 
 
 class WorkerLaunch(Record):
@@ -150,22 +151,24 @@ class SlotSource(Record):
 
 class EpochStart(Message):
     """Form the group of `epoch` with `members` (rank_ids; position = group rank), hold the
-    experts of `phy2log` [L, num_ranks * slots_per_rank] and fill each slot as `sources` says.
+    experts of the placement `slot_map` describes (`phy2log` [L, num_ranks * slots_per_rank]:
+    whole, or the changes since a map this rank confirmed, wire/slot_map.py) and fill each slot as
+    `sources` says.
 
     `sources` lists, for the receiving rank only, every slot whose contents change, plus
     `sends`: (dst_rank, layer, src_slot) this rank must send to peers, in the order the peer
     expects them. `nodes`: the node (host) of each member, in member order (empty: one host);
     `all2all_backend`: "flat" or "hierarchical" (two-stage over those hosts, runtime/hierarchical.py).
     `reuse_group`: same members as the current epoch, whose group is healthy: keep
-    it (no rendezvous); a rank that no longer has it answers `EpochFailed`. `phy2log` travels in
+    it (no rendezvous); a rank that no longer has it answers `EpochFailed`. The map travels in
     the narrowest integer type that holds its expert ids (`slot_map_for_wire`: int16 up to 32,767
-    experts), since every member gets all of it: at 1,024 ranks of DeepSeek-V3's 58 x 256 experts
-    that is ~0.25 MB a rank instead of ~1 MB as int64, ~0.25 GB sent per epoch instead of ~1 GB.
+    experts); whole, at 1,024 ranks of DeepSeek-V3's 58 x 256 experts it is ~0.25 MB a rank, so a
+    rank that confirmed the last epoch's map gets only what changed.
     """
 
     epoch: int
     members: list[int]
-    phy2log: np.ndarray
+    slot_map: SlotMap
     slots_per_rank: int
     sources: list[SlotSource]
     sends: list[tuple[int, int, int]]
@@ -175,11 +178,6 @@ class EpochStart(Message):
     nodes: list[str] = msgspec.field(default_factory=list)
     all2all_backend: str = "flat"
     reuse_group: bool = False
-
-
-def slot_map_for_wire(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
-    """`phy2log` [L, slots] (expert ids, -1 empty) as int16 when the ids fit, else int32."""
-    return np.asarray(phy2log, dtype=np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
 
 
 class TransferStat(Record):

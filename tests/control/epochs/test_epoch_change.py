@@ -7,6 +7,8 @@ on the ranks that hold it whole, and restores only the experts of a rank that do
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import numpy as np
 
 from elastic_ep.control.cluster import ClusterState
@@ -15,9 +17,9 @@ from elastic_ep.control.epochs.epoch_change import EpochChanger, Formed, NoPlace
 from elastic_ep.control.epochs.requests import Adopt, Recover, Rejoin, Reweight, Start
 from elastic_ep.control.ranks import RankInfo, RankStatus
 from elastic_ep.placement.location import ExpertLocation
-from elastic_ep.wire import EpochFailed, EpochReady, EpochStart
+from elastic_ep.wire import EpochFailed, EpochReady, EpochStart, HeldSlotMaps, SlotMapUnusable
 
-CHECKSUM = {e: 100 + e for e in range(4)}  # the reference checksum of each expert (one layer)
+CHECKSUM = {e: 100 + e for e in range(8)}  # the reference checksum of each expert (one layer)
 
 
 class StandInRanks:
@@ -27,6 +29,8 @@ class StandInRanks:
         self.failing, self.wrong = failing, wrong
         self.starts: dict[int, EpochStart] = {}
         self.changer: EpochChanger | None = None
+        self.held: dict[int, HeldSlotMaps] = defaultdict(HeldSlotMaps)  # each rank's maps, as a worker keeps them
+        self.maps: dict[int, np.ndarray] = {}  # the map each rank rebuilt from its last EpochStart
 
     def messages_to_workers(self, messages: list[tuple[int, EpochStart]]) -> tuple[float, float, int]:
         self.starts.update(messages)
@@ -40,8 +44,14 @@ class StandInRanks:
             if rank_id in self.failing:
                 self.changer.on_reply(EpochFailed(start.epoch, rank_id, "test failure"))
                 continue
+            try:
+                self.maps[rank_id] = self.held[rank_id].resolve(start.slot_map)
+            except SlotMapUnusable as e:
+                self.changer.on_reply(EpochFailed(start.epoch, rank_id, str(e)))
+                continue
             filled = {(s.layer, s.slot): CHECKSUM[s.expert] + (rank_id in self.wrong) for s in start.sources}
             self.changer.on_reply(EpochReady(start.epoch, rank_id, filled, {}, [], 0.0, 0.0, 0.0))
+            self.held[rank_id].confirm(start.epoch, self.maps[rank_id])
 
 
 def changer_with(ranks: StandInRanks) -> EpochChanger:
@@ -130,3 +140,65 @@ it held are restored as after its loss."""
     outcome = changer.change(Adopt([0, 1, 2], [0, 2], record, after_epoch=6), np.ones((1, 4)))
     assert isinstance(outcome, Formed) and outcome.report.verified_slots == 2
     assert sorted(s.expert for start in ranks.starts.values() for s in start.sources) == [2, 3]  # rank 1's only
+
+
+
+def wide_changer(ranks: StandInRanks) -> EpochChanger:
+    """8 ranks of 2 slots over 8 experts (one layer), before their first epoch: a loss or a swap
+    changes few enough slots that the changes are smaller than the map."""
+    cluster = ClusterState(num_layers=1, num_experts=8, slots_per_rank=2)
+    for r in range(8):
+        cluster.ranks[r] = RankInfo(r, "n0", status=RankStatus.SERVING)
+    changer = EpochChanger(cluster, ServeConfig(model_dir="", model_name="", ep_size=8), ranks, ranks, 1,
+                           ranks.pump, lambda ranks: False)
+    changer.reference_checksums = {(0, e): c for e, c in CHECKSUM.items()}
+    ranks.changer = changer
+    assert isinstance(changer.change(Start(list(range(8))), np.ones((1, 8))), Formed)
+    assert all(start.slot_map.whole is not None for start in ranks.starts.values())
+    ranks.starts = {}
+    return changer
+
+
+def swapped(location: ExpertLocation, a: int, b: int) -> ExpertLocation:
+    """`location` with the experts of flat slots `a` and `b` swapped (two entries changed)."""
+    phy2log = location.phy2log.copy()
+    phy2log[0, [a, b]] = phy2log[0, [b, a]]
+    return ExpertLocation.from_phy2log(phy2log, location.slots_per_rank, location.num_experts)
+
+
+def test_an_epoch_sends_each_member_the_slots_changed_since_the_map_it_confirmed():
+    """The first epoch sends the whole map; the next sends the ranks that confirmed it only the
+    changed slots, and each rebuilds exactly the new map. A rank that failed an epoch, and a new
+    process under a rank id (a new record), get the whole map again."""
+    ranks = StandInRanks()
+    changer = wide_changer(ranks)
+    live = [0, 1, 2, 4, 5, 6, 7]
+    assert isinstance(changer.change(Recover(live, live), np.ones((1, 8))), Formed)  # rank 3 died
+    assert all(start.slot_map.delta is not None and start.slot_map.whole is None for start in ranks.starts.values())
+    assert all(ranks.maps[r].tolist() == changer.cluster.location.phy2log.tolist() for r in live)
+
+    ranks.starts, ranks.failing = {}, {2}
+    assert isinstance(changer.change(Reweight(swapped(changer.cluster.location, 0, 15)), np.ones((1, 8))), NotFormed)
+    ranks.starts, ranks.failing = {}, set()
+    changer.cluster.ranks[0] = RankInfo(0, "n0", status=RankStatus.SERVING)  # rank 0 came back: a new process
+    ranks.held[0] = HeldSlotMaps()
+    target = swapped(changer.cluster.location, 1, 14)
+    assert isinstance(changer.change(Reweight(target), np.ones((1, 8))), Formed)
+    assert ranks.starts[0].slot_map.whole is not None and ranks.starts[2].slot_map.whole is not None
+    assert ranks.starts[1].slot_map.delta is not None  # it confirmed the map of the epoch that did not form
+    assert all(ranks.maps[r].tolist() == target.phy2log.tolist() for r in live)
+
+
+def test_a_rank_that_cannot_rebuild_its_map_fails_the_epoch_and_gets_it_whole_next():
+    """A rank that lost the map its delta names (here: its held maps dropped) answers EpochFailed
+    naming the epoch; the retry sends it the whole map and forms."""
+    ranks = StandInRanks()
+    changer = wide_changer(ranks)
+    ranks.held[1] = HeldSlotMaps()
+    target = swapped(changer.cluster.location, 0, 15)
+    outcome = changer.change(Reweight(target), np.ones((1, 8)))
+    assert isinstance(outcome, NotFormed) and "rank 1" in outcome.detail and "does not hold" in outcome.detail
+    ranks.starts = {}
+    assert isinstance(changer.change(Reweight(target), np.ones((1, 8))), Formed)
+    assert ranks.starts[1].slot_map.whole is not None and ranks.starts[0].slot_map.delta is not None
+    assert all(ranks.maps[r].tolist() == target.phy2log.tolist() for r in range(8))

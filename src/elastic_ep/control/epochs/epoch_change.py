@@ -38,7 +38,7 @@ from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.restore import restore_placement
 from elastic_ep.placement.transfer import plan_transfers
-from elastic_ep.wire import EpochFailed, EpochReady, EpochStart, SlotSource, slot_map_for_wire
+from elastic_ep.wire import EpochFailed, EpochReady, EpochStart, SlotMap, SlotSource, slot_map_for_wire
 
 from ..cluster import ClusterState
 from ..config import ServeConfig
@@ -47,6 +47,7 @@ from ..ranks import RankStatus
 from .epoch_plan import held_placement, split_by_rank
 from .requests import Adopt, EpochRequest, Recover, Refill, Slot, holding_of, keeps_group, restores, same_members
 from .restore_ahead import RestoresAhead
+from .slot_maps import ConfirmedSlotMaps
 
 
 @dataclass(frozen=True)
@@ -133,11 +134,18 @@ class EpochChanger:
         self.filled: dict[int, int] = {}  # the current epoch's slots filled per rank (the gate checks each ran)
         self.reference_checksums: dict[tuple[int, int], int] = {}  # (layer, expert) -> as read from disk
         self.suspect_slots: set[Slot] = set()
+        self.slot_maps = ConfirmedSlotMaps()  # what each rank holds, so an epoch sends it the changes
         self._after_start: list[Callable[[], None]] = []  # one-shot hooks (chaos: a fault mid-change)
 
     def on_reply(self, msg: EpochReady | EpochFailed) -> None:
-        if msg.epoch == self.cluster.epoch:
-            self.replies[msg.rank_id] = msg
+        c = self.cluster
+        if msg.epoch != c.epoch:
+            return
+        self.replies[msg.rank_id] = msg
+        if isinstance(msg, EpochFailed):
+            self.slot_maps.failed(msg.rank_id)
+        elif (r := c.ranks.get(msg.rank_id)) is not None:
+            self.slot_maps.confirmed(msg.rank_id, r.record, msg.epoch)
 
     def mark_suspect(self, slots: set[Slot]) -> bool:
         """Slots (rank, layer, slot) a check found wrong: the next epoch fills them again.
@@ -201,18 +209,26 @@ class EpochChanger:
         self.replies = {}
         self.filled = {r: len(v) for r, v in sources.items()}
         self.store.set(f"epoch/{c.epoch}/members", json.dumps(live))
-        slot_map = slot_map_for_wire(new.phy2log, c.num_experts)
+        self.slot_maps.sent(c.epoch, slot_map_for_wire(new.phy2log, c.num_experts))
+        maps = self.slot_maps.forms(c.epoch, live, {r: c.ranks[r].record for r in live if r in c.ranks})
         nodes = [rank_nodes[r] for r in live]
 
-        def start(fill: list[SlotSource], send: list[tuple[int, int, int]]) -> EpochStart:
+        def start(slot_map: SlotMap, fill: list[SlotSource], send: list[tuple[int, int, int]]) -> EpochStart:
             return EpochStart(c.epoch, live, slot_map, s, fill, send, backups, self.cfg.collective_timeout_s,
                               self.cfg.backup_fetch_timeout_s, nodes, self.cfg.all2all_backend, keeps_group(request))
 
-        # the members with nothing to fill or send (most, after a loss) share one message, encoded
-        # and sealed once: the slot map alone is ~118 KB at 1,024 ranks of DeepSeek-V3's shape
-        idle = start([], [])
-        self.plane.messages_to_workers([(r, start(sources[r], sends[r]) if sources.get(r) or sends.get(r) else idle)
-                               for r in live])
+        # the members with nothing to fill or send (most, after a loss) that hold the same map share
+        # one message, encoded and sealed once
+        idle: dict[int, EpochStart] = {}  # id(SlotMap) -> the message of the members that hold its base
+        messages = []
+        for r in live:
+            if sources.get(r) or sends.get(r):
+                messages.append((r, start(maps[r], sources[r], sends[r])))
+            else:
+                if id(maps[r]) not in idle:
+                    idle[id(maps[r])] = start(maps[r], [], [])
+                messages.append((r, idle[id(maps[r])]))
+        self.plane.messages_to_workers(messages)
         while self._after_start:
             self._after_start.pop()()
         failure = self._wait(live)
