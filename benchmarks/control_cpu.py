@@ -706,6 +706,29 @@ def snapshot_rows(repeat: int) -> dict:
     return rows
 
 
+def verdict_ms(ranks: int, spread: bool, intervals: int = 5) -> float:
+    """CPU ms to work out each rank's part of one closed interval under the default rule (what the
+    straggler verdict pays once per interval, every window_s / 10: StragglerControl.judge and the
+    publisher's judge), `ranks` ranks of 20 steps, the same tokens a step (a decode of equal loads)
+    or, with `spread`, each rank its own."""
+    from elastic_ep.policy.straggler_verdict import Interval, RankInterval, StragglerRule, _columns_of
+
+    rnd = random.Random(ranks)
+    rule = StragglerRule()
+    made = [Interval(0.0, 0.5, {r: RankInterval(20, 0.02 * (1 + rnd.random() / 10), 20 * (r if spread else 64))
+                                for r in range(ranks)}) for _ in range(intervals)]
+    cpu0 = time.thread_time()
+    for interval in made:
+        _columns_of(interval, rule)
+    return 1000 * (time.thread_time() - cpu0) / intervals
+
+
+def verdict_rows(repeat: int) -> dict:
+    loads = {False: "equal tokens", True: "each its own tokens"}
+    return {f"straggler verdict of a closed interval ms, {n} ranks, {loads[spread]}":
+            best_of(repeat, lambda n=n, spread=spread: verdict_ms(n, spread)) for n in (256, 1024) for spread in loads}
+
+
 def deliver_ms(n: int, steps: int = 30) -> dict:
     """CPU ms per step of delivering one token to each of `n` streams of one event loop (its own
     thread, a task awaiting each stream's queue): the control thread's (the `RequestOutput`s built
@@ -884,7 +907,9 @@ def deliver_rows(repeat: int) -> dict:
 
 
 def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False, prepared_only: bool = False,
-            snapshot_only: bool = False, completion_only: bool = False) -> dict:
+            snapshot_only: bool = False, completion_only: bool = False, verdict_only: bool = False) -> dict:
+    if verdict_only:
+        return verdict_rows(repeat)
     if completion_only:
         return completion_rows(repeat)
     if snapshot_only:
@@ -912,6 +937,7 @@ def measure(repeat: int, deliver_only: bool = False, plans_only: bool = False, p
         **prepared_rows(repeat),
         **{f"detector check ms, {n} ranks": best_of(repeat, lambda n=n: detector_ms(n)) for n in (256, 1024)},
         **snapshot_rows(repeat),
+        **verdict_rows(repeat),
         **plan_rows(repeat),
         **plans_sent_rows(repeat),
         **completion_rows(repeat),
@@ -956,6 +982,8 @@ def main() -> None:
                         help="only the completion rows (a step's commit and delivery to 2 API servers)")
     parser.add_argument("--snapshot", action="store_true",
                         help="only the /cluster snapshot rows (256 and 1,024 ranks, full timing windows)")
+    parser.add_argument("--verdict", action="store_true",
+                        help="only the straggler verdict rows (one closed interval at 256 and 1,024 ranks)")
     parser.add_argument("--step-parts", choices=["direct", "agent"], default=None,
                         help="instead of the table: the whole step's CPU per part (method) with these results")
     args = parser.parse_args()
@@ -970,7 +998,8 @@ def main() -> None:
     if args.gc_tail:
         print_gc_tail(args.gc_tail)
         return
-    after = measure(args.repeat, args.deliver, args.plans, args.prepared, args.snapshot, args.completion)
+    after = measure(args.repeat, args.deliver, args.plans, args.prepared, args.snapshot, args.completion,
+                    args.verdict)
     if args.json:
         print(json.dumps(after))
         return
@@ -984,7 +1013,7 @@ def main() -> None:
             env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
             only = [flag for flag, on in (("--deliver", args.deliver), ("--plans", args.plans),
                                           ("--prepared", args.prepared), ("--snapshot", args.snapshot),
-                                          ("--completion", args.completion)) if on]
+                                          ("--completion", args.completion), ("--verdict", args.verdict)) if on]
             done = subprocess.run([sys.executable, __file__, "--json", "--repeat", str(args.repeat), "--gc", args.gc,
                                    *only], check=True, capture_output=True, text=True, env=env)
         columns = {args.baseline: json.loads(done.stdout.strip().splitlines()[-1]), **columns}

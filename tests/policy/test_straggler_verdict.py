@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,11 +18,21 @@ from elastic_ep.policy.straggler_verdict import (
     RankInterval,
     StragglerRule,
     VerdictKind,
-    _rows_of,
+    _columns_of,
     judge,
 )
 
 RULE = StragglerRule()
+
+
+def rows_of(interval: Interval, rule: StragglerRule) -> dict[int, SimpleNamespace]:
+    """The interval's columns as one row per rank, None where the rank had no others or no peers."""
+    c = _columns_of(interval, rule)
+    return {int(r): SimpleNamespace(
+        steps=int(c.steps[i]), own_s=c.own_s[i], tokens=c.tokens[i],
+        others_ms=c.others_ms[i] if c.others[i] else None, others_tokens=c.others_tokens[i] if c.others[i] else None,
+        heavy=bool(c.heavy[i]), peer_ms=c.peer_ms[i] if c.peered[i] else None, over=bool(c.over[i]))
+        for i, r in enumerate(c.rank_ids)}
 
 
 def intervals(per_rank: dict[int, tuple[float, float]], count: int = 10, steps: int = 20, end_s: float = 100.0,
@@ -121,13 +132,15 @@ def test_a_rule_that_cannot_work_is_refused():
 
 
 def test_an_intervals_rows_match_the_pairwise_definition_at_many_ranks():
-    """The n log n rows give each rank the medians of the definition: over every other rank, and
-    over its peers (the others that did not run notably fewer tokens)."""
+    """The vectorized columns give each rank the medians of the definition, exactly: over every
+    other rank, and over its peers (the others that did not run notably fewer tokens), and whether
+    it ran heavy or slow against them."""
     rnd = random.Random(7)
-    for _ in range(200):
+    for k in range(200):
+        size = rnd.randint(100, 300) if k % 20 == 0 else rnd.randint(1, 40)
         ranks = {r: RankInterval(rnd.choice([0, 1, 4]), rnd.choice([0.004, 0.005, rnd.random() / 20]),
-                                 rnd.choice([0, 8, 64, 65, rnd.randint(0, 200)])) for r in range(rnd.randint(1, 40))}
-        rows = _rows_of(Interval(0.0, 1.0, ranks), RULE)
+                                 rnd.choice([0, 8, 64, 65, rnd.randint(0, 200)])) for r in range(size)}
+        rows = rows_of(Interval(0.0, 1.0, ranks), RULE)
         live = {r: x for r, x in ranks.items() if x.steps > 0}
         assert set(rows) == set(live)
         for r, x in live.items():
@@ -140,6 +153,8 @@ def test_an_intervals_rows_match_the_pairwise_definition_at_many_ranks():
             assert row.others_tokens == statistics.median(y.tokens_per_step for y in others)
             peers = [y.own_ms_per_step for y in others if not RULE.more_tokens(x.tokens_per_step, y.tokens_per_step)]
             assert row.peer_ms == (statistics.median(peers) if peers else None)
+            assert row.heavy == RULE.more_tokens(x.tokens_per_step, row.others_tokens)
+            assert row.over == (bool(peers) and RULE.slow(x.own_ms_per_step, row.peer_ms))
 
 
 def test_the_verdicts_sum_each_ranks_rows_over_the_fresh_intervals():
@@ -156,7 +171,7 @@ def test_the_verdicts_sum_each_ranks_rows_over_the_fresh_intervals():
         rule = StragglerRule(min_steps=3, min_intervals=1, window_s=20.0)  # every interval fresh
         verdicts = judge(fresh, rule, 22.0)
         for r, v in verdicts.items():
-            rows = [_rows_of(i, rule)[r] for i in fresh if r in _rows_of(i, rule)]
+            rows = [rows_of(i, rule)[r] for i in fresh if r in rows_of(i, rule)]
             compared = [x for x in rows if x.others_ms is not None]
             peered = [x for x in compared if x.peer_ms is not None]
             assert (v.steps, v.intervals, v.judged) == (sum(x.steps for x in rows), len(rows), len(peered))

@@ -24,7 +24,6 @@ Built so that it does not accuse a healthy rank:
 from __future__ import annotations
 
 import bisect
-import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -105,10 +104,8 @@ class Interval:
     start_s: float
     end_s: float
     ranks: Mapping[int, RankInterval]
-    # each rank's part of this interval under a rule, worked out once (`_rows_of`): a closed
-    # interval does not change, and the controller judges the same ones at every snapshot
-    rows: dict[StragglerRule, dict[int, _RankRow]] = field(default_factory=dict, compare=False, repr=False)
-    # the same rows as columns (`_columns_of`), which `judge` sums over the fresh intervals with numpy
+    # each rank's part of this interval under a rule as columns, worked out once (`_columns_of`): a
+    # closed interval does not change, and the controller judges the same ones at every snapshot
     columns: dict[StragglerRule, _Columns] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -228,92 +225,42 @@ class Verdict:
                 "age_s": r3(self.age_s)}
 
 
-def _median_without(values: list[float], k: int) -> float:
-    """statistics.median of the sorted `values` less the one at index k (len(values) >= 2)."""
-    n = len(values) - 1
+def _medians_without(values: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """For each index of `k` [n], statistics.median of the sorted `values` [m] (m >= 2) less the
+    one at that index."""
+    half, odd = divmod(len(values) - 1, 2)
 
-    def at(i: int) -> float:
-        return values[i if i < k else i + 1]
+    def at(i: int) -> np.ndarray:
+        return values[np.where(i < k, i, i + 1)]
 
-    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
-
-
-@dataclass(frozen=True)
-class _RankRow:
-    """One rank's part of one interval: its sums, its medians over the others (own time, tokens)
-    and over its peers (None where there are none), and whether it ran heavy or slow there."""
-
-    steps: int
-    own_s: float
-    tokens: int
-    others_ms: float | None
-    others_tokens: float | None
-    heavy: bool
-    peer_ms: float | None
-    over: bool
+    return at(half) if odd else (at(half - 1) + at(half)) / 2
 
 
-def _interval_rows(interval: Interval, rule: StragglerRule) -> dict[int, _RankRow]:
-    """Each rank's part of one interval: its medians over the others (own time, tokens) and over
-    its peers (the others that ran at least about as many tokens). n log n in the ranks: the
-    peers of a rank are a suffix of the ranks ordered by tokens (`more_tokens` is monotonic), so
-    their medians come from one sorted list grown from the heaviest rank down."""
-    ranks = {r: x for r, x in interval.ranks.items() if x.steps > 0}
-    own = {r: x.own_ms_per_step for r, x in ranks.items()}
-    tokens = {r: x.tokens_per_step for r, x in ranks.items()}
-    by_own, by_tokens = sorted(own.values()), sorted(tokens.values())
-    order = sorted(ranks, key=lambda r: tokens[r])  # lightest first
-    toks = [tokens[r] for r in order]
-    position = {r: i for i, r in enumerate(order)}
-    start: dict[int, int] = {}  # rank -> first place in `order` of its peers
-    for r in ranks:
-        lo, hi = 0, len(order)
-        while lo < hi:  # first place whose rank does not run notably fewer tokens than r
-            mid = (lo + hi) // 2
-            if rule.more_tokens(tokens[r], toks[mid]):
-                lo = mid + 1
-            else:
-                hi = mid
-        start[r] = lo
-    peer_ms: dict[int, float] = {}
-    suffix: list[float] = []  # own times of order[j:], sorted
-    waiting = sorted(ranks, key=lambda r: start[r], reverse=True)
-    j = len(order)
-    for r in waiting:
-        while j > start[r]:
-            j -= 1
-            bisect.insort(suffix, own[order[j]])
-        if position[r] >= start[r]:  # r is in its own suffix: leave it out
-            if len(suffix) > 1:
-                peer_ms[r] = _median_without(suffix, bisect.bisect_left(suffix, own[r]))
-        elif suffix:
-            peer_ms[r] = _median_without([*suffix, math.inf], len(suffix))
-    rows = {}
-    for r, x in ranks.items():
-        if len(ranks) < 2:
-            rows[r] = _RankRow(x.steps, x.own_s, x.tokens, None, None, False, None, False)
-            continue
-        others_tokens = _median_without(by_tokens, bisect.bisect_left(by_tokens, tokens[r]))
-        peer = peer_ms.get(r)
-        rows[r] = _RankRow(x.steps, x.own_s, x.tokens, _median_without(by_own, bisect.bisect_left(by_own, own[r])),
-                           others_tokens, rule.more_tokens(tokens[r], others_tokens), peer,
-                           peer is not None and rule.slow(own[r], peer))
-    return rows
+def _more_tokens(a: np.ndarray, b: np.ndarray, rule: StragglerRule) -> np.ndarray:
+    """`rule.more_tokens` over columns."""
+    return a - b >= np.maximum(rule.token_tolerance * b, rule.min_extra_tokens)
 
 
-def _rows_of(interval: Interval, rule: StragglerRule) -> dict[int, _RankRow]:
-    """`_interval_rows`, kept on the interval for the next judgement under the same rule."""
-    rows = interval.rows.get(rule)
-    if rows is None:
-        rows = interval.rows[rule] = _interval_rows(interval, rule)
-    return rows
+def _peer_starts(tokens: np.ndarray, ascending: np.ndarray, rule: StragglerRule) -> np.ndarray:
+    """For each of `tokens` [n], the first place in `ascending` [m] (tokens per step, sorted) that
+    does not run notably fewer (`more_tokens` holds for a prefix: it is monotonic): one binary
+    search for all of them at once, bisect's steps."""
+    lo, hi = np.zeros(len(tokens), dtype=np.int64), np.full(len(tokens), len(ascending), dtype=np.int64)
+    while (active := lo < hi).any():
+        mid = (lo + hi) // 2
+        more = _more_tokens(tokens, ascending[np.minimum(mid, len(ascending) - 1)], rule)
+        lo = np.where(active & more, mid + 1, lo)
+        hi = np.where(active & ~more, mid, hi)
+    return lo
 
 
 @dataclass(frozen=True)
 class _Columns:
-    """One interval's rows under a rule as columns, one entry per rank with steps: [n] each.
-    `others`: the rank had others to compare with (its others' medians and `heavy` count);
-    `peered`: it had peers (its peers' median and `over` count)."""
+    """One interval's part of each rank with steps under a rule, as columns: [n] each.
+    `others`: the rank had others to compare with (`others_ms`, `others_tokens`: their medians of
+    own time and tokens per step; `heavy`: it ran notably more tokens than theirs); `peered`: it
+    had peers, the others that ran at least about as many tokens (`peer_ms`: their median own
+    time; `over`: it was slow against it). 0 where it had none."""
 
     rank_ids: np.ndarray
     steps: np.ndarray
@@ -328,23 +275,82 @@ class _Columns:
     over: np.ndarray
 
 
+def _peer_medians(own: np.ndarray, order: np.ndarray, position: np.ndarray, start: np.ndarray) -> tuple[
+        np.ndarray, np.ndarray]:
+    """(peer_ms, peered) [n]: each rank's median own time over its peers, the ranks at places
+    `start` on of the token order (`order`: the ranks in it, `position`: each rank's place), itself
+    left out where it is one of them.
+
+    A median of the peers less one value needs only three of their order statistics (the middle
+    and its neighbours), and which of them from how they compare with the value left out. So the
+    peers' own times are sorted once, grown from the heaviest rank down (one insort a rank), and
+    read three times a distinct start (most decode intervals have one), not once a rank."""
+    n = len(own)
+    starts, group = np.unique(start, return_inverse=True)
+    size = n - starts  # [G] each start's peers (a rank itself included where it is one)
+    table = np.zeros((len(starts), 3))  # [G, 3] order statistics size // 2 - 1 + c of each start's peers
+    ascending = own[order].tolist()
+    peers: list[float] = []  # the own times at places j on, sorted
+    j = n
+    for g in range(len(starts) - 1, -1, -1):
+        first = int(starts[g])
+        while j > first:
+            j -= 1
+            bisect.insort(peers, ascending[j])
+        if peers:
+            table[g] = [peers[min(max(len(peers) // 2 - 1 + c, 0), len(peers) - 1)] for c in range(3)]
+    size, ranks = size[group], np.arange(n)
+    stats = table[group]  # [n, 3]
+
+    def value(i: np.ndarray) -> np.ndarray:  # the order statistic i of a rank's peers (itself included)
+        return stats[ranks, np.clip(i - (size // 2 - 1), 0, 2)]
+
+    inside = position >= start  # the rank is one of its own peers: left out of its median
+    m = np.where(inside, size - 1, size)  # how many the median is over
+
+    def at(i: np.ndarray) -> np.ndarray:  # the i-th of them: past the rank's own value, the next one up
+        v = value(i)
+        return np.where(inside & (v >= own), value(i + 1), v)
+
+    half = m // 2
+    medians = np.where(m % 2 == 1, at(half), (at(half - 1) + at(half)) / 2)
+    peered = m >= 1
+    return np.where(peered, medians, 0.0), peered
+
+
+def _interval_columns(interval: Interval, rule: StragglerRule) -> _Columns:
+    """Each rank's part of one interval. The peers of a rank are a suffix of the ranks ordered by
+    tokens (`more_tokens` is monotonic), found for all ranks by one vectorized binary search, and
+    their medians from a few order statistics (`_peer_medians`). At 1,024 ranks this was a Python
+    loop of bisections and insorts per rank."""
+    ranks = [(r, x) for r, x in interval.ranks.items() if x.steps > 0]
+    n = len(ranks)
+    ids = np.array([r for r, _ in ranks], dtype=np.int64)
+    steps = np.array([x.steps for _, x in ranks], dtype=np.float64)
+    own_s = np.array([x.own_s for _, x in ranks], dtype=np.float64)
+    tokens = np.array([x.tokens for _, x in ranks], dtype=np.float64)
+    none, zeros = np.zeros(n, dtype=bool), np.zeros(n)
+    if n < 2:
+        return _Columns(ids, steps, own_s, tokens, none, zeros, zeros, zeros, none, zeros, zeros)
+    own, per_step = 1000 * own_s / steps, tokens / steps  # RankInterval.own_ms_per_step, tokens_per_step
+    by_own, by_tokens = np.sort(own), np.sort(per_step)
+    others_ms = _medians_without(by_own, np.searchsorted(by_own, own))
+    others_tokens = _medians_without(by_tokens, np.searchsorted(by_tokens, per_step))
+    order = np.argsort(per_step, kind="stable")  # lightest first
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
+    peer_ms, peered = _peer_medians(own, order, position, _peer_starts(per_step, per_step[order], rule))
+    over = peered & (own >= rule.ratio * peer_ms) & (own - peer_ms >= rule.min_excess_ms)
+    return _Columns(ids, steps, own_s, tokens, np.ones(n, dtype=bool), others_ms, others_tokens,
+                    _more_tokens(per_step, others_tokens, rule).astype(np.float64), peered, peer_ms,
+                    over.astype(np.float64))
+
+
 def _columns_of(interval: Interval, rule: StragglerRule) -> _Columns:
-    """`_rows_of` as columns, kept on the interval for the next judgement under the same rule."""
+    """`_interval_columns`, kept on the interval for the next judgement under the same rule."""
     cols = interval.columns.get(rule)
     if cols is None:
-        rows = _rows_of(interval, rule)
-        ids = list(rows)
-        others = [rows[r].others_ms is not None for r in ids]
-        peered = [rows[r].peer_ms is not None for r in ids]
-        cols = interval.columns[rule] = _Columns(
-            np.array(ids, dtype=np.int64), np.array([rows[r].steps for r in ids], dtype=np.float64),
-            np.array([rows[r].own_s for r in ids], dtype=np.float64),
-            np.array([rows[r].tokens for r in ids], dtype=np.float64), np.array(others, dtype=bool),
-            np.array([rows[r].others_ms or 0.0 for r in ids], dtype=np.float64),
-            np.array([rows[r].others_tokens or 0.0 for r in ids], dtype=np.float64),
-            np.array([rows[r].heavy and o for r, o in zip(ids, others, strict=True)], dtype=np.float64),
-            np.array(peered, dtype=bool), np.array([rows[r].peer_ms or 0.0 for r in ids], dtype=np.float64),
-            np.array([rows[r].over and p for r, p in zip(ids, peered, strict=True)], dtype=np.float64))
+        cols = interval.columns[rule] = _interval_columns(interval, rule)
     return cols
 
 
