@@ -24,6 +24,7 @@ class Plane:
         self.to_identities: list[tuple[bytes, object]] = []
         self.to_workers: list[tuple[int, object]] = []
         self.relayed: list[dict[int, str] | None] = []  # each step's rank -> node whose agent relays its plan
+        self.sealed_ahead: list[bool] = []  # each step's: its nodes' frames sealed while the step before ran
         self.times = ControlTimes()
 
     def heard_clock(self) -> float:
@@ -35,9 +36,19 @@ class Plane:
     def to_worker(self, rank_id: int, msg: object) -> None:
         self.to_workers.append((rank_id, msg))
 
-    def plans_to_workers(self, plans: list[tuple[int, object]], relayed: dict[int, str] | None = None) -> None:
-        self.to_workers.extend(plans)
+    def plans_to_workers(self, plans: list[tuple[int, object]], relayed: dict[int, str] | None = None,
+                         sealed: list[tuple[str, list[tuple[int, object]]]] | None = None) -> None:
+        """With `sealed` (`seal_for_agents`'s), the relayed ranks get what was sealed, not `plans`."""
+        if sealed is None:
+            self.to_workers.extend(plans)
+        else:
+            self.to_workers.extend([p for _, node_plans in sealed for p in node_plans]
+                                   + [(r, p) for r, p in plans if r not in relayed])
         self.relayed.append(relayed)
+        self.sealed_ahead.append(sealed is not None)
+
+    def seal_for_agents(self, by_node: dict[str, list[tuple[int, object]]]) -> list[tuple[str, list]]:
+        return [(node, list(plans)) for node, plans in by_node.items()]
 
     def messages_to_workers(self, messages: list[tuple[int, object]]) -> tuple[float, float, int]:
         self.to_workers.extend(messages)

@@ -43,7 +43,7 @@ def test_a_connected_nodes_plans_go_in_one_frame_the_others_direct():
     try:
         deadline = time.monotonic() + 5
         while True:  # the agent's connection is up once a plan to it is not refused
-            _, _, _, unrelayed = plane.plans_to_agents({"n0": [(0, StepPlan(0, 0, [], []))]})
+            _, _, unrelayed = plane.send_to_agents(plane.seal_for_agents({"n0": [(0, StepPlan(0, 0, [], []))]}))
             if not unrelayed:
                 break
             assert time.monotonic() < deadline

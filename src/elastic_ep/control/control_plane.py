@@ -88,6 +88,21 @@ class ListeningClock:
         return now - self.deaf_s - max(0.0, now - self.drained_at - self.slack_s)
 
 
+def plans_by_node(plans: list[tuple[int, StepPlan]], relayed: dict[int, str]) -> tuple[
+        dict[str, list[tuple[int, StepPlan]]], list[tuple[int, StepPlan]]]:
+    """(node -> its relayed ranks' (rank_id, plan), the (rank_id, plan) sent directly) of `plans`,
+    by `relayed` (rank -> node), in the plans' order."""
+    by_node: dict[str, list[tuple[int, StepPlan]]] = {}
+    direct = []
+    for rank_id, plan in plans:
+        node = relayed.get(rank_id)
+        if node is None:
+            direct.append((rank_id, plan))
+        else:
+            by_node.setdefault(node, []).append((rank_id, plan))
+    return by_node, direct
+
+
 class ControlPlane:
     """Bind both sockets on `host`; `step_addr` and `health_addr` are what workers and agents
     connect to; `key`: the deployment's cluster key, which every frame in and out carries; `term`:
@@ -203,24 +218,24 @@ class ControlPlane:
         """To a worker's main thread (step socket)."""
         self.step_sock.send_multipart([f"w{rank_id}".encode(), *self.key.seal(message, self.term)])
 
-    def plans_to_workers(self, plans: list[tuple[int, StepPlan]], relayed: dict[int, str] | None = None) -> None:
+    def plans_to_workers(self, plans: list[tuple[int, StepPlan]], relayed: dict[int, str] | None = None,
+                         sealed: list[tuple[str, bytes, list[bytes]]] | None = None) -> None:
         """A step's (rank_id, plan) to each worker, timed as a step's encode and send. `relayed`:
         rank -> its node, for the ranks whose plan goes in their node's `NodeStepPlans` through the
-        node's agent (--step-plans-via agent; `plans_to_agents`); the others, and the ranks of a node
-        whose agent has no plan link up, directly (`messages_to_workers`)."""
+        node's agent (--step-plans-via agent; `seal_for_agents`, `send_to_agents`); the others, and
+        the ranks of a node whose agent has no plan link up, directly (`messages_to_workers`).
+        `sealed`: those nodes' frames, sealed already (`seal_for_agents` of these plans split by
+        these `relayed`: a step prepared while the one before ran)."""
         direct = plans
         encode_s = send_s = 0.0
         nbytes = 0
         if relayed:
-            by_node: dict[str, list[tuple[int, StepPlan]]] = {}
-            direct = []
-            for rank_id, plan in plans:
-                node = relayed.get(rank_id)
-                if node is None:
-                    direct.append((rank_id, plan))
-                else:
-                    by_node.setdefault(node, []).append((rank_id, plan))
-            encode_s, send_s, nbytes, unrelayed = self.plans_to_agents(by_node)
+            by_node, direct = plans_by_node(plans, relayed)
+            if sealed is None:
+                t0 = time.perf_counter()
+                sealed = self.seal_for_agents(by_node)
+                encode_s = time.perf_counter() - t0
+            send_s, nbytes, unrelayed = self.send_to_agents(sealed)
             direct.extend(p for node in unrelayed for p in by_node[node])
         e, s, n = self.messages_to_workers(direct)
         times = self.times
@@ -230,18 +245,21 @@ class ControlPlane:
         times.plans_out["direct"] += len(direct)
         times.plans_out["relayed"] += len(plans) - len(direct)
 
-    def plans_to_agents(self, by_node: dict[str, list[tuple[int, StepPlan]]]) -> tuple[float, float, int, list[str]]:
-        """Each node's (rank_id, plan) of one step as one `NodeStepPlans`, encoded and sealed once, to
-        the node's agent on the plan socket. Returns (encode s, send s, bytes sent, the nodes whose
-        agent has no plan link up or a full queue: nothing of theirs was sent)."""
-        t0 = time.perf_counter()
+    def seal_for_agents(self, by_node: dict[str, list[tuple[int, StepPlan]]]) -> list[tuple[str, bytes, list[bytes]]]:
+        """(node, identity, frames) of each node's (rank_id, plan) of one step as one `NodeStepPlans`,
+        encoded and sealed once with the current term, to send with `send_to_agents`."""
         encoded: dict = {}  # a plan shared by the nodes (the empty plan) encoded once
-        frames = [(node, f"p{node}".encode(), self.key.seal(node_step_plans(node, plans, encoded), self.term))
-                  for node, plans in by_node.items()]
-        t1 = time.perf_counter()
+        return [(node, f"p{node}".encode(), self.key.seal(node_step_plans(node, plans, encoded), self.term))
+                for node, plans in by_node.items()]
+
+    def send_to_agents(self, sealed: list[tuple[str, bytes, list[bytes]]]) -> tuple[float, int, list[str]]:
+        """Each node's frames (`seal_for_agents`) to its agent on the plan socket. Returns (send s,
+        bytes sent, the nodes whose agent has no plan link up or a full queue: nothing of theirs
+        was sent)."""
+        t0 = time.perf_counter()
         send = self.plan_sock.send
         unrelayed, nbytes = [], 0
-        for node, identity, (mac, body) in frames:
+        for node, identity, (mac, body) in sealed:
             try:  # the identity part is the one that fails: no part of the message goes out
                 send(identity, zmq.SNDMORE | zmq.NOBLOCK)
             except zmq.ZMQError:  # EHOSTUNREACH: no such peer; EAGAIN: its queue is full
@@ -250,7 +268,7 @@ class ControlPlane:
             send(mac, zmq.SNDMORE)
             send(body)
             nbytes += len(mac) + len(body)
-        return t1 - t0, time.perf_counter() - t1, nbytes, unrelayed
+        return time.perf_counter() - t0, nbytes, unrelayed
 
     def messages_to_workers(self, messages: list[tuple[int, object]]) -> tuple[float, float, int]:
         """(rank_id, message) to each worker's main thread; the same message object given for

@@ -316,8 +316,8 @@ def test_with_async_scheduling_the_decodes_planned_during_a_step_go_when_it_comm
 
 
 def test_with_async_scheduling_and_plans_via_agent_the_prepared_steps_go_through_the_agents():
-    """With --step-plans-via agent a prepared step is planned ahead but sealed per node at the send:
-    every step's plans go to the node's agent, the prepared ones too, none sealed ahead for a rank."""
+    """With --step-plans-via agent a prepared step's node frames are sealed while the step before
+    runs and sent as they are: every step's plans go to the node's agent, the prepared ones too."""
     registry = CollectorRegistry()
     steps, scheduler, _ = loop_with_one_request(registry=registry, async_scheduling=True, step_plans_via="agent")
     steps.plane.now = 10.0
@@ -329,7 +329,33 @@ def test_with_async_scheduling_and_plans_via_agent_the_prepared_steps_go_through
     plans = [m for r, m in steps.plane.to_workers if r == 0 and isinstance(m, StepPlan)]
     assert [p.decode.tokens if p.decode else None for p in plans] == [None, [7], [SAMPLED_TOKEN], [SAMPLED_TOKEN]]
     assert steps.plane.relayed == [{0: "n0", 1: "n0"}] * 4
+    assert steps.plane.sealed_ahead == [False, False, True, True]
     assert prepared(registry, "sent") == 2
+
+
+def test_a_prepared_steps_node_frames_are_sealed_again_when_the_ranks_to_relay_changed():
+    """Rank 1's heartbeats fall behind while step 2 runs (step 3 was prepared with it relayed): at
+    the send it is no longer relayed, so step 3's plans go sealed again, rank 1's directly, with
+    the same plans as prepared (no `schedule`); step 4 is prepared and sent as sealed."""
+    registry = CollectorRegistry()
+    steps, scheduler, _ = loop_with_one_request(registry=registry, async_scheduling=True, step_plans_via="agent")
+    steps.plane.now = 10.0
+    for r in (0, 1):
+        steps.cluster.ranks[r].last_heartbeat = 9.9
+    answer = answering(steps)
+
+    def pump(timeout_s: float) -> None:
+        answer(timeout_s)
+        if steps.cluster.step == 2:
+            steps.cluster.ranks[1].last_heartbeat = 9.0
+    steps.pump = pump
+    while scheduler.has_work:
+        steps.run()
+    assert steps.plane.relayed == [{0: "n0", 1: "n0"}] * 2 + [{0: "n0"}] * 2
+    assert steps.plane.sealed_ahead == [False, False, False, True]
+    plans = [m for r, m in steps.plane.to_workers if r == 0 and isinstance(m, StepPlan)]
+    assert [p.decode.tokens if p.decode else None for p in plans] == [None, [7], [SAMPLED_TOKEN], [SAMPLED_TOKEN]]
+    assert prepared(registry, "sent") == 2 and prepared(registry, "dropped") == 0
 
 
 def test_with_async_scheduling_a_request_arriving_during_the_step_drops_the_prepared_one():

@@ -35,7 +35,10 @@ nothing; no hold, no failed step), the step committed, and the epoch, the member
 isolation's hold are as they were. When sequences ended meanwhile (finished in the step, aborted),
 the scheduler takes their rows out and puts their frees in, and the plans are built and sealed
 again from that batch (still no `schedule`). Otherwise they are dropped and the step is planned the
-usual way, so a step sent is always the one `schedule` would have planned.
+usual way, so a step sent is always the one `schedule` would have planned. With --step-plans-via
+agent each node's `NodeStepPlans` is sealed then too, for the ranks relayed as they are then; at
+the send the ranks to relay are worked out again, and a change (an agent gone silent, a rank's
+beats late, a `ChaosStep` sent) has the prepared plans sealed again for the nodes of now.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from elastic_ep.wire import (
 
 from ..cluster import ClusterState
 from ..config import ServeConfig
-from ..control_plane import ControlPlane
+from ..control_plane import ControlPlane, plans_by_node
 from ..events import EventKind
 from ..faults.detector import FaultDetector, RecoveryNeeded
 from ..faults.health_rules import resends_unanswered, results_to_ask
@@ -96,10 +99,15 @@ class PreparedStep:
     members: list[int]
     term: int
     batch: StepBatch
-    # ControlPlane.seal_for_workers's; None: built from `batch` at the send (sequences ended since,
-    # or --step-plans-via agent: each node's frame sealed then)
+    # ControlPlane.seal_for_workers's; None: built from `batch` at the send (sequences ended since),
+    # or --step-plans-via agent
     frames: list | None
     micro_batches: int
+    # --step-plans-via agent: the plans, the ranks relayed as `_relayed` saw them then, and those
+    # nodes' frames (`ControlPlane.seal_for_agents`), sent as sealed when `_relayed` still says so
+    plans: list | None = None
+    relayed: dict[int, str] | None = None
+    node_frames: list | None = None
 
 
 @dataclass
@@ -242,6 +250,8 @@ class StepLoop:
         self._started_ns = time.time_ns()
         if prepared is not None and prepared.frames is not None:
             plans, micro_batches = None, prepared.micro_batches
+        elif prepared is not None and prepared.plans is not None:
+            plans, micro_batches = prepared.plans, prepared.micro_batches
         else:
             plans, micro_batches = self._plans(batch, c.step)
         # the ranks sent a `ChaosStep` get their plan directly, after it on the same socket
@@ -254,7 +264,10 @@ class StepLoop:
             times.bytes_out += nbytes
             times.plans_out["direct"] += len(prepared.frames)
         else:
-            self.plane.plans_to_workers(plans, self._relayed(injected))
+            relayed = self._relayed(injected)
+            sealed = prepared.node_frames if prepared is not None and prepared.plans is plans \
+                and prepared.relayed == relayed else None
+            self.plane.plans_to_workers(plans, relayed, sealed)
         if self.cfg.async_scheduling:
             self._prepare(batch)
         self.observe()  # the last step's, now that this one's plans are out
@@ -311,7 +324,7 @@ class StepLoop:
         heartbeats, which the agent brings) within `RELAY_FRESH_BEATS` intervals, and not in
         `direct` (a `ChaosStep` went to them: a relayed plan could overtake it). A rank of a node
         with no such agent gets its plan directly, as does every rank of a node whose agent has no
-        plan link up at the send (`ControlPlane.plans_to_agents`). None: every plan direct."""
+        plan link up at the send (`ControlPlane.send_to_agents`). None: every plan direct."""
         cfg = self.cfg
         if cfg.step_plans_via != "agent":
             return None
@@ -364,12 +377,15 @@ class StepLoop:
         if nxt is None:
             self.prepared = None
             return
-        if self.cfg.step_plans_via == "agent":  # sealed per node at the send, for the agents' links of then
-            frames, micro_batches = None, 1
+        plans, micro_batches = self._plans(nxt, c.step + 1)
+        if self.cfg.step_plans_via == "agent":  # per node, for the agents' links of now: checked at the send
+            relayed = self._relayed(set())
+            node_frames = self.plane.seal_for_agents(plans_by_node(plans, relayed)[0]) if relayed else None
+            self.prepared = PreparedStep(c.epoch, c.step + 1, list(c.members), self.plane.term, nxt, None,
+                                         micro_batches, plans, relayed, node_frames)
         else:
-            plans, micro_batches = self._plans(nxt, c.step + 1)
-            frames = self.plane.seal_for_workers(plans)
-        self.prepared = PreparedStep(c.epoch, c.step + 1, list(c.members), self.plane.term, nxt, frames, micro_batches)
+            self.prepared = PreparedStep(c.epoch, c.step + 1, list(c.members), self.plane.term, nxt,
+                                         self.plane.seal_for_workers(plans), micro_batches)
         self.plane.times.add("prepare", time.perf_counter() - t0)
 
     def _take_prepared(self) -> PreparedStep | None:
@@ -389,7 +405,7 @@ class StepLoop:
             return None
         prepared.batch, changed = taken
         if changed:
-            prepared.frames = None
+            prepared.frames = prepared.plans = prepared.node_frames = None
         self.metrics.prepared_steps.labels("rebuilt" if changed else "sent").inc()
         return prepared
 
