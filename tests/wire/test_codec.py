@@ -29,6 +29,7 @@ from elastic_ep.wire import (
     Heartbeat,
     Inbox,
     KVMove,
+    Membership,
     NodeHeartbeat,
     NodeStepResults,
     Progress,
@@ -70,11 +71,12 @@ def test_step_messages_round_trip_with_their_arrays():
     assert got.expert_load.dtype == np.int64 and np.array_equal(got.expert_load, load)
     plan = step_plan()
     assert Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(plan)) == plan
-    start = EpochStart(4, [0, 1], SlotMap.of(np.arange(8).reshape(2, 4)), 2, [SlotSource(0, 1, 3, "peer", 1, 0)],
-                       [(1, 0, 1)], {}, 30.0, 10.0)
+    start = EpochStart(4, Membership.of([0, 1], ["n0", "n1"]), SlotMap.of(np.arange(8).reshape(2, 4)), 2,
+                       [SlotSource(0, 1, 3, "peer", 1, 0)], [(1, 0, 1)], {}, 30.0, 10.0)
     got = Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(start))
     assert np.array_equal(got.slot_map.whole, start.slot_map.whole) and got.sources == start.sources
     assert got.slot_map.digest == start.slot_map.digest and got.slot_map.delta is None
+    assert got.members == [0, 1] and got.nodes == ["n0", "n1"] and got.membership.node_of.dtype == np.int16
     failed = StepFailed(1, 2, 3, "boom", StepErrorKind.LOCAL, True)
     assert Inbox("t_step", STEP_TO_CONTROLLER, KEY).read(KEY.seal(failed)).kind is StepErrorKind.LOCAL
     not_run = StepFailed(1, 2, 3, "never ran epoch 1 step 2", StepErrorKind.NOT_RUN)
@@ -84,12 +86,39 @@ def test_step_messages_round_trip_with_their_arrays():
 
 def test_an_epoch_start_carries_its_slot_map_in_the_narrowest_type_that_holds_the_experts():
     phy2log = np.tile(np.append(np.arange(256), -1), (58, 9))  # DeepSeek-V3's 58 x 256, some slots empty
-    wide = EpochStart(1, [0], SlotMap.of(phy2log), 2, [], [], {}, 30.0, 10.0)
-    narrow = EpochStart(1, [0], SlotMap.of(slot_map_for_wire(phy2log, 256)), 2, [], [], {}, 30.0, 10.0)
+    wide = EpochStart(1, Membership.of([0]), SlotMap.of(phy2log), 2, [], [], {}, 30.0, 10.0)
+    narrow = EpochStart(1, Membership.of([0]), SlotMap.of(slot_map_for_wire(phy2log, 256)), 2, [], [], {}, 30.0,
+                        10.0)
     got = Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(narrow))
     assert got.slot_map.whole.dtype == np.int16 and np.array_equal(got.slot_map.whole, phy2log)
     assert len(encode(narrow)) < len(encode(wide)) / 3.9
     assert slot_map_for_wire(phy2log, 40_000).dtype == np.int32
+
+
+def test_an_epochs_members_travel_as_columns_and_columns_that_do_not_fit_are_dropped():
+    """1,024 members on 128 nodes: the ids one int32 column, the nodes named once and indexed; an
+    `EpochStart` whose members and nodes do not line up is dropped and counted, never decoded."""
+    members, nodes = list(range(1024)), [f"n{r // 8}" for r in range(1024)]
+    start = EpochStart(1, Membership.of(members, nodes), SlotMap.of(np.zeros((1, 2), np.int16)), 2, [], [], {}, 30.0,
+                       10.0)
+    got = Inbox("t_members", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(start))
+    assert got.members == members and got.nodes == nodes and len(got.membership.node_names) == 128
+    assert Membership.of([3, 1]).nodes == [] and Membership.of([3, 1]).members == [3, 1]
+    ids = np.arange(4, dtype=np.int32)
+    bad = [(ids, ["n0"], np.array([0, 0, 1, 0], dtype=np.int16)),  # no node 1
+           (ids, ["n0"], np.zeros(3, dtype=np.int16)),  # a member without one
+           (ids.reshape(2, 2), [], None),  # not one column
+           (ids.astype(np.float32), [], None),  # not ids
+           (ids, ["n0"], None)]  # names without the members' nodes
+    before = counted("t_members").get("undecodable", 0)
+    inbox = Inbox("t_members", CONTROLLER_TO_WORKER, KEY)
+    for rank_ids, names, node_of in bad:
+        forged = Membership.of([0])  # a sender that skips the checks: its fields set past them
+        for name, value in (("rank_ids", rank_ids), ("node_names", names), ("node_of", node_of)):
+            msgspec.structs.force_setattr(forged, name, value)
+        frames = KEY.seal(EpochStart(1, forged, SlotMap.of(np.zeros((1, 2), np.int16)), 2, [], [], {}, 30.0, 10.0))
+        assert inbox.read(frames) is None
+    assert counted("t_members").get("undecodable", 0) == before + len(bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

