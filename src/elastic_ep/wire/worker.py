@@ -150,10 +150,11 @@ class SlotSource(Record):
 
 
 class Membership(Record):
-    """An epoch's members and the node (host) of each, as columns: `rank_ids` [n] (int32; position =
-    group rank), `node_names` the distinct nodes, `node_of` [n] (int16 or int32) each member's index into
-    them; no nodes: one host. Every member decodes it: at 1,024 members a list of ids and one of
-    node names took ~34 us a rank, these ~7. A frame whose columns do not fit is refused."""
+    """An epoch's members and the node (host) of each, as columns: `rank_ids` [n] (position = group
+    rank), `node_names` the distinct nodes, `node_of` [n] each member's index into them (both
+    int16 where the values fit, else int32); no nodes: one host. Every member decodes it: at 1,024
+    members a list of ids and one of node names took ~34 us a rank, these ~7. A frame whose columns
+    do not fit is refused."""
 
     rank_ids: np.ndarray
     node_names: list[str] = []
@@ -174,7 +175,8 @@ class Membership(Record):
     @classmethod
     def of(cls, members: list[int], nodes: list[str] | None = None) -> Membership:
         """`members` (rank ids, in group order) on `nodes` (each one's node; None or empty: one host)."""
-        rank_ids = np.asarray(members, dtype=np.int32).reshape(-1)
+        wide = len(members) and max(members) > np.iinfo(np.int16).max
+        rank_ids = np.asarray(members, dtype=np.int32 if wide else np.int16).reshape(-1)
         if not nodes:
             return cls(rank_ids)
         names = list(dict.fromkeys(nodes))
