@@ -128,5 +128,6 @@ def test_the_ranks_of_one_stand_in_process_share_the_maps_they_rebuild():
     slot_map = SlotMap(new.shape, SlotMap.of(new).digest, delta=slot_map_delta(base, new, 1))
     got = [held.resolve(slot_map) for held in (first, second, other)]
     assert got[0] is got[1] and got[2] is not got[0] and all(np.array_equal(g, new) for g in got)
+    assert not got[0].flags.writeable  # no rank can change what the others route by
     with pytest.raises(SlotMapUnusable, match="does not hold"):
         empty.resolve(slot_map)

@@ -101,6 +101,7 @@ class SharedSlotMaps:
         return hit[1] if hit is not None and hit[0] is base else None
 
     def put(self, base: np.ndarray | None, digest: int, phy2log: np.ndarray) -> None:
+        phy2log.setflags(write=False)  # shared by every rank of the process that resolves it
         self._maps[(id(base), digest)] = (base, phy2log)
         while len(self._maps) > self.LIMIT:
             del self._maps[next(iter(self._maps))]
@@ -142,7 +143,9 @@ class HeldSlotMaps:
         return phy2log
 
     def confirm(self, epoch: int, phy2log: np.ndarray) -> None:
-        """The rank answered `EpochReady` for `epoch`, whose map is `phy2log`."""
+        """The rank answered `EpochReady` for `epoch`, whose map is `phy2log` (read-only from now on: a
+        base of the next epoch's changes)."""
+        phy2log.setflags(write=False)
         self._maps[epoch] = phy2log
         for old in sorted(self._maps)[:-self.KEEP]:
             del self._maps[old]
