@@ -69,12 +69,14 @@ class StragglerRule:
         if not 0 < self.persistence <= 1:
             raise ElasticEPError(f"--straggler-persistence must be in (0, 1], got {self.persistence}")
 
-    def more_tokens(self, a: float, b: float) -> bool:
-        """Whether a rank that ran `a` tokens per step ran notably more than one that ran `b`."""
-        return a - b >= max(self.token_tolerance * b, self.min_extra_tokens)
+    def more_tokens(self, a: float | np.ndarray, b: float | np.ndarray) -> bool | np.ndarray:
+        """Whether a rank that ran `a` tokens per step ran notably more than one that ran `b` (numbers,
+        or columns of them)."""
+        return a - b >= np.maximum(self.token_tolerance * b, self.min_extra_tokens)
 
-    def slow(self, own_ms: float, reference_ms: float) -> bool:
-        return own_ms >= self.ratio * reference_ms and own_ms - reference_ms >= self.min_excess_ms
+    def slow(self, own_ms: float | np.ndarray, reference_ms: float | np.ndarray) -> bool | np.ndarray:
+        """Whether own time `own_ms` is slow against `reference_ms` (numbers, or columns of them)."""
+        return (own_ms >= self.ratio * reference_ms) & (own_ms - reference_ms >= self.min_excess_ms)
 
     def to_json(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -236,11 +238,6 @@ def _medians_without(values: np.ndarray, k: np.ndarray) -> np.ndarray:
     return at(half) if odd else (at(half - 1) + at(half)) / 2
 
 
-def _more_tokens(a: np.ndarray, b: np.ndarray, rule: StragglerRule) -> np.ndarray:
-    """`rule.more_tokens` over columns."""
-    return a - b >= np.maximum(rule.token_tolerance * b, rule.min_extra_tokens)
-
-
 def _peer_starts(tokens: np.ndarray, ascending: np.ndarray, rule: StragglerRule) -> np.ndarray:
     """For each of `tokens` [n], the first place in `ascending` [m] (tokens per step, sorted) that
     does not run notably fewer (`more_tokens` holds for a prefix: it is monotonic): one binary
@@ -248,7 +245,7 @@ def _peer_starts(tokens: np.ndarray, ascending: np.ndarray, rule: StragglerRule)
     lo, hi = np.zeros(len(tokens), dtype=np.int64), np.full(len(tokens), len(ascending), dtype=np.int64)
     while (active := lo < hi).any():
         mid = (lo + hi) // 2
-        more = _more_tokens(tokens, ascending[np.minimum(mid, len(ascending) - 1)], rule)
+        more = rule.more_tokens(tokens, ascending[np.minimum(mid, len(ascending) - 1)])
         lo = np.where(active & more, mid + 1, lo)
         hi = np.where(active & ~more, mid, hi)
     return lo
@@ -340,9 +337,9 @@ def _interval_columns(interval: Interval, rule: StragglerRule) -> _Columns:
     position = np.empty(n, dtype=np.int64)
     position[order] = np.arange(n)
     peer_ms, peered = _peer_medians(own, order, position, _peer_starts(per_step, per_step[order], rule))
-    over = peered & (own >= rule.ratio * peer_ms) & (own - peer_ms >= rule.min_excess_ms)
+    over = peered & rule.slow(own, peer_ms)
     return _Columns(ids, steps, own_s, tokens, np.ones(n, dtype=bool), others_ms, others_tokens,
-                    _more_tokens(per_step, others_tokens, rule).astype(np.float64), peered, peer_ms,
+                    rule.more_tokens(per_step, others_tokens).astype(np.float64), peered, peer_ms,
                     over.astype(np.float64))
 
 
