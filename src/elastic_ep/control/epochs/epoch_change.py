@@ -209,8 +209,8 @@ class EpochChanger:
         self.replies = {}
         self.filled = {r: len(v) for r, v in sources.items()}
         self.store.set(f"epoch/{c.epoch}/members", json.dumps(live))
-        self.slot_maps.sent(c.epoch, slot_map_for_wire(new.phy2log, c.num_experts))
-        maps = self.slot_maps.forms(c.epoch, live, {r: c.ranks[r].record for r in live if r in c.ranks})
+        maps = self.slot_maps.forms(c.epoch, slot_map_for_wire(new.phy2log, c.num_experts), live,
+                                    {r: c.ranks[r].record for r in live if r in c.ranks})
         membership = Membership.of(live, [rank_nodes[r] for r in live])
 
         def start(slot_map: SlotMap, fill: list[SlotSource], send: list[tuple[int, int, int]]) -> EpochStart:

@@ -22,10 +22,6 @@ class ConfirmedSlotMaps:
         self._by_rank: dict[int, tuple[int, int]] = {}
         self._maps: dict[int, np.ndarray] = {}
 
-    def sent(self, epoch: int, phy2log: np.ndarray) -> None:
-        """`phy2log` [L, S] is the map of `epoch`, now being sent."""
-        self._maps[epoch] = phy2log
-
     def confirmed(self, rank_id: int, record: int, epoch: int) -> None:
         """Rank `rank_id` (its record `record`) answered `EpochReady` for `epoch`."""
         if epoch in self._maps:
@@ -35,11 +31,13 @@ class ConfirmedSlotMaps:
         """Rank `rank_id` answered `EpochFailed`: the whole map next time."""
         self._by_rank.pop(rank_id, None)
 
-    def forms(self, epoch: int, members: Iterable[int], records: Mapping[int, int]) -> dict[int, SlotMap]:
-        """The `SlotMap` of `epoch`'s map (`sent` first) for each of `members` (`records`: each one's
-        current `RankInfo.record`). Members that confirmed the same map share one object, so the
-        plane seals it once. Maps no member's confirmation names any more are dropped."""
-        new = self._maps[epoch]
+    def forms(self, epoch: int, new: np.ndarray, members: Iterable[int], records: Mapping[int, int]) -> dict[
+            int, SlotMap]:
+        """The `SlotMap` of `new` [L, S] (wire dtype), the map of `epoch` now being sent, for each of
+        `members` (`records`: each one's current `RankInfo.record`). Members that confirmed the same
+        map share one object, so the plane seals it once. `new` is kept for the members' answers;
+        maps no member's confirmation names any more are dropped."""
+        self._maps[epoch] = new
         whole = SlotMap.of(new)
         by_base: dict[int, SlotMap] = {}
         forms = {}
