@@ -160,6 +160,12 @@ _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64)}
 
 
+def narrow_int(largest: int) -> np.dtype:
+    """The integer type an array travels in when its values are at most `largest`: int16 where they
+    fit (a quarter of int64's bytes), else int32."""
+    return np.dtype(np.int16 if largest <= np.iinfo(np.int16).max else np.int32)
+
+
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         a = np.ascontiguousarray(obj)

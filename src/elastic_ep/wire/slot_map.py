@@ -15,7 +15,7 @@ import zlib
 
 import numpy as np
 
-from .codec import Record
+from .codec import Record, narrow_int
 
 
 class SlotMapDelta(Record):
@@ -49,7 +49,7 @@ class SlotMapUnusable(ValueError):
 
 def slot_map_for_wire(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
     """`phy2log` [L, slots] (expert ids, -1 empty) as int16 when the ids fit, else int32."""
-    return np.asarray(phy2log, dtype=np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
+    return np.asarray(phy2log, dtype=narrow_int(num_experts))
 
 
 def slot_map_digest(phy2log: np.ndarray) -> int:

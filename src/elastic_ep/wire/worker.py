@@ -11,7 +11,7 @@ import numpy as np
 
 from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 
-from .codec import Message, Record, decoder, encode
+from .codec import Message, Record, decoder, encode, narrow_int
 from .fetch import BackupSite
 from .slot_map import SlotMap
 
@@ -175,14 +175,12 @@ class Membership(Record):
     @classmethod
     def of(cls, members: list[int], nodes: list[str] | None = None) -> Membership:
         """`members` (rank ids, in group order) on `nodes` (each one's node; None or empty: one host)."""
-        wide = len(members) and max(members) > np.iinfo(np.int16).max
-        rank_ids = np.asarray(members, dtype=np.int32 if wide else np.int16).reshape(-1)
+        rank_ids = np.asarray(members, dtype=narrow_int(max(members, default=0))).reshape(-1)
         if not nodes:
             return cls(rank_ids)
         names = list(dict.fromkeys(nodes))
         index = {name: i for i, name in enumerate(names)}
-        dtype = np.int16 if len(names) <= np.iinfo(np.int16).max else np.int32
-        return cls(rank_ids, names, np.array([index[n] for n in nodes], dtype=dtype))
+        return cls(rank_ids, names, np.array([index[n] for n in nodes], dtype=narrow_int(len(names))))
 
     @property
     def members(self) -> list[int]:
