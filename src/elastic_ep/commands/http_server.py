@@ -10,6 +10,11 @@ from starlette.types import ASGIApp
 
 from elastic_ep.serve.guard import request_timeout_protocol
 
+# How long an idle keep-alive connection stays open. Longer than the clients' own expiry (httpx and
+# the OpenAI SDK on it, and the router's pool: 5 s, uvicorn's default too): when both sides give up at
+# the same moment, the client's next request on a connection the server is closing is reset.
+KEEP_ALIVE_S = 75
+
 
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt
@@ -22,7 +27,7 @@ def run_http(app: ASGIApp, sock: socket.socket, request_timeout_s: float) -> Non
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=2,
-                                http=request_timeout_protocol(request_timeout_s))
+                                timeout_keep_alive=KEEP_ALIVE_S, http=request_timeout_protocol(request_timeout_s))
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass

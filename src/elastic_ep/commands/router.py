@@ -8,6 +8,7 @@ import signal
 
 import uvicorn
 
+from elastic_ep.commands.http_server import KEEP_ALIVE_S
 from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.router.backends import normalize_url
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", log_config=None,
-                    timeout_graceful_shutdown=2)
+                    timeout_graceful_shutdown=2, timeout_keep_alive=KEEP_ALIVE_S)
     except KeyboardInterrupt:
         pass
     return 0
