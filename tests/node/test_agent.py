@@ -117,13 +117,15 @@ class StandInController:
 
 
 def can_no_longer_run(pid: int) -> bool:
-    """Gone, or its exit has begun (the agent confirms a fence then, before the kernel has freed it)."""
+    """Gone, or its exit has begun (the agent confirms a fence then, before the kernel has freed it).
+    A process reaped between the open and the read reads as running to `exit_code`, hence the
+    second look for its /proc entry."""
     try:
         fd = open_stat(pid)
     except FileNotFoundError:
         return True
     try:
-        return exit_code(fd) is not None
+        return exit_code(fd) is not None or not os.path.exists(f"/proc/{pid}")
     finally:
         os.close(fd)
 
