@@ -28,6 +28,7 @@ from elastic_ep.node.exits import exit_code, open_stat
 from elastic_ep.runtime.experts import fetch_backup
 from elastic_ep.wire import (
     ALL_MESSAGES,
+    AbortEpoch,
     AgentAlive,
     AgentBye,
     AgentHello,
@@ -288,6 +289,40 @@ def test_agent_forwards_its_ranks_step_results_in_one_node_frame_and_drops_the_r
     finally:
         push.close()
         stop_agent(stop, thread, pids, ctl)
+
+
+def test_agent_relays_one_abort_epoch_to_the_heartbeat_thread_of_each_rank_it_names():
+    """The controller sends one `AbortEpoch` a node naming its ranks; the agent relays it, sealed by
+    the cluster key, to the beat link of each rank named and of no other."""
+    ctl = StandInController()
+    agent = NodeAgent(ctl.health_addr, "nodeA", KEY)
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    links = {}
+    for rank_id in (3, 5, 9):  # as the workers' heartbeat threads connect
+        links[rank_id] = zmq.Context.instance().socket(zmq.DEALER)
+        links[rank_id].setsockopt(zmq.LINGER, 0)
+        links[rank_id].setsockopt(zmq.IDENTITY, f"h{rank_id}".encode())
+        links[rank_id].connect(agent.beat_addr)
+    try:
+        ctl.expect(ctl.health, AgentHello)
+        ctl.welcome(WorkerLaunch("/m", ctl.step_addr, ctl.health_addr, "127.0.0.1", ctl.store_port, "gloo", 4, 64, 0.0))
+        got: dict[int, AbortEpoch] = {}
+        deadline = time.monotonic() + 30
+        while len(got) < 2:  # again until both links were up when the agent relayed it
+            assert time.monotonic() < deadline, f"relayed only to {sorted(got)}"
+            ctl.to_agent(AbortEpoch(4, [3, 5]))
+            for rank_id, link in links.items():
+                while link.poll(200 if rank_id not in got else 0):
+                    mac, body = link.recv_multipart()
+                    assert mac == KEY.mac(body, int.from_bytes(mac[HMAC_BYTES:], "big"))
+                    got[rank_id] = ANY.decode(body)
+        assert sorted(got) == [3, 5] and all(m.epoch == 4 and m.rank_ids == [3, 5] for m in got.values())
+    finally:
+        for link in links.values():
+            link.close()
+        stop_agent(stop, thread, [], ctl)
 
 
 def test_agent_relays_its_nodes_plans_as_they_came_and_drops_junk():

@@ -561,9 +561,9 @@ class StandInAgent:
         elif isinstance(msg, SignalWorker):
             self._signal(msg)
         elif isinstance(msg, AbortEpoch):
-            rank = self.ranks.get(msg.rank_id)
-            if rank is not None:
-                rank.abort(msg.epoch)
+            for rank_id in msg.rank_ids:
+                if (rank := self.ranks.get(rank_id)) is not None:
+                    rank.abort(msg.epoch)
         elif isinstance(msg, BackupAssign):
             site = BackupSite(self.node, f"/dev/shm/standin-{self.node}", self.fetch_addr)
             self.send(BackupReady(self.node, site, list(msg.items), 0, len(msg.items),

@@ -424,8 +424,11 @@ class NodeAgent:
             self.lease.node_beat_sent(now)
 
     def _relay_abort(self, msg: AbortEpoch) -> None:
-        """The controller's `AbortEpoch` to its rank's heartbeat thread (sealed again in the same term)."""
-        self.beats.send_multipart([f"h{msg.rank_id}".encode(), *self.key.seal(msg, self.fence.highest)])
+        """The controller's `AbortEpoch` to the heartbeat thread of each rank it names (sealed again
+        in the same term, once)."""
+        sealed = self.key.seal(msg, self.fence.highest)
+        for rank_id in msg.rank_ids:
+            self.beats.send_multipart([f"h{rank_id}".encode(), *sealed])
 
     def send(self, message) -> None:
         """To the controller (main loop thread only; other threads `_notify`)."""

@@ -12,7 +12,7 @@ Transport: ZeroMQ. The controller binds three ROUTER sockets:
   (its ranks' heartbeats, one message per interval), `NodeStepResults` (its ranks' `StepResult`s
   of a step, with --step-results-via agent), `WorkerStarted`, `WorkerExited`, `WorkerFenced`,
   `HardwareReport` and receives `AgentWelcome`, `BackupAssign`, `StartWorker`, `FenceWorker`,
-  `SignalWorker`, `AbortEpoch` (for one of its ranks), `AgentShutdown`, and says `AgentBye` when it stops;
+  `SignalWorker`, `AbortEpoch` (for its ranks named in it), `AgentShutdown`, and says `AgentBye` when it stops;
 - the plan socket (send only): with --step-plans-via agent each node agent connects a DEALER
   (identity `p<node>`) and receives one `NodeStepPlans` per step for its node's members, which it
   relays as it came to its workers on a loopback PUB socket (each worker's SUB takes its own plan out).

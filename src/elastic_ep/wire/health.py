@@ -114,12 +114,13 @@ class NodeStepResults(Message):
 
 
 class AbortEpoch(Message):
-    """Controller -> the agent of rank `rank_id`'s node -> that worker's heartbeat thread (relayed
-    as it came): the controller gave up on `epoch`; any collective of it that waits (on a peer
-    that is hung or cut off) gives up now."""
+    """Controller -> a node's agent -> the heartbeat thread of each of `rank_ids` (that node's
+    ranks; the agent seals it once and relays it to each): the controller gave up on `epoch`; any
+    collective of it that waits (on a peer that is hung or cut off) gives up now. One frame a node,
+    not one a rank: a fence at 1,024 ranks sent 1,023."""
 
     epoch: int
-    rank_id: int = -1
+    rank_ids: list[int] = []
 
 
 # ---- agent <-> controller, health socket ---------------------------------------------------

@@ -62,8 +62,8 @@ class Processes:
     def stop_rank(self, rank_id):
         raise AssertionError("no rank leaves with a scale here")
 
-    def abort_epoch(self, rank_id, epoch):
-        self.aborted.append((rank_id, epoch))
+    def abort_epoch(self, rank_ids, epoch):
+        self.aborted.extend((rank_id, epoch) for rank_id in rank_ids)
 
     def confirm(self):
         for r in self.fenced:

@@ -100,7 +100,7 @@ class Processes(Protocol):
     def forget_rank(self, rank_id: int, message: str) -> None: ...
     def schedule_restart(self, rank_id: int) -> None: ...
     def stop_rank(self, rank_id: int) -> None: ...
-    def abort_epoch(self, rank_id: int, epoch: int) -> None: ...
+    def abort_epoch(self, rank_ids: Iterable[int], epoch: int) -> None: ...
 
 
 class Rebalance(Protocol):
@@ -213,8 +213,7 @@ class Recovery:
         faults = self.detector.faults
         # the failed epoch is over: members waiting on a peer that will never answer (hung, cut
         # off) give up their collectives now instead of at the collective timeout
-        for rank_id in c.members:
-            self.processes.abort_epoch(rank_id, c.epoch)
+        self.processes.abort_epoch(c.members, c.epoch)
         deadline = time.monotonic() + cfg.drain_timeout_s
         while True:
             for rank_id in list(faults):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -346,12 +347,15 @@ class Nodes:
         if r is not None and r.pid is not None:
             self.send(r.node, SignalWorker(rank_id, r.pid, sig))
 
-    def abort_epoch(self, rank_id: int, epoch: int) -> None:
-        """Tell the rank's heartbeat thread, through its agent, to give up the collectives of `epoch`
-        (a failed epoch)."""
-        r = self.cluster.ranks.get(rank_id)
-        if r is not None:
-            self.send(r.node, AbortEpoch(epoch, rank_id))
+    def abort_epoch(self, rank_ids: Iterable[int], epoch: int) -> None:
+        """Tell the heartbeat threads of `rank_ids`, through their agents (one `AbortEpoch` a node),
+        to give up the collectives of `epoch` (a failed epoch)."""
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for rank_id in rank_ids:
+            if (r := self.cluster.ranks.get(rank_id)) is not None:
+                by_node[r.node].append(rank_id)
+        for node, ids in by_node.items():
+            self.send(node, AbortEpoch(epoch, ids))
 
     def confirm_lost(self, rank_id: int) -> None:
         """A fence its agent never confirmed: the rank counts as dead."""
