@@ -113,13 +113,14 @@ def answer(rank_id: int, plan: StepPlan, rows: DecodeRows | None, sampled: dict[
     return StepResult(plan.epoch, plan.step, rank_id, tokens, 0.0, 0.0, 0.0, 0.0, np.zeros((0, 0), np.int32), 0, {})
 
 
-def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int]], tuple[int, int], list, int]:
+def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int]], tuple[int, int], list, int, int]:
     """A random workload (requests of random lengths ending by length or EOS, aborts, failed steps)
     on 3 ranks fed every plan through the codec, the ranks filling in `SAMPLED_TOKEN` from their
     last answer; with `prepare` every step is committed with columns. Returns every step's (rank,
     seq_id, position) runs and KV moves, each request's output, how many steps were prepared and
     taken (and of those, how many with sequences that ended taken out), every commit's outputs
-    (`outputs_of`), and the rows of prepared steps committed as columns."""
+    (`outputs_of`), the rows of prepared steps committed as columns, and the prepared ranks whose
+    rows were prepared from their column of the step before (its stop tokens and room carried on)."""
     rng = random.Random(seed)
     key = ClusterKey.generate()
     inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key)
@@ -128,7 +129,7 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
     ranks = {r: Rank(r, 60, 4) for r in (0, 1, 2)}
     last: dict[int, StepResult | None] = dict.fromkeys(ranks)
     s.set_ranks(list(ranks))
-    runs, requests, taken, rebuilt, next_id, delivered, prepared_columns = [], {}, 0, 0, 0, [], 0
+    runs, requests, taken, rebuilt, next_id, delivered, prepared_columns, carried = [], {}, 0, 0, 0, [], 0, 0
     for step in range(400):
         if step % 40 == 0:  # a burst of requests, then they decode until they end
             for _ in range(rng.randrange(6, 12)):
@@ -148,6 +149,7 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
         sampled = {q: (EOS if (q * 31 + p) % 50 == 0 else 100 + (q * 7 + p) % 300)
                    for r in batch.chunks for q, p, n, sample in batch.runs(r) if sample for p in (p + n,)}
         nxt = s.prepare_decodes(batch) if prepare and not failing else None
+        carried += sum(c.stops is not None for c in nxt.columns.values()) if nxt is not None else 0
         for r, rank in ranks.items():
             plan = inbox.read(key.seal(StepPlan(1, step, batch.chunks.get(r, []), batch.free.get(r, []),
                                                 kv_moves=batch.moves, decode=batch.decodes.get(r))))
@@ -171,17 +173,18 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
                 sq = s.by_id.get(q)
                 if sq is not None and sq.rank == r:
                     assert rank.held.tokens[q] == sq.tokens[:sq.num_cached], (step, q)
-    return runs, {q: seq.output for q, seq in requests.items()}, (taken, rebuilt), delivered, prepared_columns
+    return runs, {q: seq.output for q, seq in requests.items()}, (taken, rebuilt), delivered, prepared_columns, carried
 
 
 def test_prepared_steps_run_the_same_steps_and_tokens_as_planning_each_after_the_last():
-    runs, outputs, none_taken, delivered, _ = run_workload(prepare=False)
-    runs_p, outputs_p, (taken, rebuilt), delivered_p, prepared_columns = run_workload(prepare=True)
+    runs, outputs, none_taken, delivered, _, _ = run_workload(prepare=False)
+    runs_p, outputs_p, (taken, rebuilt), delivered_p, prepared_columns, carried = run_workload(prepare=True)
     assert none_taken == (0, 0) and taken > 100 and rebuilt > 5  # most steps of a decode phase are prepared
     assert runs_p == runs
     assert outputs_p == outputs and any(o and o[-1] == EOS for o in outputs.values())
     # the prepared steps' rows committed as columns give each step's outputs of committing row by row
     assert delivered_p == delivered and prepared_columns > 500
+    assert carried > 50  # prepared ranks whose rows came from their column, not a look at each sequence
 
 
 def test_a_rank_refuses_the_sampled_marker_for_a_sequence_it_did_not_sample_in_the_step_before():

@@ -49,7 +49,11 @@ next one when it can be known before the results: every sequence in flight decod
 nothing waits, nothing is held out, no KV offer is open, and no DP move is due. Each then
 decodes once more (but those whose length ends them in this step), its row's token `SAMPLED_TOKEN` (the rank puts in
 the token it sampled for it in this step), its table grown now as `schedule` would grow it (no
-free block: nothing is prepared, since `schedule` would preempt). `revision` counts whatever
+free block: nothing is prepared, since `schedule` would preempt). A rank's first rows that are its
+batch's column (`StepBatch.columns`) are prepared from the column, without a look at each
+sequence, when its room says none ends by its length in this step; the prepared column keeps the
+column's stop tokens and one token less of room, so its commit reads no sequence either
+(`_commit_columns`). `revision` counts whatever
 else changes what the next step may run (a request added, a sequence that sampled nothing, a
 rank set, a hold, a forget, a failed step, any `schedule`): `take_prepared` gives the prepared
 batch only while it is the one it was prepared at, less the sequences that ended since (finished
@@ -679,8 +683,16 @@ class Scheduler:
         for rank, rows in decodes.items():
             pool, kept = self.pools[rank], (rank, self.kept_generation)
             tables = pool.tables
-            seq_ids, positions, new_blocks, seqs = [], [], [], []
-            for seq_id, position in zip(rows.seq_ids, rows.positions, strict=True):
+            # The rows of the batch's column (`StepBatch.columns`, its first) whose room says none ends by
+            # its length in this step: each decodes again at its position + 1, read in one pass.
+            lead = batch.columns.get(rank)
+            n = len(lead.seqs) if lead is not None and lead.room is not None and lead.room >= 2 else 0
+            if n and not all(q.kept == kept for q in lead.seqs):
+                return None
+            seq_ids, positions = rows.seq_ids[:n], [p + 1 for p in rows.positions[:n]]
+            seqs, new_blocks = list(lead.seqs) if n else [], []
+            at_block_end = [(seq_ids[i], positions[i] - 1) for i, p in enumerate(positions) if p % block_size == 0]
+            for seq_id, position in zip(rows.seq_ids[n:], rows.positions[n:], strict=True):
                 seq = by_id[seq_id]
                 if seq.kept != kept:
                     return None
@@ -689,16 +701,20 @@ class Scheduler:
                 seq_ids.append(seq_id)
                 positions.append(position + 1)
                 seqs.append(seq)
-                # its table holds its position + 1 tokens, so only one that ends a block can be full
                 if (position + 1) % block_size == 0:
-                    table = tables[seq_id]  # as long as `schedule` left it (`kept_blocks`): it grows only here
-                    if len(table) * block_size < position + 2:
-                        if not pool.grow(seq_id, position + 2):  # `schedule` would preempt for its block
-                            return None
-                        new_blocks.extend((seq_id, b) for b in table[seq.kept_blocks:])
+                    at_block_end.append((seq_id, position))
+            # a table holds its position + 1 tokens, so only one that ends a block can be full
+            for seq_id, position in at_block_end:
+                table = tables[seq_id]  # as long as `schedule` left it (`kept_blocks`): it grows only here
+                if len(table) * block_size < position + 2:
+                    if not pool.grow(seq_id, position + 2):  # `schedule` would preempt for its block
+                        return None
+                    new_blocks.extend((seq_id, b) for b in table[by_id[seq_id].kept_blocks:])
             if seq_ids:
                 prepared[rank] = DecodeRows(seq_ids, [SAMPLED_TOKEN] * len(seq_ids), positions, new_blocks)
-                columns[rank] = _Column(seqs)
+                # the same sequences as the column's: its stop tokens, and one token less of room
+                columns[rank] = (_Column(seqs, lead.stops, lead.room - 1) if n == len(seqs) and lead.stops is not None
+                                 else _Column(seqs))
         before = (self.balance.busiest, self.balance.streak)
         after = self._balance_after(before, prepared) if prepared else None
         if after is None:
@@ -738,6 +754,7 @@ class Scheduler:
             for rank in {r for r, _ in left}:  # their frees: nothing else was released since
                 batch.free[rank], self.to_free[rank] = self.to_free[rank], []
                 batch.unaligned[rank] = len(decodes[rank].seq_ids) if rank in decodes else 0
+                batch.columns.pop(rank, None)  # no longer its first rows: committed row by row
             batch.decodes = decodes
         self.balance.busiest, self.balance.streak = after
         self.revision += 1
