@@ -48,7 +48,9 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   their send does), ms per step: rows as tuples (a tree without columns, or a step loop that asks
   for none), and a steady rank's rows as columns where the tree has them (`commit`'s `columns`); then
   the same with requests of lengths spread over 1-199 tokens, each one that ends replaced by a new
-  one (~100 end and arrive a step), `schedule` too (each arrival placed). `--completion` measures
+  one (~100 end and arrive a step), `schedule` too (each arrival placed); and with each step the one
+  `prepare_decodes` planned while the one before ran (`--async-scheduling`), its CPU shown as
+  `prepare`. `--completion` measures
   only these rows;
 - deliver: one step's tokens handed from the control thread to the HTTP side's event loop (one
   loop, as serve's uvicorn runs; each stream awaited by a task of its own, as each request's
@@ -824,23 +826,32 @@ def has_columns() -> bool:
     return "columns" in inspect.signature(Scheduler.commit).parameters
 
 
-def completion_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, steps: int = 20) -> dict | None:
+def completion_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, steps: int = 20,
+                  prepared: bool = False) -> dict | None:
     """CPU ms per step of a decode step's `commit` and `deliver_step` to 2 API servers' frames (module
-    docstring, completion), with the steady ranks' rows as `columns` or as tuples; None for columns
-    in a tree without them."""
+    docstring, completion), with the steady ranks' rows as `columns` or as tuples; with `prepared`
+    each step is the one `prepare_decodes` planned while the one before ran (its CPU as `prepare`),
+    taken once that one committed; None for columns in a tree without them."""
     if columns and not has_columns():
         return None
     s = decoding_scheduler(ranks, seqs_per_rank, 6, grow_tokens=steps + 5 + 16)
     streams = Streams(s, servers=EncodingServers())
     for seq_id in s.by_id:
         streams.add(seq_id, RemoteStream(f"r{seq_id}", seq_id % 2, seq_id))
-    commit_s = deliver_s = 0.0
+    spent = {"prepare": 0.0, "commit": 0.0, "deliver": 0.0}
+    taken = None
     for step in range(steps + 3):
-        batch = s.schedule()
+        batch = taken[0] if taken is not None else s.schedule()
+        cpu0 = time.process_time()
+        if prepared:
+            s.prepare_decodes(batch)
+        prepare_dt = time.process_time() - cpu0
         _, commit_dt, deliver_dt = completed(s, streams, batch, sampled_of(batch), columns)
+        taken = s.take_prepared() if prepared else None
         if step >= 3:  # the first steps prefill
-            commit_s, deliver_s = commit_s + commit_dt, deliver_s + deliver_dt
-    return {"commit": 1000 * commit_s / steps, "deliver": 1000 * deliver_s / steps}
+            for what, dt in (("prepare", prepare_dt), ("commit", commit_dt), ("deliver", deliver_dt)):
+                spent[what] += dt
+    return {what: 1000 * v / steps for what, v in spent.items()}
 
 
 def arrivals_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, steps: int = 40) -> dict | None:
@@ -887,6 +898,10 @@ def completion_rows(repeat: int) -> dict:
         for what in ("commit", "deliver"):
             rows[f"completion, 256 ranks x 64 decoding, {how}: {what} ms"] = min(
                 (r[what] for r in runs), default=None)
+    runs = [r for r in (completion_ms(True, prepared=True) for _ in range(repeat)) if r is not None]
+    for what in ("prepare", "commit", "deliver"):
+        rows[f"completion, 256 ranks x 64 decoding, each step prepared (--async-scheduling): {what} ms"] = min(
+            (r[what] for r in runs), default=None)
     for columns, how in ((False, "rows as tuples"), (True, "steady rows as columns")):
         runs = [r for r in (arrivals_ms(columns) for _ in range(repeat)) if r is not None]
         for what in ("schedule", "commit", "deliver"):

@@ -80,6 +80,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
+from operator import attrgetter
 
 from elastic_ep.model.block_manager import BlockManager
 from elastic_ep.model.sampling import TokenLogprobs
@@ -687,7 +688,7 @@ class Scheduler:
             # its length in this step: each decodes again at its position + 1, read in one pass.
             lead = batch.columns.get(rank)
             n = len(lead.seqs) if lead is not None and lead.room is not None and lead.room >= 2 else 0
-            if n and not all(q.kept == kept for q in lead.seqs):
+            if n and list(map(_KEPT, lead.seqs)).count(kept) != n:  # each kept here (`all` over a generator: 1.5x)
                 return None
             seq_ids, positions = rows.seq_ids[:n], [p + 1 for p in rows.positions[:n]]
             seqs, new_blocks = list(lead.seqs) if n else [], []
@@ -766,6 +767,12 @@ class Scheduler:
                 tables = self.pools[rank].tables
                 for seq_id in {q for q, _ in rows.new_blocks}:
                     by_id[seq_id].kept_blocks = len(tables[seq_id])
+        # a column prepared without its stop tokens and room takes those of the same sequences'
+        # column the last commit worked out (`_Steady`), so neither its commit nor the next
+        # preparation reads each sequence for them
+        for rank, column in batch.columns.items():
+            if column.stops is None and (rec := self._steady.get(rank)) is not None and rec.column.seqs == column.seqs:
+                batch.columns[rank] = rec.column
         return batch, bool(left)
 
     def _rank_order(self, ahead: dict[int, int]) -> RankOrder:
@@ -1022,6 +1029,9 @@ class Scheduler:
         seq.finish_reason = reason
         del self.by_id[seq.seq_id]
         self._release(seq)
+
+
+_KEPT = attrgetter("kept")
 
 
 def _without(decodes: dict[int, DecodeRows], left: list[tuple[int, int]]) -> dict[int, DecodeRows]:
