@@ -148,6 +148,8 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
         # a token is a pure function of the sequence and its position; EOS now and then
         sampled = {q: (EOS if (q * 31 + p) % 50 == 0 else 100 + (q * 7 + p) % 300)
                    for r in batch.chunks for q, p, n, sample in batch.runs(r) if sample for p in (p + n,)}
+        if rng.random() < 0.01 and s.by_id:  # aborted while the step runs, before the next is prepared
+            s.abort(rng.choice(sorted(s.by_id)))
         nxt = s.prepare_decodes(batch) if prepare and not failing else None
         carried += sum(c.stops is not None for c in nxt.columns.values()) if nxt is not None else 0
         for r, rank in ranks.items():
