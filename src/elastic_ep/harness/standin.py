@@ -696,6 +696,13 @@ class StandInHost:
             self.timers.run_due(time.monotonic())
 
 
+def _end(*_) -> None:
+    """SIGTERM: exit, once. A second one (the parent's death signal while this process is already
+    exiting) raised in the interpreter's exit handlers, a traceback on stderr for nothing."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(0)
+
+
 def parse_slow(items: list[str]) -> dict[int, float]:
     """["3:20", ...] -> {3: 0.02}: rank 3 takes 20 ms more per step."""
     out = {}
@@ -724,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster-key-file", default=None,
                         help="the deployment's cluster key (as `elastic-ep agent`; default $ELASTIC_EP_CLUSTER_KEY)")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _end)
     end_with_parent(signal.SIGTERM)  # the stand-ins end with whoever started them, as real ranks with their agent
     host = StandInHost(ClusterKey.read(args.cluster_key_file) if args.cluster_key_file else key_from_env())
     if args.model:
