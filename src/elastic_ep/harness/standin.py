@@ -35,7 +35,7 @@ Faults arrive as they do for real ranks, through the agent (`/chaos/kill`, `/cha
 `/chaos/resume` send `SignalWorker`): SIGKILL stops a rank's messages and its agent reports
 `WorkerExited` (-9), as a real agent reports a worker exit; SIGSTOP silences it (no heartbeats,
 no answers, nothing reported) until SIGCONT; `FenceWorker` kills it and confirms with
-`WorkerFenced`. An `AbortEpoch` (to the agent, for one of its ranks) makes a rank that has not
+`WorkerFenced`. An `AbortEpoch` (to the agent, naming its ranks) makes each rank named that has not
 answered the epoch's step answer `StepFailed` (collective), as a real rank's collective gives up.
 
 Each process is one thread: a rank's tokens and load are worked out when its plan arrives and
