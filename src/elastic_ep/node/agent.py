@@ -184,7 +184,10 @@ class NodeAgent:
         self.netcut = NetCut(str(os.getpid()))
         self.heal_at: dict[int | None, float] = {}  # cut rank (None: node) -> when it heals
         if standalone:  # before any socket: a node cut then covers the agent too
-            self.netcut.place("agent", os.getpid())
+            try:
+                self.netcut.place("agent", os.getpid())
+            except NetCutUnavailable as e:
+                logger.warning("node %s: a cut of the whole node would miss its agent: %s", node, e)
         self.host = advertise_host
         self.lease = Lease(lease_s)
         self.stop_grace_s = stop_grace_s
@@ -566,7 +569,10 @@ class NodeAgent:
         proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env,
                                 stdin=subprocess.PIPE)
         # in its own cgroup long before it opens a socket (it imports torch first), so it can be cut
-        self.netcut.place(f"rank{rank_id}", proc.pid)
+        try:
+            self.netcut.place(f"rank{rank_id}", proc.pid)
+        except NetCutUnavailable as e:
+            logger.warning("node %s: rank %d runs, but its links cannot be cut: %s", self.node, rank_id, e)
         with self._lock:
             self.children[proc.pid] = _Child(rank_id, proc, time.monotonic(), open_stat(proc.pid))
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()

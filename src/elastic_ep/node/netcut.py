@@ -15,9 +15,11 @@ without them a cut is refused with the reason, and workers run where they would 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 CGROUP_FS = Path("/sys/fs/cgroup")  # where nft resolves cgroup paths from
@@ -55,6 +57,9 @@ class NetCut:
         root = cgroup2_root()
         self.base = root / f"elastic-ep-{scope}" if root is not None else None
         self.table_prefix = f"eepcut{scope}"
+        # place (the agent's thread) and remove (a worker's waiter) of the same name: a rank's new
+        # process starts while its old one's waiter may still be removing the cgroup they share
+        self._lock = threading.Lock()
         self.reason = cut_unavailable()
         if not self.reason:
             try:
@@ -62,35 +67,42 @@ class NetCut:
             except OSError as e:
                 self.reason = f"cannot create {self.base} ({e.strerror})"
 
-    def cgroup(self, name: str) -> Path | None:
-        """The cgroup directory for `name` (created), or None where cuts are unavailable."""
-        if self.reason:
-            return None
-        path = self.base / name
-        path.mkdir(exist_ok=True)
-        return path
-
     def place(self, name: str, pid: int) -> None:
         """Move process `pid` into the cgroup `name`, before it opens sockets: a socket belongs
-        to the cgroup its process was in when it was created."""
-        path = self.cgroup(name)
-        if path is not None:
-            (path / "cgroup.procs").write_text(str(pid))
+        to the cgroup its process was in when it was created. Raises NetCutUnavailable when the
+        kernel refuses (the process then runs, uncuttable, where it was started)."""
+        if self.reason:
+            return
+        path = self.base / name
+        with self._lock:
+            try:
+                path.mkdir(exist_ok=True)
+                (path / "cgroup.procs").write_text(str(pid))
+            except OSError as e:
+                raise NetCutUnavailable(f"cannot move pid {pid} into {path} ({e.strerror})") from None
 
     def remove(self, name: str) -> None:
-        """Heal and remove the cgroup of a process that exited."""
-        self.heal(name)
-        if not self.reason:
+        """Heal and remove the cgroup of a process that exited, unless another process is in it
+        already (the rank's next process, started before this one's exit was seen): that one
+        keeps its cgroup, and its cut."""
+        if self.reason:
+            return
+        with self._lock:
             try:
                 (self.base / name).rmdir()
-            except OSError:
-                pass
+            except OSError as e:
+                if e.errno == errno.EBUSY:
+                    return
+            self.heal(name)
 
     def cut(self, name: str | None) -> None:
         """Drop every packet of the sockets in cgroup `name` (None: the whole agent's cgroup)."""
         if self.reason:
             raise NetCutUnavailable(f"cannot cut links here: {self.reason}")
         path = self.base if name is None else self.base / name
+        if name is not None and not _members(path):
+            raise NetCutUnavailable(f"no process is in {path}, so a cut would drop nothing (its process could "
+                                    "not be moved there when it started: see the agent's log)")
         level = len(path.relative_to(cgroup2_root()).parts)
         where = str(path.relative_to(CGROUP_FS))
         table = self._table(name)
@@ -124,6 +136,14 @@ class NetCut:
 
     def _table(self, name: str | None) -> str:
         return f"{self.table_prefix}{'node' if name is None else name}"
+
+
+def _members(path: Path) -> list[str]:
+    """The pids in cgroup `path` (none when it does not exist)."""
+    try:
+        return (path / "cgroup.procs").read_text().split()
+    except OSError:
+        return []
 
 
 def _nft(args: list[str], script: str | None = None, check: bool = True) -> str:
