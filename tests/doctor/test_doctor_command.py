@@ -72,14 +72,14 @@ def test_slow_rank_is_named_the_straggler_and_only_it(server, capsys):
         server.http.post("/chaos/slow", json={"rank_id": SLOW, "delay_s": 0.05}).raise_for_status()
         try:
             named = server.wait_for(lambda c: "straggler" in verdicts(c).values(), 30, "a straggler verdict")
-            code, out = doctor(capsys, server.url, "--json", "--interval-s", "2")
+            code, out = doctor(capsys, server.url, "--json", "--interval-s", "4")
         finally:
             server.http.post("/chaos/slow", json={"rank_id": SLOW, "delay_s": 0.0}).raise_for_status()
     report = json.loads(out)
     assert [r for r, kind in verdicts(named).items() if kind == "straggler"] == [SLOW]
     assert code == 0, report["findings"]
     stragglers = [f for f in report["findings"] if f["kind"] == "straggler"]
-    assert [r["rank_id"] for f in stragglers for r in f["ranks"]] == [SLOW]
+    assert [r["rank_id"] for f in stragglers for r in f["ranks"]] == [SLOW], report["verdicts"]
     assert stragglers[0]["ranks"][0]["pid"] == server.pids()[SLOW]
     assert "slow, not bad" in stragglers[0]["suspicion"]
     assert stragglers[0]["evidence"]["steps"] >= 10 and "intervals spanning" in stragglers[0]["symptom"]
@@ -89,14 +89,15 @@ def test_slow_rank_is_named_the_straggler_and_only_it(server, capsys):
 @pytest.mark.timeout(180)
 @pytest.mark.e2e
 def test_idle_cluster_with_stale_slow_samples_names_no_straggler(server, capsys):
-    def stale_p50s_accuse_the_slow_rank(c: dict) -> bool:
+    def stale_p50s_accuse_the_slow_rank(c: dict, times: float = 2.0) -> bool:
         own = {r["rank_id"]: (r["own_ms"] or {"p50": 0.0})["p50"] for r in c["ranks"]}
-        return own[SLOW] > 2 * max(v for r, v in own.items() if r != SLOW) + 2
+        return own[SLOW] > times * max(v for r, v in own.items() if r != SLOW) + 2
 
-    server.http.post("/chaos/slow", json={"rank_id": SLOW, "delay_s": 0.05}).raise_for_status()
+    server.http.post("/chaos/slow", json={"rank_id": SLOW, "delay_s": 0.1}).raise_for_status()
     try:  # until most of /cluster's recent steps of rank 2 are slow ones; then the load stops, slow to the end
         with StreamingLoad(server.url, threads=3, max_tokens=48, prompts=["hello world"]):
-            server.wait_for(stale_p50s_accuse_the_slow_rank, 90, "rank 2's recent own time p50 high")
+            # a margin over the 2x checked below: the requests in flight end with a few more steps
+            server.wait_for(lambda c: stale_p50s_accuse_the_slow_rank(c, 3.0), 90, "rank 2's recent own time p50 high")
     finally:
         server.http.post("/chaos/slow", json={"rank_id": SLOW, "delay_s": 0.0}).raise_for_status()
     # idle now: the slow steps stay in /cluster's recent percentiles but age out of the verdict
@@ -118,7 +119,7 @@ def test_one_request_at_a_time_is_dp_imbalance_not_a_straggler(server, capsys):
     loop.start()
     try:
         judged = server.wait_for(lambda c: "dp-imbalance" in verdicts(c).values(), 30, "a dp-imbalance verdict")
-        code, out = doctor(capsys, server.url, "--json", "--interval-s", "2")
+        code, out = doctor(capsys, server.url, "--json", "--interval-s", "4")
     finally:
         stop.set()
         loop.join(60)
@@ -127,7 +128,8 @@ def test_one_request_at_a_time_is_dp_imbalance_not_a_straggler(server, capsys):
     heavy = [r for r, kind in verdicts(judged).items() if kind == "dp-imbalance"]
     assert len(heavy) == 1
     assert code == 0 and not [f for f in report["findings"] if f["kind"] == "straggler"], report["findings"]
-    assert [r["rank_id"] for f in report["findings"] if f["kind"] == "dp-imbalance" for r in f["ranks"]] == heavy
+    assert [r["rank_id"] for f in report["findings"] if f["kind"] == "dp-imbalance" for r in f["ranks"]] == heavy, \
+        report["verdicts"]
     assert not any("kill -9" in f["action"] for f in report["findings"])
 
 
