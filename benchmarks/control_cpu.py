@@ -43,7 +43,9 @@ that a shared machine's load moves the figures less than it moves benchmarks/con
   node's whole frame);
 - detector: one heartbeat and watchdog check over N ranks (50 a second while a step runs), ms;
 - completion: at 256 ranks x 64 decoding sequences (short prompts), what the step loop does with a
-  step's tokens once every rank answered: the scheduler's `commit`, then `deliver_step` into the
+  step's tokens once every rank answered: the answers of 32 nodes' `NodeStepResults` gathered
+  (`StepAnswers`, as --step-results-via agent brings them: `answers`), the scheduler's `commit`
+  (of each rank's answer, or of one dict in a tree before serving/sampled.py), then `deliver_step` into the
   `StreamOutputs` frames of 2 API servers (`serve --api-server-count 2`: the frames encoded as
   their send does), ms per step: rows as tuples (a tree without columns, or a step loop that asks
   for none), and a steady rank's rows as columns where the tree has them (`commit`'s `columns`); then
@@ -129,6 +131,14 @@ try:  # a tree with step plans relayed per node (--step-plans-via agent)
     from elastic_ep.wire import RELAYED_TO_WORKER
 except ImportError:
     RELAYED_TO_WORKER = None
+try:  # a tree whose step answers are in columns (the step loop's `StepAnswers`)
+    from elastic_ep.control.serving.step_answers import StepAnswers
+except ImportError:
+    StepAnswers = None
+try:  # a tree whose commit takes each rank's answer (serving/sampled.py); before, one dict of the step
+    from elastic_ep.control.serving.sampled import Sampled
+except ImportError:
+    Sampled = None
 try:  # a tree whose node results are in columns, built from the node's StepResults
     from elastic_ep.node.step_gather import node_results
 except ImportError:  # before: the node's StepResults as they are
@@ -453,13 +463,35 @@ def decoding_scheduler(ranks: int, seqs_per_rank: int, prompt_len: int, grow_tok
     return s
 
 
-def sampled_of(batch) -> dict[int, int]:
-    """A token for every sequence of the batch that samples: its chunks' and (a tree with compact
-    decode plans) its decode rows'."""
+def sampled_of(batch):
+    """A token for every sequence of the batch that samples, its chunks' and (a tree with compact
+    decode plans) its decode rows', as the tree's `commit` takes them: each rank's answer in the
+    order it ran them (serving/sampled.py), or one dict."""
+    if Sampled is not None:
+        sampled = Sampled()
+        for rank, ids in ranks_sampling(batch).items():
+            sampled.add(rank, ids, [5] * len(ids))
+        return sampled
     sampled = {c.seq_id: 5 for cs in batch.chunks.values() for c in cs if c.sample}
     for rows in getattr(batch, "decodes", {}).values():
         sampled.update(dict.fromkeys(rows.seq_ids, 5))
     return sampled
+
+
+def ranks_sampling(batch) -> dict[int, list[int]]:
+    """rank -> the seq_ids it samples a token for, in the order it runs them (chunks, then decode rows)."""
+    return {r: [q for q, _, _, sample in batch.runs(r) if sample]
+            for r in sorted(set(batch.chunks) | set(getattr(batch, "decodes", {})))}
+
+
+def node_answers(batch, ranks_per_node: int = 8) -> list:
+    """The step's answers as --step-results-via agent brings them: one `NodeStepResults` a node of
+    `ranks_per_node` ranks, each rank's tokens (5) in the order it ran its rows."""
+    by_node: dict[int, list[StepResult]] = {}
+    for rank, ids in ranks_sampling(batch).items():
+        by_node.setdefault(rank // ranks_per_node, []).append(StepResult(
+            0, 0, rank, dict.fromkeys(ids, 5), 0.0, 0.0, 0.0, 0.0, np.zeros((0, 0), np.int32), 0, {}))
+    return [node_results(f"node{n}", "s", results) for n, results in by_node.items()]
 
 
 def plans_of(batch, step: int) -> list[tuple[int, StepPlan]]:
@@ -809,17 +841,26 @@ class EncodingServers:
         return True
 
 
-def completed(s: Scheduler, streams: Streams, batch, sampled: dict[int, int],
-              columns: bool) -> tuple[list, float, float]:
-    """A step's `commit` of `batch` and `deliver_step` of its outputs, with the steady ranks' rows as
-    columns or as tuples (a tree without columns: always tuples): (the outputs, commit s, deliver s)
-    on the CPU clock."""
+def completed(s: Scheduler, streams: Streams, batch, columns: bool) -> tuple[list, float, float, float]:
+    """A step's answers gathered (`StepAnswers` from one `NodeStepResults` a node of 8 ranks, as the
+    step loop gathers them with --step-results-via agent; a tree without `StepAnswers`: the tokens
+    as its commit takes them, built untimed), `commit` of `batch` and `deliver_step` of its outputs,
+    with the steady ranks' rows as columns or as tuples (a tree without columns: always tuples):
+    (the outputs, answers s, commit s, deliver s) on the CPU clock."""
+    messages = node_answers(batch) if StepAnswers is not None else None
+    sampled = sampled_of(batch) if messages is None else None
     cpu0 = time.process_time()
+    if messages is not None:
+        answers = StepAnswers()
+        for message in messages:
+            answers.add_node(message, 0.0)
+        sampled = answers.sampled
+    cpu1 = time.process_time()
     cols = [] if columns else None
     outputs = s.commit(batch, sampled, None, cols) if columns else s.commit(batch, sampled)
-    cpu1 = time.process_time()
+    cpu2 = time.process_time()
     streams.deliver_step(outputs, cols) if columns else streams.deliver_step(outputs)
-    return outputs, cpu1 - cpu0, time.process_time() - cpu1
+    return outputs, cpu1 - cpu0, cpu2 - cpu1, time.process_time() - cpu2
 
 
 def has_columns() -> bool:
@@ -838,7 +879,7 @@ def completion_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, step
     streams = Streams(s, servers=EncodingServers())
     for seq_id in s.by_id:
         streams.add(seq_id, RemoteStream(f"r{seq_id}", seq_id % 2, seq_id))
-    spent = {"prepare": 0.0, "commit": 0.0, "deliver": 0.0}
+    spent = {"prepare": 0.0, "answers": 0.0, "commit": 0.0, "deliver": 0.0}
     taken = None
     for step in range(steps + 3):
         batch = taken[0] if taken is not None else s.schedule()
@@ -846,10 +887,11 @@ def completion_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, step
         if prepared:
             s.prepare_decodes(batch)
         prepare_dt = time.process_time() - cpu0
-        _, commit_dt, deliver_dt = completed(s, streams, batch, sampled_of(batch), columns)
+        _, answers_dt, commit_dt, deliver_dt = completed(s, streams, batch, columns)
         taken = s.take_prepared() if prepared else None
         if step >= 3:  # the first steps prefill
-            for what, dt in (("prepare", prepare_dt), ("commit", commit_dt), ("deliver", deliver_dt)):
+            for what, dt in (("prepare", prepare_dt), ("answers", answers_dt), ("commit", commit_dt),
+                             ("deliver", deliver_dt)):
                 spent[what] += dt
     return {what: 1000 * v / steps for what, v in spent.items()}
 
@@ -877,16 +919,17 @@ def arrivals_ms(columns: bool, ranks: int = 256, seqs_per_rank: int = 64, steps:
 
     for _ in range(ranks * seqs_per_rank):
         arrive()
-    spent = {"schedule": 0.0, "commit": 0.0, "deliver": 0.0}
+    spent = {"schedule": 0.0, "answers": 0.0, "commit": 0.0, "deliver": 0.0}
     for step in range(steps + 20):
         cpu0 = time.process_time()
         batch = s.schedule()
         schedule_dt = time.process_time() - cpu0
-        outputs, commit_dt, deliver_dt = completed(s, streams, batch, sampled_of(batch), columns)
+        outputs, answers_dt, commit_dt, deliver_dt = completed(s, streams, batch, columns)
         for _ in range(sum(out[2] is not None for out in outputs)):
             arrive()
         if step >= 20:  # past the first prefills and the first ends
-            for what, dt in (("schedule", schedule_dt), ("commit", commit_dt), ("deliver", deliver_dt)):
+            for what, dt in (("schedule", schedule_dt), ("answers", answers_dt), ("commit", commit_dt),
+                             ("deliver", deliver_dt)):
                 spent[what] += dt
     return {what: 1000 * v / steps for what, v in spent.items()}
 
@@ -895,16 +938,16 @@ def completion_rows(repeat: int) -> dict:
     rows = {}
     for columns, how in ((False, "rows as tuples"), (True, "steady rows as columns")):
         runs = [r for r in (completion_ms(columns) for _ in range(repeat)) if r is not None]
-        for what in ("commit", "deliver"):
+        for what in ("answers", "commit", "deliver"):
             rows[f"completion, 256 ranks x 64 decoding, {how}: {what} ms"] = min(
                 (r[what] for r in runs), default=None)
     runs = [r for r in (completion_ms(True, prepared=True) for _ in range(repeat)) if r is not None]
-    for what in ("prepare", "commit", "deliver"):
+    for what in ("prepare", "answers", "commit", "deliver"):
         rows[f"completion, 256 ranks x 64 decoding, each step prepared (--async-scheduling): {what} ms"] = min(
             (r[what] for r in runs), default=None)
     for columns, how in ((False, "rows as tuples"), (True, "steady rows as columns")):
         runs = [r for r in (arrivals_ms(columns) for _ in range(repeat)) if r is not None]
-        for what in ("schedule", "commit", "deliver"):
+        for what in ("schedule", "answers", "commit", "deliver"):
             rows[f"arrivals, 256 ranks x 64, ~100 ending and arriving a step, {how}: {what} ms"] = min(
                 (r[what] for r in runs), default=None)
     return rows

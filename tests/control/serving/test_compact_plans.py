@@ -11,6 +11,7 @@ import random
 from test_scheduler import prompt_seq, run_step, seq
 
 from elastic_ep.control.serving.alignment import AlignRule
+from elastic_ep.control.serving.sampled import Sampled
 from elastic_ep.control.serving.scheduler import Scheduler
 from elastic_ep.model.kv_cache import KVCache, KVShape
 from elastic_ep.runtime.held import HeldSequences
@@ -125,7 +126,7 @@ def test_ranks_fed_compact_plans_hold_what_the_scheduler_holds_through_faults_ep
             failed += 1
             continue
         sampled = {q: rng.randrange(1, 500) for r in batch.chunks for q, _, _, sample in batch.runs(r) if sample}
-        s.commit(batch, sampled)
+        s.commit(batch, Sampled.unranked(sampled))
         for r, rank in ranks.items():
             for q in batch.seq_ids_on(r):
                 sq = s.by_id.get(q)

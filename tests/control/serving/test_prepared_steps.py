@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from test_compact_plans import Rank
 from test_scheduler import EOS, prompt_seq, seq
-from test_steady_ranks import outputs_of
+from test_steady_ranks import answered, outputs_of
 
 from elastic_ep.control.serving.alignment import AlignRule
+from elastic_ep.control.serving.sampled import Sampled
 from elastic_ep.control.serving.scheduler import Scheduler, StepBatch
 from elastic_ep.runtime.held import HeldSequences
 from elastic_ep.wire import CONTROLLER_TO_WORKER, SAMPLED_TOKEN, ClusterKey, DecodeRows, Inbox, StepPlan, StepResult
@@ -35,7 +36,7 @@ def decoding_pair(max_tokens: int = 30, max_tokens_2: int | None = None) -> tupl
     s.add(seq(2, 3, max_tokens=max_tokens_2 or max_tokens))
     for _ in range(2):
         batch = s.schedule()
-        s.commit(batch, sampled_of(batch))
+        s.commit(batch, Sampled.unranked(sampled_of(batch)))
     return s, s.schedule()
 
 
@@ -43,7 +44,7 @@ def test_the_prepared_step_is_the_one_schedule_plans():
     s, batch = decoding_pair()
     nxt = s.prepare_decodes(batch)
     assert nxt is not None and nxt.decodes[0].tokens == [SAMPLED_TOKEN, SAMPLED_TOKEN]
-    s.commit(batch, {1: 11, 2: 12})
+    s.commit(batch, Sampled.unranked({1: 11, 2: 12}))
     planned = copy.deepcopy(s).schedule()  # what the step would have been without the preparation
     taken, changed = s.take_prepared()
     assert taken is nxt and not changed
@@ -51,7 +52,7 @@ def test_the_prepared_step_is_the_one_schedule_plans():
     assert (got.seq_ids, got.positions, got.new_blocks) == (want.seq_ids, want.positions, want.new_blocks)
     assert want.tokens == [11, 12]  # the tokens the rank sampled, which it fills in
     assert got.new_blocks  # sequence 1 crosses into a third block: grown as `schedule` grows it
-    s.commit(taken, {1: 13, 2: 14})
+    s.commit(taken, Sampled.unranked({1: 13, 2: 14}))
     assert s.by_id[1].output[-2:] == [11, 13] and s.by_id[2].output[-2:] == [12, 14]
 
 
@@ -62,7 +63,7 @@ def test_a_sequence_that_ends_meanwhile_is_taken_out_of_the_prepared_step_and_fr
     assert nxt.decodes[0].seq_ids == ([1] if end == "length" else [1, 2])
     if end == "abort":
         s.abort(2)
-    s.commit(batch, {1: 11, 2: EOS if end == "eos" else 12})
+    s.commit(batch, Sampled.unranked({1: 11, 2: EOS if end == "eos" else 12}))
     planned = copy.deepcopy(s).schedule()
     taken, changed = s.take_prepared()
     assert changed and taken.free[0] == planned.free[0] == [2]
@@ -91,7 +92,7 @@ def test_a_change_drops_the_prepared_step(change):
         s.add(seq(3, 4))
     if change == "hold":
         s.hold({1})
-    s.commit(batch, sampled)
+    s.commit(batch, Sampled.unranked(sampled))
     assert s.take_prepared() is None
     batch = s.schedule()
     if change == "all_end":
@@ -167,7 +168,7 @@ def run_workload(prepare: bool, seed: int = 3) -> tuple[list, dict[int, list[int
             continue
         assert nxt is None or nxt.seq_ids() <= batch.seq_ids()
         columns: list | None = [] if prepare else None
-        delivered.append(outputs_of(s.commit(batch, sampled, columns=columns), columns or []))
+        delivered.append(outputs_of(s.commit(batch, answered(last), columns=columns), columns or []))
         if prepared is not None:
             prepared_columns += sum(len(ids) for _, ids, _ in columns)
         for r, rank in ranks.items():

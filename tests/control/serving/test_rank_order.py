@@ -13,6 +13,7 @@ import types
 from test_scheduler import EOS, prompt_seq
 
 from elastic_ep.control.serving.rank_order import RankOrder
+from elastic_ep.control.serving.sampled import Sampled
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
 
 
@@ -110,7 +111,7 @@ def test_requests_are_placed_where_every_ranks_cost_sorted_placed_them():
         hits, waits, backlog = hits + batch.prefix_hit, waits + batch.prefix_waits, backlog + bool(fast.waiting)
         sampled = {q: (EOS if (q * 13 + p) % 11 == 0 else 100 + (q + p) % 50)
                    for r in batch.chunks for q, p, n, sample in batch.runs(r) if sample for p in (p + n,)}
-        assert fast.commit(batch, sampled) == each.commit(batch, sampled)
+        assert fast.commit(batch, Sampled.unranked(sampled)) == each.commit(batch, Sampled.unranked(sampled))
     # the workload reached every case: placements in bursts, prefix hits and waits, draining ranks, steps
     # that left requests waiting (no rank with room or blocks for them)
     assert placed > 300 and hits > 100 and waits > 5 and drains > 3 and backlog > 3

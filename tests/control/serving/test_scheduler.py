@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from elastic_ep.control.api import GenerationRequest
 from elastic_ep.control.serving.alignment import AlignRule
+from elastic_ep.control.serving.sampled import Sampled
 from elastic_ep.control.serving.scheduler import Scheduler, Sequence
 from elastic_ep.model.sampling import SamplingParams
 
@@ -18,7 +19,7 @@ def seq(seq_id: int, prompt_len: int, max_tokens: int = 4, max_model_len: int = 
 def run_step(s: Scheduler, token: int = 5):
     batch = s.schedule()
     sampled = {q: token for r in batch.chunks for q, _, _, sample in batch.runs(r) if sample}
-    return batch, s.commit(batch, sampled)
+    return batch, s.commit(batch, Sampled.unranked(sampled))
 
 
 def test_requests_spread_so_token_counts_per_rank_stay_even():
@@ -234,7 +235,7 @@ def test_a_waiter_whose_prefix_computer_is_aborted_proceeds_and_computes_it():
     batch = s.schedule()
     assert prefill_starts(batch, 1) == [] and s.by_id[1].prefix_wait == (0, 0)
     s.abort(0)  # its first 8 tokens ran, but it leaves before their blocks are committed
-    s.commit(batch, {})
+    s.commit(batch, Sampled())
     batch, _ = run_step(s)
     assert prefill_starts(batch, 1) == [0] and (batch.prefix_queried, batch.prefix_hit) == (21, 0)
 

@@ -1,7 +1,8 @@
 """Steady ranks (control/serving/scheduler.py, `_Steady`): a rank whose sequences of the last
 committed step all decode again is planned from that step's rows, without a look at each
 sequence, and the step is the one planning each sequence gives; its rows are committed as
-columns, and the step's outputs are those of committing row by row. Checked step by step against
+columns (the rows' tokens a slice of the rank's answer where it came in the order planned: sampled.py),
+and the step's outputs are those of committing row by row. Checked step by step against
 a scheduler that plans every sequence and commits row by row, over a random workload with
 requests arriving every few steps, ends by EOS and length, aborts (between steps and while a step
 runs), failed steps, held sequences, preemptions for blocks and DP moves, every plan read by ranks
@@ -17,6 +18,7 @@ from test_scheduler import EOS, prompt_seq
 
 from elastic_ep.control.serving import scheduler as scheduler_module
 from elastic_ep.control.serving.alignment import AlignRule
+from elastic_ep.control.serving.sampled import Sampled
 from elastic_ep.control.serving.scheduler import Scheduler, StepBatch
 from elastic_ep.runtime.held import HeldSequences
 from elastic_ep.wire import CONTROLLER_TO_WORKER, ClusterKey, Inbox, StepPlan, StepResult
@@ -41,6 +43,19 @@ def answer(rank_id: int, plan: StepPlan, sampled: dict[int, int]) -> StepResult:
     return StepResult(plan.epoch, plan.step, rank_id, tokens, 0.0, 0.0, 0.0, 0.0, np.zeros((0, 0), np.int32), 0, {})
 
 
+def answered(answers: dict[int, StepResult | None], rng: random.Random | None = None) -> Sampled:
+    """The step's tokens as the step loop keeps them (serving/sampled.py): each rank's answer in the
+    order it ran its rows; with `rng`, a rank's answer now and then in another order (a row's token
+    then looked up, as when a rank's answer lacks one)."""
+    sampled = Sampled()
+    for r, res in answers.items():
+        seq_ids = list(res.tokens) if res is not None else []
+        if rng is not None and rng.random() < 0.1:
+            rng.shuffle(seq_ids)
+        sampled.add(r, seq_ids, [res.tokens[q] for q in seq_ids])
+    return sampled
+
+
 def outputs_of(out: list, columns: list) -> dict[int, tuple]:
     """seq_id -> (new tokens, finish reason, logprobs) of a commit's outputs, its columns' rows too."""
     by_seq = {q: (tokens, reason, lps) for q, tokens, reason, lps in out}
@@ -59,7 +74,20 @@ def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch
         steady_plans.append(rows is not None)
         return rows
 
+    looked_up, row_tokens_of, lookup_of = [], Sampled.row_tokens, Sampled.lookup
+
+    def row_tokens_counted(self, *args):
+        looked_up.append(False)
+        return row_tokens_of(self, *args)
+
+    def lookup_counted(self, rank):
+        if looked_up:
+            looked_up[-1] = True
+        return lookup_of(self, rank)
+
     monkeypatch.setattr(scheduler_module, "_steady_rows", counted)
+    monkeypatch.setattr(Sampled, "row_tokens", row_tokens_counted)
+    monkeypatch.setattr(Sampled, "lookup", lookup_counted)
     rng = random.Random(5)
     key = ClusterKey.generate()
     inbox = Inbox("worker_step", CONTROLLER_TO_WORKER, key)
@@ -104,8 +132,8 @@ def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch
                 s.abort(victim)
             aborted_in_step += 1
         columns: list = []
-        committed = outputs_of(fast.commit(batch, sampled, columns=columns), columns)
-        assert committed == outputs_of(each.commit(batch, sampled), [])
+        committed = outputs_of(fast.commit(batch, answered(last, rng), columns=columns), columns)
+        assert committed == outputs_of(each.commit(batch, Sampled.unranked(sampled)), [])
         column_rows += sum(len(ids) for _, ids, _ in columns)
         in_columns = {q.seq_id for r, _, _ in columns for q in batch.columns[r].seqs}
         column_ends += sum(committed[q][1] is not None for q in in_columns)
@@ -119,3 +147,5 @@ def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch
     # (some of a column ending in its step), preemptions, moves, failures, aborts while a step ran
     assert steady_plans.count(True) > 300 and preempted > 5 and moves > 0 and failed > 5
     assert column_rows > 1000 and column_ends > 20 and aborted_in_step > 5
+    # a rank's decode rows' tokens a slice of its answer, looked up where the answer came in another order
+    assert looked_up.count(False) > 300 and looked_up.count(True) > 20

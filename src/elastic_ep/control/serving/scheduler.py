@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field
 
 from elastic_ep.model.block_manager import BlockManager
@@ -89,6 +89,7 @@ from ..api import GenerationRequest
 from .adopted_kv import KVOffers
 from .alignment import AlignRule, DecodeBalance, rank_caps, sequence_to_move
 from .rank_order import RankOrder
+from .sampled import Sampled
 
 # One sequence's output of a step: (seq_id, new token ids, finish reason (None: still running), one
 # TokenLogprobs per new token or None); a plain tuple, cheaper to build than a RequestOutput.
@@ -885,32 +886,35 @@ class Scheduler:
         )
         return n
 
-    def commit(self, batch: StepBatch, sampled: dict[int, int], generated: list[tuple[int, int]] | None = None,
+    def commit(self, batch: StepBatch, sampled: Sampled, generated: list[tuple[int, int]] | None = None,
                columns: list[tuple[int, list[int], list[int]]] | None = None) -> list[StepTokens]:
-        """Apply a finished step: advance caches, append sampled tokens, retire finished
-        sequences. Returns (seq_id, [its new token], finish reason, None) of every sequence that
-        sampled one, as the streams take them (the step loop puts in the logprobs); with
-        `generated`, (seq_id, tokens generated so far) of each is appended to it (the request
-        traces). A sequence whose `ChunkPlan` ran on its rank is kept there from now on (module
-        docstring). With `columns` (and no `generated`), a rank whose first decode rows were planned
-        without a look at each (`StepBatch.columns`: from its `_Steady` record, or prepared), none of
-        whose sequences left it since and each of which sampled a token, has those rows committed as
-        a column: (rank, the seq_ids and tokens of those that go on) is appended to `columns` instead
-        of a tuple per row to the list returned; those that end in the step still get theirs
-        (`_commit_columns`)."""
+        """Apply a finished step: advance caches, append sampled tokens (`sampled`: each rank's
+        answer; a row's token is looked for in its rank's), retire finished sequences. Returns
+        (seq_id, [its new token], finish reason, None) of every sequence that sampled one, as the
+        streams take them (the step loop puts in the logprobs); with `generated`, (seq_id, tokens
+        generated so far) of each is appended to it (the request traces). A sequence whose
+        `ChunkPlan` ran on its rank is kept there from now on (module docstring). With `columns`
+        (and no `generated`), a rank whose first decode rows were planned without a look at each
+        (`StepBatch.columns`: from its `_Steady` record, or prepared), none of whose sequences left
+        it since and each of which sampled a token, has those rows committed as a column: (rank,
+        the seq_ids and tokens of those that go on) is appended to `columns` instead of a tuple per
+        row to the list returned; those that end in the step still get theirs (`_commit_columns`)."""
         self._uncommitted = False
         for move in batch.moves:
             self._rehome(move)
         out: list[StepTokens] = []
         generation, by_id = self.kept_generation, self.by_id
         for rank, chunks in batch.chunks.items():
+            if not chunks:  # a rank that only decodes: its answer is not looked into
+                continue
+            answered = sampled.lookup(rank)
             for c in chunks:
                 seq = by_id.get(c.seq_id)
                 if seq is None or seq.rank is None:
                     continue
                 if seq.rank == rank:
                     seq.kept, seq.kept_blocks = (rank, generation), len(c.block_ids)
-                self._advance(seq, c.start_pos + len(c.token_ids), sampled, out, generated)
+                self._advance(seq, c.start_pos + len(c.token_ids), answered, out, generated)
         # The decode rows, a step's bulk (16,384 at 256 ranks x 64): `_advance` and the sequence's
         # `append` and `check_finished` written out here, at ~1 us of Python a row less. Each rank's
         # rows that go on decoding are its `_Steady` record for the next `schedule`.
@@ -918,12 +922,14 @@ class Scheduler:
         by_columns = columns is not None and generated is None
         for rank, rows in batch.decodes.items():
             pool = self.pools[rank]
+            row_tokens, whole = sampled.row_tokens(rank, rows.seq_ids)
             lead = batch.columns.get(rank) if by_columns else None
-            done = self._commit_columns(rank, rows, lead, sampled, columns, out) if lead is not None else None
+            done = self._commit_columns(rank, rows, lead, row_tokens, whole, columns, out) if lead is not None else None
             n = len(lead.seqs) if done is not None else 0
             seqs, sampled_tokens, left = [], [], False
-            for seq_id, position in zip(rows.seq_ids[n:] if n else rows.seq_ids,
-                                        rows.positions[n:] if n else rows.positions, strict=True):
+            for seq_id, position, token in zip(rows.seq_ids[n:] if n else rows.seq_ids,
+                                               rows.positions[n:] if n else rows.positions,
+                                               row_tokens[n:] if n else row_tokens, strict=True):
                 seq = by_id.get(seq_id)
                 if seq is None or seq.rank != rank:
                     left = True
@@ -931,7 +937,6 @@ class Scheduler:
                 num_cached = seq.num_cached = position + 1  # a decode row's sequence has no unsent prefix
                 if num_cached % block_size == 0:  # it filled a block, to be keyed for prefix hits
                     pool.cache_computed(seq_id, seq.tokens, num_cached)
-                token = sampled.get(seq_id)
                 if token is None:  # an error of its sampling: a prepared next step is not it
                     self.revision += 1
                     left = True
@@ -961,12 +966,13 @@ class Scheduler:
         self._steady = steady
         return out
 
-    def _commit_columns(self, rank: int, rows: DecodeRows, lead: _Column, sampled: dict[int, int],
+    def _commit_columns(self, rank: int, rows: DecodeRows, lead: _Column, row_tokens: list[int | None], whole: bool,
                         columns: list[tuple[int, list[int], list[int]]], out: list[StepTokens]) -> _Committed | None:
         """Commit the first decode rows of `rank`, those of `lead`, as a column, when every one of
         `lead`'s sequences is still the first of the rank's (none left it since the step was planned:
-        aborted, moved, ended before a prepared step was taken) and each sampled a token; else do
-        nothing and return None (`commit` looks at each row). Each sequence's position and token are
+        aborted, moved, ended before a prepared step was taken) and each sampled a token (`row_tokens`:
+        each row's, None where none; `whole`: none is None); else do nothing and return None
+        (`commit` looks at each row). Each sequence's position and token are
         advanced in one pass (a full block keyed for prefix hits). Only where a token sampled is one
         of `lead.stops`, or `lead.room` says one may reach its length, are the sequences read one by
         one to find those that end: each ends as `commit` ends it, with its output appended to `out`.
@@ -976,9 +982,8 @@ class Scheduler:
         if self.running[rank][:n] != seqs:
             return None
         ids = rows.seq_ids if n == len(rows.seq_ids) else rows.seq_ids[:n]
-        try:
-            tokens = list(map(sampled.__getitem__, ids))
-        except KeyError:  # one of them sampled nothing (an error of its sampling)
+        tokens = row_tokens if n == len(row_tokens) else row_tokens[:n]
+        if not whole and None in tokens:  # one of them sampled nothing (an error of its sampling)
             return None
         stops, room = lead.stops, lead.room
         if stops is None or room is None:  # a column new since the last commit: its sequences read once
@@ -1009,10 +1014,11 @@ class Scheduler:
         columns.append((rank, ids, tokens))
         return _Committed(seqs, tokens, stops, room, bool(ends))
 
-    def _advance(self, seq: Sequence, num_cached: int, sampled: dict[int, int], out: list[StepTokens],
+    def _advance(self, seq: Sequence, num_cached: int, sampled: Mapping[int, int], out: list[StepTokens],
                  generated: list[tuple[int, int]] | None) -> None:
-        """`seq`'s chunk computed its first num_cached tokens; its sampled token, if any, is appended
-        to it (and to `out`, as `commit` says), and it ends when that token finishes it."""
+        """`seq`'s chunk computed its first num_cached tokens; its sampled token (`sampled`: the
+        tokens its rank answered), if any, is appended to it (and to `out`, as `commit` says), and
+        it ends when that token finishes it."""
         seq.num_cached = num_cached
         seq.unsent_prefix = 0
         self.pools[seq.rank].cache_computed(seq.seq_id, seq.tokens, num_cached)

@@ -10,10 +10,14 @@ column once, as an array.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from elastic_ep.model.sampling import TokenLogprobs
 from elastic_ep.wire import NodeStepResults, StepResult
+
+from .sampled import Sampled
 
 COLUMNS = ("rank_ids", "step_s", "compute_s", "wait_s", "slot_tokens", "shape", "remote_messages", "remote_bytes",
            "kv_move_s")
@@ -21,9 +25,9 @@ COLUMNS = ("rank_ids", "step_s", "compute_s", "wait_s", "slot_tokens", "shape", 
 
 class StepAnswers:
     """Per column, one entry per rank that answered, in the order they were added; `sampled`
-    (seq_id -> token) and `logprobs` (seq_id -> the token's) of them all; `errors`: (rank, seq_id,
-    why) of the sequences whose token could not be sampled; `loads`: the [L, E] expert load reports;
-    `arrived_s`: per rank, how long after the step was sent its answer came (s)."""
+    (each rank's tokens, serving/sampled.py) and `logprobs` (seq_id -> the token's) of them all;
+    `errors`: (rank, seq_id, why) of the sequences whose token could not be sampled; `loads`: the
+    [L, E] expert load reports; `arrived_s`: per rank, how long after the step was sent its answer came (s)."""
 
     def __init__(self) -> None:
         self.rank_ids: list[int] = []
@@ -36,7 +40,7 @@ class StepAnswers:
         self.remote_bytes: list[int] = []
         self.kv_move_s: list[float] = []
         self.arrived_s: list[float] = []
-        self.sampled: dict[int, int] = {}
+        self.sampled = Sampled()
         self.logprobs: dict[int, TokenLogprobs] = {}
         self.errors: list[tuple[int, int, str]] = []
         self.loads: list[np.ndarray] = []
@@ -53,7 +57,7 @@ class StepAnswers:
         self.remote_messages.append(res.remote_messages)
         self.remote_bytes.append(res.remote_bytes)
         self.kv_move_s.append(res.kv_move_s)
-        self.sampled.update(res.tokens)
+        self.sampled.add(res.rank_id, list(res.tokens), list(res.tokens.values()))
         if res.logprobs or res.errors or res.expert_load.size:  # what few results have
             self.logprobs.update(res.logprobs)
             self.errors.extend((res.rank_id, seq_id, why) for seq_id, why in res.errors.items())
@@ -64,20 +68,19 @@ class StepAnswers:
         """A node's results, come `arrived_s` after the step was sent: all of them, or the ranks at the
         indices `take` of `msg.rank_ids`."""
         self.arrived_s.extend([arrived_s] * (len(msg.rank_ids) if take is None else len(take)))
+        ends = list(itertools.accumulate(msg.token_counts))
         if take is None:
             for name in COLUMNS:
                 getattr(self, name).extend(getattr(msg, name))
-            self.sampled.update(zip(msg.seq_ids, msg.tokens, strict=True))
             taken = msg.rank_ids
         else:
             for name in COLUMNS:
                 column = getattr(msg, name)
                 getattr(self, name).extend(column[i] for i in take)
-            ends = np.cumsum(msg.token_counts).tolist()
-            for i in take:
-                start = ends[i] - msg.token_counts[i]
-                self.sampled.update(zip(msg.seq_ids[start:ends[i]], msg.tokens[start:ends[i]], strict=True))
             taken = [msg.rank_ids[i] for i in take]
+        for i in range(len(msg.rank_ids)) if take is None else take:
+            start = ends[i] - msg.token_counts[i]
+            self.sampled.add(msg.rank_ids[i], msg.seq_ids[start:ends[i]], msg.tokens[start:ends[i]])
         if msg.logprobs or msg.errors or msg.expert_load:  # the rare parts, of the ranks taken
             for r in taken:
                 self.logprobs.update(msg.logprobs.get(r, {}))
