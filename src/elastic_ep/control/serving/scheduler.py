@@ -972,10 +972,10 @@ class Scheduler:
         `lead`'s sequences is still the first of the rank's (none left it since the step was planned:
         aborted, moved, ended before a prepared step was taken) and each sampled a token (`row_tokens`:
         each row's, None where none; `whole`: none is None); else do nothing and return None
-        (`commit` looks at each row). Each sequence's position and token are
-        advanced in one pass (a full block keyed for prefix hits). Only where a token sampled is one
-        of `lead.stops`, or `lead.room` says one may reach its length, are the sequences read one by
-        one to find those that end: each ends as `commit` ends it, with its output appended to `out`.
+        (`commit` looks at each row). Each sequence's position and token are advanced in one pass (a
+        full block keyed for prefix hits). Only where a token sampled is one of `lead.stops`, or
+        `lead.room` says one may reach its length, are the sequences read one by one to find those
+        that end: each ends as `commit` ends it, with its output appended to `out`.
         (rank, the seq_ids and tokens of those that go on) is appended to `columns`."""
         seqs = lead.seqs
         n = len(seqs)
