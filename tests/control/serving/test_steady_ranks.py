@@ -74,15 +74,19 @@ def test_a_steady_rank_is_planned_as_planning_each_sequence_plans_it(monkeypatch
         steady_plans.append(rows is not None)
         return rows
 
-    looked_up, row_tokens_of, lookup_of = [], Sampled.row_tokens, Sampled.lookup
+    # per rank of a commit from the ranks' answers: whether its decode rows' tokens were looked up
+    # (not a slice); the reference's commits, of unranked tokens, are left out
+    looked_up, row_tokens_of, lookup_of, looking = [], Sampled.row_tokens, Sampled.lookup, [False]
 
     def row_tokens_counted(self, *args):
-        looked_up.append(False)
-        return row_tokens_of(self, *args)
+        looking[0] = False
+        found = row_tokens_of(self, *args)
+        if self._unranked is None:
+            looked_up.append(looking[0])
+        return found
 
     def lookup_counted(self, rank):
-        if looked_up:
-            looked_up[-1] = True
+        looking[0] = True
         return lookup_of(self, rank)
 
     monkeypatch.setattr(scheduler_module, "_steady_rows", counted)
