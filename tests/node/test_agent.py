@@ -13,6 +13,7 @@ import threading
 import time
 from datetime import timedelta
 
+import msgspec
 import numpy as np
 import psutil
 import pytest
@@ -51,6 +52,7 @@ from elastic_ep.wire import (
     WorkerHello,
     WorkerLaunch,
     WorkerStarted,
+    WorkerStartFailed,
     decoder,
     node_step_plans,
     rejected_counts,
@@ -195,6 +197,46 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
         ctl.expect(ctl.health, AgentBye)
         thread.join(10)
         assert not thread.is_alive() and not os.path.exists(ready.site.path)
+    finally:
+        stop_agent(stop, thread, pids, ctl)
+
+
+@pytest.mark.e2e
+def test_a_start_the_os_refuses_is_reported_and_the_node_goes_on():
+    """The kernel refuses a worker's exec: here its one argument is longer than MAX_ARG_STRLEN
+    (E2BIG), as a fork refused for memory or by the node's pids.max would be. The agent reports
+    `WorkerStartFailed` with the reason, in its session, and goes on: the rank it runs keeps running
+    and the next start of the refused rank succeeds. Before, the error ended the agent's thread and
+    every rank of the node with it. So did any other order it could not carry out, such as a signal
+    the kernel refuses."""
+    ctl = StandInController()
+    agent = NodeAgent(ctl.health_addr, "nodeS", KEY, num_ranks=2, stop_grace_s=2.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    pids: list[int] = []
+    try:
+        hello = ctl.expect(ctl.health, AgentHello)
+        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
+                              ctl.store_port, "gloo", 4, 64, 0.1, read_once=False)
+        ctl.welcome(launch)
+        ctl.to_agent(StartWorker(0, "initial"))
+        first = ctl.expect(ctl.health, WorkerStarted)
+        pids.append(first.pid)
+        too_long = msgspec.structs.replace(launch, model_dir=launch.model_dir + "/" + "x" * (256 << 10))
+        ctl.to_agent(StartWorker(1, "initial", launch=too_long))
+        failed = ctl.expect(ctl.health, WorkerStartFailed)
+        assert (failed.node, failed.rank_id, failed.session) == ("nodeS", 1, hello.session)
+        assert "Argument list too long" in failed.reason, failed.reason
+        assert thread.is_alive() and not can_no_longer_run(first.pid)
+        # an order it cannot carry out for any other reason (a signal number the kernel refuses, EINVAL):
+        # logged, and the node goes on (the start below is read after it, on the same socket)
+        ctl.to_agent(SignalWorker(0, first.pid, 999))
+
+        ctl.to_agent(StartWorker(1, "initial", launch=launch))
+        again = ctl.expect(ctl.health, WorkerStarted)
+        pids.append(again.pid)
+        assert again.rank_id == 1 and thread.is_alive() and not can_no_longer_run(first.pid)
     finally:
         stop_agent(stop, thread, pids, ctl)
 

@@ -62,6 +62,7 @@ from elastic_ep.wire import (
     WorkerFenced,
     WorkerHello,
     WorkerStarted,
+    WorkerStartFailed,
 )
 
 from .api import EngineInfo, ScaleRejected
@@ -398,6 +399,8 @@ class Controller:
             nodes.on_worker_started(inbound.identity, msg)
         elif isinstance(msg, WorkerExited):
             nodes.on_worker_exited(msg)
+        elif isinstance(msg, WorkerStartFailed):
+            nodes.on_worker_start_failed(msg)
         elif isinstance(msg, WorkerFenced):
             nodes.on_worker_fenced(msg)
         elif isinstance(msg, AgentHello):

@@ -19,6 +19,7 @@ from typing import Any
 
 class EventKind(str, Enum):
     STARTED = "started"  # the agent started a rank's process
+    START_FAILED = "start-failed"  # the agent could not start a rank's process (the OS refused: why in the message)
     REGISTERED = "registered"  # the rank loaded its weights, warmed up and registered
     ADOPTED = "adopted"  # a new leader of the controller group took over a rank as it runs
     FAULT = "fault"  # a rank was named by a detection signal (cause in the message)
@@ -58,6 +59,7 @@ WARNING_KINDS = frozenset({
     EventKind.FAULT, EventKind.FENCING, EventKind.FENCE_TIMEOUT, EventKind.EPOCH_FAILED, EventKind.VERIFY_FAILED,
     EventKind.DEGRADED, EventKind.REQUEST_ERROR, EventKind.BACKUP_LOST, EventKind.SCALE_FAILED, EventKind.CHAOS,
     EventKind.STALLED, EventKind.STRAGGLER, EventKind.HARDWARE, EventKind.REFUSED, EventKind.RESEND,
+    EventKind.START_FAILED,
 })
 logger = logging.getLogger("elastic_ep.events")
 

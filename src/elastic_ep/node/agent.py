@@ -89,6 +89,7 @@ from elastic_ep.wire import (
     WorkerFenced,
     WorkerLaunch,
     WorkerStarted,
+    WorkerStartFailed,
     exit_reason,
     rejected_counts,
 )
@@ -295,7 +296,7 @@ class NodeAgent:
                 self._send_node_beat(time.monotonic())
                 if self.sock in ready:
                     msg = self.inbox.read(self.sock.recv_multipart(copy=False))
-                    if msg is not None and not self._handle(msg):
+                    if msg is not None and not self._carry_out(msg):
                         break
                 self._restart_due()
                 self._start_staged()
@@ -465,6 +466,16 @@ class NodeAgent:
         self.join_mode = "recover"
         self.lease.restart()
 
+    def _carry_out(self, msg) -> bool:
+        """`_handle`, where an error in carrying out one order is logged and the node goes on: its other
+        ranks run on, and the controller's deadlines judge what did not happen (a fence not confirmed).
+        Before, the error ended this thread and so every rank of the node."""
+        try:
+            return self._handle(msg)
+        except Exception:
+            logger.exception("node %s: could not carry out %s; the node goes on", self.node, type(msg).__name__)
+            return True
+
     def _handle(self, msg) -> bool:
         now = time.monotonic()
         if isinstance(msg, AgentWelcome):
@@ -565,9 +576,17 @@ class NodeAgent:
                           beat_addr=self.beat_addr, result_addr=self.result_addr,
                           plan_relay_addr=self.plan_relay_addr)
         env = {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: self.key.hex()}
-        # stdin: the agent link (`NewLeader` when the controller group's leader changes)
-        proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env,
-                                stdin=subprocess.PIPE)
+        try:  # stdin: the agent link (`NewLeader` when the controller group's leader changes)
+            proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env,
+                                    stdin=subprocess.PIPE)
+        except OSError as e:  # the fork or exec refused (memory, the node's process limit): one failed start
+            reason = f"{e.strerror or e} ({type(e).__name__})"
+            logger.warning("node %s: could not start rank %d: %s", self.node, rank_id, reason)
+            self.send(WorkerStartFailed(self.node, rank_id, reason, self.lease.session))
+            if self.auto_recover:
+                with self._lock:
+                    self._restart_later(rank_id, ran_s=0.0)
+            return
         # in its own cgroup long before it opens a socket (it imports torch first), so it can be cut
         try:
             self.netcut.place(f"rank{rank_id}", proc.pid)
@@ -648,14 +667,17 @@ class NodeAgent:
         with self._lock:
             self.children.pop(pid, None)
             if self.auto_recover and returncode != 0 and not child.final and not self._stopped.is_set():
-                ran_s = time.monotonic() - child.started_at
-                deaths = 0 if ran_s >= self.backoff_reset_s else self.deaths.get(child.rank_id, 0)
-                self.deaths[child.rank_id] = deaths + 1
-                delay_s = min(self.backoff_s * 2**deaths, self.backoff_max_s)
-                self.restart_at[child.rank_id] = time.monotonic() + delay_s
+                self._restart_later(child.rank_id, time.monotonic() - child.started_at)
         logger.log(logging.INFO if child.fencing or returncode == 0 else logging.WARNING,
                    "node %s: rank %d (pid %d) %s: %s", self.node, child.rank_id, pid,
                    "fenced" if child.fencing else "ended", exit_reason(returncode))
+
+    def _restart_later(self, rank_id: int, ran_s: float) -> None:
+        """Auto-recover: start the rank again after a backoff that doubles with each death (or failed
+        start) in a row, a run of `backoff_reset_s` ending the row. Called under `_lock`."""
+        deaths = 0 if ran_s >= self.backoff_reset_s else self.deaths.get(rank_id, 0)
+        self.deaths[rank_id] = deaths + 1
+        self.restart_at[rank_id] = time.monotonic() + min(self.backoff_s * 2**deaths, self.backoff_max_s)
 
     def _fence(self, msg: FenceWorker) -> None:
         with self._lock:

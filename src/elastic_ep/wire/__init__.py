@@ -10,7 +10,7 @@ Transport: ZeroMQ. The controller binds three ROUTER sockets:
   `StepFailed`, `SlotChecksums`, `SleepReply`, `WarmedUp`;
 - the health socket: each node agent (DEALER, identity `a<node>`) sends `AgentHello`, `NodeHeartbeat`
   (its ranks' heartbeats, one message per interval), `NodeStepResults` (its ranks' `StepResult`s
-  of a step, with --step-results-via agent), `WorkerStarted`, `WorkerExited`, `WorkerFenced`,
+  of a step, with --step-results-via agent), `WorkerStarted`, `WorkerExited`, `WorkerStartFailed`, `WorkerFenced`,
   `HardwareReport` and receives `AgentWelcome`, `BackupAssign`, `StartWorker`, `FenceWorker`,
   `SignalWorker`, `AbortEpoch` (for its ranks named in it), `AgentShutdown`, and says `AgentBye` when it stops;
 - the plan socket (send only): with --step-plans-via agent each node agent connects a DEALER
@@ -85,6 +85,7 @@ from .health import (
     WorkerExited,
     WorkerFenced,
     WorkerStarted,
+    WorkerStartFailed,
     exit_reason,
 )
 from .journal import JournalBatch, JournalFollow, JournalState
@@ -203,6 +204,7 @@ __all__ = [
     "WarmedUp",
     "WorkerArgs",
     "WorkerExited",
+    "WorkerStartFailed",
     "WorkerFenced",
     "WorkerHello",
     "WorkerLaunch",
@@ -260,7 +262,7 @@ STEP_TO_CONTROLLER = (WorkerHello | EpochReady | EpochFailed | StepResult | Step
 CONTROLLER_TO_WORKER = (EpochStart | StepPlan | ResendResult | ChaosStep | SweepSlots | CorruptSlot | SleepRank
                         | WakeRank | WarmUp | Shutdown)
 HEALTH_TO_CONTROLLER = (NodeHeartbeat | NodeStepResults | AgentHello | AgentAlive | WorkerStarted | WorkerExited
-                        | WorkerFenced | HardwareReport | ChaosFailed | BackupReady | AgentBye)
+                        | WorkerStartFailed | WorkerFenced | HardwareReport | ChaosFailed | BackupReady | AgentBye)
 WORKER_TO_AGENT = Heartbeat  # the agent's beat socket
 WORKER_TO_AGENT_RESULTS = StepResult  # the agent's result socket (--step-results-via agent)
 CONTROLLER_TO_HEARTBEAT = AbortEpoch  # relayed by the agent

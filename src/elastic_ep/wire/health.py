@@ -220,6 +220,17 @@ class WorkerExited(Message):
     returncode: int
 
 
+class WorkerStartFailed(Message):
+    """An agent could not start the rank's process (`reason`: the OS's refusal, such as a fork
+    refused for memory or by the node's process limit); nothing of it runs. `session`: as in
+    `WorkerStarted`."""
+
+    node: str
+    rank_id: int
+    reason: str
+    session: str = ""
+
+
 class FenceWorker(Message):
     """Kill `pid` (SIGKILL) and answer `WorkerFenced` once it is gone. `final`: the rank leaves
     the cluster (a scale ended), so an agent with --auto-recover does not start it again."""

@@ -39,6 +39,7 @@ from elastic_ep.wire import (
     WorkerFenced,
     WorkerHello,
     WorkerStarted,
+    WorkerStartFailed,
 )
 
 
@@ -275,6 +276,32 @@ def test_a_rank_that_ends_during_startup_is_reported_with_how_it_ended():
     rig.nodes.on_worker_exited(WorkerExited("n0", 1, 1001, -9))
     with pytest.raises(ElasticEPError, match=r"rank 1 ended during startup \(killed by SIGKILL\)"):
         rig.nodes.wait_for_ranks(threading.Event())
+
+
+def test_a_start_its_agent_could_not_make_is_an_exit_with_the_reason():
+    """`WorkerStartFailed`: during startup the server stops naming the reason; a live rank's
+    failed start is a fault; a down rank's failed restart is tried again after --restart-delay-s;
+    a report of a session given up on, or of another node than the rank's, changes nothing."""
+    rig = Rig({0: "n0", 1: "n0"}, ep_size=2, startup_timeout_s=10.0)
+    for r in rig.cluster.ranks.values():
+        r.status, r.hello = RankStatus.STARTING, None
+    rig.nodes.on_worker_start_failed(WorkerStartFailed("n0", 1, "Cannot allocate memory (OSError)", "s"))
+    assert [(f.rank_id, f.cause) for f in rig.faults] == [(1, FaultCause.EXITED)]
+    event = rig.cluster.events.all()[-1]
+    assert (event["kind"], event["rank_id"], event["reason"]) == ("start-failed", 1, "Cannot allocate memory (OSError)")
+    with pytest.raises(ElasticEPError, match=r"rank 1 ended during startup \(could not be started on n0: Cannot "
+                                             r"allocate memory \(OSError\)\)"):
+        rig.nodes.wait_for_ranks(threading.Event())
+
+    rig = Rig({0: "n0", 1: "n0"}, restart_delay_s=5.0)
+    rig.cluster.ranks[1].status = RankStatus.DEAD
+    rig.nodes.on_worker_start_failed(WorkerStartFailed("n0", 1, "Resource temporarily unavailable", "old"))
+    rig.nodes.on_worker_start_failed(WorkerStartFailed("n9", 1, "Resource temporarily unavailable", "s"))
+    assert not rig.nodes.restarting(1)
+    rig.nodes.on_worker_start_failed(WorkerStartFailed("n0", 1, "Resource temporarily unavailable", "s"))
+    assert rig.nodes.restarting(1) and rig.faults == [] and rig.cluster.ranks[1].status == RankStatus.DEAD
+    rig.nodes.restart_due(time.monotonic() + 6.0)
+    assert [(m.rank_id, m.join_mode) for m in rig.plane.sent(StartWorker)] == [(1, "recover")]
 
 
 def test_a_rolling_restarts_options_go_with_every_start_and_a_new_checkpoint_is_read_from_its_disk():

@@ -59,6 +59,7 @@ from elastic_ep.wire import (
     WorkerHello,
     WorkerLaunch,
     WorkerStarted,
+    WorkerStartFailed,
     exit_reason,
 )
 
@@ -313,11 +314,30 @@ class Nodes:
         r = self.cluster.ranks.get(msg.rank_id)
         if r is None or r.pid != msg.pid:
             return
-        self.ended[msg.rank_id] = exit_reason(msg.returncode)
+        self._ended(r, exit_reason(msg.returncode), FaultDetector.exited(msg.rank_id, msg.returncode))
+
+    def on_worker_start_failed(self, msg: WorkerStartFailed) -> None:
+        """The agent could not start the rank's process: as if it had started and exited at once. A
+        rank that was down already (its restart failed) is restarted again after --restart-delay-s."""
+        agent = self.cluster.agents.get(msg.node)
+        r = self.cluster.ranks.get(msg.rank_id)
+        if agent is None or agent.session != msg.session or r is None or r.node != msg.node:
+            return
+        how = f"could not be started on {msg.node}: {msg.reason}"
+        self.cluster.events.add(EventKind.START_FAILED, f"rank {msg.rank_id} {how}", msg.rank_id, reason=msg.reason)
+        if r.status.down:
+            self.ended[msg.rank_id] = how
+            self.schedule_restart(msg.rank_id)
+            return
+        self._ended(r, how, Fault(msg.rank_id, FaultCause.EXITED, f"process {how}"))
+
+    def _ended(self, r: RankInfo, how: str, fault: Fault) -> None:
+        """Rank `r`'s process ended (`how`, for people): a fault, unless the rank was leaving."""
+        self.ended[r.rank_id] = how
         if r.status != RankStatus.RETIRING:
-            self.fault(FaultDetector.exited(msg.rank_id, msg.returncode))
+            self.fault(fault)
         if r.status == RankStatus.RETIRING:  # also when the fault above failed a scale it was joining
-            self.forget_rank(msg.rank_id, f"rank {msg.rank_id} stopped ({self.ended[msg.rank_id]})")
+            self.forget_rank(r.rank_id, f"rank {r.rank_id} stopped ({how})")
             return
         r.status = RankStatus.DEAD
 
