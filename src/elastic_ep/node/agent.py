@@ -639,12 +639,13 @@ class NodeAgent:
 
     def _watch_exits(self) -> None:
         while not self._stopped.wait(self.exit_poll_s):
+            # read under the lock `_wait` closes a reaped worker's descriptor under (after reporting it):
+            # a descriptor closed, or its number reused by another file, is never read
             with self._lock:
-                running = [c for c in self.children.values() if not c.reported]
-            for child in running:
-                code = exit_code(child.stat_fd)
-                if code is not None:
-                    self._report_exit(child, code)
+                exited = [(c, code) for c in self.children.values()
+                          if not c.reported and (code := exit_code(c.stat_fd)) is not None]
+            for child, code in exited:
+                self._report_exit(child, code)
 
     def _report_exit(self, child: _Child, returncode: int) -> None:
         """Report a worker's exit once: to the controller as fenced when it was fenced."""
@@ -661,7 +662,8 @@ class NodeAgent:
         child = self.children[pid]
         returncode = child.proc.wait()
         self._report_exit(child, returncode)
-        os.close(child.stat_fd)
+        with self._lock:  # see `_watch_exits`
+            os.close(child.stat_fd)
         child.proc.stdin.close()
         self.netcut.remove(f"rank{child.rank_id}")
         with self._lock:
