@@ -255,6 +255,18 @@ def test_recent_faults_and_failed_recoveries_are_reported_old_ones_not():
     assert diagnose_membership(c, now_s=t + 5 + Thresholds().events_window_s) == []
 
 
+def test_a_start_the_os_refused_names_the_rank_the_node_and_what_to_check_there():
+    c = snapshot("hang2")
+    t = c["events"][-1]["time_s"]
+    c["events"].append({"time_s": t + 1, "kind": "start-failed", "rank_id": 2, "reason": "Cannot allocate memory",
+                        "message": "rank 2 could not be started on node0: Cannot allocate memory (OSError)"})
+    finding, = diagnose_membership(c, now_s=t + 2)
+    assert (finding.kind, finding.severity, named([finding], "start-failed")) == ("start-failed", "warning", [2])
+    assert "on node0: free -m" in finding.check and "pids.max" in finding.check
+    assert "Cannot allocate memory" in finding.symptom
+    assert diagnose_membership(c, now_s=t + 2 + Thresholds().events_window_s) == []
+
+
 @pytest.mark.parametrize("state", ["zombie", "gone"])
 def test_dead_process_of_a_serving_rank_is_reported(state):
     c = snapshot("busy")

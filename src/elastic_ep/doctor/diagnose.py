@@ -309,6 +309,21 @@ def diagnose_membership(cluster: dict[str, Any], now_s: float, th: Thresholds = 
             rank_refs(cluster, sorted({e["rank_id"] for e in failed if e.get("rank_id") is not None})),
             {"events": failed[-10:]},
         ))
+    refused = [e for e in events if e.get("kind") == "start-failed"]
+    if refused:
+        nodes = sorted({e["message"].split(" could not be started on ")[-1].split(":")[0] for e in refused})
+        findings.append(Finding(
+            "start-failed", "warning",
+            f"{len(refused)} rank start(s) refused by the OS in the last {th.events_window_s:.0f}s: "
+            + "; ".join(e["message"] for e in refused[-3:]),
+            "the node could not create the worker's process: memory (`Cannot allocate memory`), its process "
+            "limit (`Resource temporarily unavailable`: the cgroup's pids.max, ulimit -u), or its command line",
+            f"on {', '.join(nodes)}: free -m, the agent's cgroup pids.current / pids.max, ulimit -u, dmesg",
+            "free memory or raise the limit on that node; the rank is started again after --restart-delay-s "
+            "(by its agent's backoff with --auto-recover), or drain the node (POST /drain {\"node\": ...})",
+            rank_refs(cluster, sorted({e["rank_id"] for e in refused if e.get("rank_id") is not None})),
+            {"events": refused[-10:]},
+        ))
     faults = [e for e in events if e.get("kind") == "fault"]
     if faults:
         last_recovered = max((float(e["time_s"]) for e in events if e.get("kind") == "recovered"), default=None)

@@ -22,7 +22,7 @@ class RankRef:
 @dataclass(frozen=True)
 class Finding:
     """kind: hang, path, process, straggler, dp-imbalance, expert-imbalance, not-ready,
-    recovery-failed, faults. `evidence` holds the numbers the finding rests on (JSON-able)."""
+    recovery-failed, start-failed, faults. `evidence` holds the numbers the finding rests on (JSON-able)."""
 
     kind: str
     severity: str
