@@ -258,7 +258,8 @@ def test_recent_faults_and_failed_recoveries_are_reported_old_ones_not():
 def test_a_start_the_os_refused_names_the_rank_the_node_and_what_to_check_there():
     c = snapshot("hang2")
     t = c["events"][-1]["time_s"]
-    c["events"].append({"time_s": t + 1, "kind": "start-failed", "rank_id": 2, "reason": "Cannot allocate memory",
+    c["events"].append({"time_s": t + 1, "kind": "start-failed", "rank_id": 2, "node": "node0",
+                        "reason": "Cannot allocate memory (OSError)",
                         "message": "rank 2 could not be started on node0: Cannot allocate memory (OSError)"})
     finding, = diagnose_membership(c, now_s=t + 2)
     assert (finding.kind, finding.severity, named([finding], "start-failed")) == ("start-failed", "warning", [2])

@@ -311,7 +311,7 @@ def diagnose_membership(cluster: dict[str, Any], now_s: float, th: Thresholds = 
         ))
     refused = [e for e in events if e.get("kind") == "start-failed"]
     if refused:
-        nodes = sorted({e["message"].split(" could not be started on ")[-1].split(":")[0] for e in refused})
+        nodes = sorted({str(e.get("node")) for e in refused})
         findings.append(Finding(
             "start-failed", "warning",
             f"{len(refused)} rank start(s) refused by the OS in the last {th.events_window_s:.0f}s: "

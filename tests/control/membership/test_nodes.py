@@ -288,7 +288,8 @@ def test_a_start_its_agent_could_not_make_is_an_exit_with_the_reason():
     rig.nodes.on_worker_start_failed(WorkerStartFailed("n0", 1, "Cannot allocate memory (OSError)", "s"))
     assert [(f.rank_id, f.cause) for f in rig.faults] == [(1, FaultCause.EXITED)]
     event = rig.cluster.events.all()[-1]
-    assert (event["kind"], event["rank_id"], event["reason"]) == ("start-failed", 1, "Cannot allocate memory (OSError)")
+    assert (event["kind"], event["rank_id"], event["node"], event["reason"]) == (
+        "start-failed", 1, "n0", "Cannot allocate memory (OSError)")
     with pytest.raises(ElasticEPError, match=r"rank 1 ended during startup \(could not be started on n0: Cannot "
                                              r"allocate memory \(OSError\)\)"):
         rig.nodes.wait_for_ranks(threading.Event())

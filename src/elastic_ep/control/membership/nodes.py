@@ -324,7 +324,8 @@ class Nodes:
         if agent is None or agent.session != msg.session or r is None or r.node != msg.node:
             return
         how = f"could not be started on {msg.node}: {msg.reason}"
-        self.cluster.events.add(EventKind.START_FAILED, f"rank {msg.rank_id} {how}", msg.rank_id, reason=msg.reason)
+        self.cluster.events.add(EventKind.START_FAILED, f"rank {msg.rank_id} {how}", msg.rank_id, node=msg.node,
+                                reason=msg.reason)
         if r.status.down:
             self.ended[msg.rank_id] = how
             self.schedule_restart(msg.rank_id)
