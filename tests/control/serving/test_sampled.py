@@ -28,14 +28,6 @@ def test_an_answer_not_as_planned_is_looked_up_in_its_rank_only():
     assert dict(sampled.lookup(0)) == {1: 10, 3: 30} and sampled.lookup(1)[2] == 99
 
 
-def test_a_rank_answering_again_replaces_its_answer():
-    sampled = Sampled()
-    sampled.add(0, [1, 2], [10, 20])
-    assert sampled.lookup(0)[1] == 10
-    sampled.add(0, [1], [11])
-    assert len(sampled) == 1 and dict(sampled.lookup(0)) == {1: 11} and sampled.row_tokens(0, [1]) == ([11], True)
-
-
 def test_unranked_tokens_are_every_ranks_lookup():
     sampled = Sampled.unranked({1: 10, 2: 20})
     assert len(sampled) == 2 and sampled.lookup(5)[2] == 20

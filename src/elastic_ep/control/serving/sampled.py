@@ -16,8 +16,8 @@ from collections.abc import Mapping
 
 
 class Sampled:
-    """`add` each rank's answer; `len` counts the tokens. A rank answers at most once a step
-    (a second `add` of it replaces the first)."""
+    """`add` each rank's answer, once (the step loop takes a rank's first answer of a step and
+    no other); `len` counts the tokens."""
 
     def __init__(self) -> None:
         self._columns: dict[int, tuple[list[int], list[int]]] = {}  # rank -> (seq_ids, tokens)
@@ -36,10 +36,8 @@ class Sampled:
     def add(self, rank: int, seq_ids: list[int], tokens: list[int]) -> None:
         """Rank `rank`'s answer: the tokens it sampled for `seq_ids`, in the order it ran them."""
         assert len(seq_ids) == len(tokens), "a token per seq_id"
-        old = self._columns.get(rank)
-        self._count += len(seq_ids) - (len(old[0]) if old is not None else 0)
         self._columns[rank] = seq_ids, tokens
-        self._lookups.pop(rank, None)
+        self._count += len(seq_ids)
 
     def __len__(self) -> int:
         return self._count
