@@ -616,7 +616,7 @@ class StandInAgent:
         for rank in list(self.ranks.values()):
             rank.close()
         self.ranks.clear()
-        self.send(AgentBye(self.node))
+        self.send(AgentBye(self.node, self.lease.session))
         self.stopped = True
 
 

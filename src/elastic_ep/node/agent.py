@@ -741,7 +741,7 @@ class NodeAgent:
                 p.wait()
         self._drop_backup("the agent stopped")
         self.netcut.close()
-        self.send(AgentBye(self.node))
+        self.send(AgentBye(self.node, self.lease.session))
         self.sock.disable_monitor()
         for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats, self.results, self.plan_link,
                   self.plan_relay):

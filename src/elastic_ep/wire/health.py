@@ -294,9 +294,12 @@ class AgentShutdown(Message):
 
 
 class AgentBye(Message):
-    """An agent is stopping: its ranks and its backup go with it."""
+    """An agent is stopping: its ranks and its backup go with it. `session`: as in `WorkerStarted`
+    (the bye of an agent process that stopped, come after its node's next agent registered, is not
+    taken for the new one's)."""
 
     node: str
+    session: str = ""
 
 
 def exit_reason(returncode: int) -> str:

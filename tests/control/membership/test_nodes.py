@@ -25,6 +25,7 @@ from elastic_ep.control.ranks import RankStatus
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.wire import (
     AgentAlive,
+    AgentBye,
     AgentHello,
     AgentShutdown,
     AgentWelcome,
@@ -303,6 +304,17 @@ def test_a_start_its_agent_could_not_make_is_an_exit_with_the_reason():
     assert rig.nodes.restarting(1) and rig.faults == [] and rig.cluster.ranks[1].status == RankStatus.DEAD
     rig.nodes.restart_due(time.monotonic() + 6.0)
     assert [(m.rank_id, m.join_mode) for m in rig.plane.sent(StartWorker)] == [(1, "recover")]
+
+
+def test_an_agents_bye_is_taken_only_from_its_current_session():
+    """A bye from an agent process that stopped, come late after the node's next agent registered,
+    leaves the new one registered; the current session's bye drops the agent and its backup."""
+    rig = Rig({0: "n0", 1: "n1"})
+    rig.cluster.agents["n1"].backup = BackupSite("n1", "/dev/shm/b", "tcp://f")
+    rig.nodes.on_agent_bye(AgentBye("n1", "an-earlier-session"))
+    assert "n1" in rig.cluster.agents and rig.cluster.agents["n1"].backup is not None
+    rig.nodes.on_agent_bye(AgentBye("n1", "s"))
+    assert "n1" not in rig.cluster.agents and "n1" in rig.cluster.backup_lost
 
 
 def test_a_rolling_restarts_options_go_with_every_start_and_a_new_checkpoint_is_read_from_its_disk():

@@ -252,6 +252,9 @@ class Nodes:
         return StartWorker(rank_id, join_mode, site, self.launch() if self.options else None)
 
     def on_agent_bye(self, msg: AgentBye) -> None:
+        agent = self.cluster.agents.get(msg.node)
+        if agent is None or agent.session != msg.session:  # an earlier agent process's, come late
+            return
         self.drop_backup(msg.node, "its agent stopped")
         self.cluster.agents.pop(msg.node, None)
 
