@@ -82,6 +82,36 @@ def test_a_recovery_fills_and_checks_only_the_lost_experts_slots():
         == [0, 1, 2, 3]  # one copy each of 0 and 1 gave way
 
 
+class LateRanks(StandInRanks):
+    """Rank 0's answer comes only at the second pump; at the first, one of the epoch from rank 1,
+    which the epoch left out (a reply of a rank the change did not ask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pumps = 0
+
+    def pump(self, timeout_s: float) -> None:
+        self.pumps += 1
+        epoch = next(iter(self.starts.values())).epoch
+        self.changer.on_reply(EpochReady(epoch, 1, {}, {}, [], 0.0, 0.0, 0.0))
+        if self.pumps == 1:
+            self.starts, late = {r: s for r, s in self.starts.items() if r != 0}, self.starts
+            super().pump(timeout_s)
+            self.starts = late
+        else:
+            super().pump(timeout_s)
+
+
+def test_only_the_replies_of_the_epochs_members_count():
+    """A reply of the epoch being formed from a rank that is not one of its members does not stand
+    in for a member's: the change waits for rank 0. It counted before, and the epoch formed
+    without rank 0's answer (the warm-up then failed on it and stopped the control loop)."""
+    ranks = LateRanks()
+    changer = changer_with(ranks)
+    outcome = changer.change(Recover([0, 2], [0, 2]), np.ones((1, 4)))
+    assert isinstance(outcome, Formed) and ranks.pumps == 2 and sorted(changer.replies) == [0, 2]
+
+
 def test_a_filled_slot_with_the_wrong_weights_fails_the_epoch():
     ranks = StandInRanks(wrong={2})
     outcome = changer_with(ranks).change(Recover([0, 2], [0, 2]), np.ones((1, 4)))

@@ -131,6 +131,7 @@ class EpochChanger:
         self.pump = pump
         self.faulted = faulted
         self.replies: dict[int, EpochReady | EpochFailed] = {}
+        self._asked: set[int] = set()  # the members of the epoch being formed: only their replies count
         self.filled: dict[int, int] = {}  # the current epoch's slots filled per rank (the gate checks each ran)
         self.reference_checksums: dict[tuple[int, int], int] = {}  # (layer, expert) -> as read from disk
         self.suspect_slots: set[Slot] = set()
@@ -139,7 +140,7 @@ class EpochChanger:
 
     def on_reply(self, msg: EpochReady | EpochFailed) -> None:
         c = self.cluster
-        if msg.epoch != c.epoch:
+        if msg.epoch != c.epoch or msg.rank_id not in self._asked:  # of another epoch, or not a member of it
             return
         self.replies[msg.rank_id] = msg
         if isinstance(msg, EpochFailed):
@@ -206,7 +207,7 @@ class EpochChanger:
         backups = c.backup_sites()
         c.epoch += 1
         c.members = list(live)
-        self.replies = {}
+        self.replies, self._asked = {}, set(live)
         self.filled = {r: len(v) for r, v in sources.items()}
         self.store.set(f"epoch/{c.epoch}/members", json.dumps(live))
         maps = self.slot_maps.forms(c.epoch, slot_map_for_wire(new.phy2log, c.num_experts), live,
