@@ -21,6 +21,7 @@ from elastic_ep.wire import (
     FETCH_REQUEST,
     HEALTH_TO_CONTROLLER,
     STEP_TO_CONTROLLER,
+    AgentHello,
     BackupTensors,
     ChunkPlan,
     ClusterKey,
@@ -42,6 +43,8 @@ from elastic_ep.wire import (
     StepPlan,
     StepResult,
     TermFence,
+    WorkerHello,
+    WorkerStarted,
     encode,
     rejected_counts,
     slot_map_for_wire,
@@ -159,6 +162,26 @@ def test_a_frame_of_another_key_or_socket_is_refused_by_reason():
     assert health.read(KEY.seal(Heartbeat(1, 2, progress))) is None  # a worker's heartbeat goes to its agent
     assert health.read([KEY.seal(beat)[1]]) is None  # no MAC frame
     assert counted("t_reason") == {"unauthenticated": 2, "unexpected": 2}
+
+
+def test_a_registration_naming_a_rank_or_process_that_cannot_be_is_dropped_before_any_handler():
+    """Values outside a field's domain (a negative rank id, a pid below 1, a join mode that does not
+    exist) make an authenticated frame undecodable: the controller never acts on them (a forged
+    adoption of rank -1 had made a rank of it, and an epoch over it)."""
+    health, step = Inbox("t_domain", HEALTH_TO_CONTROLLER, KEY), Inbox("t_domain", STEP_TO_CONTROLLER, KEY)
+    good = AgentHello("n0", 42, "tcp://f", 0, 4, "adopt", running=[(0, 1001)], session="s")
+    assert health.read(KEY.seal(good)) == good
+    for bad in (AgentHello("n0", 42, "tcp://f", 0, 4, "adopt", running=[(-1, 1001)], session="s"),
+                AgentHello("n0", 42, "tcp://f", 0, 4, "adopt", running=[(0, 0)], session="s"),
+                AgentHello("n0", 42, "tcp://f", 0, -1, session="s"),
+                AgentHello("n0", 42, "tcp://f", 0, 4, "cpu", session="s"),
+                WorkerStarted("n0", -1, 1001, "s")):
+        assert health.read(KEY.seal(bad)) is None, bad
+    assert step.read(KEY.seal(WorkerHello(0, "n0", 1001, "initial"))) is not None
+    for bad in (WorkerHello(-1, "n0", 1001, "initial"), WorkerHello(0, "n0", -5, "initial"),
+                WorkerHello(0, "n0", 1001, "node0")):
+        assert step.read(KEY.seal(bad)) is None, bad
+    assert counted("t_domain") == {"undecodable": 8}
 
 
 def node_step_results(load: np.ndarray) -> NodeStepResults:

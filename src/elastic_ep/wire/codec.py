@@ -33,7 +33,7 @@ import stat
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -47,6 +47,14 @@ HMAC_BYTES = 32
 TERM_BYTES = 8
 MAC_BYTES = HMAC_BYTES + TERM_BYTES  # the head frame: HMAC, then the sender's term
 REASONS = ("unauthenticated", "undecodable", "unexpected", "stale_term", "invalid")
+
+# Field types whose domain the decoder checks: a frame with a value outside it is undecodable,
+# dropped and counted, before any handler sees it (a registration naming rank -1 had made a rank
+# of it; the stand-in ranks' pids are as positive as real ones).
+RankId = Annotated[int, msgspec.Meta(ge=0)]
+Pid = Annotated[int, msgspec.Meta(ge=1)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+JoinMode = Literal["initial", "recover", "adopt"]
 
 
 class Message(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -13,7 +13,7 @@ import numpy as np
 
 from elastic_ep.model.sampling import TokenLogprobs
 
-from .codec import Message, Record
+from .codec import Count, JoinMode, Message, Pid, RankId, Record
 from .fetch import BackupSite
 from .worker import WorkerLaunch
 
@@ -137,17 +137,17 @@ class AgentHello(Message):
     is mistaken for the current one."""
 
     node: str
-    pid: int
+    pid: Pid
     fetch_addr: str
-    backup_capacity_bytes: int
-    num_ranks: int
-    join_mode: str = "initial"  # "recover": a replacement node, it takes over ranks that are down; "adopt": below
+    backup_capacity_bytes: Count
+    num_ranks: Count
+    join_mode: JoinMode = "initial"  # "recover": a replacement node, it takes over ranks that are down; "adopt": below
     auto_recover: bool = False  # the agent restarts its own dead ranks (the controller does not)
     session: str = ""
     host: str = ""  # the address the agent and its workers advertise (--advertise-host)
     standalone: bool = True  # its own process (`elastic-ep agent`), not a thread of `serve`
     # join_mode "adopt" (a new leader of its group): (rank_id, pid) of the workers it runs, kept for adoption
-    running: list[tuple[int, int]] = []
+    running: list[tuple[RankId, Pid]] = []
 
 
 class AgentWelcome(Message):
@@ -208,8 +208,8 @@ class WorkerStarted(Message):
     on is not taken (that agent fences its processes itself)."""
 
     node: str
-    rank_id: int
-    pid: int
+    rank_id: RankId
+    pid: Pid
     session: str = ""
 
 

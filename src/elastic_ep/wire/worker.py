@@ -11,7 +11,7 @@ import numpy as np
 
 from elastic_ep.model.sampling import SamplingParams, TokenLogprobs
 
-from .codec import Message, Record, decoder, encode, narrow_int
+from .codec import JoinMode, Message, Pid, RankId, Record, decoder, encode, narrow_int
 from .fetch import BackupSite
 from .slot_map import SlotMap
 
@@ -103,10 +103,10 @@ class HeldKV(Record):
 class WorkerHello(Message):
     """A worker process is up, has its dense weights and waits for an epoch."""
 
-    rank_id: int
+    rank_id: RankId
     node: str
-    pid: int
-    join_mode: str  # "initial" | "recover" | "adopt" (running under the last leader: `NewLeader`)
+    pid: Pid
+    join_mode: JoinMode  # "adopt": running under the last leader (`NewLeader`)
     dense_source: str = "disk"  # "host_memory" | "peer" | "disk" (runtime/dense.py)
     load_s: float = 0.0
     warmup_s: float = 0.0  # the dummy forward it ran before registering (runtime/worker.py)

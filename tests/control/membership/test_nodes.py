@@ -306,6 +306,14 @@ def test_a_start_its_agent_could_not_make_is_an_exit_with_the_reason():
     assert [(m.rank_id, m.join_mode) for m in rig.plane.sent(StartWorker)] == [(1, "recover")]
 
 
+def test_a_hello_of_a_rank_no_agent_started_makes_no_rank():
+    """A `WorkerHello` for a rank id the cluster does not have (its scale ended before it registered,
+    or a forged one) is not taken; it used to add that rank to the cluster, never to leave."""
+    rig = Rig({0: "n0"})
+    rig.nodes.on_worker_hello(WorkerHello(7, "n0", 4242, "initial", device="cpu"))
+    assert sorted(rig.cluster.ranks) == [0]
+
+
 def test_an_agents_bye_is_taken_only_from_its_current_session():
     """A bye from an agent process that stopped, come late after the node's next agent registered,
     leaves the new one registered; the current session's bye drops the agent and its backup."""

@@ -284,8 +284,8 @@ class Nodes:
         kind than the group is refused: at startup the whole server stops with the reason
         (ElasticEPError), later that rank is stopped for good."""
         c = self.cluster
-        r = c.ranks.setdefault(msg.rank_id, RankInfo(msg.rank_id, msg.node))
-        if r.pid != msg.pid:
+        r = c.ranks.get(msg.rank_id)
+        if r is None or r.pid != msg.pid:  # not the process this rank's agent reported started
             return
         c.device_kind = c.device_kind or device_kind(msg.device)
         reason = wrong_device(c.device_kind, msg)
