@@ -12,16 +12,25 @@ for the HTTP API. Each kind of frame is one a socket must drop without harm:
 
 The frames with a valid MAC need the deployment's key (`key`); none of them is a message the
 socket acts on, so a deployment that drops them serves on exactly as before.
+
+`fuzz_forged` goes further, as a peer holding the key but sending nonsense would (a bug, an old
+version): authenticated messages of the socket's own types, every field drawn at random from
+values that stress handlers (negative and huge ids, NaN, empty and long strings, real node names).
+Some are acted on by design (a hello from a new node registers it; one naming a real node under a
+new session takes the node over); the deployment must never stop, and serves again once they end.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import random
+import typing
 from collections import Counter
 from collections.abc import Iterator
 
+import msgspec.inspect as mi
 import numpy as np
 import zmq
 
@@ -154,3 +163,72 @@ def fuzz_deployment(cluster: dict, key: ClusterKey, marker: str, seed: int = 0,
     targets |= {f"fetch:{a['node']}": a["fetch"] for a in cluster["agents"]}
     return {name: fuzz_socket(addr, name.split(":")[0], key, marker, seed, kinds)
             for name, addr in targets.items()}
+
+
+_INTS = (-1, 0, 1, 2, 3, 5, 7, 255, 2**31, -(2**40), 10**12)
+_FLOATS = (0.0, -1.0, 1e-9, 1e9, math.nan, math.inf, -math.inf, 0.5)
+_STRS = ("", "node0", "n1", "x" * 300, "\x00", "tcp://127.0.0.1:1", "initial", "recover", "adopt", "cpu", "cuda:0")
+
+
+def _random_value(t: mi.Type, rng: random.Random, depth: int = 0) -> object:
+    """A value of msgspec type `t` (msgspec.inspect), drawn from values that stress handlers."""
+    if isinstance(t, mi.IntType):
+        return rng.choice(_INTS)
+    if isinstance(t, mi.FloatType):
+        return rng.choice(_FLOATS)
+    if isinstance(t, mi.StrType):
+        return rng.choice(_STRS)
+    if isinstance(t, mi.BoolType):
+        return rng.random() < 0.5
+    if isinstance(t, mi.NoneType):
+        return None
+    if isinstance(t, mi.UnionType):
+        return _random_value(rng.choice(t.types), rng, depth)
+    if isinstance(t, mi.LiteralType):
+        return rng.choice(t.values)
+    if isinstance(t, mi.EnumType):
+        return rng.choice(list(t.cls))
+    if isinstance(t, mi.ListType | mi.VarTupleType | mi.SetType | mi.FrozenSetType):
+        return [_random_value(t.item_type, rng, depth + 1) for _ in range(0 if depth > 2 else rng.choice((0, 1, 2, 5)))]
+    if isinstance(t, mi.TupleType):
+        return tuple(_random_value(item, rng, depth + 1) for item in t.item_types)
+    if isinstance(t, mi.DictType):
+        return {_random_value(t.key_type, rng, depth + 1): _random_value(t.value_type, rng, depth + 1)
+                for _ in range(0 if depth > 2 else rng.choice((0, 1, 2)))}
+    if isinstance(t, mi.StructType):
+        return t.cls(**{f.name: _random_value(f.type, rng, depth + 1) for f in t.fields})
+    if isinstance(t, mi.CustomType) and t.cls is np.ndarray:
+        return np.zeros(rng.choice(((0,), (1,), (2, 3), (3, 2, 1))), dtype=rng.choice((np.int64, np.int32)))
+    raise TypeError(f"no random value for {t}")
+
+
+def random_message(union: object, rng: random.Random) -> object | None:
+    """A message of one of the types of `union` with random fields; None when 100 draws of the type
+    picked all fail its own checks (`__post_init__`)."""
+    info = mi.type_info(rng.choice(typing.get_args(union)))
+    for _ in range(100):
+        try:
+            return info.cls(**{f.name: _random_value(f.type, rng) for f in info.fields})
+        except (ValueError, TypeError):
+            continue
+    return None
+
+
+def fuzz_forged(addr: str, union: object, key: ClusterKey, count: int, seed: int = 0) -> Counter[str]:
+    """`count` authenticated messages of `union`'s types with random fields (`random_message`) to
+    the socket at `addr`, each from a peer of its own. Returns messages sent per type."""
+    rng = random.Random(seed)
+    ctx = zmq.Context.instance()
+    sent: Counter[str] = Counter()
+    for _ in range(count):
+        message = random_message(union, rng)
+        if message is None:
+            continue
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(addr)
+        sock.send_multipart(key.seal(message))
+        sock.close()
+        sent[type(message).__name__] += 1
+    return sent
+

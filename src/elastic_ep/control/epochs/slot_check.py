@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from elastic_ep.wire import SlotChecksums, SweepSlots
+from elastic_ep.wire import SlotChecksums, SweepSlots, reject_invalid
 
 from ..cluster import ClusterState
 from ..config import ServeConfig
@@ -83,11 +83,18 @@ class SlotSweeper:
             self.plane.to_worker(rank_id, SweepSlots(c.epoch, [(li, j) for li, j in picked]))
 
     def on_checksums(self, msg: SlotChecksums) -> None:
-        """Mark the slots whose checksum is not their expert's reference as suspect."""
+        """Mark the slots whose checksum is not their expert's reference as suspect. An answer that
+        names a slot the rank does not have, or an empty one (none is ever asked for), is dropped
+        and counted: it had stopped the control loop (an index past the slot map)."""
         c = self.cluster
         if msg.epoch != c.epoch or c.location is None or msg.rank_id not in c.members:
             return
         experts = c.location.experts_of_rank(msg.rank_id)
+        layers, slots = experts.shape
+        if not all(0 <= li < layers and 0 <= j < slots and experts[li, j] >= 0 for li, j in msg.checksums):
+            reject_invalid("step", c.ranks[msg.rank_id].node, f"rank {msg.rank_id}",
+                           f"checksums of slots it does not hold (of {layers} layers x {slots} slots)")
+            return
         bad = {(msg.rank_id, li, j) for (li, j), checksum in msg.checksums.items()
                if not self.changer.matches(li, int(experts[li, j]), checksum)}
         if self.changer.mark_suspect(bad):
