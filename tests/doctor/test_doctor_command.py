@@ -162,8 +162,11 @@ def test_stopped_rank_is_named_as_the_one_the_others_wait_for(server, capsys):
 @pytest.mark.timeout(60)
 @pytest.mark.e2e
 def test_watch_diagnoses_again_until_interrupted(server):
+    # SIGINT at its default in the child: a suite started in the background (`pytest &` from a script)
+    # hands its children SIGINT ignored, and Python then keeps it ignored, so the interrupt never came
     proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.cli", "doctor", server.url, "--json",
-                             "--watch", "0.2", "--interval-s", "0.2"], stdout=subprocess.PIPE, text=True)
+                             "--watch", "0.2", "--interval-s", "0.2"], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         reports = [json.loads(proc.stdout.readline()) for _ in range(2)]
     finally:

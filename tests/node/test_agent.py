@@ -108,6 +108,12 @@ class StandInController:
             if until(beats):
                 return beats
 
+    def launch(self, **fields) -> WorkerLaunch:
+        """The tiny model's launch against this controller's sockets and store (`fields` replaced)."""
+        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), self.step_addr, self.health_addr, "127.0.0.1",
+                              self.store_port, "gloo", 4, 64, 0.1)
+        return msgspec.structs.replace(launch, **fields)
+
     def welcome(self, launch) -> None:
         self.to_agent(AgentWelcome(launch, self.session))
 
@@ -117,6 +123,14 @@ class StandInController:
     def close(self) -> None:
         self.health.close()
         self.step.close()
+
+
+def running(agent: NodeAgent) -> tuple[threading.Event, threading.Thread]:
+    """`agent` run on a thread of its own until the event returned is set."""
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    return stop, thread
 
 
 def can_no_longer_run(pid: int) -> bool:
@@ -147,15 +161,12 @@ def stop_agent(stop: threading.Event, thread: threading.Thread, pids: list[int],
 def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
     ctl = StandInController()
     agent = NodeAgent(ctl.health_addr, "nodeT", KEY, num_ranks=2, stop_grace_s=2.0)
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
+    stop, thread = running(agent)
     pids: list[int] = []
     try:
         hello = ctl.expect(ctl.health, AgentHello)
         assert (hello.node, hello.num_ranks, hello.fetch_addr) == ("nodeT", 2, agent.fetch_addr)
-        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
-                              ctl.store_port, "gloo", 4, 64, 0.1)
+        launch = ctl.launch()
         ctl.welcome(launch)
         for rank in (0, 1):
             ctl.to_agent(StartWorker(rank, "initial"))
@@ -211,14 +222,11 @@ def test_a_start_the_os_refuses_is_reported_and_the_node_goes_on():
     the kernel refuses."""
     ctl = StandInController()
     agent = NodeAgent(ctl.health_addr, "nodeS", KEY, num_ranks=2, stop_grace_s=2.0)
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
+    stop, thread = running(agent)
     pids: list[int] = []
     try:
         hello = ctl.expect(ctl.health, AgentHello)
-        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
-                              ctl.store_port, "gloo", 4, 64, 0.1, read_once=False)
+        launch = ctl.launch(read_once=False)
         ctl.welcome(launch)
         ctl.to_agent(StartWorker(0, "initial"))
         first = ctl.expect(ctl.health, WorkerStarted)
@@ -247,13 +255,10 @@ def test_agent_removes_its_backup_when_the_controller_goes_away():
     file at once instead of leaving it in /dev/shm."""
     ctl = StandInController()
     agent = NodeAgent(ctl.health_addr, "nodeC", KEY)
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
+    stop, thread = running(agent)
     try:
         ctl.expect(ctl.health, AgentHello)
-        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
-                              ctl.store_port, "gloo", 4, 64, 0.0)
+        launch = ctl.launch(heartbeat_interval_s=0.0)
         ctl.welcome(launch)
         ctl.to_agent(BackupAssign([(0, 1)]))
         path = ctl.expect(ctl.health, BackupReady, timeout_s=60).site.path
@@ -274,14 +279,11 @@ def test_an_agent_that_stops_hearing_the_controller_fences_its_ranks_and_registe
     could not reach it to do so) and asks to be welcomed again, in recover mode, under a new session."""
     ctl = StandInController()
     agent = NodeAgent(ctl.health_addr, "nodeL", KEY, num_ranks=1, lease_s=1.0)
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
+    stop, thread = running(agent)
     pid = None
     try:
         first = ctl.expect(ctl.health, AgentHello)
-        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
-                              ctl.store_port, "gloo", 4, 64, 0.0)
+        launch = ctl.launch(heartbeat_interval_s=0.0)
         ctl.welcome(launch)
         ctl.to_agent(StartWorker(0, "initial"))
         pid = ctl.expect(ctl.health, WorkerStarted).pid
@@ -302,17 +304,14 @@ def test_agent_forwards_its_ranks_step_results_in_one_node_frame_and_drops_the_r
     forwarded, and a junk frame is dropped and counted."""
     ctl = StandInController()
     agent = NodeAgent(ctl.health_addr, "nodeR", KEY, num_ranks=1, stop_grace_s=2.0, step_results_via="agent")
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
+    stop, thread = running(agent)
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(agent.result_addr)
     pids: list[int] = []
     try:
         ctl.expect(ctl.health, AgentHello)
-        launch = WorkerLaunch(str(resolve_model("tiny-deepseek-v3")), ctl.step_addr, ctl.health_addr, "127.0.0.1",
-                              ctl.store_port, "gloo", 4, 64, 0.1)
+        launch = ctl.launch()
         ctl.welcome(launch)
         ctl.to_agent(StartWorker(0, "initial"))
         pids.append(ctl.expect(ctl.health, WorkerStarted).pid)
@@ -338,9 +337,7 @@ def test_agent_relays_one_abort_epoch_to_the_heartbeat_thread_of_each_rank_it_na
     the cluster key, to the beat link of each rank named and of no other."""
     ctl = StandInController()
     agent = NodeAgent(ctl.health_addr, "nodeA", KEY)
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
+    stop, thread = running(agent)
     links = {}
     for rank_id in (3, 5, 9):  # as the workers' heartbeat threads connect
         links[rank_id] = zmq.Context.instance().socket(zmq.DEALER)
@@ -378,9 +375,7 @@ def test_agent_relays_its_nodes_plans_as_they_came_and_drops_junk():
     plans.setsockopt(zmq.ROUTER_MANDATORY, 1)
     plan_addr = f"tcp://127.0.0.1:{plans.bind_to_random_port('tcp://127.0.0.1')}"
     agent = NodeAgent(ctl.health_addr, "nodeP", KEY, step_plans_via="agent")
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
-    thread.start()
+    stop, thread = running(agent)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
