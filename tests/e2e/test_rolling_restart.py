@@ -30,8 +30,10 @@ ADMIN = "admin-key"
 # 16 experts + 8 redundant over 3 ranks: 8 slots per rank, so 2 ranks hold every expert. No
 # readiness gate: each rank's drain and return forms 3 epochs, each of which would run its warm-up
 # forwards first (the gate is proven in test_cold_start.py and test_serve.py).
+# --worker-start exec: the test reads each new process's WorkerArgs from its command line, which a
+# worker forked from the zygote does not have (its title names only its rank and node)
 SERVE_ARGS = ["--model", MODEL, "--ep-size", "3", "--redundant-experts", "8", "--scale-drain-timeout-s", "1.0",
-              "--no-warmup-gate"]
+              "--no-warmup-gate", "--worker-start", "exec"]
 
 
 def rollout(server: Server, *args: str) -> subprocess.CompletedProcess:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from elastic_ep.doctor.stacks import worker_process
 from elastic_ep.harness.server_process import free_port
 from elastic_ep.model.checkpoint import CheckpointReader
 from elastic_ep.model.tiny import resolve_model
@@ -58,6 +59,8 @@ from elastic_ep.wire import (
     rejected_counts,
 )
 from elastic_ep.wire.codec import HMAC_BYTES
+
+from .test_zygote import pids_cgroup
 
 KEY = ClusterKey.generate()
 ANY = decoder(ALL_MESSAGES)
@@ -214,14 +217,15 @@ def test_agent_runs_fences_reports_and_cleans_up_its_workers(tmp_path):
 
 @pytest.mark.e2e
 def test_a_start_the_os_refuses_is_reported_and_the_node_goes_on():
-    """The kernel refuses a worker's exec: here its one argument is longer than MAX_ARG_STRLEN
-    (E2BIG), as a fork refused for memory or by the node's pids.max would be. The agent reports
+    """The kernel refuses a worker's exec (--worker-start exec): here its one argument is longer than
+    MAX_ARG_STRLEN (E2BIG), as a fork refused for memory or by the node's pids.max would be (the
+    next test has the zygote's fork refused). The agent reports
     `WorkerStartFailed` with the reason, in its session, and goes on: the rank it runs keeps running
     and the next start of the refused rank succeeds. Before, the error ended the agent's thread and
     every rank of the node with it. So did any other order it could not carry out, such as a signal
     the kernel refuses."""
     ctl = StandInController()
-    agent = NodeAgent(ctl.health_addr, "nodeS", KEY, num_ranks=2, stop_grace_s=2.0)
+    agent = NodeAgent(ctl.health_addr, "nodeS", KEY, num_ranks=2, stop_grace_s=2.0, worker_start="exec")
     stop, thread = running(agent)
     pids: list[int] = []
     try:
@@ -247,6 +251,51 @@ def test_a_start_the_os_refuses_is_reported_and_the_node_goes_on():
         assert again.rank_id == 1 and thread.is_alive() and not can_no_longer_run(first.pid)
     finally:
         stop_agent(stop, thread, pids, ctl)
+
+
+@pytest.mark.e2e
+def test_ranks_fork_from_the_zygote_and_a_fork_the_pids_limit_refuses_is_one_failed_start():
+    """--worker-start fork (the default): the agent registers once its zygote imported the worker,
+    and its ranks are forked from there: each is the agent's child (this process: the agent runs in
+    a thread here) and shows its rank in its title, where `elastic-ep doctor` looks for it. A fork
+    the kernel refuses (the zygote's cgroup at its pids.max) is reported as `WorkerStartFailed` with
+    the kernel's reason, the running rank is untouched, and the rank forks once the limit is lifted."""
+    group = pids_cgroup(f"elastic-ep-agent-test-{os.getpid()}")
+    if group is None:
+        pytest.skip("no writable pids cgroup on this host")
+    ctl = StandInController()
+    agent = NodeAgent(ctl.health_addr, "nodeZ", KEY, num_ranks=2, stop_grace_s=2.0)
+    stop, thread = running(agent)
+    pids: list[int] = []
+    try:
+        hello = ctl.expect(ctl.health, AgentHello, timeout_s=90)
+        assert agent.zygote is not None and agent.zygote.ready
+        ctl.welcome(ctl.launch(read_once=False))
+        ctl.to_agent(StartWorker(0, "initial"))
+        first = ctl.expect(ctl.health, WorkerStarted)
+        pids.append(first.pid)
+        assert psutil.Process(first.pid).ppid() == os.getpid()
+        assert ctl.expect(ctl.step, WorkerHello).pid == first.pid  # it runs: it registered on the step socket
+        assert worker_process(first.pid, 0) is not None and worker_process(first.pid, 1) is None
+
+        (group / "pids.max").write_text("1")
+        (group / "cgroup.procs").write_text(str(agent.zygote.proc.pid))
+        ctl.to_agent(StartWorker(1, "initial"))
+        failed = ctl.expect(ctl.health, WorkerStartFailed)
+        assert (failed.node, failed.rank_id, failed.session) == ("nodeZ", 1, hello.session)
+        assert "Resource temporarily unavailable" in failed.reason, failed.reason
+        assert thread.is_alive() and not can_no_longer_run(first.pid)
+
+        (group / "pids.max").write_text("max")
+        ctl.to_agent(StartWorker(1, "initial"))
+        again = ctl.expect(ctl.health, WorkerStarted)
+        pids.append(again.pid)
+        assert again.rank_id == 1 and psutil.Process(again.pid).ppid() == os.getpid()
+    finally:
+        stop_agent(stop, thread, pids, ctl)
+        for pid in (group / "cgroup.procs").read_text().split():
+            (group.parent / "cgroup.procs").write_text(pid)
+        group.rmdir()
 
 
 @pytest.mark.e2e

@@ -66,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "agent (one frame per step for the node from the controller's plan socket, relayed "
                              "as it came to the ranks on loopback; for a controller run with --step-plans-via "
                              "agent; default direct)")
+    parser.add_argument("--worker-start", choices=["fork", "exec"], default="fork",
+                        help="how this node's ranks start: fork (from a zygote process of the agent that imported "
+                             "torch and the worker once: a rank starts or restarts without importing anything) or "
+                             "exec (a new Python each time; also what fork falls back to while the zygote is not "
+                             "ready; default fork)")
     parser.add_argument("--connect-timeout-s", type=float, default=30.0,
                         help="at start, wait this long for the controller to accept a connection, then give up "
                              "naming the address (default 30)")
@@ -155,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
                       args.auto_recover, args.restart_backoff_s, args.restart_backoff_max_s, lease_s=args.lease_s,
                       exit_poll_s=args.exit_poll_interval_s, standalone=True,
                       hardware_interval_s=args.hardware_interval_s, leader_watch=watch,
-                      step_results_via=args.step_results_via, step_plans_via=args.step_plans_via)
+                      step_results_via=args.step_results_via, step_plans_via=args.step_plans_via,
+                      worker_start=args.worker_start)
     print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

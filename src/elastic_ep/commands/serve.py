@@ -245,6 +245,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the workers' step results go: direct (each to the controller) or agent (to "
                              "their node's agent on loopback, which sends the controller one frame per step for its "
                              "ranks: fewer frames for the control thread; default direct)")
+    parser.add_argument("--worker-start", choices=["fork", "exec"], default="fork",
+                        help="how this node's ranks start: fork (from a zygote process of the agent that imported "
+                             "torch and the worker once: a rank starts or restarts without importing anything) or "
+                             "exec (a new Python each time; also what fork falls back to while the zygote is not "
+                             "ready; default fork)")
     parser.add_argument("--ha-journal-via", choices=["etcd", "direct"], default="etcd",
                         help="with --etcd: how the journal reaches the standbys: etcd (each batch a write, which "
                              "outlives every controller) or direct (the leader streams it to each standby over "
@@ -394,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
         agent = NodeAgent(controller.health_addr, args.node, key, cfg.control_host, local_ranks, lease_s=cfg.lease_s,
                           hardware_interval_s=cfg.hardware_interval_s,
                           exit_poll_s=cfg.exit_poll_interval_s, step_results_via=args.step_results_via,
-                          step_plans_via=cfg.step_plans_via)
+                          step_plans_via=cfg.step_plans_via, worker_start=args.worker_start)
         agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
         agent_thread.start()
     # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.

@@ -50,6 +50,7 @@ import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from elastic_ep.parent_death import adopt_orphans
 from elastic_ep.wire import (
     CONTROLLER_TO_AGENT,
     FETCH_REQUEST,
@@ -102,6 +103,7 @@ from .host_backup import HostBackup
 from .lease import Lease
 from .netcut import NetCut, NetCutUnavailable
 from .step_gather import StepGather, node_results
+from .zygote import ForkedWorker, Zygote
 
 logger = logging.getLogger(__name__)
 FETCH_MAX_FRAME_BYTES = 1 << 20  # a fetch request is a list of (layer, expert): a bigger frame disconnects its peer
@@ -110,11 +112,13 @@ BEAT_MAX_FRAME_BYTES = 4096  # a heartbeat is some 60 bytes
 RESULT_MAX_FRAME_BYTES = 16 << 20
 STEP_RESULTS_VIA = ("direct", "agent")
 STEP_PLANS_VIA = ("direct", "agent")
+WORKER_STARTS = ("fork", "exec")
+ZYGOTE_READY_S = 120.0  # how long a new agent waits for its zygote's imports before it registers
 
 @dataclass
 class _Child:
     rank_id: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedWorker
     started_at: float
     stat_fd: int
     fencing: bool = False
@@ -168,11 +172,16 @@ class NodeAgent:
         leader_watch=None,
         step_results_via: str = "direct",
         step_plans_via: str = "direct",
+        worker_start: str = "fork",
     ):
         if step_results_via not in STEP_RESULTS_VIA:
             raise ValueError(f"step_results_via {step_results_via!r} is not one of {', '.join(STEP_RESULTS_VIA)}")
         if step_plans_via not in STEP_PLANS_VIA:
             raise ValueError(f"step_plans_via {step_plans_via!r} is not one of {', '.join(STEP_PLANS_VIA)}")
+        if worker_start not in WORKER_STARTS:
+            raise ValueError(f"worker_start {worker_start!r} is not one of {', '.join(WORKER_STARTS)}")
+        self.worker_start = worker_start
+        self.zygote: Zygote | None = None
         self.node = node
         self.key = key
         self.fence = TermFence()  # the highest controller term seen: an older leader's frames are dropped
@@ -265,6 +274,7 @@ class NodeAgent:
         stop = stop or threading.Event()
         for path in reap_stale_backups():
             logger.warning("node %s: removed %s, the backup file of an owner that is gone", self.node, path)
+        self._first_zygote(stop)
         poller = zmq.Poller()
         for s in (self.sock, self.fetch, self.events, self.controller_link, self.beats, self.results, self.plan_link):
             poller.register(s, zmq.POLLIN)
@@ -575,10 +585,8 @@ class NodeAgent:
                           dense_addr=dense_site.fetch_addr if dense_site is not None and not local else "",
                           beat_addr=self.beat_addr, result_addr=self.result_addr,
                           plan_relay_addr=self.plan_relay_addr)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: self.key.hex()}
-        try:  # stdin: the agent link (`NewLeader` when the controller group's leader changes)
-            proc = subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()], env=env,
-                                    stdin=subprocess.PIPE)
+        try:
+            proc = self._launch(args)
         except OSError as e:  # the fork or exec refused (memory, the node's process limit): one failed start
             reason = f"{e.strerror or e} ({type(e).__name__})"
             logger.warning("node %s: could not start rank %d: %s", self.node, rank_id, reason)
@@ -592,11 +600,63 @@ class NodeAgent:
             self.netcut.place(f"rank{rank_id}", proc.pid)
         except NetCutUnavailable as e:
             logger.warning("node %s: rank %d runs, but its links cannot be cut: %s", self.node, rank_id, e)
+        if isinstance(proc, ForkedWorker):
+            proc.release()
         with self._lock:
             self.children[proc.pid] = _Child(rank_id, proc, time.monotonic(), open_stat(proc.pid))
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
         self.send(WorkerStarted(self.node, rank_id, proc.pid, self.lease.session))
         logger.info("node %s: started rank %d (pid %d, %s)", self.node, rank_id, proc.pid, join_mode)
+
+    def _worker_env(self) -> dict[str, str]:
+        return {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: self.key.hex()}
+
+    def _first_zygote(self, stop: threading.Event) -> None:
+        """--worker-start fork: this agent's zygote, waited for (at most ZYGOTE_READY_S) before the
+        agent registers: its first ranks then fork from it instead of each importing torch."""
+        if self.worker_start != "fork":
+            return
+        if not adopt_orphans():
+            logger.warning("node %s: this kernel does not let the agent adopt its forked workers "
+                           "(PR_SET_CHILD_SUBREAPER); its ranks start by exec", self.node)
+            self.worker_start = "exec"
+            return
+        self._spawn_zygote()
+        if self.zygote is not None and not self.zygote.wait_ready(ZYGOTE_READY_S, stop) and not stop.is_set():
+            logger.warning("node %s: the worker zygote was not ready in %gs; ranks start by exec until it is",
+                           self.node, ZYGOTE_READY_S)
+
+    def _spawn_zygote(self) -> None:
+        """A new zygote (the one before, if any, closed): its imports run in its own process."""
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
+        try:
+            self.zygote = Zygote(self._worker_env())
+        except OSError as e:
+            logger.warning("node %s: could not start the worker zygote (%s); ranks start by exec", self.node, e)
+
+    def _launch(self, args: WorkerArgs) -> subprocess.Popen | ForkedWorker:
+        """The rank's process, its stdin the agent link (`NewLeader` when the controller group's
+        leader changes): forked from the zygote (held until `release`) when it is ready and the
+        code on disk is what it imported, else started by exec (with --worker-start fork a new zygote
+        is started for the next start when this one died or its code is stale). Raises OSError when
+        the kernel refuses the process."""
+        zygote = self.zygote
+        if zygote is not None and zygote.ready:
+            if zygote.fresh:
+                try:
+                    return zygote.fork("elastic_ep.runtime.worker:main", [args.to_json()], args.title())
+                except ConnectionError as e:
+                    logger.warning("node %s: the worker zygote failed (%s); rank %d starts by exec", self.node, e,
+                                   args.rank_id)
+            else:
+                logger.info("node %s: the code changed on disk since the worker zygote imported it; rank %d "
+                            "starts by exec and a new zygote imports it", self.node, args.rank_id)
+        if self.worker_start == "fork" and (zygote is None or zygote.proc.poll() is not None or not zygote.fresh):
+            self._spawn_zygote()
+        return subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()],
+                                env=self._worker_env(), stdin=subprocess.PIPE)
 
     def _await_dense(self, msg: StartWorker) -> bool:
         """Read once, copy many: hold a start that would read the dense weights from disk until
@@ -728,6 +788,8 @@ class NodeAgent:
         self._stopped.set()
         if self.hardware is not None:
             self.hardware.close()
+        if self.zygote is not None:
+            self.zygote.close()
         with self._lock:
             procs = [c.proc for c in self.children.values()]
         for p in procs:

@@ -77,6 +77,11 @@ class WorkerArgs:
         fields = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "launch"}
         return json.dumps({**msgspec.structs.asdict(self.launch), **fields})
 
+    def title(self) -> str:
+        """What a worker forked from its node's zygote shows as its command line (node/zygote.py):
+        the module it runs and, as in `to_json`, `"rank_id": N,`."""
+        return f"elastic_ep.runtime.worker {json.dumps({'rank_id': self.rank_id, 'node': self.node})}"
+
     @classmethod
     def from_json(cls, text: str) -> WorkerArgs:
         fields = json.loads(text)
