@@ -10,15 +10,18 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from elastic_ep.cli import main as cli_main
+from elastic_ep.doctor.stacks import worker_process
 from elastic_ep.harness.load import PROMPTS, StreamingLoad, stream
 from elastic_ep.harness.server_process import ServerProcess
 
@@ -80,6 +83,19 @@ def reference_load(server, model: str, threads: int = 3, max_tokens: int = 24) -
     """Greedy streams of PROMPTS in a loop; every finished output is compared with the fault-free run."""
     expected = dict(zip(PROMPTS, reference(model, tuple(PROMPTS), max_tokens), strict=True))
     return StreamingLoad(server.url, threads, max_tokens, expected)
+
+
+def rank_process(server: Server, rank_id: int, timeout_s: float = 60.0) -> int:
+    """The pid of rank `rank_id`'s process as soon as it exists, found among the server's children
+    by its command line (a forked worker shows it before it runs: node/zygote.py), polled every
+    5 ms: sooner than /cluster, which names it once the agent reports the start."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for child in psutil.Process(server.proc.pid).children():
+            if worker_process(child.pid, rank_id) is not None:
+                return child.pid
+        time.sleep(0.005)
+    raise TimeoutError(f"no process of rank {rank_id} within {timeout_s}s")
 
 
 @pytest.fixture(scope="module")

@@ -291,28 +291,34 @@ def test_a_lost_plan_is_asked_for_and_its_step_run_again_not_a_hang(server):
     assert server.pids()[2] == pid
 
 
-def test_too_few_ranks_not_ready_then_503_then_service_returns_by_itself(server):
-    full_group(server)
-    pids = server.pids()
-    results = {}
+def test_too_few_ranks_not_ready_then_503_then_service_returns_by_itself(server_factory):
+    # restarted after 4 s, past the 2 s admission timeout: a rank forked from the zygote is back
+    # within a second of its restart, before the late request's wait would end
+    server = server_factory(*SERVE_ARGS, "--restart-delay-s", "4")
+    try:
+        full_group(server)
+        pids = server.pids()
+        results = {}
 
-    def kill_three_and_probe():
-        for r in (0, 1, 2):
-            os.kill(pids[r], signal.SIGKILL)
-        cluster = server.wait_for(lambda c: not c["ready"], timeout_s=10, what="not ready")
-        ready = server.http.get("/ready")
-        results["ready"] = (ready.status_code, ready.text, cluster["reason"])
-        late = server.http.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2})
-        results["late"] = (late.status_code, late.headers.get("retry-after"), late.text)
+        def kill_three_and_probe():
+            for r in (0, 1, 2):
+                os.kill(pids[r], signal.SIGKILL)
+            cluster = server.wait_for(lambda c: not c["ready"], timeout_s=10, what="not ready")
+            ready = server.http.get("/ready")
+            results["ready"] = (ready.status_code, ready.text, cluster["reason"])
+            late = server.http.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2})
+            results["late"] = (late.status_code, late.headers.get("retry-after"), late.text)
 
-    texts, gap = streams_with_fault(server, kill_three_and_probe)
-    assert texts == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
-    status, _, reason = results["ready"]
-    assert status == 503 and "too few ranks" in reason
-    late_status, retry_after, late_body = results["late"]
-    assert late_status == 503 and retry_after and "too few ranks" in late_body
-    assert gap > 1.0  # the streams paused until the ranks came back
-    full_group(server)
+        texts, gap = streams_with_fault(server, kill_three_and_probe)
+        assert texts == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+        status, _, reason = results["ready"]
+        assert status == 503 and "too few ranks" in reason
+        late_status, retry_after, late_body = results["late"]
+        assert late_status == 503 and retry_after and "too few ranks" in late_body
+        assert gap > 1.0  # the streams paused until the ranks came back
+        full_group(server)
+    finally:
+        server.stop()
 
 
 def test_backup_off_restores_lost_experts_from_disk(server_factory):

@@ -28,10 +28,11 @@ def registered(cluster: dict, rank_id: int) -> list[dict]:
 
 
 def test_auto_recover_then_a_replacement_node_takes_over(tmp_path):
-    # no readiness gate: each of the ~10 epochs would run its warm-up forwards first (the gate is
+    # --elastic-ep-scale-timeout 0.05: a joiner forked from its node's zygote joins within half a second here.
+    # No readiness gate: each of the ~10 epochs would run its warm-up forwards first (the gate is
     # proven in test_cold_start.py and test_serve.py); the rank's own warm-up forward still runs
     server = Server(["--model", MODEL, "--ep-size", "4", "--local-ranks", "2", "--redundant-experts", "16",
-                     "--restart-delay-s", "-1", "--elastic-ep-scale-timeout", "0.5", "--no-warmup-gate"],
+                     "--restart-delay-s", "-1", "--elastic-ep-scale-timeout", "0.05", "--no-warmup-gate"],
                     tmp_path / "serve.log", ready_timeout_s=None)
     agents = [start_agent(server, "node1", "--auto-recover", "--restart-backoff-s", "0.2")]
     try:
@@ -57,7 +58,7 @@ def test_auto_recover_then_a_replacement_node_takes_over(tmp_path):
 
             assert server.http.post("/scale_elastic_ep", json={"new_ep_size": 5}).status_code == 200
             status = server.wait_for(lambda c: c["scale"]["scale_phase"] == "failed", what="the scale to time out")
-            assert "--elastic-ep-scale-timeout 0.5s" in status["scale"]["last_error"]
+            assert "--elastic-ep-scale-timeout 0.05s" in status["scale"]["last_error"]
             server.wait_for(lambda c: sorted(r["rank_id"] for r in c["ranks"]) == [0, 1, 2, 3], what="rank 4 gone")
         assert not load.failures, load.failures[:3]
         assert load.done > 0
