@@ -1,6 +1,10 @@
 """The node agent: starts and supervises the node's workers, fences them on order, and keeps
 the node's share of the expert backup in shared memory.
 
+With `worker_start="fork"` (the default) it forks its workers from a zygote process that imported
+torch and the worker once (node/zygote.py); they are its own children all the same (it is their
+child subreaper), so everything below holds for either way of starting them.
+
 It reports a worker's exit the moment it begins (a thread polls the workers' /proc stat every
 `exit_poll_s`, see `exits.py`; one thread blocked in `wait()` per worker reaps it and reports an
 exit the poll missed), kills a rank on the controller's `FenceWorker` and confirms once the

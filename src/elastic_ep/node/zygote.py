@@ -31,8 +31,8 @@ rank by exec) when they differ.
 from __future__ import annotations
 
 import errno
-import os
 import importlib
+import os
 import select
 import signal
 import socket
@@ -185,8 +185,9 @@ class Zygote:
         return source_fingerprint() == self.fingerprint
 
     def fork(self, target: str, argv: list[str], title: str) -> ForkedWorker:
-        """A worker that runs `target` ("module:function") on `argv` (held until `release`). Raises OSError with the kernel's
-        errno when the fork is refused, ConnectionError when the zygote is gone or silent."""
+        """A worker that runs `target` ("module:function") on `argv` (held until `release`). Raises
+        OSError with the kernel's errno when the fork is refused, ConnectionError when the zygote is
+        gone or silent."""
         stdin_r, stdin_w = os.pipe()
         go_r, go_w = os.pipe()
         try:
@@ -239,8 +240,9 @@ class Zygote:
 
 
 def preload(modules: list[str]) -> None:
-    """Import `modules` (the modules of the targets it will run); fail when that left a thread running (a fork copies only the calling
-    thread: whatever another held, a lock included, would be held for ever in every worker)."""
+    """Import `modules` (those of the targets it will run); fail when that left a thread running (a
+    fork copies only the calling thread: whatever another held, a lock included, would be held for
+    ever in every worker)."""
     for name in modules:
         __import__(name)
     others = [t for t in os.listdir("/proc/self/task") if int(t) != os.getpid()]
