@@ -141,3 +141,15 @@ def test_the_fingerprint_sees_an_edit_an_added_and_a_removed_file(tmp_path):
     assert added[0] == 2 and added != edited
     (tmp_path / "b.py").unlink()
     assert source_fingerprint(tmp_path) == edited
+
+
+def test_a_zygote_whose_preload_starts_a_thread_never_becomes_ready(tmp_path):
+    (tmp_path / "threaded_mod.py").write_text("import threading, time\n"
+                                              "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
+    z = Zygote({**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"},
+               preload=("threaded_mod",))
+    try:
+        assert not z.wait_ready(60)
+        assert z.proc.wait(10) != 0  # it exited, naming the thread on its stderr
+    finally:
+        z.close()

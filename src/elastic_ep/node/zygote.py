@@ -167,7 +167,10 @@ class Zygote:
         if self.pid is None and self.proc.poll() is None:
             with self._lock:
                 if self.pid is None and select.select([self._sock], [], [], 0)[0]:
-                    reply = self._read()
+                    try:
+                        reply = self._read()
+                    except ConnectionError:  # it died importing (its error is on its stderr)
+                        return False
                     self.pid = reply.pid if isinstance(reply, Ready) else None
         return self.pid is not None and self.proc.poll() is None
 
@@ -242,12 +245,15 @@ class Zygote:
 def preload(modules: list[str]) -> None:
     """Import `modules` (those of the targets it will run); fail when that left a thread running (a
     fork copies only the calling thread: whatever another held, a lock included, would be held for
-    ever in every worker)."""
+    ever in every worker) or initialised CUDA. The agent then starts its ranks by exec."""
     for name in modules:
         __import__(name)
     others = [t for t in os.listdir("/proc/self/task") if int(t) != os.getpid()]
     if others:
         raise RuntimeError(f"importing {', '.join(modules)} started {len(others)} thread(s): cannot fork from here")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a forked child cannot use the parent's CUDA context
+        raise RuntimeError(f"importing {', '.join(modules)} initialised CUDA: cannot fork from here")
 
 
 def serve(sock: socket.socket) -> None:
