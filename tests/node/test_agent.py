@@ -248,7 +248,8 @@ def test_a_start_the_os_refuses_is_reported_and_the_node_goes_on():
         ctl.to_agent(StartWorker(1, "initial", launch=launch))
         again = ctl.expect(ctl.health, WorkerStarted)
         pids.append(again.pid)
-        assert again.rank_id == 1 and thread.is_alive() and not can_no_longer_run(first.pid)
+        assert again.rank_id == 1 and again.started_by == "exec" and thread.is_alive()
+        assert not can_no_longer_run(first.pid)
     finally:
         stop_agent(stop, thread, pids, ctl)
 
@@ -274,7 +275,7 @@ def test_ranks_fork_from_the_zygote_and_a_fork_the_pids_limit_refuses_is_one_fai
         ctl.to_agent(StartWorker(0, "initial"))
         first = ctl.expect(ctl.health, WorkerStarted)
         pids.append(first.pid)
-        assert psutil.Process(first.pid).ppid() == os.getpid()
+        assert first.started_by == "fork" and psutil.Process(first.pid).ppid() == os.getpid()
         assert ctl.expect(ctl.step, WorkerHello).pid == first.pid  # it runs: it registered on the step socket
         assert worker_process(first.pid, 0) is not None and worker_process(first.pid, 1) is None
 

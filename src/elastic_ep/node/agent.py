@@ -609,8 +609,9 @@ class NodeAgent:
         with self._lock:
             self.children[proc.pid] = _Child(rank_id, proc, time.monotonic(), open_stat(proc.pid))
         threading.Thread(target=self._wait, args=(proc.pid,), daemon=True).start()
-        self.send(WorkerStarted(self.node, rank_id, proc.pid, self.lease.session))
-        logger.info("node %s: started rank %d (pid %d, %s)", self.node, rank_id, proc.pid, join_mode)
+        started_by = "fork" if isinstance(proc, ForkedWorker) else "exec"
+        self.send(WorkerStarted(self.node, rank_id, proc.pid, self.lease.session, started_by))
+        logger.info("node %s: started rank %d (pid %d, %s, by %s)", self.node, rank_id, proc.pid, join_mode, started_by)
 
     def _worker_env(self) -> dict[str, str]:
         return {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: self.key.hex()}

@@ -55,6 +55,7 @@ RankId = Annotated[int, msgspec.Meta(ge=0)]
 Pid = Annotated[int, msgspec.Meta(ge=1)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 JoinMode = Literal["initial", "recover", "adopt"]
+StartedBy = Literal["exec", "fork"]  # a worker's process: a new Python, or forked from its node's zygote
 
 
 class Message(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -13,7 +13,7 @@ import numpy as np
 
 from elastic_ep.model.sampling import TokenLogprobs
 
-from .codec import Count, JoinMode, Message, Pid, RankId, Record
+from .codec import Count, JoinMode, Message, Pid, RankId, Record, StartedBy
 from .fetch import BackupSite
 from .worker import WorkerLaunch
 
@@ -205,12 +205,15 @@ class StartWorker(Message):
 
 class WorkerStarted(Message):
     """`session`: the agent's, when it started the process; one of a session the controller gave up
-    on is not taken (that agent fences its processes itself)."""
+    on is not taken (that agent fences its processes itself). `started_by`: exec (a new Python that
+    imports everything first) or fork (from the node's zygote, node/zygote.py): the `started` event
+    says which, so a slow restart by exec (the zygote not ready, or gone) can be told apart."""
 
     node: str
     rank_id: RankId
     pid: Pid
     session: str = ""
+    started_by: StartedBy = "exec"
 
 
 class WorkerExited(Message):

@@ -173,8 +173,10 @@ def test_a_process_started_in_a_session_given_up_on_is_not_taken_and_the_next_se
     rig.nodes.on_agent_hello(b"an1", AgentHello("n1", 7, "tcp://f", 0, num_ranks=2, join_mode="recover",
                                                 session="s3"))
     assert [(m.rank_id, m.join_mode) for m in rig.plane.sent(StartWorker)] == [(2, "recover"), (3, "recover")] * 2
-    rig.nodes.on_worker_started(b"an1", WorkerStarted("n1", 2, 4002, "s3"))
+    rig.nodes.on_worker_started(b"an1", WorkerStarted("n1", 2, 4002, "s3", started_by="fork"))
     assert (rig.cluster.ranks[2].status, rig.cluster.ranks[2].pid) == (RankStatus.STARTING, 4002)
+    started = [e["message"] for e in rig.cluster.events.all() if e["kind"] == "started"]
+    assert started == ["rank 2 started on n1 (pid 4002, forked from the node's zygote)"]
 
 
 def test_a_backup_piece_of_another_session_than_the_nodes_current_one_is_not_taken():

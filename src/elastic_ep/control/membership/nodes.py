@@ -276,7 +276,8 @@ class Nodes:
         heard = self.plane.heard_clock()
         r.node, r.pid, r.status, r.last_heartbeat = msg.node, msg.pid, RankStatus.STARTING, heard
         r.progress, r.progress_at, r.hello = Progress(), heard, None
-        self.cluster.events.add(EventKind.STARTED, f"rank {msg.rank_id} started on {msg.node} (pid {msg.pid})",
+        how = "forked from the node's zygote" if msg.started_by == "fork" else "by exec"
+        self.cluster.events.add(EventKind.STARTED, f"rank {msg.rank_id} started on {msg.node} (pid {msg.pid}, {how})",
                                 msg.rank_id)
 
     def on_worker_hello(self, msg: WorkerHello) -> None:
