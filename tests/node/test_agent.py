@@ -232,6 +232,7 @@ def test_a_start_the_os_refuses_is_reported_and_the_node_goes_on():
         hello = ctl.expect(ctl.health, AgentHello)
         launch = ctl.launch(read_once=False)
         ctl.welcome(launch)
+        assert ctl.expect(ctl.health, AgentAlive).zygote == "off"  # --worker-start exec
         ctl.to_agent(StartWorker(0, "initial"))
         first = ctl.expect(ctl.health, WorkerStarted)
         pids.append(first.pid)
@@ -272,6 +273,7 @@ def test_ranks_fork_from_the_zygote_and_a_fork_the_pids_limit_refuses_is_one_fai
         hello = ctl.expect(ctl.health, AgentHello, timeout_s=90)
         assert agent.zygote is not None and agent.zygote.ready
         ctl.welcome(ctl.launch(read_once=False))
+        assert ctl.expect(ctl.health, AgentAlive).zygote == "ready"  # what /cluster shows of the node
         ctl.to_agent(StartWorker(0, "initial"))
         first = ctl.expect(ctl.health, WorkerStarted)
         pids.append(first.pid)

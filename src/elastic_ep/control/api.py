@@ -203,7 +203,9 @@ class Engine(Protocol):
                                 "evictions_s_ago": [float], "group_slowdown": bool},
            "standby": {"wanted": int, "ready": [rank_id]},   # --standby-ranks, ranks standing by
            "agents": [{"node", "host", "ranks", "standalone", "backup", "cordoned": bool,
-                       "safe_to_terminate": bool}],   # no member and no request on the node
+                       "safe_to_terminate": bool,   # no member and no request on the node
+                       "zygote": "ready" | "starting" | "down" | "off" | "unknown"}],   # how its ranks start
+                                                                 # (node/zygote.py; unknown: no AgentAlive yet)
            "cordoned": [node],   # drained nodes no rank starts on until POST /uncordon
            "hardware": {node: {"cpu_steal_ratio", "cpu_freq_mhz", "gpus": [{"index", "ecc_corrected",
                         "ecc_uncorrected", "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "throttle_reasons",

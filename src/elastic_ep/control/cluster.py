@@ -199,6 +199,7 @@ class ClusterState:
             "step": self.step, **extra,
             "agents": [{"node": a.node, "host": a.host, "ranks": a.num_ranks, "standalone": a.standalone,
                         "backup": a.backup is not None, "fetch": a.fetch_addr, "cordoned": a.node in self.cordoned,
+                        "zygote": a.zygote,
                         "safe_to_terminate": a.node not in node_busy} for a in self.agents.values()],
             "cordoned": sorted(self.cordoned),
             "placement": placement.placement,

@@ -174,3 +174,4 @@ class AgentInfo:
     alive_heard: bool = False  # an AgentAlive of its session came: its welcome reached it
     backup: BackupSite | None = None
     backup_experts: list[tuple[int, int]] = field(default_factory=list)
+    zygote: str = "unknown"  # its worker zygote as its last AgentAlive said (wire/codec.py `ZygoteState`)

@@ -370,7 +370,8 @@ class NodeAgent:
                 self.join_mode, self.auto_recover, self.lease.session, self.host, self.standalone,
                 self._running() if self.join_mode == "adopt" else []))
         if self.lease.alive_due(now, self.launch.heartbeat_interval_s if self.launch is not None else 0.0):
-            self.send(AgentAlive(self.node, self.lease.session, self._rejected(), self.backup.storage_bytes))
+            self.send(AgentAlive(self.node, self.lease.session, self._rejected(), self.backup.storage_bytes,
+                                 self._zygote_state()))
 
     def _read_beats(self) -> None:
         """Every heartbeat waiting on the beat socket: kept on the child of its pid (one that is not
@@ -630,6 +631,14 @@ class NodeAgent:
         if self.zygote is not None and not self.zygote.wait_ready(ZYGOTE_READY_S, stop) and not stop.is_set():
             logger.warning("node %s: the worker zygote was not ready in %gs; ranks start by exec until it is",
                            self.node, ZYGOTE_READY_S)
+
+    def _zygote_state(self) -> str:
+        """How the next rank would start, for `AgentAlive` (wire/codec.py `ZygoteState`)."""
+        if self.worker_start != "fork":
+            return "off"
+        if self.zygote is None or self.zygote.proc.poll() is not None:
+            return "down"
+        return "ready" if self.zygote.ready else "starting"
 
     def _spawn_zygote(self) -> None:
         """A new zygote (the one before, if any, closed): its imports run in its own process."""

@@ -56,6 +56,9 @@ Pid = Annotated[int, msgspec.Meta(ge=1)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 JoinMode = Literal["initial", "recover", "adopt"]
 StartedBy = Literal["exec", "fork"]  # a worker's process: a new Python, or forked from its node's zygote
+# an agent's zygote (node/zygote.py): ready (ranks fork), starting (importing; ranks start by exec
+# meanwhile), down (it died or could not start; by exec until a new one is ready), off (--worker-start exec)
+ZygoteState = Literal["ready", "starting", "down", "off"]
 
 
 class Message(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -13,7 +13,7 @@ import numpy as np
 
 from elastic_ep.model.sampling import TokenLogprobs
 
-from .codec import Count, JoinMode, Message, Pid, RankId, Record, StartedBy
+from .codec import Count, JoinMode, Message, Pid, RankId, Record, StartedBy, ZygoteState
 from .fetch import BackupSite
 from .worker import WorkerLaunch
 
@@ -166,6 +166,7 @@ class AgentAlive(Message):
     session: str
     frames_rejected: list[tuple[str, str, int]] = []
     storage_bytes: int = 0  # read from the checkpoint by the agent since it started (its backup, the dense stage)
+    zygote: ZygoteState = "off"  # how its next rank would start (wire/codec.py)
 
 
 class LeaseRenew(Message):

@@ -205,6 +205,17 @@ def test_a_silent_in_process_agent_is_a_stall_event_not_a_lost_node():
     assert not agent.stalled
 
 
+def test_an_agents_zygote_is_what_its_last_alive_said():
+    rig = Rig({0: "n0", 1: "n0"})
+    agent = rig.cluster.agents["n0"]
+    assert agent.zygote == "unknown"  # until its first AgentAlive
+    for state in ("starting", "ready", "down"):
+        rig.nodes.on_agent_alive(agent.identity, AgentAlive("n0", agent.session, zygote=state))
+        assert agent.zygote == state
+    rig.nodes.on_agent_alive(agent.identity, AgentAlive("n0", "another session", zygote="ready"))
+    assert agent.zygote == "down"  # a session given up on says nothing of the node
+
+
 def test_a_fence_goes_through_the_agent_and_a_rank_on_an_unreachable_node_is_down_at_once():
     rig = Rig({0: "n0", 1: "n1"})
     rig.nodes.fence(0, "hung")

@@ -140,6 +140,7 @@ class Nodes:
                                                                            "(unreachable for --agent-timeout-s)"))
             return
         self.heard_from(agent, self.plane.heard_clock())
+        agent.zygote = msg.zygote
         self.cluster.loads.agent(msg.node, msg.session, msg.storage_bytes)
         self.plane.to_identity(identity, LeaseRenew(msg.session, self.cfg.lease_s))
 
