@@ -107,7 +107,7 @@ from .host_backup import HostBackup
 from .lease import Lease
 from .netcut import NetCut, NetCutUnavailable
 from .step_gather import StepGather, node_results
-from .zygote import ForkedWorker, Zygote
+from .zygote import WORKER_MODULE, ForkedWorker, Zygote
 
 logger = logging.getLogger(__name__)
 FETCH_MAX_FRAME_BYTES = 1 << 20  # a fetch request is a list of (layer, expert): a bigger frame disconnects its peer
@@ -636,7 +636,7 @@ class NodeAgent:
         """How the next rank would start, for `AgentAlive` (wire/codec.py `ZygoteState`)."""
         if self.worker_start != "fork":
             return "off"
-        if self.zygote is None or self.zygote.proc.poll() is not None:
+        if self.zygote is None or not self.zygote.alive:
             return "down"
         return "ready" if self.zygote.ready else "starting"
 
@@ -657,19 +657,20 @@ class NodeAgent:
         is started for the next start when this one died or its code is stale). Raises OSError when
         the kernel refuses the process."""
         zygote = self.zygote
+        fresh = zygote is not None and zygote.fresh  # a walk of the package's files: once a start
         if zygote is not None and zygote.ready:
-            if zygote.fresh:
+            if fresh:
                 try:
-                    return zygote.fork("elastic_ep.runtime.worker:main", [args.to_json()], args.title())
+                    return zygote.fork(f"{WORKER_MODULE}:main", [args.to_json()], args.title())
                 except ConnectionError as e:
                     logger.warning("node %s: the worker zygote failed (%s); rank %d starts by exec", self.node, e,
                                    args.rank_id)
             else:
                 logger.info("node %s: the code changed on disk since the worker zygote imported it; rank %d "
                             "starts by exec and a new zygote imports it", self.node, args.rank_id)
-        if self.worker_start == "fork" and (zygote is None or zygote.proc.poll() is not None or not zygote.fresh):
+        if self.worker_start == "fork" and (zygote is None or not zygote.alive or not fresh):
             self._spawn_zygote()
-        return subprocess.Popen([sys.executable, "-m", "elastic_ep.runtime.worker", args.to_json()],
+        return subprocess.Popen([sys.executable, "-m", WORKER_MODULE, args.to_json()],
                                 env=self._worker_env(), stdin=subprocess.PIPE)
 
     def _await_dense(self, msg: StartWorker) -> bool:

@@ -50,6 +50,7 @@ from elastic_ep.parent_death import end_with_parent
 MAX_MESSAGE_BYTES = 1 << 20  # a Fork is a launch spec of a few KB
 REPLY_TIMEOUT_S = 30.0  # a fork answers in milliseconds; a zygote silent this long is taken for dead
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
+WORKER_MODULE = "elastic_ep.runtime.worker"  # what a rank runs (its `main`), by exec or from a zygote
 
 
 class Fork(msgspec.Struct, tag=True, frozen=True):
@@ -118,8 +119,11 @@ class ForkedWorker:
                 os.write(self._go, b"g")
             except OSError:  # it died already: its wait says how
                 pass
-            os.close(self._go)
-            self._go = -1
+            self._close_go()
+
+    def _close_go(self) -> None:
+        os.close(self._go)
+        self._go = -1
 
     def wait(self, timeout: float | None = None) -> int:
         """Its returncode by Popen's convention (-N: killed by signal N). The first wait without a
@@ -129,8 +133,7 @@ class ForkedWorker:
             self._reaping = self._reaping or reap
         if reap:
             if self._go >= 0:  # never released: the end of its go pipe ends it
-                os.close(self._go)
-                self._go = -1
+                self._close_go()
             _, status = os.waitpid(self.pid, 0)
             self.returncode = os.waitstatus_to_exitcode(status)
             self._reaped.set()
@@ -146,7 +149,7 @@ class Zygote:
     environment the zygote and so every worker it forks gets (OMP_NUM_THREADS must be in it: the
     OpenMP runtime reads it as torch loads it); `preload`: the modules it imports."""
 
-    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ("elastic_ep.runtime.worker",)):
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = (WORKER_MODULE,)):
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.fingerprint = source_fingerprint()
         try:
@@ -162,9 +165,13 @@ class Zygote:
         self.pid: int | None = None  # its pid once it said Ready
 
     @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
     def ready(self) -> bool:
         """Whether it forks now (never waits: reads its Ready if that came)."""
-        if self.pid is None and self.proc.poll() is None:
+        if self.pid is None and self.alive:
             with self._lock:
                 if self.pid is None and select.select([self._sock], [], [], 0)[0]:
                     try:
@@ -172,11 +179,11 @@ class Zygote:
                     except ConnectionError:  # it died importing (its error is on its stderr)
                         return False
                     self.pid = reply.pid if isinstance(reply, Ready) else None
-        return self.pid is not None and self.proc.poll() is None
+        return self.pid is not None and self.alive
 
     def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
         deadline = time.monotonic() + timeout_s
-        while not self.ready and self.proc.poll() is None and time.monotonic() < deadline:
+        while not self.ready and self.alive and time.monotonic() < deadline:
             if stop is not None and stop.is_set():
                 return False
             select.select([self._sock], [], [], 0.05)
@@ -294,13 +301,13 @@ def _fork(sock: socket.socket, msg: Fork, stdin: int, go: int) -> Forked | ForkR
     except OSError as e:
         os.close(report_r)
         os.close(report_w)
-        return ForkRefused(e.errno or errno.EAGAIN, e.strerror or str(e))
+        return _refused(e)
     if middle == 0:
         os.close(report_r)
         try:
             pid = os.fork()
         except OSError as e:
-            os.write(report_w, msgspec.json.encode(ForkRefused(e.errno or errno.EAGAIN, e.strerror or str(e))))
+            os.write(report_w, msgspec.json.encode(_refused(e)))
             os._exit(1)
         if pid == 0:
             os.close(report_w)
@@ -315,6 +322,10 @@ def _fork(sock: socket.socket, msg: Fork, stdin: int, go: int) -> Forked | ForkR
         return msgspec.json.decode(said, type=Forked | ForkRefused)
     except msgspec.DecodeError:
         return ForkRefused(errno.ECHILD, "the fork's middle process died before it reported")
+
+
+def _refused(e: OSError) -> ForkRefused:
+    return ForkRefused(e.errno or errno.EAGAIN, e.strerror or str(e))
 
 
 def _become(sock: socket.socket, msg: Fork, stdin: int, go: int) -> None:
