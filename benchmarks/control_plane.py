@@ -264,22 +264,18 @@ def inject(ctl: Controller, rank_id: int, sig: int, timeout_s: float,
     try:
         wait_for(lambda: any(e["rank_id"] == rank_id for e in events_after(ctl, since, "fault")), timeout_s,
                  f"no fault for rank {rank_id}")
-    except TimeoutError:  # what the controller did instead, and what it knows of the rank
-        for e in [e for e in events(ctl) if e["id"] > since][-40:]:
-            print(f"{e['time_s'] - t0:.3f} {e['kind']}: {e['message'][:200]}", file=sys.stderr)
-        r = ctl.cluster.ranks.get(rank_id)
-        if r is not None:
-            print(f"rank {rank_id}: {r.status.value}, heard {ctl.plane.heard_clock() - r.last_heartbeat:.2f}s ago, "
-                  f"{r.progress}", file=sys.stderr)
-        frame = sys._current_frames().get(ctl._thread.ident)
-        if frame is not None:
-            print("the control thread now:\n" + "".join(traceback.format_stack(frame)[-12:]), file=sys.stderr)
+    except TimeoutError:
+        explain(ctl, since, t0, rank_id)
         raise
     fault = next(e for e in events_after(ctl, since, "fault") if e["rank_id"] == rank_id)
     # when the control thread sent the signal to the rank's agent: detect_s less this is the agent's
     # report (or the silence) until the control thread acted on it
     chaos = next((e for e in events_after(ctl, since, "chaos") if e["rank_id"] == rank_id), None)
-    wait_for(lambda: events_after(ctl, since, "recovered"), timeout_s, "no recovery")
+    try:
+        wait_for(lambda: events_after(ctl, since, "recovered"), timeout_s, "no recovery")
+    except TimeoutError:
+        explain(ctl, since, t0, rank_id)
+        raise
     recovered = events_after(ctl, since, "recovered")[0]
     # what the controller did from 10 s before the signal to the recovery (an epoch, a straggler
     # decision, a stall), seconds from the signal: what the detection and the pause waited behind
@@ -361,18 +357,33 @@ class RecoveryProfile:
         self.done.dump_stats(f"{self.path}.{self.name}")
 
 
+def explain(ctl: Controller, since: int, t0: float, rank_id: int) -> None:
+    """On stderr, for a fault not named or a recovery that did not end: what the controller did instead
+    (its events since `since`, seconds from `t0`), what it knows of the rank, and where its thread is."""
+    for e in [e for e in events(ctl) if e["id"] > since][-40:]:
+        print(f"{e['time_s'] - t0:.3f} {e['kind']}: {e['message'][:200]}", file=sys.stderr)
+    r = ctl.cluster.ranks.get(rank_id)
+    if r is not None:
+        print(f"rank {rank_id}: {r.status.value}, heard {ctl.plane.heard_clock() - r.last_heartbeat:.2f}s ago, "
+              f"{r.progress}", file=sys.stderr)
+    frame = sys._current_frames().get(ctl._thread.ident)
+    if frame is not None:
+        print("the control thread now:\n" + "".join(traceback.format_stack(frame)[-12:]), file=sys.stderr)
+
+
 def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, jitter_ms: float, processes: int,
               before: bool, faults: bool, timeout_s: float, profile: str | None = None,
               profile_recovery: str | None = None, sample_s: float | None = None, warm_all: bool = False,
               trace_frames: int = 0, step_results_via: str = "direct", step_plans_via: str = "direct",
               async_scheduling: bool = False, slow: tuple[str, ...] = (), placements_on_thread: bool = False,
-              api_servers: int = 0, max_tokens: int = 0) -> dict:
+              api_servers: int = 0, max_tokens: int = 0, send_ahead_steps: int = 0) -> dict:
     model = standin_model(max(256, ranks))  # past 256 ranks, an expert per rank (the controller refuses fewer)
     cfg = ServeConfig(model_dir=str(model), model_name="standin", ep_size=ranks,
                       ranks_per_node=ranks_per_node(ranks),
                       max_num_seqs=max(seqs_per_rank, 1), max_model_len=2048, enable_chaos=True, restart_delay_s=-1,
                       log_stats_interval_s=0, startup_timeout_s=300, heartbeat_timeout_s=timeout_s,
-                      agent_timeout_s=timeout_s, step_plans_via=step_plans_via, async_scheduling=async_scheduling)
+                      agent_timeout_s=timeout_s, step_plans_via=step_plans_via, async_scheduling=async_scheduling,
+                      send_ahead_steps=send_ahead_steps)
     # after: load summed on the rank over 16 steps (the server's default stays 1 until the recorder
     # counts a window's last partial sums)
     cfg.load_report_every_steps = 1 if before else 16
@@ -427,7 +438,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
             "mode": ("before" if before else "after") + (", warm-all" if warm_all else "")
             + (", placements on the control thread" if placements_on_thread and not before else ""),
             "step_results_via": step_results_via, "step_plans_via": step_plans_via,
-            "async_scheduling": async_scheduling, "api_servers": api_servers,
+            "async_scheduling": async_scheduling, "send_ahead_steps": send_ahead_steps, "api_servers": api_servers,
             "plans_out": delta(v1["plans_out"], v0["plans_out"]), "step_ms": step_ms, "steps": steps,
             "step_period_ms": round(1000 * dt / max(steps, 1), 2),
             "slowest_rank_ms": round(1000 * (times.slowest_rank_s - s0) / max(steps, 1), 2),
@@ -460,7 +471,7 @@ def run_point(ranks: int, seqs_per_rank: int, seconds: float, step_ms: float, ji
         }
         if async_scheduling:  # steps prepared while the one before ran: sent, or dropped and planned again
             out["prepared_steps"] = {o: registry.get_sample_value("elastic_ep_prepared_steps_total", {"outcome": o})
-                                     for o in ("sent", "dropped")}
+                                     for o in ("sent", "rebuilt", "ahead", "dropped")}
         if samples:
             out["samples"] = samples
             # what else ran on the control thread in those minutes (epochs, stalls, resends)
@@ -644,7 +655,8 @@ def table(args) -> None:
                           *(["--api-servers", servers] if servers != "0" else []),
                           *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else []),
                           *(["--step-plans-via", args.step_plans_via] if args.step_plans_via != "direct" else []),
-                          *(["--async-scheduling"] if args.async_scheduling else [])]
+                          *(["--async-scheduling"] if args.async_scheduling else []),
+                          *(["--send-ahead-steps", str(args.send_ahead_steps)] if args.send_ahead_steps else [])]
             if mode != "before" or old is not None:  # after, and a --baseline's code: this run's step modes
                 flags = step_modes
             if mode == "before" and old is not None:
@@ -741,6 +753,9 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="serve --async-scheduling: the next step planned while one runs (a table's after "
                              "points too)")
+    parser.add_argument("--send-ahead-steps", type=int, default=0, metavar="N",
+                        help="serve --send-ahead-steps N (with --async-scheduling): up to N steps sent before the "
+                             "one they were planned during completes (a table's after points too)")
     parser.add_argument("--api-servers", type=int, default=0, metavar="N",
                         help="the load streamed by N stand-in API server processes (harness/standin_api.py), as "
                              "behind serve --api-server-count N; 0: by an event loop of this process")
@@ -766,7 +781,7 @@ def main() -> None:
                     args.before, not args.no_faults, args.timeout_s, args.profile, args.profile_recovery,
                     args.sample_s, args.warm_all, args.tracemalloc, args.step_results_via, args.step_plans_via,
                     args.async_scheduling, tuple(args.slow), args.placements_on_thread, args.api_servers,
-                    args.max_tokens)
+                    args.max_tokens, args.send_ahead_steps)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

@@ -114,3 +114,28 @@ def test_with_plans_and_results_through_the_agents_the_outputs_are_the_same(serv
         assert prepared(server, "sent") > 20 and plans_out["relayed"] > 10 * plans_out["direct"]
     finally:
         server.stop()
+
+
+def test_steps_sent_ahead_give_the_same_outputs_and_a_kill_mid_stream_leaves_them_exact(server_factory, without_flag):
+    """--send-ahead-steps 4: each step prepared while one runs is sent before that one completes, the
+    ranks (real workers, plans and results through their agents) going straight from one step to the
+    next; the requests that end are computed once more and their tokens dropped. Token for token the
+    outputs of a server without overlap; a rank killed mid-stream gives up the step sent ahead with the
+    interrupted one, and the outputs stay exact."""
+    mix, expected = without_flag
+    server = server_factory(*SERVE_ARGS, "--async-scheduling", "--send-ahead-steps", "4", "--step-plans-via",
+                            "agent", "--step-results-via", "agent")
+    try:
+        assert stream_mix(server, mix) == expected
+        ahead = prepared(server, "ahead")
+        assert ahead > 20
+        pid = server.pids()[2]
+        results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGKILL), PROMPTS, MAX_TOKENS,
+                                     temperature=0)
+        assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
+        cluster = server.wait_for(lambda c: any(e["kind"] == "recovered" for e in c["events"]), timeout_s=10,
+                                  what="a recovery")
+        assert cluster["epoch"] > 0 and prepared(server, "ahead") > ahead
+        assert any(e["kind"] == "fault" and "SIGKILL" in e["message"] for e in cluster["events"])
+    finally:
+        server.stop()

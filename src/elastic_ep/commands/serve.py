@@ -98,6 +98,11 @@ HELP = {
                         "one more decode of every request in flight; sent the moment the current step commits "
                         "(requests that ended taken out) unless something else changed (a request arrived, a "
                         "failed step, a fault), else planned as usual",
+    "send_ahead_steps": "with --async-scheduling, send up to this many steps in a row before the step they were "
+                        "planned during completes, so the ranks go from one step to the next without waiting for "
+                        "the controller (vLLM's and SGLang's overlap): a request that ended in a step is computed "
+                        "once more, its token dropped; a step boundary (an epoch change, a scale, a sleep) waits "
+                        "for the steps sent (0: off)",
     "padded_dispatch_max_tokens": "steps whose busiest rank runs at most this many tokens dispatch fixed-size "
                                   "blocks, one all-to-all fewer per layer (0: never)",
     "enable_dbo": "two micro-batches per step (vLLM's dual batch overlap): one's dispatch and combine are in "

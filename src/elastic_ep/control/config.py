@@ -38,6 +38,7 @@ class ServeConfig:
     enable_prefix_caching: bool = True
     prefix_wait: bool = True
     async_scheduling: bool = False
+    send_ahead_steps: int = 0
     padded_dispatch_max_tokens: int = 16
     enable_dbo: bool = False
     dbo_min_tokens: int = 2
@@ -207,6 +208,12 @@ def check_config(cfg: ServeConfig, config: MoEConfig, expert_nbytes: int) -> Red
                  "rebalance_every_steps", "block_size", "load_report_every_steps"):
         if getattr(cfg, name) < 1:
             raise ElasticEPError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.send_ahead_steps < 0:
+        raise ElasticEPError(f"--send-ahead-steps must be at least 0, got {cfg.send_ahead_steps}")
+    if cfg.send_ahead_steps and not cfg.async_scheduling:
+        raise ElasticEPError(f"--send-ahead-steps {cfg.send_ahead_steps} sends steps planned while the one before "
+                             "runs, which only --async-scheduling plans: add --async-scheduling, or drop "
+                             "--send-ahead-steps")
     if cfg.max_model_len > config.max_position_embeddings:
         raise ElasticEPError(
             f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "

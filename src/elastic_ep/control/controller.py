@@ -708,8 +708,12 @@ class Controller:
             self.pump(0.05)
             return
         wall_s = self.steps.run()  # its wait does the housekeeping
-        if wall_s is not None:
-            self.recovery.step_completed(wall_s)
+        while True:
+            if wall_s is not None:
+                self.recovery.step_completed(wall_s)
+            if self.steps.ahead is None:
+                break
+            wall_s = self.steps.run()  # a step sent ahead (--send-ahead-steps) is run before the next boundary
 
     def _housekeep(self) -> None:
         """What every step boundary looked at though the next step does not wait on it: the last

@@ -174,8 +174,9 @@ class ClusterMetrics:
         self.prepared_steps = Counter(
             "elastic_ep_prepared_steps", "Steps planned while the one before ran (serve --async-scheduling), by "
             "outcome: sent (as sealed, the moment the next step began), rebuilt (sent with the rows of requests "
-            "that ended meanwhile taken out, its plans built again), dropped (something else changed: planned "
-            "again)",
+            "that ended meanwhile taken out, its plans built again), ahead (sent before the step it was planned "
+            "during completed, --send-ahead-steps), dropped (something else changed: planned again; or sent ahead "
+            "and given up, the step before it having failed or been interrupted)",
             ["outcome"], registry=registry,
         )
         self.epoch = Gauge("elastic_ep_epoch", "Current membership epoch", registry=registry)

@@ -227,9 +227,12 @@ class StandInRank:
         self.first_beat: float | None = None  # monotonic time of its first heartbeat (None: not beating)
         self.stopped_at = 0.0
         self.delay_s: dict[tuple[int, int], float] = {}  # (epoch, step) -> injected delay (ChaosStep)
-        self.lose: tuple[int, int] | None = None  # (epoch, step) whose answer is lost on the way (ChaosStep)
+        self.lose: set[tuple[int, int]] = set()  # (epoch, step) whose answer is lost on the way (ChaosStep)
         self.answer: StepResult | StepFailed | None = None  # of its last step, sent again on ResendResult
+        self.answer_before: StepResult | StepFailed | None = None  # of the step before (serve --send-ahead-steps)
         self.pending: tuple[int, int] | None = None  # (epoch, step) of the step it has not answered yet
+        # plans that came while a step ran (serve --send-ahead-steps), run in turn as a worker reads them
+        self.queued: list[StepPlan] = []
         # tokens of a step -> steps that ran that many since the load was last reported: the load is
         # their templates summed when a plan asks for it, not an [L, E] array added per rank and step
         # (475 KB at 1,024 experts: a process of 256 stand-ins took ~1 s to start their first step)
@@ -286,7 +289,10 @@ class StandInRank:
         """Run, hold or drop a plan of either path, as a real rank does (runtime/plan_order.py)."""
         if self.plan_order.admit(plan, self.epoch) == Verdict.RUN:
             self.plan_order.ran(plan)
-            self._step(plan)
+            if self.pending is not None:
+                self.queued.append(plan)
+            else:
+                self._step(plan)
 
     def close(self) -> None:
         if self.stopped:
@@ -323,17 +329,21 @@ class StandInRank:
         if self.pending is not None and self.pending[0] == epoch:
             step = self.pending[1]
             self.pending = None
-            self.answer = StepFailed(epoch, step, self.rank_id, "CollectiveError: the epoch was aborted")
+            self.answer_before, self.answer = self.answer, StepFailed(epoch, step, self.rank_id,
+                                                                      "CollectiveError: the epoch was aborted")
             self.send(self.answer)
+            self.queued = [q for q in self.queued if q.epoch != epoch]  # its group is gone: they never run
 
     def _resend(self, msg: ResendResult) -> None:
         """As a real rank: its kept answer when it is of (epoch, step), `StepFailed` NOT_RUN when it
         never got that plan; nothing while it still runs that step (it answers when done)."""
-        if self.pending == (msg.epoch, msg.step):
+        if self.pending == (msg.epoch, msg.step) or any((q.epoch, q.step) == (msg.epoch, msg.step)
+                                                         for q in self.queued):
             return
-        last = self.answer
-        if last is not None and (last.epoch, last.step) == (msg.epoch, msg.step):
-            self.send(last)
+        kept = [a for a in (self.answer, self.answer_before) if a is not None and (a.epoch, a.step) == (msg.epoch,
+                                                                                                      msg.step)]
+        if kept:
+            self.send(kept[0])
         else:
             self.plan_order.passed(msg.epoch, msg.step)
             self.send(StepFailed(msg.epoch, msg.step, self.rank_id, f"never ran epoch {msg.epoch} step {msg.step} "
@@ -354,8 +364,9 @@ class StandInRank:
                 for plan in self.plan_order.release(msg.epoch):
                     self.plan_arrived(plan)
         elif isinstance(msg, ChaosStep):
-            self.delay_s = {(msg.epoch, msg.step): msg.delay_s}
-            self.lose = (msg.epoch, msg.step) if msg.lose_result else None
+            self.delay_s[(msg.epoch, msg.step)] = msg.delay_s
+            if msg.lose_result:
+                self.lose.add((msg.epoch, msg.step))
         elif isinstance(msg, ResendResult):
             self._resend(msg)
         elif isinstance(msg, WarmUp):  # a step's time per forward, every slot computing
@@ -382,6 +393,7 @@ class StandInRank:
             self.send(EpochFailed(msg.epoch, self.rank_id, str(e)))
             return
         self.epoch, self.members, self.seq, self.pending = msg.epoch, list(msg.members), 0, None
+        self.queued, self.delay_s, self.lose = [], {}, set()
         self.progress = Progress(msg.epoch, -1, -1, "rendezvous", 0, time.time())
         s = msg.slots_per_rank
         self.slots = phy2log[:, self.rank_id * s:(self.rank_id + 1) * s]
@@ -446,11 +458,13 @@ class StandInRank:
             self.pending = None
             step_s = time.monotonic() - received
             self.progress = Progress(plan.epoch, plan.step, -1, "idle", self.seq, time.time())
-            self.answer = StepResult(plan.epoch, plan.step, self.rank_id, tokens, step_s, min(step_s, due_s),
-                                     step_s - min(step_s, due_s), 0.0, load,
-                                     n_tokens * self.agent.top_k, {}, shape=n_tokens + plan.pad_tokens)
-            if self.lose != (plan.epoch, plan.step):
+            self.answer_before, self.answer = self.answer, StepResult(
+                plan.epoch, plan.step, self.rank_id, tokens, step_s, min(step_s, due_s), step_s - min(step_s, due_s),
+                0.0, load, n_tokens * self.agent.top_k, {}, shape=n_tokens + plan.pad_tokens)
+            if (plan.epoch, plan.step) not in self.lose:
                 self.agent.step_result(self, self.answer)
+            if self.queued:
+                self._step(self.queued.pop(0))
         self.agent.host.timers.at(received + due_s, answer)
 
 

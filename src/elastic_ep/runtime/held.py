@@ -106,25 +106,37 @@ class HeldSequences:
             kv.set_blocks(seq_id, kv.block_table(seq_id), num_cached=min(start_pos, kv.length(seq_id)))
 
     @staticmethod
-    def fill_sampled(plan: StepPlan, last: StepResult | StepFailed | None) -> None:
+    def fill_sampled(plan: StepPlan, last: StepResult | StepFailed | None) -> dict[int, str]:
         """Put in each decode row's token that is `SAMPLED_TOKEN` the token this rank sampled for its
-        sequence in `last`, its answer to the step before. RuntimeError naming the sequences it did not
-        sample there (or when `last` is not the step before of the same epoch)."""
+        sequence in `last`, its answer to the step before. A row whose sequence's sampling failed there
+        (`last.errors`; a step sent before that one completed, serve --send-ahead-steps) is taken out of
+        the plan: returns seq_id -> why, the errors of this step for those. RuntimeError naming the
+        sequences it did not sample there for any other reason (or when `last` is not the step before
+        of the same epoch)."""
         rows = plan.decode
         if rows is None or SAMPLED_TOKEN not in rows.tokens or len(rows.tokens) != len(rows.seq_ids):
-            return  # nothing to fill in (rows of unequal lengths fail in `runs`)
+            return {}  # nothing to fill in (rows of unequal lengths fail in `runs`)
         before = isinstance(last, StepResult) and (last.epoch, last.step) == (plan.epoch, plan.step - 1)
         sampled = last.tokens if before else {}
-        tokens, missing = rows.tokens, []
+        failed = last.errors if before else {}
+        tokens, missing, dropped = rows.tokens, [], {}
         for i, (seq_id, token) in enumerate(zip(rows.seq_ids, tokens, strict=True)):
             if token == SAMPLED_TOKEN:
                 if seq_id in sampled:
                     tokens[i] = sampled[seq_id]
+                elif seq_id in failed:
+                    dropped[seq_id] = f"no token to run: sampling it failed in step {plan.step - 1} ({failed[seq_id]})"
                 else:
                     missing.append(seq_id)
         if missing:
             raise RuntimeError(f"decode rows for sequences {missing[:5]} take the token this rank sampled in step "
                                f"{plan.step - 1} of epoch {plan.epoch}, and it sampled none for them there")
+        if dropped:  # the plan is frozen, its lists are not: the rows go from each
+            keep = [i for i, q in enumerate(rows.seq_ids) if q not in dropped]
+            for column in (rows.seq_ids, rows.tokens, rows.positions):
+                column[:] = [column[i] for i in keep]
+            rows.new_blocks[:] = [(q, b) for q, b in rows.new_blocks if q not in dropped]
+        return dropped
 
     def runs(self, plan: StepPlan) -> list[StepRun]:
         """The plan's chunks, then its decode rows, as the forward runs them. Raises RuntimeError

@@ -209,6 +209,10 @@ class Worker:
         self._load: np.ndarray | None = None  # expert load summed since it was last reported
         self._chaos: ChaosStep | None = None  # fault injection for the next step (--enable-chaos)
         self._answer: StepResult | StepFailed | None = None  # of the last step run, sent again on ResendResult
+        # of the step before it: with serve --send-ahead-steps a rank may have run the next step before
+        # the controller asks for this one's answer again
+        self._answer_before: StepResult | StepFailed | None = None
+        self._not_run: dict[int, str] = {}  # the step's decode rows taken out by `fill_sampled`: seq_id -> why
         self._stop = threading.Event()
         self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights dropped too
         self._slept_checksums: dict[tuple[int, int], int] = {}
@@ -592,6 +596,7 @@ class Worker:
         group, moe = self.group, self.moe
         assert group is not None and moe is not None
         start = time.perf_counter()
+        self._not_run = {}
         self.progress.enter("compute", step=plan.step)
         moe.start_step(plan.dispatch_rows, plan.micro_batches)
         chaos = self._chaos_for(plan)
@@ -615,10 +620,12 @@ class Worker:
             return
         tokens, logprobs, errors = self._sample(runs, logits,
                                                 {s for s, at in chaos.poisoned.items() if at == "sampling"})
+        if self._not_run:
+            errors = {**self._not_run, **errors}
         self.progress.idle()
         c = moe.counters
         step_s = time.perf_counter() - start
-        self._answer = StepResult(
+        self._answer_before, self._answer = self._answer, StepResult(
             plan.epoch, plan.step, self.args.rank_id, tokens, step_s, step_s - c.dispatch_wait_s - c.combine_wait_s,
             c.dispatch_wait_s, c.combine_wait_s, self._expert_load(c.expert_load, plan.report_load), c.slot_tokens,
             logprobs, errors,
@@ -634,12 +641,13 @@ class Worker:
 
     def _resend(self, msg: ResendResult) -> None:
         """The controller never got this rank's answer to (epoch, step): the one kept of the last step
-        when it is that step, else `StepFailed` NOT_RUN (its plan never came, so the step must be run
-        again by all)."""
+        or of the one before when it is that step, else `StepFailed` NOT_RUN (its plan never came, so
+        the step must be run again by all)."""
+        for kept in (self._answer, self._answer_before):
+            if kept is not None and (kept.epoch, kept.step) == (msg.epoch, msg.step):
+                self.send(kept)
+                return
         last = self._answer
-        if last is not None and (last.epoch, last.step) == (msg.epoch, msg.step):
-            self.send(last)
-            return
         self.plan_order.passed(msg.epoch, msg.step)  # a plan of it that comes late (a stalled agent's) never runs
         ran = f"epoch {last.epoch} step {last.step}" if last is not None else "no step"
         self.send(StepFailed(msg.epoch, msg.step, self.args.rank_id, f"never ran epoch {msg.epoch} step {msg.step} "
@@ -682,7 +690,7 @@ class Worker:
             finally:  # the peers of a move wait on this rank whatever happened above
                 kv_move_s = move_kv(self.kv, self.group, plan.kv_moves, held.tokens)
             held.moved_in(plan.kv_moves, self.args.rank_id)
-            held.fill_sampled(plan, self._answer)
+            self._not_run = held.fill_sampled(plan, self._answer)
             runs = held.runs(plan)
             held.allocate(self.kv, plan)
             if delay_s > 0:
@@ -734,8 +742,8 @@ class Worker:
             self.group.destroy()  # this epoch is over for this rank; the controller aborts it for the others
         self.progress.idle()
         detail = "" if isinstance(e, RuntimeError) else traceback.format_exc(limit=3)
-        self._answer = StepFailed(plan.epoch, plan.step, self.args.rank_id, f"{type(e).__name__}: {e}{detail}", kind,
-                                  in_experts)
+        self._answer_before, self._answer = self._answer, StepFailed(
+            plan.epoch, plan.step, self.args.rank_id, f"{type(e).__name__}: {e}{detail}", kind, in_experts)
         self.send(self._answer)
 
     def _slot_request(self, msg: SweepSlots | CorruptSlot) -> None:

@@ -501,3 +501,88 @@ def test_the_boundarys_housekeeping_runs_once_a_step_after_its_plans_went_out():
     steps.pump = answering_with(steps, lambda plans: [steps.on_reply(answer_of(r, plans[r])) for r in (0, 1)])
     assert steps.run() is not None and steps.run() is not None
     assert seen == [(2, 0.0), (4, 2.0)]
+
+
+def run_all(steps, scheduler) -> None:
+    """Steps until nothing is left, those sent ahead included (as the controller runs them)."""
+    while scheduler.has_work or steps.ahead is not None:
+        steps.run()
+
+
+def test_with_send_ahead_the_next_step_goes_before_the_last_commits_and_the_outputs_are_the_same():
+    """Requests 5 (4 tokens, rank 0) and 6 (8 tokens, rank 1), --send-ahead-steps 4: after the prefill
+    and a decode planned the usual way, each decode step is sent while the one before is in flight (the
+    ranks' answers to both come in the same pump: those of the step ahead wait with it). Request 5's
+    length ends it in step 4: step 5, prepared during step 4, leaves its row out, and its KV is freed in
+    step 6, the next sent. The same outputs as without overlap; at most 4 steps ahead in a row."""
+    def outputs(**flags):
+        registry = CollectorRegistry()
+        steps, scheduler, _ = loop_with_one_request(registry=registry, **flags)
+        seqs = [scheduler.by_id[5], Sequence(6, GenerationRequest("r6", [4, 5], SamplingParams(max_tokens=8), 0), 64,
+                                             (0,))]
+        scheduler.add(seqs[1])
+        sent_during: dict[int, int] = {}  # step -> the step in flight when its plans went
+        plane = steps.plane
+        for name in ("plans_to_workers", "send_sealed"):  # built now, or sealed while the step before ran
+            def sending(plans, *args, send=getattr(plane, name)):
+                sent_during[plans[0][1].step] = steps.cluster.step
+                return send(plans, *args)
+            setattr(plane, name, sending)
+        steps.pump = answering(steps)
+        run_all(steps, scheduler)
+        plans = [m for r, m in steps.plane.to_workers if r == 0 and isinstance(m, StepPlan)]
+        return {q.seq_id: q.output for q in seqs}, plans, registry, sent_during
+
+    want, plain, _, _ = outputs()
+    got, plans, registry, sent_during = outputs(async_scheduling=True, send_ahead_steps=4)
+    assert got == want == {5: [7] * 4, 6: [7] * 8}
+    assert prepared(registry, "ahead") == 5 and prepared(registry, "dropped") == 0
+    assert [p.step for p in plans] == [p.step for p in plain] == list(range(1, 9))
+    # steps 3-6 sent ahead in a row, then step 7 after step 6 committed, and 8 ahead of it
+    assert [s for s in range(1, 9) if sent_during[s] == s - 1] == [3, 4, 5, 6, 8]
+    assert [(p.free, p.decode.seq_ids if p.decode else None) for p in plans[3:6]] == [([], [5]), ([], None),
+                                                                                      ([5], None)]
+
+
+def test_a_failed_step_gives_up_the_step_sent_ahead_and_the_next_plan_is_full():
+    """Step 2 fails on rank 0 (its computation) while step 3 is already sent ahead: step 3 is given up
+    (its answers match nothing), its number skipped; isolation holds the request out of step 4, and
+    when it runs again it goes as a chunk (what the ranks kept is forgotten), never as a decode row."""
+    registry = CollectorRegistry()
+    steps, scheduler, _ = loop_with_one_request(registry=registry, async_scheduling=True, send_ahead_steps=4)
+    steps.pump = answering(steps, fail_at_step=2)
+    steps.run()
+    assert steps.run() is None and steps.ahead is None and steps.cluster.step == 2
+    assert prepared(registry, "ahead") == 1 and prepared(registry, "dropped") == 1
+    steps.run()
+    assert steps.cluster.step == 4
+    step4 = [m for _, m in steps.plane.to_workers if isinstance(m, StepPlan) and m.step == 4]
+    assert [p.decode for p in step4] == [None, None]
+    run_all(steps, scheduler)
+    again = [m for _, m in steps.plane.to_workers if isinstance(m, StepPlan) and m.step > 4
+             and (5 in {c.seq_id for c in m.chunks} or (m.decode is not None and 5 in m.decode.seq_ids))]
+    assert again and 5 in {c.seq_id for c in again[0].chunks}
+
+
+def test_an_interrupted_step_keeps_its_number_for_the_recovery_and_gives_up_the_one_ahead():
+    """A fault while step 2 waits with step 3 sent ahead: the recovery gathers step 2's answers (the
+    step number stays 2), an answer to step 3 is dropped, and the next step is numbered 4."""
+    steps, scheduler, detector = loop_with_one_request(async_scheduling=True, send_ahead_steps=4)
+    steps.pump = answering(steps)
+    steps.run()
+    steps.pump = lambda timeout_s: detector.error("rank 1: gloo: connection closed")
+    with pytest.raises(RecoveryNeeded):
+        steps.run()
+    detector.clear()
+    assert steps.cluster.step == 2 and steps.ahead is None and steps.unanswered(set()) == [0, 1]
+    sent = {m.step for _, m in steps.plane.to_workers if isinstance(m, StepPlan)}
+    assert sent == {1, 2, 3}
+    c = steps.cluster
+    steps.on_reply(StepResult(c.epoch, 3, 0, {5: 7}, 0.01, 0.01, 0.0, 0.0, np.zeros((0, 0), np.int32), 0, {}))
+    steps.on_reply(StepFailed(c.epoch, 2, 0, "CollectiveError: aborted", StepErrorKind.COLLECTIVE))
+    assert list(steps.replies) == [0] and steps.unanswered(set()) == [1]
+    detector.clear()  # the recovery takes the fault that answer named
+    steps.abandon()
+    steps.pump = answering(steps)
+    steps.run()
+    assert steps.cluster.step == 4

@@ -438,8 +438,11 @@ class Scheduler:
 
     def step_failed(self, batch: StepBatch) -> None:
         """A failed step's frees may not have run: ask again in the next step. A KV move may have
-        left a copy on its destination: free it there (the sequence stays on its old rank)."""
+        left a copy on its destination: free it there (the sequence stays on its old rank). Its plans
+        may have been half run: the next plan forgets what the ranks keep (with --send-ahead-steps a
+        later batch's commit may have come between its planning and now)."""
         self.revision += 1
+        self._uncommitted = True
         for rank_id, ids in batch.free.items():
             if rank_id in self.to_free:
                 self.to_free[rank_id].extend(ids)
@@ -672,12 +675,18 @@ class Scheduler:
         """While `batch` (just planned by `schedule`) runs: plan the next step now when it is one more
         decode of every sequence in flight (module docstring, overlap scheduling); `take_prepared` gives it
         once `batch` committed if nothing changed meanwhile. None when it cannot be known now."""
-        released = {r for r, _ in self._left}  # ranks a sequence left since `batch` was planned
+        # the sequences that left a rank since `batch` was planned, and their ranks: with --send-ahead-steps
+        # `batch` went out before the step before it committed, so it may still have rows of sequences that
+        # ended there; they are not planned again
+        gone = {q for _, q in self._left}
+        released = {r for r, _ in self._left}
         self._prepared, self._left = None, []
         if self.waiting or self.held or self.kv_offers is not None or batch.moves or any(batch.chunks.values()):
             return None
         decodes, by_id = batch.decodes, self.by_id
-        if not decodes or sum(len(r.seq_ids) for r in decodes.values()) != sum(map(len, self.running.values())):
+        rows_of_gone = sum(q in gone for r in released if r in decodes for q in decodes[r].seq_ids)
+        if not decodes or sum(len(r.seq_ids) for r in decodes.values()) - rows_of_gone != sum(
+                map(len, self.running.values())):
             return None  # some sequence in flight does not decode in this step
         prepared: dict[int, DecodeRows] = {}
         columns: dict[int, _Column] = {}
@@ -698,6 +707,8 @@ class Scheduler:
             seqs, new_blocks = list(lead.seqs) if n else [], []
             at_block_end = [(seq_ids[i], positions[i] - 1) for i, p in enumerate(positions) if p % block_size == 0]
             for seq_id, position in zip(rows.seq_ids[n:], rows.positions[n:], strict=True):
+                if seq_id in gone:
+                    continue
                 seq = by_id[seq_id]
                 if seq.kept != kept:
                     return None
@@ -742,10 +753,14 @@ class Scheduler:
             return None
         return probe.busiest, probe.streak
 
-    def take_prepared(self) -> tuple[StepBatch, bool] | None:
+    def take_prepared(self, ahead: bool = False) -> tuple[StepBatch, bool] | None:
         """The batch `prepare_decodes` planned, now the next step's, when nothing but sequences ending
         changed since (else None, and `schedule` plans the step), and whether some did: their rows
-        are taken out of it and their frees put in. Dropped either way."""
+        are taken out of it and their frees put in (so its plans are built again). Dropped either way.
+        `ahead`: it is sent before the step it was prepared during commits (--send-ahead-steps): every
+        free pending goes in with it (those of the sequences that ended in the step before that, whose
+        rows `prepare_decodes` left out), and its columns keep the room `prepare_decodes` gave them
+        (the last commit's record is a step behind it)."""
         prepared, self._prepared = self._prepared, None
         if prepared is None or prepared[1] != self.revision:
             return None
@@ -761,6 +776,11 @@ class Scheduler:
                 batch.unaligned[rank] = len(decodes[rank].seq_ids) if rank in decodes else 0
                 batch.columns.pop(rank, None)  # no longer its first rows: committed row by row
             batch.decodes = decodes
+        freed = False
+        if ahead:
+            for rank, ids in self.to_free.items():
+                if ids:
+                    batch.free[rank], self.to_free[rank], freed = batch.free.get(rank, []) + ids, [], True
         self.balance.busiest, self.balance.streak = after
         self.revision += 1
         self._uncommitted = True
@@ -775,9 +795,11 @@ class Scheduler:
         # column the last commit worked out (`_Steady`), so neither its commit nor the next
         # preparation reads each sequence for them
         for rank, column in batch.columns.items():
+            if ahead:
+                break
             if column.stops is None and (rec := self._steady.get(rank)) is not None and rec.column.seqs == column.seqs:
                 batch.columns[rank] = rec.column
-        return batch, bool(left)
+        return batch, bool(left) or freed
 
     def _rank_order(self, ahead: dict[int, int]) -> RankOrder:
         """The ranks that take new sequences (room for one more, not draining) by what a sequence

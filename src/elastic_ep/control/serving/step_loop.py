@@ -39,13 +39,27 @@ usual way, so a step sent is always the one `schedule` would have planned. With 
 agent each node's `NodeStepPlans` is sealed then too, for the ranks relayed as they are then; at
 the send the ranks to relay are worked out again, and a change (an agent gone silent, a rank's
 beats late, a `ChaosStep` sent) has the prepared plans sealed again for the nodes of now.
+
+Steps sent ahead (--send-ahead-steps N, with --async-scheduling; vLLM's and SGLang's overlap): the
+step prepared while this one runs is sent at once, before this one completes, so each rank finds
+its next plan waiting when it answers and goes straight on; the control thread then commits one step
+while the ranks run the next, and only its CPU per step, not its turnaround, adds to the ranks' time.
+A step sent ahead cannot take out the rows of the requests that end in the step before it: each is
+computed once more and its token dropped at the commit (its sequence has left the rank), and its
+blocks are freed in the step after. Answers to it that come before the step before completes wait
+with it. When the step before fails or is interrupted, the step sent ahead is given up: its number
+is spent (its answers match nothing), its batch counts as failed (the next plan is full, its frees
+asked again), and the ranks run it and drop it. Up to N steps go ahead in a row; a step that cannot
+be prepared (a request arrived, a hold) ends the run, and `run` returns after each step with the
+next one still in flight: the controller runs it before the next step boundary, so an epoch change,
+a scale or a sleep waits for at most N steps.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -108,6 +122,10 @@ class PreparedStep:
     plans: list | None = None
     relayed: dict[int, str] | None = None
     node_frames: list | None = None
+    # --send-ahead-steps: the answers that came while the step before was in flight
+    replies: dict[int, StepResult | StepFailed | NodeStepResults] = field(default_factory=dict)
+    answers: StepAnswers = field(default_factory=StepAnswers)
+    sent_at: float = 0.0  # perf_counter when it was sent ahead
 
 
 @dataclass
@@ -173,24 +191,43 @@ class StepLoop:
         self._started_ns = 0  # wall-clock ns the step in flight was sent (request traces)
         self._planned_epoch: int | None = None  # the epoch of the last step planned
         self.prepared: PreparedStep | None = None  # the next step, planned while this one runs
+        self.ahead: PreparedStep | None = None  # the next step, sent while this one runs (--send-ahead-steps)
+        self._ahead_left = 0  # steps that may still be sent ahead before the next step boundary
+        self._links = True  # the step in flight's answers measure a round trip (not one sent ahead)
+        self._spent = False  # the next step number went to a step sent ahead and given up: skipped
         self._done_at = 0.0  # perf_counter when the last step completed, 0 after one that did not
         self.completed: CompletedStep | None = None  # the last committed step, until `observe` took it
 
+    def _inbox(self, epoch: int, step: int) -> tuple[dict, StepAnswers, float] | None:
+        """Where an answer to (epoch, step) goes: the replies, answers and send time of the step in flight,
+        or of the step sent ahead of it; None for any other step."""
+        c = self.cluster
+        if epoch != c.epoch:
+            return None
+        if step == c.step:
+            return self.replies, self.answers, self._sent_at
+        ahead = self.ahead
+        if ahead is not None and step == ahead.step:
+            return ahead.replies, ahead.answers, ahead.sent_at
+        return None
+
     def on_reply(self, msg: StepResult | StepFailed) -> None:
-        if msg.epoch != self.cluster.epoch or msg.step != self.cluster.step or msg.rank_id in self.replies:
+        inbox = self._inbox(msg.epoch, msg.step)
+        if inbox is None or msg.rank_id in inbox[0]:
             return  # of another step, or an answer sent again that came after the first
+        replies, answers, sent_at = inbox
         if isinstance(msg, StepResult):
             rank = self.cluster.ranks.get(msg.rank_id)
             if rank is None or not self._load_fits(msg.expert_load, f"rank {msg.rank_id}", "step", rank.node):
                 return
-            self.answers.add(msg, time.perf_counter() - self._sent_at)
-        self._answered(msg.rank_id, msg)
+            answers.add(msg, time.perf_counter() - sent_at)
+        self._answered(replies, msg.rank_id, msg)
         if isinstance(msg, StepFailed) and msg.kind != StepErrorKind.LOCAL:  # the group broke, or a plan was lost
             self.detector.error(f"rank {msg.rank_id}: {msg.error}")
 
-    def _answered(self, rank_id: int, msg: StepResult | StepFailed | NodeStepResults) -> None:
-        self.replies[rank_id] = msg
-        if rank_id in self.asked:
+    def _answered(self, replies: dict, rank_id: int, msg: StepResult | StepFailed | NodeStepResults) -> None:
+        replies[rank_id] = msg
+        if rank_id in self.asked and replies is self.replies:
             not_run = isinstance(msg, StepFailed) and msg.kind == StepErrorKind.NOT_RUN
             self.metrics.lost_results.labels("not_run" if not_run else "resent").inc()
 
@@ -213,7 +250,8 @@ class StepLoop:
         deadline."""
         c = self.cluster
         agent = c.agents.get(msg.node)
-        if agent is None or agent.session != msg.session or msg.epoch != c.epoch or msg.step != c.step:
+        inbox = self._inbox(msg.epoch, msg.step)
+        if agent is None or agent.session != msg.session or inbox is None:
             return
         ranks, node = c.ranks, msg.node
         infos = [ranks.get(r) for r in msg.rank_ids]
@@ -222,11 +260,11 @@ class StepLoop:
             return
         if not all(self._load_fits(load, f"agent {node}", "health", node) for load in msg.expert_load.values()):
             return
-        replies, arrived_s = self.replies, time.perf_counter() - self._sent_at
+        replies, answers, sent_at = inbox
         take = [i for i, r in enumerate(msg.rank_ids) if r not in replies]
-        self.answers.add_node(msg, arrived_s, None if len(take) == len(msg.rank_ids) else take)
+        answers.add_node(msg, time.perf_counter() - sent_at, None if len(take) == len(msg.rank_ids) else take)
         for i in take:
-            self._answered(msg.rank_ids[i], msg)
+            self._answered(replies, msg.rank_ids[i], msg)
 
     def run(self) -> float | None:
         """Run the next step; returns its wall time (s), or None when a rank's own computation
@@ -237,39 +275,38 @@ class StepLoop:
         if self._done_at:  # the last step completed: what the control thread did since is this step's
             times.add("between", t0 - self._done_at)
         self._done_at = 0.0
-        prepared = self._take_prepared()
-        batch = prepared.batch if prepared is not None else self._plan()
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            self._ahead_left = self.cfg.send_ahead_steps
+            prepared = self._take_prepared()
+            batch = prepared.batch if prepared is not None else self._plan()
+        else:  # sent while the last step ran, which committed: the ranks are running it
+            prepared, batch = None, ahead.batch
         self.metrics.kv_step(batch.preempted, batch.prefix_queried, batch.prefix_hit, batch.prefix_waits,
                              batch.kv_kept, batch.kv_reprefilled)
-        c.step += 1
+        c.step += 2 if self._spent else 1
+        self._spent = False
         self._record_links()  # answers to the last step that came after it ended
-        self.replies, self.asked, self.answers, self._links_recorded = {}, {}, StepAnswers(), 0
+        self.asked = {}
+        if ahead is None:
+            self.replies, self.answers, self._links_recorded, self._links = {}, StepAnswers(), 0, True
+        else:  # its answers' times include the step before, which the ranks ran first: no link's round trip
+            self.replies, self.answers, self._links = ahead.replies, ahead.answers, False
         self.in_step = set(c.members)
         self._result_deadline_s = self.detector.result_deadline_s()
         self.started_at = time.monotonic()
         self._started_ns = time.time_ns()
-        if prepared is not None and prepared.frames is not None:
-            plans, micro_batches = None, prepared.micro_batches
-        elif prepared is not None and prepared.plans is not None:
-            plans, micro_batches = prepared.plans, prepared.micro_batches
+        if ahead is None:
+            micro_batches = self._send(prepared, batch, c.step)
+            start = self._sent_at  # just before the send
+            times.add("plan", start - t0)
         else:
-            plans, micro_batches = self._plans(batch, c.step)
-        # the ranks sent a `ChaosStep` get their plan directly, after it on the same socket
-        injected = self.chaos.before_step(c.epoch, c.step, batch, c.members) if self.chaos is not None else set()
-        start = self._sent_at = time.perf_counter()
-        times.add("plan", start - t0)
-        if plans is None:
-            send_s, nbytes = self.plane.send_sealed(prepared.frames)
-            times.add("send", send_s)
-            times.bytes_out += nbytes
-            times.plans_out["direct"] += len(prepared.frames)
-        else:
-            relayed = self._relayed(injected)
-            sealed = prepared.node_frames if prepared is not None and prepared.plans is plans \
-                and prepared.relayed == relayed else None
-            self.plane.plans_to_workers(plans, relayed, sealed)
+            micro_batches, start = ahead.micro_batches, time.perf_counter()
+            self._sent_at = ahead.sent_at
         if self.cfg.async_scheduling:
             self._prepare(batch)
+            if self._ahead_left > 0 and self.prepared is not None:
+                self._send_ahead()
         self.observe()  # the last step's, now that this one's plans are out
         if self.during_step is not None:
             self.during_step()
@@ -282,6 +319,7 @@ class StepLoop:
                 self._record_links()
                 self.prepared = None
                 self.scheduler.step_failed(batch)
+                self._give_up_ahead()
                 self.uncommitted = batch
                 raise RecoveryNeeded()
         self.in_step = set()
@@ -296,6 +334,7 @@ class StepLoop:
             self.scheduler.step_failed(batch)
             self.metrics.failed_steps.inc()
             self.isolation.step_failed(c.step, batch, failures)
+            self._give_up_ahead()
             return None
         self._finish(batch, wall_s, micro_batches)
         self.isolation.step_passed(batch)
@@ -304,14 +343,67 @@ class StepLoop:
         times.wall_s += self._done_at - t0
         return wall_s
 
+    def _send(self, prepared: PreparedStep | None, batch: StepBatch, step: int) -> int:
+        """Send `batch` as step `step` of this epoch: `prepared`'s sealed frames or plans when it has
+        them, else plans built now; returns its micro-batches. `_sent_at` is when it went."""
+        c, times = self.cluster, self.plane.times
+        if prepared is not None and prepared.frames is not None:
+            plans, micro_batches = None, prepared.micro_batches
+        elif prepared is not None and prepared.plans is not None:
+            plans, micro_batches = prepared.plans, prepared.micro_batches
+        else:
+            plans, micro_batches = self._plans(batch, step)
+        # the ranks sent a `ChaosStep` get their plan directly, after it on the same socket
+        injected = self.chaos.before_step(c.epoch, step, batch, c.members) if self.chaos is not None else set()
+        self._sent_at = time.perf_counter()
+        if plans is None:
+            send_s, nbytes = self.plane.send_sealed(prepared.frames)
+            times.add("send", send_s)
+            times.bytes_out += nbytes
+            times.plans_out["direct"] += len(prepared.frames)
+        else:
+            relayed = self._relayed(injected)
+            sealed = prepared.node_frames if prepared is not None and prepared.plans is plans \
+                and prepared.relayed == relayed else None
+            self.plane.plans_to_workers(plans, relayed, sealed)
+        return micro_batches
+
+    def _send_ahead(self) -> None:
+        """--send-ahead-steps: send the step just prepared now, while the one in flight runs (module
+        docstring), when it is still the next step."""
+        prepared = self._take_prepared(ahead=True)
+        if prepared is None:
+            return
+        sent_at = self._sent_at  # the step in flight's
+        prepared.micro_batches = self._send(prepared, prepared.batch, prepared.step)
+        prepared.sent_at, self._sent_at = self._sent_at, sent_at
+        self._ahead_left -= 1
+        self.ahead = prepared
+
+    def _give_up_ahead(self) -> None:
+        """The step before the step sent ahead failed or was interrupted: the ranks run that one and drop
+        it (its plans need the tokens of a step that did not commit, or its epoch is over); its number is
+        spent, so its answers match no later step (the number of the step in flight stays until the next:
+        a recovery gathers that step's answers), and its batch counts as failed (the next plan is full,
+        its frees are asked again)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return
+        self._spent = True
+        self.scheduler.step_failed(ahead.batch)
+        self.metrics.prepared_steps.labels("dropped").inc()
+
     def _record_links(self) -> None:
         """The answers' round trips (`StepAnswers.link_s`) not recorded yet into the ranks' timings: at
-        the step's end, and before the next for those that came after it (a rank gone since is left out)."""
+        the step's end, and before the next for those that came after it (a rank gone since is left out).
+        None for a step sent ahead (`_links`)."""
         a, ranks = self.answers, self.cluster.ranks
         start = self._links_recorded
         if start == len(a.rank_ids):
             return
         self._links_recorded = len(a.rank_ids)
+        if not self._links:
+            return
         ids, links = a.rank_ids[start:], a.link_s(start)
         kept = [i for i, r in enumerate(ids) if r in ranks]
         if len(kept) < len(ids):
@@ -388,10 +480,11 @@ class StepLoop:
                                          self.plane.seal_for_workers(plans), micro_batches)
         self.plane.times.add("prepare", time.perf_counter() - t0)
 
-    def _take_prepared(self) -> PreparedStep | None:
+    def _take_prepared(self, ahead: bool = False) -> PreparedStep | None:
         """The step prepared while the last one ran, when it is still the next step as `schedule`
         would plan it (module docstring), its frames None when sequences ended since (its plans are
-        built again); else None, and it is dropped."""
+        built again); else None, and it is dropped. `ahead`: to be sent before the step in flight
+        completes (`Scheduler.take_prepared`)."""
         prepared, self.prepared = self.prepared, None
         if prepared is None:
             return None
@@ -399,14 +492,14 @@ class StepLoop:
         taken = None
         if (prepared.epoch == c.epoch and prepared.step == c.step + 1 and prepared.term == self.plane.term
                 and not self.isolation.held and self.uncommitted is None and prepared.members == c.members):
-            taken = self.scheduler.take_prepared()  # when not asked, a stale one stays there: `schedule` drops it
+            taken = self.scheduler.take_prepared(ahead)  # when not asked, a stale one stays there: `schedule` drops it
         if taken is None:
             self.metrics.prepared_steps.labels("dropped").inc()
             return None
         prepared.batch, changed = taken
         if changed:
             prepared.frames = prepared.plans = prepared.node_frames = None
-        self.metrics.prepared_steps.labels("rebuilt" if changed else "sent").inc()
+        self.metrics.prepared_steps.labels("ahead" if ahead else "rebuilt" if changed else "sent").inc()
         return prepared
 
     def _chase_answers(self) -> None:
