@@ -3,6 +3,7 @@ say the signal by name (a rank that ends during start-up: tests/control/membersh
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -64,6 +65,19 @@ def test_an_ep_size_beyond_the_experts_is_refused_with_the_limit():
                                              rf"experts.*--ep-size {config.num_experts} or fewer"):
         check_config(ServeConfig(model_dir="", model_name="m", ep_size=64), config, nbytes)
     check_config(ServeConfig(model_dir="", model_name="m", ep_size=config.num_experts), config, nbytes)
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    ({"send_ahead_steps": 4}, "--send-ahead-steps 4 sends steps planned while the one before runs, which only "
+                              "--async-scheduling plans: add --async-scheduling"),
+    ({"send_ahead_steps": -1, "async_scheduling": True}, "--send-ahead-steps must be at least 0, got -1"),
+])
+def test_steps_sent_ahead_without_overlap_scheduling_are_refused_naming_the_flag(flags, said):
+    config, nbytes = tiny_config()
+    with pytest.raises(ElasticEPError, match=re.escape(said)):
+        check_config(ServeConfig(model_dir="", model_name="m", ep_size=4, **flags), config, nbytes)
+    check_config(ServeConfig(model_dir="", model_name="m", ep_size=4, async_scheduling=True, send_ahead_steps=4),
+                 config, nbytes)
 
 
 def test_serve_refuses_an_ep_size_beyond_the_experts_without_starting_workers():

@@ -21,9 +21,10 @@ from enum import Enum
 
 from elastic_ep.wire import StepPlan
 
-# The controller sends a rank's next plan only after every member answered the last one, so one
-# plan of a coming epoch is all that can wait legitimately; a few more allow for a reordering of
-# the two paths, and anything past that is stale.
+# The controller sends a rank's next plan only after every member answered the last one (with serve
+# --send-ahead-steps, one more of the same epoch, which runs when it is read: never held here), so one
+# plan of a coming epoch is all that can wait legitimately; a few more allow for a reordering of the
+# two paths, and anything past that is stale.
 MAX_HELD_PLANS = 4
 
 
