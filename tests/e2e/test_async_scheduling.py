@@ -128,7 +128,7 @@ def test_steps_sent_ahead_give_the_same_outputs_and_a_kill_mid_stream_leaves_the
     try:
         assert stream_mix(server, mix) == expected
         ahead = prepared(server, "ahead")
-        assert ahead > 20
+        assert ahead > 10  # 36 in a run here: the requests' arrivals end runs of steps ahead
         pid = server.pids()[2]
         results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGKILL), PROMPTS, MAX_TOKENS,
                                      temperature=0)
