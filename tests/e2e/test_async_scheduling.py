@@ -90,15 +90,21 @@ def test_outputs_are_token_for_token_those_without_the_flag(server, without_flag
     assert prepared(server, "sent") > 20 and prepared(server, "rebuilt") > 0
 
 
-def test_a_rank_killed_mid_stream_leaves_the_outputs_exact(server):
-    server.wait_full_group(4)
-    sent = prepared(server, "sent")
-    pid = server.pids()[1]
+def kill_mid_stream(server: Server, index: int) -> dict:
+    """SIGKILL the server's `index`th rank process once every greedy stream of PROMPTS has its first
+    chunk: every output is the fault-free reference; returns /cluster once the recovery is recorded."""
+    pid = server.pids()[index]
     results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGKILL), PROMPTS, MAX_TOKENS,
                                  temperature=0)
     assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
-    cluster = server.wait_for(lambda c: any(e["kind"] == "recovered" for e in c["events"]), timeout_s=10,
-                              what="a recovery")
+    return server.wait_for(lambda c: any(e["kind"] == "recovered" for e in c["events"]), timeout_s=10,
+                           what="a recovery")
+
+
+def test_a_rank_killed_mid_stream_leaves_the_outputs_exact(server):
+    server.wait_full_group(4)
+    sent = prepared(server, "sent")
+    cluster = kill_mid_stream(server, 1)
     assert cluster["epoch"] > 0 and prepared(server, "sent") > sent
 
 
@@ -129,12 +135,7 @@ def test_steps_sent_ahead_give_the_same_outputs_and_a_kill_mid_stream_leaves_the
         assert stream_mix(server, mix) == expected
         ahead = prepared(server, "ahead")
         assert ahead > 10  # 36 in a run here: the requests' arrivals end runs of steps ahead
-        pid = server.pids()[2]
-        results = streams_with_fault(server.url, lambda: os.kill(pid, signal.SIGKILL), PROMPTS, MAX_TOKENS,
-                                     temperature=0)
-        assert [r.text for r in results] == list(reference(MODEL, tuple(PROMPTS), MAX_TOKENS))
-        cluster = server.wait_for(lambda c: any(e["kind"] == "recovered" for e in c["events"]), timeout_s=10,
-                                  what="a recovery")
+        cluster = kill_mid_stream(server, 2)
         assert cluster["epoch"] > 0 and prepared(server, "ahead") > ahead
         assert any(e["kind"] == "fault" and "SIGKILL" in e["message"] for e in cluster["events"])
     finally:

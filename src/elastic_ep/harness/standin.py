@@ -340,14 +340,13 @@ class StandInRank:
         if self.pending == (msg.epoch, msg.step) or any((q.epoch, q.step) == (msg.epoch, msg.step)
                                                          for q in self.queued):
             return
-        kept = [a for a in (self.answer, self.answer_before) if a is not None and (a.epoch, a.step) == (msg.epoch,
-                                                                                                      msg.step)]
-        if kept:
-            self.send(kept[0])
-        else:
-            self.plan_order.passed(msg.epoch, msg.step)
-            self.send(StepFailed(msg.epoch, msg.step, self.rank_id, f"never ran epoch {msg.epoch} step {msg.step} "
-                                 "(its plan did not arrive)", StepErrorKind.NOT_RUN))
+        for kept in (self.answer, self.answer_before):
+            if kept is not None and (kept.epoch, kept.step) == (msg.epoch, msg.step):
+                self.send(kept)
+                return
+        self.plan_order.passed(msg.epoch, msg.step)
+        self.send(StepFailed(msg.epoch, msg.step, self.rank_id, f"never ran epoch {msg.epoch} step {msg.step} "
+                             "(its plan did not arrive)", StepErrorKind.NOT_RUN))
 
     # ---- messages ----------------------------------------------------------------------------
 

@@ -794,11 +794,11 @@ class Scheduler:
         # a column prepared without its stop tokens and room takes those of the same sequences'
         # column the last commit worked out (`_Steady`), so neither its commit nor the next
         # preparation reads each sequence for them
-        for rank, column in batch.columns.items():
-            if ahead:
-                break
-            if column.stops is None and (rec := self._steady.get(rank)) is not None and rec.column.seqs == column.seqs:
-                batch.columns[rank] = rec.column
+        if not ahead:
+            for rank, column in batch.columns.items():
+                if column.stops is None and (rec := self._steady.get(rank)) is not None \
+                        and rec.column.seqs == column.seqs:
+                    batch.columns[rank] = rec.column
         return batch, bool(left) or freed
 
     def _rank_order(self, ahead: dict[int, int]) -> RankOrder:

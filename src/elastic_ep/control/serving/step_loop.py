@@ -297,8 +297,8 @@ class StepLoop:
         self.started_at = time.monotonic()
         self._started_ns = time.time_ns()
         if ahead is None:
-            micro_batches = self._send(prepared, batch, c.step)
-            start = self._sent_at  # just before the send
+            micro_batches, start = self._send(prepared, batch, c.step)
+            self._sent_at = start
             times.add("plan", start - t0)
         else:
             micro_batches, start = ahead.micro_batches, time.perf_counter()
@@ -343,9 +343,10 @@ class StepLoop:
         times.wall_s += self._done_at - t0
         return wall_s
 
-    def _send(self, prepared: PreparedStep | None, batch: StepBatch, step: int) -> int:
+    def _send(self, prepared: PreparedStep | None, batch: StepBatch, step: int) -> tuple[int, float]:
         """Send `batch` as step `step` of this epoch: `prepared`'s sealed frames or plans when it has
-        them, else plans built now; returns its micro-batches. `_sent_at` is when it went."""
+        them, else plans built now; returns its micro-batches and when it went (perf_counter, just
+        before the send)."""
         c, times = self.cluster, self.plane.times
         if prepared is not None and prepared.frames is not None:
             plans, micro_batches = None, prepared.micro_batches
@@ -355,7 +356,7 @@ class StepLoop:
             plans, micro_batches = self._plans(batch, step)
         # the ranks sent a `ChaosStep` get their plan directly, after it on the same socket
         injected = self.chaos.before_step(c.epoch, step, batch, c.members) if self.chaos is not None else set()
-        self._sent_at = time.perf_counter()
+        sent_at = time.perf_counter()
         if plans is None:
             send_s, nbytes = self.plane.send_sealed(prepared.frames)
             times.add("send", send_s)
@@ -366,7 +367,7 @@ class StepLoop:
             sealed = prepared.node_frames if prepared is not None and prepared.plans is plans \
                 and prepared.relayed == relayed else None
             self.plane.plans_to_workers(plans, relayed, sealed)
-        return micro_batches
+        return micro_batches, sent_at
 
     def _send_ahead(self) -> None:
         """--send-ahead-steps: send the step just prepared now, while the one in flight runs (module
@@ -374,9 +375,7 @@ class StepLoop:
         prepared = self._take_prepared(ahead=True)
         if prepared is None:
             return
-        sent_at = self._sent_at  # the step in flight's
-        prepared.micro_batches = self._send(prepared, prepared.batch, prepared.step)
-        prepared.sent_at, self._sent_at = self._sent_at, sent_at
+        prepared.micro_batches, prepared.sent_at = self._send(prepared, prepared.batch, prepared.step)
         self._ahead_left -= 1
         self.ahead = prepared
 
