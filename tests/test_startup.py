@@ -128,3 +128,30 @@ def test_the_agent_refuses_the_http_url_for_the_controller(capsys):
 def test_exits_say_the_signal_by_name(returncode, said):
     assert exit_reason(returncode) == said
     assert FaultDetector.exited(1, returncode).detail == f"process {said}"
+
+
+SPY_ON_THE_ZYGOTE = """
+import os, sys
+import elastic_ep.node.zygote as zygote
+
+def spy(num_ranks, worker_start):
+    print(f"zygote for {num_ranks} ranks by {worker_start}; torch imported before: {'torch' in sys.modules}",
+          flush=True)
+    os._exit(0)
+
+zygote.early_zygote = spy
+from elastic_ep.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", [
+    ["serve", "--model", "tiny-deepseek-v3", "--ep-size", "2", "--port", "0"],
+    ["agent", "--controller", "tcp://127.0.0.1:9", "--node", "n0", "--cluster-key-file", "/none", "--ranks", "2"],
+])
+def test_serve_and_agent_start_the_worker_zygote_before_they_import_torch(command):
+    """Its ~3 s of imports then run beside the command's own instead of after them (node/zygote.py)."""
+    done = subprocess.run([sys.executable, "-c", SPY_ON_THE_ZYGOTE, *command], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "zygote for 2 ranks by fork; torch imported before: False" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -31,6 +31,10 @@ CHILD = textwrap.dedent("""
             import time
             time.sleep(60)
         return int(argv[1])
+
+    def env(argv):
+        open(argv[0], "w").write(os.environ.get(argv[1], "(unset)"))
+        return 0
 """)
 
 
@@ -56,6 +60,18 @@ def test_a_forked_process_runs_its_target_once_released_as_a_child_of_ours(zygot
     assert worker.wait() == 7
     pid, ppid, said = out.read_text().split(" ", 2)
     assert (int(pid), int(ppid), said) == (worker.pid, os.getpid(), "on stdin")
+
+
+def test_a_forks_env_is_added_to_that_worker_only_and_never_to_the_zygote(zygote, tmp_path):
+    """The cluster key travels this way (the zygote starts before the command has read it)."""
+    for i, env in enumerate(({"EEP_TEST_SECRET": "s3cret"}, None)):
+        worker = zygote.fork("child_mod:env", [str(tmp_path / f"out{i}"), "EEP_TEST_SECRET"], "env", env)
+        worker.release()
+        worker.stdin.close()
+        assert worker.wait() == 0
+    assert (tmp_path / "out0").read_text() == "s3cret"
+    assert (tmp_path / "out1").read_text() == "(unset)"  # the first fork's env did not stay in the zygote
+    assert b"EEP_TEST_SECRET" not in Path(f"/proc/{zygote.proc.pid}/environ").read_bytes()
 
 
 def test_exit_by_signal_title_and_a_timed_wait(zygote, tmp_path):

@@ -2,7 +2,10 @@
 with --etcd the leader of a controller group, followed to each new leader); with
 `--join-mode recover` a repaired or replacement node that takes over ranks that are down. It
 holds the deployment's cluster key (`--cluster-key-file`, the file `serve` wrote), without which
-the controller drops everything it sends."""
+the controller drops everything it sends.
+
+Its worker zygote (node/zygote.py) starts once the arguments are checked and the controller found,
+before this process imports torch with the agent: the two imports run side by side."""
 
 from __future__ import annotations
 
@@ -16,8 +19,7 @@ from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.errors import ElasticEPError
 from elastic_ep.group.leader_watch import LeaderWatch
 from elastic_ep.group.store import GroupStore
-from elastic_ep.node.agent import NodeAgent
-from elastic_ep.wire import ClusterKey, ClusterKeyError
+from elastic_ep.node.zygote import Zygote, early_zygote
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +152,19 @@ def run(args: argparse.Namespace) -> int:
         raise ElasticEPError(f"--lease-s must be > 0 seconds, got {args.lease_s}")
     if args.hardware_interval_s <= 0:
         raise ElasticEPError(f"--hardware-interval-s must be > 0 seconds, got {args.hardware_interval_s}")
+    zygote = early_zygote(args.ranks, args.worker_start)
+    try:
+        return _run_agent(args, controller, watch, zygote)
+    finally:
+        if zygote is not None:  # the agent's from its start, closed by it; this one if the agent failed before
+            zygote.close()
+
+
+def _run_agent(args: argparse.Namespace, controller: str, watch: LeaderWatch | None, zygote: Zygote | None) -> int:
+    # torch, with the agent and the wire: after the zygote started (module docstring)
+    from elastic_ep.node.agent import NodeAgent
+    from elastic_ep.wire import ClusterKey, ClusterKeyError
+
     try:
         key = ClusterKey.read(args.cluster_key_file)
     except ClusterKeyError as e:
@@ -161,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
                       exit_poll_s=args.exit_poll_interval_s, standalone=True,
                       hardware_interval_s=args.hardware_interval_s, leader_watch=watch,
                       step_results_via=args.step_results_via, step_plans_via=args.step_plans_via,
-                      worker_start=args.worker_start)
+                      worker_start=args.worker_start, zygote=zygote)
     print(f"elastic-ep agent {args.node}: {args.ranks} ranks on {host}, controller {controller}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -3,7 +3,12 @@ OpenAI-compatible HTTP server, in one command. Ctrl-C or SIGTERM stops all of th
 
 The deployment's cluster key (wire/codec.py) is read from --cluster-key-file, made there when
 the file does not exist yet, or made for this run only and written to a private temporary file
-whose path the log gives (for `elastic-ep agent --cluster-key-file` on other hosts)."""
+whose path the log gives (for `elastic-ep agent --cluster-key-file` on other hosts).
+
+Start-up order: the arguments are checked and the HTTP port bound first, then this node's worker
+zygote is started (node/zygote.py), and only then is torch imported here (with the controller,
+the agent and the model): the two imports, ~3 s of CPU each, run side by side instead of one after
+the other, and a mistake on the command line is refused without either."""
 
 from __future__ import annotations
 
@@ -17,21 +22,14 @@ import socket
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry
-
-from elastic_ep.commands.http_server import run_http
 from elastic_ep.commands.log_options import add_log_arguments, configure_logging
 from elastic_ep.commands.straggler_options import CHOICES as STRAGGLER_CHOICES
 from elastic_ep.commands.straggler_options import STRAGGLER_HELP
 from elastic_ep.control.config import ServeConfig
-from elastic_ep.control.controller import Controller
-from elastic_ep.control.gc_policy import tune_for_serving
 from elastic_ep.errors import ElasticEPError
-from elastic_ep.model.tiny import resolve_model
-from elastic_ep.model.tokenizer import load_tokenizer
-from elastic_ep.node.agent import NodeAgent
-from elastic_ep.runtime.devices import check_node_devices
+from elastic_ep.node.zygote import Zygote, early_zygote
 from elastic_ep.serve.guard import (
     ADMIN_API_KEY_ENV,
     API_KEY_ENV,
@@ -39,7 +37,9 @@ from elastic_ep.serve.guard import (
     DEFAULT_REQUEST_TIMEOUT_S,
     HttpGuard,
 )
-from elastic_ep.wire import ClusterKey, ClusterKeyError
+
+if TYPE_CHECKING:
+    from elastic_ep.wire import ClusterKey
 
 logger = logging.getLogger("elastic_ep.serve")
 
@@ -314,6 +314,8 @@ def check_control_host(cfg: ServeConfig) -> None:
 def cluster_key(path: str | None) -> tuple[ClusterKey, Path | None]:
     """The key of --cluster-key-file (made there when the file does not exist), or a new one
     in a private temporary file; the second value is that temporary file, to remove at exit."""
+    from elastic_ep.wire import ClusterKey, ClusterKeyError  # torch: see the module docstring
+
     try:
         if path is not None and Path(path).exists():
             return ClusterKey.read(path), None
@@ -336,7 +338,6 @@ def cluster_key(path: str | None) -> tuple[ClusterKey, Path | None]:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
-    model_dir = resolve_model(args.model)
     local_ranks = (0 if args.etcd else args.ep_size) if args.local_ranks is None else args.local_ranks
     if local_ranks < 0:
         raise ElasticEPError(f"--local-ranks must be >= 0, got {local_ranks}")
@@ -346,8 +347,6 @@ def run(args: argparse.Namespace) -> int:
         raise ElasticEPError(f"--local-ranks {local_ranks} with --etcd: a controller of a group runs no workers "
                              "(they would die with it); start `elastic-ep agent --etcd URL --ha-group NAME` on each "
                              "host instead")
-    check_node_devices(args.device, args.backend, local_ranks)
-    http_socket = bind_http(args.host, args.port)
     if args.max_request_body_bytes <= 0 or args.request_timeout_s <= 0:
         raise ElasticEPError("--max-request-body-bytes and --request-timeout-s must be > 0")
     if args.api_server_count < 1:
@@ -355,6 +354,29 @@ def run(args: argparse.Namespace) -> int:
     if args.api_server_count > 1 and args.etcd:
         raise ElasticEPError("--api-server-count above 1 is not supported with --etcd yet: a controller group serves "
                              "HTTP in each controller's process; leave it at 1")
+    http_socket = bind_http(args.host, args.port)
+    zygote = early_zygote(local_ranks, args.worker_start)
+    try:
+        return _serve(args, local_ranks, http_socket, zygote)
+    finally:
+        if zygote is not None:  # the agent's from its start, closed by it; this one if serve failed before
+            zygote.close()
+
+
+def _serve(args: argparse.Namespace, local_ranks: int, http_socket: socket.socket, zygote: Zygote | None) -> int:
+    # torch, with the controller, the agent and the model: after the zygote started (module docstring)
+    from prometheus_client import CollectorRegistry
+
+    from elastic_ep.commands.http_server import run_http
+    from elastic_ep.control.controller import Controller
+    from elastic_ep.control.gc_policy import tune_for_serving
+    from elastic_ep.model.tiny import resolve_model
+    from elastic_ep.model.tokenizer import load_tokenizer
+    from elastic_ep.node.agent import NodeAgent
+    from elastic_ep.runtime.devices import check_node_devices
+
+    model_dir = resolve_model(args.model)
+    check_node_devices(args.device, args.backend, local_ranks)
     guard = HttpGuard(args.api_key or os.environ.get(API_KEY_ENV) or None,
                       args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None, args.max_request_body_bytes)
     key, temp_key = cluster_key(args.cluster_key_file)
@@ -404,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
         agent = NodeAgent(controller.health_addr, args.node, key, cfg.control_host, local_ranks, lease_s=cfg.lease_s,
                           hardware_interval_s=cfg.hardware_interval_s,
                           exit_poll_s=cfg.exit_poll_interval_s, step_results_via=args.step_results_via,
-                          step_plans_via=cfg.step_plans_via, worker_start=args.worker_start)
+                          step_plans_via=cfg.step_plans_via, worker_start=args.worker_start, zygote=zygote)
         agent_thread = threading.Thread(target=agent.run, args=(agent_stop,), name="agent", daemon=True)
         agent_thread.start()
     # A control loop that cannot go on (e.g. a rank that dies at startup) stops the server.

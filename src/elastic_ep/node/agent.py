@@ -107,7 +107,7 @@ from .host_backup import HostBackup
 from .lease import Lease
 from .netcut import NetCut, NetCutUnavailable
 from .step_gather import StepGather, node_results
-from .zygote import WORKER_MODULE, ForkedWorker, Zygote
+from .zygote import WORKER_MODULE, ForkedWorker, Zygote, base_env
 
 logger = logging.getLogger(__name__)
 FETCH_MAX_FRAME_BYTES = 1 << 20  # a fetch request is a list of (layer, expert): a bigger frame disconnects its peer
@@ -177,6 +177,7 @@ class NodeAgent:
         step_results_via: str = "direct",
         step_plans_via: str = "direct",
         worker_start: str = "fork",
+        zygote: Zygote | None = None,
     ):
         if step_results_via not in STEP_RESULTS_VIA:
             raise ValueError(f"step_results_via {step_results_via!r} is not one of {', '.join(STEP_RESULTS_VIA)}")
@@ -185,7 +186,7 @@ class NodeAgent:
         if worker_start not in WORKER_STARTS:
             raise ValueError(f"worker_start {worker_start!r} is not one of {', '.join(WORKER_STARTS)}")
         self.worker_start = worker_start
-        self.zygote: Zygote | None = None
+        self.zygote = zygote  # one its command started early (`_first_zygote`), or None
         self.node = node
         self.key = key
         self.fence = TermFence()  # the highest controller term seen: an older leader's frames are dropped
@@ -614,20 +615,21 @@ class NodeAgent:
         self.send(WorkerStarted(self.node, rank_id, proc.pid, self.lease.session, started_by))
         logger.info("node %s: started rank %d (pid %d, %s, by %s)", self.node, rank_id, proc.pid, join_mode, started_by)
 
-    def _worker_env(self) -> dict[str, str]:
-        return {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: self.key.hex()}
-
     def _first_zygote(self, stop: threading.Event) -> None:
-        """--worker-start fork: this agent's zygote, waited for (at most ZYGOTE_READY_S) before the
-        agent registers: its first ranks then fork from it instead of each importing torch."""
-        if self.worker_start != "fork":
-            return
-        if not adopt_orphans():
+        """--worker-start fork: this agent's zygote (the one its command started before importing torch
+        itself, else a new one), waited for (at most ZYGOTE_READY_S) before the agent registers: its
+        first ranks then fork from it instead of each importing torch."""
+        if self.worker_start == "fork" and not adopt_orphans():
             logger.warning("node %s: this kernel does not let the agent adopt its forked workers "
                            "(PR_SET_CHILD_SUBREAPER); its ranks start by exec", self.node)
             self.worker_start = "exec"
+        if self.worker_start != "fork":
+            if self.zygote is not None:
+                self.zygote.close()
+                self.zygote = None
             return
-        self._spawn_zygote()
+        if self.zygote is None or not self.zygote.alive:
+            self._spawn_zygote()
         if self.zygote is not None and not self.zygote.wait_ready(ZYGOTE_READY_S, stop) and not stop.is_set():
             logger.warning("node %s: the worker zygote was not ready in %gs; ranks start by exec until it is",
                            self.node, ZYGOTE_READY_S)
@@ -646,7 +648,7 @@ class NodeAgent:
             self.zygote.close()
             self.zygote = None
         try:
-            self.zygote = Zygote(self._worker_env())
+            self.zygote = Zygote()
         except OSError as e:
             logger.warning("node %s: could not start the worker zygote (%s); ranks start by exec", self.node, e)
 
@@ -656,12 +658,12 @@ class NodeAgent:
         code on disk is what it imported, else started by exec (with --worker-start fork a new zygote
         is started for the next start when this one died or its code is stale). Raises OSError when
         the kernel refuses the process."""
-        zygote = self.zygote
+        zygote, key_env = self.zygote, {KEY_ENV: self.key.hex()}
         fresh = zygote is not None and zygote.fresh  # a walk of the package's files: once a start
         if zygote is not None and zygote.ready:
             if fresh:
                 try:
-                    return zygote.fork(f"{WORKER_MODULE}:main", [args.to_json()], args.title())
+                    return zygote.fork(f"{WORKER_MODULE}:main", [args.to_json()], args.title(), key_env)
                 except ConnectionError as e:
                     logger.warning("node %s: the worker zygote failed (%s); rank %d starts by exec", self.node, e,
                                    args.rank_id)
@@ -671,7 +673,7 @@ class NodeAgent:
         if self.worker_start == "fork" and (zygote is None or not zygote.alive or not fresh):
             self._spawn_zygote()
         return subprocess.Popen([sys.executable, "-m", WORKER_MODULE, args.to_json()],
-                                env=self._worker_env(), stdin=subprocess.PIPE)
+                                env={**base_env(), **key_env}, stdin=subprocess.PIPE)
 
     def _await_dense(self, msg: StartWorker) -> bool:
         """Read once, copy many: hold a start that would read the dense weights from disk until

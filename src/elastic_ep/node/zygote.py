@@ -4,7 +4,8 @@ or restarts without importing anything.
 
 How a worker is made, and why each part is there:
 - The agent sends `Fork` (the function to run, `module:function`, and its argv; the title the
-  process shows; the agent's pid) over an unnamed SOCK_SEQPACKET socketpair, with two descriptors: the read end of the
+  process shows; the agent's pid; what the worker adds to the zygote's environment, the cluster key
+  among it) over an unnamed SOCK_SEQPACKET socketpair, with two descriptors: the read end of the
   worker's stdin (its agent link) and of a go pipe. Only the agent holds the other end of the
   pair, so nothing else can ask for a process; the message is typed (msgspec) all the same.
 - The zygote forks twice: the middle process forks the worker and exits, the zygote reaps it and
@@ -20,6 +21,10 @@ How a worker is made, and why each part is there:
   what the function returns (`elastic_ep.runtime.worker:main`, as `python -m` runs it).
 - The zygote itself dies with the agent (PR_SET_PDEATHSIG) and when the agent closes the pair.
 
+The zygote's own environment is `base_env()`, which holds no secret: a command starts it before it
+has read the cluster key or imported torch itself (`elastic-ep serve` and `elastic-ep agent`), so the
+two imports run side by side, and each `Fork` brings the key the worker needs.
+
 What a fork copies is the zygote's state before any thread, socket or device exists: it imports,
 it does not initialise CUDA or start a thread (`preload` checks that no other thread runs), and
 Python's `random` is seeded again in each child by the standard library. Code changed on disk
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import logging
 import os
 import select
 import signal
@@ -47,6 +53,8 @@ import setproctitle
 
 from elastic_ep.parent_death import end_with_parent
 
+logger = logging.getLogger(__name__)
+
 MAX_MESSAGE_BYTES = 1 << 20  # a Fork is a launch spec of a few KB
 REPLY_TIMEOUT_S = 30.0  # a fork answers in milliseconds; a zygote silent this long is taken for dead
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -55,12 +63,13 @@ WORKER_MODULE = "elastic_ep.runtime.worker"  # what a rank runs (its `main`), by
 
 class Fork(msgspec.Struct, tag=True, frozen=True):
     """Agent -> zygote, with [stdin, go] read ends attached: make a process that exits with what
-    `target` ("module:function", imported by the zygote) returns for `argv`, shows `title`, and whose
-    parent will be `parent_pid`."""
+    `target` ("module:function", imported by the zygote) returns for `argv`, shows `title`, whose
+    parent will be `parent_pid` and whose environment is the zygote's with `env` added."""
     target: str
     argv: list[str]
     title: str
     parent_pid: int
+    env: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
@@ -81,6 +90,13 @@ class ForkRefused(msgspec.Struct, tag=True, frozen=True):
 _to_zygote = msgspec.msgpack.Decoder(Fork)
 _to_agent = msgspec.msgpack.Decoder(Ready | Forked | ForkRefused)
 _encode = msgspec.msgpack.encode
+
+
+def base_env() -> dict[str, str]:
+    """The environment a node's workers start from, and a zygote's: this process's, with one OpenMP
+    thread (its runtime reads the variable as torch loads). Nothing secret: a worker's key comes with
+    its start (`Fork.env`, or the agent's environment for one started by exec)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def source_fingerprint(root: Path = PACKAGE_DIR) -> tuple[int, int]:
@@ -146,16 +162,16 @@ class ForkedWorker:
 class Zygote:
     """The agent's handle on its zygote: started at once, `ready` once its imports are done (it
     never blocks the caller for them), `fork` then makes workers in milliseconds. `env`: the
-    environment the zygote and so every worker it forks gets (OMP_NUM_THREADS must be in it: the
-    OpenMP runtime reads it as torch loads it); `preload`: the modules it imports."""
+    environment the zygote and so every worker it forks starts from (`base_env()`; OMP_NUM_THREADS
+    must be in it: the OpenMP runtime reads it as torch loads it); `preload`: the modules it imports."""
 
-    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = (WORKER_MODULE,)):
+    def __init__(self, env: dict[str, str] | None = None, preload: tuple[str, ...] = (WORKER_MODULE,)):
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.fingerprint = source_fingerprint()
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "elastic_ep.node.zygote", str(theirs.fileno()), *preload],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+                pass_fds=[theirs.fileno()], env=base_env() if env is None else env, stdin=subprocess.DEVNULL)
         except BaseException:
             self._sock.close()
             raise
@@ -194,8 +210,9 @@ class Zygote:
         """Whether the code on disk is what it imported."""
         return source_fingerprint() == self.fingerprint
 
-    def fork(self, target: str, argv: list[str], title: str) -> ForkedWorker:
-        """A worker that runs `target` ("module:function") on `argv` (held until `release`). Raises
+    def fork(self, target: str, argv: list[str], title: str, env: dict[str, str] | None = None) -> ForkedWorker:
+        """A worker that runs `target` ("module:function") on `argv`, with `env` added to the zygote's
+        environment (held until `release`). Raises
         OSError with the kernel's errno when the fork is refused, ConnectionError when the zygote is
         gone or silent."""
         stdin_r, stdin_w = os.pipe()
@@ -203,7 +220,8 @@ class Zygote:
         try:
             with self._lock:
                 try:
-                    socket.send_fds(self._sock, [_encode(Fork(target, argv, title, os.getpid()))], [stdin_r, go_r])
+                    msg = _encode(Fork(target, argv, title, os.getpid(), env or {}))
+                    socket.send_fds(self._sock, [msg], [stdin_r, go_r])
                 except (BrokenPipeError, ConnectionResetError):
                     raise self._gone() from None
                 reply = self._read()
@@ -237,13 +255,31 @@ class Zygote:
         return ConnectionError(f"the worker zygote (pid {self.proc.pid}) is gone (exit status {self.proc.poll()})")
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """End it (it exits when the pair closes); workers it forked are not its and keep running."""
+        """End it (it exits when the pair closes; one still importing, which forked nothing and holds
+        nothing, is killed at once); workers it forked are not its and keep running."""
+        starting = self.pid is None and not self.ready
         self._sock.close()
+        if starting:
+            self.proc.kill()
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def early_zygote(num_ranks: int, worker_start: str) -> Zygote | None:
+    """The zygote of a command's node agent, started before the command imports torch itself (module
+    docstring); None when the node forks no rank (`num_ranks` 0, `worker_start` "exec") or when it
+    cannot start (the agent then starts one itself, or its ranks by exec). The agent takes it
+    (`NodeAgent(zygote=...)`); the command closes it when it fails before that."""
+    if not num_ranks or worker_start != "fork":
+        return None
+    try:
+        return Zygote()
+    except OSError as e:
+        logger.warning("could not start the worker zygote early (%s); the agent starts one", e)
+        return None
 
 
 # ---- the zygote's side ---------------------------------------------------------------
@@ -338,6 +374,7 @@ def _become(sock: socket.socket, msg: Fork, stdin: int, go: int) -> None:
         if os.read(go, 1) != b"g":  # the agent closed it instead: it gave this start up
             os._exit(1)
         os.close(go)
+        os.environ.update(msg.env)
         end_with_parent(signal.SIGKILL)
         if os.getppid() != msg.parent_pid:  # the agent died before this process was its child
             os._exit(1)
@@ -362,10 +399,18 @@ def main(argv: list[str]) -> int:
     end_with_parent(signal.SIGKILL)
     sock = socket.socket(fileno=int(argv[0]))
     preload(argv[1:])
-    sock.send(_encode(Ready(os.getpid())))
+    try:
+        sock.send(_encode(Ready(os.getpid())))
+    except OSError:  # the agent closed the pair while this imported: it is not wanted
+        return 0
     serve(sock)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Out at once: the interpreter's own teardown of what it imported (torch) took ~0.7 s, which every
+    # agent's stop waited for, and a zygote has nothing to flush or close but its standard streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
