@@ -14,9 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-# The package's bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (this machine and CI),
-# every process that imports it (serve, each agent, zygote and exec'd worker) compiled ~0.4 s of it
-# again. Python checks each file's source time, so a stale one is compiled again, never run.
+# The package's bytecode, written once: where PYTHONDONTWRITEBYTECODE is set, every process that
+# imports it (serve, each agent, zygote and exec'd worker) would compile ~0.4 s of it again. Python checks each file's source time, so a stale one is compiled again, never run.
 bytecode: $(STAMP)
 	$(PY) -m compileall -q src
 

@@ -4,8 +4,9 @@ with --etcd the leader of a controller group, followed to each new leader); with
 holds the deployment's cluster key (`--cluster-key-file`, the file `serve` wrote), without which
 the controller drops everything it sends.
 
-Its worker zygote (node/zygote.py) starts once the arguments are checked and the controller found,
-before this process imports torch with the agent: the two imports run side by side."""
+Its worker zygote (node/zygote.py) starts once the arguments are checked (and, with --etcd, the
+group's leader found), before this process imports torch with the agent: the two imports run side
+by side."""
 
 from __future__ import annotations
 

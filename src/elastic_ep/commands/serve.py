@@ -8,7 +8,8 @@ whose path the log gives (for `elastic-ep agent --cluster-key-file` on other hos
 Start-up order: the arguments are checked and the HTTP port bound first, then this node's worker
 zygote is started (node/zygote.py), and only then is torch imported here (with the controller,
 the agent and the model): the two imports, ~3 s of CPU each, run side by side instead of one after
-the other, and a mistake on the command line is refused without either."""
+the other, and a mistake that needs neither (a flag's value, the HTTP port) is refused before
+either starts."""
 
 from __future__ import annotations
 

@@ -257,7 +257,7 @@ class Zygote:
     def close(self, timeout_s: float = 5.0) -> None:
         """End it (it exits when the pair closes; one still importing, which forked nothing and holds
         nothing, is killed at once); workers it forked are not its and keep running."""
-        starting = self.pid is None and not self.ready
+        starting = not self.ready
         self._sock.close()
         if starting:
             self.proc.kill()
@@ -409,8 +409,8 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    # Out at once: the interpreter's own teardown of what it imported (torch) took ~0.7 s, which every
-    # agent's stop waited for, and a zygote has nothing to flush or close but its standard streams.
+    # Out at once: the interpreter's teardown of what it imported (torch) is ~0.7 s, which every agent's
+    # stop would wait for, and a zygote has nothing to flush or close but its standard streams.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
